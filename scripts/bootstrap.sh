@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's virtual environment in .venv with everything the
+# demo, the tests and the benchmarks need. Safe to run again: it only installs what is
+# missing. Usage: bash scripts/bootstrap.sh [--quiet]
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+py="${PYTHON:-python3}"
+quiet=()
+[[ "${1:-}" == "--quiet" ]] && quiet=(-q)
+
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "elastrun setup: creating $venv"
+  "$py" -m venv "$venv"
+fi
+stamp="$venv/.elastrun-deps"
+want="$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" | sha256sum | cut -d' ' -f1)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  exit 0
+fi
+echo "elastrun setup: installing elastrun, torch 2.13.0 (CPU) and the test tools into .venv"
+"$venv/bin/python" -m pip install "${quiet[@]}" --upgrade pip >/dev/null
+# torch is pinned by exact version so that pip never reaches for a CUDA build.
+"$venv/bin/python" -m pip install "${quiet[@]}" "torch==2.13.0"
+"$venv/bin/python" -m pip install "${quiet[@]}" -e "$root[test]"
+echo "$want" > "$stamp"

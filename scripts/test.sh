@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up everything (venv, torch, test tools) and run the whole check: lint, types,
+# layer contracts, then the test suite. Extra arguments go to pytest.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/bootstrap.sh --quiet
+py="$root/.venv/bin"
+echo "== ruff"; "$py/ruff" check src tests examples benchmarks
+echo "== ruff format"; "$py/ruff" format --check src tests examples benchmarks
+echo "== mypy (strict)"; "$py/mypy"
+echo "== import-linter"; "$py/lint-imports"
+echo "== pytest"; "$py/python" -m pytest "$@"

@@ -1,0 +1,1 @@
+"""The elastic agent: rendezvous -> plan -> start -> watch -> restart / rescale / finish."""

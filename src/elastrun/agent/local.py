@@ -1,0 +1,461 @@
+"""``LocalElasticAgent``: the elastic loop of one node.
+
+rendezvous -> plan -> start -> watch -> restart / finish. The loop blocks on events
+(a worker exit through its pidfd, a signal through the shutdown waker) and checks the
+rendezvous for waiting nodes at most every ``monitor_interval``; nothing sleeps a fixed
+time on the recovery path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from elastrun.agent.plan import LaunchPlan, NodeSlot, RoundFacts, build_plan
+from elastrun.agent.policy import (
+    Decision,
+    LocalRestartBudget,
+    RestartAll,
+    RestartBudget,
+    RestartPolicy,
+)
+from elastrun.agent.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
+from elastrun.core.errors import ShutdownRequested
+from elastrun.core.shutdown import ShutdownRequest
+from elastrun.observe.sinks import EventSink, EventValue, NullEventSink
+from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
+from elastrun.rendezvous.local import LocalRendezvousHandler
+from elastrun.supervise.failures.failure import ProcessFailure
+from elastrun.supervise.processes.guard import OrphanGuard
+from elastrun.supervise.processes.logs import (
+    DefaultLogsSpecs,
+    LogsDest,
+    LogsSpecs,
+    format_line_prefix,
+)
+from elastrun.supervise.processes.procset import Exit, ProcessSet
+from elastrun.supervise.processes.relay import OutputRelay
+from elastrun.supervise.processes.spawn import (
+    ForkStarter,
+    FunctionCall,
+    ProcessSpec,
+    ProcessStarter,
+    SubprocessStarter,
+    WorkerProcess,
+)
+
+log = logging.getLogger("elastrun.agent")
+
+# Legal worker-group transitions; ``_transition`` enforces them and emits an event.
+_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.INIT: frozenset({WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.STOPPED}),
+    WorkerState.HEALTHY: frozenset(
+        {WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED, WorkerState.UNHEALTHY}
+    ),
+    WorkerState.UNHEALTHY: frozenset({WorkerState.FAILED, WorkerState.STOPPED}),
+    WorkerState.STOPPED: frozenset({WorkerState.HEALTHY, WorkerState.FAILED}),
+    WorkerState.SUCCEEDED: frozenset(),
+    WorkerState.FAILED: frozenset(),
+    WorkerState.UNKNOWN: frozenset(),
+}
+
+
+@dataclass
+class _Attempt:
+    """One start of the worker group: its plan, processes and output wiring."""
+
+    number: int
+    plan: LaunchPlan
+    dest: LogsDest
+    procs: ProcessSet
+    relay: OutputRelay
+    started_at: float
+    stderr_files: dict[int, str] = field(default_factory=dict)
+
+
+class LocalElasticAgent:
+    """Runs, watches and restarts the workers of one node.
+
+    Args:
+        spec: what to run. ``spec.rdzv_handler`` None means a single standalone node.
+        logs_specs: where worker output and error files go (default: a temporary dir).
+        start_method: for function workers: ``spawn`` (fresh interpreter; the default,
+            ``forkserver`` behaves the same) or ``fork``.
+        exit_barrier_timeout: how long a finished node waits for its peers.
+        log_line_prefix_template: template for tee'd lines (``${role_name}``,
+            ``${rank}``, ``${local_rank}``).
+        shutdown_timeout: grace between the stop signal and SIGKILL, for restarts and
+            the final stop alike.
+        run_id: the run id when ``spec.rdzv_handler`` is None.
+        shutdown: a request set by the launcher's signal handlers.
+        starter, policy, budget, clock, environ, python, events: injected
+            collaborators (production defaults when None).
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: LogsSpecs | None = None,
+        start_method: str = "spawn",
+        exit_barrier_timeout: float = 300,
+        log_line_prefix_template: str | None = None,
+        shutdown_timeout: float = 30,
+        health_check_server: object | None = None,
+        *,
+        run_id: str | None = None,
+        shutdown: ShutdownRequest | None = None,
+        starter: ProcessStarter | None = None,
+        policy: RestartPolicy | None = None,
+        budget: RestartBudget | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        environ: Mapping[str, str] | None = None,
+        python: str = sys.executable,
+        events: EventSink | None = None,
+        hostname: str | None = None,
+    ) -> None:
+        self._spec = spec
+        self._logs = logs_specs if logs_specs is not None else DefaultLogsSpecs()
+        self._start_method = start_method
+        self._exit_barrier_timeout = exit_barrier_timeout
+        self._prefix_template = log_line_prefix_template
+        self._shutdown_timeout = shutdown_timeout
+        self._handler: RendezvousHandler = spec.rdzv_handler or LocalRendezvousHandler(
+            run_id or str(uuid.uuid4())
+        )
+        self._shutdown = shutdown if shutdown is not None else ShutdownRequest()
+        self._starter = starter
+        self._policy = policy if policy is not None else RestartAll()
+        self._budget = budget if budget is not None else LocalRestartBudget(spec.max_restarts)
+        self._clock = clock
+        self._environ = dict(os.environ if environ is None else environ)
+        self._python = python
+        self._events = events if events is not None else NullEventSink()
+        self._host = hostname or socket.getfqdn()
+        self._group = WorkerGroup(spec)
+        self._attempt: _Attempt | None = None
+        self._attempts = 0
+        self._guard = OrphanGuard(python)
+        self._return_dir: str | None = None
+        self.history: list[str] = []  # one line per failure that caused a restart
+        self.budget_note: str | None = None
+
+    # -- public API ------------------------------------------------------------------
+
+    @property
+    def rdzv_handler(self) -> RendezvousHandler:
+        return self._handler
+
+    @property
+    def logs_specs(self) -> LogsSpecs:
+        return self._logs
+
+    def get_worker_group(self, role: str = "default") -> WorkerGroup:
+        return self._group
+
+    def run(self, role: str = "default") -> RunResult:
+        """Run the workers to completion, restarting them on failure.
+
+        Returns the result (``FAILED`` with the failures when the restart budget ran
+        out). Raises ``ShutdownRequested`` after stopping the workers on a signal.
+        """
+        try:
+            return self._invoke_run()
+        finally:
+            self._finish_attempt(signal.SIGTERM)
+            self._guard.close()
+            if self._return_dir:
+                shutil.rmtree(self._return_dir, ignore_errors=True)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def _invoke_run(self) -> RunResult:
+        self._guard.start()
+        self._check_shutdown()
+        self._start_round()
+        while True:
+            attempt = self._attempt
+            assert attempt is not None
+            attempt.procs.wait_for_exits(Deadline.after(self._spec.monitor_interval, self._clock))
+            self._shutdown.waker.drain()
+            self._check_shutdown()
+            exits = attempt.procs.exits
+            failed = sorted(
+                (e for e in exits.values() if e.exitcode != 0), key=lambda e: e.observed_at
+            )
+            if failed:
+                if self._policy.on_failure(failed, self._budget) is Decision.RESTART_ALL:
+                    self._restart_after_failure(failed)
+                    continue
+                return self._fail(failed)
+            if not attempt.procs.running():
+                return self._succeed(attempt)
+            if self._handler.num_nodes_waiting() > 0:
+                log.info("nodes are waiting to join: re-forming the group (no restart counted)")
+                self._finish_attempt(signal.SIGTERM)
+                self._transition(WorkerState.STOPPED)
+                self._start_round()
+
+    def _check_shutdown(self) -> None:
+        signum = self._shutdown.signum
+        if signum is None:
+            return
+        name = signal.Signals(signum).name
+        if self._attempt is not None:
+            log.warning("received %s: stopping workers (grace %.0fs)", name, self._shutdown_timeout)
+            self._finish_attempt(signum)
+        self._events.record("agent.signal", {"signal": name})
+        raise ShutdownRequested(signum)
+
+    def _start_round(self) -> None:
+        t0 = self._clock.monotonic()
+        info = self._handler.next_rendezvous()
+        rdzv_ms = (self._clock.monotonic() - t0) * 1000
+        plan = self._plan(info)
+        self._events.record(
+            "agent.rendezvous",
+            {"round": info.round, "group_rank": info.rank, "group_world_size": info.world_size,
+             "duration_ms": round(rdzv_ms, 3)},
+        )
+        self._start_workers(plan)
+
+    def _plan(self, info: RendezvousInfo) -> LaunchPlan:
+        spec = self._spec
+        group = self._group
+        group.group_rank = info.rank
+        group.group_world_size = info.world_size
+        group.store = info.store
+        group.master_addr = spec.master_addr or info.bootstrap_store_info.master_addr
+        group.master_port = spec.master_port or info.bootstrap_store_info.master_port
+        facts = RoundFacts(
+            run_id=self._handler.get_run_id(),
+            round=info.round,
+            group_rank=info.rank,
+            group_world_size=info.world_size,
+            master_addr=group.master_addr,
+            master_port=group.master_port,
+            restart_count=self._budget.used,
+            max_restarts=self._budget.limit,
+            use_agent_store=self._handler.use_agent_store,
+        )
+        # Identical nodes until the rendezvous tells each node's share (multi-node work).
+        nodes = [NodeSlot(spec.role, spec.local_world_size)] * info.world_size
+        assert spec.entrypoint is not None
+        return build_plan(
+            facts,
+            role=spec.role,
+            local_world_size=spec.local_world_size,
+            nodes=nodes,
+            entrypoint=spec.entrypoint,
+            args=spec.args,
+            base_env=self._environ,
+            python=self._python,
+            virtual_local_rank=spec.virtual_local_rank,
+        )
+
+    # -- starting ------------------------------------------------------------------
+
+    def _starter_for(self, plan: LaunchPlan) -> ProcessStarter:
+        if self._starter is not None:
+            return self._starter
+        if plan.function is not None and self._start_method == "fork":
+            return ForkStarter()
+        return SubprocessStarter(self._python)
+
+    def _start_workers(self, plan: LaunchPlan) -> None:
+        t0 = self._clock.monotonic()
+        number = self._attempts
+        self._attempts += 1
+        envs = {w.local_rank: {**self._environ, **w.env} for w in plan.workers}
+        dest = self._logs.reify(envs)
+        relay = OutputRelay(
+            filtered_stdout=dest.filtered_stdout,
+            filtered_stderr=dest.filtered_stderr,
+            stdout_filters=self._spec.duplicate_stdout_filters or (),
+            stderr_filters=self._spec.duplicate_stderr_filters or (),
+        )
+        starter = self._starter_for(plan)
+        shown = self._logs.local_ranks_filter
+        procs: list[WorkerProcess] = []
+        try:
+            for w in plan.workers:
+                lr = w.local_rank
+                prefix = format_line_prefix(
+                    self._prefix_template, plan.role, w.ranks.global_rank, lr
+                )
+                stdio = relay.wire(lr, dest, prefix, show_on_console=shown is None or lr in shown)
+                try:
+                    proc = starter.start(self._process_spec(plan, w.local_rank, envs[lr], stdio))
+                finally:
+                    stdio.close_in_parent()
+                self._guard.watch(proc.pid)
+                procs.append(proc)
+                self._group.workers[lr].id = proc.pid
+        except BaseException:
+            partial = ProcessSet(procs, clock=self._clock)
+            partial.stop(signal.SIGKILL, 0)
+            partial.close()
+            relay.close()
+            raise
+        self._attempt = _Attempt(
+            number=number,
+            plan=plan,
+            dest=dest,
+            procs=ProcessSet(procs, wake_fd=self._shutdown.waker.fileno(), clock=self._clock),
+            relay=relay,
+            started_at=self._clock.time(),
+            stderr_files={lr: p for lr, p in dest.stderrs.items() if p},
+        )
+        self._update_ranks(plan)
+        self._transition(WorkerState.HEALTHY)
+        took = (self._clock.monotonic() - t0) * 1000
+        log.info(
+            "started %d worker(s) (attempt %d, restart %d of %d) in %.0f ms; %s",
+            len(procs), number, self._budget.used, self._budget.limit, took,
+            ", ".join(f"rank {w.ranks.global_rank}: pid {p.pid}" for w, p in zip(plan.workers, procs, strict=True)),
+        )
+        self._events.record(
+            "agent.workers_started",
+            {"attempt": number, "restart_count": self._budget.used, "duration_ms": round(took, 3),
+             "pids": ",".join(str(p.pid) for p in procs)},
+        )
+
+    def _process_spec(
+        self, plan: LaunchPlan, local_rank: int, env: dict[str, str], stdio: object
+    ) -> ProcessSpec:
+        worker = plan.workers[local_rank]
+        stdout_fd = getattr(stdio, "stdout_fd", None)
+        stderr_fd = getattr(stdio, "stderr_fd", None)
+        if plan.function is None:
+            return ProcessSpec(
+                local_rank, env, argv=worker.argv, stdout_fd=stdout_fd, stderr_fd=stderr_fd
+            )
+        if self._return_dir is None:
+            self._return_dir = tempfile.mkdtemp(prefix="elastrun-ret-")
+        ret = os.path.join(self._return_dir, f"a{self._attempts - 1}_r{local_rank}.pkl")
+        call = FunctionCall(plan.function, worker.args, ret)
+        return ProcessSpec(local_rank, env, call=call, stdout_fd=stdout_fd, stderr_fd=stderr_fd)
+
+    def _update_ranks(self, plan: LaunchPlan) -> None:
+        for w in plan.workers:
+            worker = self._group.workers[w.local_rank]
+            worker.global_rank = w.ranks.global_rank
+            worker.role_rank = w.ranks.role_rank
+            worker.world_size = w.ranks.world_size
+            worker.role_world_size = w.ranks.role_world_size
+
+    # -- stopping, restarting, finishing -----------------------------------------------
+
+    def _finish_attempt(self, sig: int) -> None:
+        """Stop whatever still runs of the current attempt and drain its output."""
+        attempt = self._attempt
+        if attempt is None:
+            return
+        t0 = self._clock.monotonic()
+        running = attempt.procs.running()
+        report = attempt.procs.stop(
+            sig, self._shutdown_timeout, abort_wait=lambda: self._shutdown.count > 1
+        )
+        for pid in attempt.procs.pids().values():
+            self._guard.forget(pid)
+        attempt.relay.close()
+        attempt.procs.close()
+        if running:
+            log.info(
+                "stopped %d worker(s) in %.0f ms%s",
+                len(running), (self._clock.monotonic() - t0) * 1000,
+                f" ({len(report.killed)} needed SIGKILL)" if report.killed else "",
+            )
+
+    def _restart_after_failure(self, failed: list[Exit]) -> None:
+        attempt = self._attempt
+        assert attempt is not None
+        first = failed[0]
+        rank = attempt.plan.workers[first.local_rank].ranks.global_rank
+        what = _describe_exit(first.exitcode)
+        line = f"attempt {attempt.number}: rank {rank} (local {first.local_rank}, pid {first.pid}) {what}"
+        self.history.append(line)
+        log.warning(
+            "worker rank %d (local rank %d, pid %d) %s; restarting all workers (restart %d of %d)",
+            rank, first.local_rank, first.pid, what, self._budget.used, self._budget.limit,
+        )
+        self._events.record(
+            "agent.restart",
+            {"attempt": attempt.number, "rank": rank, "exitcode": first.exitcode,
+             "restart_count": self._budget.used},
+        )
+        self._finish_attempt(signal.SIGTERM)
+        self._transition(WorkerState.STOPPED)
+        self._check_shutdown()
+        self._start_round()
+
+    def _fail(self, failed: list[Exit]) -> RunResult:
+        attempt = self._attempt
+        assert attempt is not None
+        self._finish_attempt(signal.SIGTERM)
+        exits = attempt.procs.exits
+        failures: dict[int, ProcessFailure] = {}
+        for ex in sorted(exits.values(), key=lambda e: (e.observed_at, e.local_rank)):
+            if ex.exitcode == 0:
+                continue
+            worker = attempt.plan.workers[ex.local_rank]
+            failures[worker.ranks.global_rank] = ProcessFailure(
+                local_rank=ex.local_rank,
+                pid=ex.pid,
+                exitcode=ex.exitcode,
+                error_file=attempt.dest.error_files.get(ex.local_rank, ""),
+                global_rank=worker.ranks.global_rank,
+                host=self._host,
+                observed_at=ex.observed_at,
+                terminated_by_agent=ex.by_agent,
+                stderr_file=attempt.stderr_files.get(ex.local_rank),
+            )
+        limit = self._budget.limit
+        self.budget_note = (
+            f"restart budget exhausted: {self._budget.used} of {limit} restart(s) used "
+            f"(--max-restarts {limit})"
+        )
+        self._transition(WorkerState.FAILED)
+        self._events.record("agent.failed", {"failures": len(failures), "restarts": self._budget.used})
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _succeed(self, attempt: _Attempt) -> RunResult:
+        values: dict[int, object] = {}
+        for lr, proc in attempt.procs.processes.items():
+            values[attempt.plan.workers[lr].ranks.global_rank] = proc.return_value()
+        self._finish_attempt(signal.SIGTERM)
+        self._transition(WorkerState.SUCCEEDED)
+        self._events.record("agent.succeeded", {"restarts": self._budget.used})
+        log.info("all %d worker(s) finished successfully", len(values))
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+
+    def _transition(self, new: WorkerState) -> None:
+        old = self._group.state
+        if new not in _TRANSITIONS[old]:
+            raise RuntimeError(f"illegal worker-group transition {old.value} -> {new.value}")
+        self._group.state = new
+        meta: dict[str, EventValue] = {"from": old.value, "to": new.value}
+        self._events.record("agent.state", meta)
+
+    def __repr__(self) -> str:
+        return (
+            f"LocalElasticAgent(role={self._spec.role!r}, state={self._group.state.value}, "
+            f"attempts={self._attempts}, budget={self._budget!r})"
+        )
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

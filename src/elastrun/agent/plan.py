@@ -1,0 +1,233 @@
+"""The launch plan: ranks, environment and command of every worker, computed purely.
+
+Nothing here touches the system: the base environment, the interpreter path and the
+round's facts are arguments. The executor (``elastrun.agent.local``) applies a plan;
+``--dry-run`` prints one.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from elastrun.core.errors import ConfigError
+
+LOCAL_RANK_MACRO = "${local_rank}"
+BOOTSTRAP_MODULE = "elastrun.worker.bootstrap"
+# Interpreter options that take a separate value (``-W error``, ``-X dev``).
+_PY_OPTS_WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}
+
+
+@dataclass(frozen=True)
+class NodeSlot:
+    """One node's share of the world, in group-rank order: its role and worker count."""
+
+    role: str
+    local_world_size: int
+
+
+@dataclass(frozen=True)
+class WorkerRanks:
+    local_rank: int
+    global_rank: int
+    role_rank: int
+    world_size: int
+    role_world_size: int
+
+
+def assign_ranks(group_rank: int, nodes: Sequence[NodeSlot]) -> list[WorkerRanks]:
+    """Ranks of the workers of node ``group_rank``.
+
+    Global ranks are consecutive in group-rank order; role ranks are consecutive among
+    the workers of the same role, also in group-rank order. Handles nodes with
+    different worker counts and roles.
+
+    Raises:
+        ConfigError: ``group_rank`` outside ``nodes``.
+    """
+    if not 0 <= group_rank < len(nodes):
+        raise ConfigError("group_rank", group_rank, f"must be in [0, {len(nodes)})")
+    me = nodes[group_rank]
+    world = sum(n.local_world_size for n in nodes)
+    base = sum(n.local_world_size for n in nodes[:group_rank])
+    same_role = [n for n in nodes if n.role == me.role]
+    role_world = sum(n.local_world_size for n in same_role)
+    role_base = sum(n.local_world_size for n in nodes[:group_rank] if n.role == me.role)
+    return [
+        WorkerRanks(i, base + i, role_base + i, world, role_world)
+        for i in range(me.local_world_size)
+    ]
+
+
+@dataclass(frozen=True)
+class RoundFacts:
+    """What one rendezvous round decided for this node."""
+
+    run_id: str
+    round: int
+    group_rank: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    use_agent_store: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker: its ranks, its own environment variables and its command."""
+
+    ranks: WorkerRanks
+    env: dict[str, str]  # the variables elastrun sets (merged over the agent's environment)
+    argv: tuple[str, ...] | None  # None for function workers
+    args: tuple[object, ...] = ()  # function workers' arguments
+
+    @property
+    def local_rank(self) -> int:
+        return self.ranks.local_rank
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    role: str
+    facts: RoundFacts
+    workers: tuple[WorkerPlan, ...]
+    function: Callable[..., object] | None = field(default=None, compare=False)
+
+
+def substitute_local_rank(args: Sequence[object], local_rank: int) -> tuple[object, ...]:
+    """Replace ``${local_rank}`` in every string argument."""
+    return tuple(
+        string.Template(a).safe_substitute(local_rank=str(local_rank)) if isinstance(a, str) else a
+        for a in args
+    )
+
+
+def is_same_python(executable: str, python: str) -> bool:
+    """Whether ``executable`` is the interpreter elastrun runs under."""
+    if executable == python:
+        return True
+    try:
+        return os.path.realpath(executable) == os.path.realpath(python)
+    except OSError:
+        return False
+
+
+def with_bootstrap(args: Sequence[str]) -> tuple[str, ...] | None:
+    """Insert the worker bootstrap into a Python command line.
+
+    ``("-u", "train.py", "--lr", "1")`` becomes
+    ``("-u", "-m", "elastrun.worker.bootstrap", "train.py", "--lr", "1")``, and
+    ``("-u", "-m", "pkg.train")`` becomes ``(..., "-m", BOOTSTRAP, "-m", "pkg.train")``.
+    Returns None for command lines the bootstrap cannot stand in for (``-c``, stdin).
+    """
+    i = 0
+    opts: list[str] = []
+    while i < len(args):
+        a = args[i]
+        if a in ("-m", "-c", "-") or not a.startswith("-"):
+            break
+        opts.append(a)
+        if a in _PY_OPTS_WITH_VALUE and i + 1 < len(args):
+            i += 1
+            opts.append(args[i])
+        i += 1
+    if i >= len(args) or args[i] in ("-c", "-"):
+        return None
+    rest = tuple(args[i:])
+    if rest[0] == "-m" and len(rest) < 2:
+        return None
+    return (*opts, "-m", BOOTSTRAP_MODULE, *rest)
+
+
+def worker_env(
+    facts: RoundFacts,
+    ranks: WorkerRanks,
+    *,
+    role: str,
+    local_world_size: int,
+    base_env: Mapping[str, str],
+    virtual_local_rank: bool = False,
+) -> dict[str, str]:
+    """The variables elastrun sets for one worker (DESIGN.md section 1).
+
+    Raises:
+        ConfigError: ``virtual_local_rank`` with fewer ``CUDA_VISIBLE_DEVICES`` entries
+            than workers.
+    """
+    env = {
+        "LOCAL_RANK": "0" if virtual_local_rank else str(ranks.local_rank),
+        "RANK": str(ranks.global_rank),
+        "GROUP_RANK": str(facts.group_rank),
+        "ROLE_RANK": str(ranks.role_rank),
+        "ROLE_NAME": role,
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "WORLD_SIZE": str(ranks.world_size),
+        "GROUP_WORLD_SIZE": str(facts.group_world_size),
+        "ROLE_WORLD_SIZE": str(ranks.role_world_size),
+        "MASTER_ADDR": facts.master_addr,
+        "MASTER_PORT": str(facts.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(facts.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(facts.max_restarts),
+        "TORCHELASTIC_RUN_ID": facts.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": str(facts.use_agent_store),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+    if "OMP_NUM_THREADS" not in base_env and local_world_size > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    if virtual_local_rank:
+        visible = base_env.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            devices = [d.strip() for d in visible.split(",")]
+            if ranks.local_rank >= len(devices):
+                raise ConfigError(
+                    "CUDA_VISIBLE_DEVICES",
+                    visible,
+                    f"--virtual-local-rank needs one device per worker ({local_world_size})",
+                )
+            env["CUDA_VISIBLE_DEVICES"] = devices[ranks.local_rank]
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = str(ranks.local_rank)
+    return env
+
+
+def build_plan(
+    facts: RoundFacts,
+    *,
+    role: str,
+    local_world_size: int,
+    nodes: Sequence[NodeSlot],
+    entrypoint: Callable[..., object] | str,
+    args: Sequence[object],
+    base_env: Mapping[str, str],
+    python: str,
+    virtual_local_rank: bool = False,
+) -> LaunchPlan:
+    """The plan of one round for this node: every worker's ranks, env and command."""
+    workers = []
+    for ranks in assign_ranks(facts.group_rank, nodes):
+        env = worker_env(
+            facts,
+            ranks,
+            role=role,
+            local_world_size=local_world_size,
+            base_env=base_env,
+            virtual_local_rank=virtual_local_rank,
+        )
+        wargs = substitute_local_rank(args, ranks.local_rank)
+        argv: tuple[str, ...] | None = None
+        if isinstance(entrypoint, str):
+            str_args = tuple(str(a) for a in wargs)
+            boot = with_bootstrap(str_args) if is_same_python(entrypoint, python) else None
+            argv = (entrypoint, *(boot if boot is not None else str_args))
+            wargs = ()
+        workers.append(WorkerPlan(ranks=ranks, env=env, argv=argv, args=wargs))
+    return LaunchPlan(
+        role=role,
+        facts=facts,
+        workers=tuple(workers),
+        function=None if isinstance(entrypoint, str) else entrypoint,
+    )

@@ -1,0 +1,72 @@
+"""How the agent reacts to failures: a restart budget and a restart policy.
+
+The policy is an object so that other reactions (replace only the failed rank, keep
+survivors in place) can be added without touching the loop. ``RestartAll`` is torch's
+behaviour and the default.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol
+
+from elastrun.supervise.processes.procset import Exit
+
+
+class RestartBudget(Protocol):
+    """Counts failure restarts; a job-wide budget lives in the rendezvous store."""
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def used(self) -> int: ...
+
+    def try_consume(self) -> bool:
+        """Take one restart; False when the budget is exhausted."""
+        ...
+
+
+class LocalRestartBudget:
+    """A budget kept by this agent alone (single node)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def try_consume(self) -> bool:
+        if self._used >= self._limit:
+            return False
+        self._used += 1
+        return True
+
+    def __repr__(self) -> str:
+        return f"LocalRestartBudget(used={self._used}, limit={self._limit})"
+
+
+class Decision(enum.Enum):
+    RESTART_ALL = "restart_all"
+    FAIL = "fail"
+
+
+class RestartPolicy(Protocol):
+    def on_failure(self, failed: Sequence[Exit], budget: RestartBudget) -> Decision: ...
+
+
+class RestartAll:
+    """Stop every local worker and start the whole group again while budget remains."""
+
+    def on_failure(self, failed: Sequence[Exit], budget: RestartBudget) -> Decision:
+        return Decision.RESTART_ALL if budget.try_consume() else Decision.FAIL
+
+    def __repr__(self) -> str:
+        return "RestartAll()"

@@ -1,0 +1,92 @@
+"""The one error tree of elastrun.
+
+Every error elastrun raises on purpose derives from :class:`ElastrunError`. Where a
+torch-compatible caller expects a builtin type (torch raises ``ValueError`` for bad
+configuration), the class also derives from that builtin so that existing ``except``
+clauses keep working.
+"""
+
+from __future__ import annotations
+
+
+class ElastrunError(Exception):
+    """Base class of every error raised deliberately by elastrun."""
+
+
+class ConfigError(ElastrunError, ValueError):
+    """A configuration value is invalid.
+
+    ``field`` names the option (as the user spelled it, e.g. ``--nnodes``) and ``value``
+    the rejected value; ``str()`` is one line suitable for a command-line error.
+    """
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        super().__init__(f"{field}: {reason} (got {value!r})")
+
+
+class NotImplementedYetError(ConfigError):
+    """A recognised option whose machinery this version does not provide."""
+
+    def __init__(self, field: str, value: object, what: str) -> None:
+        super().__init__(field, value, f"{what} is not supported by this version of elastrun yet")
+
+
+class StoreError(ElastrunError):
+    """A key-value store operation failed."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A store wait ran past its deadline."""
+
+
+class RendezvousError(ElastrunError):
+    """Base class of rendezvous errors."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The run id was closed: the job finished or failed and accepts no more nodes."""
+
+
+class RendezvousTimeoutError(RendezvousError, TimeoutError):
+    """The rendezvous did not complete before its deadline."""
+
+
+class RendezvousConnectionError(RendezvousError):
+    """The rendezvous backend could not be reached."""
+
+
+class RendezvousStateError(RendezvousError):
+    """The rendezvous state is corrupt or of an unknown version."""
+
+
+class RendezvousGracefulExitError(RendezvousError):
+    """This node was not admitted and should exit quietly; not a failure."""
+
+
+class WorkerFailure(ElastrunError):
+    """Base class of errors that report failed worker processes."""
+
+
+class ProcessStartError(WorkerFailure):
+    """A worker process could not be started (bad executable, fork failure, ...)."""
+
+
+class ShutdownRequested(ElastrunError):
+    """The launcher received a signal and stopped its workers.
+
+    ``signum`` is the signal that triggered the shutdown.
+    """
+
+    def __init__(self, signum: int) -> None:
+        import signal as _signal
+
+        self.signum = signum
+        try:
+            name = _signal.Signals(signum).name
+        except ValueError:
+            name = str(signum)
+        self.signal_name = name
+        super().__init__(f"received {name}: workers were stopped")

@@ -1,0 +1,1 @@
+"""The edge: command line and environment -> frozen config -> wiring -> exit code."""

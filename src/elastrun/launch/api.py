@@ -1,0 +1,156 @@
+"""``elastic_launch`` and ``launch_agent``: the Python API of the launcher."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+
+from elastrun.agent.local import LocalElasticAgent
+from elastrun.agent.spec import Entrypoint, WorkerSpec
+from elastrun.core.errors import ShutdownRequested
+from elastrun.core.shutdown import ShutdownRequest
+from elastrun.launch.config import LaunchConfig, parse_signals
+from elastrun.launch.signals import install_signal_handlers
+from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
+from elastrun.rendezvous.registry import rendezvous_handler_registry
+from elastrun.supervise.failures.report import ChildFailedError
+from elastrun.supervise.processes.logs import DefaultLogsSpecs
+
+log = logging.getLogger("elastrun.launch")
+
+
+class elastic_launch:  # noqa: N801 - torch's name, kept for drop-in compatibility
+    """Launch ``entrypoint`` on this node's workers: ``elastic_launch(config, fn)(*args)``.
+
+    Returns ``{global_rank: return_value}`` for this node's workers (None for
+    executables). Raises ``ChildFailedError`` when workers failed and the restart
+    budget ran out.
+    """
+
+    def __init__(self, config: LaunchConfig, entrypoint: Entrypoint | None) -> None:
+        self._config = config
+        self._entrypoint = entrypoint
+
+    def __call__(self, *args: object) -> dict[int, object]:
+        return launch_agent(self._config, self._entrypoint, list(args))
+
+
+def entrypoint_name(entrypoint: Entrypoint | None, args: Sequence[object]) -> str:
+    """The name shown in reports: a callable's name, or the script a Python runs."""
+    if entrypoint is None:
+        return ""
+    if callable(entrypoint):
+        return getattr(entrypoint, "__name__", repr(entrypoint))
+    if entrypoint == sys.executable:
+        for a in args:
+            if isinstance(a, str) and not a.startswith("-"):
+                return a
+        return ""
+    return entrypoint
+
+
+def build_handler(config: LaunchConfig, run_id: str) -> RendezvousHandler:
+    params = RendezvousParameters(
+        config.rdzv_backend,
+        config.rdzv_endpoint,
+        run_id,
+        config.min_nodes,
+        config.max_nodes,
+        config.local_addr,
+        **config.rdzv_configs,
+    )
+    return rendezvous_handler_registry.create_handler(params)
+
+
+def build_agent(
+    config: LaunchConfig,
+    entrypoint: Entrypoint,
+    args: Sequence[object],
+    *,
+    run_id: str,
+    shutdown: ShutdownRequest,
+    environ: Mapping[str, str] | None = None,
+) -> LocalElasticAgent:
+    """Wire the agent for ``config`` (no process is started)."""
+    handler = build_handler(config, run_id)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        rdzv_handler=handler,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    return LocalElasticAgent(
+        spec,
+        logs_specs=config.logs_specs if config.logs_specs is not None else DefaultLogsSpecs(),
+        start_method=config.start_method,
+        exit_barrier_timeout=config.exit_barrier_timeout,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.effective_shutdown_timeout,
+        shutdown=shutdown,
+        environ=environ,
+    )
+
+
+def launch_agent(
+    config: LaunchConfig,
+    entrypoint: Entrypoint | None,
+    args: Sequence[object],
+    *,
+    shutdown: ShutdownRequest | None = None,
+    environ: Mapping[str, str] | None = None,
+    on_agent: Callable[[LocalElasticAgent], None] | None = None,
+) -> dict[int, object]:
+    """Run the workers of this node to completion.
+
+    Installs the signal handlers of ``config.signals_to_handle`` for the duration of
+    the run unless a ``shutdown`` request is passed in (then the caller owns signals).
+
+    Raises:
+        ChildFailedError: workers failed and the restart budget ran out.
+        ShutdownRequested: a handled signal stopped the run.
+        ConfigError: invalid configuration found while wiring.
+    """
+    if entrypoint is None:
+        from elastrun.core.errors import ConfigError
+
+        raise ConfigError("entrypoint", None, "nothing to launch")
+    run_id = config.run_id or str(uuid.uuid4().int)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    restore: Callable[[], None] = lambda: None  # noqa: E731
+    if shutdown is None:
+        shutdown = ShutdownRequest()
+        restore = install_signal_handlers(parse_signals(config.signals_to_handle), shutdown)
+    agent = None
+    signalled = False
+    try:
+        agent = build_agent(
+            config, entrypoint, args, run_id=run_id, shutdown=shutdown, environ=environ
+        )
+        if on_agent is not None:
+            on_agent(agent)
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(
+                entrypoint_name(entrypoint, args), result.failures, budget_note=agent.budget_note
+            )
+        return result.return_values
+    except ShutdownRequested:
+        signalled = True
+        raise
+    finally:
+        restore()
+        # A signal leaves the run id open so other nodes can decide for themselves;
+        # any other ending closes it (torch's behaviour).
+        if agent is not None and not signalled:
+            agent.rdzv_handler.shutdown()

@@ -1,0 +1,89 @@
+"""``--dry-run``: print the launch plan of the first round; start nothing, write nothing."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+
+from elastrun.agent.plan import NodeSlot, RoundFacts, build_plan
+from elastrun.launch.cli import Launch
+from elastrun.supervise.processes.logs import Std, to_map
+
+_PORT_PLACEHOLDER = 0
+
+
+def _log_lines(launch: Launch, local_rank: int, nproc: int) -> list[str]:
+    specs = launch.config.logs_specs
+    if specs is None:
+        return ["error file: <temporary log dir>/<run_id>_<random>/attempt_0/{lr}/error.json"]
+    base = getattr(specs, "_log_dir", None) or "<new temporary dir>"
+    redirects = to_map(specs.redirects, nproc)[local_rank]
+    tee = to_map(specs.tee, nproc)[local_rank]
+    where = f"{base}/<run_id>_<random>/attempt_0/{local_rank}"
+    lines = []
+    for bit, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
+        if (redirects | tee) & bit:
+            how = "file and console" if tee & bit else "file only"
+            lines.append(f"{name}: {where}/{name}.log ({how})")
+        else:
+            shown = specs.local_ranks_filter is None or local_rank in specs.local_ranks_filter
+            lines.append(f"{name}: {'console' if shown else 'discarded (--local-ranks-filter)'}")
+    lines.append(f"error file: {where}/error.json")
+    return lines
+
+
+def render_plan(
+    launch: Launch, entrypoint: object, args: Sequence[object], environ: Mapping[str, str]
+) -> str:
+    """The plan as text: each worker's argv, the variables elastrun sets, its log paths."""
+    cfg = launch.config
+    run_id = cfg.run_id or "<generated at start>"
+    static = cfg.rdzv_backend == "static"
+    master_addr = (cfg.master_addr or "127.0.0.1") if static else (cfg.local_addr or "127.0.0.1")
+    facts = RoundFacts(
+        run_id=run_id,
+        round=0,
+        group_rank=cfg.node_rank if static else 0,
+        group_world_size=cfg.max_nodes,
+        master_addr=master_addr,
+        master_port=(cfg.master_port or 29500) if static else _PORT_PLACEHOLDER,
+        restart_count=0,
+        max_restarts=cfg.max_restarts,
+    )
+    import sys
+
+    plan = build_plan(
+        facts,
+        role=cfg.role,
+        local_world_size=cfg.nproc_per_node,
+        nodes=[NodeSlot(cfg.role, cfg.nproc_per_node)] * cfg.max_nodes,
+        entrypoint=entrypoint if isinstance(entrypoint, str) else entrypoint,  # type: ignore[arg-type]
+        args=args,
+        base_env=environ,
+        python=sys.executable,
+        virtual_local_rank=cfg.virtual_local_rank,
+    )
+    out = [
+        "elastrun launch plan (dry run: nothing was started)",
+        f"  run id      : {run_id}",
+        f"  rendezvous  : {cfg.rdzv_backend}"
+        + (" (standalone, one node)" if launch.standalone else f" at {cfg.rdzv_endpoint}"),
+        f"  nodes       : {cfg.min_nodes}:{cfg.max_nodes}, {cfg.nproc_per_node} worker(s) per node",
+        f"  restarts    : up to {cfg.max_restarts}; shutdown grace {cfg.shutdown_timeout:g}s",
+    ]
+    for notice in launch.notices:
+        out.append(f"  note        : {notice}")
+    for w in plan.workers:
+        out.append(f"worker local_rank={w.local_rank} rank={w.ranks.global_rank}:")
+        if w.argv is not None:
+            out.append(f"  argv: {shlex.join(w.argv)}")
+        else:
+            name = getattr(plan.function, "__qualname__", repr(plan.function))
+            out.append(f"  call: {name}{tuple(w.args)!r}")
+        env = dict(w.env)
+        if env.get("MASTER_PORT") == str(_PORT_PLACEHOLDER):
+            env["MASTER_PORT"] = "<free port chosen each round>"
+        out.append("  env : " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
+        for line in _log_lines(launch, w.local_rank, cfg.nproc_per_node):
+            out.append(f"  {line}")
+    return "\n".join(out)

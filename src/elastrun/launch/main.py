@@ -1,0 +1,132 @@
+"""The ``elastrun`` command: argv and environment in, exit status out.
+
+Exit status: 0 success; 1 worker failure (after the report) or a runtime error;
+2 bad configuration (one line, no traceback, nothing started); 128+N after signal N.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+
+from elastrun.core.errors import (
+    ConfigError,
+    ElastrunError,
+    RendezvousError,
+    ShutdownRequested,
+    WorkerFailure,
+)
+from elastrun.launch.api import launch_agent
+from elastrun.launch.cli import Launch, ScriptKind, parse_launch
+from elastrun.supervise.failures.report import ChildFailedError, copy_root_cause_error_file
+from elastrun.supervise.processes.logs import DefaultLogsSpecs
+
+log = logging.getLogger("elastrun.launch")
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            msg = f"{record.levelname.lower()}: {msg}"
+        if record.exc_info:
+            msg += "\n" + self.formatException(record.exc_info)
+        return f"[elastrun] {msg}"
+
+
+def configure_logging(environ: os._Environ[str] | dict[str, str]) -> None:
+    """elastrun's own lines go to stderr, ``[elastrun]``-prefixed; LOGLEVEL sets the level."""
+    level_name = environ.get("LOGLEVEL", "INFO").upper()
+    level = logging.getLevelName(level_name)
+    root = logging.getLogger("elastrun")
+    if not any(getattr(h, "_elastrun", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Formatter())
+        handler._elastrun = True  # type: ignore[attr-defined]  # marks our own handler
+        root.addHandler(handler)
+    root.setLevel(level if isinstance(level, int) else logging.INFO)
+    root.propagate = False
+
+
+def command_of(launch: Launch) -> tuple[object, list[object]]:
+    """The entrypoint and its arguments, exactly as torchrun builds them."""
+    args: list[object]
+    if launch.kind is ScriptKind.RUN_PATH:
+        from elastrun.worker.runpath import run_script_path
+
+        return run_script_path, [launch.script, *launch.script_args]
+    if launch.kind is ScriptKind.BINARY:
+        return launch.script, list(launch.script_args)
+    if launch.kind is ScriptKind.MODULE:
+        args = ["-u", "-m", launch.script, *launch.script_args]
+    else:
+        args = ["-u", launch.script, *launch.script_args]
+    return launch.python, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the launcher; returns the exit status (see the module docstring)."""
+    configure_logging(os.environ)
+    try:
+        launch = parse_launch(list(sys.argv[1:] if argv is None else argv), os.environ)
+    except ConfigError as exc:
+        print(f"elastrun: error: {exc}", file=sys.stderr)
+        return 2
+    if launch.dry_run:
+        from elastrun.launch.dryrun import render_plan
+
+        entry, args = command_of(launch)
+        try:
+            print(render_plan(launch, entry, args, os.environ))
+        except ConfigError as exc:
+            print(f"elastrun: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    for notice in launch.notices:
+        log.info("%s", notice)
+    return _run(launch)
+
+
+def _run(launch: Launch) -> int:
+    entry, args = command_of(launch)
+    specs = launch.config.logs_specs
+    try:
+        launch_agent(launch.config, entry, args)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        print(f"elastrun: error: {exc}", file=sys.stderr)
+        return 2
+    except ChildFailedError as exc:
+        print(exc.format_msg(), file=sys.stderr)
+        _mention_logs(specs)
+        own = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if own:
+            copy_root_cause_error_file(exc, own)
+        return 1
+    except ShutdownRequested as exc:
+        print(f"elastrun: stopped by {exc.signal_name}", file=sys.stderr)
+        _mention_logs(specs)
+        return 128 + exc.signum
+    except (RendezvousError, WorkerFailure, ElastrunError) as exc:
+        print(f"elastrun: error: {exc}", file=sys.stderr)
+        return 1
+    _cleanup_temporary_logs(specs)
+    return 0
+
+
+def _mention_logs(specs: object) -> None:
+    run_dir = getattr(specs, "run_log_dir", None)
+    if run_dir:
+        print(f"elastrun: worker logs and error files are in {run_dir}", file=sys.stderr)
+
+
+def _cleanup_temporary_logs(specs: object) -> None:
+    """A clean run leaves nothing behind in a log directory the user did not ask for."""
+    if isinstance(specs, DefaultLogsSpecs) and specs.is_temporary:
+        shutil.rmtree(specs.root_log_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Leaf layer: event and metric sinks."""

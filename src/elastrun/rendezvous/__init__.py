@@ -1,0 +1,1 @@
+"""Rendezvous: membership rounds, ranks and bootstrap addresses, over the store model."""

@@ -1,0 +1,105 @@
+"""Rendezvous backends by name.
+
+Built-in backends are a lazy name -> "module:factory" map: nothing is imported until a
+backend is chosen. Third-party backends register in code (``register``) or through the
+entry-point groups ``elastrun.rendezvous`` (the object is the creator) and
+``torchrun.handlers`` (torch's convention: the object is called with no arguments and
+returns the creator).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import threading
+from collections.abc import Callable
+
+from elastrun.core.errors import ConfigError
+from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
+
+RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
+
+BUILTIN_BACKENDS: dict[str, str] = {
+    "c10d": "elastrun.rendezvous.local:create_c10d_handler",
+    "static": "elastrun.rendezvous.local:create_static_handler",
+    "etcd": "elastrun.rendezvous.local:create_not_yet",
+    "etcd-v2": "elastrun.rendezvous.local:create_not_yet",
+}
+ENTRY_POINT_GROUP = "elastrun.rendezvous"
+TORCH_ENTRY_POINT_GROUP = "torchrun.handlers"
+
+
+def _load(target: str) -> RendezvousHandlerCreator:
+    module, _, attr = target.partition(":")
+    creator: RendezvousHandlerCreator = getattr(importlib.import_module(module), attr)
+    return creator
+
+
+class RendezvousHandlerRegistry:
+    """Maps backend names to handler creators."""
+
+    def __init__(self) -> None:
+        self._creators: dict[str, RendezvousHandlerCreator] = {}
+        self._lock = threading.Lock()
+
+    def register(self, backend: str, creator: RendezvousHandlerCreator) -> None:
+        """Register ``creator`` under ``backend``.
+
+        Raises:
+            ConfigError: empty name, or another creator already holds the name.
+        """
+        if not backend:
+            raise ConfigError("backend", backend, "a backend name must not be empty")
+        with self._lock:
+            current = self._creators.get(backend)
+            if current is not None and current is not creator:
+                raise ConfigError("backend", backend, "is already registered to another creator")
+            self._creators[backend] = creator
+
+    def names(self) -> list[str]:
+        found = set(self._creators) | set(BUILTIN_BACKENDS)
+        for group in (ENTRY_POINT_GROUP, TORCH_ENTRY_POINT_GROUP):
+            found.update(ep.name for ep in importlib.metadata.entry_points(group=group))
+        return sorted(found)
+
+    def _resolve(self, backend: str) -> RendezvousHandlerCreator | None:
+        with self._lock:
+            if backend in self._creators:
+                return self._creators[backend]
+        if backend in BUILTIN_BACKENDS:
+            return _load(BUILTIN_BACKENDS[backend])
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name == backend:
+                creator: RendezvousHandlerCreator = ep.load()
+                return creator
+        for ep in importlib.metadata.entry_points(group=TORCH_ENTRY_POINT_GROUP):
+            if ep.name == backend:
+                factory = ep.load()
+                made: RendezvousHandlerCreator = factory()
+                return made
+        return None
+
+    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
+        """Build the handler for ``params.backend``.
+
+        Raises:
+            ConfigError: unknown backend, or a handler reporting another backend name.
+        """
+        creator = self._resolve(params.backend)
+        if creator is None:
+            raise ConfigError(
+                "--rdzv-backend",
+                params.backend,
+                f"unknown rendezvous backend (known: {', '.join(self.names())})",
+            )
+        handler = creator(params)
+        if handler.get_backend() != params.backend:
+            raise ConfigError(
+                "--rdzv-backend",
+                params.backend,
+                f"the creator returned a handler for {handler.get_backend()!r}",
+            )
+        return handler
+
+
+rendezvous_handler_registry = RendezvousHandlerRegistry()

@@ -1,0 +1,1 @@
+"""The store model (DESIGN.md section 3) and its implementations."""

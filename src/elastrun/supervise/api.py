@@ -1,0 +1,228 @@
+"""``start_processes``: torch's process-context API over elastrun's supervision.
+
+For code written against ``torch.distributed.elastic.multiprocessing``: start N
+workers (a function, or an executable), wait for them, close them. The agent itself uses
+the same pieces (starters, ``ProcessSet``, the output relay) directly.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from elastrun.core.clock import Deadline
+from elastrun.supervise.failures.failure import ProcessFailure
+from elastrun.supervise.processes.logs import LogsDest, LogsSpecs
+from elastrun.supervise.processes.procset import ProcessSet
+from elastrun.supervise.processes.relay import OutputRelay
+from elastrun.supervise.processes.spawn import (
+    ForkStarter,
+    FunctionCall,
+    ProcessSpec,
+    ProcessStarter,
+    SubprocessStarter,
+    WorkerProcess,
+)
+
+
+@dataclass
+class RunProcsResult:
+    """Results by local rank: return values of successful runs, failures otherwise."""
+
+    return_values: dict[int, object] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        return len(self.failures) > 0
+
+
+class PContext:
+    """A started group of processes (see ``start_processes``)."""
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable[..., object] | str,
+        args: Mapping[int, tuple[object, ...]],
+        envs: Mapping[int, Mapping[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: Mapping[int, str] | None = None,
+        start_method: str = "spawn",
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        nprocs = len(args)
+        if set(args) != set(range(nprocs)) or set(envs) != set(range(nprocs)):
+            raise ValueError(
+                f"args and envs must both have keys 0..{nprocs - 1}; "
+                f"got {sorted(args)} and {sorted(envs)}"
+            )
+        self.name = name
+        self.entrypoint = entrypoint
+        self.args = dict(args)
+        self.envs = {lr: dict(e) for lr, e in envs.items()}
+        self.nprocs = nprocs
+        self._logs_specs = logs_specs
+        self._prefixes = dict(log_line_prefixes or {})
+        self._start_method = start_method
+        self._filters = (duplicate_stdout_filters or [], duplicate_stderr_filters or [])
+        self._dest: LogsDest | None = None
+        self._relay: OutputRelay | None = None
+        self._procs: ProcessSet | None = None
+        self._return_dir: str | None = None
+        self._result: RunProcsResult | None = None
+
+    @property
+    def stdouts(self) -> dict[int, str]:
+        return dict(self._dest.stdouts) if self._dest else {}
+
+    @property
+    def stderrs(self) -> dict[int, str]:
+        return dict(self._dest.stderrs) if self._dest else {}
+
+    @property
+    def error_files(self) -> dict[int, str]:
+        return dict(self._dest.error_files) if self._dest else {}
+
+    def _starter(self) -> ProcessStarter:
+        if callable(self.entrypoint) and self._start_method == "fork":
+            return ForkStarter()
+        return SubprocessStarter(sys.executable)
+
+    def start(self) -> None:
+        full_envs = {lr: {**os.environ, **e} for lr, e in self.envs.items()}
+        dest = self._dest = self._logs_specs.reify(full_envs)
+        relay = self._relay = OutputRelay(
+            filtered_stdout=dest.filtered_stdout,
+            filtered_stderr=dest.filtered_stderr,
+            stdout_filters=self._filters[0],
+            stderr_filters=self._filters[1],
+        )
+        shown = self._logs_specs.local_ranks_filter
+        starter = self._starter()
+        procs: list[WorkerProcess] = []
+        for lr in range(self.nprocs):
+            prefix = self._prefixes.get(lr, f"[{self.name}{lr}]:")
+            stdio = relay.wire(lr, dest, prefix, show_on_console=shown is None or lr in shown)
+            try:
+                procs.append(starter.start(self._spec(lr, full_envs[lr], stdio)))
+            finally:
+                stdio.close_in_parent()
+        self._procs = ProcessSet(procs)
+
+    def _spec(self, lr: int, env: dict[str, str], stdio: object) -> ProcessSpec:
+        out = getattr(stdio, "stdout_fd", None)
+        err = getattr(stdio, "stderr_fd", None)
+        if isinstance(self.entrypoint, str):
+            argv = (self.entrypoint, *(str(a) for a in self.args[lr]))
+            return ProcessSpec(lr, env, argv=argv, stdout_fd=out, stderr_fd=err)
+        if self._return_dir is None:
+            self._return_dir = tempfile.mkdtemp(prefix="elastrun-ret-")
+        call = FunctionCall(self.entrypoint, self.args[lr], os.path.join(self._return_dir, f"{lr}.pkl"))
+        return ProcessSpec(lr, env, call=call, stdout_fd=out, stderr_fd=err)
+
+    def pids(self) -> dict[int, int]:
+        return self._procs.pids() if self._procs else {}
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        """Wait until all processes succeed or any fails (then the rest are stopped).
+
+        ``timeout`` 0 checks once, a negative value waits forever. ``period`` is accepted
+        for compatibility; exits are observed as events, not by polling.
+        """
+        if self._result is not None:
+            return self._result
+        assert self._procs is not None, "start() first"
+        deadline = Deadline.never() if timeout < 0 else Deadline.after(timeout)
+        while True:
+            self._procs.wait_for_exits(deadline)
+            exits = self._procs.exits
+            failed = any(e.exitcode != 0 for e in exits.values())
+            if failed or not self._procs.running():
+                if failed:
+                    self._procs.stop(signal.SIGTERM, 30.0)
+                self._result = self._collect()
+                self.close()
+                return self._result
+            if deadline.expired():
+                return None
+
+    def _collect(self) -> RunProcsResult:
+        assert self._procs is not None and self._dest is not None
+        result = RunProcsResult(stdouts=self.stdouts, stderrs=self.stderrs)
+        host = socket.getfqdn()
+        procs = self._procs.processes
+        for lr, ex in sorted(self._procs.exits.items()):
+            if ex.exitcode == 0:
+                result.return_values[lr] = procs[lr].return_value()
+                continue
+            result.failures[lr] = ProcessFailure(
+                local_rank=lr,
+                pid=ex.pid,
+                exitcode=ex.exitcode,
+                error_file=self._dest.error_files.get(lr, ""),
+                host=host,
+                observed_at=ex.observed_at,
+                terminated_by_agent=ex.by_agent,
+                stderr_file=self._dest.stderrs.get(lr) or None,
+            )
+        if result.failures:
+            result.return_values = {}
+        return result
+
+    def close(self, death_sig: signal.Signals | None = None, timeout: float = 30) -> None:
+        """Stop every process (``death_sig``, default SIGTERM; SIGKILL after ``timeout``)."""
+        if self._procs is not None:
+            self._procs.stop(death_sig or signal.SIGTERM, timeout)
+            self._procs.close()
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
+        if self._return_dir:
+            shutil.rmtree(self._return_dir, ignore_errors=True)
+            self._return_dir = None
+
+    def __repr__(self) -> str:
+        return f"PContext(name={self.name!r}, nprocs={self.nprocs}, procs={self._procs!r})"
+
+
+def start_processes(
+    name: str,
+    entrypoint: Callable[..., object] | str,
+    args: Mapping[int, tuple[object, ...]],
+    envs: Mapping[int, Mapping[str, str]],
+    logs_specs: LogsSpecs,
+    log_line_prefixes: Mapping[int, str] | None = None,
+    start_method: str = "spawn",
+    numa_options: object | None = None,
+    duplicate_stdout_filters: list[str] | None = None,
+    duplicate_stderr_filters: list[str] | None = None,
+) -> PContext:
+    """Start ``len(args)`` copies of ``entrypoint``; returns the running context.
+
+    Raises:
+        ValueError: ``args``/``envs`` keys are not exactly ``0..n-1``.
+        NotImplementedYetError: ``numa_options`` given (NUMA binding comes later).
+    """
+    if numa_options is not None:
+        from elastrun.core.errors import NotImplementedYetError
+
+        raise NotImplementedYetError("numa_options", numa_options, "NUMA binding")
+    ctx = PContext(
+        name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method,
+        duplicate_stdout_filters, duplicate_stderr_filters,
+    )
+    try:
+        ctx.start()
+    except BaseException:
+        ctx.close()
+        raise
+    return ctx

@@ -1,0 +1,117 @@
+"""The orphan guard: kills the workers' process groups if the agent dies abruptly.
+
+``PR_SET_PDEATHSIG`` kills a worker when the agent dies, but not the processes the
+worker started (data loader workers, compilers, shells). The guard is a tiny process in
+its own session that the agent tells, over a pipe, which process groups are alive
+(``+PGID`` / ``-PGID`` lines). When the pipe reaches end-of-file without a clean
+``bye`` -- the agent was SIGKILLed, crashed, or lost its whole process group -- the
+guard SIGKILLs every group it was told about, then exits.
+
+Run as ``python -m elastrun.supervise.processes.guard`` (the agent does this).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+class OrphanGuard:
+    """The agent's side of the guard. Starting it costs one small process per agent."""
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self._python = python
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._groups: set[int] = set()
+
+    def start(self) -> None:
+        if self._proc is not None:
+            return
+        self._proc = subprocess.Popen(
+            [self._python, "-S", "-m", "elastrun.supervise.processes.guard"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # a signal to the agent's group must not reach it
+            env={**os.environ, "PYTHONPATH": _package_root()},
+        )
+
+    def _send(self, line: str) -> None:
+        if self._proc is None or self._proc.stdin is None:
+            return
+        try:
+            self._proc.stdin.write(line.encode() + b"\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            # The guard is gone: workers still die with the agent (parent-death
+            # signal); only their own children would be left to their fate.
+            self._proc = None
+
+    def watch(self, pgid: int) -> None:
+        self._groups.add(pgid)
+        self._send(f"+{pgid}")
+
+    def forget(self, pgid: int) -> None:
+        if pgid in self._groups:
+            self._groups.discard(pgid)
+            self._send(f"-{pgid}")
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def close(self) -> None:
+        """Tell the guard the agent ends cleanly and reap it."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.write(b"bye\n")
+                proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def __repr__(self) -> str:
+        return f"OrphanGuard(pid={self.pid}, groups={sorted(self._groups)})"
+
+
+def _package_root() -> str:
+    # The guard runs with -S (no site), so point it at the directory holding elastrun.
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.dirname(os.path.dirname(os.path.dirname(here)))
+
+
+def _guard_main() -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_IGN)
+    groups: set[int] = set()
+    clean = False
+    for raw in sys.stdin.buffer:
+        line = raw.strip()
+        if line == b"bye":
+            clean = True
+            break
+        if line[:1] in (b"+", b"-") and line[1:].isdigit():
+            pgid = int(line[1:])
+            if line[:1] == b"+":
+                groups.add(pgid)
+            else:
+                groups.discard(pgid)
+    if not clean:
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_guard_main())

@@ -1,0 +1,216 @@
+"""A set of running workers: event-driven exit detection and the one shutdown ladder."""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
+from elastrun.supervise.processes.spawn import WorkerProcess
+
+log = logging.getLogger(__name__)
+
+#: How long reaping may take after SIGKILL before a process is reported as stuck
+#: (a process in uninterruptible sleep cannot be killed until the kernel lets go).
+REAP_BOUND = 5.0
+
+
+@dataclass(frozen=True)
+class Exit:
+    """A worker exit as observed by the agent."""
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    observed_at: float  # wall clock, for reports
+    by_agent: bool = False  # the agent stopped it (shutdown ladder)
+
+
+@dataclass(frozen=True)
+class StopReport:
+    """What the shutdown ladder did."""
+
+    exits: tuple[Exit, ...]
+    killed: tuple[int, ...]  # local ranks that needed SIGKILL
+    unreaped: tuple[int, ...]  # local ranks still alive after the reap bound
+
+
+def _has_exited(pid: int) -> bool:
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True  # already reaped
+    return info is not None
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass  # non-blocking pipe emptied (EAGAIN) or closed
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class ProcessSet:
+    """Watches a group of worker processes.
+
+    ``wait_for_exits`` blocks until a worker exits, ``wake_fd`` becomes readable (signals,
+    rendezvous news) or the deadline passes -- no sleeping loop. ``stop`` is the one
+    shutdown ladder used for restarts and for the final stop alike.
+    """
+
+    def __init__(
+        self,
+        processes: Iterable[WorkerProcess],
+        *,
+        wake_fd: int | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self._procs = {p.local_rank: p for p in processes}
+        self._live = dict(self._procs)
+        self._exits: dict[int, Exit] = {}
+        self._clock = clock
+        self._sel = selectors.DefaultSelector()
+        for proc in self._procs.values():
+            self._sel.register(proc.exit_fd(), selectors.EVENT_READ, proc.local_rank)
+        self._wake_fd = wake_fd
+        if wake_fd is not None:
+            self._sel.register(wake_fd, selectors.EVENT_READ, None)
+
+    @property
+    def processes(self) -> dict[int, WorkerProcess]:
+        return dict(self._procs)
+
+    @property
+    def exits(self) -> dict[int, Exit]:
+        return dict(self._exits)
+
+    def running(self) -> list[int]:
+        return sorted(self._live)
+
+    def pids(self) -> dict[int, int]:
+        return {lr: p.pid for lr, p in self._procs.items()}
+
+    def _collect(self, local_rank: int, by_agent: bool) -> Exit | None:
+        proc = self._live.get(local_rank)
+        if proc is None:
+            return None
+        if not _has_exited(proc.pid):
+            return None
+        # The leader is a zombie until reaped below, so its pid -- the group id --
+        # cannot have been reused: sweeping the group now reaches only the worker's
+        # own leftover children, never a stranger.
+        _kill_group(proc.pid, signal.SIGKILL)
+        code = proc.poll()
+        if code is None:
+            return None
+        del self._live[local_rank]
+        try:
+            self._sel.unregister(proc.exit_fd())
+        except (KeyError, ValueError):
+            pass
+        ex = Exit(local_rank, proc.pid, code, self._clock.time(), by_agent)
+        self._exits[local_rank] = ex
+        return ex
+
+    def poll(self) -> list[Exit]:
+        """Collect exits that already happened, without blocking."""
+        return [ex for lr in list(self._live) if (ex := self._collect(lr, False)) is not None]
+
+    def wait_for_exits(self, deadline: Deadline) -> list[Exit]:
+        """Block until at least one worker exits, a wake-up arrives or ``deadline``.
+
+        Returns the exits observed (possibly empty after a wake-up or timeout).
+        """
+        found = self.poll()
+        if found or (not self._live and self._wake_fd is None):
+            return found
+        events = self._sel.select(deadline.timeout())
+        for key, _ in events:
+            if key.data is not None:
+                ex = self._collect(key.data, False)
+                if ex is not None:
+                    found.append(ex)
+        return found + self.poll()
+
+    def _signal_groups(self, ranks: Iterable[int], sig: int) -> None:
+        for lr in ranks:
+            pid = self._procs[lr].pid
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                log.warning("no permission to signal process group %d (rank %d)", pid, lr)
+
+    def _wait_all(
+        self, deadline: Deadline, by_agent: bool, abort_wait: Callable[[], bool] | None = None
+    ) -> None:
+        while self._live:
+            for lr in list(self._live):
+                self._collect(lr, by_agent)
+            if not self._live or deadline.expired():
+                return
+            for key, _ in self._sel.select(deadline.timeout()):
+                if key.data is not None:
+                    self._collect(key.data, by_agent)
+                else:
+                    _drain(key.fd)
+                    if abort_wait is not None and abort_wait():
+                        return
+
+    def stop(
+        self,
+        sig: int = signal.SIGTERM,
+        timeout: float = 30.0,
+        abort_wait: Callable[[], bool] | None = None,
+    ) -> StopReport:
+        """Stop every worker: ``sig`` to each process group, one shared deadline, SIGKILL,
+        then reap with a bound. Idempotent; never raises; reports what it could not reap.
+
+        ``abort_wait`` is asked on every wake-up; True cuts the grace period short
+        (a second Ctrl-C).
+        """
+        before = set(self._exits)
+        self._signal_groups(list(self._live), sig)
+        self._wait_all(Deadline.after(timeout, self._clock), by_agent=True, abort_wait=abort_wait)
+        killed = tuple(sorted(self._live))
+        if killed:
+            log.warning(
+                "local ranks %s did not stop within %.1fs of %s; sending SIGKILL",
+                list(killed),
+                timeout,
+                signal.Signals(sig).name,
+            )
+            self._signal_groups(killed, signal.SIGKILL)
+            self._wait_all(Deadline.after(REAP_BOUND, self._clock), by_agent=True)
+        unreaped = tuple(sorted(self._live))
+        if unreaped:
+            log.error(
+                "local ranks %s (pids %s) could not be reaped (uninterruptible sleep?)",
+                list(unreaped),
+                [self._procs[lr].pid for lr in unreaped],
+            )
+        new = tuple(self._exits[lr] for lr in sorted(self._exits) if lr not in before)
+        return StopReport(exits=new, killed=killed, unreaped=unreaped)
+
+    def close(self) -> None:
+        """Release descriptors of reaped processes and the selector."""
+        for lr, proc in self._procs.items():
+            if lr not in self._live:
+                proc.release()
+        self._sel.close()
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(running={self.running()}, exited={sorted(self._exits)})"

@@ -1,0 +1,265 @@
+"""Starting worker processes.
+
+Every worker is the leader of its own session and process group, so one ``killpg``
+reaches it and everything it started, and it asks the kernel to SIGKILL it when the
+agent dies (``PR_SET_PDEATHSIG``). Exit is observed through a pidfd, so the agent's
+loop wakes the moment a worker dies instead of polling.
+
+Two starters implement the ``ProcessStarter`` protocol:
+
+* ``SubprocessStarter`` runs an argv (scripts go through ``elastrun.worker.bootstrap``,
+  binaries run as they are, function workers are started as a fresh interpreter that
+  runs ``elastrun.worker.fnrunner``);
+* ``ForkStarter`` forks the agent and calls the function in the child
+  (``--start-method fork``).
+
+A future template ("zygote") starter is a third implementation of the same protocol.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from elastrun.core.errors import ProcessStartError
+
+_PR_SET_PDEATHSIG = 1
+_libc: ctypes.CDLL | None
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - every Linux libc has prctl
+    _libc = None
+
+
+def set_parent_death_signal(sig: int, expected_parent: int) -> None:
+    """In a freshly forked child: die with ``sig`` when the parent dies.
+
+    If the parent already died between fork and this call the request would never
+    fire, so the child checks and exits at once.
+    """
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != expected_parent:
+        os._exit(1)
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    """A Python function to run in a worker, with where to put its return value."""
+
+    function: Callable[..., object]
+    args: tuple[object, ...]
+    return_file: str
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """Everything needed to start one worker.
+
+    Exactly one of ``argv`` (an executable and its arguments) and ``call`` (a Python
+    function) is set. ``env`` is the child's complete environment. ``stdout_fd`` and
+    ``stderr_fd`` are descriptors for the child's streams (None: inherit).
+    """
+
+    local_rank: int
+    env: Mapping[str, str]
+    argv: tuple[str, ...] | None = None
+    call: FunctionCall | None = None
+    stdout_fd: int | None = None
+    stderr_fd: int | None = None
+    cwd: str | None = None
+    death_signal: int = signal.SIGKILL
+
+    def __post_init__(self) -> None:
+        if (self.argv is None) == (self.call is None):
+            raise ValueError("a ProcessSpec needs exactly one of argv and call")
+
+
+class WorkerProcess(Protocol):
+    """A started worker: its pid, an fd that becomes readable when it exits, its code."""
+
+    local_rank: int
+    pid: int
+
+    def exit_fd(self) -> int: ...
+
+    def poll(self) -> int | None:
+        """The exit code once the process has ended (negative: killed by that signal)."""
+        ...
+
+    def return_value(self) -> object:
+        """The function's return value (None for executables)."""
+        ...
+
+    def release(self) -> None:
+        """Close descriptors held for this process (after it was reaped)."""
+        ...
+
+
+class ProcessStarter(Protocol):
+    def start(self, spec: ProcessSpec) -> WorkerProcess: ...
+
+
+def _read_return_value(path: str | None) -> object:
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, "rb") as fh:
+        # The file was written by our own child from the user's return value: the one
+        # place a pickle crosses a process boundary, as with multiprocessing.
+        return pickle.load(fh)  # noqa: S301
+
+
+@dataclass
+class _Handle:
+    local_rank: int
+    pid: int
+    _pidfd: int
+    _wait: Callable[[], int | None]
+    _return_file: str | None = None
+    _code: int | None = field(default=None)
+
+    def exit_fd(self) -> int:
+        return self._pidfd
+
+    def poll(self) -> int | None:
+        if self._code is None:
+            self._code = self._wait()
+        return self._code
+
+    def return_value(self) -> object:
+        return _read_return_value(self._return_file)
+
+    def release(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def __repr__(self) -> str:
+        return f"WorkerProcess(local_rank={self.local_rank}, pid={self.pid}, exit={self._code})"
+
+
+def _waitpid_nohang(pid: int) -> Callable[[], int | None]:
+    def wait() -> int | None:
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if got == 0:
+            return None
+        return os.waitstatus_to_exitcode(status)
+
+    return wait
+
+
+class SubprocessStarter:
+    """Start workers as fresh processes (``subprocess.Popen``).
+
+    Function workers run in a fresh interpreter through ``elastrun.worker.fnrunner``:
+    the function and its arguments are pickled to a file, as multiprocessing's spawn
+    start method would send them, so they must be importable by name.
+    """
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self._python = python
+
+    def start(self, spec: ProcessSpec) -> WorkerProcess:
+        argv = spec.argv
+        return_file = None
+        if spec.call is not None:
+            payload = spec.call.return_file + ".call"
+            write_call_payload(payload, spec.call)
+            argv = (self._python, "-u", "-m", "elastrun.worker.fnrunner", payload)
+            return_file = spec.call.return_file
+        assert argv is not None
+        parent = os.getpid()
+        death = spec.death_signal
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=dict(spec.env),
+                stdout=spec.stdout_fd,
+                stderr=spec.stderr_fd,
+                cwd=spec.cwd,
+                start_new_session=True,
+                preexec_fn=lambda: set_parent_death_signal(death, parent),
+            )
+        except OSError as exc:
+            raise ProcessStartError(
+                f"local rank {spec.local_rank}: cannot start {argv[0]!r}: {exc.strerror or exc}"
+            ) from exc
+        pidfd = os.pidfd_open(proc.pid)
+        return _Handle(spec.local_rank, proc.pid, pidfd, proc.poll, return_file)
+
+
+def write_call_payload(path: str, call: FunctionCall) -> None:
+    """Write a function call for ``elastrun.worker.fnrunner``.
+
+    The file is one JSON header line (format version, the parent's ``__main__`` file,
+    ``sys.path`` and working directory) followed by the pickled ``(function, args,
+    return_file)``. The child prepares ``__main__`` from the header before unpickling,
+    the way multiprocessing's spawn method re-imports the main module, so a function
+    defined in the user's script is found again.
+    """
+    main = sys.modules.get("__main__")
+    header = {
+        "version": 1,
+        "main_file": getattr(main, "__file__", None),
+        "sys_path": list(sys.path),
+        "cwd": os.getcwd(),
+    }
+    try:
+        body = pickle.dumps((call.function, call.args, call.return_file))
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ProcessStartError(
+            f"cannot send {call.function!r} to a worker process: {exc} "
+            "(function workers must be importable by name; use --start-method fork "
+            "for local closures)"
+        ) from exc
+    with open(path, "wb") as fh:
+        fh.write(json.dumps(header).encode() + b"\n")
+        fh.write(body)
+
+
+class ForkStarter:
+    """Start function workers by forking the agent (``--start-method fork``)."""
+
+    def start(self, spec: ProcessSpec) -> WorkerProcess:
+        if spec.call is None:
+            raise ProcessStartError("the fork starter runs Python functions only")
+        parent = os.getpid()
+        # Flush before forking so that buffered output is not written twice.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child, measured by process tests
+            code = 1
+            try:
+                os.setsid()
+                set_parent_death_signal(spec.death_signal, parent)
+                if spec.stdout_fd is not None:
+                    os.dup2(spec.stdout_fd, 1)
+                if spec.stderr_fd is not None:
+                    os.dup2(spec.stderr_fd, 2)
+                if spec.cwd:
+                    os.chdir(spec.cwd)
+                os.environ.clear()
+                os.environ.update(spec.env)
+                from elastrun.worker.fnrunner import run_call
+
+                code = run_call(spec.call.function, spec.call.args, spec.call.return_file)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pidfd = os.pidfd_open(pid)
+        return _Handle(
+            spec.local_rank, pid, pidfd, _waitpid_nohang(pid), spec.call.return_file
+        )

@@ -1,0 +1,72 @@
+"""Run a pickled Python function as a worker (the child side of function workers).
+
+Usage (internal): ``python -u -m elastrun.worker.fnrunner PAYLOAD``, where PAYLOAD was
+written by the agent: a JSON header line, then the pickled ``(function, args,
+return_file)``. The return value is pickled to ``return_file``; an exception is recorded
+to ``TORCHELASTIC_ERROR_FILE`` by ``record`` and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import runpy
+import sys
+import traceback
+from collections.abc import Callable
+
+
+def run_call(function: Callable[..., object], args: tuple[object, ...], return_file: str) -> int:
+    """Call ``function(*args)`` under ``record``; returns the exit code for the process."""
+    from elastrun.worker.record import record
+
+    try:
+        result = record(function)(*args)
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        return code if isinstance(code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    tmp = f"{return_file}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        pickle.dump(result, fh)
+    os.replace(tmp, return_file)
+    return 0
+
+
+def _prepare_main(main_file: str | None) -> None:
+    """Import the parent's main script as ``__mp_main__`` and alias it as ``__main__``."""
+    if not main_file or not os.path.exists(main_file):
+        return
+    if os.path.basename(main_file) == "fnrunner.py":
+        return
+    namespace = runpy.run_path(main_file, run_name="__mp_main__")
+    module = type(sys)("__mp_main__")
+    module.__dict__.update(namespace)
+    sys.modules["__mp_main__"] = module
+    sys.modules["__main__"] = module
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m elastrun.worker.fnrunner PAYLOAD", file=sys.stderr)
+        return 2
+    with open(argv[0], "rb") as fh:
+        header = json.loads(fh.readline())
+        body = fh.read()
+    if header.get("version") != 1:
+        print(f"fnrunner: unsupported payload version {header.get('version')!r}", file=sys.stderr)
+        return 2
+    sys.path[:] = header["sys_path"]
+    _prepare_main(header.get("main_file"))
+    # The payload is written by our own agent for this child only.
+    function, args, return_file = pickle.loads(body)  # noqa: S301
+    return run_call(function, tuple(args), return_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,75 @@
+"""Suite-wide guards: every test must leave no process and no descriptor behind.
+
+Each test runs with a unique ``ELASTRUN_TEST_TAG`` in its environment. Every process a
+test starts inherits it (elastrun passes the agent's environment to workers), so after
+the test any live process whose environment still carries the tag is a leak -- even
+one that escaped into its own session or was re-parented to init. Leaked processes are
+killed by pid (they are ours) and the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+TAG = "ELASTRUN_TEST_TAG"
+GRACE = 5.0
+
+
+def _tagged_pids(tag: str) -> list[int]:
+    needle = f"{TAG}={tag}".encode()
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read()
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == b"Z":
+            continue  # a zombie holds no resources; its parent will reap it
+        if needle in env.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def _our_fds() -> set[tuple[int, str]]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(("pipe:", "anon_inode:[pidfd]")):
+            out.add((int(fd), target))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG, tag)
+    fds_before = _our_fds()
+    yield tag
+    deadline = time.monotonic() + GRACE
+    leaked = _tagged_pids(tag)
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leaked = _tagged_pids(tag)
+    for pid in leaked:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    fds_leaked = _our_fds() - fds_before
+    assert not leaked, f"processes left running by this test: {leaked}"
+    assert not fds_leaked, f"descriptors left open by this test: {sorted(fds_leaked)}"
