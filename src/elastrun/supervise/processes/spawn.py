@@ -199,6 +199,23 @@ class SubprocessStarter:
         return _Handle(spec.local_rank, proc.pid, pidfd, proc.poll, return_file)
 
 
+def _main_file_for(function: Callable[..., object]) -> str | None:
+    """The script the child must re-import so that ``function`` can be found.
+
+    Only a function defined in the user's main script needs it. A main module that is
+    a package's ``__main__`` (``python -m elastrun``) is never re-run: it is the
+    launcher itself, not user code (multiprocessing makes the same exception).
+    """
+    if getattr(function, "__module__", None) != "__main__":
+        return None
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and (spec.name == "__main__" or spec.name.endswith(".__main__")):
+        return None
+    path: str | None = getattr(main, "__file__", None)
+    return path
+
+
 def write_call_payload(path: str, call: FunctionCall) -> None:
     """Write a function call for ``elastrun.worker.fnrunner``.
 
@@ -208,10 +225,9 @@ def write_call_payload(path: str, call: FunctionCall) -> None:
     the way multiprocessing's spawn method re-imports the main module, so a function
     defined in the user's script is found again.
     """
-    main = sys.modules.get("__main__")
     header = {
         "version": 1,
-        "main_file": getattr(main, "__file__", None),
+        "main_file": _main_file_for(call.function),
         "sys_path": list(sys.path),
         "cwd": os.getcwd(),
     }

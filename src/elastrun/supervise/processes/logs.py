@@ -1,0 +1,421 @@
+"""Where worker output goes: the ``--redirects``/``--tee`` syntax and the log directory layout.
+
+The names follow ``torch.distributed.elastic.multiprocessing`` (``Std``, ``to_map``,
+``LogsDest``, ``LogsSpecs``, ``DefaultLogsSpecs``) so that code written against torch
+keeps working. Differences from torch, each deliberate:
+
+* per-rank maps such as ``"12:3"`` may address any local rank, not only 0-9;
+* ``DefaultLogsSpecs`` does no I/O in its constructor; directories appear at the first
+  :meth:`~DefaultLogsSpecs.reify`;
+* every ``reify`` gets a fresh ``attempt_<k>`` directory; an existing one is never wiped
+  or reused, so the logs from before a membership change survive it;
+* with ``log_dir=/dev/null`` the filtered-output paths are empty (no file), instead of
+  the impossible ``/dev/null/filtered_stdout.log``.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+import os
+import re
+import string
+import tempfile
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+#: The variable through which a worker learns where to write its error file.
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+_DIGITS = re.compile(r"[0-9]+")
+_STD_VALUES = "0 (none), 1 (stdout), 2 (stderr) or 3 (both)"
+
+
+class Std(enum.IntFlag):
+    """Which standard streams of a worker a setting applies to (a bit mask)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = OUT | ERR
+
+    @classmethod
+    def from_str(cls, vm: str) -> Std | dict[int, Std]:
+        """Parse a ``--redirects``/``--tee`` value.
+
+        ``"3"`` applies to every local rank; ``"0:3,12:1"`` maps local ranks to values
+        (ranks missing from the map get ``NONE``, see :func:`to_map`). Whitespace around
+        the value and around items is ignored.
+
+        Raises:
+            ValueError: the text is neither form; the message names the bad part.
+        """
+        text = vm.strip()
+        if not text:
+            raise ValueError(f"empty stream setting {vm!r}: expected a digit 0-3 or rank:value,...")
+        if ":" not in text:
+            return cls._parse_value(text, vm)
+        result: dict[int, Std] = {}
+        for raw_item in text.split(","):
+            item = raw_item.strip()
+            if not item:
+                raise ValueError(f"empty item in stream map {vm!r}")
+            rank_text, sep, value_text = item.partition(":")
+            rank_text = rank_text.strip()
+            if not sep or not _DIGITS.fullmatch(rank_text):
+                raise ValueError(
+                    f"bad item {item!r} in stream map {vm!r}: expected <local_rank>:<value>"
+                )
+            rank = int(rank_text)
+            if rank in result:
+                raise ValueError(f"local rank {rank} appears twice in stream map {vm!r}")
+            result[rank] = cls._parse_value(value_text.strip(), vm)
+        return result
+
+    @classmethod
+    def _parse_value(cls, text: str, whole: str) -> Std:
+        if len(text) == 1 and text in "0123":
+            return cls(int(text))
+        raise ValueError(f"bad stream value {text!r} in {whole!r}: expected {_STD_VALUES}")
+
+
+def to_map(val_or_map: Std | dict[int, Std], local_world_size: int) -> dict[int, Std]:
+    """Expand a setting to one value per local rank ``0..local_world_size-1``.
+
+    A single value applies to every rank; a map gives ``NONE`` to the ranks it does not
+    name, and its entries for ranks outside the range are ignored (as torch does).
+    """
+    if isinstance(val_or_map, Std):
+        return dict.fromkeys(range(local_world_size), val_or_map)
+    return {lr: val_or_map.get(lr, Std.NONE) for lr in range(local_world_size)}
+
+
+def _std_for(val_or_map: Std | dict[int, Std], local_rank: int) -> Std:
+    if isinstance(val_or_map, Std):
+        return val_or_map
+    return val_or_map.get(local_rank, Std.NONE)
+
+
+def parse_local_ranks_filter(s: str) -> set[int] | None:
+    """Parse ``--local-ranks-filter``: ``""`` means no filter, ``"0,2"`` gives ``{0, 2}``.
+
+    Raises:
+        ValueError: an item is not a non-negative integer.
+    """
+    if not s.strip():
+        return None
+    ranks: set[int] = set()
+    for raw_item in s.split(","):
+        item = raw_item.strip()
+        if not _DIGITS.fullmatch(item):
+            raise ValueError(
+                f"bad local rank {item!r} in {s!r}: expected a comma-separated list of "
+                "non-negative integers such as 0,1,2"
+            )
+        ranks.add(int(item))
+    return ranks
+
+
+def parse_duplicate_filters(s: str) -> list[str]:
+    """Parse ``--duplicate-std{out,err}-filters``: comma-separated substrings.
+
+    A doubled comma stands for a literal comma (``"from 1,,x,from 2"`` gives
+    ``["from 1,x", "from 2"]``), read left to right as torch does.
+
+    Empty items are dropped (torch keeps them, and an empty needle then matches every
+    line, although torch's help says an empty list duplicates nothing); so ``""`` gives
+    ``[]``.
+    """
+    items: list[str] = []
+    current: list[str] = []
+    i = 0
+    while i < len(s):
+        if s[i] == ",":
+            if s.startswith(",,", i):
+                current.append(",")
+                i += 2
+                continue
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(s[i])
+        i += 1
+    items.append("".join(current))
+    return [item for item in items if item]
+
+
+def is_shown_on_console(local_ranks_filter: set[int] | None, local_rank: int) -> bool:
+    """Whether a rank's console output is shown under ``--local-ranks-filter``.
+
+    ``None`` or an empty set means every rank is shown (as in torch).
+    """
+    return not local_ranks_filter or local_rank in local_ranks_filter
+
+
+@dataclass
+class LogsDest:
+    """Where each local rank's streams go, as computed by :meth:`LogsSpecs.reify`.
+
+    ``stdouts``/``stderrs`` hold the file each stream is written to, ``""`` meaning "not
+    to a file" (the console). ``tee_stdouts``/``tee_stderrs`` name the ranks whose file
+    is also shown on the console (the same path). ``error_files`` holds the path each
+    rank's ``TORCHELASTIC_ERROR_FILE`` points at. ``filtered_stdout``/``filtered_stderr``
+    are the files for ``--duplicate-*-filters`` (``""``: none).
+    """
+
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+    tee_stdouts: dict[int, str] = field(default_factory=dict)
+    tee_stderrs: dict[int, str] = field(default_factory=dict)
+    error_files: dict[int, str] = field(default_factory=dict)
+    filtered_stdout: str = ""
+    filtered_stderr: str = ""
+
+
+class LogsSpecs(abc.ABC):
+    """Policy deciding where worker output and error files go.
+
+    Subclasses (loaded by name through ``--logs-specs``) implement :meth:`reify` and
+    :attr:`root_log_dir`.
+
+    Args:
+        log_dir: base directory of the logs (meaning is up to the subclass).
+        redirects: streams written to files instead of the console, for all local
+            ranks or per local rank.
+        tee: streams written to files *and* shown on the console (implies redirect).
+        local_ranks_filter: only these local ranks are shown on the console; ``None``
+            shows all. Files are written regardless.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        redirects: Std | dict[int, Std] = Std.NONE,
+        tee: Std | dict[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | None = None,
+    ) -> None:
+        self.log_dir = log_dir
+        self.redirects = redirects
+        self.tee = tee
+        self.local_ranks_filter = local_ranks_filter
+
+    @abc.abstractmethod
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Decide the destinations for one start of the workers in ``envs``.
+
+        ``envs`` maps local rank to that worker's environment; implementations may add
+        variables to it (``TORCHELASTIC_ERROR_FILE``).
+        """
+
+    @property
+    @abc.abstractmethod
+    def root_log_dir(self) -> str:
+        """The base directory of the logs."""
+
+    # torch's base class keeps its arguments in these private names, and subclasses
+    # ported from torch use them; they are aliases of the public attributes.
+    @property
+    def _root_log_dir(self) -> str | None:
+        return self.log_dir
+
+    @_root_log_dir.setter
+    def _root_log_dir(self, value: str | None) -> None:
+        self.log_dir = value
+
+    @property
+    def _redirects(self) -> Std | dict[int, Std]:
+        return self.redirects
+
+    @_redirects.setter
+    def _redirects(self, value: Std | dict[int, Std]) -> None:
+        self.redirects = value
+
+    @property
+    def _tee(self) -> Std | dict[int, Std]:
+        return self.tee
+
+    @_tee.setter
+    def _tee(self, value: Std | dict[int, Std]) -> None:
+        self.tee = value
+
+    @property
+    def _local_ranks_filter(self) -> set[int] | None:
+        return self.local_ranks_filter
+
+    @_local_ranks_filter.setter
+    def _local_ranks_filter(self, value: set[int] | None) -> None:
+        self.local_ranks_filter = value
+
+
+def _safe_dir_part(text: str) -> str:
+    # A run id is user-chosen; a path separator in it must not move the directory.
+    for sep in (os.sep, os.altsep):
+        if sep:
+            text = text.replace(sep, "_")
+    return text.replace("\0", "_")
+
+
+class DefaultLogsSpecs(LogsSpecs):
+    """The standard layout ``<log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/``.
+
+    Each rank directory holds ``stdout.log`` and ``stderr.log`` (for redirected or tee'd
+    streams) and ``error.json`` (written by the worker on failure); each attempt
+    directory holds ``filtered_stdout.log``/``filtered_stderr.log``.
+
+    ``log_dir`` None or empty: a new temporary directory ``elastrun_*`` is made at the
+    first :meth:`reify` (:attr:`is_temporary` is then True). ``log_dir == os.devnull``:
+    no directory is made, nothing goes to files and workers record no error file.
+
+    The constructor does no I/O; errors about ``log_dir`` surface at the first
+    :meth:`reify`.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        redirects: Std | dict[int, Std] = Std.NONE,
+        tee: Std | dict[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | None = None,
+    ) -> None:
+        super().__init__(log_dir, redirects, tee, local_ranks_filter)
+        self._temp_root: str | None = None
+        self._run_log_dir: str | None = None
+        self._attempt_dirs: list[str] = []
+        self._next_attempt = 0
+
+    @property
+    def is_devnull(self) -> bool:
+        """True when ``log_dir`` is ``os.devnull``: logs and error files are discarded."""
+        return self.log_dir == os.devnull
+
+    @property
+    def is_temporary(self) -> bool:
+        """True when no ``log_dir`` was given and a temporary directory is (to be) used."""
+        return not self.log_dir
+
+    @property
+    def root_log_dir(self) -> str:
+        """The base log directory; ``""`` while a temporary one is not yet made."""
+        if self.is_temporary:
+            return self._temp_root or ""
+        return str(self.log_dir)
+
+    @property
+    def run_log_dir(self) -> str | None:
+        """``<log_dir>/<run_id>_<random>``, or None before the first :meth:`reify`."""
+        return self._run_log_dir
+
+    @property
+    def attempt_dirs(self) -> list[str]:
+        """The attempt directories made so far, oldest first."""
+        return list(self._attempt_dirs)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Make a new attempt directory and compute the destinations of ``envs``' ranks.
+
+        Sets ``TORCHELASTIC_ERROR_FILE`` in every ``envs[local_rank]``.
+
+        Raises:
+            NotADirectoryError: ``log_dir`` exists and is not a directory.
+            OSError: a directory could not be made.
+        """
+        if self.is_devnull:
+            return self._reify_devnull(envs)
+        attempt_dir = self._new_attempt_dir(envs)
+        dest = LogsDest(
+            filtered_stdout=os.path.join(attempt_dir, "filtered_stdout.log"),
+            filtered_stderr=os.path.join(attempt_dir, "filtered_stderr.log"),
+        )
+        for lr in sorted(envs):
+            rank_dir = os.path.join(attempt_dir, str(lr))
+            os.mkdir(rank_dir)
+            tee = _std_for(self.tee, lr)
+            effective = _std_for(self.redirects, lr) | tee
+            out_path = os.path.join(rank_dir, "stdout.log")
+            err_path = os.path.join(rank_dir, "stderr.log")
+            dest.stdouts[lr] = out_path if effective & Std.OUT else ""
+            dest.stderrs[lr] = err_path if effective & Std.ERR else ""
+            if tee & Std.OUT:
+                dest.tee_stdouts[lr] = out_path
+            if tee & Std.ERR:
+                dest.tee_stderrs[lr] = err_path
+            error_file = os.path.join(rank_dir, "error.json")
+            dest.error_files[lr] = error_file
+            envs[lr][ERROR_FILE_ENV] = error_file
+        return dest
+
+    def _reify_devnull(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        dest = LogsDest()
+        for lr in sorted(envs):
+            dest.stdouts[lr] = ""
+            dest.stderrs[lr] = ""
+            dest.error_files[lr] = os.devnull
+            envs[lr][ERROR_FILE_ENV] = ""
+        return dest
+
+    def _new_attempt_dir(self, envs: dict[int, dict[str, str]]) -> str:
+        if self._run_log_dir is None:
+            root = self._ensure_root()
+            first_env = envs[min(envs)] if envs else {}
+            run_id = _safe_dir_part(first_env.get("TORCHELASTIC_RUN_ID", "none") or "none")
+            self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
+            logger.info("log directory set to: %s", self._run_log_dir)
+        k = self._next_attempt
+        while True:
+            attempt_dir = os.path.join(self._run_log_dir, f"attempt_{k}")
+            try:
+                os.mkdir(attempt_dir)
+            except FileExistsError:
+                # Someone else made it: never reuse (and never wipe) a directory.
+                k += 1
+                continue
+            break
+        self._next_attempt = k + 1
+        self._attempt_dirs.append(attempt_dir)
+        return attempt_dir
+
+    def _ensure_root(self) -> str:
+        if self.is_temporary:
+            if self._temp_root is None:
+                self._temp_root = tempfile.mkdtemp(prefix="elastrun_")
+            return self._temp_root
+        root = str(self.log_dir)
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise NotADirectoryError(f"log_dir: {root} exists and is not a directory")
+        os.makedirs(root, exist_ok=True)
+        return root
+
+    def __repr__(self) -> str:
+        return (
+            f"DefaultLogsSpecs(log_dir={self.log_dir!r}, redirects={self.redirects!r}, "
+            f"tee={self.tee!r}, local_ranks_filter={self.local_ranks_filter!r}, "
+            f"run_log_dir={self._run_log_dir!r}, attempts={len(self._attempt_dirs)})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DefaultLogsSpecs):
+            return NotImplemented
+        return (
+            self.log_dir == other.log_dir
+            and self.redirects == other.redirects
+            and self.tee == other.tee
+            and self.local_ranks_filter == other.local_ranks_filter
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable state; equality is by settings
+
+
+def format_line_prefix(template: str | None, role: str, rank: int, local_rank: int) -> str:
+    """The prefix put before each console line of a tee'd stream.
+
+    ``None`` gives torchrun's ``[<role><local_rank>]:`` (no trailing space). Otherwise
+    ``template`` is a :class:`string.Template` over ``${role_name}``, ``${rank}`` (the
+    global rank) and ``${local_rank}``; unknown placeholders are left as they are.
+    """
+    if template is None:
+        return f"[{role}{local_rank}]:"
+    return string.Template(template).safe_substitute(
+        role_name=role, rank=rank, local_rank=local_rank
+    )

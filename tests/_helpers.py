@@ -1,0 +1,82 @@
+"""Running the launcher as a user would, without ever leaving processes behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ELASTRUN = [sys.executable, "-m", "elastrun"]
+
+
+def write_script(path: Path, body: str) -> Path:
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def start(
+    args: Sequence[str],
+    *,
+    cwd: Path | str,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[str]:
+    """Start ``elastrun ARGS`` in its own session (so a test can signal it alone)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.Popen(
+        [*ELASTRUN, *args],
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"elastrun did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(
+    args: Sequence[str],
+    *,
+    cwd: Path | str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
+    return finish(start(args, cwd=cwd, env=env), timeout)
+
+
+def wait_for(predicate: object, timeout: float = 20, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_json_lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != b"Z"
