@@ -43,10 +43,12 @@ def start(
 def finish(proc: subprocess.Popen[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"elastrun did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+        raise AssertionError(
+            f"elastrun did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
+        ) from exc
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -38,7 +38,32 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "elastrun.core.errors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ChildFailedError",
+    "ConfigError",
+    "DefaultLogsSpecs",
+    "ElastrunError",
+    "LaunchConfig",
+    "LocalElasticAgent",
+    "LogsSpecs",
+    "ProcessFailure",
+    "RendezvousHandler",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousStoreInfo",
+    "RunResult",
+    "Std",
+    "Worker",
+    "WorkerGroup",
+    "WorkerSpec",
+    "WorkerState",
+    "elastic_launch",
+    "init_process_group",
+    "launch_agent",
+    "record",
+    "rendezvous_handler_registry",
+    "start_processes",
+]
 
 if TYPE_CHECKING:
     from elastrun.agent.local import LocalElasticAgent
@@ -53,9 +78,9 @@ if TYPE_CHECKING:
         RendezvousStoreInfo,
     )
     from elastrun.rendezvous.registry import rendezvous_handler_registry
+    from elastrun.supervise.api import start_processes
     from elastrun.supervise.failures.failure import ProcessFailure
     from elastrun.supervise.failures.report import ChildFailedError
-    from elastrun.supervise.api import start_processes
     from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsSpecs, Std
     from elastrun.worker.dist import init_process_group
     from elastrun.worker.record import record

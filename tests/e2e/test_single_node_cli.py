@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from _helpers import finish, pid_alive, run, start, wait_for, write_script
 
 ENV_DUMP = """
@@ -20,11 +21,24 @@ with open(path, "w") as fh:
                "name": __name__, "file": __file__}}, fh)
 """
 ELASTIC_VARS = [
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
-    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS",
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
 ]
 
 
@@ -38,7 +52,15 @@ def test_workers_get_the_torchrun_environment(tmp_path: Path, nproc: int) -> Non
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.pop("OMP_NUM_THREADS", None)
     result = run(
-        ["--nproc-per-node", str(nproc), "--max-restarts", "2", str(script), str(tmp_path), "--x=1"],
+        [
+            "--nproc-per-node",
+            str(nproc),
+            "--max-restarts",
+            "2",
+            str(script),
+            str(tmp_path),
+            "--x=1",
+        ],
         cwd=tmp_path,
         env={"OMP_NUM_THREADS": ""} if False else None,
     )
@@ -85,7 +107,17 @@ time.sleep(float(sys.argv[4]) if len(sys.argv) > 4 else 0)
 def test_a_failed_worker_restarts_the_group_until_it_succeeds(tmp_path: Path, mode: str) -> None:
     script = write_script(tmp_path / "flaky.py", FLAKY)
     result = run(
-        ["--nproc-per-node", "3", "--max-restarts", "2", str(script), str(tmp_path), mode, "2", "0.3"],
+        [
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "2",
+            str(script),
+            str(tmp_path),
+            mode,
+            "2",
+            "0.3",
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
@@ -102,17 +134,30 @@ def test_restarts_exhausted_exit_1_with_the_root_cause(tmp_path: Path) -> None:
     script = write_script(tmp_path / "flaky.py", FLAKY)
     logs = tmp_path / "logs"
     result = run(
-        ["--nproc-per-node", "3", "--max-restarts", "1", "--log-dir", str(logs), "--redirects", "2",
-         str(script), str(tmp_path), "raise", "5", "30"],
+        [
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "1",
+            "--log-dir",
+            str(logs),
+            "--redirects",
+            "2",
+            str(script),
+            str(tmp_path),
+            "raise",
+            "5",
+            "30",
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 1
     err = result.stderr
     assert "Traceback" in err  # the worker's traceback, not the launcher's
-    report = err[err.index("FAILED"):]
+    report = err[err.index("FAILED") :]
     assert "restart budget exhausted: 1 of 1" in report
-    root = report[report.index("Root cause"):]
-    assert "rank" in root and "1 (local" in root.replace("rank       : ", "") or "rank 1" in root
+    root = report[report.index("Root cause") :]
+    assert ("rank" in root and "1 (local" in root.replace("rank       : ", "")) or "rank 1" in root
     assert "ValueError: boom on attempt 1" in root
     assert 'raise ValueError(f"boom on attempt {restart}")' in root
     # Siblings stopped by elastrun are not blamed.
@@ -161,11 +206,21 @@ def test_shutdown_timeout_is_honoured_on_restarts(tmp_path: Path) -> None:
     script = write_script(tmp_path / "hang.py", HANG_ON_TERM)
     t0 = time.monotonic()
     proc = start(
-        ["--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "1",
-         str(script), str(tmp_path), "ignore", "fail-once"],
+        [
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--shutdown-timeout",
+            "1",
+            str(script),
+            str(tmp_path),
+            "ignore",
+            "fail-once",
+        ],
         cwd=tmp_path,
     )
-    wait_for(lambda: (tmp_path / "ready_1_0").exists(), 30, "the restarted workers")
+    wait_for((tmp_path / "ready_1_0").exists, 30, "the restarted workers")
     elapsed = time.monotonic() - t0
     # Rank 0 ignored SIGTERM: it was SIGKILLed after the 1 s grace, not torch's fixed 30 s.
     assert (tmp_path / "got_SIGTERM_0_0").exists()
@@ -231,7 +286,9 @@ def test_module_binary_and_run_path_workers(tmp_path: Path) -> None:
     dump = json.loads((out / "env_1.json").read_text())
     assert dump["name"] == "__main__" and dump["argv"][0].endswith("mypkg/train.py")
 
-    result = run(["--nproc-per-node", "2", "--no-python", "sh", "-c", 'echo "bin $RANK"'], cwd=tmp_path)
+    result = run(
+        ["--nproc-per-node", "2", "--no-python", "sh", "-c", 'echo "bin $RANK"'], cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split("\n")[:2]) == ["bin 0", "bin 1"]
 
@@ -267,7 +324,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], needle
 
 def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path) -> None:
     (tmp_path / "x.py").write_text("open('started', 'w').close()\n")
-    result = run(["--nproc-per-node", "2", "--tee", "3", "--dry-run", "x.py", "--lr", "1"], cwd=tmp_path)
+    result = run(
+        ["--nproc-per-node", "2", "--tee", "3", "--dry-run", "x.py", "--lr", "1"], cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "worker local_rank=1 rank=1" in out

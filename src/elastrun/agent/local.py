@@ -131,6 +131,7 @@ class LocalElasticAgent:
         self._handler: RendezvousHandler = spec.rdzv_handler or LocalRendezvousHandler(
             run_id or str(uuid.uuid4())
         )
+        self._owns_shutdown = shutdown is None
         self._shutdown = shutdown if shutdown is not None else ShutdownRequest()
         self._starter = starter
         self._policy = policy if policy is not None else RestartAll()
@@ -172,6 +173,8 @@ class LocalElasticAgent:
         finally:
             self._finish_attempt(signal.SIGTERM)
             self._guard.close()
+            if self._owns_shutdown:
+                self._shutdown.waker.close()
             if self._return_dir:
                 shutil.rmtree(self._return_dir, ignore_errors=True)
 
@@ -222,8 +225,12 @@ class LocalElasticAgent:
         plan = self._plan(info)
         self._events.record(
             "agent.rendezvous",
-            {"round": info.round, "group_rank": info.rank, "group_world_size": info.world_size,
-             "duration_ms": round(rdzv_ms, 3)},
+            {
+                "round": info.round,
+                "group_rank": info.rank,
+                "group_world_size": info.world_size,
+                "duration_ms": round(rdzv_ms, 3),
+            },
         )
         self._start_workers(plan)
 
@@ -319,13 +326,24 @@ class LocalElasticAgent:
         took = (self._clock.monotonic() - t0) * 1000
         log.info(
             "started %d worker(s) (attempt %d, restart %d of %d) in %.0f ms; %s",
-            len(procs), number, self._budget.used, self._budget.limit, took,
-            ", ".join(f"rank {w.ranks.global_rank}: pid {p.pid}" for w, p in zip(plan.workers, procs, strict=True)),
+            len(procs),
+            number,
+            self._budget.used,
+            self._budget.limit,
+            took,
+            ", ".join(
+                f"rank {w.ranks.global_rank}: pid {p.pid}"
+                for w, p in zip(plan.workers, procs, strict=True)
+            ),
         )
         self._events.record(
             "agent.workers_started",
-            {"attempt": number, "restart_count": self._budget.used, "duration_ms": round(took, 3),
-             "pids": ",".join(str(p.pid) for p in procs)},
+            {
+                "attempt": number,
+                "restart_count": self._budget.used,
+                "duration_ms": round(took, 3),
+                "pids": ",".join(str(p.pid) for p in procs),
+            },
         )
 
     def _process_spec(
@@ -371,7 +389,8 @@ class LocalElasticAgent:
         if running:
             log.info(
                 "stopped %d worker(s) in %.0f ms%s",
-                len(running), (self._clock.monotonic() - t0) * 1000,
+                len(running),
+                (self._clock.monotonic() - t0) * 1000,
                 f" ({len(report.killed)} needed SIGKILL)" if report.killed else "",
             )
 
@@ -381,16 +400,28 @@ class LocalElasticAgent:
         first = failed[0]
         rank = attempt.plan.workers[first.local_rank].ranks.global_rank
         what = _describe_exit(first.exitcode)
-        line = f"attempt {attempt.number}: rank {rank} (local {first.local_rank}, pid {first.pid}) {what}"
+        line = (
+            f"attempt {attempt.number}: rank {rank} "
+            f"(local {first.local_rank}, pid {first.pid}) {what}"
+        )
         self.history.append(line)
         log.warning(
             "worker rank %d (local rank %d, pid %d) %s; restarting all workers (restart %d of %d)",
-            rank, first.local_rank, first.pid, what, self._budget.used, self._budget.limit,
+            rank,
+            first.local_rank,
+            first.pid,
+            what,
+            self._budget.used,
+            self._budget.limit,
         )
         self._events.record(
             "agent.restart",
-            {"attempt": attempt.number, "rank": rank, "exitcode": first.exitcode,
-             "restart_count": self._budget.used},
+            {
+                "attempt": attempt.number,
+                "rank": rank,
+                "exitcode": first.exitcode,
+                "restart_count": self._budget.used,
+            },
         )
         self._finish_attempt(signal.SIGTERM)
         self._transition(WorkerState.STOPPED)
@@ -424,7 +455,9 @@ class LocalElasticAgent:
             f"(--max-restarts {limit})"
         )
         self._transition(WorkerState.FAILED)
-        self._events.record("agent.failed", {"failures": len(failures), "restarts": self._budget.used})
+        self._events.record(
+            "agent.failed", {"failures": len(failures), "restarts": self._budget.used}
+        )
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _succeed(self, attempt: _Attempt) -> RunResult:

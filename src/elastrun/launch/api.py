@@ -22,7 +22,7 @@ from elastrun.supervise.processes.logs import DefaultLogsSpecs
 log = logging.getLogger("elastrun.launch")
 
 
-class elastic_launch:  # noqa: N801 - torch's name, kept for drop-in compatibility
+class elastic_launch:
     """Launch ``entrypoint`` on this node's workers: ``elastic_launch(config, fn)(*args)``.
 
     Returns ``{global_rank: return_value}`` for this node's workers (None for
@@ -128,6 +128,7 @@ def launch_agent(
     run_id = config.run_id or str(uuid.uuid4().int)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     restore: Callable[[], None] = lambda: None  # noqa: E731
+    owned = shutdown is None
     if shutdown is None:
         shutdown = ShutdownRequest()
         restore = install_signal_handlers(parse_signals(config.signals_to_handle), shutdown)
@@ -150,6 +151,8 @@ def launch_agent(
         raise
     finally:
         restore()
+        if owned:
+            shutdown.waker.close()
         # A signal leaves the run id open so other nodes can decide for themselves;
         # any other ending closes it (torch's behaviour).
         if agent is not None and not signalled:

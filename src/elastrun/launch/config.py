@@ -90,7 +90,9 @@ class LaunchConfig:
         else:
             configs.setdefault("timeout", "900")
         object.__setattr__(self, "rdzv_configs", configs)
-        object.__setattr__(self, "shutdown_timeout", resolve_shutdown_timeout(self.shutdown_timeout))
+        object.__setattr__(
+            self, "shutdown_timeout", resolve_shutdown_timeout(self.shutdown_timeout)
+        )
 
     @property
     def effective_shutdown_timeout(self) -> float:

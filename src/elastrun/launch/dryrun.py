@@ -57,7 +57,7 @@ def render_plan(
         role=cfg.role,
         local_world_size=cfg.nproc_per_node,
         nodes=[NodeSlot(cfg.role, cfg.nproc_per_node)] * cfg.max_nodes,
-        entrypoint=entrypoint if isinstance(entrypoint, str) else entrypoint,  # type: ignore[arg-type]
+        entrypoint=entrypoint,  # type: ignore[arg-type]
         args=args,
         base_env=environ,
         python=sys.executable,

@@ -30,7 +30,9 @@ class Store(Protocol):
         """Atomically add ``amount`` to an integer counter (absent = 0); returns the new value."""
         ...
 
-    def compare_set(self, key: str, expected: bytes | None, value: bytes) -> tuple[bool, bytes | None]:
+    def compare_set(
+        self, key: str, expected: bytes | None, value: bytes
+    ) -> tuple[bool, bytes | None]:
         """Write ``value`` if the current value equals ``expected`` (None: key absent).
 
         Returns ``(swapped, current_value_after_the_call)``.

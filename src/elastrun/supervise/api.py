@@ -7,12 +7,12 @@ the same pieces (starters, ``ProcessSet``, the output relay) directly.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
 import sys
 import tempfile
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -126,7 +126,9 @@ class PContext:
             return ProcessSpec(lr, env, argv=argv, stdout_fd=out, stderr_fd=err)
         if self._return_dir is None:
             self._return_dir = tempfile.mkdtemp(prefix="elastrun-ret-")
-        call = FunctionCall(self.entrypoint, self.args[lr], os.path.join(self._return_dir, f"{lr}.pkl"))
+        call = FunctionCall(
+            self.entrypoint, self.args[lr], os.path.join(self._return_dir, f"{lr}.pkl")
+        )
         return ProcessSpec(lr, env, call=call, stdout_fd=out, stderr_fd=err)
 
     def pids(self) -> dict[int, int]:
@@ -217,8 +219,15 @@ def start_processes(
 
         raise NotImplementedYetError("numa_options", numa_options, "NUMA binding")
     ctx = PContext(
-        name, entrypoint, args, envs, logs_specs, log_line_prefixes, start_method,
-        duplicate_stdout_filters, duplicate_stderr_filters,
+        name,
+        entrypoint,
+        args,
+        envs,
+        logs_specs,
+        log_line_prefixes,
+        start_method,
+        duplicate_stdout_filters,
+        duplicate_stderr_filters,
     )
     try:
         ctx.start()

@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
     sys.path[:] = header["sys_path"]
     _prepare_main(header.get("main_file"))
     # The payload is written by our own agent for this child only.
-    function, args, return_file = pickle.loads(body)  # noqa: S301
+    function, args, return_file = pickle.loads(body)
     return run_call(function, tuple(args), return_file)
 
 

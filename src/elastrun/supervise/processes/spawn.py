@@ -114,7 +114,7 @@ def _read_return_value(path: str | None) -> object:
     with open(path, "rb") as fh:
         # The file was written by our own child from the user's return value: the one
         # place a pickle crosses a process boundary, as with multiprocessing.
-        return pickle.load(fh)  # noqa: S301
+        return pickle.load(fh)
 
 
 @dataclass
@@ -189,7 +189,9 @@ class SubprocessStarter:
                 stderr=spec.stderr_fd,
                 cwd=spec.cwd,
                 start_new_session=True,
-                preexec_fn=lambda: set_parent_death_signal(death, parent),
+                # Only prctl and getppid run between fork and exec: no locks, no
+                # allocation, so the relay thread cannot deadlock the child.
+                preexec_fn=lambda: set_parent_death_signal(death, parent),  # noqa: PLW1509
             )
         except OSError as exc:
             raise ProcessStartError(
@@ -276,6 +278,4 @@ class ForkStarter:
                 sys.stderr.flush()
                 os._exit(code)
         pidfd = os.pidfd_open(pid)
-        return _Handle(
-            spec.local_rank, pid, pidfd, _waitpid_nohang(pid), spec.call.return_file
-        )
+        return _Handle(spec.local_rank, pid, pidfd, _waitpid_nohang(pid), spec.call.return_file)

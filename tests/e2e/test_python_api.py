@@ -1,0 +1,111 @@
+"""The Python API: elastic_launch and LocalElasticAgent with function workers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import elastrun
+from elastrun import (
+    ChildFailedError,
+    LaunchConfig,
+    LocalElasticAgent,
+    WorkerSpec,
+    WorkerState,
+    elastic_launch,
+)
+
+
+def square_rank(offset: int) -> int:
+    return int(os.environ["RANK"]) ** 2 + offset
+
+
+def fail_on_rank_one() -> None:
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one refuses")
+
+
+def test_public_api_is_pinned() -> None:
+    assert elastrun.__all__ == [
+        "ChildFailedError",
+        "ConfigError",
+        "DefaultLogsSpecs",
+        "ElastrunError",
+        "LaunchConfig",
+        "LocalElasticAgent",
+        "LogsSpecs",
+        "ProcessFailure",
+        "RendezvousHandler",
+        "RendezvousInfo",
+        "RendezvousParameters",
+        "RendezvousStoreInfo",
+        "RunResult",
+        "Std",
+        "Worker",
+        "WorkerGroup",
+        "WorkerSpec",
+        "WorkerState",
+        "elastic_launch",
+        "init_process_group",
+        "launch_agent",
+        "record",
+        "rendezvous_handler_registry",
+        "start_processes",
+    ]
+    for name in elastrun.__all__:
+        assert getattr(elastrun, name) is not None
+
+
+def test_elastic_launch_returns_values_by_global_rank() -> None:
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=3, max_restarts=0)
+    assert elastic_launch(config, square_rank)(10) == {0: 10, 1: 11, 2: 14}
+
+
+def test_elastic_launch_with_fork_start_method() -> None:
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, start_method="fork")
+    assert elastic_launch(config, square_rank)(1) == {0: 1, 1: 2}
+
+
+def test_elastic_launch_raises_child_failed_error_naming_the_rank() -> None:
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=1)
+    with pytest.raises(ChildFailedError) as info:
+        elastic_launch(config, fail_on_rank_one)()
+    rank, failure = info.value.get_first_failure()
+    assert rank == 1
+    assert "ValueError: rank one refuses" in failure.message
+    assert "restart budget exhausted: 1 of 1" in str(info.value)
+
+
+def test_local_agent_runs_a_function_without_rendezvous_setup() -> None:
+    agent = LocalElasticAgent(
+        WorkerSpec(role="trainer", local_world_size=4, entrypoint=square_rank, args=(5,))
+    )
+    result = agent.run()
+    assert result.state is WorkerState.SUCCEEDED
+    assert result.return_values == {0: 5, 1: 6, 2: 9, 3: 14}
+
+
+def test_local_agent_runs_an_executable(tmp_path: Path) -> None:
+    import sys
+
+    out = tmp_path / "out"
+    agent = LocalElasticAgent(
+        WorkerSpec(
+            local_world_size=2,
+            entrypoint=sys.executable,
+            args=("-c", f"import os; open(r'{out}' + os.environ['RANK'], 'w').close()"),
+        )
+    )
+    result = agent.run()
+    assert result.state is WorkerState.SUCCEEDED
+    assert result.return_values == {0: None, 1: None}
+    assert (tmp_path / "out0").exists() and (tmp_path / "out1").exists()
+
+
+def test_worker_side_init_process_group_explains_a_missing_launcher(monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(elastrun.ConfigError, match="not started by elastrun"):
+        elastrun.init_process_group(backend="gloo")
