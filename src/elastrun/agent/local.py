@@ -18,6 +18,7 @@ import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from elastrun.agent.plan import LaunchPlan, NodeSlot, RoundFacts, build_plan
 from elastrun.agent.policy import (
@@ -54,6 +55,18 @@ from elastrun.supervise.processes.spawn import (
 )
 
 log = logging.getLogger("elastrun.agent")
+
+
+class Guard(Protocol):
+    """Kills the workers' groups if the agent dies abruptly (see ``OrphanGuard``)."""
+
+    def start(self) -> None: ...
+
+    def watch(self, pgid: int) -> None: ...
+
+    def forget(self, pgid: int) -> None: ...
+
+    def close(self) -> None: ...
 
 # Legal worker-group transitions; ``_transition`` enforces them and emits an event.
 _TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
@@ -97,7 +110,7 @@ class LocalElasticAgent:
             the final stop alike.
         run_id: the run id when ``spec.rdzv_handler`` is None.
         shutdown: a request set by the launcher's signal handlers.
-        starter, policy, budget, clock, environ, python, events: injected
+        starter, policy, budget, clock, environ, python, events, guard: injected
             collaborators (production defaults when None).
     """
 
@@ -121,6 +134,7 @@ class LocalElasticAgent:
         python: str = sys.executable,
         events: EventSink | None = None,
         hostname: str | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self._spec = spec
         self._logs = logs_specs if logs_specs is not None else DefaultLogsSpecs()
@@ -144,7 +158,7 @@ class LocalElasticAgent:
         self._group = WorkerGroup(spec)
         self._attempt: _Attempt | None = None
         self._attempts = 0
-        self._guard = OrphanGuard(python)
+        self._guard: Guard = guard if guard is not None else OrphanGuard(python)
         self._return_dir: str | None = None
         self.history: list[str] = []  # one line per failure that caused a restart
         self.budget_note: str | None = None

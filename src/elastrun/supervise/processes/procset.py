@@ -39,27 +39,12 @@ class StopReport:
     unreaped: tuple[int, ...]  # local ranks still alive after the reap bound
 
 
-def _has_exited(pid: int) -> bool:
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True  # already reaped
-    return info is not None
-
-
 def _drain(fd: int) -> None:
     try:
         while os.read(fd, 4096):
             pass
     except OSError:
         pass  # non-blocking pipe emptied (EAGAIN) or closed
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class ProcessSet:
@@ -106,12 +91,12 @@ class ProcessSet:
         proc = self._live.get(local_rank)
         if proc is None:
             return None
-        if not _has_exited(proc.pid):
+        if not proc.exited():
             return None
         # The leader is a zombie until reaped below, so its pid -- the group id --
         # cannot have been reused: sweeping the group now reaches only the worker's
         # own leftover children, never a stranger.
-        _kill_group(proc.pid, signal.SIGKILL)
+        proc.signal_group(signal.SIGKILL)
         code = proc.poll()
         if code is None:
             return None
@@ -146,13 +131,7 @@ class ProcessSet:
 
     def _signal_groups(self, ranks: Iterable[int], sig: int) -> None:
         for lr in ranks:
-            pid = self._procs[lr].pid
-            try:
-                os.killpg(pid, sig)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                log.warning("no permission to signal process group %d (rank %d)", pid, lr)
+            self._procs[lr].signal_group(sig)
 
     def _wait_all(
         self, deadline: Deadline, by_agent: bool, abort_wait: Callable[[], bool] | None = None

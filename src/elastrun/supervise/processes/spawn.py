@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import pickle
 import signal
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from elastrun.core.errors import ProcessStartError
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _libc: ctypes.CDLL | None
@@ -91,6 +94,14 @@ class WorkerProcess(Protocol):
 
     def exit_fd(self) -> int: ...
 
+    def exited(self) -> bool:
+        """Whether the process has ended, without reaping it (its pid stays reserved)."""
+        ...
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group; a group that is gone is no error."""
+        ...
+
     def poll(self) -> int | None:
         """The exit code once the process has ended (negative: killed by that signal)."""
         ...
@@ -129,10 +140,27 @@ class _Handle:
     def exit_fd(self) -> int:
         return self._pidfd
 
+    def exited(self) -> bool:
+        if self._code is not None:
+            return True
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True  # already reaped
+        return info is not None
+
     def poll(self) -> int | None:
         if self._code is None:
             self._code = self._wait()
         return self._code
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            log.warning("no permission to signal process group %d", self.pid)
 
     def return_value(self) -> object:
         return _read_return_value(self._return_file)

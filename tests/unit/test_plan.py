@@ -1,0 +1,155 @@
+"""The launch plan: ranks, worker environment and command lines (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elastrun.agent.plan import (
+    NodeSlot,
+    RoundFacts,
+    assign_ranks,
+    build_plan,
+    substitute_local_rank,
+    with_bootstrap,
+    worker_env,
+)
+from elastrun.core.errors import ConfigError
+
+FACTS = RoundFacts(
+    run_id="job",
+    round=0,
+    group_rank=0,
+    group_world_size=1,
+    master_addr="127.0.0.1",
+    master_port=1234,
+    restart_count=2,
+    max_restarts=5,
+)
+
+nodes_strategy = st.lists(
+    st.builds(NodeSlot, st.sampled_from(["trainer", "reader"]), st.integers(1, 8)),
+    min_size=1,
+    max_size=12,
+)
+
+
+@given(nodes_strategy)
+def test_ranks_cover_the_world_exactly_once(nodes: list[NodeSlot]) -> None:
+    all_ranks = [r for g in range(len(nodes)) for r in assign_ranks(g, nodes)]
+    world = sum(n.local_world_size for n in nodes)
+    assert sorted(r.global_rank for r in all_ranks) == list(range(world))
+    assert all(r.world_size == world for r in all_ranks)
+    for role in {n.role for n in nodes}:
+        role_ranks = [
+            r.role_rank
+            for g, n in enumerate(nodes)
+            if n.role == role
+            for r in assign_ranks(g, nodes)
+        ]
+        assert sorted(role_ranks) == list(range(len(role_ranks)))
+
+
+@given(nodes_strategy)
+def test_global_ranks_follow_group_rank_order(nodes: list[NodeSlot]) -> None:
+    firsts = [assign_ranks(g, nodes)[0].global_rank for g in range(len(nodes))]
+    assert firsts == sorted(firsts)
+
+
+def test_group_rank_outside_the_world_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="group_rank"):
+        assign_ranks(3, [NodeSlot("a", 1)])
+
+
+def test_environment_has_every_torchrun_variable() -> None:
+    (ranks,) = assign_ranks(0, [NodeSlot("default", 1)])
+    env = worker_env(FACTS, ranks, role="default", local_world_size=1, base_env={})
+    assert env == {
+        "LOCAL_RANK": "0",
+        "RANK": "0",
+        "GROUP_RANK": "0",
+        "ROLE_RANK": "0",
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": "1",
+        "WORLD_SIZE": "1",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1234",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "5",
+        "TORCHELASTIC_RUN_ID": "job",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }
+
+
+def test_omp_threads_default_only_for_several_workers_and_unset() -> None:
+    ranks = assign_ranks(0, [NodeSlot("d", 2)])[0]
+    assert (
+        worker_env(FACTS, ranks, role="d", local_world_size=2, base_env={})["OMP_NUM_THREADS"]
+        == "1"
+    )
+    env = worker_env(FACTS, ranks, role="d", local_world_size=2, base_env={"OMP_NUM_THREADS": "4"})
+    assert "OMP_NUM_THREADS" not in env  # inherited from the agent as it is
+    nccl = worker_env(
+        FACTS,
+        ranks,
+        role="d",
+        local_world_size=2,
+        base_env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
+    )
+    assert nccl["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_virtual_local_rank_narrows_visible_devices() -> None:
+    ranks = assign_ranks(0, [NodeSlot("d", 2)])
+    base = {"CUDA_VISIBLE_DEVICES": "3, 5"}
+    envs = [
+        worker_env(FACTS, r, role="d", local_world_size=2, base_env=base, virtual_local_rank=True)
+        for r in ranks
+    ]
+    assert [(e["LOCAL_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("0", "3"), ("0", "5")]
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
+        worker_env(
+            FACTS,
+            assign_ranks(0, [NodeSlot("d", 3)])[2],
+            role="d",
+            local_world_size=3,
+            base_env=base,
+            virtual_local_rank=True,
+        )
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (("-u", "t.py", "-m", "x"), ("-u", "-m", "elastrun.worker.bootstrap", "t.py", "-m", "x")),
+        (("-u", "-m", "pkg.t", "a"), ("-u", "-m", "elastrun.worker.bootstrap", "-m", "pkg.t", "a")),
+        (("-W", "error", "t.py"), ("-W", "error", "-m", "elastrun.worker.bootstrap", "t.py")),
+        (("-c", "print(1)"), None),
+        (("-u",), None),
+        (("-m",), None),
+    ],
+)
+def test_python_command_lines_get_the_bootstrap(args: tuple[str, ...], expected: object) -> None:
+    assert with_bootstrap(args) == expected
+
+
+def test_local_rank_macro_is_substituted_in_strings_only() -> None:
+    assert substitute_local_rank(["--r=${local_rank}", 3, "$x"], 7) == ("--r=7", 3, "$x")
+
+
+def test_plan_uses_the_bootstrap_only_for_our_own_interpreter() -> None:
+    common = dict(
+        role="d",
+        local_world_size=1,
+        nodes=[NodeSlot("d", 1)],
+        args=["-u", "t.py"],
+        base_env={},
+    )
+    ours = build_plan(FACTS, entrypoint="/py", python="/py", **common)  # type: ignore[arg-type]
+    other = build_plan(FACTS, entrypoint="/other", python="/py", **common)  # type: ignore[arg-type]
+    assert ours.workers[0].argv == ("/py", "-u", "-m", "elastrun.worker.bootstrap", "t.py")
+    assert other.workers[0].argv == ("/other", "-u", "t.py")
