@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from _helpers import REPO, run
 
 pytestmark = pytest.mark.torch

@@ -68,6 +68,7 @@ class Guard(Protocol):
 
     def close(self) -> None: ...
 
+
 # Legal worker-group transitions; ``_transition`` enforces them and emits an event.
 _TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.INIT: frozenset({WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.STOPPED}),

@@ -1,0 +1,1 @@
+"""Supervision of worker processes: starting, watching and stopping them, and reporting failures."""

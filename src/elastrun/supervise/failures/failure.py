@@ -1,0 +1,193 @@
+"""One failed worker process: what the agent observed and what the worker reported."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from elastrun.core.errorfile import ErrorFileContents, ErrorFileProblem, read_error_file
+
+__all__ = ["NOT_AVAILABLE", "STDERR_TAIL_LINES", "ProcessFailure", "signal_name"]
+
+NOT_AVAILABLE = "<N/A>"
+
+# How much of a failed rank's stderr log the report shows.
+STDERR_TAIL_LINES = 20
+# Read at most this much from the end of the log for the tail; a long line past this
+# is shown cut at the front.
+_TAIL_READ_BYTES = 64 * 1024
+# A single line in the tail longer than this (a progress bar redrawn with '\r') is cut.
+_TAIL_LINE_MAX_CHARS = 1000
+
+
+@functools.cache
+def _local_fqdn() -> str:
+    # getfqdn may do a reverse DNS lookup, slow on badly configured hosts; the answer
+    # does not change during a run, so ask once per process.
+    return socket.getfqdn()
+
+
+@dataclass
+class ProcessFailure:
+    """A worker process that exited unsuccessfully.
+
+    The first four fields match torch's ``ProcessFailure``. ``__post_init__`` reads the
+    worker's error file and stderr tail; it never raises -- whatever cannot be read is
+    described in ``error_file_problem`` instead.
+
+    Attributes:
+        local_rank: the worker's rank on its node.
+        pid: the worker's process id.
+        exitcode: the exit status; negative means killed by that signal (``-9``: SIGKILL).
+        error_file: the path the worker was told to write its error to; ``""`` (or a
+            path where no file exists) means none was written.
+        global_rank: the worker's global rank, ``-1`` when unknown.
+        host: the host the worker ran on; defaults to this host's FQDN.
+        observed_at: wall-clock time the agent noticed the exit; ``0`` means now.
+        terminated_by_agent: True when elastrun stopped this worker because another one
+            failed (a sibling, not a cause).
+        stderr_file: the rank's stderr log, when it was redirected or tee'd.
+
+    Derived attributes:
+        message: the failure in one line (the exception, the signal, or the exit code).
+        timestamp: when the failure happened: the error file's time if it has one,
+            else ``observed_at``.
+        error_file_data: the error file's JSON document (``{"message": "<NONE>"}``
+            when there is none, as in torch).
+        error_file_contents: the parsed error file, or None.
+        traceback: the Python traceback the worker recorded, or None.
+        error_file_problem: why an existing error file could not be used, or None.
+        stderr_tail: the last lines of ``stderr_file`` (at most 20). When the log ends
+            with the very traceback of the error file (python printed what the
+            bootstrap recorded), that copy is left out and the lines before it are
+            kept, so the report does not show the traceback twice.
+        stderr_tail_omits_traceback: True when such a copy was left out.
+    """
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    error_file: str
+    global_rank: int = -1
+    host: str = ""
+    observed_at: float = 0.0
+    terminated_by_agent: bool = False
+    stderr_file: str | None = None
+
+    message: str = field(init=False)
+    timestamp: float = field(init=False)
+    error_file_data: dict[str, object] = field(init=False, repr=False)
+    error_file_contents: ErrorFileContents | None = field(init=False, repr=False)
+    traceback: str | None = field(init=False, repr=False)
+    error_file_problem: str | None = field(init=False)
+    stderr_tail: list[str] = field(init=False, repr=False)
+    stderr_tail_omits_traceback: bool = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            self.host = _local_fqdn()
+        if not self.observed_at:
+            self.observed_at = time.time()
+        self.error_file_contents = None
+        self.error_file_problem = None
+        self.error_file_data = {"message": "<NONE>"}
+        self.traceback = None
+        self.timestamp = self.observed_at
+        self.message = ""
+
+        if self.error_file and self.error_file != NOT_AVAILABLE:
+            contents = read_error_file(self.error_file)
+            if isinstance(contents, ErrorFileProblem):
+                if not contents.missing:
+                    self.error_file_problem = contents.reason
+            else:
+                self.error_file_contents = contents
+                self.error_file_data = dict(contents.raw)
+                self.traceback = contents.traceback
+                self.message = contents.message
+                if contents.timestamp is not None:
+                    self.timestamp = contents.timestamp
+
+        if not self.message:
+            self.message = self._message_without_error_file()
+        self.stderr_tail, self.stderr_tail_omits_traceback = _stderr_tail(
+            self.stderr_file, self.traceback
+        )
+
+    def _message_without_error_file(self) -> str:
+        if self.exitcode < 0:
+            return f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
+        if self.error_file_problem is not None:
+            return (
+                f"exited with code {self.exitcode}; "
+                f"its error file could not be used: {self.error_file_problem}"
+            )
+        return (
+            f"exited with code {self.exitcode}; no error file (the worker did not report an "
+            "exception: decorate its main with elastrun.record or torch's record, "
+            "or check its stderr)"
+        )
+
+    @property
+    def has_error_file(self) -> bool:
+        """True when the worker left a readable error file."""
+        return self.error_file_contents is not None
+
+    def signal_name(self) -> str:
+        """The name of the signal that killed the worker (``"SIGKILL"``), else ``"<N/A>"``."""
+        return signal_name(self.exitcode)
+
+    def timestamp_isoformat(self) -> str:
+        """``timestamp`` as local time, ``YYYY-MM-DD_HH:MM:SS`` (torch's format)."""
+        return datetime.fromtimestamp(self.timestamp).isoformat(sep="_", timespec="seconds")
+
+
+def signal_name(exitcode: int) -> str:
+    """``"SIGTERM"`` for ``-15``; ``"<N/A>"`` for a non-negative or unknown code."""
+    if exitcode >= 0:
+        return NOT_AVAILABLE
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return NOT_AVAILABLE
+
+
+def _stderr_tail(path: str | None, traceback: str | None) -> tuple[list[str], bool]:
+    """The tail of the stderr log, without a trailing copy of ``traceback``."""
+    tb_lines = [line.rstrip() for line in traceback.rstrip().splitlines()] if traceback else []
+    lines = _read_tail(path, STDERR_TAIL_LINES + len(tb_lines))
+    # Only an exact copy of the whole traceback is dropped: torch's record captures
+    # fewer frames than python prints, and a partial cut would be confusing.
+    if tb_lines and [line.rstrip() for line in lines[-len(tb_lines) :]] == tb_lines:
+        return lines[: -len(tb_lines)][-STDERR_TAIL_LINES:], True
+    return lines[-STDERR_TAIL_LINES:], False
+
+
+def _read_tail(path: str | None, max_lines: int) -> list[str]:
+    """The last ``max_lines`` lines of the file at ``path``; [] if there is none."""
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - _TAIL_READ_BYTES)
+            f.seek(start)
+            data = f.read(_TAIL_READ_BYTES)
+    except OSError:
+        # A missing or unreadable log only means there is no tail to show.
+        return []
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    if start > 0 and len(lines) > 1:
+        lines.pop(0)  # most likely the second half of a line cut by the seek
+    while lines and not lines[-1].strip():
+        lines.pop()
+    tail = lines[-max_lines:]
+    return [
+        line if len(line) <= _TAIL_LINE_MAX_CHARS else line[:_TAIL_LINE_MAX_CHARS] + "..."
+        for line in tail
+    ]

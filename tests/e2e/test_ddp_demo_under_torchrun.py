@@ -1,0 +1,131 @@
+"""The DDP demo is a correct elastic training script: proven under the reference launcher.
+
+These tests run `examples/ddp_demo.py` under PyTorch's own torchrun, so that a failure
+in the elastrun end-to-end tests (which run the same script) points at elastrun, not at
+the demo.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "ddp_demo.py"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+RUN_TIMEOUT_S = 90.0
+
+
+def _procs_mentioning(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line contains `marker` (a path unique to one test)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in (p.info["cmdline"] or [])):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _run_torchrun(args: list[str], marker: str) -> subprocess.CompletedProcess[str]:
+    """Run torchrun in its own session; on timeout stop that session, then its workers.
+
+    torchrun puts every worker in a session of its own, so killing torchrun's group is
+    not enough: SIGTERM first lets torchrun stop its workers, and anything still
+    carrying our unique path afterwards is a worker of ours and is killed by pid.
+    """
+    env = dict(os.environ)
+    # torchrun 2.13's default shared rendezvous store breaks the restart after a worker
+    # dies (reference section 5.1); the unshared mode is the reliable one.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.pop("PYTHONFAULTHANDLER", None)
+    proc = subprocess.Popen(
+        [str(TORCHRUN), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        for p in _procs_mentioning(marker):
+            p.kill()
+        pytest.fail(f"torchrun did not finish within {RUN_TIMEOUT_S} s; output:\n{out}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def _assert_no_process_left(marker: str) -> None:
+    deadline = time.monotonic() + 10
+    left = _procs_mentioning(marker)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = _procs_mentioning(marker)
+    for p in left:
+        p.kill()
+    assert not left, f"processes left behind: {[p.pid for p in left]}"
+
+
+@pytest.mark.parametrize("crash_mode", ["raise", "kill"])
+def test_demo_resumes_from_last_checkpoint_after_injected_crash_and_ends_identical(
+    tmp_path: Path, crash_mode: str
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    result_file = tmp_path / "r.json"
+    args = [
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "2",
+        str(DEMO),
+        "--steps",
+        "30",
+        "--crash-at-step",
+        "12",
+        "--crash-rank",
+        "1",
+        "--crash-mode",
+        crash_mode,
+        "--checkpoint-dir",
+        str(ckpt),
+        "--result-file",
+        str(result_file),
+    ]
+    done = _run_torchrun(args, marker=str(tmp_path))
+    _assert_no_process_left(str(tmp_path))
+
+    assert done.returncode == 0, done.stdout
+    result = json.loads(result_file.read_text())
+    assert result["steps"] == 30
+    assert result["resumed_from"] == 10, result
+    assert result["restart_count"] == 1, result
+    assert result["identical"] is True, result
+    assert result["world_size"] == 3
+    assert "rank 1: injected crash at step 12" in done.stdout
+    assert "resumed from checkpoint at step 10 (restart 1)" in done.stdout
+    assert "final parameters identical on all 3 ranks: True" in done.stdout
