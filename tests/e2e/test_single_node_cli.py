@@ -334,3 +334,27 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path) -> None:
     assert "RANK=1" in out and "stdout.log (file and console)" in out
     assert not (tmp_path / "started").exists()
     assert list(tmp_path.iterdir()) == [tmp_path / "x.py"]
+
+
+def test_worker_exit_is_an_event_not_a_monitor_poll(tmp_path: Path) -> None:
+    # With a 60 s monitor interval a polling agent would sit on the failure for a minute.
+    script = write_script(tmp_path / "flaky.py", FLAKY)
+    t0 = time.monotonic()
+    result = run(
+        [
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "60",
+            str(script),
+            str(tmp_path),
+            "exit",
+            "1",
+        ],
+        cwd=tmp_path,
+        timeout=50,
+    )
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - t0 < 40

@@ -469,6 +469,10 @@ class LocalElasticAgent:
             f"restart budget exhausted: {self._budget.used} of {limit} restart(s) used "
             f"(--max-restarts {limit})"
         )
+        if self.history:
+            self.budget_note += "\nearlier failures:\n" + "\n".join(
+                f"  {line}" for line in self.history
+            )
         self._transition(WorkerState.FAILED)
         self._events.record(
             "agent.failed", {"failures": len(failures), "restarts": self._budget.used}
