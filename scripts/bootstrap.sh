@@ -19,8 +19,13 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
 echo "elastrun setup: installing elastrun, torch 2.13.0 (CPU) and the test tools into .venv"
-"$venv/bin/python" -m pip install "${quiet[@]}" --upgrade pip >/dev/null
+"$venv/bin/python" -m pip install "${quiet[@]}" --upgrade pip >/dev/null 2>&1 || true
 # torch is pinned by exact version so that pip never reaches for a CUDA build.
-"$venv/bin/python" -m pip install "${quiet[@]}" "torch==2.13.0"
-"$venv/bin/python" -m pip install "${quiet[@]}" -e "$root[test]"
+# pip's own configuration on some machines names optional local indexes that do not
+# exist; its warnings about them are noise, so they are filtered out.
+pip_install() {
+  "$venv/bin/python" -m pip install "${quiet[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+}
+pip_install "torch==2.13.0"
+pip_install -e "$root[test]"
 echo "$want" > "$stamp"

@@ -6,8 +6,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/bootstrap.sh --quiet
 py="$root/.venv/bin"
-echo "== ruff"; "$py/ruff" check src tests examples benchmarks
-echo "== ruff format"; "$py/ruff" format --check src tests examples benchmarks
+paths=(src tests examples benchmarks)
+echo "== ruff"; "$py/ruff" check "${paths[@]}"
+echo "== ruff format"; "$py/ruff" format --check "${paths[@]}"
 echo "== mypy (strict)"; "$py/mypy"
 echo "== import-linter"; "$py/lint-imports"
 echo "== pytest"; "$py/python" -m pytest "$@"
