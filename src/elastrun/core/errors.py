@@ -42,6 +42,18 @@ class StoreTimeoutError(StoreError, TimeoutError):
     """A store wait ran past its deadline."""
 
 
+class StoreAuthError(StoreError):
+    """The store refused this client: a missing or wrong token."""
+
+
+class LeaseExpiredError(StoreError):
+    """A write named a lease that has expired or was revoked."""
+
+
+class StoreCompactedError(StoreError):
+    """A watch asked for changes older than the store keeps; re-read and resume."""
+
+
 class RendezvousError(ElastrunError):
     """Base class of rendezvous errors."""
 

@@ -1,29 +1,64 @@
-"""The store model shared by every implementation.
+"""The store model shared by every implementation (DESIGN.md section 3).
 
-A store holds byte values under string keys, each write bumping a global revision.
-``compare_set`` is the one primitive rendezvous needs for consistency; leases and
-watches (DESIGN.md section 3) are part of the model and are provided by the networked
-implementations.
+A store holds byte values under string keys. Every change bumps one global revision.
+
+* ``compare_set`` is the primitive rendezvous needs for consistency;
+* a **lease** is a liveness token: keys written with ``lease=`` vanish when the lease
+  expires (its owner stopped calling ``keep_alive`` for ``ttl`` seconds, or its
+  connection to a networked store dropped) or is revoked;
+* a **watch** reports every change under a prefix after a revision, with no polling:
+  ``watch(prefix, after_revision, timeout)`` blocks until at least one change exists
+  (or the timeout passes) and returns the changes in revision order.
+
+Every implementation passes the same contract suite (``tests/contract``).
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-#: ``compare_set`` expectation meaning "the key must not exist".
-ABSENT: None = None
+
+class EventKind(enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change: a key written (``PUT``, with its new value) or removed (``DELETE``)."""
+
+    kind: EventKind
+    key: str
+    value: bytes | None
+    revision: int
+
+
+@dataclass(frozen=True)
+class WatchResult:
+    """Changes after the requested revision; ``revision`` is where to resume from."""
+
+    events: tuple[WatchEvent, ...]
+    revision: int
 
 
 @runtime_checkable
 class Store(Protocol):
-    """A key-value store. Every blocking method takes a timeout in seconds."""
+    """A key-value store with revisions, leases and watches.
+
+    Blocking methods take a timeout in seconds. Errors are ``StoreError`` (the
+    connection failed or the server refused), ``StoreTimeoutError`` (a wait ran out),
+    ``LeaseExpiredError`` (writing with a dead lease) and ``StoreCompactedError``
+    (a watch asked for history the store no longer has: re-read and resume).
+    """
 
     def get(self, key: str) -> bytes | None:
         """The value of ``key``, or None when it does not exist."""
         ...
 
-    def set(self, key: str, value: bytes) -> int:
-        """Write ``value``; returns the new revision."""
+    def set(self, key: str, value: bytes, *, lease: int | None = None) -> int:
+        """Write ``value`` (bound to ``lease`` when given); returns the new revision."""
         ...
 
     def add(self, key: str, amount: int) -> int:
@@ -31,7 +66,7 @@ class Store(Protocol):
         ...
 
     def compare_set(
-        self, key: str, expected: bytes | None, value: bytes
+        self, key: str, expected: bytes | None, value: bytes, *, lease: int | None = None
     ) -> tuple[bool, bytes | None]:
         """Write ``value`` if the current value equals ``expected`` (None: key absent).
 
@@ -43,12 +78,34 @@ class Store(Protocol):
         """Remove ``key``; returns whether it existed."""
         ...
 
-    def get_prefix(self, prefix: str) -> dict[str, bytes]:
-        """Every key starting with ``prefix`` and its value."""
+    def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
+        """Every key starting with ``prefix`` with its value, and the store revision."""
+        ...
+
+    def grant_lease(self, ttl: float) -> int:
+        """A new lease that expires ``ttl`` seconds after its last keep-alive."""
+        ...
+
+    def keep_alive(self, lease: int) -> bool:
+        """Refresh ``lease``; False when it has already expired (its keys are gone)."""
+        ...
+
+    def revoke_lease(self, lease: int) -> None:
+        """End ``lease`` now, deleting its keys. Unknown leases are ignored."""
+        ...
+
+    def watch(self, prefix: str, after_revision: int, timeout: float) -> WatchResult:
+        """Changes under ``prefix`` with revision > ``after_revision``.
+
+        Blocks until there is at least one, or ``timeout`` passes (then the result is
+        empty and ``revision`` is the current one).
+        """
         ...
 
     def wait(self, keys: list[str], timeout: float) -> None:
         """Block until every key exists; raises ``StoreTimeoutError`` after ``timeout``."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the connection; leases granted through it expire by their TTL."""
+        ...

@@ -1,80 +1,217 @@
-"""An in-process store: for a single node and for unit tests."""
+"""An in-process store: the reference implementation of the store model.
+
+Used by a single node, by unit tests (several simulated nodes as threads sharing one
+store), and as the state machine behind the tcp server. Lease expiry is evaluated
+lazily on every operation and by waiting watchers, against an injected clock.
+"""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import threading
 
-from elastrun.core.clock import Deadline
-from elastrun.core.errors import StoreError, StoreTimeoutError
+from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
+from elastrun.core.errors import (
+    LeaseExpiredError,
+    StoreCompactedError,
+    StoreError,
+    StoreTimeoutError,
+)
+from elastrun.store.api import EventKind, WatchEvent, WatchResult
+
+#: How many past changes a watch can resume from.
+HISTORY = 65_536
+
+
+class _Lease:
+    __slots__ = ("deadline", "keys", "ttl")
+
+    def __init__(self, ttl: float, deadline: float) -> None:
+        self.ttl = ttl
+        self.deadline = deadline
+        self.keys: set[str] = set()
 
 
 class MemoryStore:
     """A thread-safe store living in this process (implements ``Store``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK, history: int = HISTORY) -> None:
+        self._clock = clock
         self._data: dict[str, bytes] = {}
+        self._key_lease: dict[str, int] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(1)
         self._revision = 0
+        self._events: collections.deque[WatchEvent] = collections.deque(maxlen=history)
         self._cond = threading.Condition()
 
-    def _bump(self) -> int:
+    # -- internals (caller holds the lock) ---------------------------------------------
+
+    def _record(self, kind: EventKind, key: str, value: bytes | None) -> int:
         self._revision += 1
+        self._events.append(WatchEvent(kind, key, value, self._revision))
         self._cond.notify_all()
         return self._revision
 
+    def _put(self, key: str, value: bytes, lease: int | None) -> int:
+        self._expire()
+        old = self._key_lease.pop(key, None)
+        if old is not None and old in self._leases:
+            self._leases[old].keys.discard(key)
+        if lease is not None:
+            held = self._leases.get(lease)
+            if held is None:
+                raise LeaseExpiredError(f"lease {lease} has expired or was revoked")
+            held.keys.add(key)
+            self._key_lease[key] = lease
+        self._data[key] = bytes(value)
+        return self._record(EventKind.PUT, key, self._data[key])
+
+    def _remove(self, key: str) -> bool:
+        if key not in self._data:
+            return False
+        del self._data[key]
+        lease = self._key_lease.pop(key, None)
+        if lease is not None and lease in self._leases:
+            self._leases[lease].keys.discard(key)
+        self._record(EventKind.DELETE, key, None)
+        return True
+
+    def _drop_lease(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            for key in sorted(lease.keys):
+                self._remove(key)
+
+    def _expire(self) -> None:
+        now = self._clock.monotonic()
+        for lease_id in [i for i, lease in self._leases.items() if lease.deadline <= now]:
+            self._drop_lease(lease_id)
+
+    def _next_expiry(self) -> float | None:
+        if not self._leases:
+            return None
+        return min(lease.deadline for lease in self._leases.values())
+
+    # -- the store model ---------------------------------------------------------------
+
     def get(self, key: str) -> bytes | None:
         with self._cond:
+            self._expire()
             return self._data.get(key)
 
-    def set(self, key: str, value: bytes) -> int:
+    def set(self, key: str, value: bytes, *, lease: int | None = None) -> int:
         with self._cond:
-            self._data[key] = bytes(value)
-            return self._bump()
+            return self._put(key, value, lease)
 
     def add(self, key: str, amount: int) -> int:
         with self._cond:
+            self._expire()
             raw = self._data.get(key, b"0")
             try:
-                current = int(raw)
+                current = int(raw) + amount
             except ValueError:
                 raise StoreError(f"add: value of {key!r} is not an integer: {raw!r}") from None
-            current += amount
-            self._data[key] = str(current).encode()
-            self._bump()
+            self._put(key, str(current).encode(), self._key_lease.get(key))
             return current
 
     def compare_set(
-        self, key: str, expected: bytes | None, value: bytes
+        self, key: str, expected: bytes | None, value: bytes, *, lease: int | None = None
     ) -> tuple[bool, bytes | None]:
         with self._cond:
+            self._expire()
             current = self._data.get(key)
             if current != expected:
                 return False, current
-            self._data[key] = bytes(value)
-            self._bump()
+            self._put(key, value, lease)
             return True, self._data[key]
 
     def delete(self, key: str) -> bool:
         with self._cond:
-            existed = self._data.pop(key, None) is not None
-            if existed:
-                self._bump()
-            return existed
+            self._expire()
+            return self._remove(key)
 
-    def get_prefix(self, prefix: str) -> dict[str, bytes]:
+    def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
         with self._cond:
-            return {k: v for k, v in self._data.items() if k.startswith(prefix)}
+            self._expire()
+            found = {k: v for k, v in self._data.items() if k.startswith(prefix)}
+            return found, self._revision
+
+    def grant_lease(self, ttl: float) -> int:
+        if ttl <= 0:
+            raise StoreError(f"a lease needs a positive ttl, got {ttl}")
+        with self._cond:
+            self._expire()
+            lease_id = next(self._lease_ids)
+            self._leases[lease_id] = _Lease(ttl, self._clock.monotonic() + ttl)
+            self._cond.notify_all()  # watchers recompute their next expiry
+            return lease_id
+
+    def keep_alive(self, lease: int) -> bool:
+        with self._cond:
+            self._expire()
+            held = self._leases.get(lease)
+            if held is None:
+                return False
+            held.deadline = self._clock.monotonic() + held.ttl
+            return True
+
+    def revoke_lease(self, lease: int) -> None:
+        with self._cond:
+            self._drop_lease(lease)
+
+    def watch(self, prefix: str, after_revision: int, timeout: float) -> WatchResult:
+        deadline = Deadline.after(timeout, self._clock)
+        with self._cond:
+            while True:
+                self._expire()
+                if self._events and after_revision < self._events[0].revision - 1:
+                    raise StoreCompactedError(
+                        f"changes after revision {after_revision} are no longer kept "
+                        f"(oldest kept: {self._events[0].revision})"
+                    )
+                found = tuple(
+                    e
+                    for e in self._events
+                    if e.revision > after_revision and e.key.startswith(prefix)
+                )
+                if found:
+                    return WatchResult(found, found[-1].revision)
+                if deadline.expired():
+                    return WatchResult((), self._revision)
+                self._cond.wait(self._wait_time(deadline))
+
+    def _wait_time(self, deadline: Deadline) -> float | None:
+        wait = deadline.timeout()
+        expiry = self._next_expiry()
+        if expiry is not None:
+            until = max(0.0, expiry - self._clock.monotonic()) + 0.001
+            wait = until if wait is None else min(wait, until)
+        return wait
 
     def wait(self, keys: list[str], timeout: float) -> None:
-        deadline = Deadline.after(timeout)
+        deadline = Deadline.after(timeout, self._clock)
         with self._cond:
-            while not all(k in self._data for k in keys):
+            while True:
+                self._expire()
+                missing = [k for k in keys if k not in self._data]
+                if not missing:
+                    return
                 if deadline.expired():
-                    missing = [k for k in keys if k not in self._data]
                     raise StoreTimeoutError(f"timed out after {timeout}s waiting for {missing}")
-                self._cond.wait(deadline.timeout())
+                self._cond.wait(self._wait_time(deadline))
+
+    @property
+    def revision(self) -> int:
+        with self._cond:
+            return self._revision
 
     def close(self) -> None:
         pass
 
     def __repr__(self) -> str:
-        return f"MemoryStore(keys={len(self._data)}, revision={self._revision})"
+        return (
+            f"MemoryStore(keys={len(self._data)}, leases={len(self._leases)}, "
+            f"revision={self._revision})"
+        )
