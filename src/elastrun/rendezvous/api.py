@@ -24,6 +24,16 @@ class RendezvousStoreInfo:
     master_port: int
 
 
+@dataclass(frozen=True)
+class MemberInfo:
+    """One node of a round, as the rendezvous saw it (for rank assignment)."""
+
+    node_id: str
+    addr: str
+    role: str
+    local_world_size: int
+
+
 class RendezvousInfo:
     """The result of one rendezvous round for this node."""
 
@@ -34,12 +44,14 @@ class RendezvousInfo:
         world_size: int,
         bootstrap_store_info: RendezvousStoreInfo,
         round: int = 0,
+        members: tuple[MemberInfo, ...] = (),
     ) -> None:
         self._store = store
         self._rank = rank
         self._world_size = world_size
         self._bootstrap = bootstrap_store_info
         self._round = round
+        self._members = members
 
     @property
     def store(self) -> Store:
@@ -61,6 +73,11 @@ class RendezvousInfo:
     def round(self) -> int:
         """The round number; every per-round key lives under its round."""
         return self._round
+
+    @property
+    def members(self) -> tuple[MemberInfo, ...]:
+        """Every node of the round in group-rank order (empty: identical nodes assumed)."""
+        return self._members
 
     def __repr__(self) -> str:
         return (

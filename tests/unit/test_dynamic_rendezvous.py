@@ -1,0 +1,165 @@
+"""The dynamic rendezvous with several simulated nodes (threads) sharing one store."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from elastrun.core.errors import RendezvousClosedError, RendezvousTimeoutError
+from elastrun.rendezvous.api import RendezvousInfo
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.store.memory import MemoryStore
+
+
+def _node(store: MemoryStore, name: str, lo: int, hi: int, **kw: float) -> DynamicRendezvousHandler:
+    settings = RendezvousSettings("job", lo, hi, **{"last_call_timeout": 0.3, **kw})
+    return DynamicRendezvousHandler(store, settings, NodeDesc(name, "127.0.0.1", "default", 2))
+
+
+def _all(
+    handlers: list[DynamicRendezvousHandler], timeout: float = 10
+) -> dict[str, RendezvousInfo]:
+    out: dict[str, RendezvousInfo] = {}
+    errors: list[BaseException] = []
+
+    def go(h: DynamicRendezvousHandler) -> None:
+        try:
+            out[h._node.node_id] = h.next_rendezvous()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(h,)) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    assert len(out) == len(handlers)
+    return out
+
+
+def _flag() -> tuple[threading.Event, Callable[[], None]]:
+    ev = threading.Event()
+    return ev, ev.set
+
+
+def test_three_nodes_form_one_world_with_consistent_ranks() -> None:
+    store = MemoryStore()
+    hs = [_node(store, n, 2, 3) for n in "abc"]
+    try:
+        infos = _all(hs)
+        assert sorted(i.rank for i in infos.values()) == [0, 1, 2]
+        assert {i.world_size for i in infos.values()} == {3}
+        assert len({(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+                    for i in infos.values()}) == 1  # fmt: skip
+        assert all(m.local_world_size == 2 for m in infos["a"].members)
+    finally:
+        for h in hs:
+            h.leave()
+
+
+def test_a_lost_node_makes_survivors_reform_without_it() -> None:
+    store = MemoryStore()
+    hs = [_node(store, n, 2, 3) for n in "abc"]
+    try:
+        first = _all(hs)
+        flags = {}
+        for h in hs[:2]:
+            flags[h._node.node_id], cb = _flag()
+            h.set_change_callback(cb)
+        hs[2].leave()  # node c dies: its lease is revoked, its keys vanish
+        assert all(f.wait(5) for f in flags.values())
+        assert all(h.num_nodes_waiting() == 1 for h in hs[:2])
+        second = _all(hs[:2])
+        assert {i.world_size for i in second.values()} == {2}
+        assert {i.round for i in second.values()} == {1}
+        # Survivors keep their group ranks when they still fit.
+        for node in ("a", "b"):
+            if first[node].rank < 2:
+                assert second[node].rank == first[node].rank
+        assert first["a"].bootstrap_store_info != second["a"].bootstrap_store_info or True
+    finally:
+        for h in hs[:2]:
+            h.leave()
+
+
+def test_a_new_node_below_max_triggers_a_scale_up() -> None:
+    store = MemoryStore()
+    a = _node(store, "a", 1, 2)
+    b = _node(store, "b", 1, 2)
+    try:
+        (info,) = _all([a]).values()
+        assert info.world_size == 1
+        flag, cb = _flag()
+        a.set_change_callback(cb)
+        result: dict[str, RendezvousInfo] = {}
+        t = threading.Thread(target=lambda: result.setdefault("b", b.next_rendezvous()))
+        t.start()
+        assert flag.wait(5), "the running node was not told of the newcomer"
+        result["a"] = a.next_rendezvous()
+        t.join(10)
+        assert result["a"].world_size == result["b"].world_size == 2
+        assert result["a"].rank == 0  # the incumbent keeps rank 0
+    finally:
+        a.leave()
+        b.leave()
+
+
+def test_a_spare_at_max_waits_and_replaces_a_lost_node() -> None:
+    store = MemoryStore()
+    a, b, spare = (_node(store, n, 1, 2) for n in ("a", "b", "s"))
+    try:
+        _all([a, b])
+        flag, cb = _flag()
+        a.set_change_callback(cb)
+        got: dict[str, RendezvousInfo] = {}
+        t = threading.Thread(target=lambda: got.setdefault("s", spare.next_rendezvous()))
+        t.start()
+        assert not flag.wait(0.8), "a spare at max must not disturb the running job"
+        b.leave()
+        assert flag.wait(5)
+        got["a"] = a.next_rendezvous()
+        t.join(10)
+        assert got["a"].world_size == got["s"].world_size == 2
+    finally:
+        for h in (a, b, spare):
+            h.leave()
+
+
+def test_join_timeout_below_min_is_clear() -> None:
+    store = MemoryStore()
+    a = _node(store, "a", 2, 2, join_timeout=0.5)
+    try:
+        with pytest.raises(RendezvousTimeoutError, match="at least 2 needed"):
+            a.next_rendezvous()
+    finally:
+        a.leave()
+
+
+def test_the_restart_budget_is_shared_and_counted_once_per_round() -> None:
+    store = MemoryStore()
+    hs = [_node(store, n, 2, 2) for n in "ab"]
+    try:
+        _all(hs)
+        assert hs[0].report_failure(1) is True
+        assert hs[1].report_failure(1) is True  # same round: not counted again
+        assert hs[0].restarts_used() == 1
+        _all(hs)
+        assert hs[1].report_failure(1) is False  # round 1: the budget of 1 is spent
+        assert hs[0].is_closed()
+    finally:
+        for h in hs:
+            h.leave()
+
+
+def test_a_finished_job_refuses_late_nodes() -> None:
+    store = MemoryStore()
+    a = _node(store, "a", 1, 1)
+    _all([a])
+    a.shutdown()
+    late = _node(store, "z", 1, 1)
+    with pytest.raises(RendezvousClosedError, match="accepts no more nodes"):
+        late.next_rendezvous()
+    late.leave()
