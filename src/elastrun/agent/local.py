@@ -23,6 +23,7 @@ from typing import Protocol
 from elastrun.agent.plan import LaunchPlan, NodeSlot, RoundFacts, build_plan
 from elastrun.agent.policy import (
     Decision,
+    JobRestartBudget,
     LocalRestartBudget,
     RestartAll,
     RestartBudget,
@@ -150,7 +151,7 @@ class LocalElasticAgent:
         self._shutdown = shutdown if shutdown is not None else ShutdownRequest()
         self._starter = starter
         self._policy = policy if policy is not None else RestartAll()
-        self._budget = budget if budget is not None else LocalRestartBudget(spec.max_restarts)
+        self._budget = budget if budget is not None else _default_budget(self._handler, spec)
         self._clock = clock
         self._environ = dict(os.environ if environ is None else environ)
         self._python = python
@@ -196,6 +197,10 @@ class LocalElasticAgent:
     # -- the loop ----------------------------------------------------------------------
 
     def _invoke_run(self) -> RunResult:
+        set_callback = getattr(self._handler, "set_change_callback", None)
+        if set_callback is not None:
+            # Membership news from the rendezvous' watch thread wakes the loop at once.
+            set_callback(self._shutdown.waker.wake)
         self._guard.start()
         self._check_shutdown()
         self._start_round()
@@ -268,8 +273,9 @@ class LocalElasticAgent:
             max_restarts=self._budget.limit,
             use_agent_store=self._handler.use_agent_store,
         )
-        # Identical nodes until the rendezvous tells each node's share (multi-node work).
-        nodes = [NodeSlot(spec.role, spec.local_world_size)] * info.world_size
+        nodes = [NodeSlot(m.role, m.local_world_size) for m in info.members] or [
+            NodeSlot(spec.role, spec.local_world_size)
+        ] * info.world_size
         assert spec.entrypoint is not None
         return build_plan(
             facts,
@@ -484,6 +490,10 @@ class LocalElasticAgent:
         for lr, proc in attempt.procs.processes.items():
             values[attempt.plan.workers[lr].ranks.global_rank] = proc.return_value()
         self._finish_attempt(signal.SIGTERM)
+        barrier = getattr(self._handler, "exit_barrier", None)
+        if barrier is not None and (self._group.group_world_size or 1) > 1:
+            log.info("workers finished; waiting for the other nodes (exit barrier)")
+            barrier(self._exit_barrier_timeout)
         self._transition(WorkerState.SUCCEEDED)
         self._events.record("agent.succeeded", {"restarts": self._budget.used})
         log.info("all %d worker(s) finished successfully", len(values))
@@ -502,6 +512,13 @@ class LocalElasticAgent:
             f"LocalElasticAgent(role={self._spec.role!r}, state={self._group.state.value}, "
             f"attempts={self._attempts}, budget={self._budget!r})"
         )
+
+
+def _default_budget(handler: RendezvousHandler, spec: WorkerSpec) -> RestartBudget:
+    """Job-wide when the rendezvous keeps a budget in its store, else this agent's own."""
+    if hasattr(handler, "report_failure") and hasattr(handler, "restarts_used"):
+        return JobRestartBudget(handler, spec.max_restarts)
+    return LocalRestartBudget(spec.max_restarts)
 
 
 def _describe_exit(code: int) -> str:

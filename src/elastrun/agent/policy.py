@@ -53,6 +53,39 @@ class LocalRestartBudget:
         return f"LocalRestartBudget(used={self._used}, limit={self._limit})"
 
 
+class JobBudgetSource(Protocol):
+    """A rendezvous that keeps the job-wide restart budget (the dynamic rendezvous)."""
+
+    def report_failure(self, max_restarts: int) -> bool: ...
+
+    def restarts_used(self) -> int: ...
+
+
+class JobRestartBudget:
+    """The restart budget of the whole job, kept in the rendezvous store.
+
+    A failure seen by several nodes in the same round costs one restart.
+    """
+
+    def __init__(self, source: JobBudgetSource, limit: int) -> None:
+        self._source = source
+        self._limit = limit
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def used(self) -> int:
+        return self._source.restarts_used()
+
+    def try_consume(self) -> bool:
+        return self._source.report_failure(self._limit)
+
+    def __repr__(self) -> str:
+        return f"JobRestartBudget(limit={self._limit})"
+
+
 class Decision(enum.Enum):
     RESTART_ALL = "restart_all"
     FAIL = "fail"
