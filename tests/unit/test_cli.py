@@ -712,9 +712,6 @@ def test_run_path_takes_precedence_over_module_with_a_notice(run: Callable[..., 
 @pytest.mark.parametrize(
     ("options", "field", "value"),
     [
-        (("--nnodes=2",), "--nnodes", "2"),
-        (("--nnodes=1:2", "--rdzv-backend=c10d"), "--nnodes", "1:2"),
-        (("--nnodes=2", "--master-port=1234", "--node-rank=1"), "--nnodes", "2"),
         (("--rdzv-backend=etcd", "--rdzv-endpoint=h:2379"), "--rdzv-backend", "etcd"),
         (("--rdzv_backend=etcd-v2",), "--rdzv_backend", "etcd-v2"),
         (("--numa-binding=node",), "--numa-binding", "node"),
@@ -732,9 +729,12 @@ def test_not_yet_implemented_options_are_parsed_then_refused(
     assert "not supported by this version" in str(info.value)
 
 
-def test_multi_node_error_says_multi_node(run: Callable[..., Launch]) -> None:
-    with pytest.raises(NotImplementedYetError, match="multi-node rendezvous"):
-        run("--nnodes=1:4")
+def test_multi_node_launches_are_accepted(run: Callable[..., Launch]) -> None:
+    launch = run("--nnodes=1:4", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400")
+    assert (launch.config.min_nodes, launch.config.max_nodes) == (1, 4)
+    static = run("--nnodes=2", "--master-port=1234", "--node-rank=1")
+    assert static.config.rdzv_backend == "static"
+    assert static.config.rdzv_configs["rank"] == "1"
 
 
 # --------------------------------------------------------------------------------------

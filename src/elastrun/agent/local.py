@@ -197,6 +197,9 @@ class LocalElasticAgent:
     # -- the loop ----------------------------------------------------------------------
 
     def _invoke_run(self) -> RunResult:
+        set_info = getattr(self._handler, "set_node_info", None)
+        if set_info is not None:
+            set_info(self._spec.role, self._spec.local_world_size)
         set_callback = getattr(self._handler, "set_change_callback", None)
         if set_callback is not None:
             # Membership news from the rendezvous' watch thread wakes the loop at once.

@@ -835,9 +835,6 @@ def _logs_specs(values: _Values) -> LogsSpecs:
 def _refuse_not_implemented(
     values: _Values, max_nodes: int, backend: str, numa: str | None, events: str
 ) -> None:
-    if max_nodes > 1:
-        nnodes, source = values.text("nnodes")
-        raise NotImplementedYetError(source, nnodes, "multi-node rendezvous")
     if backend in ("etcd", "etcd-v2"):
         raise NotImplementedYetError(
             values.source("rdzv_backend"), backend, f"the {backend} rendezvous backend"

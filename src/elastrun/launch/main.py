@@ -67,11 +67,33 @@ def command_of(launch: Launch) -> tuple[object, list[object]]:
     return launch.python, args
 
 
+#: ``elastrun <name> ...`` runs a tool instead of launching; a script of the same name
+#: in the working directory still wins (``elastrun store`` with a file called ``store``).
+SUBCOMMANDS: dict[str, str] = {
+    "store": "elastrun.store.tcp.server:serve_main",
+}
+
+
+def _subcommand(args: list[str]) -> int | None:
+    if not args or args[0] not in SUBCOMMANDS or os.path.exists(args[0]):
+        return None
+    import importlib
+
+    module, _, func = SUBCOMMANDS[args[0]].partition(":")
+    entry = getattr(importlib.import_module(module), func)
+    code: int = entry(args[1:])
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the launcher; returns the exit status (see the module docstring)."""
     configure_logging(os.environ)
+    args = list(sys.argv[1:] if argv is None else argv)
+    code = _subcommand(args)
+    if code is not None:
+        return code
     try:
-        launch = parse_launch(list(sys.argv[1:] if argv is None else argv), os.environ)
+        launch = parse_launch(args, os.environ)
     except ConfigError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return 2

@@ -101,7 +101,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         backend: str = "c10d",
         clock: Clock = SYSTEM_CLOCK,
         on_shutdown: Callable[[], None] | None = None,
+        fixed_rank: int | None = None,
     ) -> None:
+        self._fixed_rank = fixed_rank
         self._store = store
         self._settings = settings
         self._node = node
@@ -171,6 +173,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     # -- elastrun's additions ------------------------------------------------------------
 
+    def set_node_info(self, role: str, local_world_size: int) -> None:
+        """What this node brings to a round (the agent tells it before joining)."""
+        self._node = NodeDesc(self._node.node_id, self._node.addr, role, local_world_size)
+
     def set_change_callback(self, callback: Callable[[], None]) -> None:
         self._callback = callback
 
@@ -222,6 +228,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _next_rendezvous(self) -> RendezvousInfo:
         self._register()
         prev_round, prev_rank = self._round, self._rank
+        if self._fixed_rank is not None:
+            prev_rank = self._fixed_rank  # static: the node's rank never changes
         self._reform = False
         deadline = self._clock.monotonic() + self._settings.join_timeout
         target = self._first_target(prev_round)

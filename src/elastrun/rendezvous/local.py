@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 
-from elastrun.core.errors import ConfigError, RendezvousClosedError
+from elastrun.core.errors import RendezvousClosedError
 from elastrun.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -97,38 +97,6 @@ class LocalRendezvousHandler(RendezvousHandler):
             f"LocalRendezvousHandler(run_id={self._run_id!r}, backend={self._backend!r}, "
             f"round={self._round}, closed={self._closed})"
         )
-
-
-def _single_node_only(params: RendezvousParameters) -> None:
-    if params.max_nodes > 1:
-        from elastrun.core.errors import NotImplementedYetError
-
-        raise NotImplementedYetError(
-            "--nnodes", f"{params.min_nodes}:{params.max_nodes}", "multi-node rendezvous"
-        )
-
-
-def create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """``c10d`` on one node: a local rendezvous (the endpoint is not needed)."""
-    _single_node_only(params)
-    return LocalRendezvousHandler(
-        params.run_id, master_addr=params.local_addr or LOOPBACK, backend="c10d"
-    )
-
-
-def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """``static`` on one node: MASTER_ADDR/PORT are the endpoint, fixed for every round."""
-    _single_node_only(params)
-    host, _, port = params.endpoint.rpartition(":")
-    if not host or not port:
-        raise ConfigError("--rdzv-endpoint", params.endpoint, "static needs host:port")
-    try:
-        port_num = int(port)
-    except ValueError:
-        raise ConfigError("--rdzv-endpoint", params.endpoint, "port is not a number") from None
-    return LocalRendezvousHandler(
-        params.run_id, master_addr=host.strip("[]"), master_port=port_num, backend="static"
-    )
 
 
 def create_not_yet(params: RendezvousParameters) -> RendezvousHandler:

@@ -20,8 +20,8 @@ from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
 RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
 
 BUILTIN_BACKENDS: dict[str, str] = {
-    "c10d": "elastrun.rendezvous.local:create_c10d_handler",
-    "static": "elastrun.rendezvous.local:create_static_handler",
+    "c10d": "elastrun.rendezvous.c10d:create_c10d_handler",
+    "static": "elastrun.rendezvous.c10d:create_static_handler",
     "etcd": "elastrun.rendezvous.local:create_not_yet",
     "etcd-v2": "elastrun.rendezvous.local:create_not_yet",
 }
