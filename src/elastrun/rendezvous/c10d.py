@@ -220,7 +220,13 @@ def _dynamic(
     if fixed_rank is not None:
         node = NodeDesc(f"static-rank-{fixed_rank:06d}", addr, "default", 0)
     return DynamicRendezvousHandler(
-        store, settings, node, backend=backend, on_shutdown=close, fixed_rank=fixed_rank
+        store,
+        settings,
+        node,
+        backend=backend,
+        on_shutdown=close,
+        fixed_rank=fixed_rank,
+        hosting=stop_server is not None,
     )
 
 
@@ -233,10 +239,10 @@ def _try_serve(
     server = TcpStoreServer(host=bind or "0.0.0.0", port=port, token=token)
     try:
         server.start()
-    except OSError as exc:
+    except (OSError, StoreError) as exc:
         if strict:
             raise RendezvousConnectionError(
-                f"is_host=true but the store cannot serve on {host}:{port}: {exc.strerror or exc}"
+                f"is_host=true but the store cannot serve on {host}:{port}: {exc}"
             ) from exc
         # Another agent (or `elastrun store`) on this machine already serves it.
         log.debug("not serving the store on port %d (%s); joining it instead", port, exc)

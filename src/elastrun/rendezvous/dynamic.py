@@ -76,6 +76,24 @@ class NodeDesc:
         return cls(f"{addr}_{os.getpid()}_{uuid.uuid4().hex[:6]}", addr, role, local_world_size)
 
 
+def _bounded(action: Callable[[], object], timeout: float) -> bool:
+    """Run ``action`` for at most ``timeout`` seconds; True when it completed."""
+    done = threading.Event()
+    ok: list[bool] = []
+
+    def run() -> None:
+        try:
+            action()
+            ok.append(True)
+        except StoreError as exc:
+            log.debug("store call failed during shutdown: %s", exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="elastrun-rdzv-bounded", daemon=True).start()
+    return done.wait(timeout) and bool(ok)
+
+
 def _dump(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True).encode()
 
@@ -102,8 +120,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         clock: Clock = SYSTEM_CLOCK,
         on_shutdown: Callable[[], None] | None = None,
         fixed_rank: int | None = None,
+        hosting: bool = False,
     ) -> None:
         self._fixed_rank = fixed_rank
+        self._hosting = hosting
         self._store = store
         self._settings = settings
         self._node = node
@@ -145,25 +165,44 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return 1 if (self._reform or self._lost) else 0
 
     def shutdown(self) -> bool:
-        """Close the run (once a job ends, late agents are refused) and leave."""
+        """Close the run (once a job ends, late agents are refused) and leave.
+
+        The node that serves the store waits (up to ``close_timeout``) for the other
+        nodes to leave before its store goes away under them.
+        """
+        closed = _bounded(lambda: self.set_closed("finished"), self._settings.close_timeout)
+        if not closed:
+            log.warning("could not close the rendezvous (the store is unreachable)")
+        if self._hosting and closed:
+            self._wait_for_others_to_leave()
+        self.leave()
+        return closed
+
+    def _wait_for_others_to_leave(self) -> None:
+        deadline = Deadline.after(self._settings.close_timeout, self._clock)
+        mine = self._key(f"nodes/{self._node.node_id}")
         try:
-            self.set_closed("finished")
-            return True
+            while True:
+                found, rev = self._store.get_prefix(self._key("nodes/"))
+                others = [k for k in found if k != mine]
+                if not others or deadline.expired():
+                    if others:
+                        log.warning(
+                            "%d node(s) still attached to the store; closing it", len(others)
+                        )
+                    return
+                self._store.watch(self._key("nodes/"), rev, min(deadline.remaining(), 5.0))
         except StoreError as exc:
-            log.warning("could not close the rendezvous: %s", exc)
-            return False
-        finally:
-            self.leave()
+            log.debug("while waiting for the other nodes to leave: %s", exc)
 
     def leave(self) -> None:
         """Stop watching, revoke the lease (our keys vanish at once), close the store."""
         self._stop.set()
-        if self._lease is not None:
-            try:
-                self._store.revoke_lease(self._lease)
-            except StoreError:
-                pass  # the store is gone: the lease expires by itself
-            self._lease = None
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            # Bounded: a store that is already gone must not hold the exit for its whole
+            # reconnect window; the lease then expires by itself.
+            _bounded(lambda: self._store.revoke_lease(lease), 2.0)
         for t in self._threads:
             t.join(timeout=5)
         self._threads.clear()
@@ -190,6 +229,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         closes the run) when the budget is exhausted.
         """
         assert self._round is not None
+        if not set(self._members) <= self._live_nodes():
+            # A member is gone: the failure is the loss of a node (its peers' collectives
+            # broke), which re-forms the group without spending the restart budget.
+            return not self.is_closed()
         won, _ = self._store.compare_set(
             self._key(f"rounds/{self._round}/failed"), None, self._node.node_id.encode()
         )

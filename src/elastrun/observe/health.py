@@ -1,0 +1,240 @@
+"""An HTTP health-check endpoint for the agent (``TORCHELASTIC_HEALTH_CHECK_PORT``).
+
+``GET /`` (or ``/health``) answers with a small JSON document::
+
+    {"state": "HEALTHY", "last_progress": 1700000000.5, "healthy": true, ...}
+
+``last_progress`` is the wall-clock time (epoch seconds) of the job's last sign of
+progress, as returned by the agent's ``alive_callback``; the answer is HTTP 200 while
+``now - last_progress <= timeout`` and 503 once the job has made no progress for longer,
+so a load balancer or a Kubernetes liveness probe can act on the status code alone.
+Extra fields (the worker group's state, restart count, run id...) come from an optional
+``state_callback``.
+
+torchrun's open-source ``HealthCheckServer`` is a stub that serves nothing; this one
+keeps its name, constructor and ``create_healthcheck_server`` factory so code written
+against torch's API keeps working.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+__all__ = [
+    "HEALTH_CHECK_PORT_ENV",
+    "HealthCheckServer",
+    "create_healthcheck_server",
+    "port_from_env",
+]
+
+log = logging.getLogger(__name__)
+
+HEALTH_CHECK_PORT_ENV = "TORCHELASTIC_HEALTH_CHECK_PORT"
+
+AliveCallback = Callable[[], float]
+StateCallback = Callable[[], Mapping[str, object]]
+
+
+def port_from_env(environ: Mapping[str, str]) -> int | None:
+    """The port from ``TORCHELASTIC_HEALTH_CHECK_PORT``, or None for no server.
+
+    A value that is not a port number is logged and ignored, as torchrun does.
+    """
+    raw = environ.get(HEALTH_CHECK_PORT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        log.warning("ignoring %s=%r: not a port number", HEALTH_CHECK_PORT_ENV, raw)
+        return None
+    return port
+
+
+class _Server(ThreadingHTTPServer):
+    # Handler threads must never keep the agent alive at exit.
+    daemon_threads = True
+    # handle_request() is only called once the socket is readable; a zero timeout (and
+    # a non-blocking listening socket) make sure a connection that vanished in between
+    # cannot block the serving loop, and so stop().
+    timeout = 0.0
+    health: HealthCheckServer
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.socket.setblocking(False)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "elastrun-health"
+    # A client that connects and sends nothing must not hold a thread forever.
+    timeout = 10.0
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path not in ("/", "/health", "/health/"):
+            self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path: {path}"})
+            return
+        try:
+            document = self.server.health.snapshot()
+        except Exception as exc:
+            # A callback bug must show up as an unhealthy answer, not a dropped connection.
+            log.exception("health check callback failed")
+            self._send(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                {"healthy": False, "error": f"{type(exc).__name__}: {exc}"},
+            )
+            return
+        ok = document.get("healthy") is True
+        self._send(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, document)
+
+    def _send(self, status: HTTPStatus, document: Mapping[str, object]) -> None:
+        body = json.dumps(document, default=str).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        # Probes arrive every few seconds: keep them out of the job's stderr.
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+class HealthCheckServer:
+    """Serves the agent's health over HTTP from a daemon thread.
+
+    Args:
+        alive_callback: returns the epoch time of the last progress.
+        port: TCP port to listen on (0 picks a free one; see :attr:`port`).
+        timeout: seconds without progress after which the job is reported unhealthy.
+        host: address to bind; loopback by default. Use ``"0.0.0.0"`` for probes that
+            come from another machine (e.g. a Kubernetes kubelet).
+        state_callback: returns extra fields for the answer, e.g. ``{"state": ...}``.
+        clock: the wall clock ``last_progress`` is compared with.
+
+    The constructor does no I/O; :meth:`start` binds the port.
+    """
+
+    def __init__(
+        self,
+        alive_callback: AliveCallback,
+        port: int,
+        timeout: float = 60,
+        host: str = "127.0.0.1",
+        state_callback: StateCallback | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._alive_callback = alive_callback
+        self._requested_port = port
+        self.timeout = timeout
+        self.host = host
+        self._state_callback = state_callback
+        self._clock = clock
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._wake: tuple[socket.socket, socket.socket] | None = None
+
+    @property
+    def alive_callback(self) -> AliveCallback:
+        """The callback returning the time of the last progress (torch's name)."""
+        return self._alive_callback
+
+    @property
+    def port(self) -> int:
+        """The port being served (the one the kernel picked when 0 was asked for)."""
+        if self._server is not None:
+            return int(self._server.server_address[1])
+        return self._requested_port
+
+    def snapshot(self) -> dict[str, object]:
+        """The document served: state fields, ``last_progress`` and ``healthy``."""
+        last_progress = float(self._alive_callback())
+        document: dict[str, object] = {"state": None}
+        if self._state_callback is not None:
+            document.update(self._state_callback())
+        document["last_progress"] = last_progress
+        document["timeout"] = self.timeout
+        document["healthy"] = self._clock() - last_progress <= self.timeout
+        return document
+
+    def start(self) -> None:
+        """Bind the port and serve from a daemon thread (no-op if already started).
+
+        Raises:
+            OSError: the port cannot be bound (in use, no permission).
+        """
+        if self._server is not None:
+            return
+        server = _Server((self.host, self._requested_port), _Handler)
+        server.health = self
+        self._server = server
+        self._wake = socket.socketpair()
+        self._thread = threading.Thread(
+            target=self._serve, name="elastrun-health", args=(server, self._wake[0]), daemon=True
+        )
+        self._thread.start()
+        log.info("health check server listening on %s:%d", self.host, self.port)
+
+    @staticmethod
+    def _serve(server: _Server, wake: socket.socket) -> None:
+        # Our own loop instead of serve_forever(): stop() wakes it at once through
+        # ``wake`` rather than after serve_forever's polling interval.
+        with selectors.DefaultSelector() as selector:
+            selector.register(server, selectors.EVENT_READ)
+            selector.register(wake, selectors.EVENT_READ)
+            while True:
+                ready = selector.select()
+                if any(key.fileobj is wake for key, _ in ready):
+                    return
+                server.handle_request()
+
+    def stop(self) -> None:
+        """Stop serving and free the port. Idempotent; never raises."""
+        server, thread, wake = self._server, self._thread, self._wake
+        self._server = self._thread = self._wake = None
+        if wake is not None:
+            try:
+                wake[1].send(b"x")
+            except OSError as exc:
+                log.debug("could not wake the health server thread: %s", exc)
+        if thread is not None:
+            thread.join(timeout=5)
+        if server is not None:
+            server.server_close()
+        if wake is not None:
+            for end in wake:
+                end.close()
+
+    def __enter__(self) -> HealthCheckServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        running = self._server is not None
+        return (
+            f"HealthCheckServer(host={self.host!r}, port={self.port}, "
+            f"timeout={self.timeout}, running={running})"
+        )
+
+
+def create_healthcheck_server(
+    alive_callback: AliveCallback, port: int, timeout: float
+) -> HealthCheckServer:
+    """A new, not yet started :class:`HealthCheckServer` (torch's factory name)."""
+    return HealthCheckServer(alive_callback, port, timeout)

@@ -1,0 +1,327 @@
+"""The agent's metrics as a Prometheus endpoint (``--metrics-port``).
+
+prometheus-client is an optional dependency (``pip install 'elastrun[metrics]'``): it
+is imported only when a :class:`PrometheusMetricSink` is built, never when this module
+is imported. Each sink has its own ``CollectorRegistry``, so two agents (or tests) in one
+process never share or collide on metrics, and nothing leaks into the client's global
+registry.
+
+The agent speaks to the sink through :class:`~elastrun.observe.sinks.MetricSink`
+(``put(name, value)``). The names it uses, and what each becomes, are in
+:data:`AGENT_METRICS`; ``agent.state.<STATE>`` (value 1) sets the one-hot gauge
+``elastrun_worker_group_state{state="<STATE>"}``; any other name is exported as
+``elastrun_metric{name="<name>"}`` holding the last value put.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Literal
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from elastrun.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """How one agent metric name maps onto a Prometheus metric.
+
+    ``scale`` multiplies the value put: the agent measures durations in milliseconds,
+    Prometheus wants base units (seconds). A counter's value is the increment.
+    """
+
+    kind: MetricKind
+    prom_name: str
+    help: str
+    scale: float = 1.0
+
+
+_MS = 0.001
+
+#: The metric names the agent puts, and their Prometheus form.
+AGENT_METRICS: dict[str, MetricDef] = {
+    "agent.restarts": MetricDef(
+        "counter", "elastrun_restarts", "Worker-group restarts after a failure (--max-restarts)"
+    ),
+    "agent.membership_changes": MetricDef(
+        "counter",
+        "elastrun_membership_changes",
+        "Worker-group re-formations because nodes joined or left (not counted as restarts)",
+    ),
+    "agent.worker_failures": MetricDef(
+        "counter", "elastrun_worker_failures", "Worker processes that exited with an error"
+    ),
+    "agent.rendezvous.duration_ms": MetricDef(
+        "histogram",
+        "elastrun_rendezvous_duration_seconds",
+        "Time from entering a rendezvous round to its completion",
+        _MS,
+    ),
+    "agent.workers_start.duration_ms": MetricDef(
+        "histogram",
+        "elastrun_workers_start_duration_seconds",
+        "Time to start the local worker processes",
+        _MS,
+    ),
+    "agent.workers_stop.duration_ms": MetricDef(
+        "histogram",
+        "elastrun_workers_stop_duration_seconds",
+        "Time to stop the local worker processes",
+        _MS,
+    ),
+    "agent.restart.duration_ms": MetricDef(
+        "histogram",
+        "elastrun_restart_duration_seconds",
+        "Time from noticing a failure to running workers again (stop, rendezvous, start)",
+        _MS,
+    ),
+    "agent.group_rank": MetricDef("gauge", "elastrun_group_rank", "This node's group rank"),
+    "agent.group_world_size": MetricDef(
+        "gauge", "elastrun_group_world_size", "Number of nodes in the current round"
+    ),
+    "agent.world_size": MetricDef(
+        "gauge", "elastrun_world_size", "Number of workers in the whole job (WORLD_SIZE)"
+    ),
+    "agent.remaining_restarts": MetricDef(
+        "gauge", "elastrun_remaining_restarts", "Restarts left before the job fails"
+    ),
+}
+
+STATE_PREFIX = "agent.state."
+STATE_METRIC = "elastrun_worker_group_state"
+GENERIC_METRIC = "elastrun_metric"
+#: Worker-group states exported from the start (as 0), so that dashboards see them all.
+WORKER_STATES = ("UNKNOWN", "INIT", "HEALTHY", "UNHEALTHY", "STOPPED", "SUCCEEDED", "FAILED")
+#: Durations range from milliseconds (a local start) to many minutes (a rendezvous
+#: waiting for nodes), so the buckets span both.
+DURATION_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    600.0, 1800.0, math.inf,
+)  # fmt: skip
+
+_MISSING = "needs the prometheus-client package: pip install 'elastrun[metrics]'"
+
+
+class PrometheusMetricSink:
+    """A :class:`~elastrun.observe.sinks.MetricSink` that keeps Prometheus metrics.
+
+    ``put`` never raises: a value Prometheus refuses (a negative counter increment) is
+    logged once per name and dropped, so metrics can never break the agent.
+
+    Args:
+        field: the option named when prometheus-client is missing.
+
+    Raises:
+        ConfigError: when prometheus-client is not installed.
+    """
+
+    def __init__(self, *, field: str = "--metrics-port") -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError as exc:
+            raise ConfigError(field, "prometheus", _MISSING) from exc
+        self.registry: CollectorRegistry = prom.CollectorRegistry(auto_describe=True)
+        self._counters: dict[str, Counter] = {}
+        self._gauges: dict[str, Gauge] = {}
+        self._histograms: dict[str, Histogram] = {}
+        for name, d in AGENT_METRICS.items():
+            if d.kind == "counter":
+                self._counters[name] = prom.Counter(d.prom_name, d.help, registry=self.registry)
+            elif d.kind == "gauge":
+                self._gauges[name] = prom.Gauge(d.prom_name, d.help, registry=self.registry)
+            else:
+                self._histograms[name] = prom.Histogram(
+                    d.prom_name, d.help, buckets=DURATION_BUCKETS, registry=self.registry
+                )
+        self._state = prom.Gauge(
+            STATE_METRIC,
+            "1 for the worker group's current state, 0 for the others",
+            ["state"],
+            registry=self.registry,
+        )
+        self._states: list[str] = list(WORKER_STATES)
+        for state in self._states:
+            self._state.labels(state=state).set(0)
+        self._generic = prom.Gauge(
+            GENERIC_METRIC, "Last value of any other metric put", ["name"], registry=self.registry
+        )
+        self._refused: set[str] = set()
+        self._lock = threading.Lock()
+        self.puts = 0
+
+    def put(self, name: str, value: float) -> None:
+        """Record ``value`` under the agent metric ``name`` (see :data:`AGENT_METRICS`)."""
+        try:
+            self._put(name, float(value))
+        except (ValueError, TypeError) as exc:
+            if name not in self._refused:
+                self._refused.add(name)
+                log.warning("metric %s=%r was refused: %s", name, value, exc)
+            return
+        self.puts += 1
+
+    def _put(self, name: str, value: float) -> None:
+        d = AGENT_METRICS.get(name)
+        if d is not None:
+            scaled = value * d.scale
+            if name in self._counters:
+                self._counters[name].inc(scaled)
+            elif name in self._gauges:
+                self._gauges[name].set(scaled)
+            else:
+                self._histograms[name].observe(scaled)
+        elif name.startswith(STATE_PREFIX) and len(name) > len(STATE_PREFIX):
+            self._set_state(name[len(STATE_PREFIX) :], value)
+        else:
+            self._generic.labels(name=name).set(value)
+
+    def _set_state(self, state: str, value: float) -> None:
+        # The lock keeps the one-hot invariant when two threads report states at once.
+        with self._lock:
+            if state not in self._states:
+                self._states.append(state)
+            if not value:
+                self._state.labels(state=state).set(0)
+                return
+            for other in self._states:
+                self._state.labels(state=other).set(1 if other == state else 0)
+
+    def exposition(self) -> bytes:
+        """The metrics in Prometheus text format, as a scrape would return them."""
+        import prometheus_client as prom
+
+        return prom.generate_latest(self.registry)
+
+    def __repr__(self) -> str:
+        return f"PrometheusMetricSink(puts={self.puts})"
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Does not print a line to stderr for every scrape."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    # Daemon request threads: a scraper that never finishes its request cannot hold
+    # up the agent's exit.
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class MetricsServer:
+    """Serves a :class:`PrometheusMetricSink` at ``http://HOST:PORT/metrics``.
+
+    The constructor only checks its arguments and builds the sink (it binds nothing);
+    :meth:`start` binds and serves from a daemon thread; :meth:`stop` closes the port.
+    Also a context manager.
+
+    Args:
+        port: TCP port; 0 lets the system choose (read :attr:`port` after ``start``).
+        host: address to bind; loopback by default, ``0.0.0.0`` or ``::`` to be scraped
+            from other machines.
+        field: the option named in errors.
+
+    Raises:
+        ConfigError: for a port outside 0..65535, or when prometheus-client is missing.
+    """
+
+    #: How often the serving thread checks for a stop request: this bounds how long
+    #: :meth:`stop` takes, at the cost of a few idle wakeups a second.
+    POLL_INTERVAL = 0.1
+
+    def __init__(self, port: int, host: str = "127.0.0.1", *, field: str = "--metrics-port"):
+        if not 0 <= port <= 65535:
+            raise ConfigError(field, port, "a TCP port must be between 0 and 65535")
+        self._field = field
+        self._requested_port = port
+        self.host = host
+        self.sink = PrometheusMetricSink(field=field)
+        self._httpd: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (the requested one before)."""
+        if self._httpd is not None:
+            return int(self._httpd.server_port)
+        return self._requested_port
+
+    @property
+    def url(self) -> str:
+        """The address to scrape."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def start(self) -> int:
+        """Bind and start serving; returns the bound port. Idempotent.
+
+        Raises:
+            ConfigError: naming the option when the address cannot be bound.
+        """
+        if self._httpd is not None:
+            return self.port
+        import prometheus_client as prom
+
+        app = prom.make_wsgi_app(self.sink.registry)
+        server_class = _Server6 if ":" in self.host else _Server
+        try:
+            httpd = make_server(
+                self.host, self._requested_port, app, server_class, handler_class=_QuietHandler
+            )
+        except OSError as exc:
+            raise ConfigError(
+                self._field,
+                self._requested_port,
+                f"cannot serve metrics on {self.host}:{self._requested_port}: "
+                f"{exc.strerror or exc}",
+            ) from exc
+        self._httpd = httpd
+        self._thread = threading.Thread(
+            target=httpd.serve_forever,
+            kwargs={"poll_interval": self.POLL_INTERVAL},
+            name="elastrun-metrics",
+            daemon=True,
+        )
+        self._thread.start()
+        log.info("serving metrics at %s", self.url)
+        return self.port
+
+    def stop(self) -> None:
+        """Stop serving and free the port. Idempotent; never raises."""
+        httpd, thread = self._httpd, self._thread
+        if httpd is None:
+            return
+        self._httpd = None
+        self._thread = None
+        httpd.shutdown()
+        httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    def __enter__(self) -> MetricsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "serving" if self._httpd is not None else "stopped"
+        return f"MetricsServer(host={self.host!r}, port={self.port}, {state}, sink={self.sink!r})"

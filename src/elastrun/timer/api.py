@@ -1,0 +1,379 @@
+"""Expiration timers: the request, the client and server contracts, and ``expires``.
+
+A worker wraps a block that must not hang in ``with expires(after=seconds):``. The block
+acquires a countdown timer from a server (usually in the agent) on entry and releases
+it on exit; if the timer runs out first, the server reaps the worker. The shapes here
+follow ``torch.distributed.elastic.timer`` so that code written against torch's API runs
+unchanged.
+
+Expiration times are wall-clock seconds (``time.time()``): they cross process
+boundaries, and the monotonic clock of one process means nothing in another.
+
+This module is imported by workers and by the agent, so it depends only on the standard
+library and ``elastrun.core``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
+from types import TracebackType
+from typing import Generic, TypeVar
+
+from elastrun.core.clock import SYSTEM_CLOCK, Clock
+from elastrun.core.errors import ConfigError, ElastrunError
+
+__all__ = [
+    "RequestQueue",
+    "TimerClient",
+    "TimerNotConfiguredError",
+    "TimerRequest",
+    "TimerServer",
+    "TimerTable",
+    "configure",
+    "expired_timers",
+    "expires",
+]
+
+log = logging.getLogger(__name__)
+
+
+class TimerNotConfiguredError(ElastrunError, RuntimeError):
+    """``expires`` was used with no client passed and none set by :func:`configure`.
+
+    Also a ``RuntimeError``, which is what torch raises in the same situation.
+    """
+
+
+class TimerRequest:
+    """One acquire or release of a countdown timer, from a client to a server.
+
+    Args:
+        worker_id: identifies the worker to reap; its type is up to the client and
+            server pair (the pid for the local and file timers).
+        scope_id: names the timer within the worker; a worker can hold several.
+        expiration_time: wall-clock second at which the timer runs out; a negative
+            value means "release this scope".
+    """
+
+    __slots__ = ("expiration_time", "scope_id", "worker_id")
+
+    def __init__(self, worker_id: Hashable, scope_id: str, expiration_time: float) -> None:
+        self.worker_id = worker_id
+        self.scope_id = scope_id
+        self.expiration_time = expiration_time
+
+    @property
+    def is_release(self) -> bool:
+        """True when this request releases its scope instead of arming a timer."""
+        return self.expiration_time < 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TimerRequest):
+            return False
+        return (
+            self.worker_id == other.worker_id
+            and self.scope_id == other.scope_id
+            and self.expiration_time == other.expiration_time
+        )
+
+    # Mutable and compared by value, as torch's: not usable as a dict key.
+    __hash__ = None  # type: ignore[assignment]  # reason: deliberately unhashable
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(worker_id={self.worker_id!r}, scope_id={self.scope_id!r}, "
+            f"expiration_time={self.expiration_time!r})"
+        )
+
+
+R = TypeVar("R", bound=TimerRequest)
+
+
+def expired_timers(timers: Iterable[R], deadline: float) -> dict[Hashable, list[R]]:
+    """Group the timers that have run out by ``deadline`` by worker.
+
+    A timer has run out when ``expiration_time <= deadline``. Release requests (negative
+    expiration times) are never timers and are ignored. The result maps each worker id
+    to its expired timers, in the order they were given.
+    """
+    out: dict[Hashable, list[R]] = {}
+    for request in timers:
+        if 0 <= request.expiration_time <= deadline:
+            out.setdefault(request.worker_id, []).append(request)
+    return out
+
+
+class TimerTable(Generic[R]):
+    """The armed timers of a server, keyed by ``(worker_id, scope_id)``.
+
+    Pure bookkeeping with no clock and no I/O: the server decides what "now" is.
+    Not thread-safe on its own; each server owns one and guards it.
+    """
+
+    def __init__(self) -> None:
+        self._timers: dict[tuple[Hashable, str], R] = {}
+
+    def register(self, requests: Iterable[R]) -> int:
+        """Apply acquires (arm or re-arm) and releases (disarm); returns how many were seen."""
+        count = 0
+        for request in requests:
+            count += 1
+            key = (request.worker_id, request.scope_id)
+            if request.is_release:
+                self._timers.pop(key, None)
+            else:
+                self._timers[key] = request
+        return count
+
+    def clear(self, worker_ids: Collection[Hashable]) -> None:
+        """Drop every timer of the given workers."""
+        if not worker_ids:
+            return
+        for key in [k for k in self._timers if k[0] in worker_ids]:
+            del self._timers[key]
+
+    def clear_if(self, predicate: Callable[[Hashable], bool]) -> None:
+        """Drop every timer whose worker id satisfies ``predicate`` (asked once per worker)."""
+        doomed = {worker for worker in self.workers() if predicate(worker)}
+        self.clear(doomed)
+
+    def expired(self, deadline: float) -> dict[Hashable, list[R]]:
+        """The timers that have run out by ``deadline``, grouped by worker."""
+        return expired_timers(self._timers.values(), deadline)
+
+    def next_expiration(self) -> float | None:
+        """The earliest expiration time of any armed timer, or None when there is none."""
+        return min((r.expiration_time for r in self._timers.values()), default=None)
+
+    def workers(self) -> set[Hashable]:
+        """The workers that hold at least one timer."""
+        return {worker for worker, _ in self._timers}
+
+    def __len__(self) -> int:
+        return len(self._timers)
+
+    def __iter__(self) -> Iterator[R]:
+        return iter(list(self._timers.values()))
+
+    def __repr__(self) -> str:
+        return f"TimerTable(timers={len(self._timers)}, workers={len(self.workers())})"
+
+
+class TimerClient(abc.ABC):
+    """The worker's side: acquire and release timers with some server."""
+
+    @abc.abstractmethod
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        """Arm the timer ``scope_id`` of this worker to run out at ``expiration_time``."""
+
+    @abc.abstractmethod
+    def release(self, scope_id: str) -> None:
+        """Disarm the timer ``scope_id`` of this worker."""
+
+
+class RequestQueue(abc.ABC):
+    """Where a server takes its clients' requests from."""
+
+    @abc.abstractmethod
+    def size(self) -> int:
+        """How many requests are waiting now (it may grow before the next ``get``)."""
+
+    @abc.abstractmethod
+    def get(self, size: int, timeout: float) -> list[TimerRequest]:
+        """Take up to ``size`` requests, waiting no more than ``timeout`` seconds in all."""
+
+
+class TimerServer(abc.ABC):
+    """Watches armed timers on a thread and reaps the workers whose timers run out.
+
+    Args:
+        request_queue: where the clients' requests arrive.
+        max_interval: the longest the watchdog waits for requests between two checks
+            of the timers, in seconds.
+        daemon: run the watchdog on a daemon thread (it will not keep the process alive).
+        clock: the source of "now" for comparing expiration times (wall clock).
+
+    Raises:
+        ConfigError: ``max_interval`` is not positive.
+    """
+
+    def __init__(
+        self,
+        request_queue: RequestQueue,
+        max_interval: float,
+        daemon: bool = True,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        if not max_interval > 0:
+            raise ConfigError("max_interval", max_interval, "must be a positive number of seconds")
+        self._request_queue = request_queue
+        self._max_interval = max_interval
+        self._daemon = daemon
+        self._clock = clock
+        self._watchdog_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    @property
+    def _stop_signaled(self) -> bool:
+        # torch's name for the stop flag; subclasses written against torch read it.
+        return self._stopping.is_set()
+
+    @abc.abstractmethod
+    def register_timers(self, timer_requests: list[TimerRequest]) -> None:
+        """Apply acquires and releases (negative expiration time) to the armed timers."""
+
+    @abc.abstractmethod
+    def clear_timers(self, worker_ids: set[Hashable]) -> None:
+        """Drop every timer of the given workers."""
+
+    @abc.abstractmethod
+    def get_expired_timers(self, deadline: float) -> dict[Hashable, list[TimerRequest]]:
+        """The timers with ``expiration_time <= deadline``, grouped by worker."""
+
+    @abc.abstractmethod
+    def _reap_worker(self, worker_id: Hashable) -> bool:
+        """Reap one worker; True when it is gone (or was never there).
+
+        An exception raised here counts as "reaped", so that one bad worker id cannot
+        wedge the watchdog on the same timer forever.
+        """
+
+    def _wakeup(self) -> None:  # noqa: B027  # reason: optional hook, no-op by default
+        """Make a blocked ``get`` on the request queue return early (used by ``stop``)."""
+
+    def _reap_worker_no_throw(self, worker_id: Hashable) -> bool:
+        try:
+            return self._reap_worker(worker_id)
+        except Exception:
+            log.exception("reaping worker %r raised; counting it as reaped", worker_id)
+            return True
+
+    def _run_watchdog(self) -> None:
+        """One watchdog round: take requests, register them, reap the expired workers."""
+        batch_size = max(1, self._request_queue.size())
+        self.register_timers(self._request_queue.get(batch_size, self._max_interval))
+        reaped: set[Hashable] = set()
+        for worker_id, timers in self.get_expired_timers(self._clock.time()).items():
+            scopes = [t.scope_id for t in timers]
+            log.info("reaping worker %r: expired timers %s", worker_id, scopes)
+            if self._reap_worker_no_throw(worker_id):
+                reaped.add(worker_id)
+            else:
+                log.error("could not reap worker %r; retrying at the next round", worker_id)
+        self.clear_timers(reaped)
+
+    def _watchdog_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._run_watchdog()
+            except Exception:
+                log.exception("timer watchdog round failed")
+                # Back off so that a persistently failing queue does not spin the CPU.
+                self._stopping.wait(self._max_interval)
+
+    def start(self) -> None:
+        """Start the watchdog thread."""
+        if self._watchdog_thread is not None:
+            return
+        self._stopping.clear()
+        log.info("starting %r", self)
+        self._watchdog_thread = threading.Thread(
+            target=self._watchdog_loop, name=f"{type(self).__name__}-watchdog", daemon=self._daemon
+        )
+        self._watchdog_thread.start()
+
+    def stop(self) -> None:
+        """Stop the watchdog thread and wait (up to ``max_interval``) for it to exit."""
+        self._stopping.set()
+        thread, self._watchdog_thread = self._watchdog_thread, None
+        if thread is None:
+            return
+        self._wakeup()
+        thread.join(self._max_interval)
+        if thread.is_alive():
+            log.warning(
+                "%s watchdog thread did not exit within %ss",
+                type(self).__name__,
+                self._max_interval,
+            )
+
+    def __repr__(self) -> str:
+        running = self._watchdog_thread is not None and self._watchdog_thread.is_alive()
+        return (
+            f"{type(self).__name__}(max_interval={self._max_interval}, daemon={self._daemon}, "
+            f"running={running})"
+        )
+
+
+_timer_client: TimerClient | None = None
+
+
+def configure(timer_client: TimerClient) -> None:
+    """Set the client that :func:`expires` uses when it is given none."""
+    global _timer_client
+    _timer_client = timer_client
+    log.info("timer client configured: %s", type(timer_client).__name__)
+
+
+class _Expiry:
+    """The context manager behind :func:`expires`."""
+
+    def __init__(self, after: float, scope: str, client: TimerClient | None) -> None:
+        self._after = after
+        self._scope = scope
+        self._client = client
+        self._active: TimerClient | None = None
+
+    def __enter__(self) -> None:
+        # The configured client is looked up on entry, as torch does.
+        client = self._client if self._client is not None else _timer_client
+        if client is None:
+            raise TimerNotConfiguredError(
+                "no timer client: call elastrun.timer.configure(client) before expires()"
+            )
+        # Wall clock: the server, in another process, compares against its own time.time().
+        client.acquire(self._scope, time.time() + self._after)
+        self._active = client
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        client, self._active = self._active, None
+        if client is not None:
+            client.release(self._scope)
+
+    def __repr__(self) -> str:
+        return f"expires(after={self._after!r}, scope={self._scope!r})"
+
+
+def expires(after: float, scope: str | None = None, client: TimerClient | None = None) -> _Expiry:
+    """A countdown timer around a block: ``with expires(after=30): step()``.
+
+    On entry the timer is acquired to run out ``after`` seconds from now; on exit (also
+    by an exception) it is released. If it runs out first, the server may reap this
+    worker -- not necessarily at that very instant, but from then on.
+
+    Args:
+        after: seconds until the timer runs out.
+        scope: names the timer; by default ``"<caller file>#<line>"`` of the ``with``.
+            (torch means the same default but computes it inside ``contextlib``, so
+            its scopes all read ``.../contextlib.py#137``; ours name the caller.)
+        client: the client to use; by default the one set by :func:`configure`.
+
+    Raises:
+        TimerNotConfiguredError: on entry, when no client was given or configured
+            (a ``RuntimeError``).
+    """
+    if scope is None:
+        caller = sys._getframe(1)
+        scope = f"{caller.f_code.co_filename}#{caller.f_lineno}"
+    return _Expiry(after, scope, client)
