@@ -714,10 +714,6 @@ def test_run_path_takes_precedence_over_module_with_a_notice(run: Callable[..., 
     [
         (("--rdzv-backend=etcd", "--rdzv-endpoint=h:2379"), "--rdzv-backend", "etcd"),
         (("--rdzv_backend=etcd-v2",), "--rdzv_backend", "etcd-v2"),
-        (("--numa-binding=node",), "--numa-binding", "node"),
-        (("--numa_binding", "core-complex"), "--numa_binding", "core-complex"),
-        (("--event-log-handler=console",), "--event-log-handler", "console"),
-        (("--event-log-handler=dynamic_rendezvous",), "--event-log-handler", "dynamic_rendezvous"),
     ],
 )
 def test_not_yet_implemented_options_are_parsed_then_refused(
@@ -727,6 +723,24 @@ def test_not_yet_implemented_options_are_parsed_then_refused(
         run(*options)
     assert (info.value.field, info.value.value) == (field, value)
     assert "not supported by this version" in str(info.value)
+
+
+def test_numa_events_metrics_and_template_options(run: Callable[..., Launch]) -> None:
+    launch = run("--numa-binding=exclusive", "--event-log-handler=file:/tmp/ev.jsonl",
+                 "--metrics-port=9100", "--preload=numpy, torch", "--no-template")  # fmt: skip
+    cfg = launch.config
+    assert getattr(cfg.numa_options, "affinity_mode").value == "exclusive"
+    assert cfg.event_log_handler == "file:/tmp/ev.jsonl"
+    assert cfg.metrics_port == 9100
+    assert cfg.preload == ("numpy", "torch")
+    assert cfg.use_template is False
+    assert run().config.use_template is True
+
+
+@pytest.mark.parametrize("value", ["file:", "syslog", "console2"])
+def test_bad_event_log_handler_is_a_config_error(run: Callable[..., Launch], value: str) -> None:
+    with pytest.raises(ConfigError, match="--event-log-handler"):
+        run(f"--event-log-handler={value}")
 
 
 def test_multi_node_launches_are_accepted(run: Callable[..., Launch]) -> None:

@@ -61,7 +61,7 @@ __all__ = [
 BUILTIN_RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
 RDZV_ENTRY_POINT_GROUPS = ("elastrun.rendezvous", "torchrun.handlers")
 LOGS_SPECS_ENTRY_POINT_GROUPS = ("elastrun.logs_specs", "torchrun.logs_specs")
-EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
+EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous", "file:PATH")
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
 DEFAULT_MASTER_PORT = 29500
 NVIDIA_GPUS_DIR = Path("/proc/driver/nvidia/gpus")
@@ -242,7 +242,8 @@ _OPTIONS: tuple[_Option, ...] = (
     _option(
         "--numa-binding",
         "MODE",
-        f"bind workers to CPUs near their GPU: {', '.join(NUMA_BINDINGS)} (not yet supported)",
+        f"bind workers to CPUs near their GPU (or spread over NUMA nodes without GPUs): "
+        f"{', '.join(NUMA_BINDINGS)}",
         env=False,
     ),
     _option(
@@ -263,6 +264,27 @@ _OPTIONS: tuple[_Option, ...] = (
         None,
         "print the launch plan and exit without starting anything",
         env=False,
+        ours=True,
+    ),
+    _option(
+        "--metrics-port",
+        "PORT",
+        "serve the agent's metrics at http://127.0.0.1:PORT/metrics (Prometheus text format)",
+        ours=True,
+    ),
+    _option(
+        "--preload",
+        "MOD,...",
+        "modules the worker template imports once, before forking workers "
+        "(default: torch when the script imports it)",
+        "",
+        ours=True,
+    ),
+    _option(
+        "--no-template",
+        None,
+        "start every Python worker as a fresh interpreter instead of forking it from "
+        "the pre-imported template process",
         ours=True,
     ),
 )
@@ -832,18 +854,25 @@ def _logs_specs(values: _Values) -> LogsSpecs:
     )
 
 
-def _refuse_not_implemented(
-    values: _Values, max_nodes: int, backend: str, numa: str | None, events: str
-) -> None:
+def _numa_options(mode: str | None) -> object | None:
+    if mode is None:
+        return None
+    from elastrun.supervise.processes.numa import AffinityMode, NumaOptions
+
+    return NumaOptions(AffinityMode(mode))
+
+
+def _event_handler(raw: str, source: str) -> str:
+    from elastrun.observe.eventlog import make_event_sink
+
+    make_event_sink(raw, field=source)  # validates only: no file is opened yet
+    return raw
+
+
+def _refuse_not_implemented(values: _Values, backend: str) -> None:
     if backend in ("etcd", "etcd-v2"):
         raise NotImplementedYetError(
             values.source("rdzv_backend"), backend, f"the {backend} rendezvous backend"
-        )
-    if numa is not None:
-        raise NotImplementedYetError(values.source("numa_binding"), numa, "NUMA binding")
-    if events != "null":
-        raise NotImplementedYetError(
-            values.source("event_log_handler"), events, "an event log handler"
         )
 
 
@@ -875,7 +904,13 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
         None if timeout_raw is None else _to_seconds(timeout_raw, timeout_source, allow_zero=True)
     )
     start_method = _to_choice(*values.required("start_method"), START_METHODS)
-    events = _to_choice(*values.required("event_log_handler"), EVENT_LOG_HANDLERS)
+    events = _event_handler(*values.required("event_log_handler"))
+    metrics_raw, metrics_source = values.text("metrics_port")
+    metrics_port = (
+        None if metrics_raw is None else _to_int(metrics_raw, metrics_source, 0, 65535)
+    )
+    preload_raw, _ = values.required("preload")
+    preload = tuple(m.strip() for m in preload_raw.split(",") if m.strip())
     numa_raw, numa_source = values.text("numa_binding")
     numa = None if numa_raw is None else _to_choice(numa_raw, numa_source, NUMA_BINDINGS)
     signals, signals_source = values.required("signals_to_handle")
@@ -890,7 +925,7 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
     _check_script(kind, script, environ)
     logs_specs = _logs_specs(values)
     # Everything is valid; now what this version cannot do yet.
-    _refuse_not_implemented(values, max_nodes, rdzv.backend, numa, events)
+    _refuse_not_implemented(values, rdzv.backend)
 
     sources = {opt.canonical: values.source(opt.dest) for opt in _OPTIONS}
     try:
@@ -910,6 +945,10 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
             log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
             local_addr=values.text("local_addr")[0],
             event_log_handler=events,
+            numa_options=_numa_options(numa),
+            metrics_port=metrics_port,
+            preload=preload,
+            use_template=not values.flag("no_template"),
             signals_to_handle=signals,
             duplicate_stdout_filters=_parse_filters(values, "duplicate_stdout_filters"),
             duplicate_stderr_filters=_parse_filters(values, "duplicate_stderr_filters"),

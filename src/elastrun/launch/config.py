@@ -60,6 +60,12 @@ class LaunchConfig:
     master_addr: str | None = None
     master_port: int | None = None
     exit_barrier_timeout: float = 300.0
+    #: Serve the agent's metrics in Prometheus format on this port (None: off).
+    metrics_port: int | None = None
+    #: Modules the worker template pre-imports (Python script workers).
+    preload: tuple[str, ...] = ()
+    #: Fork Python script workers from a pre-imported template process.
+    use_template: bool = True
 
     def __post_init__(self) -> None:
         if self.min_nodes <= 0:

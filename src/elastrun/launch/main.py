@@ -100,9 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launch.dry_run:
         from elastrun.launch.dryrun import render_plan
 
-        entry, args = command_of(launch)
+        entry, entry_args = command_of(launch)
         try:
-            print(render_plan(launch, entry, args, os.environ))
+            print(render_plan(launch, entry, entry_args, os.environ))
         except ConfigError as exc:
             print(f"elastrun: error: {exc}", file=sys.stderr)
             return 2
