@@ -225,7 +225,9 @@ class LocalElasticAgent:
             if not attempt.procs.running():
                 return self._succeed(attempt)
             if self._handler.num_nodes_waiting() > 0:
-                log.info("nodes are waiting to join: re-forming the group (no restart counted)")
+                why = getattr(self._handler, "change_reason", "") or "nodes are waiting to join"
+                log.info("%s: re-forming the group (no restart counted here)", why)
+                self._events.record("agent.membership_change", {"reason": why})
                 self._finish_attempt(signal.SIGTERM)
                 self._transition(WorkerState.STOPPED)
                 self._start_round()

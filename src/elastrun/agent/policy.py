@@ -77,7 +77,8 @@ class JobRestartBudget:
 
     @property
     def used(self) -> int:
-        return self._source.restarts_used()
+        # The counter passes the limit by one when the failing node finds it exhausted.
+        return min(self._source.restarts_used(), self._limit)
 
     def try_consume(self) -> bool:
         return self._source.report_failure(self._limit)

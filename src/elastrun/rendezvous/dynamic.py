@@ -141,6 +141,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._callback: Callable[[], None] | None = None
         self._reform = False
         self._lost = False
+        #: Why the running round must re-form (for the agent's log line).
+        self.change_reason = ""
 
     # -- torch-compatible surface ------------------------------------------------------
 
@@ -454,6 +456,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 continue
             if not alive:
                 log.warning("this node's lease expired: the others consider it gone")
+                self.change_reason = "this node's lease expired"
                 self._lost = True
                 self._notify()
 
@@ -488,11 +491,22 @@ class DynamicRendezvousHandler(RendezvousHandler):
         cut = len(self._key(f"rounds/{n + 1}/join/"))
         next_joiners = {k[cut:]: 0 for k in joins}
         failed = self._get(f"rounds/{n}/failed") is not None
+        closed = self.is_closed()
+        alive = self._live_nodes()
         if needs_reformation(
-            members, self._live_nodes(), next_joiners,
+            members, alive, next_joiners,
             max_nodes=self._settings.max_nodes,
-            round_failed=failed or self.is_closed(),
+            round_failed=failed or closed,
         ):  # fmt: skip
+            lost = [m for m in members if m not in alive]
+            if closed:
+                self.change_reason = "the run was closed by another node"
+            elif failed:
+                self.change_reason = "a worker failed on another node"
+            elif lost:
+                self.change_reason = f"lost {len(lost)} node(s): {', '.join(lost)}"
+            else:
+                self.change_reason = "new node(s) are waiting to join"
             self._reform = True
         return self._reform
 
