@@ -104,3 +104,24 @@ def test_each_attempt_gets_a_new_log_directory(tmp_path: Path) -> None:
     _agent(tmp_path, starter, 1).run()
     (run_dir,) = list(tmp_path.iterdir())
     assert sorted(p.name for p in run_dir.iterdir()) == ["attempt_0", "attempt_1"]
+
+
+class _StuckAfterStart:
+    """A fake D-state watch: reports local rank 1 as stuck on the first check."""
+
+    def check(self, pids: dict[int, int]) -> int | None:
+        return 1 if 1 in pids else None
+
+    def reason(self, lr: int, pid: int) -> str:
+        return f"local rank {lr} (pid {pid}) stuck in uninterruptible sleep for 61s"
+
+
+def test_a_worker_stuck_in_d_state_fails_the_run_without_restart(tmp_path: Path) -> None:
+    starter = FakeStarter(script=lambda a, r: None)
+    agent = _agent(tmp_path, starter, 3, stuck_watch=_StuckAfterStart())
+    result = agent.run()
+    assert result.state is WorkerState.FAILED
+    assert starter.attempt == 0  # not restarted: restarting cannot free it
+    assert "stuck in uninterruptible sleep" in result.failures[1].message
+    assert not result.failures[1].terminated_by_agent
+    assert agent.budget_note is not None and agent.budget_note.startswith("not restarted")

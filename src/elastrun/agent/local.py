@@ -33,10 +33,11 @@ from elastrun.agent.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
 from elastrun.core.errors import ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
-from elastrun.observe.sinks import EventSink, EventValue, NullEventSink
+from elastrun.observe.sinks import EventSink, EventValue, MetricSink, NullEventSink, NullMetricSink
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
 from elastrun.rendezvous.local import LocalRendezvousHandler
 from elastrun.supervise.failures.failure import ProcessFailure
+from elastrun.supervise.processes.dstate import UninterruptibleWatch
 from elastrun.supervise.processes.guard import OrphanGuard
 from elastrun.supervise.processes.logs import (
     DefaultLogsSpecs,
@@ -44,6 +45,7 @@ from elastrun.supervise.processes.logs import (
     LogsSpecs,
     format_line_prefix,
 )
+from elastrun.supervise.processes.numa import binding_cpus, numa_options_from
 from elastrun.supervise.processes.procset import Exit, ProcessSet
 from elastrun.supervise.processes.relay import OutputRelay
 from elastrun.supervise.processes.spawn import (
@@ -56,6 +58,20 @@ from elastrun.supervise.processes.spawn import (
 )
 
 log = logging.getLogger("elastrun.agent")
+
+
+class FileTimer(Protocol):
+    """The agent's expiration-timer watchdog (``elastrun.timer.file.AgentFileTimer``)."""
+
+    def start(self, run_id: str) -> str: ...
+
+    def worker_env(self) -> dict[str, str]: ...
+
+    def expired_pids(self) -> dict[int, str]: ...
+
+    def get_last_progress_time(self) -> float: ...
+
+    def stop(self) -> None: ...
 
 
 class Guard(Protocol):
@@ -112,6 +128,9 @@ class LocalElasticAgent:
             the final stop alike.
         run_id: the run id when ``spec.rdzv_handler`` is None.
         shutdown: a request set by the launcher's signal handlers.
+        metrics: where the agent's metrics go.
+        file_timer: the expiration-timer watchdog (TORCHELASTIC_ENABLE_FILE_TIMER=1).
+        stuck_watch: ends the run when a worker stays in uninterruptible sleep.
         starter, policy, budget, clock, environ, python, events, guard: injected
             collaborators (production defaults when None).
     """
@@ -137,6 +156,9 @@ class LocalElasticAgent:
         events: EventSink | None = None,
         hostname: str | None = None,
         guard: Guard | None = None,
+        metrics: MetricSink | None = None,
+        file_timer: FileTimer | None = None,
+        stuck_watch: UninterruptibleWatch | None = None,
     ) -> None:
         self._spec = spec
         self._logs = logs_specs if logs_specs is not None else DefaultLogsSpecs()
@@ -156,6 +178,13 @@ class LocalElasticAgent:
         self._environ = dict(os.environ if environ is None else environ)
         self._python = python
         self._events = events if events is not None else NullEventSink()
+        self._metrics = metrics if metrics is not None else NullMetricSink()
+        self._file_timer = file_timer
+        self._stuck = stuck_watch
+        self._reasons: dict[int, str] = {}  # pid -> why elastrun ended it on purpose
+        self._numa = numa_options_from(spec.numa_options)
+        #: Wall-clock time of the loop's last pass (the health check's "last progress").
+        self.last_progress = clock.time()
         self._host = hostname or socket.getfqdn()
         self._group = WorkerGroup(spec)
         self._attempt: _Attempt | None = None
@@ -178,6 +207,26 @@ class LocalElasticAgent:
     def get_worker_group(self, role: str = "default") -> WorkerGroup:
         return self._group
 
+    def alive(self) -> float:
+        """The last sign of progress (for the health check): the file timer's, if any."""
+        if self._file_timer is not None:
+            return max(self.last_progress, self._file_timer.get_last_progress_time())
+        return self.last_progress
+
+    def status(self) -> dict[str, object]:
+        """A snapshot for the health check and status views."""
+        g = self._group
+        return {
+            "state": g.state.value,
+            "run_id": self._handler.get_run_id(),
+            "attempt": self._attempts - 1,
+            "restart_count": self._budget.used,
+            "max_restarts": self._budget.limit,
+            "group_rank": g.group_rank,
+            "group_world_size": g.group_world_size,
+            "workers": [w.id for w in g.workers],
+        }
+
     def run(self, role: str = "default") -> RunResult:
         """Run the workers to completion, restarting them on failure.
 
@@ -189,6 +238,8 @@ class LocalElasticAgent:
         finally:
             self._finish_attempt(signal.SIGTERM)
             self._guard.close()
+            if self._file_timer is not None:
+                self._file_timer.stop()
             if self._owns_shutdown:
                 self._shutdown.waker.close()
             if self._return_dir:
@@ -212,7 +263,12 @@ class LocalElasticAgent:
             assert attempt is not None
             attempt.procs.wait_for_exits(Deadline.after(self._spec.monitor_interval, self._clock))
             self._shutdown.waker.drain()
+            self.last_progress = self._clock.time()
             self._check_shutdown()
+            self._note_expired_timers()
+            stuck = self._stuck_worker(attempt)
+            if stuck is not None:
+                return self._fail([], stuck=stuck)
             exits = attempt.procs.exits
             failed = sorted(
                 (e for e in exits.values() if e.exitcode != 0), key=lambda e: e.observed_at
@@ -232,6 +288,25 @@ class LocalElasticAgent:
                 self._transition(WorkerState.STOPPED)
                 self._start_round()
 
+    def _note_expired_timers(self) -> None:
+        if self._file_timer is not None:
+            for pid, scope in self._file_timer.expired_pids().items():
+                self._reasons[pid] = f"its expiration timer expired (scope {scope})"
+
+    def _stuck_worker(self, attempt: _Attempt) -> int | None:
+        """A local rank stuck in uninterruptible sleep past the limit, if any."""
+        if self._stuck is None:
+            return None
+        pids = {lr: attempt.procs.processes[lr].pid for lr in attempt.procs.running()}
+        lr = self._stuck.check(pids)
+        if lr is not None:
+            self._reasons[pids[lr]] = self._stuck.reason(lr, pids[lr])
+            log.error(
+                "%s; stopping the workers (no restart: it cannot be killed)",
+                self._reasons[pids[lr]],
+            )
+        return lr
+
     def _check_shutdown(self) -> None:
         signum = self._shutdown.signum
         if signum is None:
@@ -248,6 +323,9 @@ class LocalElasticAgent:
         info = self._handler.next_rendezvous()
         rdzv_ms = (self._clock.monotonic() - t0) * 1000
         plan = self._plan(info)
+        self._metrics.put("agent.rendezvous.duration_ms", rdzv_ms)
+        self._metrics.put("agent.group_rank", info.rank)
+        self._metrics.put("agent.group_world_size", info.world_size)
         self._events.record(
             "agent.rendezvous",
             {
@@ -307,7 +385,15 @@ class LocalElasticAgent:
         t0 = self._clock.monotonic()
         number = self._attempts
         self._attempts += 1
-        envs = {w.local_rank: {**self._environ, **w.env} for w in plan.workers}
+        extra: dict[str, str] = {}
+        if self._file_timer is not None:
+            self._file_timer.start(plan.facts.run_id)
+            extra.update(self._file_timer.worker_env())
+        envs = {w.local_rank: {**self._environ, **extra, **w.env} for w in plan.workers}
+        cpus = {
+            w.local_rank: binding_cpus(self._numa, w.local_rank, self._spec.local_world_size)
+            for w in plan.workers
+        }
         dest = self._logs.reify(envs)
         relay = OutputRelay(
             filtered_stdout=dest.filtered_stdout,
@@ -326,7 +412,8 @@ class LocalElasticAgent:
                 )
                 stdio = relay.wire(lr, dest, prefix, show_on_console=shown is None or lr in shown)
                 try:
-                    proc = starter.start(self._process_spec(plan, w.local_rank, envs[lr], stdio))
+                    spec = self._process_spec(plan, lr, envs[lr], stdio, cpus[lr])
+                    proc = starter.start(spec)
                 finally:
                     stdio.close_in_parent()
                 self._guard.watch(proc.pid)
@@ -362,6 +449,9 @@ class LocalElasticAgent:
                 for w, p in zip(plan.workers, procs, strict=True)
             ),
         )
+        self._metrics.put("agent.workers_start.duration_ms", took)
+        self._metrics.put("agent.world_size", plan.workers[0].ranks.world_size)
+        self._metrics.put("agent.remaining_restarts", self._budget.limit - self._budget.used)
         self._events.record(
             "agent.workers_started",
             {
@@ -373,20 +463,32 @@ class LocalElasticAgent:
         )
 
     def _process_spec(
-        self, plan: LaunchPlan, local_rank: int, env: dict[str, str], stdio: object
+        self,
+        plan: LaunchPlan,
+        local_rank: int,
+        env: dict[str, str],
+        stdio: object,
+        cpus: frozenset[int] | None = None,
     ) -> ProcessSpec:
         worker = plan.workers[local_rank]
         stdout_fd = getattr(stdio, "stdout_fd", None)
         stderr_fd = getattr(stdio, "stderr_fd", None)
         if plan.function is None:
             return ProcessSpec(
-                local_rank, env, argv=worker.argv, stdout_fd=stdout_fd, stderr_fd=stderr_fd
+                local_rank,
+                env,
+                argv=worker.argv,
+                stdout_fd=stdout_fd,
+                stderr_fd=stderr_fd,
+                cpus=cpus,
             )
         if self._return_dir is None:
             self._return_dir = tempfile.mkdtemp(prefix="elastrun-ret-")
         ret = os.path.join(self._return_dir, f"a{self._attempts - 1}_r{local_rank}.pkl")
         call = FunctionCall(plan.function, worker.args, ret)
-        return ProcessSpec(local_rank, env, call=call, stdout_fd=stdout_fd, stderr_fd=stderr_fd)
+        return ProcessSpec(
+            local_rank, env, call=call, stdout_fd=stdout_fd, stderr_fd=stderr_fd, cpus=cpus
+        )
 
     def _update_ranks(self, plan: LaunchPlan) -> None:
         for w in plan.workers:
@@ -413,6 +515,9 @@ class LocalElasticAgent:
         attempt.relay.close()
         attempt.procs.close()
         if running:
+            self._metrics.put(
+                "agent.workers_stop.duration_ms", (self._clock.monotonic() - t0) * 1000
+            )
             log.info(
                 "stopped %d worker(s) in %.0f ms%s",
                 len(running),
@@ -426,6 +531,9 @@ class LocalElasticAgent:
         first = failed[0]
         rank = attempt.plan.workers[first.local_rank].ranks.global_rank
         what = _describe_exit(first.exitcode)
+        self._note_expired_timers()
+        if first.pid in self._reasons:
+            what = f"{what} ({self._reasons[first.pid]})"
         line = (
             f"attempt {attempt.number}: rank {rank} "
             f"(local {first.local_rank}, pid {first.pid}) {what}"
@@ -440,6 +548,8 @@ class LocalElasticAgent:
             self._budget.used,
             self._budget.limit,
         )
+        self._metrics.put("agent.restarts", 1)
+        self._metrics.put("agent.worker_failures", len(failed))
         self._events.record(
             "agent.restart",
             {
@@ -454,13 +564,16 @@ class LocalElasticAgent:
         self._check_shutdown()
         self._start_round()
 
-    def _fail(self, failed: list[Exit]) -> RunResult:
+    def _fail(self, failed: list[Exit], stuck: int | None = None) -> RunResult:
+        """Stop everything and report: the restart budget ran out, or a worker is stuck
+        in uninterruptible sleep (``stuck``: its local rank; restarting cannot help)."""
         attempt = self._attempt
         assert attempt is not None
         self._finish_attempt(signal.SIGTERM)
-        exits = attempt.procs.exits
+        self._note_expired_timers()
         failures: dict[int, ProcessFailure] = {}
-        for ex in sorted(exits.values(), key=lambda e: (e.observed_at, e.local_rank)):
+        exits = sorted(attempt.procs.exits.values(), key=lambda e: (e.observed_at, e.local_rank))
+        for ex in exits:
             if ex.exitcode == 0:
                 continue
             worker = attempt.plan.workers[ex.local_rank]
@@ -472,23 +585,34 @@ class LocalElasticAgent:
                 global_rank=worker.ranks.global_rank,
                 host=self._host,
                 observed_at=ex.observed_at,
-                terminated_by_agent=ex.by_agent,
+                terminated_by_agent=ex.by_agent and ex.local_rank != stuck,
                 stderr_file=attempt.stderr_files.get(ex.local_rank),
+                reason=self._reasons.get(ex.pid),
             )
-        limit = self._budget.limit
-        self.budget_note = (
-            f"restart budget exhausted: {self._budget.used} of {limit} restart(s) used "
-            f"(--max-restarts {limit})"
-        )
-        if self.history:
-            self.budget_note += "\nearlier failures:\n" + "\n".join(
-                f"  {line}" for line in self.history
-            )
+            self._events.record(
+                "agent.worker_failed",
+                {"attempt": attempt.number, "rank": worker.ranks.global_rank,
+                 "local_rank": ex.local_rank, "exitcode": ex.exitcode, "pid": ex.pid},
+            )  # fmt: skip
+        self.budget_note = self._failure_note(stuck)
         self._transition(WorkerState.FAILED)
         self._events.record(
             "agent.failed", {"failures": len(failures), "restarts": self._budget.used}
         )
         return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _failure_note(self, stuck: int | None) -> str:
+        limit = self._budget.limit
+        if stuck is not None:
+            note = f"not restarted: local rank {stuck} was stuck in uninterruptible sleep"
+        else:
+            note = (
+                f"restart budget exhausted: {self._budget.used} of {limit} restart(s) used "
+                f"(--max-restarts {limit})"
+            )
+        if self.history:
+            note += "\nearlier failures:\n" + "\n".join(f"  {line}" for line in self.history)
+        return note
 
     def _succeed(self, attempt: _Attempt) -> RunResult:
         values: dict[int, object] = {}

@@ -10,10 +10,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.spec import Entrypoint, WorkerSpec
-from elastrun.core.errors import ShutdownRequested
+from elastrun.core.errors import ConfigError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.launch.config import LaunchConfig, parse_signals
 from elastrun.launch.signals import install_signal_handlers
+from elastrun.observe.sinks import MetricSink
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
 from elastrun.rendezvous.registry import rendezvous_handler_registry
 from elastrun.supervise.failures.report import ChildFailedError
@@ -73,8 +74,10 @@ def build_agent(
     run_id: str,
     shutdown: ShutdownRequest,
     environ: Mapping[str, str] | None = None,
+    extras: _Extras | None = None,
 ) -> LocalElasticAgent:
     """Wire the agent for ``config`` (no process is started)."""
+    env = os.environ if environ is None else environ
     handler = build_handler(config, run_id)
     spec = WorkerSpec(
         role=config.role,
@@ -86,20 +89,81 @@ def build_agent(
         monitor_interval=config.monitor_interval,
         local_addr=config.local_addr,
         event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
         duplicate_stdout_filters=config.duplicate_stdout_filters,
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
+    from elastrun.supervise.processes.dstate import UninterruptibleWatch, timeout_from_env
+    from elastrun.timer.file import AgentFileTimer
+
+    stuck_after = timeout_from_env(env)
+    barrier = config.rdzv_configs.get("exit_barrier_timeout")
     return LocalElasticAgent(
         spec,
         logs_specs=config.logs_specs if config.logs_specs is not None else DefaultLogsSpecs(),
         start_method=config.start_method,
-        exit_barrier_timeout=config.exit_barrier_timeout,
+        exit_barrier_timeout=float(barrier) if barrier else config.exit_barrier_timeout,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.effective_shutdown_timeout,
         shutdown=shutdown,
         environ=environ,
+        events=extras.events if extras else None,
+        metrics=extras.metrics if extras else None,
+        file_timer=AgentFileTimer.from_env(env),
+        stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
     )
+
+
+class _Extras:
+    """The observability pieces of one launch: event sink, metrics, health check."""
+
+    def __init__(self, config: LaunchConfig, run_id: str) -> None:
+        import socket
+
+        from elastrun.metrics import FanoutMetricSink, MetricsApiSink
+        from elastrun.observe.eventlog import make_event_sink
+
+        context: dict[str, str | int | float | bool | None] = {
+            "run_id": run_id,
+            "hostname": socket.getfqdn(),
+            "agent_pid": os.getpid(),
+        }
+        self.events = make_event_sink(config.event_log_handler, context=context)
+        probe = getattr(self.events, "probe", None)
+        if probe is not None:
+            probe()
+        self.server: object | None = None
+        self.metrics: MetricSink = MetricsApiSink()
+        if config.metrics_port is not None:
+            from elastrun.observe.prometheus import MetricsServer
+
+            server = MetricsServer(config.metrics_port)
+            server.start()
+            self.server = server
+            self.metrics = FanoutMetricSink(server.sink, MetricsApiSink())
+        self.health: object | None = None
+
+    def start_health(self, agent: LocalElasticAgent, environ: Mapping[str, str]) -> None:
+        from elastrun.observe.health import HealthCheckServer, port_from_env
+
+        port = port_from_env(dict(environ))
+        if port is None:
+            return
+        server = HealthCheckServer(agent.alive, port, state_callback=agent.status)
+        try:
+            server.start()
+        except OSError as exc:
+            raise ConfigError(
+                "TORCHELASTIC_HEALTH_CHECK_PORT", port, f"cannot serve: {exc.strerror or exc}"
+            ) from exc
+        self.health = server
+
+    def close(self) -> None:
+        for server in (self.health, self.server):
+            stop = getattr(server, "stop", None)
+            if stop is not None:
+                stop()
 
 
 def launch_agent(
@@ -122,8 +186,6 @@ def launch_agent(
         ConfigError: invalid configuration found while wiring.
     """
     if entrypoint is None:
-        from elastrun.core.errors import ConfigError
-
         raise ConfigError("entrypoint", None, "nothing to launch")
     run_id = config.run_id or str(uuid.uuid4().int)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
@@ -134,10 +196,19 @@ def launch_agent(
         restore = install_signal_handlers(parse_signals(config.signals_to_handle), shutdown)
     agent = None
     signalled = False
+    extras: _Extras | None = None
     try:
+        extras = _Extras(config, run_id)
         agent = build_agent(
-            config, entrypoint, args, run_id=run_id, shutdown=shutdown, environ=environ
+            config,
+            entrypoint,
+            args,
+            run_id=run_id,
+            shutdown=shutdown,
+            environ=environ,
+            extras=extras,
         )
+        extras.start_health(agent, os.environ if environ is None else environ)
         if on_agent is not None:
             on_agent(agent)
         result = agent.run()
@@ -150,6 +221,8 @@ def launch_agent(
         signalled = True
         raise
     finally:
+        if extras is not None:
+            extras.close()
         restore()
         if owned:
             shutdown.waker.close()

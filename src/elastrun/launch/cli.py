@@ -906,9 +906,7 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
     start_method = _to_choice(*values.required("start_method"), START_METHODS)
     events = _event_handler(*values.required("event_log_handler"))
     metrics_raw, metrics_source = values.text("metrics_port")
-    metrics_port = (
-        None if metrics_raw is None else _to_int(metrics_raw, metrics_source, 0, 65535)
-    )
+    metrics_port = None if metrics_raw is None else _to_int(metrics_raw, metrics_source, 0, 65535)
     preload_raw, _ = values.required("preload")
     preload = tuple(m.strip() for m in preload_raw.split(",") if m.strip())
     numa_raw, numa_source = values.text("numa_binding")

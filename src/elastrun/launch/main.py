@@ -71,6 +71,7 @@ def command_of(launch: Launch) -> tuple[object, list[object]]:
 #: in the working directory still wins (``elastrun store`` with a file called ``store``).
 SUBCOMMANDS: dict[str, str] = {
     "store": "elastrun.store.tcp.server:serve_main",
+    "timeline": "elastrun.observe.timeline:timeline_main",
 }
 
 

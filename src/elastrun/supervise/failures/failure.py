@@ -78,6 +78,9 @@ class ProcessFailure:
     observed_at: float = 0.0
     terminated_by_agent: bool = False
     stderr_file: str | None = None
+    #: Why elastrun ended the worker, when it did so on purpose (an expired timer, a
+    #: worker stuck in uninterruptible sleep); shown before the exit's own message.
+    reason: str | None = None
 
     message: str = field(init=False)
     timestamp: float = field(init=False)
@@ -115,6 +118,8 @@ class ProcessFailure:
 
         if not self.message:
             self.message = self._message_without_error_file()
+        if self.reason:
+            self.message = f"{self.reason}: {self.message}"
         self.stderr_tail, self.stderr_tail_omits_traceback = _stderr_tail(
             self.stderr_file, self.traceback
         )

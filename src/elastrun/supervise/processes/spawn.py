@@ -42,6 +42,13 @@ except OSError:  # pragma: no cover - every Linux libc has prctl
     _libc = None
 
 
+def prepare_child(sig: int, expected_parent: int, cpus: frozenset[int] | None) -> None:
+    """In a freshly forked child: bind its CPUs, then arm the parent-death signal."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # inherited across exec, and by its children
+    set_parent_death_signal(sig, expected_parent)
+
+
 def set_parent_death_signal(sig: int, expected_parent: int) -> None:
     """In a freshly forked child: die with ``sig`` when the parent dies.
 
@@ -80,6 +87,8 @@ class ProcessSpec:
     stderr_fd: int | None = None
     cwd: str | None = None
     death_signal: int = signal.SIGKILL
+    #: CPUs to bind the worker to (NUMA binding); None leaves its affinity alone.
+    cpus: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if (self.argv is None) == (self.call is None):
@@ -209,6 +218,7 @@ class SubprocessStarter:
         assert argv is not None
         parent = os.getpid()
         death = spec.death_signal
+        cpus = spec.cpus
         try:
             proc = subprocess.Popen(
                 argv,
@@ -217,9 +227,9 @@ class SubprocessStarter:
                 stderr=spec.stderr_fd,
                 cwd=spec.cwd,
                 start_new_session=True,
-                # Only prctl and getppid run between fork and exec: no locks, no
+                # Only syscalls (affinity, prctl, getppid) run between fork and exec: no locks, no
                 # allocation, so the relay thread cannot deadlock the child.
-                preexec_fn=lambda: set_parent_death_signal(death, parent),  # noqa: PLW1509
+                preexec_fn=lambda: prepare_child(death, parent, cpus),  # noqa: PLW1509
             )
         except OSError as exc:
             raise ProcessStartError(
@@ -289,7 +299,7 @@ class ForkStarter:
             code = 1
             try:
                 os.setsid()
-                set_parent_death_signal(spec.death_signal, parent)
+                prepare_child(spec.death_signal, parent, spec.cpus)
                 if spec.stdout_fd is not None:
                     os.dup2(spec.stdout_fd, 1)
                 if spec.stderr_fd is not None:

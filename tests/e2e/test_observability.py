@@ -1,0 +1,156 @@
+"""Timers, events, metrics, health check and NUMA binding through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from _helpers import finish, run, start, wait_for, write_script
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+TIMED = """
+import os, sys, time
+from elastrun.timer import FileTimerClient, configure, expires
+configure(FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+rank, restart = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+open(os.path.join(sys.argv[1], f"start_{restart}_{rank}"), "w").close()
+if rank == "1" and restart == "0":
+    with expires(after=0.5, scope="slow-step"):
+        time.sleep(60)  # hangs: the timer must end this worker only
+time.sleep(1)
+"""
+
+
+def test_an_expired_timer_kills_only_its_worker_and_counts_as_a_failure(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "timed.py", TIMED)
+    result = run(
+        ["--nproc-per-node", "2", "--max-restarts", "1", str(script), str(tmp_path)],
+        cwd=tmp_path,
+        env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"},
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "expiration timer expired (scope slow-step)" in result.stderr
+    assert "restarting all workers (restart 1 of 1)" in result.stderr
+    assert (tmp_path / "start_1_0").exists() and (tmp_path / "start_1_1").exists()
+
+
+def test_an_expired_timer_with_no_budget_is_named_in_the_report(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "timed.py", TIMED)
+    result = run(
+        ["--nproc-per-node", "2", str(script), str(tmp_path)],
+        cwd=tmp_path,
+        env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"},
+        timeout=60,
+    )
+    assert result.returncode == 1
+    root = result.stderr[result.stderr.index("Root cause") :]
+    assert "its expiration timer expired (scope slow-step)" in root
+    assert "SIGKILL" in root
+
+
+def test_event_file_and_timeline(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path / "flaky.py",
+        """
+        import os, sys
+        if os.environ["RANK"] == "0" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            sys.exit(4)
+        """,
+    )
+    events = tmp_path / "events.jsonl"
+    result = run(
+        ["--nproc-per-node", "2", "--max-restarts", "1", "--event-log-handler", f"file:{events}",
+         str(script)],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(x) for x in events.read_text().splitlines()]
+    names = [e["name"] for e in lines]
+    assert names.count("agent.workers_started") == 2
+    assert "agent.restart" in names and "agent.succeeded" in names
+    assert all(e["timestamp"] > 1_600_000_000_000 for e in lines)  # real ms timestamps
+    assert all({"name", "source", "timestamp", "metadata"} <= set(e) for e in lines)
+    restart = next(e for e in lines if e["name"] == "agent.restart")
+    assert restart["metadata"]["exitcode"] == 4 and restart["metadata"]["run_id"]
+    html = tmp_path / "timeline.html"
+    shown = subprocess.run(
+        [sys.executable, "-m", "elastrun", "timeline", str(events), "--html", str(html)],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "restart" in shown.stdout
+    assert "<svg" in html.read_text()
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_metrics_endpoint_and_health_check_while_running(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path / "wait.py",
+        "import os, sys, time\nwhile not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n",
+    )
+    stop = tmp_path / "stop"
+    mport, hport = free_port(), free_port()
+    proc = start(
+        ["--nproc-per-node", "2", "--metrics-port", str(mport), str(script), str(stop)],
+        cwd=tmp_path,
+        env={"TORCHELASTIC_HEALTH_CHECK_PORT": str(hport)},
+    )
+    try:
+        wait_for(lambda: "elastrun_world_size" in _get_or_empty(f"http://127.0.0.1:{mport}/metrics"),
+                 30, "metrics")  # fmt: skip
+        status, body = _get(f"http://127.0.0.1:{mport}/metrics")
+        assert status == 200 and "elastrun_workers_start_duration_seconds" in body
+        wait_for(lambda: _get_or_empty(f"http://127.0.0.1:{hport}/health"), 30, "health")
+        status, body = _get(f"http://127.0.0.1:{hport}/health")
+        health = json.loads(body)
+        assert status == 200 and health["healthy"] is True
+        assert health["state"] == "HEALTHY" and len(health["workers"]) == 2
+    finally:
+        stop.touch()
+        result = finish(proc, 30)
+    assert result.returncode == 0, result.stderr
+
+
+def _get_or_empty(url: str) -> str:
+    try:
+        return _get(url)[1]
+    except OSError:
+        return ""
+
+
+def test_numa_exclusive_binding_gives_each_worker_its_own_cpus(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path / "aff.py",
+        "import os, sys\nopen(os.path.join(sys.argv[1], os.environ['LOCAL_RANK']), 'w')"
+        ".write(','.join(map(str, sorted(os.sched_getaffinity(0)))))\n",
+    )
+    ncpu = len(os.sched_getaffinity(0))
+    result = run(
+        ["--nproc-per-node", str(ncpu), "--numa-binding", "exclusive", str(script), str(tmp_path)],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    sets = [set((tmp_path / str(r)).read_text().split(",")) for r in range(ncpu)]
+    assert all(len(s) >= 1 for s in sets)
+    for i in range(ncpu):
+        for j in range(i + 1, ncpu):
+            assert not sets[i] & sets[j]
