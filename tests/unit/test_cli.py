@@ -729,7 +729,7 @@ def test_numa_events_metrics_and_template_options(run: Callable[..., Launch]) ->
     launch = run("--numa-binding=exclusive", "--event-log-handler=file:/tmp/ev.jsonl",
                  "--metrics-port=9100", "--preload=numpy, torch", "--no-template")  # fmt: skip
     cfg = launch.config
-    assert getattr(cfg.numa_options, "affinity_mode").value == "exclusive"
+    assert cfg.numa_options.affinity_mode.value == "exclusive"  # type: ignore[attr-defined]
     assert cfg.event_log_handler == "file:/tmp/ev.jsonl"
     assert cfg.metrics_port == 9100
     assert cfg.preload == ("numpy", "torch")

@@ -171,16 +171,25 @@ class MemoryStore:
                         f"changes after revision {after_revision} are no longer kept "
                         f"(oldest kept: {self._events[0].revision})"
                     )
-                found = tuple(
-                    e
-                    for e in self._events
-                    if e.revision > after_revision and e.key.startswith(prefix)
-                )
+                found = self._since(prefix, after_revision)
                 if found:
                     return WatchResult(found, found[-1].revision)
                 if deadline.expired():
                     return WatchResult((), self._revision)
                 self._cond.wait(self._wait_time(deadline))
+
+    def _since(self, prefix: str, after_revision: int) -> tuple[WatchEvent, ...]:
+        # Scan from the newest event backwards: the cost is the number of new events,
+        # not the size of the history (a full history scan made every watch, and so
+        # every change fanned out by the tcp server, cost milliseconds).
+        found = []
+        for event in reversed(self._events):
+            if event.revision <= after_revision:
+                break
+            if event.key.startswith(prefix):
+                found.append(event)
+        found.reverse()
+        return tuple(found)
 
     def _wait_time(self, deadline: Deadline) -> float | None:
         wait = deadline.timeout()
