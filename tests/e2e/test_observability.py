@@ -154,3 +154,33 @@ def test_numa_exclusive_binding_gives_each_worker_its_own_cpus(tmp_path: Path) -
     for i in range(ncpu):
         for j in range(i + 1, ncpu):
             assert not sets[i] & sets[j]
+
+
+def test_stacks_command_shows_where_every_worker_is(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path / "hang.py",
+        """
+        import os, sys, time
+        def waiting_for_godot():
+            open(os.path.join(sys.argv[1], "up_" + os.environ["RANK"]), "w").close()
+            while not os.path.exists(os.path.join(sys.argv[1], "stop")):
+                time.sleep(0.05)
+        waiting_for_godot()
+        """,
+    )
+    logs = tmp_path / "logs"
+    proc = start(["--nproc-per-node", "2", "--log-dir", str(logs), str(script), str(tmp_path)],
+                 cwd=tmp_path)  # fmt: skip
+    try:
+        wait_for(lambda: (tmp_path / "up_0").exists() and (tmp_path / "up_1").exists(), 30, "up")
+        shown = subprocess.run(
+            [sys.executable, "-m", "elastrun", "stacks", str(logs)],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert shown.stdout.count("waiting_for_godot") == 2
+        assert "=== local rank 1" in shown.stdout
+    finally:
+        (tmp_path / "stop").touch()
+        result = finish(proc, 30)
+    assert result.returncode == 0, result.stderr

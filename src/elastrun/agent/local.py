@@ -8,6 +8,7 @@ time on the recovery path.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -395,6 +396,12 @@ class LocalElasticAgent:
             for w in plan.workers
         }
         dest = self._logs.reify(envs)
+        for env in envs.values():
+            error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
+            if error_file and error_file != os.devnull:
+                env["ELASTRUN_STACKS_FILE"] = os.path.join(
+                    os.path.dirname(error_file), "stacks.txt"
+                )
         relay = OutputRelay(
             filtered_stdout=dest.filtered_stdout,
             filtered_stderr=dest.filtered_stderr,
@@ -435,6 +442,7 @@ class LocalElasticAgent:
             stderr_files={lr: p for lr, p in dest.stderrs.items() if p},
         )
         self._update_ranks(plan)
+        _write_workers_file(envs, procs)
         self._transition(WorkerState.HEALTHY)
         took = (self._clock.monotonic() - t0) * 1000
         log.info(
@@ -641,6 +649,22 @@ class LocalElasticAgent:
             f"LocalElasticAgent(role={self._spec.role!r}, state={self._group.state.value}, "
             f"attempts={self._attempts}, budget={self._budget!r})"
         )
+
+
+def _write_workers_file(envs: dict[int, dict[str, str]], procs: list[WorkerProcess]) -> None:
+    """``<attempt>/workers.json``: each local rank's pid, for ``elastrun stacks``."""
+    files = [envs[p.local_rank].get("ELASTRUN_STACKS_FILE") for p in procs]
+    if not procs or not files[0]:
+        return
+    attempt_dir = os.path.dirname(os.path.dirname(str(files[0])))
+    data = {
+        str(p.local_rank): {"pid": p.pid, "stacks": f} for p, f in zip(procs, files, strict=True)
+    }
+    try:
+        with open(os.path.join(attempt_dir, "workers.json"), "w", encoding="utf-8") as fh:
+            json.dump({"version": 1, "workers": data}, fh)
+    except OSError as exc:
+        log.debug("could not write workers.json: %s", exc)
 
 
 def _default_budget(handler: RendezvousHandler, spec: WorkerSpec) -> RestartBudget:

@@ -72,6 +72,7 @@ def command_of(launch: Launch) -> tuple[object, list[object]]:
 SUBCOMMANDS: dict[str, str] = {
     "store": "elastrun.store.tcp.server:serve_main",
     "timeline": "elastrun.observe.timeline:timeline_main",
+    "stacks": "elastrun.launch.stacks:stacks_main",
 }
 
 

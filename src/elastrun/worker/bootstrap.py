@@ -39,6 +39,31 @@ _SELF_MODULE = "elastrun.worker.bootstrap"
 _Excepthook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
 
+#: Where ``elastrun stacks`` asks this worker to dump its threads' stacks (on SIGUSR1).
+STACKS_ENV = "ELASTRUN_STACKS_FILE"
+_stacks_file: object = None  # kept open for the life of the process
+
+
+def _arm_stack_dumps() -> None:
+    """Dump every thread's stack to ``$ELASTRUN_STACKS_FILE`` on SIGUSR1.
+
+    faulthandler writes from C, so this works even when the worker is stuck in native
+    code holding the GIL, where no Python-level server could answer.
+    """
+    global _stacks_file
+    path = os.environ.get(STACKS_ENV)
+    if not path:
+        return
+    try:
+        import signal
+
+        fh = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives forever
+        faulthandler.register(signal.SIGUSR1, file=fh, all_threads=True, chain=False)
+    except (OSError, RuntimeError, ValueError, AttributeError):
+        return  # no dumps for this worker; it runs all the same
+    _stacks_file = fh
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the worker named by ``argv`` (default ``sys.argv[1:]``) as ``__main__``.
 
@@ -57,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             # No usable stderr file descriptor: python itself would run the script
             # anyway, so do we; there is just nowhere to dump a native crash.
             pass
+    _arm_stack_dumps()
     _rewrite_orig_argv(args)
     try:
         if args[0] == "-m":

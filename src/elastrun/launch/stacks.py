@@ -1,0 +1,82 @@
+"""``elastrun stacks LOG_DIR``: every worker's Python stacks, from a job that seems hung.
+
+Each Python worker started through elastrun's bootstrap dumps all its threads' stacks
+to ``<attempt>/<local_rank>/stacks.txt`` when it receives SIGUSR1 (faulthandler, so it
+answers even from native code). This command finds the newest attempt under a log
+directory, signals the workers listed in its ``workers.json`` -- after checking that
+each pid still is that worker -- and prints what they wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def _attempt_dirs(root: Path) -> list[Path]:
+    found = [p.parent for p in root.glob("**/workers.json")]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def _is_that_worker(pid: int, stacks: str) -> bool:
+    """The pid still runs and is the worker that writes ``stacks`` (not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return f"ELASTRUN_STACKS_FILE={stacks}".encode() in env
+
+
+def stacks_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="elastrun stacks",
+        description="Print the Python stacks of every worker of a running job.",
+    )
+    parser.add_argument("log_dir", help="the job's --log-dir (or its run directory)")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for dumps")
+    args = parser.parse_args(argv)
+    attempts = _attempt_dirs(Path(args.log_dir))
+    if not attempts:
+        print(f"elastrun stacks: no workers.json under {args.log_dir}", file=sys.stderr)
+        return 2
+    attempt = attempts[-1]
+    workers = json.loads((attempt / "workers.json").read_text())["workers"]
+    sizes: dict[str, int] = {}
+    missing = []
+    for lr, info in sorted(workers.items(), key=lambda kv: int(kv[0])):
+        path = info["stacks"]
+        sizes[lr] = os.path.getsize(path) if os.path.exists(path) else 0
+        if not _is_that_worker(int(info["pid"]), path):
+            missing.append(lr)
+            continue
+        os.kill(int(info["pid"]), signal.SIGUSR1)
+    deadline = time.monotonic() + args.timeout
+    pending = {lr for lr in workers if lr not in missing}
+    while pending and time.monotonic() < deadline:
+        pending = {lr for lr in pending if _size(workers[lr]["stacks"]) <= sizes[lr]}
+        time.sleep(0.05)
+    time.sleep(0.1)  # let a dump that has begun finish
+    print(f"stacks of {attempt}")
+    for lr, info in sorted(workers.items(), key=lambda kv: int(kv[0])):
+        print(f"=== local rank {lr} (pid {info['pid']}) ===")
+        if lr in missing:
+            print("  not running")
+            continue
+        with open(info["stacks"], encoding="utf-8", errors="replace") as fh:
+            fh.seek(sizes[lr])
+            text = fh.read().rstrip()
+        print(text or "  no answer (not a Python worker, or SIGUSR1 is handled elsewhere)")
+    return 1 if pending else 0
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
