@@ -1,0 +1,53 @@
+"""The tcp store: our asyncio server and its synchronous client (DESIGN.md section 3).
+
+``TcpStoreServer`` serves one in-memory store to many agents -- embedded in an agent
+or on its own with ``elastrun store`` (:func:`serve_main`); ``TcpStore`` is the
+client, implementing the ``Store`` protocol. The wire format is in ``protocol``.
+
+Names are loaded on first use: an agent that is only a client never imports asyncio.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastrun.store.tcp.client import TcpStore
+    from elastrun.store.tcp.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION
+    from elastrun.store.tcp.server import (
+        DEFAULT_DISCONNECT_GRACE,
+        TcpStoreServer,
+        raise_fd_limit,
+        read_token_file,
+        serve_main,
+    )
+
+_WHERE = {
+    "TcpStore": "client",
+    "DEFAULT_MAX_FRAME": "protocol",
+    "PROTOCOL_VERSION": "protocol",
+    "DEFAULT_DISCONNECT_GRACE": "server",
+    "TcpStoreServer": "server",
+    "raise_fd_limit": "server",
+    "read_token_file": "server",
+    "serve_main": "server",
+}
+
+__all__ = [
+    "DEFAULT_DISCONNECT_GRACE",
+    "DEFAULT_MAX_FRAME",
+    "PROTOCOL_VERSION",
+    "TcpStore",
+    "TcpStoreServer",
+    "raise_fd_limit",
+    "read_token_file",
+    "serve_main",
+]
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,0 +1,419 @@
+"""The tcp store server: lifecycle (a thread of its own, or the foreground) and the
+``elastrun store`` command. What it serves, and how, is in ``service``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+
+from elastrun.core.errors import ConfigError, StoreError
+from elastrun.store.memory import HISTORY, MemoryStore
+from elastrun.store.tcp import protocol as p
+from elastrun.store.tcp.service import Connection, Service, format_addr
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DISCONNECT_GRACE = 2.0
+#: Thousands of agents may connect at once after a restart; the kernel caps this.
+BACKLOG = 4096
+_BIND_ATTEMPTS = 20
+
+
+class TcpStoreServer:
+    """Serves one in-memory store over TCP to many ``TcpStore`` clients.
+
+    Args:
+        host: address to listen on; a name that resolves to several addresses
+            (``localhost``: 127.0.0.1 and ::1) is bound on all of them, on one port.
+        port: port to listen on; 0 picks a free one (see :attr:`port`).
+        token: shared secret; when set, a client must prove it holds it (HMAC over a
+            random nonce) before anything is served.
+        max_frame: largest frame accepted or sent, in bytes.
+        disconnect_grace: seconds a dropped client has to reconnect and resume its
+            leases before they are revoked (never longer than a lease's TTL).
+        history: how many past changes a watch can resume from.
+
+    The constructor does no I/O (it raises ``ConfigError`` for a bad argument): call
+    :meth:`start` (background thread) or :meth:`serve_forever` (this thread), then
+    :meth:`stop`. Leases are held per connection: see ``service``.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        max_frame: int = p.DEFAULT_MAX_FRAME,
+        disconnect_grace: float = DEFAULT_DISCONNECT_GRACE,
+        *,
+        history: int = HISTORY,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ConfigError("port", port, "must be in 0..65535")
+        if max_frame < p.HANDSHAKE_MAX_FRAME:
+            raise ConfigError("max_frame", max_frame, f"must be at least {p.HANDSHAKE_MAX_FRAME}")
+        if disconnect_grace < 0:
+            raise ConfigError("disconnect_grace", disconnect_grace, "must be >= 0")
+        if token is not None and not token:
+            raise ConfigError("token", token, "must not be empty")
+        self._host = host
+        self._requested_port = port
+        self._token = token
+        self._max_frame = max_frame
+        self._grace = disconnect_grace
+        self._history = history
+        self._port: int | None = None
+        # Re-entrant: stop() may run in a signal handler of the thread that holds it.
+        self._lock = threading.RLock()
+        self._started = False
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._service: Service | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The port being listened on (the chosen one when constructed with port 0)."""
+        if self._port is None:
+            raise StoreError("the store server is not listening yet")
+        return self._port
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    def start(self) -> None:
+        """Listen and serve from a background thread; returns once listening.
+
+        Raises ``StoreError`` when the address cannot be bound.
+        """
+        self._claim_start()
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                asyncio.run(self._main(ready.set))
+            except BaseException as exc:
+                if ready.is_set():  # it failed while serving: nobody to hand it to
+                    log.error("the store server stopped on an error", exc_info=exc)
+                else:  # it failed to start: start() raises it
+                    failure.append(exc)
+                    ready.set()
+
+        self._thread = threading.Thread(
+            target=run,
+            name=f"elastrun-store-server {self._host}:{self._requested_port}",
+            daemon=True,
+        )
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self._thread.join()
+            raise self._bind_error(failure[0])
+
+    def serve_forever(self, on_ready: Callable[[int], None] | None = None) -> None:
+        """Listen and serve in this thread until :meth:`stop` is called.
+
+        ``on_ready(port)`` is called once listening. Raises ``StoreError`` when the
+        address cannot be bound.
+        """
+        self._claim_start()
+
+        def ready() -> None:
+            if on_ready is not None:
+                on_ready(self.port)
+
+        try:
+            asyncio.run(self._main(ready))
+        except OSError as exc:
+            raise self._bind_error(exc) from exc
+
+    def stop(self) -> None:
+        """Close every connection and stop serving; idempotent, and never raises.
+
+        From another thread it also waits for the server thread to finish. It is safe
+        to call from a signal handler of the thread running :meth:`serve_forever`.
+        """
+        with self._lock:
+            self._stopping = True
+            loop, event = self._loop, self._stop_event
+        if loop is not None and event is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has already closed
+                loop.call_soon_threadsafe(event.set)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _claim_start(self) -> None:
+        with self._lock:
+            if self._started:
+                raise StoreError("this store server was already started")
+            self._started = True
+
+    def _bind_error(self, exc: BaseException) -> StoreError:
+        if isinstance(exc, StoreError):
+            return exc
+        where = format_addr(self._host, self._requested_port)
+        return StoreError(f"cannot listen on {where}: {exc}")
+
+    async def _main(self, ready: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
+        store = MemoryStore(history=self._history)
+        # Wall-clock microseconds: numbering must keep growing across restarts of the
+        # process, which the monotonic clock (per boot, per process) cannot promise.
+        base = time.time_ns() // 1000
+        service = Service(loop, store, self._token, self._max_frame, self._grace, base)
+        stop = asyncio.Event()
+        servers = await self._listen(service)
+        with self._lock:
+            self._loop, self._stop_event, self._service = loop, stop, service
+            if self._stopping:
+                stop.set()
+        ready()
+        try:
+            await stop.wait()
+        finally:
+            for server in servers:
+                server.close()
+            for conn in list(service.conns):
+                conn.close()
+            # Let the transports report their closing (connection_lost), which cancels
+            # the connections' watch tasks; then wait for those.
+            await asyncio.sleep(0)
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for server in servers:
+                await server.wait_closed()
+            with self._lock:
+                self._loop = self._stop_event = None
+
+    async def _listen(self, service: Service) -> list[asyncio.Server]:
+        loop = asyncio.get_running_loop()
+        socks = await _bind(self._host, self._requested_port)
+        self._port = socks[0].getsockname()[1]
+        servers: list[asyncio.Server] = []
+        try:
+            for sock in socks:
+                server = await loop.create_server(
+                    lambda: Connection(service), sock=sock, backlog=BACKLOG
+                )
+                servers.append(server)
+        except BaseException:
+            for server in servers:
+                server.close()
+            for sock in socks:
+                sock.close()
+            raise
+        return servers
+
+    def __repr__(self) -> str:
+        service = self._service
+        conns = len(service.conns) if service is not None else 0
+        state = "stopped" if self._stopping else "running" if self._port else "new"
+        return (
+            f"TcpStoreServer({format_addr(self._host, self._port or self._requested_port)}, "
+            f"{state}, connections={conns}, auth={self._token is not None})"
+        )
+
+
+#: Errors that mean "this machine has no such address family or address": skip it
+#: when the name has other addresses (``localhost`` on a host without IPv6).
+_UNUSABLE = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+
+
+async def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, str]]:
+    if host == "localhost":
+        # Both loopbacks whatever /etc/hosts says: a client may resolve "localhost"
+        # to either, and must find us on both.
+        return [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    addrs: list[tuple[socket.AddressFamily, str]] = []
+    for family, _, _, _, sockaddr in infos:
+        entry = (family, str(sockaddr[0]))
+        if family in (socket.AF_INET, socket.AF_INET6) and entry not in addrs:
+            addrs.append(entry)
+    return addrs
+
+
+def _listener(family: socket.AddressFamily, addr: str, port: int) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            # Without this the IPv6 socket would also claim the IPv4 port.
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((addr, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _bind(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for every address of ``host``, all on one port."""
+    addrs = await _addresses(host, port)
+    for attempt in range(_BIND_ATTEMPTS):
+        socks: list[socket.socket] = []
+        chosen = port
+        try:
+            for family, addr in addrs:
+                try:
+                    sock = _listener(family, addr, chosen)
+                except OSError as exc:
+                    if exc.errno in _UNUSABLE and len(addrs) > 1:
+                        log.debug("not listening on %s: %s", addr, exc)
+                        continue
+                    raise
+                socks.append(sock)
+                chosen = sock.getsockname()[1]
+            if not socks:
+                raise OSError(errno.EADDRNOTAVAIL, f"no usable address for {host!r}")
+            return socks
+        except OSError as exc:
+            for sock in socks:
+                sock.close()
+            # With port 0 and several addresses, the port the first one got may be
+            # taken on another: pick again.
+            if port == 0 and exc.errno == errno.EADDRINUSE and attempt < _BIND_ATTEMPTS - 1:
+                continue
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover  # the loop returns or raises
+
+
+# -- the `elastrun store` command --------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elastrun store",
+        description="Run the elastrun tcp store on its own, e.g. on a machine outside the job.",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1; 0.0.0.0 for every IPv4 interface)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=29400,
+        help="port to listen on; 0 picks a free one (default: 29400)",
+    )
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the shared token clients must prove they know",
+    )
+    parser.add_argument(
+        "--max-frame",
+        type=int,
+        default=p.DEFAULT_MAX_FRAME,
+        help=f"largest message in bytes (default: {p.DEFAULT_MAX_FRAME})",
+    )
+    parser.add_argument(
+        "--disconnect-grace",
+        type=float,
+        default=DEFAULT_DISCONNECT_GRACE,
+        help="seconds a dropped client has to reconnect before its leases "
+        f"end (default: {DEFAULT_DISCONNECT_GRACE})",
+    )
+    return parser
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path`` (surrounding whitespace removed).
+
+    Raises ``StoreError`` when the file cannot be read or holds no token.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            token = fh.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StoreError(f"cannot read the token file {path}: {exc}") from exc
+    if not token:
+        raise StoreError(f"the token file {path} is empty")
+    return token
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit; returns the new limit.
+
+    Each client connection holds a descriptor, and the common soft limit (1024) is
+    below "thousands of agents".
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            return hard
+    return soft
+
+
+def serve_main(argv: list[str]) -> int:
+    """``elastrun store``: serve a tcp store until SIGTERM or SIGINT; returns the exit code.
+
+    Exit codes: 0 after a signal, 2 for bad arguments or an unusable token file, 1 when
+    the address cannot be bound.
+    """
+    args = _parser().parse_args(argv)
+    prog = "elastrun store"
+    try:
+        token = read_token_file(args.token_file) if args.token_file is not None else None
+        server = TcpStoreServer(
+            args.host,
+            args.port,
+            token=token,
+            max_frame=args.max_frame,
+            disconnect_grace=args.disconnect_grace,
+        )
+    except (ConfigError, StoreError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format=f"{prog}: %(levelname)s %(message)s"
+        )
+    raise_fd_limit()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        server.stop()  # only asks the loop to stop; it runs in this very thread
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_ready(port: int) -> None:
+        if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning(
+                "serving without a token: anyone who can reach port %d can read and "
+                "write the store (use --token-file)",
+                port,
+            )
+        print(f"{prog}: serving on {format_addr(args.host, port)}", flush=True)
+
+    try:
+        server.serve_forever(on_ready)
+    except StoreError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
