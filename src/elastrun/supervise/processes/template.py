@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO
@@ -84,6 +84,8 @@ PER_WORKER_VARIABLES = frozenset(
         "TORCHELASTIC_USE_AGENT_STORE",
         "TORCHELASTIC_ERROR_FILE",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        # Per-rank files under the attempt's log directory.
+        "ELASTRUN_STACKS_FILE",
         # Read by CUDA when it initialises, which the template never does; it differs
         # per worker with --virtual-local-rank.
         "CUDA_VISIBLE_DEVICES",
@@ -91,9 +93,9 @@ PER_WORKER_VARIABLES = frozenset(
 )
 
 
-def is_per_worker_variable(name: str) -> bool:
+def is_per_worker_variable(name: str, extra: Collection[str] = ()) -> bool:
     """Whether ``name`` may differ between the workers served by one template."""
-    return name in PER_WORKER_VARIABLES or name.startswith("TORCHELASTIC_")
+    return name in PER_WORKER_VARIABLES or name in extra or name.startswith("TORCHELASTIC_")
 
 
 # Interpreter options that take a separate value (``-W error``, ``-X dev``).
@@ -306,8 +308,8 @@ class _TemplateKey:
     env: tuple[tuple[str, str], ...]
 
     @staticmethod
-    def of(cmd: BootstrapCommand, env: Mapping[str, str]) -> _TemplateKey:
-        shared = sorted((k, v) for k, v in env.items() if not is_per_worker_variable(k))
+    def of(cmd: BootstrapCommand, env: Mapping[str, str], extra: Collection[str]) -> _TemplateKey:
+        shared = sorted((k, v) for k, v in env.items() if not is_per_worker_variable(k, extra))
         return _TemplateKey(cmd.options, tuple(shared))
 
 
@@ -464,6 +466,7 @@ class _Template:
 
         Raises:
             _TemplateBroken: the channel failed; the template should be discarded.
+            _TemplateUnavailable: forking from the template has become unsafe.
             _SpawnRefused: the template could not start this worker.
         """
         self._sock.settimeout(timeout)
@@ -476,6 +479,8 @@ class _Template:
         if got is None:
             raise _TemplateBroken("the template closed the channel")
         reply, _ = got
+        if "unsafe" in reply:
+            raise _TemplateUnavailable(str(reply["unsafe"]))
         pid = reply.get("pid")
         if not isinstance(pid, int):
             raise _SpawnRefused(str(reply.get("error", f"unexpected reply {reply!r}")))
@@ -506,6 +511,8 @@ class TemplateStarter:
         fallback: the starter for everything the template does not start (default: a
             ``SubprocessStarter`` for ``python``).
         auto_preload: also preload what :func:`default_preload` finds in the script.
+        per_worker_variables: more variables (beyond ``PER_WORKER_VARIABLES``) that
+            differ between workers or restarts and must not start a new template.
         ready_timeout: how long the template may take to start and preload.
         spawn_timeout: how long one fork may take before the template counts as wedged.
 
@@ -520,6 +527,7 @@ class TemplateStarter:
         fallback: ProcessStarter | None = None,
         *,
         auto_preload: bool = True,
+        per_worker_variables: Iterable[str] = (),
         ready_timeout: float = _READY_TIMEOUT,
         spawn_timeout: float = _SPAWN_TIMEOUT,
     ) -> None:
@@ -529,6 +537,7 @@ class TemplateStarter:
             fallback if fallback is not None else SubprocessStarter(python)
         )
         self._auto = auto_preload
+        self._per_worker = frozenset(per_worker_variables)
         self._ready_timeout = ready_timeout
         self._spawn_timeout = spawn_timeout
         self._template: _Template | None = None
@@ -564,7 +573,7 @@ class TemplateStarter:
             return self._use_fallback(spec)
         assert spec.argv is not None
         cwd = spec.cwd if spec.cwd is not None else os.getcwd()
-        tpl = self._ready_template(_TemplateKey.of(cmd, spec.env), spec.argv, cwd)
+        tpl = self._ready_template(_TemplateKey.of(cmd, spec.env, self._per_worker), spec.argv, cwd)
         if tpl is None:
             return self._use_fallback(spec)
         try:
@@ -578,6 +587,10 @@ class TemplateStarter:
                 exc,
                 tpl.exit_description(),
             )
+            self._discard()
+            return self._use_fallback(spec)
+        except _TemplateUnavailable as exc:
+            self._disable(tpl.key, str(exc))
             self._discard()
             return self._use_fallback(spec)
         except _SpawnRefused as exc:
@@ -607,7 +620,7 @@ class TemplateStarter:
         cmd = parse_bootstrap_command(spec.argv, self._python)
         if cmd is not None:
             cwd = spec.cwd if spec.cwd is not None else os.getcwd()
-            self._template_for(_TemplateKey.of(cmd, spec.env), spec.argv, cwd)
+            self._template_for(_TemplateKey.of(cmd, spec.env, self._per_worker), spec.argv, cwd)
 
     def _ready_template(self, key: _TemplateKey, argv: Sequence[str], cwd: str) -> _Template | None:
         tpl = self._template_for(key, argv, cwd)
@@ -685,6 +698,8 @@ class TemplateStarter:
             "ignored_signals": _ignored_signals(),
             "blocked_signals": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
             "stdio": present,
+            # Its NUMA binding, else what a fresh process would inherit from the agent now.
+            "cpus": sorted(spec.cpus or os.sched_getaffinity(0)),
         }
         fds = [fd for fd, ok in zip(wanted, present, strict=True) if ok]
         pid = tpl.spawn(request, fds, self._spawn_timeout)
