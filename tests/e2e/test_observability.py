@@ -119,7 +119,8 @@ def test_metrics_endpoint_and_health_check_while_running(tmp_path: Path) -> None
                  30, "metrics")  # fmt: skip
         status, body = _get(f"http://127.0.0.1:{mport}/metrics")
         assert status == 200 and "elastrun_workers_start_duration_seconds" in body
-        wait_for(lambda: _get_or_empty(f"http://127.0.0.1:{hport}/health"), 30, "health")
+        wait_for(lambda: '"HEALTHY"' in _get_or_empty(f"http://127.0.0.1:{hport}/health"), 30,
+                 "a healthy group")  # fmt: skip
         status, body = _get(f"http://127.0.0.1:{hport}/health")
         health = json.loads(body)
         assert status == 200 and health["healthy"] is True

@@ -358,3 +358,11 @@ def test_worker_exit_is_an_event_not_a_monitor_poll(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - t0 < 40
+
+
+def test_dry_run_shows_whether_workers_fork_from_the_template(tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text("import torch\n")
+    shown = run(["--nproc-per-node", "2", "--dry-run", "t.py"], cwd=tmp_path)
+    assert "forked from a template process (preloading: torch)" in shown.stdout
+    plain = run(["--nproc-per-node", "2", "--dry-run", "--no-template", "t.py"], cwd=tmp_path)
+    assert "fresh interpreter per worker (--no-template)" in plain.stdout

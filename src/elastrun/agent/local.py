@@ -33,6 +33,7 @@ from elastrun.agent.policy import (
 from elastrun.agent.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
 from elastrun.core.errors import ShutdownRequested
+from elastrun.core.procinfo import process_start_time
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import EventSink, EventValue, MetricSink, NullEventSink, NullMetricSink
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
@@ -658,7 +659,8 @@ def _write_workers_file(envs: dict[int, dict[str, str]], procs: list[WorkerProce
         return
     attempt_dir = os.path.dirname(os.path.dirname(str(files[0])))
     data = {
-        str(p.local_rank): {"pid": p.pid, "stacks": f} for p, f in zip(procs, files, strict=True)
+        str(p.local_rank): {"pid": p.pid, "stacks": f, "start_time": process_start_time(p.pid)}
+        for p, f in zip(procs, files, strict=True)
     }
     try:
         with open(os.path.join(attempt_dir, "workers.json"), "w", encoding="utf-8") as fh:

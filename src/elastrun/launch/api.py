@@ -19,6 +19,7 @@ from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
 from elastrun.rendezvous.registry import rendezvous_handler_registry
 from elastrun.supervise.failures.report import ChildFailedError
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
+from elastrun.supervise.processes.spawn import ProcessStarter
 
 log = logging.getLogger("elastrun.launch")
 
@@ -98,6 +99,7 @@ def build_agent(
     from elastrun.timer.file import AgentFileTimer
 
     stuck_after = timeout_from_env(env)
+    starter = extras.starter if extras else None
     barrier = config.rdzv_configs.get("exit_barrier_timeout")
     return LocalElasticAgent(
         spec,
@@ -112,13 +114,14 @@ def build_agent(
         metrics=extras.metrics if extras else None,
         file_timer=AgentFileTimer.from_env(env),
         stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
+        starter=starter,
     )
 
 
 class _Extras:
     """The observability pieces of one launch: event sink, metrics, health check."""
 
-    def __init__(self, config: LaunchConfig, run_id: str) -> None:
+    def __init__(self, config: LaunchConfig, run_id: str, entrypoint: Entrypoint) -> None:
         import socket
 
         from elastrun.metrics import FanoutMetricSink, MetricsApiSink
@@ -143,6 +146,12 @@ class _Extras:
             self.server = server
             self.metrics = FanoutMetricSink(server.sink, MetricsApiSink())
         self.health: object | None = None
+        self.starter: ProcessStarter | None = None
+        if config.use_template and isinstance(entrypoint, str):
+            from elastrun.supervise.processes.template import TemplateStarter
+
+            # One template per agent, kept across restarts: that is where the speed is.
+            self.starter = TemplateStarter(entrypoint, preload=config.preload)
 
     def start_health(self, agent: LocalElasticAgent, environ: Mapping[str, str]) -> None:
         from elastrun.observe.health import HealthCheckServer, port_from_env
@@ -160,8 +169,8 @@ class _Extras:
         self.health = server
 
     def close(self) -> None:
-        for server in (self.health, self.server):
-            stop = getattr(server, "stop", None)
+        for server in (self.health, self.server, self.starter):
+            stop = getattr(server, "stop", None) or getattr(server, "close", None)
             if stop is not None:
                 stop()
 
@@ -198,7 +207,7 @@ def launch_agent(
     signalled = False
     extras: _Extras | None = None
     try:
-        extras = _Extras(config, run_id)
+        extras = _Extras(config, run_id, entrypoint)
         agent = build_agent(
             config,
             entrypoint,

@@ -32,6 +32,21 @@ def _log_lines(launch: Launch, local_rank: int, nproc: int) -> list[str]:
     return lines
 
 
+def _start_mode(launch: Launch, argv: tuple[str, ...] | None) -> str:
+    """How the workers will be started: forked from the template, or fresh."""
+    from elastrun.supervise.processes.template import default_preload, parse_bootstrap_command
+
+    if argv is None:
+        return f"function workers ({launch.config.start_method})"
+    if not launch.config.use_template:
+        return "fresh interpreter per worker (--no-template)"
+    if parse_bootstrap_command(argv, launch.python) is None:
+        return "fresh process per worker"
+    modules = list(dict.fromkeys([*launch.config.preload, *default_preload(argv)]))
+    what = ", ".join(modules) if modules else "nothing yet"
+    return f"forked from a template process (preloading: {what}); --no-template to disable"
+
+
 def render_plan(
     launch: Launch, entrypoint: object, args: Sequence[object], environ: Mapping[str, str]
 ) -> str:
@@ -71,6 +86,7 @@ def render_plan(
         f"  nodes       : {cfg.min_nodes}:{cfg.max_nodes}, {cfg.nproc_per_node} worker(s) per node",
         f"  restarts    : up to {cfg.max_restarts}; shutdown grace {cfg.shutdown_timeout:g}s",
     ]
+    out.append(f"  start       : {_start_mode(launch, plan.workers[0].argv)}")
     for notice in launch.notices:
         out.append(f"  note        : {notice}")
     for w in plan.workers:

@@ -3,8 +3,8 @@
 Each Python worker started through elastrun's bootstrap dumps all its threads' stacks
 to ``<attempt>/<local_rank>/stacks.txt`` when it receives SIGUSR1 (faulthandler, so it
 answers even from native code). This command finds the newest attempt under a log
-directory, signals the workers listed in its ``workers.json`` -- after checking that
-each pid still is that worker -- and prints what they wrote.
+directory, signals the workers listed in its ``workers.json`` -- after checking by
+start time that each pid still is that worker -- and prints what they wrote.
 """
 
 from __future__ import annotations
@@ -17,20 +17,18 @@ import sys
 import time
 from pathlib import Path
 
+from elastrun.core.procinfo import process_start_time
+
 
 def _attempt_dirs(root: Path) -> list[Path]:
     found = [p.parent for p in root.glob("**/workers.json")]
     return sorted(found, key=lambda p: p.stat().st_mtime)
 
 
-def _is_that_worker(pid: int, stacks: str) -> bool:
-    """The pid still runs and is the worker that writes ``stacks`` (not a reused pid)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = fh.read().split(b"\0")
-    except OSError:
-        return False
-    return f"ELASTRUN_STACKS_FILE={stacks}".encode() in env
+def _is_that_worker(pid: int, start_time: int | None) -> bool:
+    """The pid still runs the worker the agent started (not a reused pid)."""
+    now = process_start_time(pid)
+    return now is not None and (start_time is None or now == start_time)
 
 
 def stacks_main(argv: list[str]) -> int:
@@ -52,7 +50,7 @@ def stacks_main(argv: list[str]) -> int:
     for lr, info in sorted(workers.items(), key=lambda kv: int(kv[0])):
         path = info["stacks"]
         sizes[lr] = os.path.getsize(path) if os.path.exists(path) else 0
-        if not _is_that_worker(int(info["pid"]), path):
+        if not _is_that_worker(int(info["pid"]), info.get("start_time")):
             missing.append(lr)
             continue
         os.kill(int(info["pid"]), signal.SIGUSR1)
