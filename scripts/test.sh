@@ -5,6 +5,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/bootstrap.sh --quiet
+bash scripts/install-system-deps.sh
 py="$root/.venv/bin"
 paths=(src tests examples benchmarks)
 echo "== ruff"; "$py/ruff" check "${paths[@]}"
