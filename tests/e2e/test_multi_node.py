@@ -214,3 +214,15 @@ def test_no_agent_or_worker_survives(tmp_path: Path) -> None:
     os.kill(p.pid, signal.SIGKILL)
     p.communicate(timeout=10)
     wait_for(lambda: not any(pid_alive(x) for x in pids), 5, "workers to die")
+
+
+def test_an_unreachable_store_is_one_clear_line(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "env.py", ENV_DUMP)
+    endpoint = f"127.0.0.1:{free_port()}"  # nobody serves it
+    r = finish(agent(tmp_path, "1:2", endpoint, [str(script), str(tmp_path)],
+                     conf="is_host=false,read_timeout=2"), 60)  # fmt: skip
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.splitlines() if x.startswith("elastrun: error:")]
+    assert len(lines) == 1 and "cannot reach the store" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not list(tmp_path.glob("env_*.json"))
