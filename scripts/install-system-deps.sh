@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # System packages the tests use for real components: numactl (NUMA binding through
-# numactl). Installed with apt when missing and we are root; otherwise say what is
-# missing (the tests that need it then fail with a clear message).
+# numactl), an etcd server (the etcd backend) and Slurm (srun --slurm). Installed with
+# apt when missing and we are root; otherwise say what is missing (the tests that need
+# it then fail with a clear message).
 set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/install-etcd.sh" >/dev/null
+bash "$root/scripts/install-slurm.sh" --quiet
 missing=()
 command -v numactl >/dev/null 2>&1 || missing+=(numactl)
 if (( ${#missing[@]} == 0 )); then

@@ -36,8 +36,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import NoReturn
 
-from elastrun.core.errors import ConfigError, NotImplementedYetError
+from elastrun.core.errors import ConfigError
 from elastrun.launch.config import DEFAULT_SIGNALS, START_METHODS, LaunchConfig, parse_signals
+from elastrun.launch.slurm import SlurmSettings
 from elastrun.supervise.processes.logs import (
     DefaultLogsSpecs,
     LogsSpecs,
@@ -148,9 +149,7 @@ def _option(
 
 
 _OPTIONS: tuple[_Option, ...] = (
-    _option(
-        "--nnodes", "N", "number of nodes: N, or MIN:MAX (more than 1: not yet supported)", "1:1"
-    ),
+    _option("--nnodes", "N", "number of nodes: N, or MIN:MAX", "1:1"),
     _option(
         "--nproc-per-node",
         "N",
@@ -160,7 +159,7 @@ _OPTIONS: tuple[_Option, ...] = (
     _option(
         "--rdzv-backend",
         "NAME",
-        "rendezvous backend: c10d, static, or a registered plugin (etcd, etcd-v2: not yet)",
+        "rendezvous backend: c10d, static, etcd (v3), or a registered plugin",
         "static",
     ),
     _option("--rdzv-endpoint", "HOST[:PORT]", "rendezvous endpoint", ""),
@@ -183,7 +182,7 @@ _OPTIONS: tuple[_Option, ...] = (
     _option(
         "--event-log-handler",
         "NAME",
-        f"destination of events: {', '.join(EVENT_LOG_HANDLERS)} (only null for now)",
+        f"destination of events: {', '.join(EVENT_LOG_HANDLERS)}",
         "null",
     ),
     _option("--role", "ROLE", "role name of the workers (ROLE_NAME)", "default"),
@@ -278,6 +277,14 @@ _OPTIONS: tuple[_Option, ...] = (
         "modules the worker template imports once, before forking workers "
         "(default: torch when the script imports it)",
         "",
+        ours=True,
+    ),
+    _option(
+        "--slurm",
+        None,
+        "inside srun, one elastrun per node: take the node count, run id, rendezvous "
+        "endpoint (the first node), this node's address and rank from the Slurm step; "
+        "options given explicitly win",
         ours=True,
     ),
     _option(
@@ -779,8 +786,11 @@ class _Rendezvous:
     master_port: int
 
 
-def _rendezvous(values: _Values, max_nodes: int, notices: list[str]) -> _Rendezvous:
-    """torchrun's run()/config_from_args() rendezvous steps (standalone, static)."""
+def _rendezvous(
+    values: _Values, max_nodes: int, notices: list[str], slurm: SlurmSettings | None = None
+) -> _Rendezvous:
+    """torchrun's run()/config_from_args() rendezvous steps (standalone, static), then
+    ``--slurm``'s settings for whatever the user did not give."""
     configs = parse_rdzv_conf(*values.required("rdzv_conf"))
     node_rank = _to_int(*values.required("node_rank"), low=0)
     port_raw, port_source = values.text("master_port")
@@ -789,6 +799,15 @@ def _rendezvous(values: _Values, max_nodes: int, notices: list[str]) -> _Rendezv
     backend, backend_source = values.required("rdzv_backend")
     endpoint, _ = values.required("rdzv_endpoint")
     run_id, _ = values.required("rdzv_id")
+
+    if slurm is not None:
+        backend = backend if values.given("rdzv_backend") else "c10d"
+        endpoint = slurm.endpoint
+        run_id = run_id if values.given("rdzv_id") else slurm.run_id
+        if backend == "static" and not values.given("node_rank"):
+            node_rank = slurm.node_rank
+        if slurm.is_host is not None:
+            configs.setdefault("is_host", "true" if slurm.is_host else "false")
 
     standalone = values.flag("standalone")
     if standalone:
@@ -870,10 +889,22 @@ def _event_handler(raw: str, source: str) -> str:
 
 
 def _refuse_not_implemented(values: _Values, backend: str) -> None:
-    if backend in ("etcd", "etcd-v2"):
-        raise NotImplementedYetError(
-            values.source("rdzv_backend"), backend, f"the {backend} rendezvous backend"
-        )
+    if backend == "etcd-v2":
+        from elastrun.rendezvous.etcd import ETCD_V2_REASON
+
+        raise ConfigError(values.source("rdzv_backend"), backend, ETCD_V2_REASON)
+
+
+def _slurm(values: _Values, environ: Mapping[str, str], notices: list[str]) -> SlurmSettings | None:
+    if not values.flag("slurm"):
+        return None
+    if values.flag("standalone"):
+        raise ConfigError(values.source("standalone"), True, "cannot be combined with --slurm")
+    from elastrun.launch.slurm import slurm_overrides
+
+    settings = slurm_overrides(environ, rdzv_endpoint=values.text("rdzv_endpoint")[0] or "")
+    notices.extend(settings.notices)
+    return settings
 
 
 def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
@@ -888,15 +919,17 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
             the process environment.)
 
     Raises:
-        ConfigError: any invalid option, variable or script, naming it and the value.
-        NotImplementedYetError: a valid request this version cannot serve yet
-            (more than one node, etcd backends, NUMA binding, event handlers).
+        ConfigError: any invalid option, variable or script, naming it and the value;
+            also ``etcd-v2``, whose etcd API is gone (use ``etcd``).
         SystemExit: only for ``-h``/``--help``, after printing the help.
     """
     namespace = _split_argv(argv)
     values = _Values(namespace, environ)
     notices: list[str] = []
     min_nodes, max_nodes, nproc = _sizes(values, environ, notices)
+    slurm = _slurm(values, environ, notices)
+    if slurm is not None and not values.given("nnodes"):
+        min_nodes = max_nodes = slurm.nnodes
     max_restarts = _to_int(*values.required("max_restarts"), low=0)
     monitor_interval = _to_seconds(*values.required("monitor_interval"), allow_zero=False)
     timeout_raw, timeout_source = values.text("shutdown_timeout")
@@ -917,7 +950,7 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
         parse_signals(signals)
     except ConfigError as exc:
         raise ConfigError(signals_source, exc.value, exc.reason) from None
-    rdzv = _rendezvous(values, max_nodes, notices)
+    rdzv = _rendezvous(values, max_nodes, notices, slurm)
     kind = _script_kind(values, notices)
     script: str = namespace.training_script
     _check_script(kind, script, environ)
@@ -941,7 +974,7 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
             monitor_interval=monitor_interval,
             start_method=start_method,
             log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
-            local_addr=values.text("local_addr")[0],
+            local_addr=values.text("local_addr")[0] or (slurm.local_addr if slurm else None),
             event_log_handler=events,
             numa_options=_numa_options(numa),
             metrics_port=metrics_port,

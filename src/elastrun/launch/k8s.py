@@ -532,7 +532,9 @@ def k8s_main(argv: Sequence[str]) -> int:
     try:
         spec, output = parse_manifest_args(args[1:])
     except ConfigError as exc:
-        print(f"elastrun k8s: error: {exc}", file=sys.stderr)
+        # argparse's own messages carry no value: leave out ConfigError's "(got None)".
+        text = f"{exc.field}: {exc.reason}" if exc.value is None else str(exc)
+        print(f"elastrun k8s: error: {text}", file=sys.stderr)
         return 2
     text = dump_yaml(build_manifests(spec))
     if output is None or output == "-":

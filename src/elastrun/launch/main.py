@@ -73,6 +73,7 @@ SUBCOMMANDS: dict[str, str] = {
     "store": "elastrun.store.tcp.server:serve_main",
     "timeline": "elastrun.observe.timeline:timeline_main",
     "stacks": "elastrun.launch.stacks:stacks_main",
+    "k8s": "elastrun.launch.k8s:k8s_main",
 }
 
 
