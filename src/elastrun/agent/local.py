@@ -612,8 +612,11 @@ class LocalElasticAgent:
 
     def _failure_note(self, stuck: int | None) -> str:
         limit = self._budget.limit
+        refusal = getattr(self._budget, "refusal", None)
         if stuck is not None:
             note = f"not restarted: local rank {stuck} was stuck in uninterruptible sleep"
+        elif refusal:
+            note = f"not restarted: {refusal}"
         else:
             note = (
                 f"restart budget exhausted: {self._budget.used} of {limit} restart(s) used "

@@ -83,6 +83,12 @@ class JobRestartBudget:
     def try_consume(self) -> bool:
         return self._source.report_failure(self._limit)
 
+    @property
+    def refusal(self) -> str | None:
+        """Why the last failure got no restart, when the budget was not the reason."""
+        reason = getattr(self._source, "refusal", None)
+        return reason if isinstance(reason, str) else None
+
     def __repr__(self) -> str:
         return f"JobRestartBudget(limit={self._limit})"
 

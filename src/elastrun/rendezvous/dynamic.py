@@ -19,6 +19,7 @@ seen through one watch on the run's prefix; nothing polls.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -143,6 +144,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._lost = False
         #: Why the running round must re-form (for the agent's log line).
         self.change_reason = ""
+        #: Why ``report_failure`` refused a restart other than an exhausted budget.
+        self.refusal: str | None = None
 
     # -- torch-compatible surface ------------------------------------------------------
 
@@ -231,20 +234,31 @@ class DynamicRendezvousHandler(RendezvousHandler):
         closes the run) when the budget is exhausted.
         """
         assert self._round is not None
+        self.refusal = None
+        if self._lost:
+            self.refusal = "this node was dropped from the run (" + self.change_reason + ")"
+            return False
         if not set(self._members) <= self._live_nodes():
             # A member is gone: the failure is the loss of a node (its peers' collectives
             # broke), which re-forms the group without spending the restart budget.
-            return not self.is_closed()
+            return self._open_or_refuse()
         won, _ = self._store.compare_set(
             self._key(f"rounds/{self._round}/failed"), None, self._node.node_id.encode()
         )
         if not won:
-            return not self.is_closed()
+            return self._open_or_refuse()
         used = self._store.add(self._key("budget"), 1)
         if used > max_restarts:
             self.set_closed("restart budget exhausted")
             return False
         return True
+
+    def _open_or_refuse(self) -> bool:
+        raw = self._get("closed")
+        if raw is None:
+            return True
+        self.refusal = f"the run has ended on another node: {raw.decode(errors='replace')}"
+        return False
 
     def exit_barrier(self, timeout: float) -> bool:
         """Wait (up to ``timeout``) until every member of the round finished."""
@@ -444,21 +458,39 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._threads.append(t)
 
     def _keep_alive_loop(self) -> None:
-        interval = self._settings.heartbeat_timeout / 3
+        ttl = self._settings.heartbeat_timeout
+        interval = ttl / 3
+        last_ack = self._clock.monotonic()
         while not self._stop.wait(interval):
             lease = self._lease
-            if lease is None:
+            if lease is None or self._lost:
+                last_ack = self._clock.monotonic()
                 continue
-            try:
-                alive = self._store.keep_alive(lease)
-            except StoreError as exc:
-                log.warning("lost contact with the rendezvous store: %s", exc)
-                continue
-            if not alive:
-                log.warning("this node's lease expired: the others consider it gone")
-                self.change_reason = "this node's lease expired"
-                self._lost = True
-                self._notify()
+            answer: list[bool] = []
+            # Bounded by the interval: a store that does not answer (a partition leaves
+            # the connection open and silent) must not hold this loop for its timeout.
+            _bounded(functools.partial(self._ask_keep_alive, lease, answer), interval)
+            now = self._clock.monotonic()
+            if answer and answer[0]:
+                last_ack = now
+            elif answer:
+                self._mark_lost("this node's lease expired: the others consider it gone")
+            elif now - last_ack >= ttl - interval:
+                # The others drop us when the TTL passes; stop our workers before that,
+                # so a cut-off node never trains beside the re-formed group.
+                self._mark_lost(
+                    f"no keep-alive acknowledged for {now - last_ack:.0f}s: assuming this "
+                    "node was dropped (network partition or store down)"
+                )
+
+    def _ask_keep_alive(self, lease: int, answer: list[bool]) -> None:
+        answer.append(self._store.keep_alive(lease))
+
+    def _mark_lost(self, reason: str) -> None:
+        log.warning("%s", reason)
+        self.change_reason = reason
+        self._lost = True
+        self._notify()
 
     def _start_watch(self) -> None:
         if not any(t.name.endswith("watch") for t in self._threads):

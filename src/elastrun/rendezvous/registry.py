@@ -22,8 +22,8 @@ RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
 BUILTIN_BACKENDS: dict[str, str] = {
     "c10d": "elastrun.rendezvous.c10d:create_c10d_handler",
     "static": "elastrun.rendezvous.c10d:create_static_handler",
-    "etcd": "elastrun.rendezvous.local:create_not_yet",
-    "etcd-v2": "elastrun.rendezvous.local:create_not_yet",
+    "etcd": "elastrun.rendezvous.etcd:create_etcd_handler",
+    "etcd-v2": "elastrun.rendezvous.etcd:create_etcd_v2",
 }
 ENTRY_POINT_GROUP = "elastrun.rendezvous"
 TORCH_ENTRY_POINT_GROUP = "torchrun.handlers"

@@ -1,0 +1,145 @@
+"""The ``etcd`` backend: the dynamic rendezvous over an etcd v3 cluster.
+
+For jobs that must not lose their rendezvous with any one machine: give every agent all
+the members (``--rdzv-endpoint h1:2379,h2:2379,h3:2379``) and the job carries on when
+any of them, the leader included, goes away. Each agent's liveness is an etcd lease
+(``ttl`` seconds), so a node that dies is dropped when its lease runs out.
+
+``--rdzv-conf`` keys, besides the dynamic rendezvous ones (``join_timeout``,
+``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``...):
+
+``prefix``          prepended to every key (runs live under ``<prefix>/elastrun/<run_id>/``)
+``ttl``             the lease TTL in seconds (the same as ``heartbeat_timeout``)
+``read_timeout``    how long one etcd call keeps trying every member (default 10 s)
+``protocol``        ``http`` (default) or ``https`` for endpoints given without a scheme
+``cacert``, ``cert``, ``key``              TLS (any of them implies ``https``)
+``username``, ``password``/``password_file``  etcd authentication
+
+``etcd-v2`` -- torch's backend for etcd's v2 API, which etcd 3.6 removed -- is answered
+with a pointer to ``etcd``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+from elastrun.core.errors import ConfigError, RendezvousConnectionError, StoreError
+from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
+from elastrun.rendezvous.c10d import settings_from, validate_conf
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc
+from elastrun.store.etcd import EtcdStore, parse_endpoints, tls_context
+
+ETCD_V2_REASON = "speaks etcd's v2 API, which etcd 3.6 removed; use --rdzv-backend etcd"
+DEFAULT_ENDPOINT = "localhost:2379"
+DEFAULT_READ_TIMEOUT = 10.0
+#: ``--rdzv-conf`` keys of the etcd backend: the dynamic rendezvous's, then etcd's own.
+KNOWN_KEYS = frozenset(
+    {
+        "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+        "keep_alive_interval", "keep_alive_max_attempt", "read_timeout",
+        "exit_barrier_timeout", "timeout",
+        "prefix", "ttl", "protocol", "cacert", "cert", "key",
+        "username", "password", "password_file",
+    }
+)  # fmt: skip
+
+
+def create_etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
+    """Refuse ``etcd-v2`` with a pointer to ``etcd``.
+
+    Raises:
+        ConfigError: always.
+    """
+    raise ConfigError("--rdzv-backend", params.backend, ETCD_V2_REASON)
+
+
+def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the ``etcd`` handler: check that etcd answers, then the dynamic rendezvous.
+
+    Raises:
+        ConfigError: unknown ``--rdzv-conf`` keys, bad values, unreadable TLS or password
+            files, or httpx missing.
+        RendezvousConnectionError: no member answered, or etcd refused this client, within
+            ``read_timeout`` (and the join timeout).
+    """
+    validate_conf(params, KNOWN_KEYS)
+    settings = settings_from(params)
+    ttl = _seconds(params, "ttl")
+    if ttl is not None:
+        if params.get("heartbeat_timeout"):
+            raise ConfigError("--rdzv-conf ttl", params.get("ttl"), "give ttl or heartbeat_timeout")
+        settings = dataclasses.replace(settings, heartbeat_timeout=ttl)
+    timeout = min(_seconds(params, "read_timeout") or DEFAULT_READ_TIMEOUT, settings.join_timeout)
+    store = _make_store(params, timeout)
+    try:
+        store.get(f"/elastrun/{params.run_id}/closed")  # fail now, in one line, if unusable
+    except StoreError as exc:
+        store.close()
+        raise RendezvousConnectionError(f"etcd rendezvous: {exc}") from exc
+    node = NodeDesc.create(params.local_addr or socket.getfqdn(), "default", 0)
+    return DynamicRendezvousHandler(store, settings, node, backend="etcd", on_shutdown=store.close)
+
+
+def _make_store(params: RendezvousParameters, timeout: float) -> EtcdStore:
+    protocol = (params.get("protocol") or "http").strip().lower()
+    if protocol not in ("http", "https"):
+        raise ConfigError("--rdzv-conf protocol", protocol, "must be http or https")
+    cacert, cert, key = params.get("cacert"), params.get("cert"), params.get("key")
+    secure = protocol == "https" or any((cacert, cert, key))
+    try:
+        endpoints = parse_endpoints(params.endpoint or DEFAULT_ENDPOINT, secure=secure)
+    except ConfigError as exc:
+        raise ConfigError("--rdzv-endpoint", exc.value, exc.reason) from None
+    try:
+        context = tls_context(cacert, cert, key) if secure else None
+    except ConfigError as exc:
+        raise ConfigError(f"--rdzv-conf {exc.field}", exc.value, exc.reason) from None
+    username, password = _credentials(params)
+    try:
+        return EtcdStore(
+            endpoints,
+            namespace=(params.get("prefix") or "").rstrip("/"),
+            ssl_context=context,
+            username=username,
+            password=password,
+            request_timeout=timeout,
+        )
+    except ImportError as exc:  # httpx, imported when the store is made
+        raise ConfigError(
+            "--rdzv-backend", "etcd", "needs the httpx package: pip install 'elastrun[etcd]'"
+        ) from exc
+
+
+def _credentials(params: RendezvousParameters) -> tuple[str | None, str | None]:
+    username, password, path = (
+        params.get("username"), params.get("password"), params.get("password_file")
+    )  # fmt: skip
+    if password and path:
+        raise ConfigError("--rdzv-conf password_file", path, "give password or password_file")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                password = fh.read().rstrip("\r\n")
+        except OSError as exc:
+            raise ConfigError(
+                "--rdzv-conf password_file", path, f"cannot be read: {exc.strerror}"
+            ) from exc
+    if bool(username) != (password is not None):
+        raise ConfigError(
+            "--rdzv-conf username", username, "etcd authentication needs a username and a password"
+        )
+    return username or None, password
+
+
+def _seconds(params: RendezvousParameters, key: str) -> float | None:
+    raw = params.get(key)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf {key}", raw, "must be a number of seconds") from None
+    if not value > 0:
+        raise ConfigError(f"--rdzv-conf {key}", raw, "must be > 0")
+    return value
