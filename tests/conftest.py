@@ -55,9 +55,14 @@ def _our_fds() -> set[tuple[int, str]]:
 
 
 @pytest.fixture(autouse=True)
-def no_leaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def no_leaks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG, tag)
+    # Temporary files of the processes a test starts (log directories kept after a
+    # failure, on purpose) land in pytest's own rotated temporary area, not in /tmp.
+    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("proc-tmp")))
     fds_before = _our_fds()
     yield tag
     deadline = time.monotonic() + GRACE
