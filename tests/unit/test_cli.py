@@ -706,23 +706,24 @@ def test_run_path_takes_precedence_over_module_with_a_notice(run: Callable[..., 
 
 
 # --------------------------------------------------------------------------------------
-# Not implemented yet
+# etcd backends
 
 
-@pytest.mark.parametrize(
-    ("options", "field", "value"),
-    [
-        (("--rdzv-backend=etcd", "--rdzv-endpoint=h:2379"), "--rdzv-backend", "etcd"),
-        (("--rdzv_backend=etcd-v2",), "--rdzv_backend", "etcd-v2"),
-    ],
-)
-def test_not_yet_implemented_options_are_parsed_then_refused(
-    run: Callable[..., Launch], options: tuple[str, ...], field: str, value: str
+def test_the_etcd_backend_is_accepted_with_several_endpoints(
+    run: Callable[..., Launch],
 ) -> None:
-    with pytest.raises(NotImplementedYetError) as info:
-        run(*options)
-    assert (info.value.field, info.value.value) == (field, value)
-    assert "not supported by this version" in str(info.value)
+    launch = run("--nnodes=2", "--rdzv-backend=etcd", "--rdzv-endpoint=h1:2379,h2:2379,h3:2379",
+                 "--rdzv-conf=prefix=/jobs,ttl=5")  # fmt: skip
+    assert launch.config.rdzv_backend == "etcd"
+    assert launch.config.rdzv_endpoint == "h1:2379,h2:2379,h3:2379"
+    assert launch.config.rdzv_configs["ttl"] == "5"
+
+
+def test_etcd_v2_is_refused_pointing_to_etcd(fail: Callable[..., ConfigError]) -> None:
+    error = fail("--rdzv_backend=etcd-v2")
+    assert not isinstance(error, NotImplementedYetError)
+    assert (error.field, error.value) == ("--rdzv_backend", "etcd-v2")
+    assert "etcd 3.6 removed" in str(error) and "use --rdzv-backend etcd" in str(error)
 
 
 def test_numa_events_metrics_and_template_options(run: Callable[..., Launch]) -> None:

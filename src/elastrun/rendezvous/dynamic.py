@@ -509,6 +509,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     rev = res.revision
                     if res.events and self._check_reform():
                         self._notify()
+            except StoreCompactedError as exc:
+                # The store dropped old history (etcd auto-compaction): re-read from now.
+                log.debug("rendezvous watch resumes after compaction: %s", exc)
             except StoreError as exc:
                 if not self._stop.is_set():
                     log.warning("rendezvous watch interrupted: %s", exc)
