@@ -8,6 +8,7 @@ leases are revoked when it ends.
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "contract"))
 def etcd_binary() -> str:
     binary = find_etcd()
     if binary is None:
+        # In CI the setup installs etcd: its absence is a failure, never a quiet skip.
+        if os.environ.get("CI"):
+            pytest.fail("no etcd binary although CI set up the machine: scripts/install-etcd.sh")
         pytest.skip("no etcd binary: run scripts/install-etcd.sh")
     return binary
 
