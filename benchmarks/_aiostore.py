@@ -1,0 +1,149 @@
+"""An asyncio client of elastrun's tcp store, for simulating thousands of nodes.
+
+It speaks the same wire protocol as ``elastrun.store.tcp.client.TcpStore`` (it uses the
+package's own framing and encoding helpers), one connection per simulated node, so the
+server sees exactly what real agents would send: a handshake, then requests multiplexed
+by id. What it leaves out is what a benchmark does not need: reconnection, lease resume,
+authentication tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+
+from elastrun.core.errors import StoreError
+from elastrun.store.api import WatchResult
+from elastrun.store.tcp import protocol as p
+
+
+class AsyncStore:
+    """One connection to a ``TcpStoreServer``; the methods mirror the ``Store`` protocol."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mf: int):
+        self._reader = reader
+        self._writer = writer
+        self._max_frame = mf
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[p.Message]] = {}
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+        self.requests = 0
+        self.max_latency = 0.0  # longest wait for an answer to a non-blocking request
+        self.bytes_in = 0  # bytes of answers received (frames' bodies)
+
+    @classmethod
+    async def connect(cls, host: str, port: int) -> AsyncStore:
+        reader, writer = await asyncio.open_connection(host, port, limit=2**24)
+        challenge = await _read_frame(reader, p.HANDSHAKE_MAX_FRAME)
+        if challenge.get("type") != "challenge":
+            raise StoreError("the server did not send a challenge")
+        max_frame = p.get_int(challenge, "max_frame")
+        hello = {"type": "hello", "version": p.PROTOCOL_VERSION, "proof": None, "resume": []}
+        writer.write(p.encode(hello, p.HANDSHAKE_MAX_FRAME))
+        welcome = await _read_frame(reader, max(max_frame, p.HANDSHAKE_MAX_FRAME))
+        if welcome.get("type") != "welcome":
+            raise StoreError(f"the server refused: {welcome}")
+        return cls(reader, writer, max_frame)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                answer, size = await _read_frame_sized(self._reader, self._max_frame)
+                self.bytes_in += size
+                rid = answer.get("id")
+                fut = self._pending.pop(rid, None) if isinstance(rid, int) else None
+                if fut is not None and not fut.done():
+                    fut.set_result(answer)
+        except (OSError, asyncio.IncompleteReadError, p.FrameError) as exc:
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(StoreError(f"connection lost: {exc!r}"))
+            self._pending.clear()
+
+    async def _call(self, op: str, args: p.Message) -> object:
+        rid = next(self._ids)
+        fut: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        self.requests += 1
+        t0 = time.monotonic()
+        self._writer.write(p.encode({"id": rid, "op": op, **args}, self._max_frame))
+        answer = await fut
+        if op not in ("watch", "wait"):
+            self.max_latency = max(self.max_latency, time.monotonic() - t0)
+        if answer.get("ok") is True:
+            return answer.get("result")
+        raise p.error_from_code(answer.get("code"), str(answer.get("message")))
+
+    async def get(self, key: str) -> bytes | None:
+        return p.opt_unb64(await self._call("get", {"key": key}), "result")
+
+    async def set(self, key: str, value: bytes, *, lease: int | None = None) -> int:
+        result = await self._call("set", {"key": key, "value": p.b64(value), "lease": lease})
+        return int(result)  # type: ignore[call-overload]
+
+    async def add(self, key: str, amount: int) -> int:
+        return int(await self._call("add", {"key": key, "amount": amount}))  # type: ignore[call-overload]
+
+    async def compare_set(
+        self, key: str, expected: bytes | None, value: bytes, *, lease: int | None = None
+    ) -> tuple[bool, bytes | None]:
+        args: p.Message = {
+            "key": key,
+            "expected": p.opt_b64(expected),
+            "value": p.b64(value),
+            "lease": lease,
+        }
+        result = await self._call("compare_set", args)
+        assert isinstance(result, list)
+        return bool(result[0]), p.opt_unb64(result[1], "current")
+
+    async def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
+        result = await self._call("get_prefix", {"prefix": prefix})
+        assert isinstance(result, dict)
+        items = result["items"]
+        return {str(k): p.unb64(v, "value") for k, v in items.items()}, int(result["revision"])
+
+    async def grant_lease(self, ttl: float) -> int:
+        return int(await self._call("grant_lease", {"ttl": ttl}))  # type: ignore[call-overload]
+
+    async def keep_alive(self, lease: int) -> bool:
+        return bool(await self._call("keep_alive", {"lease": lease}))
+
+    async def revoke_lease(self, lease: int) -> None:
+        await self._call("revoke_lease", {"lease": lease})
+
+    async def watch(self, prefix: str, after_revision: int, timeout: float) -> WatchResult:
+        args: p.Message = {
+            "prefix": prefix,
+            "after": after_revision,
+            "timeout": None if math.isinf(timeout) else max(0.0, timeout),
+        }
+        return p.watch_from_wire(await self._call("watch", args))
+
+    async def wait(self, keys: list[str], timeout: float) -> None:
+        args: p.Message = {"keys": keys, "timeout": None if math.isinf(timeout) else timeout}
+        await self._call("wait", args)
+
+    def abort(self) -> None:
+        """Drop the connection as a crashed process would (no goodbye)."""
+        self._writer.transport.abort()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except OSError:
+            pass
+
+
+async def _read_frame(reader: asyncio.StreamReader, max_frame: int) -> p.Message:
+    return (await _read_frame_sized(reader, max_frame))[0]
+
+
+async def _read_frame_sized(reader: asyncio.StreamReader, max_frame: int) -> tuple[p.Message, int]:
+    header = await reader.readexactly(p.HEADER.size)
+    length = p.frame_length(header, max_frame)
+    return p.decode(await reader.readexactly(length)), length

@@ -1,0 +1,94 @@
+"""PNG charts of the results (matplotlib, headless): launch time and rendezvous time
+against N, every launcher or implementation on the same axes."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+
+Series = Mapping[str, Mapping[str, list[float]]]  # name -> N (as text) -> samples
+
+STYLE = {
+    "torchrun": ("tab:red", "s"),
+    "torch-c10d": ("tab:red", "s"),
+    "elastrun": ("tab:blue", "o"),
+    "elastrun-async": ("tab:blue", "o"),
+    "elastrun-threads": ("tab:cyan", "^"),
+    "elastrun --no-template": ("tab:cyan", "^"),
+}
+
+
+def _draw(ax: object, series: Series) -> None:
+    for name, by_n in series.items():
+        points = sorted((int(n), s) for n, s in by_n.items() if s)
+        if not points:
+            continue
+        xs = [n for n, _ in points]
+        med = [statistics.median(s) for _, s in points]
+        lo = [m - min(s) for m, (_, s) in zip(med, points, strict=True)]
+        hi = [max(s) - m for m, (_, s) in zip(med, points, strict=True)]
+        color, marker = STYLE.get(name, ("tab:gray", "x"))
+        ax.errorbar(  # type: ignore[attr-defined]
+            xs, med, yerr=[lo, hi], label=name, color=color, marker=marker, capsize=3
+        )
+
+
+def plot_launch(data: Mapping[str, Series], path: Path) -> bool:
+    """`data`: workload ("trivial", "torch") -> launcher -> N -> seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(w, s) for w, s in data.items() if any(s.values())]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    titles = {
+        "trivial": "trivial workers: invoke → all running",
+        "torch": "torch workers: invoke → all in the gloo group",
+    }
+    for ax, (workload, series) in zip(axes[0], panels, strict=True):
+        _draw(ax, series)
+        ax.set_title(titles.get(workload, workload))
+        ax.set_xlabel("workers (N)")
+        ax.set_ylabel("seconds (median, min-max)")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_rendezvous(data: Mapping[str, Series], path: Path) -> bool:
+    """`data`: "ranked" / "settle" -> implementation -> N -> seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(k, s) for k, s in data.items() if any(s.values())]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    titles = {
+        "ranked": "last join → all ranked",
+        "settle": "joining phase: N-1 nodes at once → all seen",
+    }
+    for ax, (key, series) in zip(axes[0], panels, strict=True):
+        _draw(ax, series)
+        ax.set_title(titles.get(key, key))
+        ax.set_xlabel("simulated nodes (N)")
+        ax.set_ylabel("seconds (median, min-max)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,51 @@
+"""Run one store server in a process of its own: ``python _servers.py elastrun|torch``.
+
+Prints ``{"port": N}`` once listening, then serves until its standard input closes (or
+it is killed). The rendezvous and store benchmarks start it so that the server has its
+own interpreter and CPU, as it would on a real machine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(argv: list[str]) -> int:
+    kind = argv[0] if argv else "elastrun"
+    if kind == "elastrun":
+        from elastrun.store.tcp import TcpStoreServer, raise_fd_limit
+
+        raise_fd_limit()
+        server = TcpStoreServer("127.0.0.1", 0)
+        server.start()
+        print(json.dumps({"port": server.port}), flush=True)
+        sys.stdin.read()
+        server.stop()
+        return 0
+    if kind == "torch":
+        import resource
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        store = TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            use_libuv=True,
+            timeout=timedelta(seconds=600),
+        )
+        print(json.dumps({"port": store.port}), flush=True)
+        sys.stdin.read()
+        return 0
+    print(f"unknown server kind {kind!r}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,321 @@
+"""Launch latency, elastrun side by side with torchrun, in one run.
+
+For N = 1, 2, 4, 8 workers on this node, and two workloads:
+
+* **trivial**: a plain Python script whose first statement records ``time.time()``;
+* **torch**: a script that records its first line, imports torch and joins a gloo
+  process group (``init_process_group("gloo")``), recording each moment.
+
+Measured from just before the launcher is started: every worker has run its first line;
+(torch) every worker has joined the process group; the launcher has exited. The
+launchers alternate A B A B, so drift in machine load hits both alike. Run from the
+repository root::
+
+    .venv/bin/python benchmarks/bench_launch.py            # full
+    .venv/bin/python benchmarks/bench_launch.py --quick
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from _common import (
+    PYTHON,
+    Launcher,
+    ScenarioFailure,
+    display_command,
+    elastrun,
+    elastrun_no_template,
+    new_marker,
+    read_float,
+    require_clean,
+    run_launcher,
+    tagged_env,
+    torchrun,
+)
+from _report import (
+    Headline,
+    Row,
+    Section,
+    alternate,
+    common_parser,
+    profile_of,
+    ratio_check,
+    ratio_text,
+    run_section,
+    write_section,
+)
+
+TRIVIAL_WORKER = (
+    "import time; T = time.time(); import os, sys; "
+    "open(os.path.join(sys.argv[1], 'first_' + os.environ['RANK']), 'w').write(repr(T))\n"
+)
+
+TORCH_WORKER = textwrap.dedent(
+    """\
+    import time; T = time.time()
+    import os, sys
+    PRE = "torch" in sys.modules  # already there: forked from a pre-imported template
+    out, rank = sys.argv[1], os.environ["RANK"]
+
+    def put(name, t):
+        with open(os.path.join(out, f"{name}_{rank}"), "w") as f:
+            f.write(f"{t!r} {int(PRE)}")
+
+    put("first", T)
+    import torch
+    import torch.distributed as dist
+    put("imported", time.time())
+    dist.init_process_group("gloo")
+    put("joined", time.time())
+    dist.destroy_process_group()
+    """
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    trivial_ns: tuple[int, ...]
+    torch_ns: tuple[int, ...]
+    reps: int
+    torch_reps: int
+    timeout_s: float = 180.0
+
+
+PROFILE_OPTIONS = {
+    "smoke": Options(trivial_ns=(1,), torch_ns=(), reps=1, torch_reps=1),
+    "quick": Options(trivial_ns=(1, 8), torch_ns=(1, 4), reps=2, torch_reps=1),
+    "full": Options(trivial_ns=(1, 2, 4, 8), torch_ns=(1, 2, 4, 8), reps=5, torch_reps=3),
+}
+
+
+def launch_once(lch: Launcher, workload: str, n: int, timeout_s: float) -> dict[str, float]:
+    """One launch of `n` workers; seconds from invoke to each milestone."""
+    with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
+        work = Path(tmp)
+        script = work / "worker.py"
+        script.write_text(TRIVIAL_WORKER if workload == "trivial" else TORCH_WORKER)
+        out = work / "out"
+        out.mkdir()
+        cmd = lch.command(n, script, [str(out)])
+        outcome = run_launcher(
+            cmd,
+            marker=new_marker(),
+            log_dir=work / "logs",
+            timeout_s=timeout_s,
+            env_extra=dict(lch.env),
+        )
+        require_clean(outcome)
+        t0 = outcome.t_invoke
+        result = {"exited": outcome.wall_s}
+        if outcome.cpu_s is not None:
+            result["cpu"] = outcome.cpu_s
+        stages = ("first",) if workload == "trivial" else ("first", "imported", "joined")
+        for stage in stages:
+            files = [out / f"{stage}_{r}" for r in range(n)]
+            missing = [f.name for f in files if not f.exists()]
+            if missing:
+                raise ScenarioFailure(f"{missing} were never written")
+            result[stage] = max(read_float(f) for f in files) - t0
+        if workload == "torch":
+            flags = {(out / f"first_{r}").read_text().split()[1] for r in range(n)}
+            result["template"] = 1.0 if flags == {"1"} else 0.0
+        return result
+
+
+def warm_up(launchers: list[Launcher], torch_too: bool, timeout_s: float) -> None:
+    """Discarded runs that fill the page cache for every launcher alike."""
+    for lch in launchers:
+        try:
+            launch_once(lch, "trivial", 1, timeout_s)
+        except ScenarioFailure:
+            pass  # the measured runs report the failure properly
+    if torch_too:
+        import subprocess
+
+        marker = new_marker()
+        subprocess.run(
+            [PYTHON, "-c", "import torch.distributed"],
+            env=tagged_env(marker),
+            timeout=timeout_s,
+            check=False,
+        )
+
+
+def body(section: Section, opts: Options, launchers: list[Launcher]) -> None:
+    section.intro = (
+        "From just before the launcher is started until every worker has run its first "
+        "line, (torch workload) joined a gloo process group, and until the launcher exited. "
+        "`--standalone --nproc-per-node=N`, the same flags for both; launchers alternate "
+        "A B A B."
+    )
+    columns = [lch.name for lch in launchers]
+    by_name = {lch.name: lch for lch in launchers}
+    ref = "torchrun" if "torchrun" in columns else None
+    warm_up(launchers, bool(opts.torch_ns), opts.timeout_s)
+    plots: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for workload, ns, reps in (
+        ("trivial", opts.trivial_ns, opts.reps),
+        ("torch", opts.torch_ns, opts.torch_reps),
+    ):
+        if not ns:
+            continue
+        what_w = "trivial script" if workload == "trivial" else "import torch + gloo group"
+        table = section.table(f"Launch, {what_w}", columns, ref)
+        for n in ns:
+            label = f"N={n}"
+            main = "first" if workload == "trivial" else "joined"
+            rows: dict[str, Row] = {
+                "first": table.row(
+                    f"{workload}{n}.first",
+                    f"{label}: invoke → all workers running (s)",
+                    target="≥ 4x sooner (ratio ≤ 0.25)" if workload == "trivial" and n == 8 else "",
+                    check=ratio_check("elastrun", "torchrun", 0.25)
+                    if workload == "trivial" and n == 8
+                    else None,
+                ),
+            }
+            if workload == "torch":
+                rows["imported"] = table.row(
+                    f"{workload}{n}.imported", f"{label}: invoke → all imported torch (s)"
+                )
+                rows["joined"] = table.row(
+                    f"{workload}{n}.joined", f"{label}: invoke → all joined the gloo group (s)"
+                )
+            rows["exited"] = table.row(f"{workload}{n}.exited", f"{label}: invoke → exit (s)")
+            if n == max(ns):
+                rows["cpu"] = table.row(f"{workload}{n}.cpu", f"{label}: launcher's own CPU (s)")
+            templated: dict[str, list[float]] = {}
+
+            def measure(
+                col: str, rep: int, workload: str = workload, n: int = n
+            ) -> dict[str, float]:
+                return launch_once(by_name[col], workload, n, opts.timeout_s)
+
+            def record(
+                col: str,
+                m: Mapping[str, float],
+                rows: dict[str, Row] = rows,
+                templated: dict[str, list[float]] = templated,
+            ) -> None:
+                for key, row in rows.items():
+                    if key in m:
+                        row.add(col, m[key])
+                if "template" in m:
+                    templated.setdefault(col, []).append(m["template"])
+
+            alternate(section, f"launch {workload} N={n}", columns, reps, measure, record)
+            for col in columns:
+                cmd = by_name[col].command(n, Path("/W/worker.py"), ["/W/out"])
+                shown = display_command(cmd, dict(by_name[col].env), Path("/W"))
+                shown = shown.replace(f"--nproc-per-node={n}", "--nproc-per-node=N")
+                section.commands.setdefault(f"{workload}, {col}", shown)
+                s = rows[main].samples.get(col, [])
+                plots.setdefault(workload, {}).setdefault(col, {}).setdefault(str(n), []).extend(
+                    [float(x) for x in s]
+                )
+            for col, flags in templated.items():
+                if col.startswith("elastrun"):
+                    used = "yes" if all(flags) else "no" if not any(flags) else "in some runs"
+                    section.raw.setdefault("template_used", {})[f"{col} N={n}"] = used  # type: ignore[index]
+    section.raw["plot"] = plots
+    _headlines(section, columns)
+    _notes(section)
+
+
+def _headlines(section: Section, columns: list[str]) -> None:
+    for t in section.tables:
+        for key in ("trivial8.first", "torch8.joined"):
+            row = t.rows.get(key)
+            if row is None or "elastrun" not in columns or "torchrun" not in columns:
+                continue
+            what = (
+                "launch, 8 trivial workers: invoke → all running (elastrun / torchrun)"
+                if key.startswith("trivial")
+                else "launch, 8 torch workers: invoke → all in the gloo group (elastrun / torchrun)"
+            )
+            section.headlines.append(
+                Headline(
+                    what,
+                    ratio_text(row, "elastrun", "torchrun"),
+                    row.target or "",
+                    row.verdict() if row.target else None,
+                )
+            )
+            if row.target and row.verdict() is False:
+                one = t.rows.get("trivial1.first")
+                e1 = one.medians().get("elastrun") if one is not None else None
+                e8 = row.medians().get("elastrun")
+                split = ""
+                if e1 is not None and e8 is not None:
+                    split = (
+                        f": {e1:.3f} s for one worker (the launcher's own start-up and the "
+                        f"first worker), then {(e8 - e1) / 7 * 1000:.0f} ms per further worker"
+                    )
+                section.where_time_goes.append(
+                    f"8 trivial workers under elastrun{split}; on 2 cores the interpreters "
+                    "of the workers start partly one after another."
+                )
+
+
+def _notes(section: Section) -> None:
+    used = section.raw.get("template_used")
+    if isinstance(used, dict) and used:
+        shown = ", ".join(f"{k}: {v}" for k, v in used.items())
+        section.notes.append(
+            "Torch workload: workers forked from elastrun's pre-imported template (torch "
+            f"already in `sys.modules` at the worker's first line): {shown}."
+        )
+    section.notes += [
+        "Workers record `time.time()` in files named after their rank; latency = the last "
+        "worker's moment - the moment just before the launcher was started. Exit is noticed "
+        "through a pidfd.",
+        "Launcher CPU is its own user+system time read from its zombie before it is reaped "
+        "(workers excluded).",
+        "One discarded N=1 launch per launcher (and one `import torch`) warms the page cache "
+        "first.",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common_parser(__doc__ or "")
+    p.add_argument(
+        "--launchers",
+        default="elastrun,torchrun,elastrun-no-template",
+        help="comma list, in alternation order",
+    )
+    args = p.parse_args(argv)
+    profile = profile_of(args)
+    known = {
+        "elastrun": elastrun(),
+        "torchrun": torchrun(),
+        "elastrun-no-template": elastrun_no_template(),
+    }
+    launchers = [known[x] for x in args.launchers.split(",") if x]
+    section = run(profile, launchers)
+    print(section.render())
+    write_section(section, args.output_dir)
+    return 0
+
+
+def run(profile: str, launchers: list[Launcher] | None = None) -> Section:
+    launchers = launchers or [elastrun(), torchrun(), elastrun_no_template()]
+    usable = [lch for lch in launchers if lch.available() is None]
+    opts = PROFILE_OPTIONS[profile]
+
+    def go(section: Section) -> None:
+        for lch in launchers:
+            if lch not in usable:
+                section.fail(lch.name, f"not run: {lch.available()}")
+        body(section, opts, usable)
+
+    return run_section("launch", "Launch", go, profile)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The benchmarks cannot rot: each module runs its tiniest configuration (seconds).
+
+Every benchmark script is run as a user would run it (``--smoke``, writing into a
+temporary directory); its JSON must hold measurements and no failure. Two pure checks
+pin what the scale benchmark's claims rest on: the asyncio participant issues exactly the
+store operations of elastrun's own rendezvous handler, and torchrun's log lines still
+yield the moments of its recovery timeline.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _helpers import REPO
+
+BENCH = REPO / "benchmarks"
+
+pytestmark = pytest.mark.slow
+
+
+def _run_module(script: str, out: Path, *extra: str, timeout: float = 240) -> dict[str, object]:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--smoke", "--output-dir", str(out), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    name = script.removeprefix("bench_").removesuffix(".py")
+    data = json.loads((out / f"{name}.json").read_text())
+    assert data["failures"] == [], data["failures"]
+    assert (out / f"{name}.md").read_text().startswith("# ")
+    return data
+
+
+def _samples(data: dict[str, object], row: str) -> dict[str, list[float]]:
+    for table in data["tables"]:  # type: ignore[attr-defined]
+        if row in table["rows"]:
+            return table["rows"][row]["samples"]  # type: ignore[no-any-return]
+    raise AssertionError(f"no row {row!r} in {[t['title'] for t in data['tables']]}")  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def bench_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+
+
+def test_async_participant_issues_the_same_store_operations_as_the_real_handler(
+    bench_path: None,
+) -> None:
+    from _rdzv_async import protocol_traces
+
+    real, mirrored = protocol_traces()
+    ops = [op for op, _, _ in real]
+    assert {"grant_lease", "get_prefix", "compare_set", "wait"} <= set(ops)
+    assert mirrored == real
+
+
+def test_torchrun_log_lines_give_its_recovery_timeline(bench_path: None, tmp_path: Path) -> None:
+    import time
+
+    from bench_recovery import launcher_marks
+
+    kill = time.mktime((2026, 11, 21, 6, 48, 38, 0, 0, -1)) + 0.5
+    lines = [
+        "I1121 06:48:37.452000 14167 torch/distributed/elastic/agent/server/api.py:715] "
+        "[default] Starting worker group",
+        "W1121 06:48:38.561000 14167 torch/distributed/elastic/multiprocessing/api.py:1028] "
+        "Sending process 14172 closing signal SIGTERM",
+        "E1121 06:48:38.563000 14167 torch/distributed/elastic/multiprocessing/api.py:1002] "
+        "failed (exitcode: -9) local_rank: 1 (pid: 14173) of binary: python3",
+        "I1121 06:48:38.600000 14167 torch/distributed/elastic/agent/server/api.py:707] "
+        "[default] Rendezvous'ing worker group",
+        "I1121 06:48:38.893000 14167 torch/distributed/elastic/agent/server/api.py:553] "
+        "[default] Rendezvous complete for workers. Result:",
+    ]
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "launcher.stderr").write_text("\n".join(lines) + "\n")
+    marks = launcher_marks("torchrun", tmp_path, kill)
+    assert marks["detected"] - kill == pytest.approx(0.061, abs=1e-3)
+    assert marks["stopped"] - kill == pytest.approx(0.100, abs=1e-3)
+    assert marks["rendezvous"] - kill == pytest.approx(0.393, abs=1e-3)
+
+
+def test_launch_benchmark_measures_both_launchers(tmp_path: Path) -> None:
+    data = _run_module("bench_launch.py", tmp_path)
+    running = _samples(data, "trivial1.first")
+    assert {"elastrun", "torchrun", "elastrun --no-template"} == set(running)
+    assert all(0 < v < 60 for vs in running.values() for v in vs)
+
+
+@pytest.mark.torch
+def test_recovery_benchmark_breaks_a_ddp_restart_into_phases(tmp_path: Path) -> None:
+    data = _run_module("bench_recovery.py", tmp_path)
+    for phase in ("total", "detection", "stopping", "rendezvous", "start", "import", "pg", "ddp"):
+        assert _samples(data, f"rec2.{phase}")["elastrun"], phase
+    total = _samples(data, "rec2.total")["elastrun"][0]
+    assert 0 < total < 120
+
+
+def test_overhead_benchmark_reads_the_idle_launchers_cpu_and_memory(tmp_path: Path) -> None:
+    data = _run_module("bench_overhead.py", tmp_path)
+    rss = _samples(data, "idle2.rss")
+    assert set(rss) == {"elastrun", "torchrun"}
+    assert all(v > 1 for vs in rss.values() for v in vs)
+
+
+@pytest.mark.torch
+def test_rendezvous_benchmark_ranks_simulated_nodes_and_recovers_a_loss(tmp_path: Path) -> None:
+    data = _run_module("bench_rendezvous.py", tmp_path)
+    ranked = _samples(data, "scale2")
+    assert set(ranked) == {"elastrun-async", "elastrun-threads", "torch-c10d"}
+    assert _samples(data, "loss3")["elastrun-async"]
+
+
+@pytest.mark.torch
+def test_store_benchmark_counts_operations_of_both_stores(tmp_path: Path) -> None:
+    data = _run_module("bench_store.py", tmp_path)
+    for op in ("set", "get", "add", "compare_set"):
+        per_store = _samples(data, f"{op}1")
+        assert set(per_store) == {"elastrun", "torch"}
+        assert all(v > 0 for vs in per_store.values() for v in vs)
+
+
+def test_run_all_writes_the_report_and_the_charts(tmp_path: Path) -> None:
+    out = tmp_path / "RESULTS.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "run_all.py"),
+            "--smoke",
+            "--only",
+            "launch",
+            "--output",
+            str(out),
+            "--results-dir",
+            str(tmp_path / "results"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = out.read_text()
+    assert "## Machine" in report and "## Headlines" in report and "## Launch" in report
+    assert (tmp_path / "results" / "launch.json").exists()
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "results" / "launch.png").stat().st_size > 1000
