@@ -391,6 +391,19 @@ def _start_sleeper(
 def test_signals_to_the_worker_group_act_as_on_a_fresh_worker(
     template: TemplateStarter, tmp_path: Path, sig: int, code: int, output: str
 ) -> None:
+    # A test runner started in the background inherits SIGINT ignored, and so would its
+    # workers (exec keeps ignored signals); the launcher itself always handles SIGINT,
+    # so its workers start with the default. Do as the launcher does for this test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _check_group_signals(template, tmp_path, sig, code, output)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _check_group_signals(
+    template: TemplateStarter, tmp_path: Path, sig: int, code: int, output: str
+) -> None:
     for name, starter in (("fresh", SubprocessStarter()), ("forked", template)):
         proc, _ = _start_sleeper(starter, tmp_path, name)
         proc.signal_group(sig)

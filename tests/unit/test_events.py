@@ -88,7 +88,8 @@ def test_record_to_a_file_stamps_the_real_time_and_keeps_metadata_plain(tmp_path
     (line,) = read_lines(path)
     assert line["name"] == "trainer.checkpoint"
     assert line["source"] == "WORKER"
-    assert isinstance(line["timestamp"], int) and before <= line["timestamp"] <= after
+    # The wall clock may step back a little (NTP, VMs): "real time" within a margin.
+    assert isinstance(line["timestamp"], int) and before - 50 <= line["timestamp"] <= after + 50
     assert line["metadata"] == {"step": 100, "rank": 0}  # plain values, not [100] / (100,)
     assert ev.timestamp == 0  # the caller's object is left alone
 
