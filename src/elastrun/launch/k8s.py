@@ -52,10 +52,10 @@ RUN_ID_LABEL = "batch.kubernetes.io/controller-uid"
 RESTART_POLICIES = ("OnFailure", "Never")
 STORES = ("elastrun", "etcd")
 
-_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_NPROC = re.compile(r"^([1-9][0-9]*|cpu|gpu|auto)$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+_NPROC = re.compile(r"([1-9][0-9]*|cpu|gpu|auto)")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,7 @@ def build_manifests(spec: ManifestSpec) -> list[Doc]:
 # --------------------------------------------------------------------------------------
 # YAML out: block style, JSON-quoted strings where a plain scalar could be misread.
 
-_PLAIN = re.compile(r"^[A-Za-z][A-Za-z0-9._/-]*$")
+_PLAIN = re.compile(r"[A-Za-z][A-Za-z0-9._/-]*")
 _YAML_WORDS = frozenset({"y", "n", "yes", "no", "on", "off", "true", "false", "null", "nan", "inf"})
 
 
@@ -345,7 +345,7 @@ def _scalar(value: JSON) -> str:
     if isinstance(value, int | float):
         return json.dumps(value)
     if isinstance(value, str):
-        if _PLAIN.match(value) and value.lower() not in _YAML_WORDS:
+        if _PLAIN.fullmatch(value) and value.lower() not in _YAML_WORDS:
             return value
         return _quote(value)
     raise TypeError(f"not a scalar: {type(value).__name__}")
@@ -434,12 +434,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_quantity(option: str, value: str | None) -> None:
-    if value is not None and not _QUANTITY.match(value):
+    if value is not None and not _QUANTITY.fullmatch(value):
         raise ConfigError(option, value, "is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
 
 
 def _check_name(spec_name: str, max_nodes: int) -> None:
-    if not _DNS_LABEL.match(spec_name):
+    if not _DNS_LABEL.fullmatch(spec_name):
         raise ConfigError(
             "--name", spec_name, "must be lowercase letters, digits and '-', starting with a letter"
         )
@@ -474,11 +474,11 @@ def parse_manifest_args(argv: Sequence[str]) -> tuple[ManifestSpec, str | None]:
         raise ConfigError("--", None, "the training command after -- is empty")
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     _check_name(ns.name, max_nodes)
-    if not _NPROC.match(ns.nproc_per_node):
+    if not _NPROC.fullmatch(ns.nproc_per_node):
         raise ConfigError(
             "--nproc-per-node", ns.nproc_per_node, "must be a positive integer, cpu, gpu or auto"
         )
-    if ns.namespace is not None and not _DNS_LABEL.match(ns.namespace):
+    if ns.namespace is not None and not _DNS_LABEL.fullmatch(ns.namespace):
         raise ConfigError("--namespace", ns.namespace, "is not a valid namespace name")
     for option, value in (("--cpu", ns.cpu), ("--memory", ns.memory), ("--shm-size", ns.shm_size)):
         _check_quantity(option, value)
@@ -497,7 +497,7 @@ def parse_manifest_args(argv: Sequence[str]) -> tuple[ManifestSpec, str | None]:
             raise ConfigError(option, number, f"must be >= {low}")
     env = _pairs(ns.env, "--env")
     for key, _ in env:
-        if not _ENV_NAME.match(key):
+        if not _ENV_NAME.fullmatch(key):
             raise ConfigError("--env", key, "is not a valid environment variable name")
     conf = _pairs([c for c in ns.rdzv_conf.split(",") if c.strip()], "--rdzv-conf")
     spec = ManifestSpec(

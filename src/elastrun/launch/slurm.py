@@ -90,7 +90,7 @@ class SlurmSettings:
 # Hostlists: "node[01-03,07],gpu-a[1-2]" -> node01 node02 node03 node07 gpu-a1 gpu-a2
 
 
-_RANGE_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_RANGE_RE = re.compile(r"(\d+)(?:-(\d+))?")
 
 
 def expand_hostlist(text: str, source: str = "SLURM_JOB_NODELIST") -> list[str]:
@@ -159,7 +159,7 @@ def _expand_item(item: str, text: str, source: str) -> list[str]:
 def _expand_bracket(body: str, text: str, source: str) -> list[str]:
     names: list[str] = []
     for piece in body.split(","):
-        match = _RANGE_RE.match(piece.strip())
+        match = _RANGE_RE.fullmatch(piece.strip())
         if match is None:
             raise ConfigError(source, text, f"{piece.strip()!r} is not a number or LO-HI range")
         lo_text, hi_text = match.group(1), match.group(2)
