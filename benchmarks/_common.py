@@ -167,7 +167,7 @@ def rss_mb(pid: int) -> float | None:
         return None
 
 
-def _tail(path: Path, lines: int = 12) -> str:
+def _tail(path: Path, lines: int = 40) -> str:
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:

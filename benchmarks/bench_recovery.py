@@ -16,10 +16,11 @@ detection (kill -> the launcher reacts), stopping the survivors (-> stopped), re
 (-> complete), process start (-> every new worker runs its first line), torch import,
 process-group init, first step after the restart (checkpoint load + one step).
 
-Variants, alternating: elastrun (default: workers forked from the pre-imported template
-when the launcher uses it), ``elastrun --no-template`` and torchrun with
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (its default shared store cannot recover this
-job). Run from the repository root::
+Variants, alternating: elastrun (default: workers forked from the template that
+pre-imports what the script imports), torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+(its default shared store cannot recover this job), ``elastrun --no-template`` and
+``elastrun --preload torch,torch._dynamo`` (the template also holds what DDP imports
+lazily). Run from the repository root::
 
     .venv/bin/python benchmarks/bench_recovery.py [--quick]
 """
@@ -145,7 +146,7 @@ PHASES = (
     ("import", "5. torch import"),
     ("pg", "6. process-group init"),
     ("step", "7. first step after the restart (= 7a + 7b + 7c)"),
-    ("ddp", "7a. model + DDP wrapper (broadcasts the parameters)"),
+    ("ddp", "7a. model + DDP wrapper (its first construction imports torch._dynamo)"),
     ("load", "7b. checkpoint load"),
     ("step1", "7c. one training step"),
 )
@@ -175,17 +176,14 @@ PRELOAD_DYNAMO = "--preload=torch,torch._dynamo"
 
 # Why each phase costs what it does (for the "where the time goes" notes).
 PHASE_WHY = {
-    "detection": "the launcher noticing the death",
-    "stopping": "stopping and reaping the survivors",
-    "rendezvous": "the launcher's re-rendezvous",
-    "start": "starting the new workers (spawn or fork, then the worker bootstrap up to the "
-    "script's first line)",
-    "import": "every new worker importing torch again (what the template removes)",
-    "pg": "the gloo process group's rendezvous and connections",
-    "ddp": "DistributedDataParallel's first construction in each new worker, which lazily "
-    "imports torch._dynamo (and sympy), about 2 s on this machine whatever the launcher; "
-    f"preloading it in the template (`{PRELOAD_DYNAMO}`) removes it",
-    "load": "loading the checkpoint",
+    "detection": "detection",
+    "stopping": "stopping the survivors",
+    "rendezvous": "rendezvous",
+    "start": "process start",
+    "import": "torch import in every new worker",
+    "pg": "process-group init",
+    "ddp": "DDP's first construction (lazy torch._dynamo import)",
+    "load": "checkpoint load",
     "step1": "one training step",
 }
 
@@ -478,6 +476,11 @@ def _summarize(
         "the benchmark closed.",
         "The survivors usually fail on their own first (their gloo collective breaks when the "
         "peer dies), so 'stopping the survivors' is mostly reaping.",
+        "DistributedDataParallel's first construction in a process imports torch._dynamo "
+        "(and sympy) lazily: about 2 s per worker on this machine, under any launcher, in "
+        "phase 7a. The template preloads only what the script imports at top level "
+        f"(torch); `{PRELOAD_DYNAMO}` moves that import into the template too, which is "
+        "the difference between the elastrun and the elastrun --preload columns.",
     ]
 
 

@@ -107,7 +107,7 @@ PROFILE_OPTIONS = {
         },
         reps=2,
         big_reps=1,
-        trial_timeout_s=150,
+        trial_timeout_s=120,
         stop_above_s=100,
     ),
 }
