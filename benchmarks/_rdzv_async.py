@@ -4,22 +4,24 @@
 threads and a store connection per node, which a 2-core machine cannot multiply by
 thousands. This class is the same participant written as coroutines: the same keys, the
 same store operations in the same order, the same JSON values, and the very same pure
-decisions (``decide_round``, ``needs_reformation`` and, through them, ``order_members``)
-imported from the package. Each simulated node has its own store connection and lease,
-so every one is a full participant as far as the server and the other nodes can tell.
+decisions and views (``decide_round``, ``RoundView``, ``RoundWatch``) imported from the
+package. Each simulated node has its own store connection and lease, so every one is a
+full participant as far as the server and the other nodes can tell.
 
-It mirrors only what a rendezvous does with the store; progress logging is left out (it
-reads nothing). ``protocol_traces()`` runs both implementations side by side on a
-memory store and returns the operations each issued, so a test can pin that they agree.
+It mirrors only what a rendezvous does with the store; progress logging (a read of the
+closed flag and of the closer's status every few seconds) is left out.
+``protocol_traces()`` runs both implementations side by side on a memory store and
+returns the operations each issued, so a test can pin that they agree.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import re
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +31,17 @@ from elastrun.core.errors import (
     StoreCompactedError,
     StoreError,
 )
-from elastrun.rendezvous.decide import Joiner, Verdict, decide_round, needs_reformation
-from elastrun.rendezvous.dynamic import PROGRESS_EVERY, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.decide import (
+    RoundView,
+    RoundWatch,
+    RunKeys,
+    Verdict,
+    decide_round,
+    shape_of,
+)
+from elastrun.rendezvous.dynamic import AUDIT_EVERY, PROGRESS_EVERY, NodeDesc, RendezvousSettings
 from elastrun.rendezvous.local import free_port
+from elastrun.store.api import EventKind
 
 
 def _dump(obj: object) -> bytes:
@@ -45,7 +55,7 @@ def _load(raw: bytes | None) -> object:
 class AsyncNode:
     """One node's side of the dynamic rendezvous, over an async store (``AsyncStore``).
 
-    ``next_rendezvous()`` returns ``(round, rank, members)``; ``changed`` is set when the
+    ``next_rendezvous()`` returns ``(round, rank, world size)``; ``changed`` is set when the
     running round must re-form (what the handler's change callback reports).
     """
 
@@ -53,17 +63,22 @@ class AsyncNode:
         self._store = store
         self._settings = settings
         self._node = node
-        self._prefix = f"/elastrun/{settings.run_id}/"
+        self._keys = RunKeys(f"/elastrun/{settings.run_id}/")
         self._lease: int | None = None
         self._round: int | None = None
-        self._members: tuple[str, ...] = ()
         self._rank: int | None = None
+        self._size = 0
+        self._decision = ""
+        self._membership: dict[str, bool] = {}
+        self._since = 0
         self._reform = False
         self._lost = False
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._entered = asyncio.Event()
         self.changed = asyncio.Event()
-        self.seen = 0  # joiners seen in the last decision (for the benchmark's settling)
+        self.seen = 0  # joiners seen in the last decision, when this node was the closer
+        self.waiting = False  # joined and waiting for the result (for the settling)
         self.t_notice: float | None = None
 
     @property
@@ -72,7 +87,7 @@ class AsyncNode:
 
     # -- joining -------------------------------------------------------------------------
 
-    async def next_rendezvous(self) -> tuple[int, int, tuple[str, ...]]:
+    async def next_rendezvous(self) -> tuple[int, int, int]:
         await self._register()
         prev_round, prev_rank = self._round, self._rank
         self._reform = False
@@ -80,122 +95,198 @@ class AsyncNode:
         deadline = time.monotonic() + self._settings.join_timeout
         target = await self._first_target(prev_round)
         while True:
-            members = await self._join_round(target, prev_rank, deadline)
-            if self._node.node_id in members:
+            result = await self._join_round(target, prev_rank, deadline)
+            key = self._keys.rank(target, result["id"], self._node.node_id)
+            raw = await self._store.get(key)
+            if raw is not None:
                 break
             target += 1
-        return await self._enter_round(target, members)
+        return await self._enter_round(target, result, int(raw))
 
     async def _first_target(self, prev_round: int | None) -> int:
-        current = await self._get("current")
+        current = await self._store.get(self._keys.current)
         latest = int(current) if current is not None else -1
         return max(latest, prev_round if prev_round is not None else -1) + 1
 
-    async def _join_round(self, n: int, prev_rank: int | None, deadline: float) -> tuple[str, ...]:
-        me = self._node
+    async def _join_round(self, n: int, prev_rank: int | None, deadline: float) -> dict[str, Any]:
+        me, k = self._node, self._keys
         info = {"addr": me.addr, "role": me.role, "local_world_size": me.local_world_size}
-        await self._store.set(
-            self._key(f"rounds/{n}/join/{me.node_id}"),
-            _dump({**info, "prev_rank": prev_rank}),
-            lease=self._lease,
-        )
-        previous = await self._previous_members(n)
+        join = _dump({**info, "prev_rank": prev_rank})
+        await self._store.set(k.join_prefix(n) + me.node_id, join, lease=self._lease)
+        out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
+        found, rev = await self._store.get_prefix(out)
+        audit_at = deadline
+        while True:
+            raw = found.get(result_key)
+            if raw is not None:
+                self.waiting = False
+                return self._parse_result(raw)
+            if closer_key not in found:
+                won, _ = await self._store.compare_set(
+                    closer_key, None, me.node_id.encode(), lease=self._lease
+                )
+                if won:
+                    return self._parse_result(await self._decide(n, deadline))
+                found, rev = await self._store.get_prefix(out)
+                continue
+            self.waiting = True
+            now = time.monotonic()
+            if now >= audit_at:
+                audit_at = await self._audit(n, deadline, now)
+                found, rev = await self._store.get_prefix(out)
+                continue
+            wait = max(0.0, min(now + PROGRESS_EVERY, audit_at) - now) + 0.01
+            try:
+                res = await self._store.watch(out, rev, wait)
+            except StoreCompactedError:
+                found, rev = await self._store.get_prefix(out)
+                continue
+            rev = res.revision
+            for e in res.events:
+                if e.kind is EventKind.PUT and e.value is not None:
+                    found[e.key] = e.value
+                else:
+                    found.pop(e.key, None)
+
+    async def _decide(self, n: int, deadline: float) -> bytes:
+        s, k = self._settings, self._keys
+        view, rev = await self._load_view(n)
         call_started: float | None = None
         while True:
-            if await self.is_closed():
-                raise RendezvousClosedError(f"run {self._settings.run_id!r} has ended")
-            result = _load(await self._get(f"rounds/{n}/result"))
-            if isinstance(result, dict):
-                return tuple(result["members"])
-            joins, rev = await self._store.get_prefix(self._key(f"rounds/{n}/join/"))
-            joiners = self._joiners(joins)
+            if view.closed is not None:
+                return await self._publish(n, _dump({"closed": view.closed.decode()}), None)
+            joiners = view.joiners()
             self.seen = len(joiners)
-            alive = await self._live_nodes()
-            prev_live = set(previous) & alive
+            self.waiting = True
             now = time.monotonic()
-            enough = len(joiners) >= self._settings.min_nodes
-            started = n == 0 or bool(prev_live & {j.node_id for j in joiners})
-            if call_started is None and enough and started:
+            started = view.started()
+            if call_started is None and started and len(joiners) >= s.min_nodes:
                 call_started = now
             decision = decide_round(
-                joiners, prev_live, min_nodes=self._settings.min_nodes,
-                max_nodes=self._settings.max_nodes, now=now, call_started_at=call_started,
-                last_call=self._settings.last_call_timeout, join_deadline=deadline,
-                first_round=n == 0,
+                joiners, view.previous_live(), min_nodes=s.min_nodes, max_nodes=s.max_nodes,
+                now=now, call_started_at=call_started, last_call=s.last_call_timeout,
+                join_deadline=deadline, first_round=n == 0,
             )  # fmt: skip
             if decision.verdict is Verdict.CLOSE:
-                await self._close_round(n, decision.members, joins)
-                continue
+                self.waiting = False
+                return await self._commit(n, view, decision.members, rev)
             if decision.verdict is Verdict.TIMEOUT:
                 raise RendezvousTimeoutError(f"rendezvous round {n} timed out")
             wait = PROGRESS_EVERY
             if decision.wake_at is not None:
                 wait = min(wait, max(0.0, decision.wake_at - now) + 0.01)
-            with contextlib.suppress(StoreCompactedError):
-                await self._store.watch(self._prefix, rev, wait)
+            try:
+                res = await self._store.watch(k.ctl, rev, wait)
+            except StoreCompactedError:
+                view, rev = await self._load_view(n)
+                continue
+            view.apply(res.events)
+            rev = res.revision
 
-    def _joiners(self, joins: dict[str, bytes]) -> list[Joiner]:
-        out = []
-        prefix_len = len(self._prefix)
-        for key, raw in joins.items():
-            node_id = key[prefix_len:].split("/", 3)[3]
-            data = _load(raw)
-            prev = data.get("prev_rank") if isinstance(data, dict) else None
-            out.append(Joiner(node_id, 0, prev if isinstance(prev, int) else None))
-        return sorted(out, key=lambda j: j.node_id)
+    async def _load_view(self, n: int) -> tuple[RoundView, int]:
+        k = self._keys
+        view = RoundView(k, n, await self._previous_members(n))
+        joins, rev = await self._store.get_prefix(k.join_prefix(n))
+        nodes, _ = await self._store.get_prefix(k.nodes)
+        view.load(joins, list(nodes), await self._store.get(k.closed))
+        return view, rev
 
-    async def _live_nodes(self) -> set[str]:
-        found, _ = await self._store.get_prefix(self._key("nodes/"))
-        cut = len(self._key("nodes/"))
-        return {k[cut:] for k in found}
+    async def _audit(self, n: int, deadline: float, now: float) -> float:
+        s = self._settings
+        view, rev = await self._load_view(n)
+        joiners = view.joiners()
+        decision = decide_round(
+            joiners, view.previous_live(), min_nodes=s.min_nodes, max_nodes=s.max_nodes,
+            now=now, call_started_at=None, last_call=s.last_call_timeout,
+            join_deadline=deadline, first_round=n == 0,
+        )  # fmt: skip
+        if decision.verdict is Verdict.TIMEOUT:
+            raise RendezvousTimeoutError(f"rendezvous round {n} timed out")
+        if decision.verdict is Verdict.CLOSE:
+            await self._commit(n, view, decision.members, rev)
+        return now + AUDIT_EVERY
+
+    async def _commit(self, n: int, view: RoundView, members: tuple[str, ...], rev: int) -> bytes:
+        k = self._keys
+        decision = uuid.uuid4().hex[:12]
+        rows = []
+        for m in members:
+            data = _load(view.joins.get(m))
+            d = data if isinstance(data, dict) else {}
+            rows.append([m, d.get("addr", ""), d.get("role", ""), d.get("local_world_size", 0)])
+        await self._store.set(k.decided(n, decision), _dump({"members": rows, "rev": rev}))
+        for rank, m in enumerate(members):
+            await self._store.set(k.rank(n, decision, m), str(rank).encode())
+        shape = shape_of([(str(row[2]), int(row[3])) for row in rows])
+        result = {"id": decision, "size": len(members), "rev": rev, "shape": shape}
+        return await self._publish(n, _dump(result), len(members))
+
+    async def _publish(self, n: int, value: bytes, size: int | None) -> bytes:
+        won, current = await self._store.compare_set(self._keys.result(n), None, value)
+        if not won:
+            assert current is not None
+            return bytes(current)
+        if size is not None:
+            await self._store.set(self._keys.current, str(n).encode())
+        return value
+
+    def _parse_result(self, raw: bytes) -> dict[str, Any]:
+        result = _load(raw)
+        assert isinstance(result, dict)
+        if "closed" in result:
+            raise RendezvousClosedError(f"run {self._settings.run_id!r} has ended")
+        return result
+
+    async def _decided_rows(self, n: int, decision: str | None = None) -> list[list[Any]]:
+        if decision is None:
+            result = _load(await self._store.get(self._keys.result(n)))
+            if not isinstance(result, dict) or "id" not in result:
+                return []
+            decision = str(result["id"])
+        full = _load(await self._store.get(self._keys.decided(n, decision)))
+        return list(full["members"]) if isinstance(full, dict) else []
 
     async def _previous_members(self, n: int) -> tuple[str, ...]:
         if n == 0:
             return ()
-        result = _load(await self._get(f"rounds/{n - 1}/result"))
-        return tuple(result["members"]) if isinstance(result, dict) else ()
+        return tuple(str(row[0]) for row in await self._decided_rows(n - 1))
 
-    async def _close_round(self, n: int, members: tuple[str, ...], joins: dict[str, bytes]) -> None:
-        prefix = self._key(f"rounds/{n}/join/")
-        details = {m: _load(joins.get(prefix + m)) for m in members}
-        won, _ = await self._store.compare_set(
-            self._key(f"rounds/{n}/result"),
-            None,
-            _dump({"members": list(members), "nodes": details}),
-        )
-        if won:
-            await self._store.set(self._key("current"), str(n).encode())
+    async def _is_member(self, node: str) -> bool:
+        known = self._membership.get(node)
+        if known is not None or self._round is None:
+            return bool(known)
+        n = self._round
+        found = await self._store.get(self._keys.rank(n, self._decision, node)) is not None
+        if self._round == n:
+            self._membership[node] = found
+        return found
 
-    async def _enter_round(
-        self, n: int, members: tuple[str, ...]
-    ) -> tuple[int, int, tuple[str, ...]]:
-        result = _load(await self._get(f"rounds/{n}/result"))
-        assert isinstance(result, dict)
-        nodes = result.get("nodes", {})
-        for m in members:  # what the handler builds its MemberInfo tuple from
-            int(nodes[m]["local_world_size"])
-        rank = members.index(self._node.node_id)
-        self._round, self._members, self._rank = n, members, rank
+    async def _enter_round(self, n: int, result: dict[str, Any], rank: int) -> tuple[int, int, int]:
+        decision, size = str(result["id"]), int(result["size"])
+        for _role, lws, count in result.get("shape", ()):  # what the handler's shape holds
+            int(lws), int(count)
+        self._round, self._rank, self._size, self._decision = n, rank, size, decision
+        self._membership = {self._node.node_id: True}
+        self._since = int(result.get("rev", 0))
         self._reform = False
+        self._entered.set()
         await self._master(n, rank)
         self._start_watch()
-        return n, rank, members
+        return n, rank, size
 
     async def _master(self, n: int, rank: int) -> tuple[str, int]:
-        key = f"rounds/{n}/master"
+        key = self._keys.master(n)
         if rank == 0:
-            await self._store.set(
-                self._key(key), _dump({"addr": self._node.addr, "port": free_port()})
-            )
-        await self._store.wait([self._key(key)], self._settings.join_timeout)
-        data = _load(await self._get(key))
+            await self._store.set(key, _dump({"addr": self._node.addr, "port": free_port()}))
+        await self._store.wait([key], self._settings.join_timeout)
+        data = _load(await self._store.get(key))
         assert isinstance(data, dict)
         return str(data["addr"]), int(data["port"])
 
     # -- liveness and watching -----------------------------------------------------------
 
     async def is_closed(self) -> bool:
-        return await self._get("closed") is not None
+        return await self._store.get(self._keys.closed) is not None
 
     async def _register(self) -> None:
         if self._lease is not None and not self._lost:
@@ -206,7 +297,7 @@ class AsyncNode:
         self._lease = await self._store.grant_lease(self._settings.heartbeat_timeout)
         me = self._node
         await self._store.set(
-            self._key(f"nodes/{me.node_id}"),
+            self._keys.nodes + me.node_id,
             _dump({"addr": me.addr, "role": me.role, "local_world_size": me.local_world_size}),
             lease=self._lease,
         )
@@ -236,37 +327,71 @@ class AsyncNode:
             self._spawn(self._watch_loop())
 
     async def _watch_loop(self) -> None:
-        rev = 0
+        watching: tuple[int, RoundWatch, int] | None = None
         while not self._stopping:
+            n, size, since = self._round, self._size, self._since
+            if n is None or self._reform:
+                self._entered.clear()
+                await self._entered.wait()
+                continue
             try:
-                if await self._check_reform():
+                if watching is None or watching[0] != n:
+                    watching = (n, self._round_watch(n, size), since)
+                _, view, rev = watching
+                try:
+                    res = await self._store.watch(self._keys.ctl, rev, 1.0)
+                except StoreCompactedError:
+                    view = self._round_watch(n, size)
+                    watching = (n, view, await self._reload(view, n))
+                    continue
+                await self._learn_members(res.events, n)
+                view.apply(res.events)
+                watching = (n, view, res.revision)
+                await self._learn_members((), n, view.next_joiners)
+                if view.reason() is not None and self._round == n and not self._reform:
+                    self._reform = True
                     self._notify()
-                _, rev = await self._store.get_prefix(self._key("rounds/none/"))
-                while not self._stopping:
-                    res = await self._store.watch(self._prefix, rev, 1.0)
-                    rev = res.revision
-                    if res.events and await self._check_reform():
-                        self._notify()
             except StoreError:
                 if not self._stopping:
                     await asyncio.sleep(1.0)
 
+    def _round_watch(self, n: int, size: int) -> RoundWatch:
+        # The handler's is_member reads the store from the watch thread; here the same
+        # reads happen first (``_learn_members``), so the view finds them remembered.
+        return RoundWatch(
+            self._keys, n, size, self._settings.max_nodes,
+            lambda node: bool(self._membership.get(node)),
+        )  # fmt: skip
+
+    async def _learn_members(self, events: Any, n: int, nodes: Any = ()) -> None:
+        wanted = [
+            e.key[len(self._keys.nodes) :]
+            for e in events
+            if e.key.startswith(self._keys.nodes) and e.kind is EventKind.DELETE
+        ]
+        for node in [*wanted, *nodes]:
+            if self._round == n:
+                await self._is_member(node)
+
+    async def _reload(self, view: RoundWatch, n: int) -> int:
+        k = self._keys
+        nodes, rev = await self._store.get_prefix(k.nodes)
+        joins, _ = await self._store.get_prefix(k.join_prefix(n + 1))
+        failed = await self._store.get(k.failed(n)) is not None
+        members = [str(row[0]) for row in await self._decided_rows(n, self._decision)]
+        view.load(members, list(nodes), list(joins), failed, await self.is_closed())
+        return rev
+
     async def _check_reform(self) -> bool:
-        n, members = self._round, self._members
+        """The handler's full-read check (what ``protocol_traces`` compares)."""
+        n = self._round
         if n is None or self._reform:
             return self._reform
-        joins, _ = await self._store.get_prefix(self._key(f"rounds/{n + 1}/join/"))
-        cut = len(self._key(f"rounds/{n + 1}/join/"))
-        next_joiners = {k[cut:]: 0 for k in joins}
-        failed = await self._get(f"rounds/{n}/failed") is not None
-        closed = await self.is_closed()
-        alive = await self._live_nodes()
-        if needs_reformation(
-            members, alive, next_joiners,
-            max_nodes=self._settings.max_nodes,
-            round_failed=failed or closed,
-        ):  # fmt: skip
+        view = self._round_watch(n, self._size)
+        await self._reload(view, n)
+        if view.reason() is not None:
             self._reform = True
+            self._notify()
         return self._reform
 
     def _notify(self) -> None:
@@ -276,16 +401,10 @@ class AsyncNode:
 
     async def stop(self) -> None:
         self._stopping = True
+        self._entered.set()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _key(self, suffix: str) -> str:
-        return self._prefix + suffix
-
-    async def _get(self, suffix: str) -> bytes | None:
-        result: bytes | None = await self._store.get(self._key(suffix))
-        return result
 
     def __repr__(self) -> str:
         return f"AsyncNode({self._node.node_id!r}, round={self._round}, rank={self._rank})"
@@ -297,10 +416,18 @@ class AsyncNode:
 Trace = list[tuple[str, str, str]]
 
 
+_DECISION_ID = re.compile(r'(/decided/|/rank/|"id": ")[0-9a-f]{12}')
+
+
+def _norm(text: str) -> str:
+    # A decision id is random: equal in kind, not in value.
+    return _DECISION_ID.sub(r"\1<id>", text)
+
+
 def _value(op: str, key: str, value: object) -> str:
     # The master port is a freshly chosen free port: equal in kind, not in value.
     if isinstance(value, bytes) and not key.endswith("/master"):
-        return value.decode(errors="replace")
+        return _norm(value.decode(errors="replace"))
     return ""
 
 
@@ -319,7 +446,7 @@ class _SyncRecorder:
             if threading.get_ident() == self.thread:
                 key = args[0] if args and isinstance(args[0], str) else repr(args[0])
                 val = args[2] if name == "compare_set" else args[1] if name == "set" else None
-                self._trace.append((name, key, _value(name, key, val)))
+                self._trace.append((name, _norm(key), _value(name, key, val)))
             return method(*args, **kw)
 
         return call
@@ -340,7 +467,7 @@ class _AsyncRecorder:
             if asyncio.current_task() is self.task:
                 key = args[0] if args and isinstance(args[0], str) else repr(args[0])
                 val = args[2] if name == "compare_set" else args[1] if name == "set" else None
-                self._trace.append((name, key, _value(name, key, val)))
+                self._trace.append((name, _norm(key), _value(name, key, val)))
             if name in ("watch", "wait"):
                 return await asyncio.to_thread(method, *args, **kw)
             return method(*args, **kw)

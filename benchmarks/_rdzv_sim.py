@@ -9,9 +9,10 @@ with its own store connection, and obeys JSON commands on standard input:
 ``{"cmd": "quit"}``       exit at once
 
 and reports JSON events on standard output: ``connected``; ``settled`` (every node that
-joined has seen ``--expect`` joiners); ``ranked`` with, per node, the round, rank, world
-size and when it called and returned (``time.time()``) -- once per rendezvous (``k``: 0
-for the first, 1 for the re-formation after a loss).
+joined waits for the result, and the closer has seen ``--expect`` joiners); ``ranked``
+with, per node, the round, rank, world size and when it called and returned
+(``time.time()``) -- once per rendezvous (``k``: 0 for the first, 1 for the re-formation
+after a loss).
 
 Implementations:
 
@@ -80,7 +81,7 @@ class Book:
 
 
 class Settler:
-    """Emits ``settled`` once every joining node has seen ``expect`` joiners."""
+    """Emits ``settled`` once every joining node counts ``expect`` (``settled_count``)."""
 
     def __init__(
         self,
@@ -122,6 +123,18 @@ class Settler:
                 )
                 next_progress += 5.0
             time.sleep(0.05)
+
+
+def settled_count(waiting: bool, seen: int, expect: int) -> int:
+    """``expect`` once a node has settled, else what it has seen.
+
+    Only the round's closer follows the joiners (and has ``seen`` > 0); the others have
+    settled once they wait for the result. The closer sits in exactly one process, so
+    every process settled means the closer has seen every joiner.
+    """
+    if not waiting:
+        return 0
+    return expect if seen == 0 else seen
 
 
 def node_ids(first: int, count: int) -> list[str]:
@@ -176,21 +189,21 @@ def run_elastrun_threads(args: argparse.Namespace, cmds: Commands) -> None:
 
     settings = _elastrun_settings(args, RendezvousSettings)
     ids = node_ids(args.first, args.count)
-    seen: dict[str, int] = {}
-    join_suffix = "/rounds/0/join/"
+    held = set(ids[len(ids) - args.hold :]) if args.hold else set()
+    waiting: set[str] = set()
+    out_suffix = "/rounds/0/out/"
 
     class Counting:
-        """Delegates to a TcpStore; notes how many joiners its node last saw."""
+        """Delegates to a TcpStore; notes when its node waits for the round's result."""
 
         def __init__(self, inner: TcpStore, node: str) -> None:
             self._inner = inner
             self._node = node
 
-        def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
-            found = self._inner.get_prefix(prefix)
-            if prefix.endswith(join_suffix):
-                seen[self._node] = len(found[0])
-            return found
+        def watch(self, prefix: str, after: int, timeout: float) -> Any:
+            if prefix.endswith((out_suffix, "/ctl/")):  # a follower's or the closer's wait
+                waiting.add(self._node)
+            return self._inner.watch(prefix, after, timeout)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._inner, name)
@@ -201,9 +214,15 @@ def run_elastrun_threads(args: argparse.Namespace, cmds: Commands) -> None:
         store.connect()
         desc = NodeDesc(node_id, "127.0.0.1", "default", 1)
         handlers.append(DynamicRendezvousHandler(Counting(store, node_id), settings, desc))  # type: ignore[arg-type]
+    by_id = dict(zip(ids, handlers, strict=True))
+
+    def settled_counts() -> list[int]:
+        return [
+            settled_count(i in waiting, by_id[i].seen, args.expect) for i in ids if i not in held
+        ]
+
     book = Book(len(ids))
-    held = set(ids[len(ids) - args.hold :]) if args.hold else set()
-    settler = Settler(lambda: [seen.get(i, 0) for i in ids if i not in held], args.expect)
+    settler = Settler(settled_counts, args.expect)
 
     def drive(node_id: str, handler: Any) -> None:
         changed = threading.Event()
@@ -296,7 +315,7 @@ async def _async_main(args: argparse.Namespace, cmds: Commands) -> None:
     cmds.hooks.append(on_cmd)
     joining = [n for n in nodes if n.node_id not in held]
     settler = Settler(
-        lambda: [n.seen for n in joining],
+        lambda: [settled_count(n.waiting, n.seen, args.expect) for n in joining],
         args.expect,
         lambda: max((s.max_latency for s in stores), default=0.0),
         counters,
@@ -311,10 +330,10 @@ async def _async_main(args: argparse.Namespace, cmds: Commands) -> None:
         await (held_ev if node.node_id in held else join_ev).wait()
         for k in range(2):
             t_call = time.time()
-            rnd, rank, members = await node.next_rendezvous()
+            rnd, rank, world = await node.next_rendezvous()
             t_ranked = time.time()
             notice = node.t_notice if k == 1 else None
-            book.add(k, [node.node_id, rnd, rank, len(members), t_call, t_ranked, notice])
+            book.add(k, [node.node_id, rnd, rank, world, t_call, t_ranked, notice])
             await node.changed.wait()
 
     async def guarded(node: AsyncNode) -> None:

@@ -121,7 +121,7 @@ def test_two_agents_train_through_etcd_under_their_prefix(
     outcome = json.loads((tmp_path / "result.json").read_text())
     assert outcome["identical"] is True and outcome["world_size"] == 2
     keys = etcd_keys(cluster.endpoints[0], "/")
-    assert keys["/team-a/elastrun/job1/closed"] == "finished"
+    assert keys["/team-a/elastrun/job1/ctl/closed"] == "finished"
     assert all(k.startswith("/team-a/elastrun/job1/") for k in keys)
 
 

@@ -104,9 +104,9 @@ def test_a_round_on_etcd_lives_under_the_prefix_and_is_closed_on_shutdown(
         assert keys and all(k.startswith("/team-a/elastrun/job1/") for k in keys)
         for h in handlers:
             h.shutdown()
-        assert raw.get("/team-a/elastrun/job1/closed") == b"finished"
+        assert raw.get("/team-a/elastrun/job1/ctl/closed") == b"finished"
         # Leaving revoked the nodes' leases: their liveness keys are gone at once.
-        assert not raw.get_prefix("/team-a/elastrun/job1/nodes/")[0]
+        assert not raw.get_prefix("/team-a/elastrun/job1/ctl/nodes/")[0]
     finally:
         raw.close()
 

@@ -163,3 +163,89 @@ def test_a_finished_job_refuses_late_nodes() -> None:
     with pytest.raises(RendezvousClosedError, match="accepts no more nodes"):
         late.next_rendezvous()
     late.leave()
+
+
+def test_every_node_learns_its_rank_and_the_shape_without_the_member_list() -> None:
+    store = MemoryStore()
+    hs = [_node(store, n, 3, 3) for n in "abc"]
+    try:
+        infos = _all(hs)
+        assert {i.shape for i in infos.values()} == {(("default", 2, 3),)}
+        # The full list is there for whoever asks, and agrees with the ranks.
+        order = [m.node_id for m in infos["b"].members]
+        assert [order.index(n) for n in "abc"] == [infos[n].rank for n in "abc"]
+    finally:
+        for h in hs:
+            h.leave()
+
+
+def test_a_waiting_node_takes_over_when_the_closer_is_gone() -> None:
+    store = MemoryStore()
+    # 2:3 with a 1 s last call: "a" cannot close before it vanishes.
+    closer = _node(store, "a", 2, 3, last_call_timeout=1.0)
+    closer._register()
+    deadline = closer._clock.monotonic() + 30
+    # "a" joins round 0 and claims the closer's role, then vanishes (lease revoked)
+    # before anyone else arrives.
+    left: list[BaseException] = []
+
+    def join_then_leave() -> None:
+        try:
+            closer._join_round(0, None, deadline)
+        except RendezvousClosedError as exc:
+            left.append(exc)
+
+    waiter = threading.Thread(target=join_then_leave, daemon=True)
+    waiter.start()
+    keys = closer._keys
+    for _ in range(200):
+        if store.get(keys.closer(0)) == b"a":
+            break
+        threading.Event().wait(0.01)
+    assert store.get(keys.closer(0)) == b"a"
+    b, c = (_node(store, n, 2, 3, last_call_timeout=1.0) for n in "bc")
+    result: list[RendezvousInfo] = []
+    tb = threading.Thread(target=lambda: result.append(b.next_rendezvous()), daemon=True)
+    tb.start()
+    threading.Event().wait(0.2)
+    closer.leave()  # its lease ends: its claim and its join vanish
+    waiter.join(10)
+    assert left and "left" in str(left[0])
+    try:
+        infos = _all([c])
+        tb.join(10)
+        assert result and {result[0].rank, infos["c"].rank} == {0, 1}
+        assert result[0].world_size == 2
+        assert store.get(keys.closer(0)) in (b"b", b"c")
+    finally:
+        b.leave()
+        c.leave()
+
+
+def test_waiting_nodes_log_the_closers_progress(caplog: pytest.LogCaptureFixture) -> None:
+    import elastrun.rendezvous.dynamic as dyn
+
+    store = MemoryStore()
+    hs = [_node(store, n, 3, 3) for n in "ab"]
+    caplog.set_level("INFO", logger="elastrun.rendezvous")
+    saved = dyn.PROGRESS_EVERY
+    dyn.PROGRESS_EVERY = 0.2
+    def wait(h: DynamicRendezvousHandler) -> None:
+        with pytest.raises(RendezvousClosedError, match="left"):  # the round never closes
+            h.next_rendezvous()
+
+    threads = [threading.Thread(target=wait, args=(h,), daemon=True) for h in hs]
+    try:
+        for t in threads:
+            t.start()
+        threading.Event().wait(1.0)
+    finally:
+        dyn.PROGRESS_EVERY = saved
+        for h in hs:
+            h.leave()
+        for t in threads:
+            t.join(5)
+    lines = [(r.threadName, r.getMessage()) for r in caplog.records]
+    # Both the closer and the node that only waits report the count and the timeout.
+    said = {t for t, line in lines if "2 node(s) in (min 3, max 3); timeout in" in line}
+    assert len(said) == 2, lines

@@ -182,7 +182,8 @@ def test_the_yaml_reads_back_as_the_same_documents() -> None:
 
 @pytest.mark.parametrize(
     "tricky", ["on", "No", "null", "1e3", "0755", "12:30", "- x", "#x", "a: b", "", " x", "$(X)",
-               "it's", 'say "hi"', "ünïcode", "tab\there", "line\nbreak", "trailing\n", "~", "*ref", "&a"]
+               "it's", 'say "hi"', "ünïcode", "tab\there", "line\nbreak", "trailing\n", "~",
+               "*ref", "&a"]
 )  # fmt: skip
 def test_strings_that_yaml_could_misread_stay_strings(tricky: str) -> None:
     doc = {"k": tricky, "l": [tricky], tricky or "empty": 1}

@@ -96,3 +96,76 @@ def test_reformation_triggers() -> None:
         members, {"a", "b", "n"}, {"n": 0}, max_nodes=2, round_failed=False
     )
     assert needs_reformation(members, {"a", "b", "n"}, {"n": 0}, max_nodes=3, round_failed=False)
+
+
+# --- views kept from watch events ---------------------------------------------------------
+
+from elastrun.rendezvous.decide import RoundView, RoundWatch, RunKeys, shape_of  # noqa: E402
+from elastrun.store.api import EventKind, WatchEvent  # noqa: E402
+
+K = RunKeys("/elastrun/job/")
+
+
+def _put(key: str, value: bytes = b"{}") -> WatchEvent:
+    return WatchEvent(EventKind.PUT, key, value, 0)
+
+
+def _del(key: str) -> WatchEvent:
+    return WatchEvent(EventKind.DELETE, key, None, 0)
+
+
+def test_round_view_follows_joins_and_liveness_from_events() -> None:
+    view = RoundView(K, 1, previous=("a", "b"))
+    joins = {K.join_prefix(1) + "x": b'{"prev_rank": null}'}
+    view.load(joins, [K.nodes + "a", K.nodes + "x"], None)
+    assert not view.started() and view.previous_live() == {"a"}
+    view.apply([
+        _put(K.join_prefix(1) + "a", b'{"prev_rank": 0}'),
+        _put(K.join_prefix(2) + "z"),  # another round: ignored
+        _del(K.nodes + "x"),
+        _del(K.join_prefix(1) + "x"),
+        _put(K.closed, b"finished"),
+    ])  # fmt: skip
+    assert [(j.node_id, j.prev_rank) for j in view.joiners()] == [("a", 0)]
+    assert view.started() and view.live == {"a"} and view.closed == b"finished"
+
+
+def test_round_watch_asks_about_membership_only_when_it_matters() -> None:
+    asked: list[str] = []
+
+    def is_member(node: str) -> bool:
+        asked.append(node)
+        return node in {"a", "b"}
+
+    w = RoundWatch(K, 0, size=2, max_nodes=2, is_member=is_member)
+    w.apply([_put(K.nodes + "s"), _put(K.join_prefix(1) + "s")])  # a spare at max
+    assert w.reason() is None
+    w.apply([_del(K.nodes + "s"), _del(K.join_prefix(1) + "s")])
+    assert w.reason() is None and "s" in asked
+    w.apply([_del(K.nodes + "b")])
+    assert w.reason() == "lost 1 node(s): b"
+    w.apply([_put(K.nodes + "b")])  # came back before anyone acted
+    assert w.reason() is None
+    w.apply([_put(K.join_prefix(1) + "a")])
+    assert w.reason() == "node(s) of this round are joining the next one"
+
+
+def test_round_watch_room_failure_and_close() -> None:
+    w = RoundWatch(K, 3, size=1, max_nodes=2, is_member=lambda n: n == "a")
+    w.apply([_put(K.join_prefix(4) + "new")])
+    assert w.reason() == "new node(s) are waiting to join"
+    w2 = RoundWatch(K, 3, size=2, max_nodes=2, is_member=lambda n: True)
+    w2.apply([_put(K.failed(2)), _put(K.closed + "x")])  # other round, other key
+    assert w2.reason() is None
+    w2.apply([_put(K.failed(3))])
+    assert w2.reason() == "a worker failed on another node"
+    w2.load(["a", "b"], [K.nodes + "a"], [], failed=False, closed=True)
+    assert w2.reason() == "the run was closed by another node" and w2.lost == {"b"}
+
+
+def test_shape_is_run_length_in_rank_order() -> None:
+    assert shape_of([]) == []
+    assert shape_of([("t", 8)] * 3) == [["t", 8, 3]]
+    assert shape_of([("t", 8), ("t", 4), ("t", 4), ("e", 4)]) == [
+        ["t", 8, 1], ["t", 4, 2], ["e", 4, 1]
+    ]  # fmt: skip

@@ -358,9 +358,11 @@ class LocalElasticAgent:
             max_restarts=self._budget.limit,
             use_agent_store=self._handler.use_agent_store,
         )
-        nodes = [NodeSlot(m.role, m.local_world_size) for m in info.members] or [
-            NodeSlot(spec.role, spec.local_world_size)
-        ] * info.world_size
+        nodes = [NodeSlot(r, lws) for r, lws, count in info.shape for _ in range(count)]
+        if not nodes:
+            nodes = [NodeSlot(m.role, m.local_world_size) for m in info.members] or [
+                NodeSlot(spec.role, spec.local_world_size)
+            ] * info.world_size
         assert spec.entrypoint is not None
         return build_plan(
             facts,

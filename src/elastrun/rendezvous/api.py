@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -44,7 +45,8 @@ class RendezvousInfo:
         world_size: int,
         bootstrap_store_info: RendezvousStoreInfo,
         round: int = 0,
-        members: tuple[MemberInfo, ...] = (),
+        members: tuple[MemberInfo, ...] | Callable[[], tuple[MemberInfo, ...]] = (),
+        shape: tuple[tuple[str, int, int], ...] = (),
     ) -> None:
         self._store = store
         self._rank = rank
@@ -52,6 +54,7 @@ class RendezvousInfo:
         self._bootstrap = bootstrap_store_info
         self._round = round
         self._members = members
+        self._shape = shape
 
     @property
     def store(self) -> Store:
@@ -76,8 +79,20 @@ class RendezvousInfo:
 
     @property
     def members(self) -> tuple[MemberInfo, ...]:
-        """Every node of the round in group-rank order (empty: identical nodes assumed)."""
+        """Every node of the round in group-rank order (empty: identical nodes assumed).
+
+        A handler may read it from its store on first use (O(nodes) bytes): code that
+        only needs the nodes' roles and worker counts should use ``shape``.
+        """
+        if callable(self._members):
+            self._members = self._members()
         return self._members
+
+    @property
+    def shape(self) -> tuple[tuple[str, int, int], ...]:
+        """``(role, local_world_size, count)`` runs of the nodes in group-rank order
+        (empty: see ``members``)."""
+        return self._shape
 
     def __repr__(self) -> str:
         return (

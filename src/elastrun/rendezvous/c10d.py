@@ -203,7 +203,7 @@ def _dynamic(
 
     store = TcpStore(host, port, token=token, connect_timeout=read_timeout)
     try:
-        store.get(f"/elastrun/{params.run_id}/closed")  # fail now, clearly, if unreachable
+        store.get(f"/elastrun/{params.run_id}/ctl/closed")  # fail now, clearly, if unreachable
     except StoreError as exc:
         store.close()
         if stop_server is not None:

@@ -1,13 +1,17 @@
 """Rendezvous decisions as pure functions of (state, now): when a round closes, who is in
-it and with which group rank. The handler (``dynamic.py``) gathers the state from the
-store and applies the decision; these functions never touch the store or the clock.
+it and with which group rank; and the views of a run kept from watch events. The
+handler (``dynamic.py``) feeds them what the store said and applies the decision; nothing
+here touches the store or the clock.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from elastrun.store.api import EventKind, WatchEvent
 
 
 @dataclass(frozen=True)
@@ -122,3 +126,235 @@ def needs_reformation(
         return True
     waiting = [n for n in next_joiners if n not in member_set and n in live_nodes]
     return bool(waiting) and len(members) < max_nodes
+
+
+# --------------------------------------------------------------------------------------
+# Views kept up to date from watch events. Each change costs O(1) to apply, so a node
+# that follows a run never re-reads whole prefixes (which made a rendezvous of N nodes
+# cost O(N^2) reads). Both views are pure: the handler feeds them what the store said.
+
+
+def _prev_rank(raw: bytes | None) -> int | None:
+    try:
+        data = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    prev = data.get("prev_rank") if isinstance(data, dict) else None
+    return prev if isinstance(prev, int) and not isinstance(prev, bool) else None
+
+
+class RoundView:
+    """What the closer of round ``n`` knows: the joiners and the live nodes.
+
+    ``keys`` maps the names of DESIGN.md's key layout to full store keys (see
+    ``RunKeys``); events under other keys are ignored.
+    """
+
+    def __init__(self, keys: RunKeys, n: int, previous: Sequence[str]) -> None:
+        self._keys = keys
+        self._join = keys.join_prefix(n)
+        self.round = n
+        self.previous = tuple(previous)
+        self.joins: dict[str, bytes] = {}
+        self._joiners: dict[str, Joiner] = {}
+        self.live: set[str] = set()
+        self.closed: bytes | None = None
+
+    def load(self, joins: Mapping[str, bytes], nodes: Sequence[str], closed: bytes | None) -> None:
+        """Start from full reads (``joins`` and ``nodes`` as full keys)."""
+        self.joins.clear()
+        self._joiners.clear()
+        for key, value in joins.items():
+            self._put_join(key[len(self._join) :], value)
+        cut = len(self._keys.nodes)
+        self.live = {k[cut:] for k in nodes}
+        self.closed = closed
+
+    def apply(self, events: Sequence[WatchEvent]) -> None:
+        for e in events:
+            put = e.kind is EventKind.PUT
+            if e.key.startswith(self._join):
+                node = e.key[len(self._join) :]
+                if put:
+                    self._put_join(node, e.value or b"")
+                else:
+                    self.joins.pop(node, None)
+                    self._joiners.pop(node, None)
+            elif e.key.startswith(self._keys.nodes):
+                node = e.key[len(self._keys.nodes) :]
+                if put:
+                    self.live.add(node)
+                else:
+                    self.live.discard(node)
+            elif e.key == self._keys.closed:
+                self.closed = e.value if put else None
+
+    def _put_join(self, node: str, value: bytes) -> None:
+        self.joins[node] = value
+        self._joiners[node] = Joiner(node, 0, _prev_rank(value))
+
+    def joiners(self) -> list[Joiner]:
+        return list(self._joiners.values())
+
+    def previous_live(self) -> set[str]:
+        return set(self.previous) & self.live
+
+    def started(self) -> bool:
+        """Whether this round is forming (not only spares waiting for room)."""
+        return self.round == 0 or not self.previous_live().isdisjoint(self._joiners)
+
+
+class RoundWatch:
+    """What a member of running round ``n`` watches for: the reasons to re-form.
+
+    Members do not hold the whole member list (with N nodes that would be O(N^2) bytes
+    through the store): ``is_member`` answers for one node when an event needs it (the
+    handler looks up that node's rank key, then remembers).
+    """
+
+    def __init__(
+        self,
+        keys: RunKeys,
+        n: int,
+        size: int,
+        max_nodes: int,
+        is_member: Callable[[str], bool],
+    ) -> None:
+        self._keys = keys
+        self._next = keys.join_prefix(n + 1)
+        self._failed = keys.failed(n)
+        self._size = size
+        self._max = max_nodes
+        self._is_member = is_member
+        self.lost: set[str] = set()
+        self.next_joiners: set[str] = set()
+        self.failed = False
+        self.closed = False
+
+    def load(
+        self,
+        members: Sequence[str],
+        nodes: Sequence[str],
+        next_joins: Sequence[str],
+        failed: bool,
+        closed: bool,
+    ) -> None:
+        """Start from full reads (full keys), e.g. after the store compacted history."""
+        cut = len(self._keys.nodes)
+        self.lost = set(members) - {k[cut:] for k in nodes}
+        self.next_joiners = {k[len(self._next) :] for k in next_joins}
+        self.failed, self.closed = failed, closed
+
+    def apply(self, events: Sequence[WatchEvent]) -> None:
+        for e in events:
+            put = e.kind is EventKind.PUT
+            if e.key.startswith(self._next):
+                node = e.key[len(self._next) :]
+                (self.next_joiners.add if put else self.next_joiners.discard)(node)
+            elif e.key.startswith(self._keys.nodes):
+                node = e.key[len(self._keys.nodes) :]
+                if put:
+                    self.lost.discard(node)
+                elif self._is_member(node):
+                    self.lost.add(node)
+            elif e.key == self._failed and put:
+                self.failed = True
+            elif e.key == self._keys.closed and put:
+                self.closed = True
+
+    def reason(self) -> str | None:
+        """Why the round must re-form now, or None.
+
+        Yes when the run was closed, a worker failed somewhere, a member is gone (its
+        lease ended), a member already asks for the next round, or a newcomer waits and
+        there is room for it. A newcomer at full size is a spare and disturbs no one.
+        """
+        if self.closed:
+            return "the run was closed by another node"
+        if self.failed:
+            return "a worker failed on another node"
+        if self.lost:
+            return f"lost {len(self.lost)} node(s): {', '.join(sorted(self.lost))}"
+        if not self.next_joiners:
+            return None
+        if any(self._is_member(j) for j in self.next_joiners):
+            return "node(s) of this round are joining the next one"
+        if self._size < self._max:
+            return "new node(s) are waiting to join"
+        return None
+
+
+def shape_of(slots: Sequence[tuple[str, int]]) -> list[list[object]]:
+    """Run-length form of the members' (role, local world size) in group-rank order:
+    ``[[role, local_world_size, count], ...]`` (one entry when the nodes are alike)."""
+    runs: list[tuple[str, int, int]] = []
+    for role, size in slots:
+        if runs and runs[-1][:2] == (role, size):
+            runs[-1] = (role, size, runs[-1][2] + 1)
+        else:
+            runs.append((role, size, 1))
+    return [list(run) for run in runs]
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The store keys of one run (DESIGN.md section 4), under ``prefix``.
+
+    What running members and closers watch lives under ``ctl``; bulky or chatty keys
+    (results, exit barriers) live elsewhere, so that watching costs O(1) per change that
+    matters.
+    """
+
+    prefix: str
+
+    @property
+    def ctl(self) -> str:
+        return self.prefix + "ctl/"
+
+    @property
+    def nodes(self) -> str:
+        return self.prefix + "ctl/nodes/"
+
+    @property
+    def closed(self) -> str:
+        return self.prefix + "ctl/closed"
+
+    def join_prefix(self, n: int) -> str:
+        return f"{self.prefix}ctl/join/{n}/"
+
+    def failed(self, n: int) -> str:
+        return f"{self.prefix}ctl/failed/{n}"
+
+    def out(self, n: int) -> str:
+        return f"{self.prefix}rounds/{n}/out/"
+
+    def result(self, n: int) -> str:
+        return self.out(n) + "result"
+
+    def closer(self, n: int) -> str:
+        return self.out(n) + "closer"
+
+    def status(self, n: int) -> str:
+        return f"{self.prefix}rounds/{n}/status"
+
+    def decided(self, n: int, decision: str) -> str:
+        """The full member list of one decision (read only when needed)."""
+        return f"{self.prefix}rounds/{n}/decided/{decision}"
+
+    def rank(self, n: int, decision: str, node: str) -> str:
+        """A member's group rank in one decision (absent: not a member)."""
+        return f"{self.prefix}rounds/{n}/rank/{decision}/{node}"
+
+    def master(self, n: int) -> str:
+        return f"{self.prefix}rounds/{n}/master"
+
+    def done(self, n: int) -> str:
+        return f"{self.prefix}rounds/{n}/done/"
+
+    @property
+    def current(self) -> str:
+        return self.prefix + "current"
+
+    @property
+    def budget(self) -> str:
+        return self.prefix + "budget"

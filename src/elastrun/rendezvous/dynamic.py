@@ -1,20 +1,28 @@
 """The dynamic rendezvous, written once against the store model (DESIGN.md section 4).
 
-Keys of a run, under ``/elastrun/<run_id>/``:
+Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 
-``nodes/<node>``             bound to the node's lease: the node is alive
-``rounds/<n>/join/<node>``   bound to the lease: the node asks to be in round n
-``rounds/<n>/result``        the closed round: its members in group-rank order
-``rounds/<n>/failed``        the first node whose worker failed in round n
+``ctl/nodes/<node>``         bound to the node's lease: the node is alive
+``ctl/join/<n>/<node>``      bound to the lease: the node asks to be in round n
+``ctl/failed/<n>``           the first node whose worker failed in round n
+``ctl/closed``               why the run ended; late agents are refused
+``rounds/<n>/out/closer``    bound to a lease: the one node deciding round n
+``rounds/<n>/out/result``    the closed round: decision id, size, shape (small)
+``rounds/<n>/decided/<id>``  the decision's members in group-rank order (read rarely)
+``rounds/<n>/rank/<id>/<node>``  a member's group rank in that decision
+``rounds/<n>/status``        the closer's progress (for the others' log lines)
 ``rounds/<n>/master``        MASTER_ADDR/PORT of round n, chosen by its rank 0
 ``rounds/<n>/done/<node>``   exit barrier of round n
 ``current``                  the newest closed round
 ``budget``                   failure restarts used by the whole job
-``closed``                   why the run ended; late agents are refused
 
 Every node writes O(1) keys per round, and liveness costs no writes at all (a lease
-keep-alive), so a round is O(nodes) and no blob is rewritten by heartbeats. Changes are
-seen through one watch on the run's prefix; nothing polls.
+keep-alive). One node per round, the closer (whoever first claims ``out/closer``), keeps
+a view of the joiners and live nodes from watch events on ``ctl/`` and decides; the
+others watch only ``out/`` and take over if the closer's lease ends. Running members
+watch ``ctl/`` from the revision the round was decided at. Each node reads only its own
+rank and the small result, never the whole member list. So each change costs O(1) per
+interested node and a round of N nodes costs O(N) store traffic. Nothing polls.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
 from elastrun.core.errors import (
@@ -41,13 +50,23 @@ from elastrun.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
-from elastrun.rendezvous.decide import Joiner, Verdict, decide_round, needs_reformation
+from elastrun.rendezvous.decide import (
+    RoundView,
+    RoundWatch,
+    RunKeys,
+    Verdict,
+    decide_round,
+    shape_of,
+)
 from elastrun.rendezvous.local import free_port
-from elastrun.store.api import Store
+from elastrun.store.api import EventKind, Store
 
 log = logging.getLogger("elastrun.rendezvous")
 
 PROGRESS_EVERY = 5.0
+#: How often a waiting node that is not the closer checks the round itself once its
+#: join deadline has passed (a closer that decides nothing must not hold it forever).
+AUDIT_EVERY = 30.0
 
 
 @dataclass(frozen=True)
@@ -131,13 +150,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend = backend
         self._clock = clock
         self._on_shutdown = on_shutdown
-        self._prefix = f"/elastrun/{settings.run_id}/"
+        self._keys = RunKeys(f"/elastrun/{settings.run_id}/")
         self._lease: int | None = None
         self._round: int | None = None
-        self._members: tuple[str, ...] = ()
         self._rank: int | None = None
+        self._size = 0  # nodes in the current round
+        self._decision = ""  # the id of the current round's decision
+        self._membership: dict[str, bool] = {}  # nodes known to be in it, or not
+        self._member_list: tuple[str, ...] | None = None  # read only when needed
+        self._since = 0  # the store revision the current round was decided at
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._entered = threading.Event()  # set while a round runs and has not re-formed
         self._threads: list[threading.Thread] = []
         self._callback: Callable[[], None] | None = None
         self._reform = False
@@ -146,6 +170,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self.change_reason = ""
         #: Why ``report_failure`` refused a restart other than an exhausted budget.
         self.refusal: str | None = None
+        #: Joiners the last decision of this node saw, when it was the closer.
+        self.seen = 0
 
     # -- torch-compatible surface ------------------------------------------------------
 
@@ -160,10 +186,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._settings
 
     def is_closed(self) -> bool:
-        return self._get("closed") is not None
+        return self._store.get(self._keys.closed) is not None
 
     def set_closed(self, reason: str = "closed") -> None:
-        self._store.compare_set(self._key("closed"), None, reason.encode())
+        self._store.compare_set(self._keys.closed, None, reason.encode())
 
     def num_nodes_waiting(self) -> int:
         """1 when the running round must re-form (nodes waiting, lost, or a failure)."""
@@ -185,24 +211,30 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _wait_for_others_to_leave(self) -> None:
         deadline = Deadline.after(self._settings.close_timeout, self._clock)
-        mine = self._key(f"nodes/{self._node.node_id}")
+        nodes = self._keys.nodes
         try:
-            while True:
-                found, rev = self._store.get_prefix(self._key("nodes/"))
-                others = [k for k in found if k != mine]
-                if not others or deadline.expired():
-                    if others:
-                        log.warning(
-                            "%d node(s) still attached to the store; closing it", len(others)
-                        )
-                    return
-                self._store.watch(self._key("nodes/"), rev, min(deadline.remaining(), 5.0))
+            found, rev = self._store.get_prefix(nodes)
+            others = set(found) - {nodes + self._node.node_id}
+            while others and not deadline.expired():
+                try:
+                    res = self._store.watch(nodes, rev, min(deadline.remaining(), 5.0))
+                except StoreCompactedError:
+                    found, rev = self._store.get_prefix(nodes)
+                    others = set(found) - {nodes + self._node.node_id}
+                    continue
+                rev = res.revision
+                for e in res.events:
+                    (others.add if e.kind is EventKind.PUT else others.discard)(e.key)
+                others.discard(nodes + self._node.node_id)
+            if others:
+                log.warning("%d node(s) still attached to the store; closing it", len(others))
         except StoreError as exc:
             log.debug("while waiting for the other nodes to leave: %s", exc)
 
     def leave(self) -> None:
         """Stop watching, revoke the lease (our keys vanish at once), close the store."""
         self._stop.set()
+        self._entered.set()  # wake the watch thread so that it sees the stop
         lease, self._lease = self._lease, None
         if lease is not None:
             # Bounded: a store that is already gone must not hold the exit for its whole
@@ -225,7 +257,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._callback = callback
 
     def restarts_used(self) -> int:
-        raw = self._get("budget")
+        raw = self._store.get(self._keys.budget)
         return int(raw) if raw else 0
 
     def report_failure(self, max_restarts: int) -> bool:
@@ -238,23 +270,23 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._lost:
             self.refusal = "this node was dropped from the run (" + self.change_reason + ")"
             return False
-        if not set(self._members) <= self._live_nodes():
+        if not set(self._member_ids()) <= self._live_nodes():
             # A member is gone: the failure is the loss of a node (its peers' collectives
             # broke), which re-forms the group without spending the restart budget.
             return self._open_or_refuse()
         won, _ = self._store.compare_set(
-            self._key(f"rounds/{self._round}/failed"), None, self._node.node_id.encode()
+            self._keys.failed(self._round), None, self._node.node_id.encode()
         )
         if not won:
             return self._open_or_refuse()
-        used = self._store.add(self._key("budget"), 1)
+        used = self._store.add(self._keys.budget, 1)
         if used > max_restarts:
             self.set_closed("restart budget exhausted")
             return False
         return True
 
     def _open_or_refuse(self) -> bool:
-        raw = self._get("closed")
+        raw = self._store.get(self._keys.closed)
         if raw is None:
             return True
         self.refusal = f"the run has ended on another node: {raw.decode(errors='replace')}"
@@ -262,19 +294,28 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def exit_barrier(self, timeout: float) -> bool:
         """Wait (up to ``timeout``) until every member of the round finished."""
-        if self._round is None or len(self._members) <= 1:
+        if self._round is None or self._size <= 1:
             return True
-        done = f"rounds/{self._round}/done/"
-        self._store.set(self._key(done + self._node.node_id), b"1", lease=self._lease)
+        done = self._keys.done(self._round)
+        self._store.set(done + self._node.node_id, b"1", lease=self._lease)
         deadline = Deadline.after(timeout, self._clock)
-        while True:
-            found, rev = self._store.get_prefix(self._key(done))
-            if len(found) >= len(self._members) or self.is_closed():
-                return True
+        found, rev = self._store.get_prefix(done)
+        # A finished node that has already left takes its (leased) key along: count the
+        # nodes seen finishing, not the keys still there.
+        finished = set(found)
+        while len(finished) < self._size and not self.is_closed():
             if deadline.expired():
                 log.warning("exit barrier timed out after %.0fs", timeout)
                 return False
-            self._store.watch(self._key(done), rev, min(deadline.remaining(), 5.0))
+            try:
+                res = self._store.watch(done, rev, min(deadline.remaining(), 5.0))
+            except StoreCompactedError:
+                found, rev = self._store.get_prefix(done)
+                finished |= set(found)
+                continue
+            rev = res.revision
+            finished |= {e.key for e in res.events if e.kind is EventKind.PUT}
+        return True
 
     # -- joining -------------------------------------------------------------------------
 
@@ -293,144 +334,303 @@ class DynamicRendezvousHandler(RendezvousHandler):
         deadline = self._clock.monotonic() + self._settings.join_timeout
         target = self._first_target(prev_round)
         while True:
-            members = self._join_round(target, prev_rank, deadline)
-            if self._node.node_id in members:
+            result = self._join_round(target, prev_rank, deadline)
+            raw = self._store.get(self._keys.rank(target, result["id"], self._node.node_id))
+            if raw is not None:
                 break
             target += 1  # a spare: wait for room in the next round
-        return self._enter_round(target, members)
+        return self._enter_round(target, result, int(raw))
 
     def _first_target(self, prev_round: int | None) -> int:
-        current = self._get("current")
+        current = self._store.get(self._keys.current)
         latest = int(current) if current is not None else -1
         return max(latest, prev_round if prev_round is not None else -1) + 1
 
-    def _join_round(self, n: int, prev_rank: int | None, deadline: float) -> tuple[str, ...]:
-        me = self._node
+    def _join_round(self, n: int, prev_rank: int | None, deadline: float) -> dict[str, Any]:
+        """Join round ``n`` and return its result.
+
+        The first node to claim ``out/closer`` decides the round (``_decide``); the
+        others watch only ``out/`` for the result, and one of them takes over when the
+        closer's claim vanishes with its lease.
+        """
+        me, k = self._node, self._keys
         info = {"addr": me.addr, "role": me.role, "local_world_size": me.local_world_size}
-        self._store.set(
-            self._key(f"rounds/{n}/join/{me.node_id}"),
-            _dump({**info, "prev_rank": prev_rank}),
-            lease=self._lease,
-        )
-        previous = self._previous_members(n)
+        join = _dump({**info, "prev_rank": prev_rank})
+        self._store.set(k.join_prefix(n) + me.node_id, join, lease=self._lease)
+        out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
+        found, rev = self._store.get_prefix(out)
+        now = self._clock.monotonic()
+        next_progress = now + PROGRESS_EVERY
+        audit_at = deadline
+        while True:
+            raw = found.get(result_key)
+            if raw is not None:
+                return self._parse_result(raw)
+            if self._stop.is_set():
+                raise self._left_error()
+            if closer_key not in found:
+                won, _ = self._store.compare_set(
+                    closer_key, None, me.node_id.encode(), lease=self._lease
+                )
+                if won:
+                    return self._parse_result(self._decide(n, deadline))
+                found, rev = self._store.get_prefix(out)
+                continue
+            now = self._clock.monotonic()
+            if now >= audit_at:
+                audit_at = self._audit(n, deadline, now)
+                found, rev = self._store.get_prefix(out)
+                continue
+            if now >= next_progress:
+                if self.is_closed():
+                    raise self._closed_error()
+                self._follower_progress(n)
+                next_progress = now + PROGRESS_EVERY
+            wait = max(0.0, min(next_progress, audit_at) - now) + 0.01
+            try:
+                res = self._store.watch(out, rev, wait)
+            except StoreCompactedError:
+                found, rev = self._store.get_prefix(out)
+                continue
+            rev = res.revision
+            for e in res.events:
+                if e.kind is EventKind.PUT and e.value is not None:
+                    found[e.key] = e.value
+                else:
+                    found.pop(e.key, None)
+
+    def _decide(self, n: int, deadline: float) -> bytes:
+        """As the closer of round ``n``: follow the joiners and live nodes from watch
+        events and close the round when ``decide_round`` says so. Returns the result."""
+        s, k = self._settings, self._keys
+        view, rev = self._load_view(n)
         call_started: float | None = None
         next_progress = self._clock.monotonic()
         while True:
-            if self.is_closed():
-                raise self._closed_error()
-            result = _load(self._get(f"rounds/{n}/result"))
-            if isinstance(result, dict):
-                return tuple(result["members"])
-            joins, rev = self._store.get_prefix(self._key(f"rounds/{n}/join/"))
-            joiners = self._joiners(joins)
-            alive = self._live_nodes()
-            prev_live = set(previous) & alive
+            if self._stop.is_set():
+                raise self._left_error()
+            if view.closed is not None:
+                reason = view.closed.decode(errors="replace")
+                return self._publish(n, _dump({"closed": reason}))
+            joiners = view.joiners()
+            self.seen = len(joiners)
             now = self._clock.monotonic()
-            enough = len(joiners) >= self._settings.min_nodes
-            started = n == 0 or bool(prev_live & {j.node_id for j in joiners})
-            if call_started is None and enough and started:
+            started = view.started()
+            if call_started is None and started and len(joiners) >= s.min_nodes:
                 call_started = now
             decision = decide_round(
-                joiners, prev_live, min_nodes=self._settings.min_nodes,
-                max_nodes=self._settings.max_nodes, now=now, call_started_at=call_started,
-                last_call=self._settings.last_call_timeout, join_deadline=deadline,
-                first_round=n == 0,
+                joiners, view.previous_live(), min_nodes=s.min_nodes, max_nodes=s.max_nodes,
+                now=now, call_started_at=call_started, last_call=s.last_call_timeout,
+                join_deadline=deadline, first_round=n == 0,
             )  # fmt: skip
             if decision.verdict is Verdict.CLOSE:
-                self._close_round(n, decision.members, joins)
-                continue
+                return self._commit(n, view, decision.members, rev)
             if decision.verdict is Verdict.TIMEOUT:
-                raise RendezvousTimeoutError(
-                    f"rendezvous round {n} timed out after {self._settings.join_timeout:.0f}s "
-                    f"with {len(joiners)} node(s); at least {self._settings.min_nodes} needed"
-                )
+                raise self._timeout_error(n, len(joiners))
             if now >= next_progress:
-                self._progress(n, len(joiners), decision.wake_at, deadline, now, started)
+                raw = self._store.get(k.result(n))  # closed by a node auditing the round
+                if raw is not None:
+                    return raw
+                status = {
+                    "joined": len(joiners),
+                    "started": started,
+                    "last_call_in": (
+                        decision.wake_at - now
+                        if decision.wake_at is not None and len(joiners) >= s.min_nodes
+                        else None
+                    ),
+                    "timeout_in": deadline - now,
+                }
+                self._store.set(k.status(n), _dump(status))
+                self._progress(n, status)
                 next_progress = now + PROGRESS_EVERY
-            wait = PROGRESS_EVERY
+            wait = max(0.0, next_progress - now) + 0.01
             if decision.wake_at is not None:
                 wait = min(wait, max(0.0, decision.wake_at - now) + 0.01)
-            self._watch_once(rev, wait)
+            try:
+                res = self._store.watch(k.ctl, rev, wait)
+            except StoreCompactedError:
+                view, rev = self._load_view(n)
+                continue
+            view.apply(res.events)
+            rev = res.revision
 
-    def _watch_once(self, rev: int, wait: float) -> None:
-        try:
-            self._store.watch(self._prefix, rev, wait)
-        except StoreCompactedError:
-            pass  # re-read everything on the next pass
+    def _load_view(self, n: int) -> tuple[RoundView, int]:
+        """The closer's view of round ``n`` from full reads, and the revision to watch
+        from (replaying changes made between the reads is harmless: each event sets or
+        removes one key)."""
+        k = self._keys
+        view = RoundView(k, n, self._previous_members(n))
+        joins, rev = self._store.get_prefix(k.join_prefix(n))
+        nodes, _ = self._store.get_prefix(k.nodes)
+        view.load(joins, list(nodes), self._store.get(k.closed))
+        return view, rev
 
-    def _progress(
-        self, n: int, count: int, wake_at: float | None, deadline: float, now: float, started: bool
-    ) -> None:
+    def _audit(self, n: int, deadline: float, now: float) -> float:
+        """Past its join deadline, a waiting node checks the round itself: it times out
+        below the minimum, closes a round that should be closed, and otherwise waits on
+        (the closer is in its last call, or this node is a spare). Returns when to check
+        again."""
         s = self._settings
-        if not started:
+        view, rev = self._load_view(n)
+        joiners = view.joiners()
+        decision = decide_round(
+            joiners, view.previous_live(), min_nodes=s.min_nodes, max_nodes=s.max_nodes,
+            now=now, call_started_at=None, last_call=s.last_call_timeout,
+            join_deadline=deadline, first_round=n == 0,
+        )  # fmt: skip
+        if decision.verdict is Verdict.TIMEOUT:
+            raise self._timeout_error(n, len(joiners))
+        if decision.verdict is Verdict.CLOSE:
+            self._commit(n, view, decision.members, rev)
+        return now + AUDIT_EVERY
+
+    def _commit(self, n: int, view: RoundView, members: tuple[str, ...], rev: int) -> bytes:
+        """Publish a decision: the full member list, one rank key per member, then the
+        small result everyone waits for (the commit point: the first result written
+        holds). Each node reads O(1) of it; only tools and the next round's closer read
+        the full list. Returns the result that holds."""
+        k = self._keys
+        decision = uuid.uuid4().hex[:12]
+        rows = []
+        for m in members:
+            data = _load(view.joins.get(m))
+            d = data if isinstance(data, dict) else {}
+            rows.append([m, d.get("addr", ""), d.get("role", ""), d.get("local_world_size", 0)])
+        self._store.set(k.decided(n, decision), _dump({"members": rows, "rev": rev}))
+        for rank, m in enumerate(members):
+            self._store.set(k.rank(n, decision, m), str(rank).encode())
+        shape = shape_of([(str(row[2]), int(row[3])) for row in rows])
+        result = {"id": decision, "size": len(members), "rev": rev, "shape": shape}
+        return self._publish(n, _dump(result), len(members))
+
+    def _publish(self, n: int, value: bytes, size: int | None = None) -> bytes:
+        """Write the result of round ``n`` unless someone did; return the one that holds.
+
+        ``size`` is the number of members (None: the result says the run was closed).
+        """
+        won, current = self._store.compare_set(self._keys.result(n), None, value)
+        if not won:
+            assert current is not None
+            return current
+        if size is not None:
+            self._store.set(self._keys.current, str(n).encode())
+            log.info("rendezvous round %d closed with %d node(s)", n, size)
+        return value
+
+    def _parse_result(self, raw: bytes) -> dict[str, Any]:
+        result = _load(raw)
+        if not isinstance(result, dict):
+            raise RendezvousConnectionError(f"unreadable rendezvous result: {raw[:80]!r}")
+        if "closed" in result:
+            raise self._closed_error()
+        return result
+
+    def _timeout_error(self, n: int, count: int) -> RendezvousTimeoutError:
+        return RendezvousTimeoutError(
+            f"rendezvous round {n} timed out after {self._settings.join_timeout:.0f}s "
+            f"with {count} node(s); at least {self._settings.min_nodes} needed"
+        )
+
+    def _follower_progress(self, n: int) -> None:
+        status = _load(self._store.get(self._keys.status(n)))
+        if isinstance(status, dict):
+            self._progress(n, status)
+        else:
+            s = self._settings
+            log.info(
+                "rendezvous round %d: waiting for it to close (min %d, max %d node(s))",
+                n, s.min_nodes, s.max_nodes,
+            )  # fmt: skip
+
+    def _progress(self, n: int, status: dict[str, Any]) -> None:
+        s = self._settings
+        if not status.get("started", True):
             log.info(
                 "waiting as a spare for round %d: the job runs at its maximum of %d node(s)",
                 n, s.max_nodes,
             )  # fmt: skip
             return
+        count = status.get("joined", 0)
         parts = [f"rendezvous round {n}: {count} node(s) in (min {s.min_nodes}, max {s.max_nodes})"]
-        if count >= s.min_nodes and wake_at is not None:
-            parts.append(f"last call ends in {max(0.0, wake_at - now):.0f}s")
-        else:
-            parts.append(f"timeout in {max(0.0, deadline - now):.0f}s")
+        if status.get("last_call_in") is not None:
+            parts.append(f"last call ends in {max(0.0, status['last_call_in']):.0f}s")
+        elif status.get("timeout_in") is not None:
+            parts.append(f"timeout in {max(0.0, status['timeout_in']):.0f}s")
         log.info("%s", "; ".join(parts))
 
-    def _joiners(self, joins: dict[str, bytes]) -> list[Joiner]:
-        out = []
-        prefix_len = len(self._prefix)
-        for key, raw in joins.items():
-            node_id = key[prefix_len:].split("/", 3)[3]
-            data = _load(raw)
-            prev = data.get("prev_rank") if isinstance(data, dict) else None
-            out.append(Joiner(node_id, 0, prev if isinstance(prev, int) else None))
-        # Sorted by id so that every node computes the same membership from the same keys.
-        return sorted(out, key=lambda j: j.node_id)
-
     def _live_nodes(self) -> set[str]:
-        found, _ = self._store.get_prefix(self._key("nodes/"))
-        cut = len(self._key("nodes/"))
+        found, _ = self._store.get_prefix(self._keys.nodes)
+        cut = len(self._keys.nodes)
         return {k[cut:] for k in found}
+
+    def _decided_rows(self, n: int, decision: str | None = None) -> list[list[Any]]:
+        """The full member list of round ``n`` (of its committed decision by default)."""
+        if decision is None:
+            result = _load(self._store.get(self._keys.result(n)))
+            if not isinstance(result, dict) or "id" not in result:
+                return []
+            decision = str(result["id"])
+        full = _load(self._store.get(self._keys.decided(n, decision)))
+        return list(full["members"]) if isinstance(full, dict) else []
 
     def _previous_members(self, n: int) -> tuple[str, ...]:
         if n == 0:
             return ()
-        result = _load(self._get(f"rounds/{n - 1}/result"))
-        return tuple(result["members"]) if isinstance(result, dict) else ()
+        return tuple(str(row[0]) for row in self._decided_rows(n - 1))
 
-    def _close_round(self, n: int, members: tuple[str, ...], joins: dict[str, bytes]) -> None:
-        prefix = self._key(f"rounds/{n}/join/")
-        details = {m: _load(joins.get(prefix + m)) for m in members}
-        won, _ = self._store.compare_set(
-            self._key(f"rounds/{n}/result"),
-            None,
-            _dump({"members": list(members), "nodes": details}),
-        )
-        if won:
-            self._store.set(self._key("current"), str(n).encode())
-            log.info("rendezvous round %d closed with %d node(s)", n, len(members))
-
-    def _enter_round(self, n: int, members: tuple[str, ...]) -> RendezvousInfo:
-        result = _load(self._get(f"rounds/{n}/result"))
-        assert isinstance(result, dict)
-        nodes = result.get("nodes", {})
-        infos = tuple(
-            MemberInfo(m, nodes[m]["addr"], nodes[m]["role"], int(nodes[m]["local_world_size"]))
-            for m in members
-        )
-        rank = members.index(self._node.node_id)
+    def _member_ids(self) -> tuple[str, ...]:
+        """The members of the current round (one full read, then remembered)."""
         with self._lock:
-            self._round, self._members, self._rank = n, members, rank
+            n, decision, known = self._round, self._decision, self._member_list
+        if known is not None or n is None:
+            return known or ()
+        ids = tuple(str(row[0]) for row in self._decided_rows(n, decision))
+        with self._lock:
+            if self._round == n:
+                self._member_list = ids
+        return ids
+
+    def _is_member(self, node: str) -> bool:
+        with self._lock:
+            n, decision, known = self._round, self._decision, self._membership.get(node)
+        if known is not None or n is None:
+            return bool(known)
+        found = self._store.get(self._keys.rank(n, decision, node)) is not None
+        with self._lock:
+            if self._round == n:
+                self._membership[node] = found
+        return found
+
+    def _member_infos(self, n: int, decision: str) -> tuple[MemberInfo, ...]:
+        return tuple(
+            MemberInfo(str(r[0]), str(r[1]), str(r[2]), int(r[3]))
+            for r in self._decided_rows(n, decision)
+        )
+
+    def _enter_round(self, n: int, result: dict[str, Any], rank: int) -> RendezvousInfo:
+        decision, size = str(result["id"]), int(result["size"])
+        shape = tuple((str(r), int(lws), int(c)) for r, lws, c in result.get("shape", ()))
+        with self._lock:
+            self._round, self._rank, self._size, self._decision = n, rank, size, decision
+            self._membership = {self._node.node_id: True}
+            self._member_list = None
+            self._since = int(result.get("rev", 0))
             self._reform = False
+            self._entered.set()
         master = self._master(n, rank)
         self._start_watch()
-        return RendezvousInfo(self._store, rank, len(members), master, round=n, members=infos)
+        return RendezvousInfo(
+            self._store, rank, size, master, round=n,
+            members=functools.partial(self._member_infos, n, decision), shape=shape,
+        )  # fmt: skip
 
     def _master(self, n: int, rank: int) -> RendezvousStoreInfo:
-        key = f"rounds/{n}/master"
+        key = self._keys.master(n)
         if rank == 0:
-            self._store.set(self._key(key), _dump({"addr": self._node.addr, "port": free_port()}))
-        self._store.wait([self._key(key)], self._settings.join_timeout)
-        data = _load(self._get(key))
+            self._store.set(key, _dump({"addr": self._node.addr, "port": free_port()}))
+        self._store.wait([key], self._settings.join_timeout)
+        data = _load(self._store.get(key))
         assert isinstance(data, dict)
         return RendezvousStoreInfo(str(data["addr"]), int(data["port"]))
 
@@ -445,7 +645,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._lease = self._store.grant_lease(self._settings.heartbeat_timeout)
         me = self._node
         self._store.set(
-            self._key(f"nodes/{me.node_id}"),
+            self._keys.nodes + me.node_id,
             _dump({"addr": me.addr, "role": me.role, "local_world_size": me.local_world_size}),
             lease=self._lease,
         )
@@ -497,52 +697,73 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._spawn(self._watch_loop, "watch")
 
     def _watch_loop(self) -> None:
-        rev = 0
+        """Follow ``ctl/`` while a round runs; flag a re-formation when one is due.
+
+        Between a re-formation and the next round this thread sleeps: the joining code
+        watches what it needs, and N members reading every join of the next round would
+        cost O(N^2).
+        """
+        watching: tuple[int, RoundWatch, int] | None = None  # round, view, revision
         while not self._stop.is_set():
+            with self._lock:
+                n, size, since, idle = self._round, self._size, self._since, self._reform
+            if n is None or idle:
+                self._entered.wait(1.0)
+                continue
             try:
-                if self._check_reform():
-                    self._notify()
-                # An empty prefix read returns the store's current revision: watch from there.
-                _, rev = self._store.get_prefix(self._key("rounds/none/"))
-                while not self._stop.is_set():
-                    res = self._store.watch(self._prefix, rev, 1.0)
-                    rev = res.revision
-                    if res.events and self._check_reform():
-                        self._notify()
-            except StoreCompactedError as exc:
-                # The store dropped old history (etcd auto-compaction): re-read from now.
-                log.debug("rendezvous watch resumes after compaction: %s", exc)
+                if watching is None or watching[0] != n:
+                    watching = (n, self._round_watch(n, size), since)
+                _, view, rev = watching
+                try:
+                    res = self._store.watch(self._keys.ctl, rev, 1.0)
+                except StoreCompactedError as exc:
+                    # The store dropped old history (etcd auto-compaction): re-read.
+                    log.debug("rendezvous watch resumes after compaction: %s", exc)
+                    view = self._round_watch(n, size)
+                    watching = (n, view, self._reload(view, n))
+                    continue
+                view.apply(res.events)
+                watching = (n, view, res.revision)
+                reason = view.reason()
+                if reason is not None:
+                    self._flag_reform(n, reason)
             except StoreError as exc:
                 if not self._stop.is_set():
                     log.warning("rendezvous watch interrupted: %s", exc)
                     self._stop.wait(1.0)
 
-    def _check_reform(self) -> bool:
+    def _round_watch(self, n: int, size: int) -> RoundWatch:
+        return RoundWatch(self._keys, n, size, self._settings.max_nodes, self._is_member)
+
+    def _reload(self, view: RoundWatch, n: int) -> int:
+        k = self._keys
+        nodes, rev = self._store.get_prefix(k.nodes)
+        joins, _ = self._store.get_prefix(k.join_prefix(n + 1))
+        failed = self._store.get(k.failed(n)) is not None
+        view.load(self._member_ids(), list(nodes), list(joins), failed, self.is_closed())
+        return rev
+
+    def _flag_reform(self, n: int, reason: str) -> None:
         with self._lock:
-            n, members = self._round, self._members
+            if self._round != n or self._reform:
+                return
+            self.change_reason = reason
+            self._reform = True
+            self._entered.clear()
+        self._notify()
+
+    def _check_reform(self) -> bool:
+        """Whether the running round must re-form, from full reads (for tests and
+        tools; the watch thread keeps the same answer from events)."""
+        with self._lock:
+            n, size = self._round, self._size
         if n is None or self._reform:
             return self._reform
-        joins, _ = self._store.get_prefix(self._key(f"rounds/{n + 1}/join/"))
-        cut = len(self._key(f"rounds/{n + 1}/join/"))
-        next_joiners = {k[cut:]: 0 for k in joins}
-        failed = self._get(f"rounds/{n}/failed") is not None
-        closed = self.is_closed()
-        alive = self._live_nodes()
-        if needs_reformation(
-            members, alive, next_joiners,
-            max_nodes=self._settings.max_nodes,
-            round_failed=failed or closed,
-        ):  # fmt: skip
-            lost = [m for m in members if m not in alive]
-            if closed:
-                self.change_reason = "the run was closed by another node"
-            elif failed:
-                self.change_reason = "a worker failed on another node"
-            elif lost:
-                self.change_reason = f"lost {len(lost)} node(s): {', '.join(lost)}"
-            else:
-                self.change_reason = "new node(s) are waiting to join"
-            self._reform = True
+        view = self._round_watch(n, size)
+        self._reload(view, n)
+        reason = view.reason()
+        if reason is not None:
+            self._flag_reform(n, reason)
         return self._reform
 
     def _notify(self) -> None:
@@ -551,14 +772,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _key(self, suffix: str) -> str:
-        return self._prefix + suffix
-
-    def _get(self, suffix: str) -> bytes | None:
-        return self._store.get(self._key(suffix))
+    def _left_error(self) -> RendezvousClosedError:
+        return RendezvousClosedError("this node left the rendezvous while it was waiting")
 
     def _closed_error(self) -> RendezvousClosedError:
-        raw = self._get("closed") or b"closed"
+        raw = self._store.get(self._keys.closed) or b"closed"
         return RendezvousClosedError(
             f"run {self._settings.run_id!r} has ended ({raw.decode(errors='replace')}); "
             "it accepts no more nodes"

@@ -73,7 +73,7 @@ def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
     timeout = min(_seconds(params, "read_timeout") or DEFAULT_READ_TIMEOUT, settings.join_timeout)
     store = _make_store(params, timeout)
     try:
-        store.get(f"/elastrun/{params.run_id}/closed")  # fail now, in one line, if unusable
+        store.get(f"/elastrun/{params.run_id}/ctl/closed")  # fail now, in one line, if unusable
     except StoreError as exc:
         store.close()
         raise RendezvousConnectionError(f"etcd rendezvous: {exc}") from exc

@@ -8,6 +8,7 @@ lazily on every operation and by waiting watchers, against an injected clock.
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import threading
 
@@ -44,6 +45,7 @@ class MemoryStore:
         self._lease_ids = itertools.count(1)
         self._revision = 0
         self._events: collections.deque[WatchEvent] = collections.deque(maxlen=history)
+        self._expiries: list[tuple[float, int]] = []  # a heap; see _expire
         self._cond = threading.Condition()
 
     # -- internals (caller holds the lock) ---------------------------------------------
@@ -85,14 +87,29 @@ class MemoryStore:
                 self._remove(key)
 
     def _expire(self) -> None:
+        # The heap holds (deadline, lease) for every grant and keep-alive; an entry whose
+        # lease was refreshed or dropped since is stale and skipped. Every operation
+        # calls this, so it must cost O(log leases), not a scan of thousands of leases.
         now = self._clock.monotonic()
-        for lease_id in [i for i, lease in self._leases.items() if lease.deadline <= now]:
-            self._drop_lease(lease_id)
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.deadline <= now:
+                self._drop_lease(lease_id)
 
     def _next_expiry(self) -> float | None:
-        if not self._leases:
-            return None
-        return min(lease.deadline for lease in self._leases.values())
+        heap = self._expiries
+        while heap:
+            deadline, lease_id = heap[0]
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.deadline == deadline:
+                return deadline
+            heapq.heappop(heap)  # stale: refreshed or dropped since
+        return None
+
+    def _arm(self, lease_id: int, deadline: float) -> None:
+        heapq.heappush(self._expiries, (deadline, lease_id))
 
     # -- the store model ---------------------------------------------------------------
 
@@ -145,6 +162,7 @@ class MemoryStore:
             self._expire()
             lease_id = next(self._lease_ids)
             self._leases[lease_id] = _Lease(ttl, self._clock.monotonic() + ttl)
+            self._arm(lease_id, self._leases[lease_id].deadline)
             self._cond.notify_all()  # watchers recompute their next expiry
             return lease_id
 
@@ -155,6 +173,7 @@ class MemoryStore:
             if held is None:
                 return False
             held.deadline = self._clock.monotonic() + held.ttl
+            self._arm(lease, held.deadline)
             return True
 
     def revoke_lease(self, lease: int) -> None:

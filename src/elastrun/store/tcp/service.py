@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import cast
 
 from elastrun.core.errors import (
@@ -65,20 +65,50 @@ class _LeaseInfo:
         self.grace: asyncio.TimerHandle | None = None
 
 
-class _Waiter:
-    __slots__ = ("future", "matches")
+class _Waiters:
+    """Blocked requests, indexed by what wakes them: a change under a prefix (watch) or
+    the creation of a key (wait). A change costs a look at each distinct prefix, not at
+    each waiter: thousands of nodes watching the same prefix cost one look."""
 
-    def __init__(self, matches: Callable[[WatchEvent], bool], future: asyncio.Future[None]):
-        self.matches = matches
-        self.future = future
+    def __init__(self) -> None:
+        self.by_prefix: dict[str, set[asyncio.Future[None]]] = {}
+        self.by_key: dict[str, set[asyncio.Future[None]]] = {}
 
+    def __len__(self) -> int:
+        return sum(map(len, self.by_prefix.values())) + sum(map(len, self.by_key.values()))
 
-def _under(prefix: str) -> Callable[[WatchEvent], bool]:
-    return lambda e: e.key.startswith(prefix)
+    def __bool__(self) -> bool:
+        return bool(self.by_prefix or self.by_key)
 
+    def add(
+        self, index: dict[str, set[asyncio.Future[None]]], what: str, fut: asyncio.Future[None]
+    ) -> None:
+        index.setdefault(what, set()).add(fut)
 
-def _created(keys: set[str]) -> Callable[[WatchEvent], bool]:
-    return lambda e: e.kind is EventKind.PUT and e.key in keys
+    def remove(
+        self, index: dict[str, set[asyncio.Future[None]]], what: str, fut: asyncio.Future[None]
+    ) -> None:
+        futs = index.get(what)
+        if futs is not None:
+            futs.discard(fut)
+            if not futs:
+                del index[what]
+
+    def wake(self, events: tuple[WatchEvent, ...] | None) -> None:
+        if events is None:
+            woken = [f for futs in (*self.by_prefix.values(), *self.by_key.values()) for f in futs]
+        else:
+            woken = []
+            prefixes = list(self.by_prefix.items())
+            for e in events:
+                for prefix, futs in prefixes:
+                    if e.key.startswith(prefix):
+                        woken.extend(futs)
+                if e.kind is EventKind.PUT:
+                    woken.extend(self.by_key.get(e.key, ()))
+        for fut in woken:
+            if not fut.done():
+                fut.set_result(None)
 
 
 class Service:
@@ -100,7 +130,7 @@ class Service:
         self.max_frame = max_frame
         self._grace = grace
         self._seen = store.revision
-        self._waiters: set[_Waiter] = set()
+        self._waiters = _Waiters()
         self._leases: dict[int, _LeaseInfo] = {}
         self.conns: set[Connection] = set()
         self._quick: dict[str, Callable[[Connection, p.Message], object]] = {
@@ -185,21 +215,26 @@ class Service:
         except StoreError:  # compacted: more changed at once than history keeps
             events = None
             self._seen = self.store.revision
-        for waiter in list(self._waiters):
-            wanted = events is None or any(waiter.matches(e) for e in events)
-            if wanted and not waiter.future.done():
-                waiter.future.set_result(None)
+        self._waiters.wake(events)
 
-    async def _until_change(self, matches: Callable[[WatchEvent], bool], deadline: float) -> None:
-        waiter = _Waiter(matches, self.loop.create_future())
-        self._waiters.add(waiter)
+    async def _until_change(
+        self, deadline: float, *, prefix: str | None = None, keys: Iterable[str] = ()
+    ) -> None:
+        """Wait until a change under ``prefix`` or the creation of one of ``keys``."""
+        fut: asyncio.Future[None] = self.loop.create_future()
+        w = self._waiters
+        wanted = [(w.by_prefix, prefix)] if prefix is not None else []
+        wanted += [(w.by_key, k) for k in keys]
+        for index, what in wanted:
+            w.add(index, what, fut)
         try:
             async with asyncio.timeout_at(None if math.isinf(deadline) else deadline):
-                await waiter.future
+                await fut
         except TimeoutError:
             pass  # the caller looks at the clock and answers "nothing yet"
         finally:
-            self._waiters.discard(waiter)
+            for index, what in wanted:
+                w.remove(index, what, fut)
 
     # -- leases --------------------------------------------------------------------------
 
@@ -429,7 +464,7 @@ class Service:
                 events = tuple(self._event_out(e) for e in result.events)
                 return WatchResult(events, self._rev_out(result.revision))
             after = result.revision
-            await self._until_change(_under(prefix), deadline)
+            await self._until_change(deadline, prefix=prefix)
 
     async def _wait(self, m: p.Message) -> object:
         keys = p.get_str_list(m, "keys")
@@ -444,7 +479,7 @@ class Service:
                 raise StoreTimeoutError(
                     f"timed out after {timeout:.3g}s waiting for {sorted(missing)}"
                 )
-            await self._until_change(_created(missing), deadline)
+            await self._until_change(deadline, keys=missing)
 
     # -- handshake -----------------------------------------------------------------------
 
