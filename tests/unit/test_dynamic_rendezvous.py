@@ -230,6 +230,7 @@ def test_waiting_nodes_log_the_closers_progress(caplog: pytest.LogCaptureFixture
     caplog.set_level("INFO", logger="elastrun.rendezvous")
     saved = dyn.PROGRESS_EVERY
     dyn.PROGRESS_EVERY = 0.2
+
     def wait(h: DynamicRendezvousHandler) -> None:
         with pytest.raises(RendezvousClosedError, match="left"):  # the round never closes
             h.next_rendezvous()
