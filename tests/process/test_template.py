@@ -662,6 +662,27 @@ def test_default_preload_finds_torch_and_numpy_imported_at_module_level(tmp_path
     assert default_preload(argv) == ["torch", "torch.distributed", "torch.utils.data", "numpy"]
 
 
+def test_default_preload_adds_what_ddp_imports_lazily(tmp_path: Path) -> None:
+    ddp = _write(
+        tmp_path / "ddp.py",
+        """\
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        def main():
+            return DDP(torch.nn.Linear(1, 1))
+        """,
+    )
+    assert default_preload(_argv(str(ddp))) == [
+        "torch", "torch.nn.parallel", "torch._dynamo"
+    ]  # fmt: skip
+    attr = _write(
+        tmp_path / "attr.py", "import torch\nm = torch.nn.parallel.DistributedDataParallel\n"
+    )
+    assert default_preload(_argv(str(attr))) == ["torch", "torch._dynamo"]
+    no_torch = _write(tmp_path / "plain.py", "DistributedDataParallel = 1\n")
+    assert default_preload(_argv(str(no_torch))) == []
+
+
 def test_default_preload_reads_a_module_relative_to_the_cwd(tmp_path: Path) -> None:
     _write(tmp_path / "pkg" / "train.py", "import numpy\n")
     assert default_preload(_argv("-m", "pkg.train"), cwd=str(tmp_path)) == ["numpy"]

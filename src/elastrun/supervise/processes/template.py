@@ -60,6 +60,10 @@ BOOTSTRAP_MODULE = "elastrun.worker.bootstrap"
 #: Modules preloaded automatically when a worker script imports them at top level.
 #: Both are known to import without starting threads or touching a GPU.
 AUTO_PRELOAD_ROOTS = ("torch", "numpy")
+#: What torch imports only on first use of a name, worth preloading when a script that
+#: imports torch uses it: DistributedDataParallel's first construction imports
+#: torch._dynamo (and sympy), seconds per new worker on every restart.
+LAZY_TORCH_IMPORTS = {"DistributedDataParallel": "torch._dynamo"}
 
 #: Variables that differ between the workers of one node or between restarts (and every
 #: ``TORCHELASTIC_*`` one). They are not part of the template's own environment (a worker
@@ -219,6 +223,13 @@ def _scan_imports(path: str) -> list[str]:
                     found.append(name)
 
     visit(tree.body)
+    if any(name.split(".")[0] == "torch" for name in found):
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        used |= {n.name for n in ast.walk(tree) if isinstance(n, ast.alias)}
+        found += [
+            mod for name, mod in LAZY_TORCH_IMPORTS.items() if name in used and mod not in found
+        ]
     return found
 
 
