@@ -4,8 +4,8 @@
 threads and a store connection per node, which a 2-core machine cannot multiply by
 thousands. This class is the same participant written as coroutines: the same keys, the
 same store operations in the same order, the same JSON values, and the very same pure
-decisions and views (``decide_round``, ``RoundView``, ``RoundWatch``) imported from the
-package. Each simulated node has its own store connection and lease, so every one is a
+decisions and views (``RoundView`` and its ``decide_round``, ``RoundWatch``) imported
+from the package. Each simulated node has its own store connection and lease, so every one is a
 full participant as far as the server and the other nodes can tell.
 
 It mirrors only what a rendezvous does with the store; progress logging (a read of the
@@ -31,14 +31,7 @@ from elastrun.core.errors import (
     StoreCompactedError,
     StoreError,
 )
-from elastrun.rendezvous.decide import (
-    RoundView,
-    RoundWatch,
-    RunKeys,
-    Verdict,
-    decide_round,
-    shape_of,
-)
+from elastrun.rendezvous.decide import RoundView, RoundWatch, RunKeys, Verdict, apply_events
 from elastrun.rendezvous.dynamic import AUDIT_EVERY, PROGRESS_EVERY, NodeDesc, RendezvousSettings
 from elastrun.rendezvous.local import free_port
 from elastrun.store.api import EventKind
@@ -142,11 +135,7 @@ class AsyncNode:
                 found, rev = await self._store.get_prefix(out)
                 continue
             rev = res.revision
-            for e in res.events:
-                if e.kind is EventKind.PUT and e.value is not None:
-                    found[e.key] = e.value
-                else:
-                    found.pop(e.key, None)
+            apply_events(found, res.events)
 
     async def _decide(self, n: int, deadline: float) -> bytes:
         s, k = self._settings, self._keys
@@ -155,18 +144,14 @@ class AsyncNode:
         while True:
             if view.closed is not None:
                 return await self._publish(n, _dump({"closed": view.closed.decode()}), None)
-            joiners = view.joiners()
-            self.seen = len(joiners)
+            joined = len(view.joins)
+            self.seen = joined
             self.waiting = True
             now = time.monotonic()
             started = view.started()
-            if call_started is None and started and len(joiners) >= s.min_nodes:
+            if call_started is None and started and joined >= s.min_nodes:
                 call_started = now
-            decision = decide_round(
-                joiners, view.previous_live(), min_nodes=s.min_nodes, max_nodes=s.max_nodes,
-                now=now, call_started_at=call_started, last_call=s.last_call_timeout,
-                join_deadline=deadline, first_round=n == 0,
-            )  # fmt: skip
+            decision = view.decide(s, now=now, call_started_at=call_started, join_deadline=deadline)
             if decision.verdict is Verdict.CLOSE:
                 self.waiting = False
                 return await self._commit(n, view, decision.members, rev)
@@ -192,14 +177,10 @@ class AsyncNode:
         return view, rev
 
     async def _audit(self, n: int, deadline: float, now: float) -> float:
-        s = self._settings
         view, rev = await self._load_view(n)
-        joiners = view.joiners()
-        decision = decide_round(
-            joiners, view.previous_live(), min_nodes=s.min_nodes, max_nodes=s.max_nodes,
-            now=now, call_started_at=None, last_call=s.last_call_timeout,
-            join_deadline=deadline, first_round=n == 0,
-        )  # fmt: skip
+        decision = view.decide(
+            self._settings, now=now, call_started_at=None, join_deadline=deadline
+        )
         if decision.verdict is Verdict.TIMEOUT:
             raise RendezvousTimeoutError(f"rendezvous round {n} timed out")
         if decision.verdict is Verdict.CLOSE:
@@ -209,16 +190,10 @@ class AsyncNode:
     async def _commit(self, n: int, view: RoundView, members: tuple[str, ...], rev: int) -> bytes:
         k = self._keys
         decision = uuid.uuid4().hex[:12]
-        rows = []
-        for m in members:
-            data = _load(view.joins.get(m))
-            d = data if isinstance(data, dict) else {}
-            rows.append([m, d.get("addr", ""), d.get("role", ""), d.get("local_world_size", 0)])
-        await self._store.set(k.decided(n, decision), _dump({"members": rows, "rev": rev}))
+        full, result = view.outcome(members, decision, rev)
+        await self._store.set(k.decided(n, decision), _dump(full))
         for rank, m in enumerate(members):
             await self._store.set(k.rank(n, decision, m), str(rank).encode())
-        shape = shape_of([(str(row[2]), int(row[3])) for row in rows])
-        result = {"id": decision, "size": len(members), "rev": rev, "shape": shape}
         return await self._publish(n, _dump(result), len(members))
 
     async def _publish(self, n: int, value: bytes, size: int | None) -> bytes:

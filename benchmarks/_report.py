@@ -278,3 +278,16 @@ def alternate(
             record(col, measured)
             shown = ", ".join(f"{k}={v:.3f}" for k, v in measured.items())
             print(f"[bench] {what} {col} rep {rep + 1}: {shown}", flush=True)
+
+
+def impls_main(
+    doc: str, run: Callable[[str, list[str]], Section], impls: Sequence[str], argv: list[str] | None
+) -> int:
+    """The command line of a section measured per implementation (``--impls``)."""
+    p = common_parser(doc)
+    p.add_argument("--impls", default=",".join(impls), help="comma list")
+    args = p.parse_args(argv)
+    section = run(profile_of(args), [x for x in args.impls.split(",") if x])
+    print(section.render())
+    write_section(section, args.output_dir)
+    return 0

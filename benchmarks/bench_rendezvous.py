@@ -50,10 +50,8 @@ from _common import (
 from _report import (
     Headline,
     Section,
-    common_parser,
-    profile_of,
+    impls_main,
     run_section,
-    write_section,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -701,13 +699,7 @@ def run(profile: str, impls: list[str] | None = None) -> Section:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = common_parser(__doc__ or "")
-    p.add_argument("--impls", default=",".join(IMPLS), help="comma list")
-    args = p.parse_args(argv)
-    section = run(profile_of(args), [x for x in args.impls.split(",") if x])
-    print(section.render())
-    write_section(section, args.output_dir)
-    return 0
+    return impls_main(__doc__ or "", run, IMPLS, argv)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,9 @@ from _report import (
     Row,
     Section,
     alternate,
-    common_parser,
-    profile_of,
+    impls_main,
     ratio_text,
     run_section,
-    write_section,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -232,13 +230,7 @@ def run(profile: str, impls: list[str] | None = None) -> Section:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = common_parser(__doc__ or "")
-    p.add_argument("--impls", default=",".join(IMPLS), help="comma list")
-    args = p.parse_args(argv)
-    section = run(profile_of(args), [x for x in args.impls.split(",") if x])
-    print(section.render())
-    write_section(section, args.output_dir)
-    return 0
+    return impls_main(__doc__ or "", run, IMPLS, argv)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import http.client
 import json
 import logging
 import os
-import selectors
 import socket
 import stat
 import sys
@@ -47,6 +46,7 @@ from http.server import BaseHTTPRequestHandler
 from socketserver import ThreadingMixIn, UnixStreamServer
 
 from elastrun.core.errors import ElastrunError
+from elastrun.core.serving import serve_until_woken
 from elastrun.worker.record import ErrorHandler, _forward_child_failure, get_error_handler
 
 __all__ = [
@@ -157,7 +157,7 @@ def _reachable(path: str) -> Iterator[str]:
 
 class _UnixHTTPServer(ThreadingMixIn, UnixStreamServer):
     daemon_threads = True  # a request being answered must not keep the worker alive
-    timeout = 0.0  # see _serve: handle_request() must never block
+    timeout = 0.0  # see serve_until_woken: handle_request() must never block
     handlers: Mapping[str, Handler]
 
     def server_bind(self) -> None:
@@ -266,7 +266,10 @@ class WorkerServer:
         self._server = server
         self._wake = socket.socketpair()
         self._thread = threading.Thread(
-            target=_serve, args=(server, self._wake[0]), name=_SERVER_THREAD, daemon=True
+            target=serve_until_woken,
+            args=(server, self._wake[0]),
+            name=_SERVER_THREAD,
+            daemon=True,
         )
         self._thread.start()
 
@@ -310,19 +313,6 @@ class WorkerServer:
             f"WorkerServer(socket_path={self.socket_path!r}, "
             f"handlers={sorted(self.handlers)}, running={self.running})"
         )
-
-
-def _serve(server: _UnixHTTPServer, wake: socket.socket) -> None:
-    # Our own loop instead of serve_forever(): shutdown() wakes it at once through
-    # ``wake``, rather than after serve_forever's polling interval on every exit.
-    with selectors.DefaultSelector() as selector:
-        selector.register(server, selectors.EVENT_READ)
-        selector.register(wake, selectors.EVENT_READ)
-        while True:
-            ready = selector.select()
-            if any(key.fileobj is wake for key, _ in ready):
-                return
-            server.handle_request()
 
 
 def _clear_stale_socket(path: str) -> None:

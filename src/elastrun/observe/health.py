@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import logging
-import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from elastrun.core.serving import serve_until_woken
 
 __all__ = [
     "HEALTH_CHECK_PORT_ENV",
@@ -183,23 +184,13 @@ class HealthCheckServer:
         self._server = server
         self._wake = socket.socketpair()
         self._thread = threading.Thread(
-            target=self._serve, name="elastrun-health", args=(server, self._wake[0]), daemon=True
+            target=serve_until_woken,
+            name="elastrun-health",
+            args=(server, self._wake[0]),
+            daemon=True,
         )
         self._thread.start()
         log.info("health check server listening on %s:%d", self.host, self.port)
-
-    @staticmethod
-    def _serve(server: _Server, wake: socket.socket) -> None:
-        # Our own loop instead of serve_forever(): stop() wakes it at once through
-        # ``wake`` rather than after serve_forever's polling interval.
-        with selectors.DefaultSelector() as selector:
-            selector.register(server, selectors.EVENT_READ)
-            selector.register(wake, selectors.EVENT_READ)
-            while True:
-                ready = selector.select()
-                if any(key.fileobj is wake for key, _ in ready):
-                    return
-                server.handle_request()
 
     def stop(self) -> None:
         """Stop serving and free the port. Idempotent; never raises."""

@@ -10,6 +10,7 @@ import enum
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from elastrun.store.api import EventKind, WatchEvent
 
@@ -143,6 +144,31 @@ def _prev_rank(raw: bytes | None) -> int | None:
     return prev if isinstance(prev, int) and not isinstance(prev, bool) else None
 
 
+JSONDoc = dict[str, object]
+
+
+class Bounds(Protocol):
+    """What a decision needs of the rendezvous settings."""
+
+    @property
+    def min_nodes(self) -> int: ...
+
+    @property
+    def max_nodes(self) -> int: ...
+
+    @property
+    def last_call_timeout(self) -> float: ...
+
+
+def apply_events(found: dict[str, bytes], events: Sequence[WatchEvent]) -> None:
+    """Bring a prefix read up to date with the watch events that followed it."""
+    for e in events:
+        if e.kind is EventKind.PUT and e.value is not None:
+            found[e.key] = e.value
+        else:
+            found.pop(e.key, None)
+
+
 class RoundView:
     """What the closer of round ``n`` knows: the joiners and the live nodes.
 
@@ -202,6 +228,36 @@ class RoundView:
     def started(self) -> bool:
         """Whether this round is forming (not only spares waiting for room)."""
         return self.round == 0 or not self.previous_live().isdisjoint(self._joiners)
+
+    def decide(
+        self, bounds: Bounds, *, now: float, call_started_at: float | None, join_deadline: float
+    ) -> RoundDecision:
+        """``decide_round`` on this view."""
+        return decide_round(
+            self.joiners(), self.previous_live(), min_nodes=bounds.min_nodes,
+            max_nodes=bounds.max_nodes, now=now, call_started_at=call_started_at,
+            last_call=bounds.last_call_timeout, join_deadline=join_deadline,
+            first_round=self.round == 0,
+        )  # fmt: skip
+
+    def outcome(self, members: Sequence[str], decision: str, rev: int) -> tuple[JSONDoc, JSONDoc]:
+        """What closing the round with ``members`` publishes: the full record (members in
+        group-rank order with address, role and worker count) and the small result
+        everyone waits for (decision id, size, run-length shape, revision)."""
+        rows: list[list[object]] = []
+        slots: list[tuple[str, int]] = []
+        for m in members:
+            try:
+                data = json.loads(self.joins.get(m) or b"{}")
+            except ValueError:
+                data = {}
+            d = data if isinstance(data, dict) else {}
+            role, lws = str(d.get("role", "")), int(d.get("local_world_size", 0))
+            rows.append([m, d.get("addr", ""), role, lws])
+            slots.append((role, lws))
+        full: JSONDoc = {"members": rows, "rev": rev}
+        result: JSONDoc = {"id": decision, "size": len(rows), "rev": rev, "shape": shape_of(slots)}
+        return full, result
 
 
 class RoundWatch:

@@ -50,14 +50,7 @@ from elastrun.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
-from elastrun.rendezvous.decide import (
-    RoundView,
-    RoundWatch,
-    RunKeys,
-    Verdict,
-    decide_round,
-    shape_of,
-)
+from elastrun.rendezvous.decide import RoundView, RoundWatch, RunKeys, Verdict, apply_events
 from elastrun.rendezvous.local import free_port
 from elastrun.store.api import EventKind, Store
 
@@ -393,11 +386,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 found, rev = self._store.get_prefix(out)
                 continue
             rev = res.revision
-            for e in res.events:
-                if e.kind is EventKind.PUT and e.value is not None:
-                    found[e.key] = e.value
-                else:
-                    found.pop(e.key, None)
+            apply_events(found, res.events)
 
     def _decide(self, n: int, deadline: float) -> bytes:
         """As the closer of round ``n``: follow the joiners and live nodes from watch
@@ -412,31 +401,27 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if view.closed is not None:
                 reason = view.closed.decode(errors="replace")
                 return self._publish(n, _dump({"closed": reason}))
-            joiners = view.joiners()
-            self.seen = len(joiners)
+            joined = len(view.joins)
+            self.seen = joined
             now = self._clock.monotonic()
             started = view.started()
-            if call_started is None and started and len(joiners) >= s.min_nodes:
+            if call_started is None and started and joined >= s.min_nodes:
                 call_started = now
-            decision = decide_round(
-                joiners, view.previous_live(), min_nodes=s.min_nodes, max_nodes=s.max_nodes,
-                now=now, call_started_at=call_started, last_call=s.last_call_timeout,
-                join_deadline=deadline, first_round=n == 0,
-            )  # fmt: skip
+            decision = view.decide(s, now=now, call_started_at=call_started, join_deadline=deadline)
             if decision.verdict is Verdict.CLOSE:
                 return self._commit(n, view, decision.members, rev)
             if decision.verdict is Verdict.TIMEOUT:
-                raise self._timeout_error(n, len(joiners))
+                raise self._timeout_error(n, joined)
             if now >= next_progress:
                 raw = self._store.get(k.result(n))  # closed by a node auditing the round
                 if raw is not None:
                     return raw
                 status = {
-                    "joined": len(joiners),
+                    "joined": joined,
                     "started": started,
                     "last_call_in": (
                         decision.wake_at - now
-                        if decision.wake_at is not None and len(joiners) >= s.min_nodes
+                        if decision.wake_at is not None and joined >= s.min_nodes
                         else None
                     ),
                     "timeout_in": deadline - now,
@@ -471,16 +456,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         below the minimum, closes a round that should be closed, and otherwise waits on
         (the closer is in its last call, or this node is a spare). Returns when to check
         again."""
-        s = self._settings
         view, rev = self._load_view(n)
-        joiners = view.joiners()
-        decision = decide_round(
-            joiners, view.previous_live(), min_nodes=s.min_nodes, max_nodes=s.max_nodes,
-            now=now, call_started_at=None, last_call=s.last_call_timeout,
-            join_deadline=deadline, first_round=n == 0,
-        )  # fmt: skip
+        decision = view.decide(
+            self._settings, now=now, call_started_at=None, join_deadline=deadline
+        )
         if decision.verdict is Verdict.TIMEOUT:
-            raise self._timeout_error(n, len(joiners))
+            raise self._timeout_error(n, len(view.joins))
         if decision.verdict is Verdict.CLOSE:
             self._commit(n, view, decision.members, rev)
         return now + AUDIT_EVERY
@@ -492,16 +473,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         the full list. Returns the result that holds."""
         k = self._keys
         decision = uuid.uuid4().hex[:12]
-        rows = []
-        for m in members:
-            data = _load(view.joins.get(m))
-            d = data if isinstance(data, dict) else {}
-            rows.append([m, d.get("addr", ""), d.get("role", ""), d.get("local_world_size", 0)])
-        self._store.set(k.decided(n, decision), _dump({"members": rows, "rev": rev}))
+        full, result = view.outcome(members, decision, rev)
+        self._store.set(k.decided(n, decision), _dump(full))
         for rank, m in enumerate(members):
             self._store.set(k.rank(n, decision, m), str(rank).encode())
-        shape = shape_of([(str(row[2]), int(row[3])) for row in rows])
-        result = {"id": decision, "size": len(members), "rev": rev, "shape": shape}
         return self._publish(n, _dump(result), len(members))
 
     def _publish(self, n: int, value: bytes, size: int | None = None) -> bytes:

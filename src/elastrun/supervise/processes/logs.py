@@ -23,6 +23,7 @@ import re
 import string
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,13 @@ class LogsDest:
     filtered_stderr: str = ""
 
 
+def _alias(public: str) -> Any:
+    """A read-write property that stands for the attribute ``public``."""
+    return property(
+        lambda self: getattr(self, public), lambda self, value: setattr(self, public, value)
+    )
+
+
 class LogsSpecs(abc.ABC):
     """Policy deciding where worker output and error files go.
 
@@ -216,37 +224,10 @@ class LogsSpecs(abc.ABC):
 
     # torch's base class keeps its arguments in these private names, and subclasses
     # ported from torch use them; they are aliases of the public attributes.
-    @property
-    def _root_log_dir(self) -> str | None:
-        return self.log_dir
-
-    @_root_log_dir.setter
-    def _root_log_dir(self, value: str | None) -> None:
-        self.log_dir = value
-
-    @property
-    def _redirects(self) -> Std | dict[int, Std]:
-        return self.redirects
-
-    @_redirects.setter
-    def _redirects(self, value: Std | dict[int, Std]) -> None:
-        self.redirects = value
-
-    @property
-    def _tee(self) -> Std | dict[int, Std]:
-        return self.tee
-
-    @_tee.setter
-    def _tee(self, value: Std | dict[int, Std]) -> None:
-        self.tee = value
-
-    @property
-    def _local_ranks_filter(self) -> set[int] | None:
-        return self.local_ranks_filter
-
-    @_local_ranks_filter.setter
-    def _local_ranks_filter(self, value: set[int] | None) -> None:
-        self.local_ranks_filter = value
+    _root_log_dir = _alias("log_dir")
+    _redirects = _alias("redirects")
+    _tee = _alias("tee")
+    _local_ranks_filter = _alias("local_ranks_filter")
 
 
 def _safe_dir_part(text: str) -> str:

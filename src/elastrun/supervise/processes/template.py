@@ -192,6 +192,17 @@ def default_preload(argv: Sequence[str], cwd: str | None = None) -> list[str]:
     return []
 
 
+def _name_of(node: ast.AST) -> str | None:
+    """The name a node uses: ``x``, ``a.x`` and ``import a.x as y`` all use ``x``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.alias):
+        return node.name.rpartition(".")[2]
+    return None
+
+
 def _scan_imports(path: str) -> list[str]:
     try:
         if os.path.getsize(path) > _MAX_SCAN_BYTES:
@@ -224,9 +235,7 @@ def _scan_imports(path: str) -> list[str]:
 
     visit(tree.body)
     if any(name.split(".")[0] == "torch" for name in found):
-        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-        used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-        used |= {n.name for n in ast.walk(tree) if isinstance(n, ast.alias)}
+        used = {_name_of(n) for n in ast.walk(tree)}
         found += [
             mod for name, mod in LAZY_TORCH_IMPORTS.items() if name in used and mod not in found
         ]
