@@ -249,6 +249,45 @@ def test_two_forked_workers_do_not_share_random_state(tmp_path: Path) -> None:
     assert a[1] != b[1]
 
 
+# Every generator a fresh interpreter seeds from the OS when these modules are imported
+# (sympy is imported by torch._dynamo, which the template preloads for DDP scripts), and
+# whether anything has touched CUDA's lazy state.
+TORCH_RANDOM = """\
+import json, random
+import numpy, sympy.core.random as sr, torch
+import torch.cuda
+print(json.dumps({
+    "torch": [torch.initial_seed(), torch.rand(2).tolist()],
+    "numpy": numpy.random.random(),
+    "sympy": [sr.rng.random(), sr._assumptions_rng.random()],
+    "random": random.random(),
+    "cuda": [torch.cuda.is_initialized(), len(torch.cuda._queued_calls)],
+}))
+"""
+
+
+@pytest.mark.torch
+def test_forked_workers_reseed_torch_numpy_and_sympy_without_touching_cuda(
+    tmp_path: Path,
+) -> None:
+    script = _write(tmp_path / "rand.py", TORCH_RANDOM)
+    # As the launcher sets it: torch's import starts no OpenMP thread with one.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    fresh = _run(SubprocessStarter(), tmp_path, _argv(str(script)), env=env, tag="fresh")
+    with TemplateStarter(preload=["torch", "numpy", "sympy.core.random"]) as starter:
+        forked = [
+            _run(starter, tmp_path, _argv(str(script)), env=env, tag=f"forked{i}").probe()
+            for i in range(2)
+        ]
+        assert (starter.forked, starter.fell_back) == (2, 0)
+    runs = [fresh.probe(), *forked]
+    for key in ("torch", "numpy", "sympy", "random"):
+        values = [json.dumps(r[key]) for r in runs]
+        assert len(set(values)) == 3, (key, values)
+    # Reseeding torch must not initialise CUDA or queue work for its lazy start.
+    assert forked[0]["cuda"] == forked[1]["cuda"] == runs[0]["cuda"]
+
+
 def test_preloaded_modules_are_imported_once_in_the_template_not_in_workers(
     tmp_path: Path,
 ) -> None:

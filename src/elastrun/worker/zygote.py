@@ -23,14 +23,22 @@ have been: its own session, the given stdin/stdout/stderr (new ``sys.std*`` obje
 as the interpreter builds them, ``-u`` included), default signal dispositions (plus the
 agent's ignored signals and mask, as ``exec`` would pass them on), no inherited
 descriptors, the given working directory, umask, CPU affinity, environment, ``sys.argv`` and
-``sys.orig_argv``, fresh random seeds -- and runs :func:`elastrun.worker.bootstrap.main`,
-whose exceptions reach the interpreter's top level exactly as from a fresh start.
+``sys.orig_argv``, its own random seeds (every generator that a fresh interpreter seeds
+from the OS when importing what the template imported: ``random``, torch's CPU generator,
+numpy's global ``RandomState``, sympy's, the ``multiprocessing`` auth key; see
+:func:`_reseed`) -- and runs :func:`elastrun.worker.bootstrap.main`, whose exceptions
+reach the interpreter's top level exactly as from a fresh start.
 
 What cannot be made identical, and is documented as such: ``/proc/PID/cmdline`` and
 ``/proc/PID/environ`` show the template's command line and initial environment (the
-live environment, ``os.environ`` and ``getenv``, is the worker's), all workers share the
-template's string-hash seed, and modules already imported saw the template's environment
-at import time -- which is why the agent keys templates by the environment.
+live environment, ``os.environ`` and ``getenv``, is the worker's); all workers share the
+template's string-hash seed (``str``/``bytes`` hashes and so the iteration order of sets
+of strings are the same in every worker, unless ``PYTHONHASHSEED`` fixes them anyway),
+since the interpreter draws it once at startup; a module preloaded with ``--preload``
+that draws its own seed from the OS at import time shares it with every worker (only
+the generators named above are reseeded: a module may as well have seeded its generator
+with a constant, which must stay); and modules already imported saw the template's
+environment at import time -- which is why the agent keys templates by the environment.
 
 Protocol: each message is a 4-byte big-endian length and a UTF-8 JSON object; a spawn
 request carries the worker's stdin, stdout and stderr descriptors (SCM_RIGHTS).
@@ -536,12 +544,32 @@ def _reset_signals(request: dict[str, object]) -> None:
 
 
 def _reseed() -> None:
-    # random reseeds itself after fork (os.register_at_fork). Other state seeded from
-    # entropy at import time would be shared by every worker of the template:
+    """Draw from the OS every seed a fresh interpreter draws when importing what the
+    template has imported; modules not imported are left alone (never imported here).
+
+    ``random`` reseeds itself after fork (``os.register_at_fork``). The others were
+    seeded once, in the template, and every worker would draw the same numbers.
+    """
+    torch = sys.modules.get("torch")
+    generator = getattr(torch, "default_generator", None)
+    if generator is not None:
+        # The CPU generator, which torch seeds from the OS when it creates it. Not
+        # torch.seed(): that also queues a seeding of every CUDA generator for CUDA's
+        # lazy start, which a fresh interpreter does not (its CUDA generators start
+        # from torch's fixed default seed until the script seeds them).
+        generator.seed()
     numpy_random = sys.modules.get("numpy.random")
     seed = getattr(numpy_random, "seed", None)
     if seed is not None:
-        seed()
+        seed()  # the legacy global RandomState behind numpy.random.random() & co.
+    # sympy (imported by torch._dynamo, preloaded for DDP scripts) makes two
+    # random.Random instances at import; the at-fork hook of random reseeds only its own.
+    sympy_random = sys.modules.get("sympy.core.random")
+    random_class = getattr(sys.modules.get("random"), "Random", None)
+    for name in ("rng", "_assumptions_rng"):
+        rng = getattr(sympy_random, name, None)
+        if random_class is not None and isinstance(rng, random_class):
+            rng.seed()
     mp_process = sys.modules.get("multiprocessing.process")
     current = getattr(mp_process, "current_process", None)
     if current is not None:
