@@ -1,0 +1,15 @@
+"""A server for torch's own ``TCPStore`` clients, written without torch.
+
+The agent hosts its workers' bootstrap store (``MASTER_ADDR``/``MASTER_PORT`` with
+``TORCHELASTIC_USE_AGENT_STORE=True``) with :class:`TorchWireServer`, so the store
+lives as long as the agent rather than as long as rank 0, and the agent never imports
+torch. ``codec`` holds the wire format, ``state`` the table and its waiting rules,
+``connection`` one client's handling and ``server`` the sockets and the thread.
+"""
+
+from __future__ import annotations
+
+from elastrun.store.torchwire.codec import DEFAULT_MAX_FRAME, DEFAULT_MAX_KEY
+from elastrun.store.torchwire.server import DEFAULT_MAX_CONNECTIONS, TorchWireServer
+
+__all__ = ["DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_FRAME", "DEFAULT_MAX_KEY", "TorchWireServer"]

@@ -1,0 +1,302 @@
+"""One torch client's connection: validation, requests, answers, back-pressure.
+
+Everything here runs on the server's event loop. A connection is an
+``asyncio.Protocol``: each request is answered inside ``data_received`` -- no task per
+request -- and a blocked ``wait`` is only a :class:`~.state.Waiter` whose wake-up
+writes the answer. Thousands of idle or waiting clients therefore cost a socket and a
+few objects each.
+
+A client that breaks the protocol loses its own connection and nothing else. What a
+connection may hold is bounded: its unparsed input by the request size limit (the
+parser refuses an oversized field from its length, before buffering it), its
+unsent output by pausing its reads while the kernel will not take more (a client that
+pipelines ``get``s without reading the answers stops being read, not served into
+memory), and its waiting by one ``wait`` at a time (torch's client is synchronous;
+a second one is a protocol error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import cast
+
+from elastrun.core.errors import StoreError
+from elastrun.store.tcp.protocol import tune_socket
+from elastrun.store.tcp.service import format_addr
+from elastrun.store.torchwire import codec as c
+from elastrun.store.torchwire.state import TorchStoreState, Waiter
+
+log = logging.getLogger("elastrun.store.torchwire")
+
+
+class Complaints:
+    """Warnings about misbehaving clients, at most ``burst`` per ``period`` seconds.
+
+    A job whose every worker misbehaves the same way (thousands of them) must not
+    write thousands of lines: the rest are counted and summed up in the next line
+    that is let through.
+    """
+
+    def __init__(self, clock: Callable[[], float], burst: int = 10, period: float = 60.0) -> None:
+        self._clock = clock
+        self._burst = burst
+        self._period = period
+        self._window_start = float("-inf")
+        self._in_window = 0
+        self.suppressed = 0
+        self.total = 0
+
+    def __call__(self, message: str, *args: object) -> None:
+        self.total += 1
+        now = self._clock()
+        if now - self._window_start >= self._period:
+            self._window_start, self._in_window = now, 0
+        if self._in_window >= self._burst:
+            self.suppressed += 1
+            return
+        self._in_window += 1
+        if self.suppressed:
+            message += " (%d similar messages suppressed)"
+            args = (*args, self.suppressed)
+            self.suppressed = 0
+        log.warning(message, *args)
+
+
+class Hub:
+    """What every connection of one server shares: the state, limits and registry."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        max_connections: int,
+        max_frame: int,
+        max_key: int,
+    ) -> None:
+        self.loop = loop
+        self.state = TorchStoreState()
+        self.max_connections = max_connections
+        self.max_frame = max_frame
+        self.max_key = max_key
+        self.conns: set[Connection] = set()
+        self.complain = Complaints(loop.time)
+
+    def __repr__(self) -> str:
+        return f"Hub(connections={len(self.conns)}, {self.state!r})"
+
+
+class Connection(asyncio.Protocol):
+    """One client: validated by its first request, then served until it closes."""
+
+    def __init__(self, hub: Hub) -> None:
+        self._hub = hub
+        self._state = hub.state
+        self._parser = c.RequestParser(hub.max_frame, hub.max_key)
+        self._transport: asyncio.Transport | None = None
+        self._validated = False
+        self._paused = False  # the peer is not reading its answers: stop reading
+        self._closed = False
+        self._waiter: Waiter | None = None
+        self.peer = "?"
+        self._handlers: dict[c.Op, Callable[[c.Request], None]] = {
+            c.Op.PING: self._ping,
+            c.Op.SET: self._set,
+            c.Op.COMPARE_SET: self._compare_set,
+            c.Op.GET: self._get,
+            c.Op.ADD: self._add,
+            c.Op.CHECK: self._check,
+            c.Op.WAIT: self._wait,
+            c.Op.GETNUMKEYS: self._num_keys,
+            c.Op.DELETE_KEY: self._delete,
+            c.Op.APPEND: self._append,
+            c.Op.MULTI_GET: self._multi_get,
+            c.Op.MULTI_SET: self._multi_set,
+            c.Op.CANCEL_WAIT: self._cancel_wait,
+            c.Op.QUEUE_PUSH: self._queue_push,
+            c.Op.QUEUE_POP: self._queue_pop,
+            c.Op.QUEUE_LEN: self._queue_len,
+            c.Op.LIST_KEYS: self._list_keys,
+            c.Op.BARRIER: self._barrier,
+        }
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "ready" if self._validated else "new"
+        waiting = ", waiting" if self._waiter is not None else ""
+        return f"Connection({self.peer}, {state}{waiting})"
+
+    # -- transport events ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # a stream server's
+        peer = transport.get_extra_info("peername")
+        self.peer = format_addr(str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else "?"
+        if len(self._hub.conns) >= self._hub.max_connections:
+            # Accepted only to be closed: a refused client (torch's) retries with
+            # back-off until its timeout, by when others may have left.
+            self._hub.complain(
+                "refusing the connection from %s: %d clients are connected (the limit)",
+                self.peer,
+                len(self._hub.conns),
+            )
+            self._closed = True
+            transport.close()
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                tune_socket(sock)
+            except OSError as exc:  # the peer may already be gone; the read will tell
+                log.debug("socket options for %s: %r", self.peer, exc)
+        self._hub.conns.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        self._parser.feed(data)
+        self._serve_buffered()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._transport is not None and not self._closed:
+            self._transport.resume_reading()
+            self._serve_buffered()
+
+    def eof_received(self) -> bool | None:
+        if not self._parser.idle:
+            log.debug("%s closed its side in the middle of a request", self.peer)
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._drop_waiter()
+        self._hub.conns.discard(self)
+        log.debug("connection from %s closed (%r)", self.peer, exc)
+
+    def close(self) -> None:
+        """Close at once, dropping unsent answers (used on protocol errors and on stop)."""
+        self._closed = True
+        self._drop_waiter()
+        if self._transport is not None:
+            self._transport.abort()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _serve_buffered(self) -> None:
+        try:
+            while not self._closed and not self._paused:
+                request = self._parser.next()
+                if request is None:
+                    return
+                self._handle(request)
+        except StoreError as exc:  # ProtocolError, NotANumberError: this client's fault
+            self._hub.complain("closing the connection from %s: %s", self.peer, exc)
+            self.close()
+        except Exception as exc:  # a bug of ours: it costs this client, not every client
+            self._hub.complain("internal error serving %s, closing it: %r", self.peer, exc)
+            self.close()
+
+    def _handle(self, request: c.Request) -> None:
+        if not self._validated:
+            if request.op is not c.Op.VALIDATE or request.number != c.MAGIC:
+                raise c.ProtocolError(
+                    f"its first request is {request.op.name} {request.number:#x}, not the "
+                    "validation a torch client sends (another protocol, or not torch?)"
+                )
+            self._validated = True
+            return
+        handler = self._handlers.get(request.op)
+        if handler is None:  # VALIDATE again: torch's server closes too
+            raise c.ProtocolError(f"unexpected {request.op.name} request")
+        handler(request)
+
+    def _send(self, data: bytes) -> None:
+        if self._transport is not None and not self._closed:
+            self._transport.write(data)
+
+    def _ping(self, r: c.Request) -> None:
+        self._send(c.encode_u32(r.number))
+
+    def _set(self, r: c.Request) -> None:
+        self._state.set(r.key, r.values[0])
+
+    def _compare_set(self, r: c.Request) -> None:
+        expected, desired = r.values
+        self._send(c.encode_bytes(self._state.compare_set(r.key, expected, desired)))
+
+    def _get(self, r: c.Request) -> None:
+        self._send(c.encode_bytes(self._state.get(r.key)))
+
+    def _add(self, r: c.Request) -> None:
+        self._send(c.encode_i64(self._state.add(r.key, r.number)))
+
+    def _check(self, r: c.Request) -> None:
+        ready = self._state.check(r.keys)
+        self._send(c.encode_byte(c.CheckReply.READY if ready else c.CheckReply.NOT_READY))
+
+    def _num_keys(self, r: c.Request) -> None:
+        self._send(c.encode_i64(self._state.num_keys))
+
+    def _delete(self, r: c.Request) -> None:
+        self._send(c.encode_i64(int(self._state.delete(r.key))))
+
+    def _append(self, r: c.Request) -> None:
+        self._state.append(r.key, r.values[0])
+
+    def _multi_get(self, r: c.Request) -> None:
+        # Several writes, not one joined buffer: the values may be large.
+        for value in self._state.multi_get(r.keys):
+            self._send(c.encode_bytes(value))
+
+    def _multi_set(self, r: c.Request) -> None:
+        self._state.multi_set(r.keys, r.values)
+
+    def _queue_push(self, r: c.Request) -> None:
+        self._state.queue_push(r.key, r.values[0])
+
+    def _queue_pop(self, r: c.Request) -> None:
+        self._send(c.encode_queue_pop(*self._state.queue_pop(r.key)))
+
+    def _queue_len(self, r: c.Request) -> None:
+        self._send(c.encode_i64(self._state.queue_len(r.key)))
+
+    def _list_keys(self, r: c.Request) -> None:
+        self._send(c.encode_key_list(self._state.list_keys()))
+
+    # -- blocking requests ---------------------------------------------------------------
+
+    def _wait(self, r: c.Request) -> None:
+        self._check_not_waiting(r)
+        self._waiter = self._state.wait(r.keys, self._wake)
+        if self._waiter is None:
+            self._send(c.encode_byte(c.WaitReply.STOP_WAITING))
+
+    def _barrier(self, r: c.Request) -> None:
+        self._check_not_waiting(r)
+        self._waiter = self._state.barrier(r.key, r.number, self._wake)
+        if self._waiter is None:
+            self._send(c.encode_byte(c.WaitReply.STOP_WAITING))
+
+    def _check_not_waiting(self, r: c.Request) -> None:
+        if self._waiter is not None:
+            raise c.ProtocolError(f"{r.op.name} while its previous wait is still blocked")
+
+    def _wake(self) -> None:
+        self._waiter = None
+        self._send(c.encode_byte(c.WaitReply.STOP_WAITING))
+
+    def _cancel_wait(self, r: c.Request) -> None:
+        # The client's wait timed out. If it was released meanwhile, the client
+        # reads that STOP_WAITING first, then this answer: it expects both.
+        self._drop_waiter()
+        self._send(c.encode_byte(c.WaitReply.WAIT_CANCELED))
+
+    def _drop_waiter(self) -> None:
+        if self._waiter is not None:
+            self._state.cancel(self._waiter)
+            self._waiter = None

@@ -1,0 +1,233 @@
+"""The server that torch's TCPStore clients talk to: sockets and lifecycle.
+
+``start()`` binds and listens in the caller's thread -- the port is known when it
+returns, and a client may connect at once (the kernel queues it until the loop runs)
+-- then one daemon thread runs the event loop that serves every connection. What a
+connection does is in ``connection``; the table it serves is in ``state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from elastrun.core.errors import ConfigError, StoreError
+
+# The tcp store's listening helpers: one address or all of a name's, one port for all,
+# IPv6 sockets that leave the IPv4 port alone, and a re-pick when port 0 collides.
+from elastrun.store.tcp.server import BACKLOG, _bind
+from elastrun.store.tcp.service import format_addr
+from elastrun.store.torchwire import codec
+from elastrun.store.torchwire.connection import Connection, Hub
+
+log = logging.getLogger("elastrun.store.torchwire")
+
+#: Every worker of a large job connects; the process's descriptor limit is the real cap.
+DEFAULT_MAX_CONNECTIONS = 65536
+#: How long close() waits for the server thread.
+CLOSE_TIMEOUT = 5.0
+
+
+class TorchWireServer:
+    """Serves a key-value store to torch's ``TCPStore`` clients, without torch.
+
+    It speaks the protocol of torch 2.13's TCPStore (the libuv server's semantics), so
+    workers started with ``TORCHELASTIC_USE_AGENT_STORE=True`` and ``MASTER_ADDR``/
+    ``MASTER_PORT`` pointing here bootstrap their process groups from it -- and the
+    store outlives any one worker.
+
+    Args:
+        host: address to listen on; ``""`` means every interface (IPv4 and IPv6), a
+            name with several addresses (``localhost``) is bound on all of them.
+        port: port to listen on; 0 picks a free one (returned by :meth:`start`).
+        max_connections: clients served at once; a connection beyond it is closed at
+            once (torch's client retries until its timeout).
+        max_frame: largest request in bytes -- in practice, the largest value a client
+            may store (torch's own server stops at 8 MiB).
+        max_key: longest key in bytes.
+
+    A client that exceeds a limit or breaks the protocol has its own connection
+    closed; no other client notices. The constructor does no I/O; it raises
+    ``ConfigError`` for a bad argument.
+    """
+
+    def __init__(
+        self,
+        host: str = "",
+        port: int = 0,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_frame: int = codec.DEFAULT_MAX_FRAME,
+        max_key: int = codec.DEFAULT_MAX_KEY,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ConfigError("port", port, "must be in 0..65535")
+        if max_connections < 1:
+            raise ConfigError("max_connections", max_connections, "must be at least 1")
+        if max_frame < 64:
+            raise ConfigError("max_frame", max_frame, "must be at least 64 bytes")
+        if not 1 <= max_key <= max_frame:
+            raise ConfigError("max_key", max_key, f"must be in 1..max_frame ({max_frame})")
+        self._host = host
+        self._requested_port = port
+        self._max_connections = max_connections
+        self._max_frame = max_frame
+        self._max_key = max_key
+        self._port: int | None = None
+        self._lock = threading.Lock()
+        self._started = False
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._hub: Hub | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The port listened on (the chosen one when constructed with port 0).
+
+        Raises ``StoreError`` before :meth:`start`.
+        """
+        if self._port is None:
+            raise StoreError("the torch store server is not listening yet")
+        return self._port
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def num_keys(self) -> int:
+        """Keys holding a value, as ``get_num_keys`` counts them."""
+        return self._hub.state.num_keys if self._hub is not None else 0
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._hub.conns) if self._hub is not None else 0
+
+    def start(self) -> int:
+        """Bind and listen in this thread, then serve from a daemon thread.
+
+        Returns the port. Raises ``StoreError`` naming ``host:port`` when the address
+        cannot be bound, or when called twice. Must not be called from a thread
+        running an asyncio loop (binding uses a loop of its own, run here).
+        """
+        with self._lock:
+            if self._started or self._closed:
+                raise StoreError("this torch store server was already started or closed")
+            self._started = True
+        loop = asyncio.new_event_loop()
+        hub = Hub(loop, self._max_connections, self._max_frame, self._max_key)
+        try:
+            servers = loop.run_until_complete(self._listen(loop, hub))
+        except (OSError, RuntimeError) as exc:
+            loop.close()
+            where = format_addr(self._host or "*", self._requested_port)
+            raise StoreError(f"cannot listen on {where}: {exc}") from exc
+        stop = asyncio.Event()
+        thread = threading.Thread(
+            target=self._run,
+            args=(loop, servers, hub, stop),
+            name=f"elastrun-torchwire {format_addr(self._host or '*', self.port)}",
+            daemon=True,
+        )
+        with self._lock:
+            self._loop, self._stop, self._hub, self._thread = loop, stop, hub, thread
+        thread.start()
+        if self.closed:  # close() ran while this was binding: honour it now
+            self._request_stop()
+        log.info("serving torch store clients on %s", format_addr(self._host or "*", self.port))
+        return self.port
+
+    def close(self) -> None:
+        """Stop accepting, close every connection and end the thread; never raises.
+
+        Idempotent. Waits for the server thread up to ``CLOSE_TIMEOUT`` seconds (not
+        when called from that thread).
+        """
+        with self._lock:
+            already = self._closed
+            self._closed = True
+            thread = self._thread
+        if already and thread is None:
+            return
+        self._request_stop()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_TIMEOUT)
+            if thread.is_alive():
+                log.warning("the torch store server thread did not end in %ss", CLOSE_TIMEOUT)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "serving" if self._thread is not None else "new"
+        where = format_addr(self._host or "*", self._port or self._requested_port)
+        return (
+            f"TorchWireServer({where}, {state}, keys={self.num_keys}, "
+            f"connections={self.num_connections})"
+        )
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _request_stop(self) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is None or stop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(stop.set)
+        except RuntimeError:  # the loop closed in between: nothing left to stop
+            pass
+
+    async def _listen(self, loop: asyncio.AbstractEventLoop, hub: Hub) -> list[asyncio.Server]:
+        socks = await _bind(self._host, self._requested_port)
+        servers: list[asyncio.Server] = []
+        try:
+            for sock in socks:
+                server = await loop.create_server(
+                    lambda: Connection(hub), sock=sock, backlog=BACKLOG
+                )
+                servers.append(server)
+        except BaseException:
+            for server in servers:
+                server.close()
+            for sock in socks:
+                sock.close()
+            raise
+        self._port = int(socks[0].getsockname()[1])
+        return servers
+
+    def _run(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        servers: list[asyncio.Server],
+        hub: Hub,
+        stop: asyncio.Event,
+    ) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._serve(servers, hub, stop))
+        except Exception:
+            log.exception("the torch store server stopped on an error")
+        finally:
+            try:
+                loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                loop.close()
+
+    async def _serve(self, servers: list[asyncio.Server], hub: Hub, stop: asyncio.Event) -> None:
+        try:
+            await stop.wait()
+        finally:
+            for server in servers:
+                server.close()
+            for conn in list(hub.conns):
+                conn.close()
+            # Aborted transports report connection_lost on the next iterations.
+            for _ in range(3):
+                await asyncio.sleep(0)
+            for server in servers:
+                await server.wait_closed()
+            log.info("the torch store server stopped (%d keys held)", hub.state.num_keys)
