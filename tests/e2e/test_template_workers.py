@@ -4,11 +4,15 @@ like the fresh ``python -u train.py ARGS`` that ``--no-template`` (and torchrun)
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from _helpers import run, write_script
+from _helpers import finish, run, start, write_script
 
 MODES = {"template": [], "no-template": ["--no-template"]}
 
@@ -57,3 +61,80 @@ def test_every_rank_and_restart_draws_its_own_torch_random_numbers_unless_seeded
     assert len({tuple(r["rand"]) for r in records}) == 6, records
     # An explicit seed gives every worker exactly that seed's numbers.
     assert all(r["seeded"] == [1234, SEEDED_1234] for r in records), records
+
+
+# --- a stop request while workers are being forked -------------------------------------
+
+# Says when it runs; on attempt 0 rank 1 fails at once, so that a restart follows.
+STARTED = """\
+import os, sys, time
+restart, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
+print("started", restart, rank, flush=True)
+if len(sys.argv) > 1 and restart == "0" and rank == "1":
+    sys.exit(1)
+time.sleep(60)
+"""
+# Lines of the launcher's log just before (or while) it forks workers.
+TEMPLATE_READY = "worker template pid"
+RESTARTING = "restarting all workers"
+RUNS = 15
+# A lost signal costs the whole shutdown grace (30 s by default) and a SIGKILL.
+PROMPT = 5.0
+
+
+def _interrupt_when(proc: subprocess.Popen[str], line: str, delay: float) -> str:
+    """Send SIGINT ``delay`` seconds after the launcher's stderr shows ``line``."""
+    assert proc.stderr is not None
+    seen = []
+    while True:
+        got = proc.stderr.readline()
+        assert got, f"the launcher ended before logging {line!r}: {''.join(seen)}"
+        seen.append(got)
+        if line in got:
+            break
+    time.sleep(delay)
+    os.kill(proc.pid, signal.SIGINT)
+    return "".join(seen)
+
+
+def _assert_stops_promptly(proc: subprocess.Popen[str], sent_at: float, what: str) -> None:
+    result = finish(proc, 60)
+    took = time.monotonic() - sent_at
+    assert result.returncode == 128 + signal.SIGINT, (what, result.stderr)
+    assert took < PROMPT, f"{what}: stopping took {took:.1f}s\n{result.stderr}"
+    assert "needed SIGKILL" not in result.stderr, what
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("trigger", "args"), [(TEMPLATE_READY, []), (RESTARTING, ["fail"])])
+def test_an_interrupt_while_workers_are_forked_stops_them_at_once(
+    tmp_path: Path, trigger: str, args: list[str]
+) -> None:
+    script = write_script(tmp_path / "started.py", STARTED)
+    for i in range(RUNS):
+        delay = (i % 8) / 1000  # 0 to 7 ms after the line: the forks take a few ms
+        proc = start(
+            ["--nproc-per-node", "2", "--max-restarts", "1", str(script), *args], cwd=tmp_path
+        )
+        _interrupt_when(proc, trigger, delay)
+        _assert_stops_promptly(proc, time.monotonic(), f"run {i}, {delay * 1000:.0f} ms")
+
+
+@pytest.mark.slow
+def test_an_interrupt_at_any_moment_of_the_launch_stops_it_at_once(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "started.py", STARTED)
+    # When does the first worker run on this machine, now?
+    t0 = time.monotonic()
+    proc = start(["--nproc-per-node", "2", str(script)], cwd=tmp_path)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("started")
+    first = time.monotonic() - t0
+    os.kill(proc.pid, signal.SIGINT)
+    _assert_stops_promptly(proc, time.monotonic(), "calibration")
+    for i in range(RUNS):
+        # From well before the first worker runs to well after, a few ms apart.
+        delay = first * (0.7 + 0.04 * i)
+        proc = start(["--nproc-per-node", "2", str(script)], cwd=tmp_path)
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGINT)
+        _assert_stops_promptly(proc, time.monotonic(), f"run {i}, {delay * 1000:.0f} ms")

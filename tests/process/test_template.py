@@ -451,6 +451,26 @@ def _check_group_signals(
     assert template.forked == 1
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_sent_as_soon_as_a_worker_is_started_is_not_lost(
+    template: TemplateStarter, tmp_path: Path, sig: int
+) -> None:
+    # start() returns while the forked worker still sets itself up; the agent may signal
+    # it from then on (a Ctrl-C during a restart). It must act as on a fresh worker,
+    # not vanish into the template's ignored SIGINT.
+    script = _write(tmp_path / "sleep.py", "import time\ntime.sleep(60)\n")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as the launcher
+    try:
+        for i in range(10):
+            for name, starter in (("fresh", SubprocessStarter()), ("forked", template)):
+                proc = starter.start(ProcessSpec(0, dict(os.environ), argv=_argv(str(script))))
+                proc.signal_group(sig)
+                assert _wait(proc, 5.0) == -sig, (name, i)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert template.forked == 10
+
+
 def test_exited_does_not_reap_a_forked_worker(template: TemplateStarter, tmp_path: Path) -> None:
     proc, _ = _start_sleeper(template, tmp_path, "w")
     assert not proc.exited()

@@ -17,6 +17,11 @@ once; the agent is a child subreaper while it waits for the reply, so the kernel
 the orphaned worker to it. The worker waits until it sees the agent as its parent, arms
 its parent-death signal, and waits for the template's go-ahead -- sent only after the
 agent was told the worker's pid, so no worker runs that the agent does not know of.
+Both forks happen with every signal blocked, and the worker unblocks them only once its
+dispositions are reset: from the moment the agent knows the pid it may signal the
+worker (a Ctrl-C during a start or a restart), and such a signal must neither vanish into
+the template's ignored SIGINT nor interrupt the set-up half-way; held pending, it acts
+when unblocked, as on a fresh process.
 
 The worker then becomes what ``python [OPTS] -m elastrun.worker.bootstrap ARGS`` would
 have been: its own session, the given stdin/stdout/stderr (new ``sys.std*`` objects built
@@ -355,14 +360,23 @@ def _spawn(sock: socket.socket, request: dict[str, object], fds: list[int]) -> _
     stdio_fds = _stdio_fds(request, fds)
     pid_r, pid_w = os.pipe()  # intermediate -> template: "P<pid>" or "E<error>"
     go_r, go_w = os.pipe()  # template -> worker: "g" once the agent knows the pid
+    # The new processes start with every signal blocked, and the worker keeps them
+    # blocked until it has its own dispositions (_reset_signals). Without this, the
+    # worker would inherit the template's ignored SIGINT, and a SIGINT the agent
+    # forwards as soon as it knows the pid would be discarded: the agent then waits
+    # its whole shutdown grace and kills. A blocked signal is held pending instead,
+    # even an ignored one, and acts once the worker unblocks it.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
         intermediate = os.fork()
     except OSError as exc:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         _close_quietly(pid_r, pid_w, go_r, go_w, *fds)
         send_message(sock, {"error": f"fork failed: {exc}"})
         return None
     if intermediate == 0:
         return _intermediate(request, stdio_fds, pid_w, go_r, (pid_r, go_w))
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     _close_quietly(pid_w, go_r, *fds)
     try:
         os.waitpid(intermediate, 0)
@@ -526,7 +540,15 @@ def _int_list(request: dict[str, object], key: str) -> list[int]:
 
 
 def _reset_signals(request: dict[str, object]) -> None:
-    """Dispositions and mask as a freshly exec'd interpreter would have them."""
+    """Dispositions and mask as a freshly exec'd interpreter has them before it installs
+    its SIGINT handler (:func:`_handle_interrupts` does that last).
+
+    Runs with every signal blocked since the fork (see :func:`_spawn`). A signal sent
+    meanwhile is pending; the new mask delivers it with a default disposition, so it
+    acts as on a fresh process that has not yet set up its handlers: SIGINT and SIGTERM
+    end the worker at once (setting SIG_IGN, or SIG_DFL for a signal whose default is
+    to be ignored, discards a pending one, as it would have been on a fresh process).
+    """
     ignored = set(_int_list(request, "ignored_signals"))
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
@@ -538,9 +560,18 @@ def _reset_signals(request: dict[str, object]) -> None:
     # What the interpreter itself sets at startup.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    if signal.SIGINT not in ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, _int_list(request, "blocked_signals"))
+
+
+def _handle_interrupts(request: dict[str, object]) -> None:
+    """Install python's SIGINT handler, as the interpreter does unless SIGINT is ignored.
+
+    The last step before the worker's code runs: a KeyboardInterrupt raised any earlier
+    would end in the setup's error path (exit status 1) instead of an interrupted
+    worker's death by SIGINT.
+    """
+    if signal.SIGINT not in _int_list(request, "ignored_signals"):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _reseed() -> None:
@@ -601,6 +632,7 @@ def _become_worker(job: _Job, stdio: _Stdio, keep: set[int]) -> None:
 
         if faulthandler.is_enabled():
             faulthandler.enable(file=sys.stderr, all_threads=True)
+        _handle_interrupts(job.request)
     except BaseException as exc:
         try:
             os.write(
