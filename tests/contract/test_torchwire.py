@@ -147,6 +147,11 @@ def same_on_both(ports: dict[str, int], scenario: Callable[[int], object]) -> ob
     return seen["ours"]
 
 
+def client(dist: Any, port: int, **options: object) -> Any:
+    """A torch TCPStore client (never a master) of the server on ``port``."""
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT, **options)
+
+
 def error_name(call: Callable[[], object]) -> str:
     try:
         call()
@@ -161,7 +166,7 @@ def error_name(call: Callable[[], object]) -> str:
 @pytest.mark.torch
 def test_every_key_operation_answers_as_torchs_own_server(dist: Any, ports: dict[str, int]) -> None:
     def scenario(port: int) -> list[object]:
-        s = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+        s = client(dist, port)
         out: list[object] = []
         s.set("k", b"v1")
         s.set("empty", b"")
@@ -199,7 +204,7 @@ def test_a_timed_out_wait_raises_torchs_error_and_the_connection_stays_usable(
     dist: Any, ports: dict[str, int]
 ) -> None:
     def scenario(port: int) -> list[object]:
-        s = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+        s = client(dist, port)
         started = time.monotonic()
         try:
             s.wait(["missing"], timedelta(milliseconds=200))
@@ -224,8 +229,8 @@ def test_a_timed_out_wait_raises_torchs_error_and_the_connection_stays_usable(
 @pytest.mark.torch
 def test_get_waits_for_a_key_another_client_sets_later(dist: Any, ports: dict[str, int]) -> None:
     def scenario(port: int) -> list[object]:
-        reader = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
-        writer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+        reader = client(dist, port)
+        writer = client(dist, port)
         timer = threading.Timer(0.2, lambda: writer.set("late", b"here"))
         started = time.monotonic()
         timer.start()
@@ -248,7 +253,7 @@ def test_several_clients_at_once_count_wait_and_see_each_other(
 
         def worker(i: int) -> None:
             try:
-                s = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+                s = client(dist, port)
                 for _ in range(adds):
                     s.add("ctr", 1)
                 s.set(f"own{i}", str(i))
@@ -260,7 +265,7 @@ def test_several_clients_at_once_count_wait_and_see_each_other(
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
-        main = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+        main = client(dist, port)
         main.wait([f"own{i}" for i in range(n)])
         main.set("go", b"")
         for t in threads:
@@ -275,7 +280,7 @@ def test_several_clients_at_once_count_wait_and_see_each_other(
 @pytest.mark.torch
 def test_prefix_stores_on_top_behave_as_on_torchs_server(dist: Any, ports: dict[str, int]) -> None:
     def scenario(port: int) -> list[object]:
-        base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+        base = client(dist, port)
         job = dist.PrefixStore("job", base)
         nested = dist.PrefixStore("inner", job)
         other = dist.PrefixStore("other", base)
@@ -306,10 +311,7 @@ def test_clients_with_a_world_size_count_themselves_in_like_on_torchs_server(
     dist: Any, ports: dict[str, int]
 ) -> None:
     def scenario(port: int) -> list[object]:
-        clients = [
-            dist.TCPStore("127.0.0.1", port, world_size=3, is_master=False, timeout=TIMEOUT)
-            for _ in range(3)
-        ]
+        clients = [client(dist, port, world_size=3) for _ in range(3)]
         with RawClient(port) as raw:
             count = raw.ask(Request(Op.GET, (b"init/",)), 8 + 1)
         return [clients[0].num_keys(), count]
@@ -322,7 +324,7 @@ def test_queues_push_pop_and_time_out_like_on_torchs_server(
     dist: Any, ports: dict[str, int]
 ) -> None:
     def scenario(port: int) -> list[object]:
-        s = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+        s = client(dist, port)
         s.queue_push("q", b"1")
         s.queue_push("q", b"2")
         out: list[object] = [s.queue_len("q"), s.queue_pop("q", False), s.check(["q"])]
@@ -351,7 +353,7 @@ def test_queues_push_pop_and_time_out_like_on_torchs_server(
 @pytest.mark.torch
 def test_barriers_pass_and_time_out_like_on_torchs_server(dist: Any, ports: dict[str, int]) -> None:
     def scenario(port: int) -> list[object]:
-        s = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+        s = client(dist, port)
         s.barrier("solo", 1)
         late = error_name(lambda: s.barrier("pair", 2, timedelta(milliseconds=200)))
         s.barrier("pair", 2)  # the timed-out arrival counted
@@ -365,8 +367,8 @@ def test_add_on_a_non_number_drops_only_that_client_like_torchs_server(
     dist: Any, ports: dict[str, int]
 ) -> None:
     def scenario(port: int) -> list[object]:
-        victim = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
-        bystander = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+        victim = client(dist, port)
+        bystander = client(dist, port)
         victim.set("word", "abc")
         failed = error_name(lambda: victim.add("word", 1))
         return [failed, bystander.get("word"), bystander.add("n", 1)]
@@ -506,7 +508,7 @@ def test_misbehaving_clients_lose_only_their_own_connection(
     dist: Any, wire_factory: Callable[..., WireProcess]
 ) -> None:
     wire = wire_factory(max_frame=1 << 20, max_key=1024)
-    good = dist.TCPStore("127.0.0.1", wire.port, is_master=False, timeout=TIMEOUT)
+    good = client(dist, wire.port)
     result: list[object] = []
     waiting = threading.Thread(target=lambda: result.append(good.get("later")))
     waiting.start()
@@ -533,7 +535,7 @@ def test_misbehaving_clients_lose_only_their_own_connection(
         if linger:  # close with RST instead of FIN
             half.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
         half.sock.close()
-    other = dist.TCPStore("127.0.0.1", wire.port, is_master=False, timeout=TIMEOUT)
+    other = client(dist, wire.port)
     other.set("later", b"still here")
     waiting.join(10)
     assert result == [b"still here"]
@@ -543,7 +545,7 @@ def test_misbehaving_clients_lose_only_their_own_connection(
 
 @pytest.mark.torch
 def test_values_beyond_torchs_own_8_mib_limit_are_served(dist: Any, wire: WireProcess) -> None:
-    s = dist.TCPStore("127.0.0.1", wire.port, is_master=False, timeout=TIMEOUT)
+    s = client(dist, wire.port)
     big = os.urandom(9 << 20)
     s.set("big", big)
     assert s.get("big") == big
@@ -554,8 +556,8 @@ def test_a_value_over_the_configured_limit_drops_that_client_only(
     dist: Any, wire_factory: Callable[..., WireProcess]
 ) -> None:
     wire = wire_factory(max_frame=1 << 20)
-    sender = dist.TCPStore("127.0.0.1", wire.port, is_master=False, timeout=TIMEOUT)
-    bystander = dist.TCPStore("127.0.0.1", wire.port, is_master=False, timeout=TIMEOUT)
+    sender = client(dist, wire.port)
+    bystander = client(dist, wire.port)
     sender.set("fits", b"x" * (1 << 19))
     with contextlib.suppress(Exception):  # fire and forget: the next call notices
         sender.set("huge", b"x" * (2 << 20))

@@ -10,7 +10,7 @@ import pytest
 
 from elastrun.store.torchwire import codec as c
 from elastrun.store.torchwire.codec import Op, Request
-from elastrun.store.torchwire.connection import Complaints, Connection, Hub
+from elastrun.store.torchwire.connection import Complaints, Connection, Hub, Limits
 
 VALIDATE = Request(Op.VALIDATE, number=c.MAGIC)
 
@@ -56,7 +56,7 @@ class FakeTransport(asyncio.Transport):
 @pytest.fixture
 def hub() -> Iterator[Hub]:
     loop = asyncio.new_event_loop()
-    yield Hub(loop, max_connections=10, max_frame=1 << 16, max_key=256)
+    yield Hub(loop, Limits(max_connections=10, max_frame=1 << 16, max_key=256))
     loop.close()
 
 
@@ -112,7 +112,7 @@ def test_a_lost_connection_leaves_no_waiter_behind(hub: Hub) -> None:
 
 
 def test_connections_over_the_limit_are_closed_before_any_request(hub: Hub) -> None:
-    hub.max_connections = 1
+    hub.limits = Limits(max_connections=1)
     connect(hub)
     _, second = connect(hub)
     assert second.aborted

@@ -10,6 +10,7 @@ torch. ``codec`` holds the wire format, ``state`` the table and its waiting rule
 from __future__ import annotations
 
 from elastrun.store.torchwire.codec import DEFAULT_MAX_FRAME, DEFAULT_MAX_KEY
-from elastrun.store.torchwire.server import DEFAULT_MAX_CONNECTIONS, TorchWireServer
+from elastrun.store.torchwire.connection import DEFAULT_MAX_CONNECTIONS
+from elastrun.store.torchwire.server import TorchWireServer
 
 __all__ = ["DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_FRAME", "DEFAULT_MAX_KEY", "TorchWireServer"]

@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
-from elastrun.core.errors import StoreError
+from elastrun.core.errors import ConfigError, StoreError
 from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec as c
@@ -64,21 +65,40 @@ class Complaints:
         log.warning(message, *args)
 
 
+#: Every worker of a large job connects; the process's descriptor limit is the real cap.
+DEFAULT_MAX_CONNECTIONS = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one server accepts; raises ``ConfigError`` naming a bad field.
+
+    ``max_connections``: clients served at once. ``max_frame``: the largest request in
+    bytes, in practice the largest value. ``max_key``: the longest key in bytes.
+    """
+
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_frame: int = c.DEFAULT_MAX_FRAME
+    max_key: int = c.DEFAULT_MAX_KEY
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ConfigError("max_connections", self.max_connections, "must be at least 1")
+        if self.max_frame < 64:
+            raise ConfigError("max_frame", self.max_frame, "must be at least 64 bytes")
+        if not 1 <= self.max_key <= self.max_frame:
+            raise ConfigError(
+                "max_key", self.max_key, f"must be in 1..{self.max_frame} (max_frame)"
+            )
+
+
 class Hub:
     """What every connection of one server shares: the state, limits and registry."""
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        max_connections: int,
-        max_frame: int,
-        max_key: int,
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits) -> None:
         self.loop = loop
         self.state = TorchStoreState()
-        self.max_connections = max_connections
-        self.max_frame = max_frame
-        self.max_key = max_key
+        self.limits = limits
         self.conns: set[Connection] = set()
         self.complain = Complaints(loop.time)
 
@@ -92,7 +112,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, hub: Hub) -> None:
         self._hub = hub
         self._state = hub.state
-        self._parser = c.RequestParser(hub.max_frame, hub.max_key)
+        self._parser = c.RequestParser(hub.limits.max_frame, hub.limits.max_key)
         self._transport: asyncio.Transport | None = None
         self._validated = False
         self._paused = False  # the peer is not reading its answers: stop reading
@@ -131,7 +151,7 @@ class Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # a stream server's
         peer = transport.get_extra_info("peername")
         self.peer = format_addr(str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else "?"
-        if len(self._hub.conns) >= self._hub.max_connections:
+        if len(self._hub.conns) >= self._hub.limits.max_connections:
             # Accepted only to be closed: a refused client (torch's) retries with
             # back-off until its timeout, by when others may have left.
             self._hub.complain(

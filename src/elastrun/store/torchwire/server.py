@@ -19,12 +19,10 @@ from elastrun.core.errors import ConfigError, StoreError
 from elastrun.store.tcp.server import BACKLOG, _bind
 from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec
-from elastrun.store.torchwire.connection import Connection, Hub
+from elastrun.store.torchwire.connection import DEFAULT_MAX_CONNECTIONS, Connection, Hub, Limits
 
 log = logging.getLogger("elastrun.store.torchwire")
 
-#: Every worker of a large job connects; the process's descriptor limit is the real cap.
-DEFAULT_MAX_CONNECTIONS = 65536
 #: How long close() waits for the server thread.
 CLOSE_TIMEOUT = 5.0
 
@@ -50,6 +48,14 @@ class TorchWireServer:
     A client that exceeds a limit or breaks the protocol has its own connection
     closed; no other client notices. The constructor does no I/O; it raises
     ``ConfigError`` for a bad argument.
+
+    Hosting notes: serve each round of workers from a fresh server (torch's agent
+    starts a new store per round too), so keys of a failed attempt cannot be read by
+    the next one. Each client holds a descriptor: thousands of workers need the
+    process's open-file limit raised (``elastrun.store.tcp.raise_fd_limit``). Do not
+    host it in a process that itself calls torch's client: some of torch's calls
+    (``queue_pop``, ``list_keys``, ``barrier``...) keep the GIL while they block, and
+    this server's thread would never get to answer them.
     """
 
     def __init__(
@@ -62,19 +68,12 @@ class TorchWireServer:
     ) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError("port", port, "must be in 0..65535")
-        if max_connections < 1:
-            raise ConfigError("max_connections", max_connections, "must be at least 1")
-        if max_frame < 64:
-            raise ConfigError("max_frame", max_frame, "must be at least 64 bytes")
-        if not 1 <= max_key <= max_frame:
-            raise ConfigError("max_key", max_key, f"must be in 1..max_frame ({max_frame})")
+        self._limits = Limits(max_connections, max_frame, max_key)
         self._host = host
         self._requested_port = port
-        self._max_connections = max_connections
-        self._max_frame = max_frame
-        self._max_key = max_key
         self._port: int | None = None
-        self._lock = threading.Lock()
+        # Re-entrant: close() may run in a signal handler of the thread in start().
+        self._lock = threading.RLock()
         self._started = False
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -122,7 +121,7 @@ class TorchWireServer:
                 raise StoreError("this torch store server was already started or closed")
             self._started = True
         loop = asyncio.new_event_loop()
-        hub = Hub(loop, self._max_connections, self._max_frame, self._max_key)
+        hub = Hub(loop, self._limits)
         try:
             servers = loop.run_until_complete(self._listen(loop, hub))
         except (OSError, RuntimeError) as exc:
@@ -183,19 +182,18 @@ class TorchWireServer:
 
     async def _listen(self, loop: asyncio.AbstractEventLoop, hub: Hub) -> list[asyncio.Server]:
         socks = await _bind(self._host, self._requested_port)
-        servers: list[asyncio.Server] = []
-        try:
-            for sock in socks:
-                server = await loop.create_server(
-                    lambda: Connection(hub), sock=sock, backlog=BACKLOG
-                )
-                servers.append(server)
-        except BaseException:
+        made = await asyncio.gather(
+            *(loop.create_server(lambda: Connection(hub), sock=s, backlog=BACKLOG) for s in socks),
+            return_exceptions=True,
+        )
+        servers = [m for m in made if isinstance(m, asyncio.Server)]
+        failures = [m for m in made if isinstance(m, BaseException)]
+        if failures:  # all or nothing: close what did start, and every socket
             for server in servers:
                 server.close()
             for sock in socks:
                 sock.close()
-            raise
+            raise failures[0]
         self._port = int(socks[0].getsockname()[1])
         return servers
 
