@@ -107,6 +107,7 @@ class TorchWireServer:
 
     @property
     def num_connections(self) -> int:
+        """Clients connected now."""
         return len(self._hub.conns) if self._hub is not None else 0
 
     def start(self) -> int:
@@ -136,9 +137,11 @@ class TorchWireServer:
             daemon=True,
         )
         with self._lock:
-            self._loop, self._stop, self._hub, self._thread = loop, stop, hub, thread
+            self._loop, self._stop, self._hub = loop, stop, hub
         thread.start()
-        if self.closed:  # close() ran while this was binding: honour it now
+        with self._lock:  # published once started: close() may join it
+            self._thread = thread
+        if self.closed:  # close() ran meanwhile: make sure the request reaches the loop
             self._request_stop()
         log.info("serving torch store clients on %s", format_addr(self._host or "*", self.port))
         return self.port
