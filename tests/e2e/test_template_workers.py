@@ -97,10 +97,17 @@ def _interrupt_when(proc: subprocess.Popen[str], line: str, delay: float) -> str
     return "".join(seen)
 
 
-def _assert_stops_promptly(proc: subprocess.Popen[str], sent_at: float, what: str) -> None:
+def _assert_stops_promptly(
+    proc: subprocess.Popen[str], sent_at: float, what: str, early: bool = False
+) -> None:
     result = finish(proc, 60)
     took = time.monotonic() - sent_at
-    assert result.returncode == 128 + signal.SIGINT, (what, result.stderr)
+    if early and result.returncode == -signal.SIGINT:
+        # Sent before the launcher had installed its handlers (still importing): it
+        # dies of the interrupt, as any python program does, before starting anything.
+        assert "started" not in result.stderr, (what, result.stderr)
+    else:
+        assert result.returncode == 128 + signal.SIGINT, (what, result.stderr)
     assert took < PROMPT, f"{what}: stopping took {took:.1f}s\n{result.stderr}"
     assert "needed SIGKILL" not in result.stderr, what
 
@@ -137,4 +144,41 @@ def test_an_interrupt_at_any_moment_of_the_launch_stops_it_at_once(tmp_path: Pat
         proc = start(["--nproc-per-node", "2", str(script)], cwd=tmp_path)
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGINT)
-        _assert_stops_promptly(proc, time.monotonic(), f"run {i}, {delay * 1000:.0f} ms")
+        what = f"run {i}, {delay * 1000:.0f} ms"
+        _assert_stops_promptly(proc, time.monotonic(), what, early=True)
+
+
+# --- how a worker looks from outside ---------------------------------------------------
+
+# What ps, pgrep -f, top and psutil show of this worker.
+LOOKS = """\
+import json, os, subprocess
+import psutil
+me = psutil.Process()
+pgrep = subprocess.run(["pgrep", "-f", "train.py --lr 0.1"], capture_output=True, text=True)
+print("LOOKS " + json.dumps({
+    "rank": os.environ["RANK"],
+    "cmdline": me.cmdline(),
+    "comm": me.name(),
+    "pgrep": os.getpid() in [int(p) for p in pgrep.stdout.split()],
+}), flush=True)
+"""
+
+
+def test_a_forked_worker_looks_like_a_fresh_one_to_ps_pgrep_and_psutil(tmp_path: Path) -> None:
+    pytest.importorskip("psutil")
+    write_script(tmp_path / "train.py", LOOKS)
+    seen = {}
+    for mode, args in MODES.items():
+        result = run([*args, "--nproc-per-node", "2", "train.py", "--lr", "0.1"], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        seen[mode] = sorted(
+            (json.loads(line.removeprefix("LOOKS ")) for line in result.stdout.splitlines()
+             if line.startswith("LOOKS ")),
+            key=lambda r: r["rank"],
+        )  # fmt: skip
+    assert seen["template"] == seen["no-template"]
+    for record in seen["template"]:
+        assert record["cmdline"][-3:] == ["train.py", "--lr", "0.1"]
+        assert record["pgrep"] is True
+        assert record["comm"].startswith("python")

@@ -217,6 +217,93 @@ def test_signals_the_agent_ignores_or_blocks_are_passed_on_as_exec_would(
     assert b["blocked"] == [int(signal.SIGUSR2)]
 
 
+# How the worker looks to ps, pgrep -f, top and psutil, from its first line on; then it
+# waits (for pgrep and psutil to look at it from outside) until stopped.
+TITLE = """\
+import json, os, sys, time
+with open("/proc/self/cmdline", "rb") as fh:
+    cmdline = fh.read()
+with open("/proc/self/comm") as fh:
+    comm = fh.read().strip()
+print(json.dumps({"cmdline": cmdline.rstrip(b"\\0").replace(b"\\0", b" ").decode(), "comm": comm}))
+with open(sys.argv[1] + ".tmp", "w") as fh:
+    pass
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(60)
+"""
+
+
+def test_a_forked_worker_shows_the_command_line_and_name_of_a_fresh_one(
+    template: TemplateStarter, tmp_path: Path
+) -> None:
+    psutil = pytest.importorskip("psutil")
+    script = _write(tmp_path / "train.py", TITLE)
+    seen = {}
+    ready = tmp_path / "ready"
+    for name, starter in (("fresh", SubprocessStarter()), ("forked", template)):
+        ready.unlink(missing_ok=True)
+        with open(tmp_path / f"{name}.out", "wb") as out:
+            proc = starter.start(
+                ProcessSpec(
+                    0,
+                    dict(os.environ),
+                    argv=_argv(str(script), str(ready), "--lr", "0.1"),
+                    stdout_fd=out.fileno(),
+                )
+            )
+        try:
+            wait_for(ready.exists, TIMEOUT, f"the {name} worker to start")
+            with open(f"/proc/{proc.pid}/environ", "rb") as fh:
+                environ = fh.read().split(b"\0")
+            pgrep = subprocess.run(
+                ["pgrep", "-f", f"{script} {ready} --lr 0.1"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            seen[name] = {
+                "psutil": psutil.Process(proc.pid).cmdline(),
+                "comm": psutil.Process(proc.pid).name(),
+                "pgrep": [int(pid) for pid in pgrep.stdout.split()] == [proc.pid],
+                # What the suite's leak check finds processes by.
+                "tagged": f"ELASTRUN_TEST_TAG={os.environ['ELASTRUN_TEST_TAG']}".encode()
+                in environ,
+            }
+        finally:
+            proc.signal_group(signal.SIGKILL)
+            _wait(proc)
+        seen[name]["own view"] = json.loads((tmp_path / f"{name}.out").read_text())
+    assert template.forked == 1
+    fresh, forked = seen["fresh"], seen["forked"]
+    assert fresh["psutil"] == list(_argv(str(script), str(ready), "--lr", "0.1"))
+    assert forked == fresh
+    assert forked["comm"] == os.path.basename(PY)[:15]
+    assert forked["own view"]["cmdline"] == " ".join(fresh["psutil"])  # type: ignore[index]
+
+
+def test_without_setproctitle_a_forked_worker_keeps_the_templates_title(
+    template: TemplateStarter, tmp_path: Path
+) -> None:
+    _write(tmp_path / "lib" / "setproctitle.py", "raise ImportError('not installed')\n")
+    script = _write(tmp_path / "train.py", TITLE)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "lib")}
+    ready = tmp_path / "ready"
+    with open(tmp_path / "out", "wb") as out:
+        spec = ProcessSpec(
+            0, env, argv=_argv(str(script), str(ready)), stdout_fd=out.fileno()
+        )  # fmt: skip
+        proc = template.start(spec)
+    try:
+        wait_for(ready.exists, TIMEOUT, "the worker to start")
+    finally:
+        proc.signal_group(signal.SIGKILL)
+        _wait(proc)
+    assert template.forked == 1
+    view = json.loads((tmp_path / "out").read_text())
+    assert "-m elastrun.worker.zygote" in view["cmdline"]
+    assert view["comm"] == os.path.basename(PY)[:15]
+
+
 def test_a_forked_module_worker_gets_its_own_cwd_on_sys_path(
     template: TemplateStarter, tmp_path: Path
 ) -> None:

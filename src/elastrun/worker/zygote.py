@@ -2,13 +2,16 @@
 
 The agent starts it once as::
 
-    python [OPTS] -m elastrun.worker.zygote --fd N [--preload MOD,...] [--preload-if-found MOD,...]
+    python [OPTS] -m elastrun.worker.zygote N
 
 with the interpreter options (``OPTS``) and the environment its workers will have, minus
-the per-worker variables. It imports the ``--preload`` modules (``--preload-if-found``
-ones are skipped quietly when they are not installed), checks that forking is still safe
-(no thread started, CUDA not initialised), says hello on the control socket (fd ``N``)
-and then serves spawn requests until the agent closes the socket.
+the per-worker variables, plus :data:`TITLE_ROOM` first (see :func:`_retitle`). The
+first message on the control socket (fd ``N``) names the modules to preload: it imports
+them (the optional ones are skipped quietly when they are not installed), checks that
+forking is still safe (no thread started, CUDA not initialised), says hello and then
+serves spawn requests until the agent closes the socket. Its command line is kept that
+short (the module list travels on the socket) so that every worker's command line is
+longer than it: see :func:`_retitle`.
 
 Why two forks per worker: the worker must be the *agent's* child, so that the agent can
 reap it, read its real exit status and give it the parent-death signal it gives every
@@ -27,23 +30,36 @@ The worker then becomes what ``python [OPTS] -m elastrun.worker.bootstrap ARGS``
 have been: its own session, the given stdin/stdout/stderr (new ``sys.std*`` objects built
 as the interpreter builds them, ``-u`` included), default signal dispositions (plus the
 agent's ignored signals and mask, as ``exec`` would pass them on), no inherited
-descriptors, the given working directory, umask, CPU affinity, environment, ``sys.argv`` and
-``sys.orig_argv``, its own random seeds (every generator that a fresh interpreter seeds
-from the OS when importing what the template imported: ``random``, torch's CPU generator,
-numpy's global ``RandomState``, sympy's, the ``multiprocessing`` auth key; see
-:func:`_reseed`) -- and runs :func:`elastrun.worker.bootstrap.main`, whose exceptions
-reach the interpreter's top level exactly as from a fresh start.
+descriptors, the given working directory, umask, CPU affinity, environment, ``sys.argv``
+and ``sys.orig_argv``, that command line and the interpreter's name in ps, ``pgrep -f``,
+top and psutil (:func:`_retitle`, before any of the worker's own code runs), its own
+random seeds (every generator that a fresh interpreter seeds from the OS when importing
+what the template imported: ``random``, torch's CPU generator, numpy's global
+``RandomState``, sympy's, the ``multiprocessing`` auth key; see :func:`_reseed`) -- and
+runs :func:`elastrun.worker.bootstrap.main`, whose exceptions reach the interpreter's top
+level exactly as from a fresh start.
 
-What cannot be made identical, and is documented as such: ``/proc/PID/cmdline`` and
-``/proc/PID/environ`` show the template's command line and initial environment (the
-live environment, ``os.environ`` and ``getenv``, is the worker's); all workers share the
-template's string-hash seed (``str``/``bytes`` hashes and so the iteration order of sets
-of strings are the same in every worker, unless ``PYTHONHASHSEED`` fixes them anyway),
-since the interpreter draws it once at startup; a module preloaded with ``--preload``
-that draws its own seed from the OS at import time shares it with every worker (only
-the generators named above are reseeded: a module may as well have seeded its generator
-with a constant, which must stay); and modules already imported saw the template's
-environment at import time -- which is why the agent keys templates by the environment.
+What cannot be made identical, and is documented as such:
+
+* ``/proc/PID/cmdline`` holds the command line as one string, its arguments separated
+  by spaces rather than NULs: ps, ``pgrep -f`` and top show the same text, psutil splits
+  it on spaces (an argument that contains a space, or is empty, reads differently), and
+  a tool that takes the first NUL-separated item as the program reads the whole line.
+  For the few milliseconds before :func:`_retitle` it is the template's command line
+  (for good where setproctitle is not installed).
+* ``/proc/PID/environ`` shows the template's initial environment (the live one,
+  ``os.environ`` and ``getenv``, is the worker's), its first variable
+  (:data:`TITLE_ROOM`) overwritten by the end of the command line and NUL bytes, at
+  which psutil stops reading it: its ``environ()`` is empty.
+* All workers share the template's string-hash seed, drawn once when the interpreter
+  starts: ``str`` and ``bytes`` hashes, and so the iteration order of sets of strings,
+  are the same in every worker (unless ``PYTHONHASHSEED`` makes them so anyway).
+* A module preloaded with ``--preload`` that draws a seed of its own from the OS at
+  import time shares it with every worker: only the generators named above are
+  reseeded (another module may have seeded its generator with a constant, which must
+  stay).
+* Modules already imported saw the template's environment at import time -- which is
+  why the agent keys templates by the environment.
 
 Protocol: each message is a 4-byte big-endian length and a UTF-8 JSON object; a spawn
 request carries the worker's stdin, stdout and stderr descriptors (SCM_RIGHTS).
@@ -62,14 +78,17 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
+from types import ModuleType, TracebackType
 
 from elastrun.worker import bootstrap
 
 #: The module the agent runs (``python -m``) to start a template.
 ZYGOTE_MODULE = "elastrun.worker.zygote"
 #: Bumped on any incompatible change of the messages below.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+#: The variable the agent puts first in the template's environment: room for the
+#: workers' command lines past the end of the template's own (see _retitle).
+TITLE_ROOM = "ELASTRUN_TITLE_ROOM"
 # A spawn request's environment and argv are small; anything this big is a bug.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _STDIO_FDS = 3
@@ -169,24 +188,29 @@ class _Job:
     intermediate: int
 
 
-def _parse_args(argv: list[str]) -> tuple[int, list[str], list[str]]:
-    fd = -1
-    preload: list[str] = []
-    optional: list[str] = []
-    it = iter(argv)
-    for arg in it:
-        value = next(it, "")
-        if arg == "--fd":
-            fd = int(value)
-        elif arg == "--preload":
-            preload += [m for m in value.split(",") if m]
-        elif arg == "--preload-if-found":
-            optional += [m for m in value.split(",") if m]
-        else:
-            raise SystemExit(f"{ZYGOTE_MODULE}: unknown argument {arg!r}")
-    if fd < 0:
-        raise SystemExit(f"usage: python -m {ZYGOTE_MODULE} --fd N [--preload MOD,...]")
-    return fd, preload, optional
+def _parse_args(argv: list[str]) -> int:
+    if len(argv) != 1 or not argv[0].isdigit():
+        raise SystemExit(f"usage: python -m {ZYGOTE_MODULE} FD")
+    return int(argv[0])
+
+
+def _recv_setup(sock: socket.socket) -> tuple[list[str], list[str]]:
+    """The agent's first message: the modules to preload, and those to skip if missing."""
+    try:
+        got = recv_message(sock)
+    except (ConnectionError, OSError):
+        got = None
+    if got is None:
+        raise SystemExit(1)  # the agent is gone
+    setup, _ = got
+    if setup.get("version") != PROTOCOL_VERSION:
+        raise SystemExit(f"{ZYGOTE_MODULE}: protocol version {setup.get('version')!r}")
+    return _str_list(setup, "preload"), _str_list(setup, "optional")
+
+
+def _str_list(message: dict[str, object], key: str) -> list[str]:
+    value = message.get(key)
+    return [str(v) for v in value] if isinstance(value, list) else []
 
 
 def _thread_count() -> int:
@@ -250,13 +274,15 @@ def main(argv: list[str] | None = None) -> None:
     Returns only in a newly forked worker, after the worker's script has run (the
     interpreter then exits as it would after ``python -m elastrun.worker.bootstrap``).
     """
-    fd, required, optional = _parse_args(sys.argv[1:] if argv is None else argv)
+    fd = _parse_args(sys.argv[1:] if argv is None else argv)
     # The template lives in its own session; a stray interrupt must not end it. The
     # agent stops it by closing the channel (or SIGKILL, or its parent-death signal).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stdio = _Stdio.of_interpreter()
     sock = socket.socket(fileno=fd)
+    required, optional = _recv_setup(sock)
     t0 = time.monotonic()
+    titles = _import_titles()
     loaded, problem = _preload(required, optional)
     hello: dict[str, object] = {
         "version": PROTOCOL_VERSION,
@@ -277,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     job = _serve(sock)
     # Only a new worker gets here.
     sock.close()
-    _become_worker(job, stdio, keep)
+    _become_worker(job, stdio, keep, titles)
     _run_bootstrap()
 
 
@@ -607,10 +633,62 @@ def _reseed() -> None:
         current().authkey = os.urandom(32)
 
 
-def _become_worker(job: _Job, stdio: _Stdio, keep: set[int]) -> None:
+def _import_titles() -> ModuleType | None:
+    """setproctitle, imported once in the template (None when it is not installed)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return None
+    return setproctitle
+
+
+def _retitle(request: dict[str, object], titles: ModuleType | None) -> None:
+    """Show this worker in ps, ``pgrep -f``, top and psutil as its fresh start shows.
+
+    The command line is the fresh start's (``python -u -m elastrun.worker.bootstrap
+    train.py ARGS``, what ``--no-template`` shows), and the name (``/proc/PID/comm``,
+    what top shows) the interpreter's, which ``exec`` takes from the file it runs.
+
+    The kernel shows ``/proc/PID/cmdline`` from the memory that held the template's
+    arguments. setproctitle writes the title there as one string; psutil and others
+    split what they read on NUL bytes, so a title shorter than that memory, padded
+    with NULs, would read as the command line followed by empty arguments. A title
+    that runs past the end of the arguments makes the kernel show it as one string,
+    which psutil splits on spaces into the same arguments. So the template's own
+    command line is shorter than any worker's, and the title runs on into the first
+    environment variable, :data:`TITLE_ROOM`, which the agent put there for it.
+
+    setproctitle finds the arguments by walking back from the first string listed in
+    the C ``environ``, and takes as its room the strings listed after it that follow in
+    memory. So this runs before the worker's environment replaces the template's, and
+    removes every variable but :data:`TITLE_ROOM` first: the rest of
+    ``/proc/PID/environ`` is left as it was.
+
+    Without setproctitle, or when the room is gone (a preloaded module changed it), or
+    for a command line that cannot be encoded, the worker keeps the template's command
+    line; nothing fails.
+    """
+    argv = request["argv"]
+    assert isinstance(argv, list)
+    if titles is None or TITLE_ROOM not in os.environ or not argv:
+        return
+    try:
+        for name in list(os.environ):
+            if name != TITLE_ROOM:
+                del os.environ[name]
+        titles.setproctitle(" ".join(str(a) for a in argv))
+        # setproctitle also names the process after the title's first 15 bytes.
+        titles.setthreadtitle(os.path.basename(str(argv[0])))
+        del os.environ[TITLE_ROOM]
+    except (OSError, ValueError):  # an argument that is not UTF-8, a strange variable
+        return
+
+
+def _become_worker(job: _Job, stdio: _Stdio, keep: set[int], titles: ModuleType | None) -> None:
     """Turn this fresh fork into the worker the request describes."""
     try:
         _await_adoption(job)
+        _retitle(job.request, titles)  # before the environment is replaced
         _take_stdio(job.fds, keep)
         _reset_stdio(stdio)
         _reset_signals(job.request)

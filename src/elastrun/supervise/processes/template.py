@@ -22,6 +22,9 @@ next start.
 Templates are keyed by the interpreter options and the environment minus the per-worker
 variables: modules imported in the template read the environment at import time, so a
 template serves only workers whose shared environment is the one it was started with.
+The template's environment has one variable more, first: ``TITLE_ROOM``, room in its
+memory for the command lines its workers show (see the zygote's ``_retitle``), sized for
+the workers it is started for.
 """
 
 from __future__ import annotations
@@ -51,7 +54,13 @@ from elastrun.supervise.processes.spawn import (
     _waitpid_nohang,
     set_parent_death_signal,
 )
-from elastrun.worker.zygote import PROTOCOL_VERSION, ZYGOTE_MODULE, recv_message, send_message
+from elastrun.worker.zygote import (
+    PROTOCOL_VERSION,
+    TITLE_ROOM,
+    ZYGOTE_MODULE,
+    recv_message,
+    send_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +120,9 @@ _SPAWN_TIMEOUT = 30.0
 _STOP_TIMEOUT = 5.0
 # Scripts larger than this are not scanned for imports (a generated file, not a script).
 _MAX_SCAN_BYTES = 4 * 1024 * 1024
+# Room for workers' command lines beyond the one the template is started for (see
+# TITLE_ROOM); a longer one is shown cut.
+_TITLE_MARGIN = 256
 
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
@@ -368,19 +380,23 @@ class _Template:
         key: _TemplateKey,
         preload: Sequence[str],
         optional: Sequence[str],
+        worker_argv: Sequence[str] = (),
     ) -> _Template:
         """Start a template; it imports its modules while the caller goes on.
+
+        ``worker_argv`` is the command line of the workers it is started for: their
+        title needs room in the template's environment (see the zygote's ``_retitle``).
 
         Raises:
             _TemplateUnavailable: the interpreter could not be started.
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         stderr = tempfile.TemporaryFile(prefix="elastrun-template-")  # noqa: SIM115 - owned by the template object
-        argv = [python, *key.options, "-m", ZYGOTE_MODULE, "--fd", str(theirs.fileno())]
-        if preload:
-            argv += ["--preload", ",".join(preload)]
-        if optional:
-            argv += ["--preload-if-found", ",".join(optional)]
+        # Nothing more on the command line: a worker's title must be longer than it.
+        argv = [python, *key.options, "-m", ZYGOTE_MODULE, str(theirs.fileno())]
+        title = len(os.fsencode(" ".join(worker_argv)))
+        # First in the environment: the memory right after the arguments.
+        env = {TITLE_ROOM: " " * (title + _TITLE_MARGIN), **dict(key.env)}
         agent = os.getpid()
         try:
             with _adopting_orphans():
@@ -389,7 +405,7 @@ class _Template:
                 # existing descendants when the flag is set later).
                 proc = subprocess.Popen(
                     argv,
-                    env=dict(key.env),
+                    env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=stderr,
@@ -404,7 +420,14 @@ class _Template:
             raise _TemplateUnavailable(f"cannot start {python!r}: {exc}") from exc
         finally:
             theirs.close()
-        return cls(key, proc, ours, stderr)
+        template = cls(key, proc, ours, stderr)
+        setup = {"version": PROTOCOL_VERSION, "preload": list(preload), "optional": list(optional)}
+        try:
+            # A few bytes into an empty socket buffer: never blocks.
+            send_message(ours, setup)
+        except OSError:
+            pass  # it died already; await_ready reports how
+        return template
 
     @property
     def ready(self) -> bool:
@@ -688,7 +711,7 @@ class TemplateStarter:
             return tpl
         optional = default_preload(argv, cwd) if self._auto else []
         try:
-            tpl = _Template.launch(self._python, key, self._preload, optional)
+            tpl = _Template.launch(self._python, key, self._preload, optional, argv)
         except _TemplateUnavailable as exc:
             self._disable(key, str(exc))
             return None
