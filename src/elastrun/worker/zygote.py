@@ -657,6 +657,11 @@ def _retitle(request: dict[str, object], titles: ModuleType | None) -> None:
     which psutil splits on spaces into the same arguments. So the template's own
     command line is shorter than any worker's, and the title runs on into the first
     environment variable, :data:`TITLE_ROOM`, which the agent put there for it.
+    (Rejected: keeping to the arguments' memory, setproctitle's ``SPT_NOENV``. It
+    always leaves two NULs or more after the title, which psutil reads as the whole
+    line and then an empty argument; and a worker's title would have to be cut to the
+    length of the template's command line. The price of the choice: psutil stops
+    reading ``/proc/PID/environ`` at those NULs, now in the environment's memory.)
 
     setproctitle finds the arguments by walking back from the first string listed in
     the C ``environ``, and takes as its room the strings listed after it that follow in
