@@ -8,7 +8,15 @@ import pytest
 
 from elastrun.core.errors import ConfigError
 from elastrun.rendezvous.api import RendezvousParameters
-from elastrun.rendezvous.c10d import parse_endpoint, read_token, settings_from, validate_conf
+from elastrun.rendezvous.c10d import (
+    create_c10d_handler,
+    parse_c10d_conf,
+    parse_endpoint,
+    parse_static_conf,
+    read_token,
+    settings_from,
+    validate_conf,
+)
 from elastrun.rendezvous.local import LocalRendezvousHandler
 from elastrun.rendezvous.registry import RendezvousHandlerRegistry
 
@@ -61,3 +69,72 @@ def test_a_backend_registered_in_code_is_usable_by_name() -> None:
         registry.register("mine", LocalRendezvousHandler)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown rendezvous backend"):
         registry.create_handler(RendezvousParameters("nope", "", "r", 1, 1))
+
+
+# -- checked before anything starts ------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["h:", "[::1", "[::1]:", ":29400", "h:99999", "h:abc"])
+def test_a_malformed_endpoint_is_refused_naming_the_option(endpoint: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_c10d_conf(RendezvousParameters("c10d", endpoint, "job", 2, 2))
+    assert (info.value.field, info.value.value) == ("--rdzv-endpoint", endpoint)
+
+
+def test_port_0_is_a_local_single_node_and_refused_for_several() -> None:
+    assert parse_c10d_conf(RendezvousParameters("c10d", "127.0.0.1:0", "job", 1, 1)).local
+    assert isinstance(
+        create_c10d_handler(RendezvousParameters("c10d", "127.0.0.1:0", "job", 1, 1)),
+        LocalRendezvousHandler,
+    )
+    with pytest.raises(ConfigError, match="single node only"):
+        parse_c10d_conf(RendezvousParameters("c10d", "127.0.0.1:0", "job", 1, 2))
+
+
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [
+        ("join_timeout", "nan"),
+        ("last_call_timeout", "inf"),
+        ("close_timeout", "nan"),
+        ("heartbeat_timeout", "-1"),
+        ("keep_alive_interval", "1e12"),
+        ("keep_alive_max_attempt", "-3"),
+        ("keep_alive_max_attempt", "0"),
+        ("read_timeout", "0"),
+    ],
+)
+def test_numeric_keys_are_checked_even_for_a_local_single_node(key: str, bad: str) -> None:
+    params = RendezvousParameters("c10d", "", "job", 1, 1, **{key: bad})
+    with pytest.raises(ConfigError) as info:
+        create_c10d_handler(params)
+    assert (info.value.field, info.value.value) == (f"--rdzv-conf {key}", bad)
+
+
+def test_the_heartbeat_from_interval_and_attempts_is_capped_too() -> None:
+    with pytest.raises(ConfigError, match="keep_alive_interval x keep_alive_max_attempt"):
+        settings_from(_params(keep_alive_interval="31536000", keep_alive_max_attempt="2"))
+
+
+def test_only_the_tcp_store_type_is_accepted() -> None:
+    assert parse_c10d_conf(_params(store_type="tcp")) is not None
+    with pytest.raises(ConfigError, match="store_type"):
+        parse_c10d_conf(_params(store_type="file"))
+
+
+def test_the_static_rank_must_be_below_the_node_count() -> None:
+    params = RendezvousParameters("static", "127.0.0.1:1", "job", 2, 2, rank="2")
+    with pytest.raises(ConfigError) as info:
+        parse_static_conf(params)
+    assert (info.value.field, info.value.value) == ("--node-rank", "2")
+
+
+def test_the_registry_checks_built_in_backends_without_connecting() -> None:
+    registry = RendezvousHandlerRegistry()
+    # Nothing listens on port 1: a check that connected would fail differently.
+    registry.check(RendezvousParameters("c10d", "127.0.0.1:1", "job", 2, 2))
+    with pytest.raises(ConfigError, match="join_timeout"):
+        registry.check(RendezvousParameters("c10d", "127.0.0.1:1", "job", 2, 2, join_timeout="x"))
+    # A backend registered in code checks its own parameters when created.
+    registry.register("c10d", create_c10d_handler)
+    registry.check(RendezvousParameters("c10d", "127.0.0.1:1", "job", 2, 2, join_timeout="x"))

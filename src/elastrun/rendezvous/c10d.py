@@ -13,8 +13,10 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from elastrun.core.errors import ConfigError, RendezvousConnectionError, StoreError
+from elastrun.core.values import parse_host_port, parse_int, parse_seconds
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
 from elastrun.rendezvous.local import LOOPBACK, LocalRendezvousHandler
@@ -22,6 +24,8 @@ from elastrun.rendezvous.local import LOOPBACK, LocalRendezvousHandler
 log = logging.getLogger("elastrun.rendezvous")
 
 DEFAULT_PORT = 29400
+DEFAULT_READ_TIMEOUT = 60.0
+MAX_KEEP_ALIVE_ATTEMPTS = 1000
 TOKEN_ENV = "ELASTRUN_STORE_TOKEN"
 #: ``--rdzv-conf`` keys the c10d backend understands (torch's names plus ours).
 KNOWN_KEYS = frozenset(
@@ -33,30 +37,21 @@ KNOWN_KEYS = frozenset(
 )  # fmt: skip
 
 
-def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+def parse_endpoint(
+    endpoint: str, default_port: int, *, field: str = "--rdzv-endpoint"
+) -> tuple[str, int]:
     """``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 address -> (host, port).
 
+    An empty endpoint is ``localhost``; a missing port is ``default_port``.
+
     Raises:
-        ConfigError: a port that is not a number in 0..65535.
+        ConfigError: no host before the ``:``, nothing after it, an unclosed ``[``, or a
+            port that is not a number in 0..65535.
     """
-    text = endpoint.strip()
-    if not text:
+    if not endpoint.strip():
         return "localhost", default_port
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") > 1:  # a bare IPv6 address: no port (torch mis-parses it)
-        host, port_text = text, ""
-    else:
-        host, _, port_text = text.partition(":")
-    if not port_text:
-        return host, default_port
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ConfigError("--rdzv-endpoint", endpoint, "the port is not a number") from None
-    if not 0 <= port <= 65535:
-        raise ConfigError("--rdzv-endpoint", endpoint, "the port must be in 0..65535")
+    host, port = parse_host_port(endpoint, field, default_port)
+    assert port is not None  # default_port is an int
     return host, port
 
 
@@ -71,17 +66,20 @@ def validate_conf(params: RendezvousParameters, known: frozenset[str] = KNOWN_KE
         )
 
 
-def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
+def conf_seconds(params: RendezvousParameters, key: str, default: float) -> float:
+    """The ``--rdzv-conf`` duration ``key`` (finite, > 0, at most a year), or ``default``."""
     raw = params.get(key)
     if raw is None:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"--rdzv-conf {key}", raw, "must be a number of seconds") from None
-    if value <= 0:
-        raise ConfigError(f"--rdzv-conf {key}", raw, "must be > 0")
-    return value
+    return parse_seconds(raw, f"--rdzv-conf {key}", low_open=True)
+
+
+def conf_int(params: RendezvousParameters, key: str, default: int, low: int, high: int) -> int:
+    """The ``--rdzv-conf`` integer ``key`` in ``[low, high]``, or ``default``."""
+    raw = params.get(key)
+    if raw is None:
+        return default
+    return parse_int(raw, f"--rdzv-conf {key}", low=low, high=high)
 
 
 def read_token(params: RendezvousParameters, environ: dict[str, str] | None = None) -> str | None:
@@ -103,20 +101,117 @@ def read_token(params: RendezvousParameters, environ: dict[str, str] | None = No
 
 
 def settings_from(params: RendezvousParameters) -> RendezvousSettings:
-    heartbeat = _seconds(params, "heartbeat_timeout", 0.0)
+    """The dynamic rendezvous's settings from ``--rdzv-conf`` (torch's key names).
+
+    Raises:
+        ConfigError: a value that is not a finite number in its range, naming the key.
+    """
+    heartbeat = conf_seconds(params, "heartbeat_timeout", 0.0)
+    interval = conf_seconds(params, "keep_alive_interval", 5.0)
+    attempts = conf_int(params, "keep_alive_max_attempt", 3, 1, MAX_KEEP_ALIVE_ATTEMPTS)
     if not heartbeat:
-        interval = _seconds(params, "keep_alive_interval", 5.0)
-        attempts = params.get_as_int("keep_alive_max_attempt", 3) or 3
-        heartbeat = interval * attempts
+        heartbeat = parse_seconds(
+            interval * attempts,
+            "--rdzv-conf keep_alive_interval x keep_alive_max_attempt",
+            low_open=True,
+        )
     return RendezvousSettings(
         run_id=params.run_id,
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
-        join_timeout=_seconds(params, "join_timeout", 600.0),
-        last_call_timeout=_seconds(params, "last_call_timeout", 30.0),
-        close_timeout=_seconds(params, "close_timeout", 30.0),
+        join_timeout=conf_seconds(params, "join_timeout", 600.0),
+        last_call_timeout=conf_seconds(params, "last_call_timeout", 30.0),
+        close_timeout=conf_seconds(params, "close_timeout", 30.0),
         heartbeat_timeout=heartbeat,
     )
+
+
+@dataclass(frozen=True)
+class C10dConf:
+    """Everything the c10d and static backends read from their parameters, checked.
+
+    ``local``: a single node that needs no store (its handler is local).
+    """
+
+    host: str
+    port: int
+    local: bool
+    is_host: bool | None
+    fixed_rank: int | None
+    token: str | None = None
+    settings: RendezvousSettings | None = None
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+
+
+def _conf_common(params: RendezvousParameters) -> tuple[bool | None, str | None]:
+    is_host = params.get_as_bool("is_host")
+    store_type = params.get("store_type")
+    if store_type is not None and store_type.strip().lower() != "tcp":
+        raise ConfigError("--rdzv-conf store_type", store_type, "only tcp is supported by elastrun")
+    return is_host, read_token(params)
+
+
+def parse_c10d_conf(params: RendezvousParameters) -> C10dConf:
+    """Parse and check the c10d backend's parameters; connects to nothing.
+
+    One node with no endpoint, ``localhost:0`` or any ``host:0``, needs no store. With
+    more nodes, port 0 is refused: the other nodes could not find a port chosen freely.
+
+    Raises:
+        ConfigError: unknown keys or bad values, naming them; an unreadable token file.
+    """
+    validate_conf(params)
+    host, port = parse_endpoint(params.endpoint, DEFAULT_PORT)
+    settings = settings_from(params)
+    read_timeout = conf_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT)
+    is_host, token = _conf_common(params)
+    if params.max_nodes == 1 and port == 0:
+        return C10dConf(host, port, local=True, is_host=is_host, fixed_rank=None)
+    if port == 0:
+        raise ConfigError(
+            "--rdzv-endpoint",
+            params.endpoint,
+            "port 0 (any free port) works for a single node only: the other nodes "
+            "could not find it",
+        )
+    return C10dConf(host, port, False, is_host, None, token, settings, read_timeout)
+
+
+def parse_static_conf(params: RendezvousParameters) -> C10dConf:
+    """Parse and check the static backend's parameters; connects to nothing.
+
+    Raises:
+        ConfigError: as :func:`parse_c10d_conf`; also a missing or out-of-range rank,
+            an endpoint without a port, or a node count that is a range.
+    """
+    validate_conf(params, STATIC_KEYS)
+    raw_rank = params.get("rank")
+    if raw_rank is None:
+        raise ConfigError("--node-rank", None, "the static backend needs this node's rank")
+    rank = parse_int(raw_rank, "--node-rank", low=0, high=params.max_nodes - 1)
+    if not params.endpoint.strip():
+        raise ConfigError("--rdzv-endpoint", "", "the static backend needs host:port")
+    host, port = parse_endpoint(params.endpoint, -1)
+    if port < 0:
+        raise ConfigError("--rdzv-endpoint", params.endpoint, "static needs host:port")
+    settings = settings_from(params)
+    read_timeout = conf_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT)
+    is_host, token = _conf_common(params)
+    if params.max_nodes == 1:
+        return C10dConf(host, port, local=True, is_host=is_host, fixed_rank=rank)
+    if params.min_nodes != params.max_nodes:
+        raise ConfigError(
+            "--nnodes", f"{params.min_nodes}:{params.max_nodes}", "static needs a fixed count"
+        )
+    if port == 0:
+        raise ConfigError(
+            "--rdzv-endpoint",
+            params.endpoint,
+            "port 0 (any free port) works for a single node only: the other nodes "
+            "could not find it",
+        )
+    forced = rank == 0 if is_host is None else is_host
+    return C10dConf(host, port, False, forced, rank, token, settings, read_timeout)
 
 
 def looks_like_this_host(host: str) -> bool:
@@ -144,11 +239,10 @@ def create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
         RendezvousConnectionError: ``is_host`` was forced and serving failed, or the
             store cannot be reached.
     """
-    validate_conf(params)
-    if params.max_nodes == 1 and params.endpoint in ("", "localhost:0"):
+    conf = parse_c10d_conf(params)
+    if conf.local:
         return LocalRendezvousHandler(params.run_id, master_addr=params.local_addr or LOOPBACK)
-    forced = params.get_as_bool("is_host")
-    return _dynamic(params, DEFAULT_PORT, forced, backend="c10d", fixed_rank=None)
+    return _dynamic(params, conf, backend="c10d")
 
 
 STATIC_KEYS = KNOWN_KEYS | {"rank"}
@@ -160,48 +254,24 @@ def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
     One node: MASTER_ADDR/PORT are the endpoint itself, as with torchrun. Several: the
     node of rank 0 serves the store at the endpoint and the round waits for every node.
     """
-    validate_conf(params, STATIC_KEYS)
-    rank = params.get_as_int("rank")
-    if rank is None:
-        raise ConfigError("--node-rank", None, "the static backend needs this node's rank")
-    if not params.endpoint:
-        raise ConfigError("--rdzv-endpoint", "", "the static backend needs host:port")
-    host, port = parse_endpoint(params.endpoint, -1)
-    if port < 0:
-        raise ConfigError("--rdzv-endpoint", params.endpoint, "static needs host:port")
-    if params.max_nodes == 1:
+    conf = parse_static_conf(params)
+    if conf.local:
         return LocalRendezvousHandler(
-            params.run_id, master_addr=host, master_port=port, backend="static"
+            params.run_id, master_addr=conf.host, master_port=conf.port, backend="static"
         )
-    if params.min_nodes != params.max_nodes:
-        raise ConfigError(
-            "--nnodes", f"{params.min_nodes}:{params.max_nodes}", "static needs a fixed count"
-        )
-    forced = params.get_as_bool("is_host")
-    return _dynamic(
-        params, port, rank == 0 if forced is None else forced, backend="static", fixed_rank=rank
-    )
+    return _dynamic(params, conf, backend="static")
 
 
-def _dynamic(
-    params: RendezvousParameters,
-    default_port: int,
-    forced: bool | None,
-    *,
-    backend: str,
-    fixed_rank: int | None,
-) -> RendezvousHandler:
-    host, port = parse_endpoint(params.endpoint, default_port)
-    token = read_token(params)
-    settings = settings_from(params)
-    read_timeout = _seconds(params, "read_timeout", 60.0)
+def _dynamic(params: RendezvousParameters, conf: C10dConf, *, backend: str) -> RendezvousHandler:
+    host, port, token, forced = conf.host, conf.port, conf.token, conf.is_host
+    assert conf.settings is not None  # parsed for every non-local configuration
     serve = forced if forced is not None else looks_like_this_host(host)
     stop_server: Callable[[], None] | None = None
     if serve:
         stop_server = _try_serve(host, port, token, strict=forced is True)
     from elastrun.store.tcp.client import TcpStore
 
-    store = TcpStore(host, port, token=token, connect_timeout=read_timeout)
+    store = TcpStore(host, port, token=token, connect_timeout=conf.read_timeout)
     try:
         store.get(f"/elastrun/{params.run_id}/ctl/closed")  # fail now, clearly, if unreachable
     except StoreError as exc:
@@ -217,15 +287,15 @@ def _dynamic(
 
     addr = params.local_addr or socket.getfqdn()
     node = NodeDesc.create(addr, "default", 0)
-    if fixed_rank is not None:
-        node = NodeDesc(f"static-rank-{fixed_rank:06d}", addr, "default", 0)
+    if conf.fixed_rank is not None:
+        node = NodeDesc(f"static-rank-{conf.fixed_rank:06d}", addr, "default", 0)
     return DynamicRendezvousHandler(
         store,
-        settings,
+        conf.settings,
         node,
         backend=backend,
         on_shutdown=close,
-        fixed_rank=fixed_rank,
+        fixed_rank=conf.fixed_rank,
         hosting=stop_server is not None,
     )
 

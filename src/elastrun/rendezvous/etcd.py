@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import ssl
+from dataclasses import dataclass
 
 from elastrun.core.errors import ConfigError, RendezvousConnectionError, StoreError
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
-from elastrun.rendezvous.c10d import settings_from, validate_conf
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc
+from elastrun.rendezvous.c10d import conf_seconds, settings_from, validate_conf
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
 from elastrun.store.etcd import EtcdStore, parse_endpoints, tls_context
 
 ETCD_V2_REASON = "speaks etcd's v2 API, which etcd 3.6 removed; use --rdzv-backend etcd"
@@ -54,34 +56,34 @@ def create_etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
     raise ConfigError("--rdzv-backend", params.backend, ETCD_V2_REASON)
 
 
-def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Build the ``etcd`` handler: check that etcd answers, then the dynamic rendezvous.
+@dataclass(frozen=True)
+class EtcdConf:
+    """Everything the etcd backend reads from its parameters, checked."""
+
+    settings: RendezvousSettings
+    read_timeout: float
+    endpoints: tuple[str, ...]
+    ssl_context: ssl.SSLContext | None
+    namespace: str
+    username: str | None
+    password: str | None
+
+
+def parse_etcd_conf(params: RendezvousParameters) -> EtcdConf:
+    """Parse and check the etcd backend's parameters; connects to nothing.
 
     Raises:
-        ConfigError: unknown ``--rdzv-conf`` keys, bad values, unreadable TLS or password
-            files, or httpx missing.
-        RendezvousConnectionError: no member answered, or etcd refused this client, within
-            ``read_timeout`` (and the join timeout).
+        ConfigError: unknown ``--rdzv-conf`` keys, bad values (naming the key),
+            endpoints, or unreadable TLS or password files.
     """
     validate_conf(params, KNOWN_KEYS)
     settings = settings_from(params)
-    ttl = _seconds(params, "ttl")
-    if ttl is not None:
+    if params.get("ttl") is not None:
         if params.get("heartbeat_timeout"):
             raise ConfigError("--rdzv-conf ttl", params.get("ttl"), "give ttl or heartbeat_timeout")
+        ttl = conf_seconds(params, "ttl", settings.heartbeat_timeout)
         settings = dataclasses.replace(settings, heartbeat_timeout=ttl)
-    timeout = min(_seconds(params, "read_timeout") or DEFAULT_READ_TIMEOUT, settings.join_timeout)
-    store = _make_store(params, timeout)
-    try:
-        store.get(f"/elastrun/{params.run_id}/ctl/closed")  # fail now, in one line, if unusable
-    except StoreError as exc:
-        store.close()
-        raise RendezvousConnectionError(f"etcd rendezvous: {exc}") from exc
-    node = NodeDesc.create(params.local_addr or socket.getfqdn(), "default", 0)
-    return DynamicRendezvousHandler(store, settings, node, backend="etcd", on_shutdown=store.close)
-
-
-def _make_store(params: RendezvousParameters, timeout: float) -> EtcdStore:
+    read_timeout = conf_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT)
     protocol = (params.get("protocol") or "http").strip().lower()
     if protocol not in ("http", "https"):
         raise ConfigError("--rdzv-conf protocol", protocol, "must be http or https")
@@ -96,14 +98,48 @@ def _make_store(params: RendezvousParameters, timeout: float) -> EtcdStore:
     except ConfigError as exc:
         raise ConfigError(f"--rdzv-conf {exc.field}", exc.value, exc.reason) from None
     username, password = _credentials(params)
+    return EtcdConf(
+        settings=settings,
+        read_timeout=min(read_timeout, settings.join_timeout),
+        endpoints=endpoints,
+        ssl_context=context,
+        namespace=(params.get("prefix") or "").rstrip("/"),
+        username=username,
+        password=password,
+    )
+
+
+def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the ``etcd`` handler: check that etcd answers, then the dynamic rendezvous.
+
+    Raises:
+        ConfigError: unknown ``--rdzv-conf`` keys, bad values, unreadable TLS or password
+            files, or httpx missing.
+        RendezvousConnectionError: no member answered, or etcd refused this client, within
+            ``read_timeout`` (and the join timeout).
+    """
+    conf = parse_etcd_conf(params)
+    store = _make_store(conf)
+    try:
+        store.get(f"/elastrun/{params.run_id}/ctl/closed")  # fail now, in one line, if unusable
+    except StoreError as exc:
+        store.close()
+        raise RendezvousConnectionError(f"etcd rendezvous: {exc}") from exc
+    node = NodeDesc.create(params.local_addr or socket.getfqdn(), "default", 0)
+    return DynamicRendezvousHandler(
+        store, conf.settings, node, backend="etcd", on_shutdown=store.close
+    )
+
+
+def _make_store(conf: EtcdConf) -> EtcdStore:
     try:
         return EtcdStore(
-            endpoints,
-            namespace=(params.get("prefix") or "").rstrip("/"),
-            ssl_context=context,
-            username=username,
-            password=password,
-            request_timeout=timeout,
+            conf.endpoints,
+            namespace=conf.namespace,
+            ssl_context=conf.ssl_context,
+            username=conf.username,
+            password=conf.password,
+            request_timeout=conf.read_timeout,
         )
     except ImportError as exc:  # httpx, imported when the store is made
         raise ConfigError(
@@ -130,16 +166,3 @@ def _credentials(params: RendezvousParameters) -> tuple[str | None, str | None]:
             "--rdzv-conf username", username, "etcd authentication needs a username and a password"
         )
     return username or None, password
-
-
-def _seconds(params: RendezvousParameters, key: str) -> float | None:
-    raw = params.get(key)
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"--rdzv-conf {key}", raw, "must be a number of seconds") from None
-    if not value > 0:
-        raise ConfigError(f"--rdzv-conf {key}", raw, "must be > 0")
-    return value

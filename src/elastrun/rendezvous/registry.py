@@ -25,6 +25,14 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "etcd": "elastrun.rendezvous.etcd:create_etcd_handler",
     "etcd-v2": "elastrun.rendezvous.etcd:create_etcd_v2",
 }
+#: The built-in backends' parameter checks: what the creator would refuse, found without
+#: connecting, serving or starting anything (reading a token or TLS file at most).
+BUILTIN_CHECKS: dict[str, str] = {
+    "c10d": "elastrun.rendezvous.c10d:parse_c10d_conf",
+    "static": "elastrun.rendezvous.c10d:parse_static_conf",
+    "etcd": "elastrun.rendezvous.etcd:parse_etcd_conf",
+    "etcd-v2": "elastrun.rendezvous.etcd:create_etcd_v2",  # refuses, always
+}
 ENTRY_POINT_GROUP = "elastrun.rendezvous"
 TORCH_ENTRY_POINT_GROUP = "torchrun.handlers"
 
@@ -78,6 +86,23 @@ class RendezvousHandlerRegistry:
                 made: RendezvousHandlerCreator = factory()
                 return made
         return None
+
+    def check(self, params: RendezvousParameters) -> None:
+        """Refuse bad parameters of a built-in backend before anything starts.
+
+        The creator parses them again with the same function; a backend registered in
+        code or through an entry point checks its own parameters when it is created.
+
+        Raises:
+            ConfigError: naming the bad option or ``--rdzv-conf`` key and its value.
+        """
+        with self._lock:
+            if params.backend in self._creators:
+                return
+        target = BUILTIN_CHECKS.get(params.backend)
+        if target is not None:
+            module, _, attr = target.partition(":")
+            getattr(importlib.import_module(module), attr)(params)
 
     def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
         """Build the handler for ``params.backend``.

@@ -23,6 +23,7 @@ from elastrun.core.errors import (
     StoreCompactedError,
     StoreError,
 )
+from elastrun.core.values import parse_host_port
 
 Json = dict[str, Any]
 
@@ -112,20 +113,12 @@ def parse_endpoints(spec: str | Sequence[str], *, secure: bool = False) -> tuple
 
 
 def _host_port(item: str, raw: str) -> tuple[str, int]:
-    if item.startswith("["):
-        host, _, rest = item[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    elif item.count(":") > 1:  # a bare IPv6 address
-        host, port_text = item, ""
-    else:
-        host, _, port_text = item.partition(":")
-    if not host:
-        raise ConfigError("etcd endpoint", raw, "the host is missing")
-    if not port_text:
-        return host, DEFAULT_PORT
-    if not port_text.isdigit() or not 0 < int(port_text) <= 65535:
-        raise ConfigError("etcd endpoint", raw, "the port must be a number in 1..65535")
-    return host, int(port_text)
+    try:
+        host, port = parse_host_port(item, "etcd endpoint", DEFAULT_PORT, allow_zero=False)
+    except ConfigError as exc:
+        raise ConfigError(exc.field, raw, exc.reason) from None
+    assert port is not None  # DEFAULT_PORT stands in for a missing one
+    return host, port
 
 
 def tls_context(cacert: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
