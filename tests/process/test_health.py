@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from elastrun.core.errors import ConfigError
 from elastrun.observe.health import (
     HEALTH_CHECK_PORT_ENV,
     HealthCheckServer,
@@ -139,10 +140,8 @@ def test_port_from_env_reads_the_torch_variable(raw: str | None, expected: int |
     assert port_from_env(environ) == expected
 
 
-@pytest.mark.parametrize("raw", ["http", "70000", "-1"])
-def test_port_from_env_ignores_non_ports_with_a_warning(
-    raw: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING):
-        assert port_from_env({HEALTH_CHECK_PORT_ENV: raw}) is None
-    assert HEALTH_CHECK_PORT_ENV in caplog.text
+@pytest.mark.parametrize("raw", ["http", "70000", "-1", "8080.5"])
+def test_port_from_env_refuses_what_is_not_a_port(raw: str) -> None:
+    with pytest.raises(ConfigError, match=HEALTH_CHECK_PORT_ENV) as info:
+        port_from_env({HEALTH_CHECK_PORT_ENV: raw})
+    assert info.value.value == raw

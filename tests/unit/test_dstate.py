@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
 import pytest
 
+from elastrun.core.errors import ConfigError
 from elastrun.supervise.processes.dstate import (
     UNINTERRUPTIBLE_STATE_TIMEOUT_ENV,
     UninterruptibleWatch,
@@ -161,10 +161,8 @@ def test_timeout_from_env_parses_positive_seconds_and_treats_the_rest_as_off(
     assert timeout_from_env(environ) == expected
 
 
-@pytest.mark.parametrize("raw", ["soon", "nan", "1e"])
-def test_timeout_from_env_warns_about_unparsable_values(
-    raw: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING):
-        assert timeout_from_env({UNINTERRUPTIBLE_STATE_TIMEOUT_ENV: raw}) is None
-    assert UNINTERRUPTIBLE_STATE_TIMEOUT_ENV in caplog.text
+@pytest.mark.parametrize("raw", ["soon", "nan", "1e", "inf", "-inf", "1e12"])
+def test_timeout_from_env_refuses_values_that_are_not_finite_seconds(raw: str) -> None:
+    with pytest.raises(ConfigError, match=UNINTERRUPTIBLE_STATE_TIMEOUT_ENV) as info:
+        timeout_from_env({UNINTERRUPTIBLE_STATE_TIMEOUT_ENV: raw})
+    assert info.value.value == raw

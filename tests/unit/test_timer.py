@@ -438,8 +438,10 @@ def test_progress_time_is_now_until_a_client_has_written() -> None:
 
 def test_agent_timer_is_off_unless_enabled_with_exactly_1() -> None:
     assert AgentFileTimer.from_env({}) is None
-    assert AgentFileTimer.from_env({TORCHELASTIC_ENABLE_FILE_TIMER: "true"}) is None
+    assert AgentFileTimer.from_env({TORCHELASTIC_ENABLE_FILE_TIMER: "0"}) is None
     assert AgentFileTimer.from_env({TORCHELASTIC_TIMER_FILE: "/x"}) is None
+    with pytest.raises(ConfigError, match=TORCHELASTIC_ENABLE_FILE_TIMER):
+        AgentFileTimer.from_env({TORCHELASTIC_ENABLE_FILE_TIMER: "true"})
     timer = AgentFileTimer.from_env({TORCHELASTIC_ENABLE_FILE_TIMER: "1"})
     assert timer is not None
     assert timer.file_path is None

@@ -28,6 +28,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from elastrun.core.serving import serve_until_woken
+from elastrun.core.values import parse_port
 
 __all__ = [
     "HEALTH_CHECK_PORT_ENV",
@@ -47,19 +48,17 @@ StateCallback = Callable[[], Mapping[str, object]]
 def port_from_env(environ: Mapping[str, str]) -> int | None:
     """The port from ``TORCHELASTIC_HEALTH_CHECK_PORT``, or None for no server.
 
-    A value that is not a port number is logged and ignored, as torchrun does.
+    Unset or empty: no server. torchrun logs a value that is not a port and goes on
+    without the endpoint; here it is a configuration error, because a probe watching a
+    port nobody serves would later kill a healthy job.
+
+    Raises:
+        ConfigError: naming the variable, for anything but a port number 0..65535.
     """
     raw = environ.get(HEALTH_CHECK_PORT_ENV, "").strip()
     if not raw:
         return None
-    try:
-        port = int(raw)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        log.warning("ignoring %s=%r: not a port number", HEALTH_CHECK_PORT_ENV, raw)
-        return None
-    return port
+    return parse_port(raw, HEALTH_CHECK_PORT_ENV)
 
 
 class _Server(ThreadingHTTPServer):

@@ -45,6 +45,7 @@ __all__ = [
     "FileTimerServer",
     "ReapDecision",
     "TimerRequestError",
+    "file_timer_enabled",
     "plan_reaps",
 ]
 
@@ -619,6 +620,18 @@ class FileTimerServer:
         )
 
 
+def file_timer_enabled(env: Mapping[str, str]) -> bool:
+    """Whether ``TORCHELASTIC_ENABLE_FILE_TIMER`` is ``1`` (unset, empty or ``0``: off).
+
+    Raises:
+        ConfigError: any other value, naming the variable.
+    """
+    raw = env.get(TORCHELASTIC_ENABLE_FILE_TIMER, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ConfigError(TORCHELASTIC_ENABLE_FILE_TIMER, raw, "must be 1 (on), 0 or empty (off)")
+    return raw == "1"
+
+
 class AgentFileTimer:
     """The agent's file-timer watchdog: one :class:`FileTimerServer` and what it reaped.
 
@@ -668,8 +681,13 @@ class AgentFileTimer:
         on_expired: OnExpired | None = None,
         log_event: LogEvent | None = None,
     ) -> AgentFileTimer | None:
-        """The watchdog the agent's environment asks for, or None when it asks for none."""
-        if env.get(TORCHELASTIC_ENABLE_FILE_TIMER, "") != "1":
+        """The watchdog the agent's environment asks for, or None when it asks for none.
+
+        Raises:
+            ConfigError: ``TORCHELASTIC_ENABLE_FILE_TIMER`` is neither empty, ``0`` nor
+                ``1`` (torch silently treats anything but ``1`` as off).
+        """
+        if not file_timer_enabled(env):
             return None
         return cls(
             env.get(TORCHELASTIC_TIMER_FILE) or None,

@@ -15,11 +15,11 @@ only reads ``/proc``; the clock is injected so unit tests can drive it.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Mapping
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
+from elastrun.core.values import MAX_SECONDS, check_number
 
 __all__ = [
     "UNINTERRUPTIBLE_STATE_TIMEOUT_ENV",
@@ -54,27 +54,22 @@ def read_proc_state(pid: int, proc_root: str = "/proc") -> str | None:
 def timeout_from_env(environ: Mapping[str, str]) -> float | None:
     """The watchdog timeout from ``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``.
 
-    Returns None (watchdog off) when the variable is unset or empty, when it is zero or
-    negative (an explicit "off"), and when it is not a number (with a warning, as
-    torchrun ignores such a value rather than refusing to start).
+    Returns None (watchdog off) when the variable is unset or empty, and when it is zero
+    or negative (an explicit "off", as with torchrun). torchrun also ignores a value
+    that is not a number; here that is a configuration error, so a typo cannot switch
+    the watchdog off unnoticed.
+
+    Raises:
+        ConfigError: naming the variable, for a value that is not a finite number of
+            seconds (at most a year).
     """
     raw = environ.get(UNINTERRUPTIBLE_STATE_TIMEOUT_ENV, "").strip()
     if not raw:
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value):
-        log.warning(
-            "ignoring %s=%r: not a number of seconds; the D-state watchdog is off",
-            UNINTERRUPTIBLE_STATE_TIMEOUT_ENV,
-            raw,
-        )
-        return None
-    if value <= 0:
-        return None
-    return value
+    value = check_number(
+        raw, UNINTERRUPTIBLE_STATE_TIMEOUT_ENV, high=MAX_SECONDS, what="number of seconds"
+    )
+    return value if value > 0 else None
 
 
 class UninterruptibleWatch:
