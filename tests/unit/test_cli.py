@@ -165,14 +165,14 @@ VALUE_CASES: list[tuple[str, tuple[str, ...], str, Getter, object]] = [
     ("--redirects", (), "3", lambda x: x.config.logs_specs.redirects, Std.ALL),  # type: ignore[union-attr]
     (
         "--tee",
-        (),
+        ("--nproc-per-node=2",),
         "0:1,1:2",
         lambda x: x.config.logs_specs.tee,  # type: ignore[union-attr]
         {0: Std.OUT, 1: Std.ERR},
     ),
     (
         "--local-ranks-filter",
-        (),
+        ("--nproc-per-node=3",),
         "0,2",
         lambda x: x.config.logs_specs.local_ranks_filter,  # type: ignore[union-attr]
         {0, 2},
@@ -694,9 +694,14 @@ def test_binary_must_be_executable(bin_dir: Path, program: str, path: str | None
     assert (info.value.field, info.value.value) == ("script", program)
 
 
-def test_python_comes_from_python_exec(run: Callable[..., Launch]) -> None:
-    assert run(env={"PYTHON_EXEC": "/opt/py/bin/python3"}).python == "/opt/py/bin/python3"
+def test_python_comes_from_python_exec(run: Callable[..., Launch], tmp_path: Path) -> None:
+    python = tmp_path / "python3"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    assert run(env={"PYTHON_EXEC": str(python)}).python == str(python)
     assert run(env={"PYTHON_EXEC": ""}).python == sys.executable
+    with pytest.raises(ConfigError, match="PYTHON_EXEC"):
+        run(env={"PYTHON_EXEC": "/opt/no-such-py/bin/python3"})
 
 
 def test_run_path_takes_precedence_over_module_with_a_notice(run: Callable[..., Launch]) -> None:
@@ -794,7 +799,8 @@ def plugin_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
 
 def test_logs_specs_default_and_absent_give_default_logs_specs(run: Callable[..., Launch]) -> None:
     for options in ((), ("--logs-specs=default",), ("--logs_specs", "default")):
-        specs = run(*options, "-r3", "--log-dir=/tmp/x", "--local-ranks-filter=1").config.logs_specs
+        launch = run(*options, "-r3", "--log-dir=/tmp/x", "--local-ranks-filter=1", "--nproc=2")
+        specs = launch.config.logs_specs
         assert type(specs) is DefaultLogsSpecs
         assert (specs.log_dir, specs.redirects, specs.local_ranks_filter) == (
             "/tmp/x",
@@ -907,3 +913,37 @@ def test_parser_error_raises_config_error() -> None:
         parser.parse_args(["--no-such-option", "x.py", "--also"])
     with pytest.raises(ConfigError):
         parser.parse_args([])
+
+
+# --------------------------------------------------------------------------------------
+# Checked before anything starts (tests/e2e/test_bad_input.py runs the command itself)
+
+
+def test_a_bare_ipv6_master_addr_gets_brackets_in_the_static_endpoint(
+    run: Callable[..., Launch], fail: Callable[..., ConfigError]
+) -> None:
+    assert run("--master-addr", "::1", "--master-port", "29517").config.rdzv_endpoint == (
+        "[::1]:29517"
+    )
+    assert fail("--nnodes=2", "--master-addr", "h:5", "--master-port", "1").field == (
+        "--master-addr"
+    )
+
+
+def test_the_rendezvous_is_checked_as_its_backend_reads_it(
+    fail: Callable[..., ConfigError],
+) -> None:
+    err = fail("--rdzv-conf", "last_call_timeout=inf", "--nnodes=2", "--rdzv-backend=c10d")
+    assert (err.field, err.value) == ("--rdzv-conf last_call_timeout", "inf")
+    err = fail(env={"PET_RDZV_CONF": "read_timeout=nan", "PET_NNODES": "2"})
+    assert (err.field, err.value) == ("PET_RDZV_CONF read_timeout", "nan")
+
+
+def test_loglevel_is_a_level_name_or_a_number_up_to_50() -> None:
+    from elastrun.launch.main import parse_log_level
+
+    assert parse_log_level("debug") == 10 and parse_log_level(" WARN ") == 30
+    assert parse_log_level("25") == 25
+    for bad in ("LOUD", "51", "-1", "nan"):
+        with pytest.raises(ConfigError, match="LOGLEVEL"):
+            parse_log_level(bad)

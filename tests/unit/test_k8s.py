@@ -131,6 +131,10 @@ def test_the_worker_command_is_an_elastrun_launch_that_parses(tmp_path: Path) ->
     # Kubernetes expands $(VAR) from the container's environment.
     args = [a.replace("$(POD_IP)", "10.1.2.3").replace("$(ELASTRUN_RUN_ID)", "uid-1") for a in args]
     args[args.index("train.py")] = str(script)
+    # The token file is read before anything starts: stand in for the mounted Secret.
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    args = [a.replace("/etc/elastrun/token/token", str(token)) for a in args]
     launch = parse_launch(args, {"PATH": "/usr/bin"})
     cfg = launch.config
     assert (cfg.min_nodes, cfg.max_nodes) == (2, 4)
@@ -140,7 +144,7 @@ def test_the_worker_command_is_an_elastrun_launch_that_parses(tmp_path: Path) ->
     assert cfg.local_addr == "10.1.2.3"
     assert cfg.max_restarts == 3
     assert cfg.rdzv_configs["is_host"] == "false"
-    assert cfg.rdzv_configs["token_file"] == "/etc/elastrun/token/token"
+    assert cfg.rdzv_configs["token_file"] == str(token)
     assert cfg.rdzv_configs["join_timeout"] == "900"
     assert launch.script_args == ("--epochs", "10")
 

@@ -15,7 +15,7 @@ from elastrun.core.shutdown import ShutdownRequest
 from elastrun.launch.config import LaunchConfig, parse_signals
 from elastrun.launch.signals import install_signal_handlers
 from elastrun.observe.sinks import MetricSink
-from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
+from elastrun.rendezvous.api import RendezvousHandler
 from elastrun.rendezvous.registry import rendezvous_handler_registry
 from elastrun.supervise.failures.report import ChildFailedError
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
@@ -55,16 +55,7 @@ def entrypoint_name(entrypoint: Entrypoint | None, args: Sequence[object]) -> st
 
 
 def build_handler(config: LaunchConfig, run_id: str) -> RendezvousHandler:
-    params = RendezvousParameters(
-        config.rdzv_backend,
-        config.rdzv_endpoint,
-        run_id,
-        config.min_nodes,
-        config.max_nodes,
-        config.local_addr,
-        **config.rdzv_configs,
-    )
-    return rendezvous_handler_registry.create_handler(params)
+    return rendezvous_handler_registry.create_handler(config.rendezvous_parameters(run_id))
 
 
 def build_agent(
@@ -100,12 +91,11 @@ def build_agent(
 
     stuck_after = timeout_from_env(env)
     starter = extras.starter if extras else None
-    barrier = config.rdzv_configs.get("exit_barrier_timeout")
     return LocalElasticAgent(
         spec,
         logs_specs=config.logs_specs if config.logs_specs is not None else DefaultLogsSpecs(),
         start_method=config.start_method,
-        exit_barrier_timeout=float(barrier) if barrier else config.exit_barrier_timeout,
+        exit_barrier_timeout=config.exit_barrier_timeout,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.effective_shutdown_timeout,
         shutdown=shutdown,
@@ -196,6 +186,7 @@ def launch_agent(
     """
     if entrypoint is None:
         raise ConfigError("entrypoint", None, "nothing to launch")
+    config.check_before_start(os.environ if environ is None else environ)
     run_id = config.run_id or str(uuid.uuid4().int)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     restore: Callable[[], None] = lambda: None  # noqa: E731

@@ -24,20 +24,28 @@ from __future__ import annotations
 
 import argparse
 import enum
-import math
 import os
 import re
 import shutil
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import NoReturn
 
 from elastrun.core.errors import ConfigError
-from elastrun.launch.config import DEFAULT_SIGNALS, START_METHODS, LaunchConfig, parse_signals
+from elastrun.core.values import parse_host_port, parse_int, parse_port, parse_seconds
+from elastrun.launch.config import (
+    DEFAULT_SIGNALS,
+    MAX_NODES,
+    MAX_NPROC_PER_NODE,
+    START_METHODS,
+    LaunchConfig,
+    parse_signals,
+)
+from elastrun.launch.paths import check_log_dir, check_writable_file
 from elastrun.launch.slurm import SlurmSettings
 from elastrun.supervise.processes.logs import (
     DefaultLogsSpecs,
@@ -502,18 +510,18 @@ def parse_nnodes(value: str, source: str = "--nnodes") -> tuple[int, int]:
     """Parse ``N`` or ``MIN:MAX`` into ``(min_nodes, max_nodes)``.
 
     Raises:
-        ConfigError: not one or two integers, or not ``0 < min <= max``.
+        ConfigError: not one or two integers, or not ``1 <= min <= max <= MAX_NODES``.
     """
     parts = value.split(":")
     if len(parts) > 2:
         raise ConfigError(source, value, "must be N or MIN:MAX")
-    try:
-        numbers = [int(part) for part in parts]
-    except ValueError:
-        raise ConfigError(source, value, "must be N or MIN:MAX with integers") from None
+    numbers = []
+    for part in parts:
+        try:
+            numbers.append(parse_int(part, source, low=1, high=MAX_NODES))
+        except ConfigError as exc:
+            raise ConfigError(source, value, f"N or MIN:MAX: each {exc.reason}") from None
     low, high = numbers[0], numbers[-1]
-    if low <= 0:
-        raise ConfigError(source, value, "the number of nodes must be at least 1")
     if high < low:
         raise ConfigError(source, value, "the maximum must not be below the minimum")
     return low, high
@@ -570,19 +578,19 @@ def parse_nproc_per_node(
     was derived from the machine, None for a plain number.
 
     Raises:
-        ConfigError: not a positive integer nor ``cpu``, ``gpu``, ``auto``; ``gpu``
-            without any GPU; ``xpu``, which elastrun does not support.
+        ConfigError: not an integer from 1 to ``MAX_NPROC_PER_NODE`` nor ``cpu``,
+            ``gpu``, ``auto``; ``gpu`` without any GPU; ``xpu``, which elastrun does not
+            support.
     """
-    try:
-        count = int(value)
-    except ValueError:
-        pass
-    else:
-        if count <= 0:
-            raise ConfigError(source, value, "must be at least 1")
-        return count, None
+    if re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        return parse_int(value, source, low=1, high=MAX_NPROC_PER_NODE), None
     if value == "cpu":
-        return _cpu_count(), "cpu"
+        cpus = _cpu_count()
+        if cpus > MAX_NPROC_PER_NODE:
+            raise ConfigError(
+                source, value, f"{cpus} CPUs: more than {MAX_NPROC_PER_NODE} workers per node"
+            )
+        return cpus, "cpu"
     if value == "gpu":
         gpus = count_nvidia_gpus(environ, gpus_dir)
         if gpus == 0:
@@ -593,7 +601,9 @@ def parse_nproc_per_node(
         return (gpus, "gpu") if gpus else (_cpu_count(), "cpu")
     if value == "xpu":
         raise ConfigError(source, value, "XPU devices are not supported by elastrun")
-    raise ConfigError(source, value, "must be a positive integer, cpu, gpu or auto")
+    raise ConfigError(
+        source, value, f"must be an integer from 1 to {MAX_NPROC_PER_NODE}, cpu, gpu or auto"
+    )
 
 
 def parse_rdzv_conf(value: str, source: str = "--rdzv-conf") -> dict[str, str]:
@@ -616,27 +626,6 @@ def parse_rdzv_conf(value: str, source: str = "--rdzv-conf") -> dict[str, str]:
             raise ConfigError(source, item, f"the key {key.strip()!r} has no value")
         config[key.strip()] = val.strip()
     return config
-
-
-def _to_int(raw: str, source: str, low: int, high: int | None = None) -> int:
-    try:
-        number = int(raw)
-    except ValueError:
-        raise ConfigError(source, raw, "must be an integer") from None
-    if number < low or (high is not None and number > high):
-        bounds = f">= {low}" if high is None else f"between {low} and {high}"
-        raise ConfigError(source, raw, f"must be {bounds}")
-    return number
-
-
-def _to_seconds(raw: str, source: str, *, allow_zero: bool) -> float:
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise ConfigError(source, raw, "must be a number of seconds") from None
-    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        raise ConfigError(source, raw, "must be >= 0" if allow_zero else "must be > 0")
-    return seconds
 
 
 def _to_choice(raw: str, source: str, choices: Sequence[str]) -> str:
@@ -792,9 +781,9 @@ def _rendezvous(
     """torchrun's run()/config_from_args() rendezvous steps (standalone, static), then
     ``--slurm``'s settings for whatever the user did not give."""
     configs = parse_rdzv_conf(*values.required("rdzv_conf"))
-    node_rank = _to_int(*values.required("node_rank"), low=0)
+    node_rank = parse_int(*values.required("node_rank"), low=0, high=MAX_NODES - 1)
     port_raw, port_source = values.text("master_port")
-    master_port = None if port_raw is None else _to_int(port_raw, port_source, 0, 65535)
+    master_port = None if port_raw is None else parse_port(port_raw, port_source)
     master_addr, master_addr_source = values.required("master_addr")
     backend, backend_source = values.required("rdzv_backend")
     endpoint, _ = values.required("rdzv_endpoint")
@@ -833,6 +822,12 @@ def _rendezvous(
         _check_rdzv_backend(backend, backend_source)
     if master_port is None:
         master_port = DEFAULT_MASTER_PORT
+    if max_nodes > 1 and not run_id.strip():
+        raise ConfigError(
+            values.source("rdzv_id"),
+            run_id,
+            "must not be empty for a multi-node job: every node needs the same run id",
+        )
 
     if backend == "static":
         if node_rank >= max_nodes:
@@ -842,7 +837,7 @@ def _rendezvous(
                 f"must be below the number of nodes ({max_nodes}) with the static backend",
             )
         configs["rank"] = str(node_rank)  # overrides a rank= in --rdzv-conf, as torchrun
-        endpoint = endpoint or f"{master_addr}:{master_port}"
+        endpoint = endpoint or _master_endpoint(master_addr, master_addr_source, master_port)
     else:
         if values.given("master_addr") and not endpoint:
             notices.append(f"{master_addr_source} is only used by the static backend; ignored")
@@ -853,7 +848,18 @@ def _rendezvous(
     )
 
 
-def _logs_specs(values: _Values) -> LogsSpecs:
+def _master_endpoint(addr: str, source: str, port: int) -> str:
+    """``--master-addr`` and ``--master-port`` as the static backend's endpoint.
+
+    A bare IPv6 address gets its brackets (torchrun would glue the port onto it).
+    """
+    host, given_port = parse_host_port(addr, source, None)
+    if given_port is not None:
+        raise ConfigError(source, addr, "give the address only; the port is --master-port")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _logs_specs(values: _Values, nproc: int) -> LogsSpecs:
     ranks_raw, ranks_source = values.required("local_ranks_filter")
     try:
         ranks = parse_local_ranks_filter(ranks_raw)
@@ -861,16 +867,38 @@ def _logs_specs(values: _Values) -> LogsSpecs:
         raise ConfigError(
             ranks_source, ranks_raw, "must be a comma-separated list of local ranks"
         ) from exc
+    _check_local_ranks(ranks or (), nproc, ranks_raw, ranks_source)
+    streams = {}
+    for dest in ("redirects", "tee"):
+        raw, source = values.required(dest)
+        streams[dest] = std = _to_std(raw, source)
+        if isinstance(std, dict):
+            _check_local_ranks(std, nproc, raw, source)
     name, source = values.text("logs_specs")
-    log_dir, _ = values.text("log_dir")
-    return _build_logs_specs(
+    log_dir, log_dir_source = values.text("log_dir")
+    specs = _build_logs_specs(
         name=name,
         source=source,
         log_dir=log_dir,
-        redirects=_to_std(*values.required("redirects")),
-        tee=_to_std(*values.required("tee")),
+        redirects=streams["redirects"],
+        tee=streams["tee"],
         local_ranks_filter=ranks,
     )
+    if isinstance(specs, DefaultLogsSpecs) and log_dir and log_dir != os.devnull:
+        check_log_dir(log_dir, log_dir_source)
+    return specs
+
+
+def _check_local_ranks(ranks: Iterable[int], nproc: int, raw: str, source: str) -> None:
+    """A local rank that no worker of this node has is a typo, not an empty filter."""
+    missing = sorted(rank for rank in ranks if rank >= nproc)
+    if missing:
+        raise ConfigError(
+            source,
+            raw,
+            f"local rank {missing[0]} does not exist: this node runs {nproc} worker(s), "
+            f"local ranks 0 to {nproc - 1}",
+        )
 
 
 def _numa_options(mode: str | None) -> object | None:
@@ -882,9 +910,11 @@ def _numa_options(mode: str | None) -> object | None:
 
 
 def _event_handler(raw: str, source: str) -> str:
-    from elastrun.observe.eventlog import make_event_sink
+    from elastrun.observe.eventlog import FILE_PREFIX, make_event_sink
 
     make_event_sink(raw, field=source)  # validates only: no file is opened yet
+    if raw.startswith(FILE_PREFIX):
+        check_writable_file(raw[len(FILE_PREFIX) :], source, raw)
     return raw
 
 
@@ -907,6 +937,27 @@ def _slurm(values: _Values, environ: Mapping[str, str], notices: list[str]) -> S
     return settings
 
 
+def _python(kind: ScriptKind, environ: Mapping[str, str]) -> str:
+    """The interpreter of script and module workers: ``PYTHON_EXEC``, else ours."""
+    python = environ.get("PYTHON_EXEC") or sys.executable
+    if kind not in (ScriptKind.SCRIPT, ScriptKind.MODULE) or not environ.get("PYTHON_EXEC"):
+        return python
+    if shutil.which(python, path=environ.get("PATH", os.defpath)) is None:
+        where = "is not an executable file" if os.sep in python else "is not found on PATH"
+        raise ConfigError("PYTHON_EXEC", python, where)
+    return python
+
+
+def _blame(exc: ConfigError, sources: Mapping[str, str]) -> ConfigError:
+    """Name the option as the user gave it (a variable or the other spelling), also in
+    ``--rdzv-conf KEY`` fields."""
+    option, space, rest = exc.field.partition(" ")
+    given = sources.get(option, option)
+    if given == option:
+        return exc
+    return ConfigError(given + space + rest, exc.value, exc.reason)
+
+
 def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
     """Parse an ``elastrun`` command line into a validated :class:`Launch`.
 
@@ -914,9 +965,14 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
         argv: the arguments after the program name.
         environ: the environment to read ``PET_*``, ``PYTHON_EXEC``, ``PATH``,
             ``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES`` and
-            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` from; it is never modified.
-            (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is read by :class:`LaunchConfig` from
-            the process environment.)
+            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` from, and to check the agent's
+            torch variables in (``TORCHELASTIC_HEALTH_CHECK_PORT``...); it is never
+            modified. (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is read by
+            :class:`LaunchConfig` from the process environment.)
+
+    Everything that would only fail once something started is checked here too: the
+    rendezvous parameters as the backend will read them, the log directory, the event
+    log and the interpreter.
 
     Raises:
         ConfigError: any invalid option, variable or script, naming it and the value;
@@ -930,16 +986,14 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
     slurm = _slurm(values, environ, notices)
     if slurm is not None and not values.given("nnodes"):
         min_nodes = max_nodes = slurm.nnodes
-    max_restarts = _to_int(*values.required("max_restarts"), low=0)
-    monitor_interval = _to_seconds(*values.required("monitor_interval"), allow_zero=False)
+    max_restarts = parse_int(*values.required("max_restarts"), low=0)
+    monitor_interval = parse_seconds(*values.required("monitor_interval"), low_open=True)
     timeout_raw, timeout_source = values.text("shutdown_timeout")
-    shutdown_timeout = (
-        None if timeout_raw is None else _to_seconds(timeout_raw, timeout_source, allow_zero=True)
-    )
+    shutdown_timeout = None if timeout_raw is None else parse_seconds(timeout_raw, timeout_source)
     start_method = _to_choice(*values.required("start_method"), START_METHODS)
     events = _event_handler(*values.required("event_log_handler"))
     metrics_raw, metrics_source = values.text("metrics_port")
-    metrics_port = None if metrics_raw is None else _to_int(metrics_raw, metrics_source, 0, 65535)
+    metrics_port = None if metrics_raw is None else parse_port(metrics_raw, metrics_source)
     preload_raw, _ = values.required("preload")
     preload = tuple(m.strip() for m in preload_raw.split(",") if m.strip())
     numa_raw, numa_source = values.text("numa_binding")
@@ -954,7 +1008,8 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
     kind = _script_kind(values, notices)
     script: str = namespace.training_script
     _check_script(kind, script, environ)
-    logs_specs = _logs_specs(values)
+    logs_specs = _logs_specs(values, nproc)
+    python = _python(kind, environ)
     # Everything is valid; now what this version cannot do yet.
     _refuse_not_implemented(values, rdzv.backend)
 
@@ -989,17 +1044,15 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
             master_addr=rdzv.master_addr,
             master_port=rdzv.master_port,
         )
+        config.check_before_start(environ)
     except ConfigError as exc:
-        # Name the option as the user gave it (a variable or the other spelling).
-        if sources.get(exc.field, exc.field) != exc.field:
-            raise ConfigError(sources[exc.field], exc.value, exc.reason) from exc
-        raise
+        raise _blame(exc, sources) from exc
     return Launch(
         config=config,
         kind=kind,
         script=script,
         script_args=tuple(namespace.training_script_args),
-        python=environ.get("PYTHON_EXEC") or sys.executable,
+        python=python,
         dry_run=values.flag("dry_run"),
         standalone=rdzv.standalone,
         notices=tuple(notices),

@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
+from elastrun.core.values import MAX_SECONDS, parse_int, parse_port, parse_seconds
 
 if TYPE_CHECKING:
+    from elastrun.rendezvous.api import RendezvousParameters
     from elastrun.supervise.processes.logs import LogsSpecs
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 START_METHODS = ("spawn", "fork", "forkserver")
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+#: Upper bounds: beyond them a value is a typo (and some would take minutes to plan).
+MAX_NODES = 100_000
+MAX_NPROC_PER_NODE = 1024
 
 
 @dataclass(frozen=True)
@@ -68,26 +75,17 @@ class LaunchConfig:
     use_template: bool = True
 
     def __post_init__(self) -> None:
-        if self.min_nodes <= 0:
-            raise ConfigError("--nnodes", self.min_nodes, "the minimum must be at least 1")
+        self._check_numbers()
         if self.max_nodes < self.min_nodes:
             raise ConfigError(
                 "--nnodes",
                 f"{self.min_nodes}:{self.max_nodes}",
                 "the maximum must not be below the minimum",
             )
-        if self.nproc_per_node <= 0:
-            raise ConfigError("--nproc-per-node", self.nproc_per_node, "must be at least 1")
-        if self.max_restarts < 0:
-            raise ConfigError("--max-restarts", self.max_restarts, "must be >= 0")
-        if self.monitor_interval <= 0:
-            raise ConfigError("--monitor-interval", self.monitor_interval, "must be > 0")
         if self.start_method not in START_METHODS:
             raise ConfigError(
                 "--start-method", self.start_method, f"must be one of {', '.join(START_METHODS)}"
             )
-        if self.exit_barrier_timeout < 0:
-            raise ConfigError("exit_barrier_timeout", self.exit_barrier_timeout, "must be >= 0")
         parse_signals(self.signals_to_handle)
         # torch injects the legacy rendezvous timeout into the rendezvous configuration.
         configs = dict(self.rdzv_configs)
@@ -95,10 +93,62 @@ class LaunchConfig:
             configs["timeout"] = str(self.rdzv_timeout)
         else:
             configs.setdefault("timeout", "900")
+        parse_seconds(configs["timeout"], "--rdzv-conf timeout", low_open=True)
+        barrier = configs.get("exit_barrier_timeout")
+        if barrier is not None:
+            object.__setattr__(
+                self,
+                "exit_barrier_timeout",
+                parse_seconds(barrier, "--rdzv-conf exit_barrier_timeout"),
+            )
         object.__setattr__(self, "rdzv_configs", configs)
         object.__setattr__(
             self, "shutdown_timeout", resolve_shutdown_timeout(self.shutdown_timeout)
         )
+
+    def _check_numbers(self) -> None:
+        """Every number through the one checker (a Python caller may pass NaN)."""
+        parse_int(self.min_nodes, "--nnodes", low=1, high=MAX_NODES)
+        parse_int(self.max_nodes, "--nnodes", low=1, high=MAX_NODES)
+        parse_int(self.nproc_per_node, "--nproc-per-node", low=1, high=MAX_NPROC_PER_NODE)
+        parse_int(self.max_restarts, "--max-restarts", low=0)
+        parse_seconds(self.monitor_interval, "--monitor-interval", low_open=True)
+        parse_seconds(self.exit_barrier_timeout, "exit_barrier_timeout")
+        parse_int(self.node_rank, "--node-rank", low=0, high=MAX_NODES - 1)
+        if self.rdzv_timeout != -1:
+            parse_int(self.rdzv_timeout, "rdzv_timeout", low=1, high=MAX_SECONDS)
+        ports = (("--master-port", self.master_port), ("--metrics-port", self.metrics_port))
+        for name, port in ports:
+            if port is not None:
+                parse_port(port, name)
+
+    def rendezvous_parameters(self, run_id: str | None = None) -> RendezvousParameters:
+        """The rendezvous handler's parameters (``run_id`` overrides the config's)."""
+        from elastrun.rendezvous.api import RendezvousParameters
+
+        return RendezvousParameters(
+            self.rdzv_backend,
+            self.rdzv_endpoint,
+            self.run_id if run_id is None else run_id,
+            self.min_nodes,
+            self.max_nodes,
+            self.local_addr,
+            **self.rdzv_configs,
+        )
+
+    def check_before_start(self, environ: Mapping[str, str]) -> None:
+        """Refuse what would only fail later, before anything starts.
+
+        Checks the rendezvous parameters the way the built-in backend will read them
+        (without connecting) and the torch environment variables the agent reads.
+
+        Raises:
+            ConfigError: naming the option, ``--rdzv-conf`` key or variable.
+        """
+        from elastrun.rendezvous.registry import rendezvous_handler_registry
+
+        rendezvous_handler_registry.check(self.rendezvous_parameters(self.run_id or "check"))
+        check_agent_environment(environ)
 
     @property
     def effective_shutdown_timeout(self) -> float:
@@ -107,20 +157,37 @@ class LaunchConfig:
 
 
 def resolve_shutdown_timeout(value: float | None) -> float:
-    """Explicit value, else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30 seconds."""
-    source = "--shutdown-timeout"
-    if value is None:
-        raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-        if raw is None or raw == "":
-            return DEFAULT_SHUTDOWN_TIMEOUT
-        source = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ConfigError(source, raw, "must be a number of seconds") from None
-    if value < 0:
-        raise ConfigError(source, value, "must be >= 0")
-    return float(value)
+    """Explicit value, else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30 seconds.
+
+    Raises:
+        ConfigError: not a finite number of seconds from 0 to a year, naming
+            ``--shutdown-timeout`` or the variable.
+    """
+    if value is not None:
+        return parse_seconds(value, "--shutdown-timeout")
+    raw = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SHUTDOWN_TIMEOUT
+    return parse_seconds(raw, SHUTDOWN_TIMEOUT_ENV)
+
+
+def check_agent_environment(environ: Mapping[str, str]) -> None:
+    """Refuse junk in the torch variables the agent reads, naming the variable.
+
+    ``TORCHELASTIC_HEALTH_CHECK_PORT``, ``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``
+    and ``TORCHELASTIC_ENABLE_FILE_TIMER`` are read by the same functions the agent's
+    wiring uses; torchrun ignores a bad value of each, silently or with a log line.
+
+    Raises:
+        ConfigError: naming the variable and its value.
+    """
+    from elastrun.observe.health import port_from_env
+    from elastrun.supervise.processes.dstate import timeout_from_env
+    from elastrun.timer.file import file_timer_enabled
+
+    port_from_env(environ)
+    timeout_from_env(environ)
+    file_timer_enabled(environ)
 
 
 def parse_signals(spec: str) -> tuple[signal.Signals, ...]:

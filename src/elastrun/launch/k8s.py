@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from elastrun.core.errors import ConfigError
+from elastrun.core.values import MAX_SECONDS, parse_int, parse_port
 from elastrun.launch.cli import parse_nnodes
+from elastrun.launch.config import MAX_NPROC_PER_NODE
 
 __all__ = ["ManifestSpec", "build_manifests", "dump_yaml", "k8s_main", "parse_manifest_args"]
 
@@ -476,8 +478,12 @@ def parse_manifest_args(argv: Sequence[str]) -> tuple[ManifestSpec, str | None]:
     _check_name(ns.name, max_nodes)
     if not _NPROC.fullmatch(ns.nproc_per_node):
         raise ConfigError(
-            "--nproc-per-node", ns.nproc_per_node, "must be a positive integer, cpu, gpu or auto"
+            "--nproc-per-node",
+            ns.nproc_per_node,
+            f"must be an integer from 1 to {MAX_NPROC_PER_NODE}, cpu, gpu or auto",
         )
+    if ns.nproc_per_node.isdigit():
+        parse_int(ns.nproc_per_node, "--nproc-per-node", low=1, high=MAX_NPROC_PER_NODE)
     if ns.namespace is not None and not _DNS_LABEL.fullmatch(ns.namespace):
         raise ConfigError("--namespace", ns.namespace, "is not a valid namespace name")
     for option, value in (("--cpu", ns.cpu), ("--memory", ns.memory), ("--shm-size", ns.shm_size)):
@@ -488,13 +494,13 @@ def parse_manifest_args(argv: Sequence[str]) -> tuple[ManifestSpec, str | None]:
         raise ConfigError("--etcd-endpoint", ns.etcd_endpoint, "is only used with --store etcd")
     if ns.token_secret and ns.store != "elastrun":
         raise ConfigError("--token-secret", ns.token_secret, "is for the elastrun store only")
-    for option, number, low in (
-        ("--store-port", ns.store_port, 1), ("--gpus", ns.gpus, 0),
-        ("--backoff-limit", ns.backoff_limit, 0), ("--max-restarts", ns.max_restarts, 0),
-        ("--termination-grace", ns.termination_grace, 0),
+    parse_port(ns.store_port, "--store-port", allow_zero=False)
+    for option, number, high in (
+        ("--gpus", ns.gpus, None), ("--backoff-limit", ns.backoff_limit, None),
+        ("--max-restarts", ns.max_restarts, None),
+        ("--termination-grace", ns.termination_grace, MAX_SECONDS),
     ):  # fmt: skip
-        if number < low or (option == "--store-port" and number > 65535):
-            raise ConfigError(option, number, f"must be >= {low}")
+        parse_int(number, option, low=0, high=high)
     env = _pairs(ns.env, "--env")
     for key, _ in env:
         if not _ENV_NAME.fullmatch(key):

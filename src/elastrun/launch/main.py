@@ -19,6 +19,7 @@ from elastrun.core.errors import (
     ShutdownRequested,
     WorkerFailure,
 )
+from elastrun.core.values import parse_int
 from elastrun.launch.api import launch_agent
 from elastrun.launch.cli import Launch, ScriptKind, parse_launch
 from elastrun.supervise.failures.report import ChildFailedError, copy_root_cause_error_file
@@ -37,17 +38,50 @@ class _Formatter(logging.Formatter):
         return f"[elastrun] {msg}"
 
 
+#: ``LOGLEVEL`` names (any case) and what they mean; a number 0..50 is accepted too.
+LOG_LEVELS = {
+    "CRITICAL": logging.CRITICAL,
+    "FATAL": logging.FATAL,
+    "ERROR": logging.ERROR,
+    "WARNING": logging.WARNING,
+    "WARN": logging.WARNING,
+    "INFO": logging.INFO,
+    "DEBUG": logging.DEBUG,
+    "NOTSET": logging.NOTSET,
+}
+
+
+def parse_log_level(raw: str, source: str = "LOGLEVEL") -> int:
+    """``LOGLEVEL``: a level name (any case) or a number from 0 to 50.
+
+    Raises:
+        ConfigError: anything else, naming ``source`` (torch's ``setLevel`` raises a
+            ValueError with a traceback; elastrun used to ignore it).
+    """
+    name = raw.strip().upper()
+    if name in LOG_LEVELS:
+        return LOG_LEVELS[name]
+    if name.lstrip("+-").isdigit():
+        return parse_int(name, source, low=0, high=logging.CRITICAL)
+    names = ", ".join(n for n in LOG_LEVELS if n not in ("FATAL", "WARN"))
+    raise ConfigError(source, raw, f"must be one of {names}, or a number from 0 to 50")
+
+
 def configure_logging(environ: os._Environ[str] | dict[str, str]) -> None:
-    """elastrun's own lines go to stderr, ``[elastrun]``-prefixed; LOGLEVEL sets the level."""
-    level_name = environ.get("LOGLEVEL", "INFO").upper()
-    level = logging.getLevelName(level_name)
+    """elastrun's own lines go to stderr, ``[elastrun]``-prefixed; LOGLEVEL sets the level.
+
+    Raises:
+        ConfigError: a ``LOGLEVEL`` that is not a level (nothing is changed then).
+    """
+    raw = environ.get("LOGLEVEL", "").strip()
+    level = parse_log_level(raw) if raw else logging.INFO
     root = logging.getLogger("elastrun")
     if not any(getattr(h, "_elastrun", False) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(_Formatter())
         handler._elastrun = True  # type: ignore[attr-defined]  # marks our own handler
         root.addHandler(handler)
-    root.setLevel(level if isinstance(level, int) else logging.INFO)
+    root.setLevel(level)
     root.propagate = False
 
 
@@ -90,7 +124,11 @@ def _subcommand(args: list[str]) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the launcher; returns the exit status (see the module docstring)."""
-    configure_logging(os.environ)
+    try:
+        configure_logging(os.environ)
+    except ConfigError as exc:
+        print(f"elastrun: error: {exc}", file=sys.stderr)
+        return 2
     args = list(sys.argv[1:] if argv is None else argv)
     code = _subcommand(args)
     if code is not None:

@@ -39,6 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastrun.core.errors import ConfigError
+from elastrun.core.values import parse_host_port, parse_int
+from elastrun.launch.config import MAX_NODES
 
 __all__ = [
     "BASE_PORT",
@@ -191,13 +193,7 @@ def _count(environ: Mapping[str, str], names: tuple[str, ...]) -> tuple[int, str
     if found is None:
         return None
     raw, name = found
-    try:
-        number = int(raw)
-    except ValueError:
-        raise ConfigError(name, raw, "must be an integer") from None
-    if number < 1:
-        raise ConfigError(name, raw, "must be at least 1")
-    return number, name
+    return parse_int(raw, name, low=1, high=MAX_NODES), name
 
 
 def derived_port(run_id: str) -> int:
@@ -208,23 +204,18 @@ def derived_port(run_id: str) -> int:
 def _split_endpoint(endpoint: str) -> tuple[str, int | None]:
     """``HOST:PORT``, ``:PORT``, ``HOST``, ``[v6]:PORT`` -> (host, port or None)."""
     text = endpoint.strip()
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-        host = f"[{host}]"
-    elif text.count(":") > 1:  # a bare IPv6 address
-        host, port_text = f"[{text}]", ""
-    else:
-        host, _, port_text = text.partition(":")
-    if not port_text:
-        return host, None
+    if not text:
+        return "", None
+    only_port = text.startswith(":")  # the host is then the step's first node
     try:
-        port = int(port_text)
-    except ValueError:
-        raise ConfigError("--rdzv-endpoint", endpoint, "the port is not a number") from None
-    if not 0 < port <= 65535:
-        raise ConfigError("--rdzv-endpoint", endpoint, "the port must be in 1..65535")
-    return host, port
+        host, port = parse_host_port(
+            f"_{text}" if only_port else text, "--rdzv-endpoint", None, allow_zero=False
+        )
+    except ConfigError as exc:
+        raise ConfigError(exc.field, endpoint, exc.reason) from None
+    if only_port:
+        return "", port
+    return (f"[{host}]" if ":" in host else host), port
 
 
 def slurm_overrides(environ: Mapping[str, str], *, rdzv_endpoint: str = "") -> SlurmSettings:
@@ -313,10 +304,4 @@ def _node_rank(environ: Mapping[str, str], hosts: tuple[str, ...], node_name: st
         raise ConfigError(
             "SLURMD_NODENAME", node_name, f"this node is not in the node list {','.join(hosts)}"
         )
-    try:
-        rank = int(raw)
-    except ValueError:
-        raise ConfigError("SLURM_NODEID", raw, "must be an integer") from None
-    if not 0 <= rank < len(hosts):
-        raise ConfigError("SLURM_NODEID", raw, f"must be below the node count ({len(hosts)})")
-    return rank
+    return parse_int(raw, "SLURM_NODEID", low=0, high=len(hosts) - 1)

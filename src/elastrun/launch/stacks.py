@@ -17,7 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from elastrun.core.errors import ConfigError
 from elastrun.core.procinfo import process_start_time
+from elastrun.core.values import parse_seconds
 
 
 def _attempt_dirs(root: Path) -> list[Path]:
@@ -37,8 +39,15 @@ def stacks_main(argv: list[str]) -> int:
         description="Print the Python stacks of every worker of a running job.",
     )
     parser.add_argument("log_dir", help="the job's --log-dir (or its run directory)")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for dumps")
+    parser.add_argument(
+        "--timeout", default="3.0", help="seconds to wait for dumps, at most a year (default: 3)"
+    )
     args = parser.parse_args(argv)
+    try:
+        timeout = parse_seconds(args.timeout, "--timeout")
+    except ConfigError as exc:
+        print(f"elastrun stacks: error: {exc}", file=sys.stderr)
+        return 2
     attempts = _attempt_dirs(Path(args.log_dir))
     if not attempts:
         print(f"elastrun stacks: no workers.json under {args.log_dir}", file=sys.stderr)
@@ -54,7 +63,7 @@ def stacks_main(argv: list[str]) -> int:
             missing.append(lr)
             continue
         os.kill(int(info["pid"]), signal.SIGUSR1)
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + timeout
     pending = {lr for lr in workers if lr not in missing}
     while pending and time.monotonic() < deadline:
         pending = {lr for lr in pending if _size(workers[lr]["stacks"]) <= sizes[lr]}

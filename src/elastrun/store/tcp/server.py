@@ -16,8 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import NoReturn
 
 from elastrun.core.errors import ConfigError, StoreError
+from elastrun.core.values import parse_int, parse_port, parse_seconds
 from elastrun.store.memory import HISTORY, MemoryStore
 from elastrun.store.tcp import protocol as p
 from elastrun.store.tcp.service import Connection, Service, format_addr
@@ -25,6 +27,8 @@ from elastrun.store.tcp.service import Connection, Service, format_addr
 log = logging.getLogger(__name__)
 
 DEFAULT_DISCONNECT_GRACE = 2.0
+#: The largest --max-frame accepted (1 GiB): frames are held in memory whole.
+MAX_FRAME_LIMIT = 1 << 30
 #: Thousands of agents may connect at once after a restart; the kernel caps this.
 BACKLOG = 4096
 _BIND_ATTEMPTS = 20
@@ -59,12 +63,9 @@ class TcpStoreServer:
         *,
         history: int = HISTORY,
     ) -> None:
-        if not 0 <= port <= 65535:
-            raise ConfigError("port", port, "must be in 0..65535")
-        if max_frame < p.HANDSHAKE_MAX_FRAME:
-            raise ConfigError("max_frame", max_frame, f"must be at least {p.HANDSHAKE_MAX_FRAME}")
-        if disconnect_grace < 0:
-            raise ConfigError("disconnect_grace", disconnect_grace, "must be >= 0")
+        parse_port(port, "port")
+        parse_int(max_frame, "max_frame", low=p.HANDSHAKE_MAX_FRAME, high=MAX_FRAME_LIMIT)
+        parse_seconds(disconnect_grace, "disconnect_grace")
         if token is not None and not token:
             raise ConfigError("token", token, "must not be empty")
         self._host = host
@@ -300,8 +301,15 @@ async def _bind(host: str, port: int) -> list[socket.socket]:
 # -- the `elastrun store` command --------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one ``ConfigError`` line, not a usage message."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError("elastrun store", None, message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="elastrun store",
         description="Run the elastrun tcp store on its own, e.g. on a machine outside the job.",
     )
@@ -312,9 +320,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--port",
-        type=int,
-        default=29400,
-        help="port to listen on; 0 picks a free one (default: 29400)",
+        default="29400",
+        help="port to listen on, 0 to 65535; 0 picks a free one (default: 29400)",
     )
     parser.add_argument(
         "--token-file",
@@ -323,18 +330,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-frame",
-        type=int,
-        default=p.DEFAULT_MAX_FRAME,
-        help=f"largest message in bytes (default: {p.DEFAULT_MAX_FRAME})",
+        default=str(p.DEFAULT_MAX_FRAME),
+        help=f"largest message in bytes, {p.HANDSHAKE_MAX_FRAME} to {MAX_FRAME_LIMIT} "
+        f"(default: {p.DEFAULT_MAX_FRAME})",
     )
     parser.add_argument(
         "--disconnect-grace",
-        type=float,
-        default=DEFAULT_DISCONNECT_GRACE,
+        default=str(DEFAULT_DISCONNECT_GRACE),
         help="seconds a dropped client has to reconnect before its leases "
-        f"end (default: {DEFAULT_DISCONNECT_GRACE})",
+        f"end, at most a year (default: {DEFAULT_DISCONNECT_GRACE})",
     )
     return parser
+
+
+def _server_from_args(argv: list[str]) -> tuple[TcpStoreServer, argparse.Namespace, str | None]:
+    """Parse ``elastrun store``'s arguments into a server (not started yet).
+
+    Raises:
+        ConfigError: a bad option, naming it and its value.
+        StoreError: an unusable token file.
+    """
+    args = _parser().parse_args(argv)  # -h/--help prints and exits here
+    port = parse_port(args.port, "--port")
+    max_frame = parse_int(
+        args.max_frame, "--max-frame", low=p.HANDSHAKE_MAX_FRAME, high=MAX_FRAME_LIMIT
+    )
+    grace = parse_seconds(args.disconnect_grace, "--disconnect-grace")
+    token = read_token_file(args.token_file) if args.token_file is not None else None
+    server = TcpStoreServer(
+        args.host, port, token=token, max_frame=max_frame, disconnect_grace=grace
+    )
+    return server, args, token
 
 
 def read_token_file(path: str) -> str:
@@ -374,18 +400,15 @@ def serve_main(argv: list[str]) -> int:
     Exit codes: 0 after a signal, 2 for bad arguments or an unusable token file, 1 when
     the address cannot be bound.
     """
-    args = _parser().parse_args(argv)
     prog = "elastrun store"
     try:
-        token = read_token_file(args.token_file) if args.token_file is not None else None
-        server = TcpStoreServer(
-            args.host,
-            args.port,
-            token=token,
-            max_frame=args.max_frame,
-            disconnect_grace=args.disconnect_grace,
-        )
-    except (ConfigError, StoreError) as exc:
+        server, args, token = _server_from_args(argv)
+    except ConfigError as exc:
+        # argparse's own messages carry no value: leave out ConfigError's "(got None)".
+        text = exc.reason if exc.value is None else str(exc)
+        print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
+        return 2
+    except StoreError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     if not logging.getLogger().handlers:
