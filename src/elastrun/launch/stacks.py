@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from elastrun.core.errors import ConfigError
 from elastrun.core.procinfo import process_start_time
@@ -33,8 +34,17 @@ def _is_that_worker(pid: int, start_time: int | None) -> bool:
     return now is not None and (start_time is None or now == start_time)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one ``ConfigError`` line, not a usage message."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError("elastrun stacks", None, message)
+
+
 def stacks_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    """``elastrun stacks LOG_DIR``: 0 when every worker answered, 1 when some did not,
+    2 for bad arguments (one line on stderr) or no workers under ``LOG_DIR``."""
+    parser = _Parser(
         prog="elastrun stacks",
         description="Print the Python stacks of every worker of a running job.",
     )
@@ -42,11 +52,13 @@ def stacks_main(argv: list[str]) -> int:
     parser.add_argument(
         "--timeout", default="3.0", help="seconds to wait for dumps, at most a year (default: 3)"
     )
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)  # -h/--help prints and exits here
         timeout = parse_seconds(args.timeout, "--timeout")
     except ConfigError as exc:
-        print(f"elastrun stacks: error: {exc}", file=sys.stderr)
+        # argparse's own messages carry no value: leave out ConfigError's "(got None)".
+        text = exc.reason if exc.value is None else str(exc)
+        print(f"elastrun stacks: error: {text}", file=sys.stderr)
         return 2
     attempts = _attempt_dirs(Path(args.log_dir))
     if not attempts:
