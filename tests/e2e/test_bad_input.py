@@ -169,6 +169,13 @@ CASES = [
             ("PYTHON_EXEC", "/nonexistent/bin/python3"),
         ]
     ),
+    Case(
+        "env-TORCHELASTIC_TIMER_FILE-in-a-missing-directory",
+        [SCRIPT],
+        "TORCHELASTIC_TIMER_FILE",
+        _v("no/such/dir/fifo"),
+        {"TORCHELASTIC_ENABLE_FILE_TIMER": "1", "TORCHELASTIC_TIMER_FILE": "no/such/dir/fifo"},
+    ),
     # logs
     Case(
         "local-ranks-filter-beyond-workers",

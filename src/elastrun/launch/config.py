@@ -177,17 +177,21 @@ def check_agent_environment(environ: Mapping[str, str]) -> None:
     ``TORCHELASTIC_HEALTH_CHECK_PORT``, ``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``
     and ``TORCHELASTIC_ENABLE_FILE_TIMER`` are read by the same functions the agent's
     wiring uses; torchrun ignores a bad value of each, silently or with a log line.
+    With the file timer on, ``TORCHELASTIC_TIMER_FILE`` (where the agent makes the
+    FIFO) must be a path whose directory exists and is writable.
 
     Raises:
         ConfigError: naming the variable and its value.
     """
+    from elastrun.launch.paths import check_fifo_path
     from elastrun.observe.health import port_from_env
     from elastrun.supervise.processes.dstate import timeout_from_env
-    from elastrun.timer.file import file_timer_enabled
+    from elastrun.timer.file import TORCHELASTIC_TIMER_FILE, file_timer_enabled
 
     port_from_env(environ)
     timeout_from_env(environ)
-    file_timer_enabled(environ)
+    if file_timer_enabled(environ) and environ.get(TORCHELASTIC_TIMER_FILE):
+        check_fifo_path(environ[TORCHELASTIC_TIMER_FILE], TORCHELASTIC_TIMER_FILE)
 
 
 def parse_signals(spec: str) -> tuple[signal.Signals, ...]:

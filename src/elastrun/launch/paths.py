@@ -13,7 +13,7 @@ import tempfile
 
 from elastrun.core.errors import ConfigError
 
-__all__ = ["check_log_dir", "check_writable_file"]
+__all__ = ["check_fifo_path", "check_log_dir", "check_writable_file"]
 
 
 def _nearest_existing(full: str) -> str:
@@ -75,3 +75,19 @@ def check_writable_file(path: str, source: str, shown: str | None = None) -> Non
     if not os.path.isdir(existing):
         raise ConfigError(source, value, f"cannot be made: {existing} is not a directory")
     _probe_dir(existing, source, value, f"cannot be made in {existing}")
+
+
+def check_fifo_path(path: str, source: str) -> None:
+    """Refuse a FIFO path that cannot be made: ``mkfifo`` makes no parent directory, and
+    an existing file there is replaced (as torch does), a directory cannot be.
+
+    Raises:
+        ConfigError: naming ``source`` and ``path``.
+    """
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise ConfigError(source, path, f"{path} is a directory")
+    if not os.path.isdir(parent):
+        raise ConfigError(source, path, f"cannot be made: {parent} is not a directory")
+    _probe_dir(parent, source, path, f"cannot be made in {parent}")
