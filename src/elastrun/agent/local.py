@@ -8,18 +8,21 @@ time on the recovery path.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import selectors
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from elastrun.agent.plan import LaunchPlan, NodeSlot, RoundFacts, build_plan
 from elastrun.agent.policy import (
@@ -32,12 +35,18 @@ from elastrun.agent.policy import (
 )
 from elastrun.agent.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
-from elastrun.core.errors import ShutdownRequested
+from elastrun.core.errors import RendezvousError, ShutdownRequested, StoreError
 from elastrun.core.procinfo import process_start_time
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import EventSink, EventValue, MetricSink, NullEventSink, NullMetricSink
-from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
+from elastrun.rendezvous.api import (
+    BarrierResult,
+    RendezvousHandler,
+    RendezvousInfo,
+    RoundOutcome,
+)
 from elastrun.rendezvous.local import LocalRendezvousHandler
+from elastrun.store.torchwire import TorchWireServer
 from elastrun.supervise.failures.failure import ProcessFailure
 from elastrun.supervise.processes.dstate import UninterruptibleWatch
 from elastrun.supervise.processes.guard import OrphanGuard
@@ -58,8 +67,16 @@ from elastrun.supervise.processes.spawn import (
     SubprocessStarter,
     WorkerProcess,
 )
+from elastrun.supervise.processes.stacks import request_stacks
 
 log = logging.getLogger("elastrun.agent")
+
+T = TypeVar("T")
+
+#: Default of ``stuck_exit_timeout``: a gloo/NCCL teardown ends well within a second of
+#: its peers'; a rank 0 that saves or evaluates after the others left can take tens of
+#: seconds. A minute separates the two, and the verdict is only a warning with stacks.
+STUCK_EXIT_TIMEOUT = 60.0
 
 
 class FileTimer(Protocol):
@@ -113,6 +130,10 @@ class _Attempt:
     relay: OutputRelay
     started_at: float
     stderr_files: dict[int, str] = field(default_factory=dict)
+    stacks_files: dict[int, str] = field(default_factory=dict)
+    #: Monotonic time since which every exited worker succeeded and some still run.
+    lonely_since: float | None = None
+    lonely_reported: bool = False
 
 
 class LocalElasticAgent:
@@ -133,6 +154,9 @@ class LocalElasticAgent:
         metrics: where the agent's metrics go.
         file_timer: the expiration-timer watchdog (TORCHELASTIC_ENABLE_FILE_TIMER=1).
         stuck_watch: ends the run when a worker stays in uninterruptible sleep.
+        stuck_exit_timeout: seconds a worker may keep running after every other local
+            worker exited successfully before its stacks are dumped and a warning
+            names it (it is not stopped); None turns the check off.
         starter, policy, budget, clock, environ, python, events, guard: injected
             collaborators (production defaults when None).
     """
@@ -161,6 +185,7 @@ class LocalElasticAgent:
         metrics: MetricSink | None = None,
         file_timer: FileTimer | None = None,
         stuck_watch: UninterruptibleWatch | None = None,
+        stuck_exit_timeout: float | None = STUCK_EXIT_TIMEOUT,
     ) -> None:
         self._spec = spec
         self._logs = logs_specs if logs_specs is not None else DefaultLogsSpecs()
@@ -183,6 +208,10 @@ class LocalElasticAgent:
         self._metrics = metrics if metrics is not None else NullMetricSink()
         self._file_timer = file_timer
         self._stuck = stuck_watch
+        self._stuck_exit_timeout = stuck_exit_timeout
+        # The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
+        # node is its group rank 0: it outlives every worker of the round.
+        self._bootstrap_store: TorchWireServer | None = None
         self._reasons: dict[int, str] = {}  # pid -> why elastrun ended it on purpose
         self._numa = numa_options_from(spec.numa_options)
         #: Wall-clock time of the loop's last pass (the health check's "last progress").
@@ -239,6 +268,7 @@ class LocalElasticAgent:
             return self._invoke_run()
         finally:
             self._finish_attempt(signal.SIGTERM)
+            self._close_bootstrap_store()
             self._guard.close()
             if self._file_timer is not None:
                 self._file_timer.stop()
@@ -276,12 +306,17 @@ class LocalElasticAgent:
                 (e for e in exits.values() if e.exitcode != 0), key=lambda e: e.observed_at
             )
             if failed:
-                if self._policy.on_failure(failed, self._budget) is Decision.RESTART_ALL:
+                what = self._describe_failure(attempt, failed[0])
+                if self._policy.on_failure(failed, self._budget, what) is Decision.RESTART_ALL:
                     self._restart_after_failure(failed)
                     continue
                 return self._fail(failed)
             if not attempt.procs.running():
-                return self._succeed(attempt)
+                result = self._succeed(attempt)
+                if result is None:
+                    continue  # the round failed elsewhere: this node re-formed and restarted
+                return result
+            self._check_stuck_at_exit(attempt)
             if self._handler.num_nodes_waiting() > 0:
                 why = getattr(self._handler, "change_reason", "") or "nodes are waiting to join"
                 log.info("%s: re-forming the group (no restart counted here)", why)
@@ -320,11 +355,49 @@ class LocalElasticAgent:
         self._events.record("agent.signal", {"signal": name})
         raise ShutdownRequested(signum)
 
+    def _interruptible(self, call: Callable[[], T], what: str) -> T:
+        """Run a blocking rendezvous call so that a signal ends the wait at once.
+
+        The call runs in a helper thread while this thread waits on the shutdown
+        waker: a signal raises ``ShutdownRequested`` here within milliseconds, whatever
+        the call is blocked in (a store watch, a connection attempt). The abandoned call
+        ends with the process (or when the handler is shut down).
+        """
+        box: list[tuple[bool, object]] = []
+        done = threading.Event()
+        waker = self._shutdown.waker
+
+        def run() -> None:
+            try:
+                box.append((True, call()))
+            except BaseException as exc:  # handed to the waiting thread below
+                box.append((False, exc))
+            finally:
+                done.set()
+                waker.wake()
+
+        threading.Thread(target=run, name=f"elastrun-agent-{what}", daemon=True).start()
+        with selectors.DefaultSelector() as sel:
+            sel.register(waker.fileno(), selectors.EVENT_READ)
+            while not done.is_set():
+                if self._shutdown.signum is not None:
+                    log.info("stopped while waiting for the %s", what)
+                    self._check_shutdown()
+                sel.select()
+                waker.drain()
+        ok, value = box[0]
+        if not ok:
+            assert isinstance(value, BaseException)
+            raise value
+        return value  # type: ignore[return-value]  # what ``call`` returned, a T
+
     def _start_round(self) -> None:
+        self._close_bootstrap_store()  # the previous round is over for every node
         t0 = self._clock.monotonic()
-        info = self._handler.next_rendezvous()
+        info = self._interruptible(self._handler.next_rendezvous, "rendezvous")
         rdzv_ms = (self._clock.monotonic() - t0) * 1000
         plan = self._plan(info)
+        self._host_bootstrap_store(plan)
         self._metrics.put("agent.rendezvous.duration_ms", rdzv_ms)
         self._metrics.put("agent.group_rank", info.rank)
         self._metrics.put("agent.group_world_size", info.world_size)
@@ -356,7 +429,7 @@ class LocalElasticAgent:
             master_port=group.master_port,
             restart_count=self._budget.used,
             max_restarts=self._budget.limit,
-            use_agent_store=self._handler.use_agent_store,
+            use_agent_store=self._handler.use_agent_store or self._agent_store(info.rank),
         )
         nodes = [NodeSlot(r, lws) for r, lws, count in info.shape for _ in range(count)]
         if not nodes:
@@ -375,6 +448,34 @@ class LocalElasticAgent:
             python=self._python,
             virtual_local_rank=spec.virtual_local_rank,
         )
+
+    # -- the workers' bootstrap store ----------------------------------------------
+
+    def _agent_store(self, group_rank: int) -> bool:
+        """Whether the workers bootstrap from a store the agents host (elastrun's own
+        handlers): the agent of group rank 0 serves it, so it outlives any worker."""
+        del group_rank  # every node's workers use it; only rank 0's agent serves it
+        return self._handler.agent_hosts_bootstrap_store
+
+    def _host_bootstrap_store(self, plan: LaunchPlan) -> None:
+        facts = plan.facts
+        if facts.group_rank != 0 or not self._agent_store(facts.group_rank):
+            return
+        addr = facts.master_addr
+        server = TorchWireServer(_listen_host(addr), facts.master_port)
+        try:
+            server.start()
+        except StoreError as exc:
+            raise RendezvousError(
+                f"cannot serve the workers' store at {addr}:{facts.master_port}: {exc}"
+            ) from exc
+        self._bootstrap_store = server
+        log.debug("serving the workers' store for round %d: %r", facts.round, server)
+
+    def _close_bootstrap_store(self) -> None:
+        server, self._bootstrap_store = self._bootstrap_store, None
+        if server is not None:
+            server.close()
 
     # -- starting ------------------------------------------------------------------
 
@@ -443,6 +544,11 @@ class LocalElasticAgent:
             relay=relay,
             started_at=self._clock.time(),
             stderr_files={lr: p for lr, p in dest.stderrs.items() if p},
+            stacks_files={
+                lr: env["ELASTRUN_STACKS_FILE"]
+                for lr, env in envs.items()
+                if "ELASTRUN_STACKS_FILE" in env
+            },
         )
         self._update_ranks(plan)
         _write_workers_file(envs, procs)
@@ -561,6 +667,7 @@ class LocalElasticAgent:
         )
         self._metrics.put("agent.restarts", 1)
         self._metrics.put("agent.worker_failures", len(failed))
+        self._record_failures(attempt, failed, restart=True)
         self._events.record(
             "agent.restart",
             {
@@ -600,11 +707,9 @@ class LocalElasticAgent:
                 stderr_file=attempt.stderr_files.get(ex.local_rank),
                 reason=self._reasons.get(ex.pid),
             )
-            self._events.record(
-                "agent.worker_failed",
-                {"attempt": attempt.number, "rank": worker.ranks.global_rank,
-                 "local_rank": ex.local_rank, "exitcode": ex.exitcode, "pid": ex.pid},
-            )  # fmt: skip
+        self._record_failures(
+            attempt, [ex for ex in exits if ex.exitcode != 0], restart=False, stuck=stuck
+        )
         self.budget_note = self._failure_note(stuck)
         self._transition(WorkerState.FAILED)
         self._events.record(
@@ -628,7 +733,37 @@ class LocalElasticAgent:
             note += "\nearlier failures:\n" + "\n".join(f"  {line}" for line in self.history)
         return note
 
-    def _succeed(self, attempt: _Attempt) -> RunResult:
+    def _record_failures(
+        self, attempt: _Attempt, failed: list[Exit], *, restart: bool, stuck: int | None = None
+    ) -> None:
+        """One ``agent.worker_failed`` event per failed exit, whether the job restarts
+        or not (emitted before the restart event, so a log reader sees the cause first)."""
+        for ex in failed:
+            worker = attempt.plan.workers[ex.local_rank]
+            self._events.record(
+                "agent.worker_failed",
+                {
+                    "attempt": attempt.number,
+                    "rank": worker.ranks.global_rank,
+                    "local_rank": ex.local_rank,
+                    "exitcode": ex.exitcode,
+                    "pid": ex.pid,
+                    "by_agent": ex.by_agent and ex.local_rank != stuck,
+                    "restart": restart,
+                },
+            )
+
+    def _describe_failure(self, attempt: _Attempt, first: Exit) -> str:
+        """``rank R (local L) exited with code C``: what the other nodes are told."""
+        rank = attempt.plan.workers[first.local_rank].ranks.global_rank
+        return f"rank {rank} (local {first.local_rank}) {_describe_exit(first.exitcode)}"
+
+    def _succeed(self, attempt: _Attempt) -> RunResult | None:
+        """Every local worker finished: wait for the round's outcome on every node.
+
+        Returns the result, or None when a failure elsewhere restarted the round (this
+        node re-formed with the others and its workers run again).
+        """
         values: dict[int, object] = {}
         for lr, proc in attempt.procs.processes.items():
             values[attempt.plan.workers[lr].ranks.global_rank] = proc.return_value()
@@ -636,11 +771,84 @@ class LocalElasticAgent:
         barrier = getattr(self._handler, "exit_barrier", None)
         if barrier is not None and (self._group.group_world_size or 1) > 1:
             log.info("workers finished; waiting for the other nodes (exit barrier)")
-            barrier(self._exit_barrier_timeout)
+            outcome = self._interruptible(
+                lambda: barrier(self._exit_barrier_timeout), "exit barrier"
+            )
+            if isinstance(outcome, BarrierResult):
+                result = self._after_barrier(outcome)
+                if not isinstance(result, bool):
+                    return result
         self._transition(WorkerState.SUCCEEDED)
         self._events.record("agent.succeeded", {"restarts": self._budget.used})
         log.info("all %d worker(s) finished successfully", len(values))
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+
+    def _after_barrier(self, outcome: BarrierResult) -> RunResult | bool | None:
+        """Act on the round's outcome: True to finish successfully, None after
+        re-forming (restart), or the failed result."""
+        if outcome.outcome is RoundOutcome.SUCCEEDED:
+            return True
+        if outcome.outcome is RoundOutcome.TIMED_OUT:
+            log.warning(
+                "exit barrier timed out (%s); this node leaves, the others go on",
+                outcome.reason,
+            )
+            return True
+        if outcome.outcome is RoundOutcome.RESTART:
+            log.warning(
+                "this node's workers finished, but the round failed elsewhere (%s); "
+                "re-forming and starting the workers again",
+                outcome.reason,
+            )
+            self._events.record("agent.membership_change", {"reason": outcome.reason})
+            self._transition(WorkerState.STOPPED)
+            self._start_round()
+            return None
+        log.error("the job failed on another node: %s", outcome.reason)
+        self.budget_note = f"not restarted: {outcome.reason}"
+        self._transition(WorkerState.FAILED)
+        self._events.record("agent.failed", {"failures": 0, "restarts": self._budget.used})
+        return RunResult(state=WorkerState.FAILED, failures={})
+
+    def _check_stuck_at_exit(self, attempt: _Attempt) -> None:
+        """Warn (once, with stacks) about workers still running long after every other
+        local worker exited successfully: a teardown deadlock looks like this, and
+        neither it nor torchrun would ever say so. The worker is not stopped."""
+        limit = self._stuck_exit_timeout
+        exits = attempt.procs.exits
+        if limit is None or not exits or any(e.exitcode != 0 for e in exits.values()):
+            attempt.lonely_since = None
+            return
+        now = self._clock.monotonic()
+        if attempt.lonely_since is None:
+            attempt.lonely_since = now
+        if attempt.lonely_reported or now - attempt.lonely_since < limit:
+            return
+        attempt.lonely_reported = True
+        running = attempt.procs.running()
+        pids = attempt.procs.pids()
+        asked = {
+            lr: (pids[lr], attempt.stacks_files[lr]) for lr in running if lr in attempt.stacks_files
+        }
+        dumps = request_stacks(asked)
+        for lr in running:
+            rank = attempt.plan.workers[lr].ranks.global_rank
+            dump = dumps.get(lr)
+            where = (
+                f"its stacks are in {dump.path}"
+                if dump is not None and dump.text
+                else "it did not answer a stack request"
+            )
+            log.warning(
+                "rank %d (local rank %d, pid %d) is still running %.0fs after every other "
+                "local rank exited successfully; %s (it is not stopped)",
+                rank, lr, pids[lr], now - attempt.lonely_since, where,
+            )  # fmt: skip
+            self._events.record(
+                "agent.worker_stuck_at_exit",
+                {"attempt": attempt.number, "rank": rank, "local_rank": lr, "pid": pids[lr],
+                 "stacks": dump.path if dump is not None and dump.text else ""},
+            )  # fmt: skip
 
     def _transition(self, new: WorkerState) -> None:
         old = self._group.state
@@ -679,6 +887,17 @@ def _default_budget(handler: RendezvousHandler, spec: WorkerSpec) -> RestartBudg
     if hasattr(handler, "report_failure") and hasattr(handler, "restarts_used"):
         return JobRestartBudget(handler, spec.max_restarts)
     return LocalRestartBudget(spec.max_restarts)
+
+
+def _listen_host(addr: str) -> str:
+    """Where the workers' store listens: only on loopback when the workers reach it
+    there (a single node), else on every interface, as torch's own store does."""
+    if addr == "localhost":
+        return addr
+    try:
+        return addr if ipaddress.ip_address(addr).is_loopback else ""
+    except ValueError:
+        return ""  # a host name: the other nodes resolve it to one of our interfaces
 
 
 def _describe_exit(code: int) -> str:

@@ -23,8 +23,8 @@ class RestartBudget(Protocol):
     @property
     def used(self) -> int: ...
 
-    def try_consume(self) -> bool:
-        """Take one restart; False when the budget is exhausted."""
+    def try_consume(self, what: str = "") -> bool:
+        """Take one restart for the failure ``what``; False when the budget is exhausted."""
         ...
 
 
@@ -43,7 +43,7 @@ class LocalRestartBudget:
     def used(self) -> int:
         return self._used
 
-    def try_consume(self) -> bool:
+    def try_consume(self, what: str = "") -> bool:
         if self._used >= self._limit:
             return False
         self._used += 1
@@ -56,7 +56,7 @@ class LocalRestartBudget:
 class JobBudgetSource(Protocol):
     """A rendezvous that keeps the job-wide restart budget (the dynamic rendezvous)."""
 
-    def report_failure(self, max_restarts: int) -> bool: ...
+    def report_failure(self, max_restarts: int, what: str = "") -> bool: ...
 
     def restarts_used(self) -> int: ...
 
@@ -80,8 +80,8 @@ class JobRestartBudget:
         # The counter passes the limit by one when the failing node finds it exhausted.
         return min(self._source.restarts_used(), self._limit)
 
-    def try_consume(self) -> bool:
-        return self._source.report_failure(self._limit)
+    def try_consume(self, what: str = "") -> bool:
+        return self._source.report_failure(self._limit, what)
 
     @property
     def refusal(self) -> str | None:
@@ -99,14 +99,16 @@ class Decision(enum.Enum):
 
 
 class RestartPolicy(Protocol):
-    def on_failure(self, failed: Sequence[Exit], budget: RestartBudget) -> Decision: ...
+    def on_failure(
+        self, failed: Sequence[Exit], budget: RestartBudget, what: str = ""
+    ) -> Decision: ...
 
 
 class RestartAll:
     """Stop every local worker and start the whole group again while budget remains."""
 
-    def on_failure(self, failed: Sequence[Exit], budget: RestartBudget) -> Decision:
-        return Decision.RESTART_ALL if budget.try_consume() else Decision.FAIL
+    def on_failure(self, failed: Sequence[Exit], budget: RestartBudget, what: str = "") -> Decision:
+        return Decision.RESTART_ALL if budget.try_consume(what) else Decision.FAIL
 
     def __repr__(self) -> str:
         return "RestartAll()"

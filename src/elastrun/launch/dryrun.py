@@ -64,6 +64,7 @@ def render_plan(
         master_port=(cfg.master_port or 29500) if static else _PORT_PLACEHOLDER,
         restart_count=0,
         max_restarts=cfg.max_restarts,
+        use_agent_store=True,  # the built-in backends: group rank 0's agent serves it
     )
     import sys
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -23,6 +24,23 @@ class RendezvousStoreInfo:
 
     master_addr: str
     master_port: int
+
+
+class RoundOutcome(enum.Enum):
+    """How a round ended for a node whose own workers finished (its exit barrier)."""
+
+    SUCCEEDED = "succeeded"  # every member's workers finished
+    RESTART = "restart"  # a failure or a lost node elsewhere, and the job goes on: re-form
+    FAILED = "failed"  # the job ended elsewhere (its restart budget is spent)
+    TIMED_OUT = "timed_out"  # the others did not finish in time; this node leaves
+
+
+@dataclass(frozen=True)
+class BarrierResult:
+    """The outcome of an exit barrier, and why (for the agent's log line)."""
+
+    outcome: RoundOutcome
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,8 +130,17 @@ class RendezvousHandler(abc.ABC):
     def use_agent_store(self) -> bool:
         """Whether workers should use the agent's store as their bootstrap store.
 
-        elastrun's agent never hosts a torch TCPStore (it does not import torch), so
-        workers' rank 0 hosts it and this is False for the built-in handlers.
+        True means the rendezvous store itself is shared with the workers (torch's
+        c10d handler); elastrun's handlers serve a separate, fresh store every round
+        (``agent_hosts_bootstrap_store``) and say False here.
+        """
+        return False
+
+    @property
+    def agent_hosts_bootstrap_store(self) -> bool:
+        """Whether the agent of group rank 0 serves the workers' store at the round's
+        bootstrap address (elastrun's handlers: it then outlives every worker of the
+        round). False leaves it to the workers' rank 0, as torch-style handlers expect.
         """
         return False
 

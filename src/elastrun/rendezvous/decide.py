@@ -279,10 +279,13 @@ class RoundWatch:
         self._keys = keys
         self._next = keys.join_prefix(n + 1)
         self._failed = keys.failed(n)
+        self._done = keys.done(n)
         self._size = size
         self._max = max_nodes
         self._is_member = is_member
         self.lost: set[str] = set()
+        #: Members whose workers finished this round (their leaving is no loss).
+        self.finished: set[str] = set()
         self.next_joiners: set[str] = set()
         self.failed = False
         self.closed = False
@@ -294,10 +297,12 @@ class RoundWatch:
         next_joins: Sequence[str],
         failed: bool,
         closed: bool,
+        done: Sequence[str] = (),
     ) -> None:
         """Start from full reads (full keys), e.g. after the store compacted history."""
         cut = len(self._keys.nodes)
-        self.lost = set(members) - {k[cut:] for k in nodes}
+        self.finished = {k[len(self._done) :] for k in done}
+        self.lost = set(members) - {k[cut:] for k in nodes} - self.finished
         self.next_joiners = {k[len(self._next) :] for k in next_joins}
         self.failed, self.closed = failed, closed
 
@@ -307,11 +312,16 @@ class RoundWatch:
             if e.key.startswith(self._next):
                 node = e.key[len(self._next) :]
                 (self.next_joiners.add if put else self.next_joiners.discard)(node)
+            elif e.key.startswith(self._done):
+                if put:
+                    node = e.key[len(self._done) :]
+                    self.finished.add(node)
+                    self.lost.discard(node)
             elif e.key.startswith(self._keys.nodes):
                 node = e.key[len(self._keys.nodes) :]
                 if put:
                     self.lost.discard(node)
-                elif self._is_member(node):
+                elif node not in self.finished and self._is_member(node):
                     self.lost.add(node)
             elif e.key == self._failed and put:
                 self.failed = True
@@ -322,8 +332,10 @@ class RoundWatch:
         """Why the round must re-form now, or None.
 
         Yes when the run was closed, a worker failed somewhere, a member is gone (its
-        lease ended), a member already asks for the next round, or a newcomer waits and
-        there is room for it. A newcomer at full size is a spare and disturbs no one.
+        lease ended) before its workers finished, a member already asks for the next
+        round, or a newcomer waits and there is room for it. A newcomer at full size is
+        a spare and disturbs no one, and so is a member that finished and left (its
+        exit barrier timed out): the others' workers run on to their own end.
         """
         if self.closed:
             return "the run was closed by another node"
@@ -405,7 +417,10 @@ class RunKeys:
         return f"{self.prefix}rounds/{n}/master"
 
     def done(self, n: int) -> str:
-        return f"{self.prefix}rounds/{n}/done/"
+        """The exit barrier of round n. Under ``ctl/`` so that running members see a
+        member finish before its lease goes (and do not take it for lost); not bound to
+        a lease, so a node finishing later still counts a member that already left."""
+        return f"{self.prefix}ctl/done/{n}/"
 
     @property
     def current(self) -> str:

@@ -4,7 +4,9 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 
 ``ctl/nodes/<node>``         bound to the node's lease: the node is alive
 ``ctl/join/<n>/<node>``      bound to the lease: the node asks to be in round n
-``ctl/failed/<n>``           the first node whose worker failed in round n
+``ctl/failed/<n>``           the first node whose worker failed in round n, what failed,
+                             and whether the job restarts
+``ctl/done/<n>/<node>``      exit barrier of round n (kept when the node leaves)
 ``ctl/closed``               why the run ended; late agents are refused
 ``rounds/<n>/out/closer``    bound to a lease: the one node deciding round n
 ``rounds/<n>/out/result``    the closed round: decision id, size, shape (small)
@@ -12,7 +14,6 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 ``rounds/<n>/rank/<id>/<node>``  a member's group rank in that decision
 ``rounds/<n>/status``        the closer's progress (for the others' log lines)
 ``rounds/<n>/master``        MASTER_ADDR/PORT of round n, chosen by its rank 0
-``rounds/<n>/done/<node>``   exit barrier of round n
 ``current``                  the newest closed round
 ``budget``                   failure restarts used by the whole job
 
@@ -45,10 +46,12 @@ from elastrun.core.errors import (
     StoreError,
 )
 from elastrun.rendezvous.api import (
+    BarrierResult,
     MemberInfo,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStoreInfo,
+    RoundOutcome,
 )
 from elastrun.rendezvous.decide import RoundView, RoundWatch, RunKeys, Verdict, apply_events
 from elastrun.rendezvous.local import free_port
@@ -73,6 +76,16 @@ class RendezvousSettings:
     last_call_timeout: float = 30.0
     close_timeout: float = 30.0
     heartbeat_timeout: float = 10.0  # lease TTL: a silent node is dropped after this
+
+    def __post_init__(self) -> None:
+        # Validated data: the backends' parsers check --rdzv-conf first, naming the key;
+        # this catches a Python caller's NaN, infinite or negative value.
+        from elastrun.core.values import parse_int, parse_seconds
+
+        parse_int(self.min_nodes, "min_nodes", low=1)
+        parse_int(self.max_nodes, "max_nodes", low=self.min_nodes)
+        for name in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout"):
+            parse_seconds(getattr(self, name), name, low_open=True)
 
 
 @dataclass(frozen=True)
@@ -165,11 +178,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self.refusal: str | None = None
         #: Joiners the last decision of this node saw, when it was the closer.
         self.seen = 0
+        # This node left a round whose other members were still working (its exit
+        # barrier timed out): leaving must not close the run under them.
+        self._left_unfinished = False
 
     # -- torch-compatible surface ------------------------------------------------------
 
     def get_backend(self) -> str:
         return self._backend
+
+    @property
+    def agent_hosts_bootstrap_store(self) -> bool:
+        return True
 
     def get_run_id(self) -> str:
         return self._settings.run_id
@@ -194,16 +214,28 @@ class DynamicRendezvousHandler(RendezvousHandler):
         The node that serves the store waits (up to ``close_timeout``) for the other
         nodes to leave before its store goes away under them.
         """
+        if self._left_unfinished:
+            # The job goes on without this node; its outcome is not known yet.
+            if self._hosting:
+                log.warning(
+                    "this node serves the rendezvous store: it keeps serving until the "
+                    "other nodes leave"
+                )
+                self._wait_for_others_to_leave(None)
+            self.leave()
+            return False
         closed = _bounded(lambda: self.set_closed("finished"), self._settings.close_timeout)
         if not closed:
             log.warning("could not close the rendezvous (the store is unreachable)")
         if self._hosting and closed:
-            self._wait_for_others_to_leave()
+            self._wait_for_others_to_leave(self._settings.close_timeout)
         self.leave()
         return closed
 
-    def _wait_for_others_to_leave(self) -> None:
-        deadline = Deadline.after(self._settings.close_timeout, self._clock)
+    def _wait_for_others_to_leave(self, timeout: float | None) -> None:
+        """Wait until no other node holds a lease (None: for as long as it takes; a
+        signal ends the launcher's wait, see the agent)."""
+        deadline = Deadline.after(timeout if timeout is not None else 1e9, self._clock)
         nodes = self._keys.nodes
         try:
             found, rev = self._store.get_prefix(nodes)
@@ -253,30 +285,43 @@ class DynamicRendezvousHandler(RendezvousHandler):
         raw = self._store.get(self._keys.budget)
         return int(raw) if raw else 0
 
-    def report_failure(self, max_restarts: int) -> bool:
+    def report_failure(self, max_restarts: int, what: str = "") -> bool:
         """A local worker failed in the current round: take one restart from the job's
         budget, once per round however many nodes see the failure. Returns False (and
         closes the run) when the budget is exhausted.
+
+        ``what`` says which worker failed and how; every node of the round learns it
+        (``ctl/failed/<n>``), also nodes whose workers already finished.
         """
         assert self._round is not None
         self.refusal = None
         if self._lost:
             self.refusal = "this node was dropped from the run (" + self.change_reason + ")"
             return False
-        if not set(self._member_ids()) <= self._live_nodes():
+        if not set(self._member_ids()) - self._finished() <= self._live_nodes():
             # A member is gone: the failure is the loss of a node (its peers' collectives
             # broke), which re-forms the group without spending the restart budget.
             return self._open_or_refuse()
-        won, _ = self._store.compare_set(
-            self._keys.failed(self._round), None, self._node.node_id.encode()
-        )
+        key = self._keys.failed(self._round)
+        note = {"node": self._node.node_id, "addr": self._node.addr, "what": what}
+        won, _ = self._store.compare_set(key, None, _dump(note))
         if not won:
             return self._open_or_refuse()
         used = self._store.add(self._keys.budget, 1)
-        if used > max_restarts:
-            self.set_closed("restart budget exhausted")
-            return False
-        return True
+        restart = used <= max_restarts
+        if not restart:
+            where = f"{what} on {self._node.addr}" if what else f"a worker on {self._node.addr}"
+            self.set_closed(f"restart budget exhausted ({max_restarts}): {where}")
+        # The verdict, for nodes waiting in the exit barrier of this round.
+        self._store.set(key, _dump({**note, "restart": restart}))
+        return restart
+
+    def _finished(self) -> set[str]:
+        if self._round is None:
+            return set()
+        done = self._keys.done(self._round)
+        found, _ = self._store.get_prefix(done)
+        return {k[len(done) :] for k in found}
 
     def _open_or_refuse(self) -> bool:
         raw = self._store.get(self._keys.closed)
@@ -285,30 +330,67 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self.refusal = f"the run has ended on another node: {raw.decode(errors='replace')}"
         return False
 
-    def exit_barrier(self, timeout: float) -> bool:
-        """Wait (up to ``timeout``) until every member of the round finished."""
+    def exit_barrier(self, timeout: float) -> BarrierResult:
+        """This node's workers finished: wait (up to ``timeout``) for the round's outcome.
+
+        Every member ends a round with the same outcome: SUCCEEDED when all members
+        finished; RESTART when a worker failed elsewhere (and the job's budget allows a
+        restart) or a member was lost -- this node then re-forms and runs its workers
+        again, as in a whole-group restart; FAILED when the run was closed because the
+        budget is spent. TIMED_OUT leaves without deciding for the others.
+        """
         if self._round is None or self._size <= 1:
-            return True
-        done = self._keys.done(self._round)
-        self._store.set(done + self._node.node_id, b"1", lease=self._lease)
+            return BarrierResult(RoundOutcome.SUCCEEDED)
+        n, k = self._round, self._keys
+        self._store.set(k.done(n) + self._node.node_id, b"1")
         deadline = Deadline.after(timeout, self._clock)
-        found, rev = self._store.get_prefix(done)
-        # A finished node that has already left takes its (leased) key along: count the
-        # nodes seen finishing, not the keys still there.
-        finished = set(found)
-        while len(finished) < self._size and not self.is_closed():
+        view = self._round_watch(n, self._size)
+        rev = self._reload(view, n)
+        while True:
+            result = self._barrier_verdict(n, view)
+            if result is not None:
+                return result
+            if self._stop.is_set():
+                raise self._left_error()
             if deadline.expired():
-                log.warning("exit barrier timed out after %.0fs", timeout)
-                return False
+                self._left_unfinished = True
+                return BarrierResult(
+                    RoundOutcome.TIMED_OUT,
+                    f"{len(view.finished)} of {self._size} node(s) finished within {timeout:.0f}s",
+                )
             try:
-                res = self._store.watch(done, rev, min(deadline.remaining(), 5.0))
+                res = self._store.watch(k.ctl, rev, min(deadline.remaining(), 5.0))
             except StoreCompactedError:
-                found, rev = self._store.get_prefix(done)
-                finished |= set(found)
+                rev = self._reload(view, n)
                 continue
+            view.apply(res.events)
             rev = res.revision
-            finished |= {e.key for e in res.events if e.kind is EventKind.PUT}
-        return True
+
+    def _barrier_verdict(self, n: int, view: RoundWatch) -> BarrierResult | None:
+        if view.closed:
+            reason = (self._store.get(self._keys.closed) or b"closed").decode(errors="replace")
+            if reason == "finished":
+                return BarrierResult(RoundOutcome.SUCCEEDED)
+            return BarrierResult(RoundOutcome.FAILED, f"the run has ended: {reason}")
+        if view.failed:
+            note = _load(self._store.get(self._keys.failed(n)))
+            if isinstance(note, dict) and "restart" in note:
+                what = str(note.get("what") or "a worker failed")
+                where = f"{what} on {note.get('addr', '?')}"
+                if note["restart"]:
+                    return BarrierResult(RoundOutcome.RESTART, where)
+                return BarrierResult(RoundOutcome.FAILED, f"{where}; restart budget exhausted")
+            # The failing node is deciding; its verdict (or the run's closing) follows.
+        if len(view.finished) >= self._size:
+            self.set_closed("finished")
+            return BarrierResult(RoundOutcome.SUCCEEDED)
+        if view.lost:
+            return BarrierResult(
+                RoundOutcome.RESTART, f"lost node(s): {', '.join(sorted(view.lost))}"
+            )
+        if any(self._is_member(j) for j in view.next_joiners):
+            return BarrierResult(RoundOutcome.RESTART, "the other nodes re-form the group")
+        return None
 
     # -- joining -------------------------------------------------------------------------
 
@@ -714,8 +796,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         k = self._keys
         nodes, rev = self._store.get_prefix(k.nodes)
         joins, _ = self._store.get_prefix(k.join_prefix(n + 1))
+        done, _ = self._store.get_prefix(k.done(n))
         failed = self._store.get(k.failed(n)) is not None
-        view.load(self._member_ids(), list(nodes), list(joins), failed, self.is_closed())
+        view.load(
+            self._member_ids(), list(nodes), list(joins), failed, self.is_closed(), list(done)
+        )
         return rev
 
     def _flag_reform(self, n: int, reason: str) -> None:

@@ -1,7 +1,7 @@
 """Rendezvous for a job that runs on one node: no network, no external service.
 
-Each round is numbered, and each round gets a freshly chosen bootstrap port: the workers'
-rank 0 hosts its own store there, so a restarted group can never read the keys of a dead
+Each round is numbered, and each round gets a freshly chosen bootstrap port: the agent
+serves a fresh store for its workers there, so a restarted group can never read the keys of a dead
 attempt (torch's shared agent store does, see the reference's section 5.1).
 """
 
@@ -62,6 +62,10 @@ class LocalRendezvousHandler(RendezvousHandler):
 
     def get_backend(self) -> str:
         return self._backend
+
+    @property
+    def agent_hosts_bootstrap_store(self) -> bool:
+        return True
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self._closed:

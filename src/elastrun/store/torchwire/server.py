@@ -143,7 +143,7 @@ class TorchWireServer:
             self._thread = thread
         if self.closed:  # close() ran meanwhile: make sure the request reaches the loop
             self._request_stop()
-        log.info("serving torch store clients on %s", format_addr(self._host or "*", self.port))
+        log.debug("serving torch store clients on %s", format_addr(self._host or "*", self.port))
         return self.port
 
     def close(self) -> None:
@@ -231,4 +231,4 @@ class TorchWireServer:
                 await asyncio.sleep(0)
             for server in servers:
                 await server.wait_closed()
-            log.info("the torch store server stopped (%d keys held)", hub.state.num_keys)
+            log.debug("the torch store server stopped (%d keys held)", hub.state.num_keys)

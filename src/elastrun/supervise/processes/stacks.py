@@ -1,0 +1,76 @@
+"""Ask live Python workers for their threads' stacks, and collect what they write.
+
+Every Python worker started through elastrun's bootstrap dumps all its threads' stacks
+to ``$ELASTRUN_STACKS_FILE`` (``<attempt>/<local_rank>/stacks.txt``) when it receives
+SIGUSR1 (faulthandler, written from C, so a worker stuck in native code holding the GIL
+answers too). The agent uses this to keep the evidence before it acts on a worker that
+does not exit: a hang, or a rank stuck at exit after its peers finished.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+#: How long a dump may take to appear; faulthandler writes within milliseconds unless
+#: the process is stopped or not a Python worker at all.
+DUMP_TIMEOUT = 2.0
+_POLL = 0.02
+
+
+@dataclass(frozen=True)
+class StackDump:
+    """What one worker wrote in answer (``text`` empty when it did not answer)."""
+
+    local_rank: int
+    pid: int
+    path: str
+    text: str
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def request_stacks(
+    workers: Mapping[int, tuple[int, str]], timeout: float = DUMP_TIMEOUT
+) -> dict[int, StackDump]:
+    """Signal each worker (``{local_rank: (pid, stacks_path)}``) and wait, at most
+    ``timeout`` seconds, until each has appended to its file.
+
+    The pids must be the caller's own unreaped children (a pid cannot be reused while
+    its zombie is not reaped), so no stranger is ever signalled. Never raises.
+    """
+    before = {lr: _size(path) for lr, (_, path) in workers.items()}
+    pending = set()
+    for lr, (pid, _) in workers.items():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            pending.add(lr)
+        except OSError:
+            continue  # already gone
+    # The dump is written by the worker asynchronously; waiting on the file's growth
+    # is the only signal there is (a bounded wait, off the recovery path).
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        pending = {lr for lr in pending if _size(workers[lr][1]) <= before[lr]}
+        if pending:
+            time.sleep(_POLL)
+    time.sleep(_POLL)  # a dump that has begun gets to finish its last lines
+    out = {}
+    for lr, (pid, path) in workers.items():
+        text = ""
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                fh.seek(before[lr])
+                text = fh.read().rstrip()
+        except OSError:
+            pass  # no file: not a Python worker, or its log directory is gone
+        out[lr] = StackDump(lr, pid, path, text)
+    return out
