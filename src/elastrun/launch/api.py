@@ -104,6 +104,7 @@ def build_agent(
         metrics=extras.metrics if extras else None,
         file_timer=AgentFileTimer.from_env(env),
         stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
+        stuck_exit_timeout=config.stuck_exit_timeout or None,
         starter=starter,
     )
 

@@ -265,6 +265,15 @@ _OPTIONS: tuple[_Option, ...] = (
         "time workers get to exit before SIGKILL "
         "(default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)",
     ),
+    _option(
+        "--stuck-exit-timeout",
+        "SECONDS",
+        "after every other local worker exited successfully, a worker still running this "
+        "long gets its stacks dumped and is named in a warning (not stopped); 0 turns it "
+        "off (default 60)",
+        "60",
+        ours=True,
+    ),
     _option("--virtual-local-rank", None, "give every worker LOCAL_RANK=0 and only its own GPU"),
     _option(
         "--dry-run",
@@ -990,6 +999,7 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
     monitor_interval = parse_seconds(*values.required("monitor_interval"), low_open=True)
     timeout_raw, timeout_source = values.text("shutdown_timeout")
     shutdown_timeout = None if timeout_raw is None else parse_seconds(timeout_raw, timeout_source)
+    stuck_exit_timeout = parse_seconds(*values.required("stuck_exit_timeout"))
     start_method = _to_choice(*values.required("start_method"), START_METHODS)
     events = _event_handler(*values.required("event_log_handler"))
     metrics_raw, metrics_source = values.text("metrics_port")
@@ -1040,6 +1050,7 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
             duplicate_stderr_filters=_parse_filters(values, "duplicate_stderr_filters"),
             virtual_local_rank=values.flag("virtual_local_rank"),
             shutdown_timeout=shutdown_timeout,
+            stuck_exit_timeout=stuck_exit_timeout,
             node_rank=rdzv.node_rank,
             master_addr=rdzv.master_addr,
             master_port=rdzv.master_port,

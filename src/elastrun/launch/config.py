@@ -67,6 +67,9 @@ class LaunchConfig:
     master_addr: str | None = None
     master_port: int | None = None
     exit_barrier_timeout: float = 300.0
+    #: Seconds a worker may run on after its local peers all exited successfully before
+    #: it is reported with its stacks (0: never).
+    stuck_exit_timeout: float = 60.0
     #: Serve the agent's metrics in Prometheus format on this port (None: off).
     metrics_port: int | None = None
     #: Modules the worker template pre-imports (Python script workers).
@@ -114,6 +117,7 @@ class LaunchConfig:
         parse_int(self.max_restarts, "--max-restarts", low=0)
         parse_seconds(self.monitor_interval, "--monitor-interval", low_open=True)
         parse_seconds(self.exit_barrier_timeout, "exit_barrier_timeout")
+        parse_seconds(self.stuck_exit_timeout, "--stuck-exit-timeout")
         parse_int(self.node_rank, "--node-rank", low=0, high=MAX_NODES - 1)
         if self.rdzv_timeout != -1:
             parse_int(self.rdzv_timeout, "rdzv_timeout", low=1, high=MAX_SECONDS)

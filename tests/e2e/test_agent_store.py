@@ -1,0 +1,176 @@
+"""The workers' store lives in the agent: ranks may leave in any order.
+
+An ordinary gloo script whose rank 0 tears down and exits at once while the other ranks
+still use the default store (a late set/get, a checkpoint library finishing its
+coordination) must pass every time, as under torchrun's agent-hosted store. And a rank
+that stays alive after every peer exited successfully is named, with its stacks.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from _helpers import finish, run, start, wait_for, write_script
+
+pytestmark = pytest.mark.slow
+
+EARLY_EXIT = """
+import os, sys, time
+import torch, torch.distributed as dist
+
+crash_rank = int(sys.argv[1]) if len(sys.argv) > 1 else -1
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = torch.ones(3) * rank
+for _ in range(3):
+    dist.all_reduce(t)
+if rank == crash_rank and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    os.kill(os.getpid(), 9)
+store = dist.distributed_c10d._get_default_store()
+if rank == 0:
+    dist.destroy_process_group()
+    sys.exit(0)
+time.sleep(0.3)  # rank 0 is gone by now
+store.set(f"late/{rank}", "x")
+assert store.get(f"late/{rank}") == b"x"
+assert store.add("late/count", 1) >= 1
+dist.destroy_process_group()
+print("late store operations ok", flush=True)
+open(f"ok_{rank}_{os.environ['TORCHELASTIC_RESTART_COUNT']}", "w").close()
+"""
+
+
+@pytest.mark.torch
+def test_rank_0_leaving_first_does_not_break_the_others_twenty_runs_in_a_row(
+    tmp_path: Path,
+) -> None:
+    script = write_script(tmp_path / "early.py", EARLY_EXIT)
+    for i in range(20):
+        res = run(["--nproc-per-node", "3", str(script)], cwd=tmp_path, timeout=60)
+        assert res.returncode == 0, f"run {i}:\n{res.stderr}"
+        assert res.stdout.count("late store operations ok") == 2, res.stdout
+        assert "Broken pipe" not in res.stderr
+
+
+@pytest.mark.torch
+def test_rank_0_leaving_first_after_a_sigkilled_rank_and_a_restart(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "early.py", EARLY_EXIT)
+    res = run(
+        ["--nproc-per-node", "3", "--max-restarts", "1", str(script), "1"],
+        cwd=tmp_path,
+        timeout=90,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "restarting all workers" in res.stderr
+    # Only the second attempt gets there: the first lost rank 1 to SIGKILL.
+    assert sorted(p.name for p in tmp_path.glob("ok_*")) == ["ok_1_1", "ok_2_1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.torch
+def test_rank_0_leaving_first_on_two_nodes(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "early.py", EARLY_EXIT)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    procs = [
+        start(
+            [
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "early",
+                "--local-addr",
+                "127.0.0.1",
+                "--rdzv-conf",
+                "join_timeout=60",
+                str(script),
+            ],
+            cwd=tmp_path,
+        )
+        for _ in range(2)
+    ]
+    results = [finish(p, 90) for p in procs]
+    for r in results:
+        assert r.returncode == 0, r.stderr
+    assert sum(r.stdout.count("late store operations ok") for r in results) == 3
+
+
+STUCK_AT_EXIT = """
+import os, sys, time
+open(os.path.join(sys.argv[1], "started_" + os.environ["RANK"]), "w").close()
+if os.environ["RANK"] == "1":
+    def wait_for_a_thread_that_never_ends():
+        while True:
+            time.sleep(0.05)
+    wait_for_a_thread_that_never_ends()
+"""
+
+
+def test_a_rank_stuck_after_its_peers_exited_is_named_with_its_stacks(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "stuck.py", STUCK_AT_EXIT)
+    logs = tmp_path / "logs"
+    proc = start(
+        ["--nproc-per-node", "3", "--stuck-exit-timeout", "1", "--log-dir", str(logs),
+         "--no-template", str(script), str(tmp_path)],
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: list(logs.glob("*/attempt_0/1/stacks.txt")), 20, "a stack dump")
+        stacks = next(logs.glob("*/attempt_0/1/stacks.txt"))
+        wait_for(lambda: "wait_for_a_thread_that_never_ends" in stacks.read_text(), 5, "stacks")
+        time.sleep(0.5)
+        assert proc.poll() is None  # reported, not stopped
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    res = finish(proc, 30)
+    assert res.returncode == 128 + signal.SIGTERM
+    warnings = [line for line in res.stderr.splitlines() if "still running" in line]
+    assert len(warnings) == 1, res.stderr
+    assert "rank 1 (local rank 1" in warnings[0] and str(stacks) in warnings[0]
+    assert "it is not stopped" in warnings[0]
+
+
+def test_no_stuck_at_exit_report_while_peers_still_run_or_when_turned_off(
+    tmp_path: Path,
+) -> None:
+    script = write_script(
+        tmp_path / "slow.py",
+        """
+        import os, time
+        time.sleep(2.5 if os.environ["RANK"] == "0" else 0.2)
+        """,
+    )
+    res = run(["--nproc-per-node", "2", "--stuck-exit-timeout", "0", str(script)], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "still running" not in res.stderr
+    failing = write_script(
+        tmp_path / "failing.py",
+        """
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            sys.exit(3)
+        time.sleep(2.5)
+        """,
+    )
+    res = run(
+        ["--nproc-per-node", "2", "--stuck-exit-timeout", "1", "--max-restarts", "0",
+         str(failing)],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 1
+    assert "still running" not in res.stderr
