@@ -84,6 +84,13 @@ def test_event_file_and_timeline(tmp_path: Path) -> None:
     assert all({"name", "source", "timestamp", "metadata"} <= set(e) for e in lines)
     restart = next(e for e in lines if e["name"] == "agent.restart")
     assert restart["metadata"]["exitcode"] == 4 and restart["metadata"]["run_id"]
+    # The recovered failure is an event of its own, before the restart it caused.
+    failed = [e for e in lines if e["name"] == "agent.worker_failed"]
+    assert [f["metadata"]["rank"] for f in failed if not f["metadata"]["by_agent"]] == [0]
+    first = next(f for f in failed if f["metadata"]["rank"] == 0)
+    assert first["metadata"]["exitcode"] == 4 and first["metadata"]["restart"] is True
+    assert first["metadata"]["attempt"] == 0 and first["metadata"]["local_rank"] == 0
+    assert names.index("agent.worker_failed") < names.index("agent.restart")
     html = tmp_path / "timeline.html"
     shown = subprocess.run(
         [sys.executable, "-m", "elastrun", "timeline", str(events), "--html", str(html)],
@@ -91,6 +98,7 @@ def test_event_file_and_timeline(tmp_path: Path) -> None:
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert "restart" in shown.stdout
+    assert "agent.worker_failed" in shown.stdout
     assert "<svg" in html.read_text()
 
 

@@ -804,8 +804,7 @@ class LocalElasticAgent:
             self._transition(WorkerState.STOPPED)
             self._start_round()
             return None
-        log.error("the job failed on another node: %s", outcome.reason)
-        self.budget_note = f"not restarted: {outcome.reason}"
+        self.budget_note = f"the job failed on another node: {outcome.reason}"
         self._transition(WorkerState.FAILED)
         self._events.record("agent.failed", {"failures": 0, "restarts": self._budget.used})
         return RunResult(state=WorkerState.FAILED, failures={})

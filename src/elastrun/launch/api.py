@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.spec import Entrypoint, WorkerSpec
-from elastrun.core.errors import ConfigError, ShutdownRequested
+from elastrun.core.errors import ConfigError, ShutdownRequested, WorkerFailure
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.launch.config import LaunchConfig, parse_signals
 from elastrun.launch.signals import install_signal_handlers
@@ -213,6 +213,9 @@ def launch_agent(
         if on_agent is not None:
             on_agent(agent)
         result = agent.run()
+        if result.is_failed() and not result.failures:
+            # The round failed on another node; this one has no failure of its own.
+            raise WorkerFailure(agent.budget_note or "the job failed on another node")
         if result.is_failed():
             raise ChildFailedError(
                 entrypoint_name(entrypoint, args), result.failures, budget_note=agent.budget_note

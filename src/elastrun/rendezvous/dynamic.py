@@ -371,7 +371,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             reason = (self._store.get(self._keys.closed) or b"closed").decode(errors="replace")
             if reason == "finished":
                 return BarrierResult(RoundOutcome.SUCCEEDED)
-            return BarrierResult(RoundOutcome.FAILED, f"the run has ended: {reason}")
+            return BarrierResult(RoundOutcome.FAILED, reason)
         if view.failed:
             note = _load(self._store.get(self._keys.failed(n)))
             if isinstance(note, dict) and "restart" in note:
