@@ -80,7 +80,8 @@ def test_workers_get_the_torchrun_environment(tmp_path: Path, nproc: int) -> Non
         assert e["MASTER_ADDR"] == "127.0.0.1" and int(e["MASTER_PORT"]) > 0
         assert e["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert e["TORCHELASTIC_MAX_RESTARTS"] == "2"
-        assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the agent serves it: it outlives rank 0
+        # The agent serves the workers' store: it outlives rank 0.
+        assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
         assert e["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{rank}/error.json")
         if "OMP_NUM_THREADS" not in os.environ:
