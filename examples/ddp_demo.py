@@ -337,11 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context()
     init_distributed(ctx)
     try:
-        code = train(ctx, args)
-        # Every rank reaches this point before any tears its connections down: rank 0
-        # hosts the job's store, and a peer still talking to it while it exits can abort.
-        dist.barrier()
-        return code
+        return train(ctx, args)
     finally:
         dist.destroy_process_group()
 
