@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "ChildFailedError": "elastrun.supervise.failures.report",
     "ProcessFailure": "elastrun.supervise.failures.failure",
     "record": "elastrun.worker.record",
+    "progress": "elastrun.worker.progress",
     "init_process_group": "elastrun.worker.dist",
     "ElastrunError": "elastrun.core.errors",
     "ConfigError": "elastrun.core.errors",
@@ -63,6 +64,7 @@ __all__ = [
     "elastic_launch",
     "init_process_group",
     "launch_agent",
+    "progress",
     "record",
     "rendezvous_handler_registry",
     "start_processes",
@@ -86,6 +88,7 @@ if TYPE_CHECKING:
     from elastrun.supervise.failures.report import ChildFailedError
     from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsSpecs, Std
     from elastrun.worker.dist import init_process_group
+    from elastrun.worker.progress import progress
     from elastrun.worker.record import record
 
 

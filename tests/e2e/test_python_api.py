@@ -50,6 +50,7 @@ def test_public_api_is_pinned() -> None:
         "elastic_launch",
         "init_process_group",
         "launch_agent",
+        "progress",
         "record",
         "rendezvous_handler_registry",
         "start_processes",

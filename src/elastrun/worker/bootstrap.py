@@ -44,6 +44,11 @@ STACKS_ENV = "ELASTRUN_STACKS_FILE"
 _stacks_file: object = None  # kept open for the life of the process
 
 
+#: ``elastrun.worker.progress.PROGRESS_FILE_ENV``, spelled out so that a worker the agent
+#: asks no reports from does not import that module.
+_PROGRESS_ENV = "ELASTRUN_PROGRESS_FILE"
+
+
 def _arm_stack_dumps() -> None:
     """Dump every thread's stack to ``$ELASTRUN_STACKS_FILE`` on SIGUSR1.
 
@@ -83,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
             # anyway, so do we; there is just nowhere to dump a native crash.
             pass
     _arm_stack_dumps()
+    if _PROGRESS_ENV in os.environ:  # the agent asked for progress reports
+        from elastrun.worker import progress
+
+        progress.install()
     _rewrite_orig_argv(args)
     try:
         if args[0] == "-m":

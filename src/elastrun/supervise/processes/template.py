@@ -99,6 +99,8 @@ PER_WORKER_VARIABLES = frozenset(
         "TORCH_NCCL_ASYNC_ERROR_HANDLING",
         # Per-rank files under the attempt's log directory.
         "ELASTRUN_STACKS_FILE",
+        # Each worker's progress record (the file is the agent's, the same for all).
+        "ELASTRUN_PROGRESS_SLOT",
         # Read by CUDA when it initialises, which the template never does; it differs
         # per worker with --virtual-local-rank.
         "CUDA_VISIBLE_DEVICES",
