@@ -113,12 +113,27 @@ def _get(url: str) -> tuple[int, str]:
 def test_metrics_endpoint_and_health_check_while_running(tmp_path: Path) -> None:
     script = write_script(
         tmp_path / "wait.py",
-        "import os, sys, time\nwhile not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n",
+        """
+        import os, sys, time
+        if os.environ["RANK"] == "0" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            sys.exit(3)
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.05)
+        """,
     )
     stop = tmp_path / "stop"
     mport, hport = free_port(), free_port()
     proc = start(
-        ["--nproc-per-node", "2", "--metrics-port", str(mport), str(script), str(stop)],
+        [
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--metrics-port",
+            str(mport),
+            str(script),
+            str(stop),
+        ],
         cwd=tmp_path,
         env={"TORCHELASTIC_HEALTH_CHECK_PORT": str(hport)},
     )
@@ -127,6 +142,13 @@ def test_metrics_endpoint_and_health_check_while_running(tmp_path: Path) -> None
                  30, "metrics")  # fmt: skip
         status, body = _get(f"http://127.0.0.1:{mport}/metrics")
         assert status == 200 and "elastrun_workers_start_duration_seconds" in body
+        wait_for(lambda: "elastrun_restart_duration_seconds_count 1.0" in _get_or_empty(
+            f"http://127.0.0.1:{mport}/metrics"), 30, "the restart")  # fmt: skip
+        body = _get(f"http://127.0.0.1:{mport}/metrics")[1]
+        assert 'elastrun_worker_group_state{state="HEALTHY"} 1.0' in body
+        assert "elastrun_restarts_total 1.0" in body
+        assert 'elastrun_worker_group_state{state="STOPPED"} 0.0' in body
+        assert "elastrun_membership_changes_total 0.0" in body
         wait_for(lambda: '"HEALTHY"' in _get_or_empty(f"http://127.0.0.1:{hport}/health"), 30,
                  "a healthy group")  # fmt: skip
         status, body = _get(f"http://127.0.0.1:{hport}/health")

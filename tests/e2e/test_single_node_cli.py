@@ -168,7 +168,6 @@ def test_restarts_exhausted_exit_1_with_the_root_cause(tmp_path: Path) -> None:
     assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["attempt_0", "attempt_1"]
     for attempt in ("attempt_0", "attempt_1"):
         assert (run_dir / attempt / "1" / "error.json").exists()
-    assert "launch" not in err.split("Traceback")[0][-200:].lower() or True
     # The launcher itself printed no traceback of its own.
     assert "elastrun/launch" not in err and "elastrun/agent" not in err
 

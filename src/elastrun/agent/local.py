@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from elastrun.agent.phases import AgentPhase, PhaseMachine
 from elastrun.agent.plan import LaunchPlan, NodeSlot, RoundFacts, build_plan
 from elastrun.agent.policy import (
     Decision,
@@ -212,6 +213,7 @@ class LocalElasticAgent:
         # The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
         # node is its group rank 0: it outlives every worker of the round.
         self._bootstrap_store: TorchWireServer | None = None
+        self._phases = PhaseMachine(self._on_phase)
         self._reasons: dict[int, str] = {}  # pid -> why elastrun ended it on purpose
         self._numa = numa_options_from(spec.numa_options)
         #: Wall-clock time of the loop's last pass (the health check's "last progress").
@@ -244,11 +246,17 @@ class LocalElasticAgent:
             return max(self.last_progress, self._file_timer.get_last_progress_time())
         return self.last_progress
 
+    @property
+    def phase(self) -> AgentPhase:
+        """What the agent is doing now (rendezvous, running, exit barrier...)."""
+        return self._phases.phase
+
     def status(self) -> dict[str, object]:
         """A snapshot for the health check and status views."""
         g = self._group
         return {
             "state": g.state.value,
+            "phase": self._phases.phase.value,
             "run_id": self._handler.get_run_id(),
             "attempt": self._attempts - 1,
             "restart_count": self._budget.used,
@@ -267,6 +275,7 @@ class LocalElasticAgent:
         try:
             return self._invoke_run()
         finally:
+            self._phases.move(AgentPhase.DONE)
             self._finish_attempt(signal.SIGTERM)
             self._close_bootstrap_store()
             self._guard.close()
@@ -321,6 +330,7 @@ class LocalElasticAgent:
                 why = getattr(self._handler, "change_reason", "") or "nodes are waiting to join"
                 log.info("%s: re-forming the group (no restart counted here)", why)
                 self._events.record("agent.membership_change", {"reason": why})
+                self._metrics.put("agent.membership_changes", 1)
                 self._finish_attempt(signal.SIGTERM)
                 self._transition(WorkerState.STOPPED)
                 self._start_round()
@@ -393,6 +403,7 @@ class LocalElasticAgent:
 
     def _start_round(self) -> None:
         self._close_bootstrap_store()  # the previous round is over for every node
+        self._phases.move(AgentPhase.RENDEZVOUS)
         t0 = self._clock.monotonic()
         info = self._interruptible(self._handler.next_rendezvous, "rendezvous")
         rdzv_ms = (self._clock.monotonic() - t0) * 1000
@@ -553,6 +564,7 @@ class LocalElasticAgent:
         self._update_ranks(plan)
         _write_workers_file(envs, procs)
         self._transition(WorkerState.HEALTHY)
+        self._phases.move(AgentPhase.RUNNING)
         took = (self._clock.monotonic() - t0) * 1000
         log.info(
             "started %d worker(s) (attempt %d, restart %d of %d) in %.0f ms; %s",
@@ -643,6 +655,8 @@ class LocalElasticAgent:
             )
 
     def _restart_after_failure(self, failed: list[Exit]) -> None:
+        self._phases.move(AgentPhase.RESTARTING)
+        t0 = self._clock.monotonic()
         attempt = self._attempt
         assert attempt is not None
         first = failed[0]
@@ -681,6 +695,7 @@ class LocalElasticAgent:
         self._transition(WorkerState.STOPPED)
         self._check_shutdown()
         self._start_round()
+        self._metrics.put("agent.restart.duration_ms", (self._clock.monotonic() - t0) * 1000)
 
     def _fail(self, failed: list[Exit], stuck: int | None = None) -> RunResult:
         """Stop everything and report: the restart budget ran out, or a worker is stuck
@@ -768,6 +783,7 @@ class LocalElasticAgent:
         for lr, proc in attempt.procs.processes.items():
             values[attempt.plan.workers[lr].ranks.global_rank] = proc.return_value()
         self._finish_attempt(signal.SIGTERM)
+        self._phases.move(AgentPhase.EXIT_BARRIER)
         barrier = getattr(self._handler, "exit_barrier", None)
         if barrier is not None and (self._group.group_world_size or 1) > 1:
             log.info("workers finished; waiting for the other nodes (exit barrier)")
@@ -801,6 +817,7 @@ class LocalElasticAgent:
                 outcome.reason,
             )
             self._events.record("agent.membership_change", {"reason": outcome.reason})
+            self._metrics.put("agent.membership_changes", 1)
             self._transition(WorkerState.STOPPED)
             self._start_round()
             return None
@@ -849,11 +866,16 @@ class LocalElasticAgent:
                  "stacks": dump.path if dump is not None and dump.text else ""},
             )  # fmt: skip
 
+    def _on_phase(self, old: AgentPhase, new: AgentPhase) -> None:
+        log.debug("agent phase %s -> %s", old.value, new.value)
+        self._events.record("agent.phase", {"from": old.value, "to": new.value})
+
     def _transition(self, new: WorkerState) -> None:
         old = self._group.state
         if new not in _TRANSITIONS[old]:
             raise RuntimeError(f"illegal worker-group transition {old.value} -> {new.value}")
         self._group.state = new
+        self._metrics.put(f"agent.state.{new.value}", 1)  # the one-hot state gauge
         meta: dict[str, EventValue] = {"from": old.value, "to": new.value}
         self._events.record("agent.state", meta)
 
