@@ -1,0 +1,78 @@
+"""How a long rendezvous wait shows its progress without flooding the log.
+
+On a terminal: one status line, rewritten in place. In a log (a file, a pipe, a
+scheduler's output): a line when what it says changes -- the number of nodes in -- and
+otherwise at most every ``every`` seconds, so a ten-minute wait writes a handful of
+lines, not one every few seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+from elastrun.core.clock import SYSTEM_CLOCK, Clock
+
+#: Longest silence in a log while the wait goes on unchanged.
+LOG_EVERY = 30.0
+
+
+class ProgressLine:
+    """One long wait's progress.
+
+    Args:
+        logger: where log lines go (not on a terminal).
+        clock: for the pacing.
+        stream: the terminal, when it is one (default: ``sys.stderr``).
+        every: the longest silence in a log, in seconds.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        clock: Clock = SYSTEM_CLOCK,
+        stream: TextIO | None = None,
+        every: float = LOG_EVERY,
+    ) -> None:
+        self._log = logger
+        self._clock = clock
+        self._stream = stream
+        self._every = every
+        self._key: object = None
+        self._at: float | None = None
+        self._open = False  # a terminal line waits for its newline
+
+    def _tty(self) -> TextIO | None:
+        stream = self._stream if self._stream is not None else sys.stderr
+        try:
+            return stream if stream.isatty() else None
+        except (AttributeError, ValueError):
+            return None  # closed or not a file
+
+    def show(self, key: object, text: str) -> None:
+        """Report ``text``; ``key`` is what matters (a new key is always shown)."""
+        tty = self._tty()
+        if tty is not None:
+            tty.write(f"\r[elastrun] {text}\x1b[K")
+            tty.flush()
+            self._open = True
+            return
+        now = self._clock.monotonic()
+        if key == self._key and self._at is not None and now - self._at < self._every:
+            return
+        self._key, self._at = key, now
+        self._log.info("%s", text)
+
+    def end(self) -> None:
+        """The wait is over: a terminal line gets its newline; the pacing restarts."""
+        if self._open:
+            tty = self._tty()
+            if tty is not None:
+                tty.write("\n")
+                tty.flush()
+            self._open = False
+        self._key, self._at = None, None
+
+    def __repr__(self) -> str:
+        return f"ProgressLine(key={self._key!r}, open={self._open})"
