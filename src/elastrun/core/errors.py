@@ -46,6 +46,20 @@ class StoreAuthError(StoreError):
     """The store refused this client: a missing or wrong token."""
 
 
+class StoreUnavailableError(StoreError):
+    """The client gave up on its store: no connection (or no answer) for its whole
+    reconnect window.
+
+    ``address`` is the store's ``host:port``; ``silent_for`` how many seconds ago the
+    store last answered, or was first tried, when the client gave up.
+    """
+
+    def __init__(self, message: str, *, address: str, silent_for: float) -> None:
+        super().__init__(message)
+        self.address = address
+        self.silent_for = silent_for
+
+
 class LeaseExpiredError(StoreError):
     """A write named a lease that has expired or was revoked."""
 

@@ -271,7 +271,10 @@ def _dynamic(params: RendezvousParameters, conf: C10dConf, *, backend: str) -> R
         stop_server = _try_serve(host, port, token, strict=forced is True)
     from elastrun.store.tcp.client import TcpStore
 
-    store = TcpStore(host, port, token=token, connect_timeout=conf.read_timeout)
+    # read_timeout bounds both: reconnecting, and waiting for an answer. A store that
+    # stops answering is given up read_timeout after it went silent (see TcpStore).
+    timeout = conf.read_timeout
+    store = TcpStore(host, port, token=token, connect_timeout=timeout, request_timeout=timeout)
     try:
         store.get(f"/elastrun/{params.run_id}/ctl/closed")  # fail now, clearly, if unreachable
     except StoreError as exc:

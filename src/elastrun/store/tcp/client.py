@@ -12,6 +12,17 @@ client holds leases -- reconnects with exponential backoff and jitter, naming it
 in the hello so that the server re-attaches them. A request cut off mid-flight is
 retried only when repeating it is harmless; otherwise the caller gets a ``StoreError``
 saying the outcome is unknown.
+
+Giving up is one deadline per outage, not one per call: the client notes when the
+server stopped answering (the connection dropped, a dial failed, or a request went
+unanswered for ``request_timeout``) and every caller waits for the same reconnection,
+until ``connect_timeout`` after that moment. Callers queued behind a dial that failed
+share its outcome instead of dialling again one after the other, so a dead server costs
+``max(connect_timeout, request_timeout)`` in all however many threads were waiting
+(the alternative, each call with a window of its own, stacked up to several windows
+in a caller that makes a few calls in a row). After the deadline a call makes one short
+attempt of its own -- a server that came back is found -- and otherwise fails at once
+with ``StoreUnavailableError``.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from elastrun.core.errors import ConfigError, StoreAuthError, StoreError
+from elastrun.core.errors import ConfigError, StoreAuthError, StoreError, StoreUnavailableError
 from elastrun.store.api import WatchResult
 from elastrun.store.tcp import protocol as p
 
@@ -39,6 +50,9 @@ _RETRIES = 3
 _JOIN_TIMEOUT = 5.0
 #: Longest single connection attempt (handshake included); the dialer then retries.
 _ATTEMPT_CAP = 5.0
+#: Shortest one: the last attempt of a window, or a call's one attempt after it, gets
+#: this long for the connection and the handshake even when less of the window is left.
+_ATTEMPT_MIN = 0.5
 
 
 class _Pending:
@@ -154,15 +168,19 @@ class TcpStore:
     Args:
         host, port: where the server listens.
         token: the shared secret when the server requires one.
-        connect_timeout: how long to keep trying (with backoff) to reach the server
-            before giving up with ``StoreError``.
+        connect_timeout: how long to keep trying (with backoff) to reach the server,
+            counted from the moment it stopped answering (or from the first attempt),
+            before giving up with ``StoreUnavailableError``; one window per outage,
+            shared by every call.
         request_timeout: how long to wait for an answer to a request (beyond the
-            timeout of a ``watch`` or ``wait``) before giving the connection up.
+            timeout of a ``watch`` or ``wait``) before giving the connection up; the
+            outage then counts from when that request was sent.
 
     Connects lazily on first use (or on :meth:`connect`); the constructor only
     validates its arguments (``ConfigError``). Thread-safe. Errors:
-    ``StoreAuthError`` when the server refuses the token, ``StoreError`` when it cannot
-    be reached or a write's outcome is unknown after a connection loss, and the
+    ``StoreAuthError`` when the server refuses the token, ``StoreUnavailableError`` when
+    it cannot be reached or stopped answering, ``StoreError`` when a write's outcome is
+    unknown after a connection loss, and the
     model's errors (``LeaseExpiredError``, ``StoreTimeoutError``,
     ``StoreCompactedError``) as the server reports them.
     """
@@ -196,6 +214,11 @@ class TcpStore:
         self._threads: list[threading.Thread] = []
         self._dialing: socket.socket | None = None
         self._closed = threading.Event()
+        # The outage: when the server stopped answering (None while connected), whether
+        # it ever answered, and the end of the last window that ran out: (when, message).
+        self._down_since: float | None = None
+        self._ever_connected = False
+        self._failed: tuple[float, str] | None = None
 
     # -- connection management -----------------------------------------------------------
 
@@ -210,12 +233,19 @@ class TcpStore:
         conn = self._conn
         if conn is not None and conn.alive:
             return conn
+        asked = time.monotonic()
         with self._connect_lock:
             if self._closed.is_set():
                 raise StoreError(f"the client of the store at {self._where} is closed")
             conn = self._conn
             if conn is not None and conn.alive:
                 return conn
+            with self._lock:
+                failed = self._failed
+            if failed is not None and failed[0] >= asked:
+                # A window ran out while this call queued for the lock: its outcome is
+                # this call's too (N queued calls must not each try again in turn).
+                raise self._unavailable(failed[1])
             conn = self._dial()
             with self._lock:
                 if self._closed.is_set():
@@ -228,11 +258,15 @@ class TcpStore:
             return conn
 
     def _dial(self) -> _Connection:
-        deadline = time.monotonic() + self._connect_timeout
+        with self._lock:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+            deadline = self._down_since + self._connect_timeout
         delay = _BACKOFF_FIRST
         while True:
             try:
-                return self._open(deadline)
+                attempt = max(_ATTEMPT_MIN, min(_ATTEMPT_CAP, deadline - time.monotonic()))
+                conn = self._open(attempt)
             except StoreAuthError:
                 raise  # retrying cannot fix a wrong token
             except _Refused as exc:
@@ -243,17 +277,38 @@ class TcpStore:
                     raise StoreError(f"the client of the store at {self._where} is closed") from exc
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise StoreError(f"cannot reach the store at {self._where}: {reason}") from exc
+                    raise self._give_up(reason) from exc
+            else:
+                with self._lock:
+                    self._down_since = self._failed = None
+                    self._ever_connected = True
+                return conn
             # Full jitter keeps a thousand agents that lost the server together from
             # coming back in lockstep.
             if self._closed.wait(min(left, random.uniform(delay / 2, delay))):
                 raise StoreError(f"the client of the store at {self._where} is closed")
             delay = min(_BACKOFF_CAP, delay * 2)
 
-    def _open(self, deadline: float) -> _Connection:
+    def _give_up(self, reason: str) -> StoreUnavailableError:
+        """The window ran out: remember its outcome for the calls queued behind it."""
+        now = time.monotonic()
+        with self._lock:
+            message = f"cannot reach the store at {self._where}: {reason}"
+            if self._ever_connected:
+                since = self._down_since if self._down_since is not None else now
+                message += f"; it has not answered for {now - since:.0f}s"
+            self._failed = (now, message)
+        return self._unavailable(message)
+
+    def _unavailable(self, message: str) -> StoreUnavailableError:
+        with self._lock:
+            since = self._down_since
+        silent = time.monotonic() - since if since is not None else 0.0
+        return StoreUnavailableError(message, address=self._where, silent_for=silent)
+
+    def _open(self, timeout: float) -> _Connection:
         # Short attempts: a closing client is never stuck in one for long.
-        left = max(0.01, min(_ATTEMPT_CAP, deadline - time.monotonic()))
-        sock = socket.create_connection((self._host, self._port), timeout=left)
+        sock = socket.create_connection((self._host, self._port), timeout=timeout)
         with self._lock:
             self._dialing = sock
         try:
@@ -314,9 +369,9 @@ class TcpStore:
         try:
             self._connection()
         except StoreError as exc:
-            if self._closed.is_set():
-                return
-            log.warning(
+            # Debug only: every caller waiting meanwhile gets this very outcome, and
+            # says it in its own terms (the rendezvous: one line naming the store).
+            log.debug(
                 "lost the connection to the store at %s and could not reconnect; "
                 "its leases will expire: %s",
                 self._where,
@@ -355,6 +410,7 @@ class TcpStore:
                 frame = p.encode({"id": rid, "op": op, **args}, conn.max_frame)
             except p.FrameError as exc:
                 raise StoreError(f"{what}: {exc}") from None
+            sent_at = time.monotonic()
             try:
                 pending = conn.send(rid, frame)
             except _NotSent:
@@ -366,10 +422,17 @@ class TcpStore:
                 continue
             if not pending.wait(None if patience > threading.TIMEOUT_MAX else patience):
                 conn.forget(rid)
+                with self._lock:
+                    # The server has been silent since this request left: the outage
+                    # (and every caller's reconnect window) counts from then.
+                    if self._conn is conn and self._down_since is None:
+                        self._down_since = sent_at
                 conn.abort()
-                raise StoreError(
+                raise StoreUnavailableError(
                     f"{what}: the store at {self._where} did not answer within "
-                    f"{patience:.1f}s" + ("" if retry else "; it may or may not have been applied")
+                    f"{patience:.1f}s" + ("" if retry else "; it may or may not have been applied"),
+                    address=self._where,
+                    silent_for=time.monotonic() - sent_at,
                 )
             if pending.lost:
                 attempts += 1
