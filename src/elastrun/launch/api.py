@@ -112,8 +112,16 @@ def build_agent(
 class _Extras:
     """The observability pieces of one launch: event sink, metrics, health check."""
 
-    def __init__(self, config: LaunchConfig, run_id: str, entrypoint: Entrypoint) -> None:
+    def __init__(
+        self,
+        config: LaunchConfig,
+        run_id: str,
+        entrypoint: Entrypoint,
+        shutdown: ShutdownRequest | None = None,
+    ) -> None:
         import socket
+
+        self.shutdown = shutdown
 
         from elastrun.metrics import FanoutMetricSink, MetricsApiSink
         from elastrun.observe.eventlog import make_event_sink
@@ -142,7 +150,9 @@ class _Extras:
             from elastrun.supervise.processes.template import TemplateStarter
 
             # One template per agent, kept across restarts: that is where the speed is.
-            self.starter = TemplateStarter(entrypoint, preload=config.preload)
+            self.starter = TemplateStarter(
+                entrypoint, preload=config.preload, shutdown=self.shutdown
+            )
 
     def start_health(self, agent: LocalElasticAgent, environ: Mapping[str, str]) -> None:
         from elastrun.observe.health import HealthCheckServer, port_from_env
@@ -199,7 +209,7 @@ def launch_agent(
     signalled = False
     extras: _Extras | None = None
     try:
-        extras = _Extras(config, run_id, entrypoint)
+        extras = _Extras(config, run_id, entrypoint, shutdown)
         agent = build_agent(
             config,
             entrypoint,

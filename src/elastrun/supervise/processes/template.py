@@ -33,6 +33,7 @@ import ast
 import ctypes
 import logging
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -44,7 +45,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO
 
-from elastrun.core.errors import ElastrunError
+from elastrun.core.errors import ElastrunError, ShutdownRequested
+from elastrun.core.shutdown import ShutdownRequest
 from elastrun.supervise.processes.spawn import (
     ProcessSpec,
     ProcessStarter,
@@ -436,15 +438,18 @@ class _Template:
         """Whether the hello was received (the modules are imported)."""
         return self._ready
 
-    def await_ready(self, timeout: float) -> None:
-        """Wait for the template's hello (once).
+    def await_ready(self, timeout: float, shutdown: ShutdownRequest | None = None) -> None:
+        """Wait for the template's hello (once); a signal in ``shutdown`` ends the wait.
 
         Raises:
             _TemplateUnavailable: it died, did not answer in time, or reports that
                 forking is unsafe.
+            ShutdownRequested: a signal arrived while the template was starting.
         """
         if self._ready:
             return
+        if shutdown is not None:
+            self._wait_readable(timeout, shutdown)
         self._sock.settimeout(timeout)
         try:
             got = recv_message(self._sock)
@@ -466,6 +471,26 @@ class _Template:
         self.preloaded = [str(m) for m in preloaded] if isinstance(preloaded, list) else []
         self.ready_seconds = time.monotonic() - self._started
         self._ready = True
+
+    def _wait_readable(self, timeout: float, shutdown: ShutdownRequest) -> None:
+        """Block until the template writes (or the timeout), unless a signal comes first:
+        starting the template imports torch, seconds that a Ctrl-C must not wait for."""
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._sock, selectors.EVENT_READ, "template")
+            sel.register(shutdown.waker.fileno(), selectors.EVENT_READ, "wake")
+            while True:
+                if shutdown.signum is not None:
+                    raise ShutdownRequested(shutdown.signum)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return  # the read below times out and says so
+                events = sel.select(remaining)
+                if any(key.data == "template" for key, _ in events):
+                    return
+                # Other wake-ups (rendezvous news) are for the agent loop, which looks
+                # at what changed on its next pass; only a signal matters here.
+                shutdown.waker.drain()
 
     def _wait_description(self) -> str:
         try:
@@ -534,6 +559,10 @@ class _Template:
     def close(self) -> None:
         """Stop the template (end of its channel; SIGKILL if it lingers) and reap it."""
         self._sock.close()
+        if not self._ready:
+            # Still importing its modules, it would notice the closed channel only when
+            # done (seconds of torch's import): it has no workers and nothing to save.
+            self.proc.kill()
         try:
             self.proc.wait(_STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -560,6 +589,8 @@ class TemplateStarter:
             differ between workers or restarts and must not start a new template.
         ready_timeout: how long the template may take to start and preload.
         spawn_timeout: how long one fork may take before the template counts as wedged.
+        shutdown: the launcher's signal requests: a signal ends the wait for the
+            template's start-up at once (``ShutdownRequested``).
 
     The template is started by the first ``start`` that needs it (constructing the
     starter does nothing) and stopped by ``close``.
@@ -575,7 +606,9 @@ class TemplateStarter:
         per_worker_variables: Iterable[str] = (),
         ready_timeout: float = _READY_TIMEOUT,
         spawn_timeout: float = _SPAWN_TIMEOUT,
+        shutdown: ShutdownRequest | None = None,
     ) -> None:
+        self._shutdown = shutdown
         self._python = python
         self._preload = list(dict.fromkeys(preload))
         self._fallback: ProcessStarter = (
@@ -672,7 +705,7 @@ class TemplateStarter:
         if tpl is None or tpl.ready:
             return tpl
         try:
-            tpl.await_ready(self._ready_timeout)
+            tpl.await_ready(self._ready_timeout, self._shutdown)
         except _TemplateUnavailable as exc:
             self._disable(key, str(exc))
             self._discard()

@@ -1,0 +1,140 @@
+"""Every phase answers a signal: template start, running, restarting, a second Ctrl-C.
+
+The rendezvous wait and the exit barrier are in test_round_outcome.py. Each case: the
+launcher stops within 2 s (plus ``--shutdown-timeout`` where workers ignore the stop
+signal), exits 128+N, and leaves no process behind (the suite's leak check).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _helpers import finish, start, wait_for, write_script
+
+pytestmark = pytest.mark.slow
+
+SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+
+WORKER = """
+import os, signal, sys, time
+import torch  # the template preloads it: seconds of start-up to interrupt
+out = sys.argv[1]
+rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+mode = sys.argv[2] if len(sys.argv) > 2 else ""
+if (mode == "stubborn" and rank == "1") or mode == "deaf":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+open(os.path.join(out, f"started_{rank}_{attempt}"), "w").close()
+if mode == "stubborn" and rank == "0" and attempt == "0":
+    time.sleep(0.5)
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
+def _stop_and_time(proc: subprocess.Popen[str], sig: int) -> tuple[float, int, str]:
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    res = finish(proc, 60)
+    return time.monotonic() - t0, res.returncode, res.stderr
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_signal_while_the_template_starts(tmp_path: Path, sig: int) -> None:
+    script = write_script(tmp_path / "w.py", WORKER)
+    proc = start(["--nproc-per-node", "2", str(script), str(tmp_path)], cwd=tmp_path)
+    time.sleep(0.6)  # the launcher is up; the template is importing torch
+    took, code, err = _stop_and_time(proc, sig)
+    assert code == 128 + sig, err
+    assert took < 2, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_signal_while_workers_run(tmp_path: Path, sig: int) -> None:
+    script = write_script(tmp_path / "w.py", WORKER)
+    proc = start(["--nproc-per-node", "2", str(script), str(tmp_path)], cwd=tmp_path)
+    wait_for(lambda: len(list(tmp_path.glob("started_*"))) == 2, 30, "the workers")
+    took, code, err = _stop_and_time(proc, sig)
+    assert code == 128 + sig, err
+    assert took < 2, err
+
+
+@pytest.mark.torch
+def test_a_signal_while_restarting_waits_at_most_the_grace(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "w.py", WORKER)
+    proc = start(
+        ["--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "3",
+         str(script), str(tmp_path), "stubborn"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    wait_for(lambda: len(list(tmp_path.glob("started_*_0"))) == 2, 30, "the workers")
+    time.sleep(1.0)  # rank 0 failed; the agent waits for rank 1, which ignores SIGTERM
+    took, code, err = _stop_and_time(proc, signal.SIGINT)
+    assert code == 128 + signal.SIGINT, err
+    assert took < 2 + 3, err
+
+
+@pytest.mark.torch
+def test_a_second_ctrl_c_skips_the_grace(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "w.py", WORKER)
+    proc = start(
+        ["--nproc-per-node", "2", "--shutdown-timeout", "30", str(script), str(tmp_path),
+         "deaf"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    wait_for(lambda: len(list(tmp_path.glob("started_*"))) == 2, 30, "the workers")
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    res = finish(proc, 40)
+    assert time.monotonic() - t0 < 3, res.stderr
+    assert res.returncode == 130, res.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_the_rendezvous_wait_through_an_elastrun_store(
+    tmp_path: Path, sig: int
+) -> None:
+    port = _free_port()
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    store = subprocess.Popen(
+        [sys.executable, "-m", "elastrun", "store", "--host", "127.0.0.1", "--port", str(port),
+         "--token-file", str(token)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert store.stdout is not None and "serving on" in store.stdout.readline()
+        script = write_script(tmp_path / "w.py", "import time\ntime.sleep(60)\n")
+        proc = start(
+            ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "alone",
+             "--rdzv-conf", f"is_host=false,token_file={token}", "--local-addr", "127.0.0.1",
+             str(script)],
+            cwd=tmp_path,
+        )  # fmt: skip
+        time.sleep(1.5)
+        took, code, err = _stop_and_time(proc, sig)
+        assert code == 128 + sig, err
+        assert took < 2, err
+    finally:
+        store.send_signal(signal.SIGTERM)
+        store.communicate(timeout=10)
