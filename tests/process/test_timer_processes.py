@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from _helpers import pid_alive, wait_for
+from elastrun.core.timerwire import TORCHELASTIC_TIMER_FILE
+from elastrun.supervise.timers.agent_timer import AgentFileTimer
 from elastrun.timer import (
     FileTimerClient,
     FileTimerServer,
@@ -31,7 +33,6 @@ from elastrun.timer import (
     configure,
     expires,
 )
-from elastrun.timer.file import TORCHELASTIC_TIMER_FILE, AgentFileTimer
 
 PY = sys.executable
 
@@ -323,3 +324,25 @@ def test_local_timer_server_kills_an_expired_child_and_spares_one_that_released(
         assert time.monotonic() - started < 1.0
         q.close()
         q.join_thread()
+
+
+def test_the_timer_client_never_loads_the_agents_watchdog_until_its_name_is_asked_for() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from elastrun import timer
+        from elastrun.timer.file import FileTimerClient
+        AGENT = [["elastrun", "supervise"], ["elastrun", "agent"]]
+        agent_side = [m for m in sys.modules if m.split(".")[:2] in AGENT]
+        assert not agent_side, agent_side
+        from elastrun.supervise.timers.agent_timer import AgentFileTimer
+        from elastrun.supervise.timers.file_server import FileTimerServer
+        import elastrun.timer.file as file
+        assert timer.FileTimerServer is FileTimerServer is file.FileTimerServer
+        assert file.AgentFileTimer is AgentFileTimer
+        print("ok")
+        """
+    )
+    out = subprocess.run([PY, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -12,6 +12,13 @@ from collections.abc import Hashable
 import pytest
 
 from elastrun.core.errors import ConfigError, ElastrunError
+from elastrun.core.timerwire import (
+    TORCHELASTIC_ENABLE_FILE_TIMER,
+    TORCHELASTIC_TIMER_FILE,
+    TimerRequestError,
+)
+from elastrun.supervise.timers.agent_timer import AgentFileTimer
+from elastrun.supervise.timers.file_server import plan_reaps
 from elastrun.testing import FakeClock
 from elastrun.timer import (
     FileTimerClient,
@@ -28,13 +35,6 @@ from elastrun.timer import (
     expires,
 )
 from elastrun.timer.api import TimerNotConfiguredError, TimerTable, expired_timers
-from elastrun.timer.file import (
-    TORCHELASTIC_ENABLE_FILE_TIMER,
-    TORCHELASTIC_TIMER_FILE,
-    AgentFileTimer,
-    TimerRequestError,
-    plan_reaps,
-)
 
 NOT_A_PID = 4_000_123  # above any default pid_max: never a running process
 

@@ -87,7 +87,7 @@ def build_agent(
         virtual_local_rank=config.virtual_local_rank,
     )
     from elastrun.supervise.processes.dstate import UninterruptibleWatch, timeout_from_env
-    from elastrun.timer.file import AgentFileTimer
+    from elastrun.supervise.timers.agent_timer import AgentFileTimer
 
     stuck_after = timeout_from_env(env)
     starter = extras.starter if extras else None

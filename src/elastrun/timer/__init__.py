@@ -10,9 +10,13 @@ The names of ``torch.distributed.elastic.timer``. In a worker started by elastru
         train_step()
 
 Only the standard library and ``elastrun.core`` are imported: workers use this package.
+:class:`FileTimerServer`, the agent's watchdog, is here under torch's name too, but it
+lives in :mod:`elastrun.supervise.timers` and is loaded only when asked for.
 """
 
 from __future__ import annotations
+
+import importlib
 
 from elastrun.timer.api import (
     RequestQueue,
@@ -22,13 +26,13 @@ from elastrun.timer.api import (
     configure,
     expires,
 )
-from elastrun.timer.file import FileTimerClient, FileTimerRequest, FileTimerServer
+from elastrun.timer.file import FileTimerClient, FileTimerRequest
 from elastrun.timer.local import LocalTimerClient, LocalTimerServer, MultiprocessingRequestQueue
 
 __all__ = [
     "FileTimerClient",
     "FileTimerRequest",
-    "FileTimerServer",
+    "FileTimerServer",  # lazy: __getattr__
     "LocalTimerClient",
     "LocalTimerServer",
     "MultiprocessingRequestQueue",
@@ -39,3 +43,12 @@ __all__ = [
     "configure",
     "expires",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # A string, not an import statement: this worker-side package must not depend on
+    # the agent side (pyproject's contracts), and workers must not pay for loading it.
+    if name == "FileTimerServer":
+        module = importlib.import_module("elastrun.supervise.timers.file_server")
+        return module.FileTimerServer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,151 @@
+"""The agent's handle on the file-timer watchdog (``TORCHELASTIC_ENABLE_FILE_TIMER``).
+
+One :class:`~elastrun.supervise.timers.file_server.FileTimerServer` for the agent's
+lifetime, started before the first workers, plus the record of which workers it reaped
+so that the agent can name the expired timer when it sees such a worker exit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import cast
+
+from elastrun.core.clock import SYSTEM_CLOCK, Clock
+from elastrun.core.errors import ConfigError
+from elastrun.core.timerwire import TORCHELASTIC_TIMER_FILE, file_timer_enabled
+from elastrun.supervise.timers.file_server import FileTimerServer, LogEvent, OnExpired
+
+__all__ = ["AgentFileTimer"]
+
+
+class AgentFileTimer:
+    """The agent's file-timer watchdog: one :class:`FileTimerServer` and what it reaped.
+
+    Usage by the agent: ``timer = AgentFileTimer.from_env(os.environ)`` at the edge
+    (None when ``TORCHELASTIC_ENABLE_FILE_TIMER`` is not ``1``); ``path =
+    timer.start(run_id)`` before starting workers and export it to them as
+    ``TORCHELASTIC_TIMER_FILE`` (:meth:`worker_env`); when a worker exits, look its pid
+    up in :meth:`expired_pids`; ``timer.stop()`` when the workers are stopped.
+
+    Args:
+        file_path: the FIFO path (``TORCHELASTIC_TIMER_FILE`` of the agent's
+            environment, as torch honours it); None for a fresh private directory.
+        max_interval: the watchdog's longest sleep. Timers are acted on when they run
+            out whatever this is; it bounds how stale the progress time can get.
+        on_expired: also called with ``(pid, scope_id, signal)`` before a worker is
+            signalled (on the watchdog thread).
+        log_event: forwarded to :class:`FileTimerServer`.
+        clock: the wall clock for expiration times.
+    """
+
+    def __init__(
+        self,
+        file_path: str | None = None,
+        *,
+        max_interval: float = 1.0,
+        on_expired: OnExpired | None = None,
+        log_event: LogEvent | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        if not max_interval > 0:
+            raise ConfigError("max_interval", max_interval, "must be a positive number of seconds")
+        self._file_path = file_path
+        self._max_interval = max_interval
+        self._on_expired = on_expired
+        self._log_event = log_event
+        self._clock = clock
+        self._server: FileTimerServer | None = None
+        self._expired: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str],
+        *,
+        max_interval: float = 1.0,
+        on_expired: OnExpired | None = None,
+        log_event: LogEvent | None = None,
+    ) -> AgentFileTimer | None:
+        """The watchdog the agent's environment asks for, or None when it asks for none.
+
+        Raises:
+            ConfigError: ``TORCHELASTIC_ENABLE_FILE_TIMER`` is neither empty, ``0`` nor
+                ``1`` (torch silently treats anything but ``1`` as off).
+        """
+        if not file_timer_enabled(env):
+            return None
+        return cls(
+            env.get(TORCHELASTIC_TIMER_FILE) or None,
+            max_interval=max_interval,
+            on_expired=on_expired,
+            log_event=log_event,
+        )
+
+    @property
+    def file_path(self) -> str | None:
+        """The FIFO path while running, else None."""
+        return self._server.file_path if self._server is not None else None
+
+    def start(self, run_id: str) -> str:
+        """Start the watchdog (if not running) and return the FIFO path for the workers.
+
+        Also forgets reaps recorded before: pids of an earlier round may be reused.
+
+        Raises:
+            OSError: the FIFO could not be created.
+        """
+        with self._lock:
+            self._expired.clear()
+        if self._server is None:
+            server = FileTimerServer(
+                self._file_path,
+                run_id,
+                max_interval=self._max_interval,
+                log_event=self._log_event,
+                on_expired=self._record,
+                clock=self._clock,
+            )
+            server.start()
+            self._server = server
+        return cast(str, self._server.file_path)
+
+    def worker_env(self) -> dict[str, str]:
+        """``{"TORCHELASTIC_TIMER_FILE": path}`` while running, else empty."""
+        path = self.file_path
+        return {TORCHELASTIC_TIMER_FILE: path} if path is not None else {}
+
+    def _record(self, pid: int, scope_id: str, sig: int) -> None:
+        with self._lock:
+            self._expired[pid] = scope_id
+        if self._on_expired is not None:
+            self._on_expired(pid, scope_id, sig)
+
+    def expired_pids(self) -> dict[int, str]:
+        """pid -> scope of workers reaped for an expired timer since the last call.
+
+        A pid is recorded before its signal is sent, so it is here by the time the
+        agent sees that worker exit.
+        """
+        with self._lock:
+            out, self._expired = self._expired, {}
+        return out
+
+    def get_last_progress_time(self) -> int:
+        """The watchdog's last pass (wall-clock second); now when it is not running."""
+        if self._server is None:
+            return int(self._clock.time())
+        return self._server.get_last_progress_time()
+
+    def stop(self) -> None:
+        """Stop the watchdog and remove its FIFO. Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()
+
+    def __repr__(self) -> str:
+        return (
+            f"AgentFileTimer(file_path={self.file_path!r}, running={self._server is not None}, "
+            f"unreported_expired={len(self._expired)})"
+        )
