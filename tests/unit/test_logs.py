@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 from hypothesis import given
@@ -17,6 +18,7 @@ from elastrun.supervise.processes.logs import (
     is_shown_on_console,
     parse_duplicate_filters,
     parse_local_ranks_filter,
+    reify_or_console,
     to_map,
 )
 
@@ -291,6 +293,60 @@ def test_log_dir_that_is_a_file_fails_at_first_reify(tmp_path: os.PathLike[str])
     specs = DefaultLogsSpecs(log_dir=path)  # no error yet: the constructor does no I/O
     with pytest.raises(NotADirectoryError, match="file"):
         specs.reify(_envs(1))
+
+
+def test_run_dir_removed_during_the_run_is_made_again(
+    tmp_path: os.PathLike[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    root = os.path.join(os.fspath(tmp_path), "logs")
+    specs = DefaultLogsSpecs(log_dir=root)
+    specs.reify(_envs(1))
+    run_dir = str(specs.run_log_dir)
+    shutil.rmtree(root)
+    dest = specs.reify(_envs(1))
+    assert specs.run_log_dir == run_dir
+    assert dest.error_files[0] == os.path.join(run_dir, "attempt_1", "0", "error.json")
+    assert os.path.isdir(os.path.join(run_dir, "attempt_1", "0"))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"log directory {run_dir} was removed during the run; made it again for attempt 1"
+    ]
+
+
+def test_reify_or_console_sends_file_streams_to_the_console_when_the_dir_fails(
+    tmp_path: os.PathLike[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = os.path.join(os.fspath(tmp_path), "file")
+    open(blocker, "w").close()
+    specs = DefaultLogsSpecs(log_dir=blocker, redirects={0: Std.ERR}, tee={1: Std.OUT})
+    envs = _envs(3)
+    envs[2]["TORCHELASTIC_ERROR_FILE"] = "/the/agents/own/error.json"
+    dest = reify_or_console(specs, envs)
+    problem = f"cannot write worker logs to {blocker}: exists and is not a directory"
+    assert dest == LogsDest(
+        stdouts={0: "", 1: "", 2: ""},
+        stderrs={0: "", 1: "", 2: ""},
+        error_files={0: "", 1: "", 2: ""},
+        problem=problem,
+        to_console={0: Std.ERR, 1: Std.OUT},
+    )
+    assert all(env["TORCHELASTIC_ERROR_FILE"] == "" for env in envs.values())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{problem}; this attempt's output goes to the agent's console and its workers "
+        "write no error files"
+    ]
+
+
+def test_reify_or_console_lets_other_errors_through() -> None:
+    class Broken(LogsSpecs):
+        def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+            raise ValueError("a bug")
+
+        @property
+        def root_log_dir(self) -> str:
+            return ""
+
+    with pytest.raises(ValueError, match="a bug"):
+        reify_or_console(Broken(), _envs(1))
 
 
 @pytest.mark.parametrize("log_dir", [None, ""])

@@ -10,13 +10,18 @@ keeps working. Differences from torch, each deliberate:
 * every ``reify`` gets a fresh ``attempt_<k>`` directory; an existing one is never wiped
   or reused, so the logs from before a membership change survive it;
 * with ``log_dir=/dev/null`` the filtered-output paths are empty (no file), instead of
-  the impossible ``/dev/null/filtered_stdout.log``.
+  the impossible ``/dev/null/filtered_stdout.log``;
+* a run directory removed during the run is made again at the next ``reify``, and
+  :func:`reify_or_console` turns a log directory that cannot be made (a full disk, no
+  inodes left, no permission) into console output for that attempt instead of an error
+  that would end the agent and lose its failure report.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
+import errno
 import logging
 import os
 import re
@@ -164,6 +169,11 @@ class LogsDest:
     is also shown on the console (the same path). ``error_files`` holds the path each
     rank's ``TORCHELASTIC_ERROR_FILE`` points at. ``filtered_stdout``/``filtered_stderr``
     are the files for ``--duplicate-*-filters`` (``""``: none).
+
+    ``problem`` is empty unless the attempt's log directory could not be made (see
+    :func:`reify_or_console`); it then says why, in one line naming the path and the OS
+    error, and ``to_console`` holds, per local rank, the streams that were meant for
+    files and are shown on the console with the rank's prefix instead.
     """
 
     stdouts: dict[int, str] = field(default_factory=dict)
@@ -173,6 +183,62 @@ class LogsDest:
     error_files: dict[int, str] = field(default_factory=dict)
     filtered_stdout: str = ""
     filtered_stderr: str = ""
+    problem: str = ""
+    to_console: dict[int, Std] = field(default_factory=dict)
+
+
+def reify_or_console(specs: LogsSpecs, envs: dict[int, dict[str, str]]) -> LogsDest:
+    """``specs.reify(envs)``, or console output when the log directory cannot be made.
+
+    A log directory can fail at any restart (the disk filled up, its inodes ran out, a
+    cleanup job removed or locked it); an error there must not end the agent, which
+    would lose the workers' supervision and the failure report. On an ``OSError`` this
+    logs one warning line naming the path and the OS error, and returns destinations
+    that send each stream meant for a file to the agent's console, with the rank's
+    prefix (losing it, or starting no worker, would be worse), and give the workers an
+    empty ``TORCHELASTIC_ERROR_FILE`` (no error file; the report then says why, from
+    ``LogsDest.problem``). The next attempt tries the log directory again.
+
+    Other exceptions (a bug in a custom ``LogsSpecs``) propagate.
+    """
+    try:
+        return specs.reify(envs)
+    except OSError as exc:
+        problem = f"cannot write worker logs to {describe_os_error(exc, specs.root_log_dir)}"
+        logger.warning(
+            "%s; this attempt's output goes to the agent's console and its workers "
+            "write no error files",
+            problem,
+        )
+        return _console_dest(specs, envs, problem)
+
+
+def describe_os_error(exc: OSError, path: str = "") -> str:
+    """``"<path>: <reason>"`` for an ``OSError``, e.g. ``"/logs/x: No space left on device"``.
+
+    ``path`` stands in when the error names no file of its own.
+    """
+    where = exc.filename if exc.filename is not None else path
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return f"{os.fsdecode(where)}: {reason}" if where else reason
+
+
+def _console_dest(specs: LogsSpecs, envs: dict[int, dict[str, str]], problem: str) -> LogsDest:
+    dest = LogsDest(problem=problem)
+    # getattr: a subclass ported from torch may not have called our __init__.
+    redirects: Std | dict[int, Std] = getattr(specs, "redirects", Std.NONE)
+    tee: Std | dict[int, Std] = getattr(specs, "tee", Std.NONE)
+    for lr in sorted(envs):
+        dest.stdouts[lr] = ""
+        dest.stderrs[lr] = ""
+        dest.error_files[lr] = ""
+        # Set, not removed: the agent's own variable (it may run under another
+        # launcher) must not leak into its workers.
+        envs[lr][ERROR_FILE_ENV] = ""
+        meant_for_files = _std_for(redirects, lr) | _std_for(tee, lr)
+        if meant_for_files:
+            dest.to_console[lr] = meant_for_files
+    return dest
 
 
 def _alias(public: str) -> Any:
@@ -298,9 +364,12 @@ class DefaultLogsSpecs(LogsSpecs):
 
         Sets ``TORCHELASTIC_ERROR_FILE`` in every ``envs[local_rank]``.
 
+        A run directory that was removed during the run is made again (with a warning),
+        so the logs of the attempts after it are kept.
+
         Raises:
             NotADirectoryError: ``log_dir`` exists and is not a directory.
-            OSError: a directory could not be made.
+            OSError: a directory could not be made (see :func:`reify_or_console`).
         """
         if self.is_devnull:
             return self._reify_devnull(envs)
@@ -344,6 +413,7 @@ class DefaultLogsSpecs(LogsSpecs):
             self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
             logger.info("log directory set to: %s", self._run_log_dir)
         k = self._next_attempt
+        remade = False
         while True:
             attempt_dir = os.path.join(self._run_log_dir, f"attempt_{k}")
             try:
@@ -351,6 +421,19 @@ class DefaultLogsSpecs(LogsSpecs):
             except FileExistsError:
                 # Someone else made it: never reuse (and never wipe) a directory.
                 k += 1
+                continue
+            except FileNotFoundError:
+                if remade:
+                    raise
+                # Removed during the run (a cleanup job, a user freeing space): the
+                # user asked for logs there, so keep writing them rather than failing.
+                os.makedirs(self._run_log_dir, exist_ok=True)
+                logger.warning(
+                    "log directory %s was removed during the run; made it again for attempt %d",
+                    self._run_log_dir,
+                    k,
+                )
+                remade = True
                 continue
             break
         self._next_attempt = k + 1
@@ -364,7 +447,7 @@ class DefaultLogsSpecs(LogsSpecs):
             return self._temp_root
         root = str(self.log_dir)
         if os.path.exists(root) and not os.path.isdir(root):
-            raise NotADirectoryError(f"log_dir: {root} exists and is not a directory")
+            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", root)
         os.makedirs(root, exist_ok=True)
         return root
 
