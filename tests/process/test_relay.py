@@ -347,13 +347,88 @@ def test_close_without_any_stream_closes_the_filtered_files(
     assert Path(dest.filtered_stdout).exists()
 
 
-def test_wire_failure_leaves_nothing_open(tmp_path: Path, console: Console) -> None:
+def test_wire_failure_leaves_nothing_open(
+    tmp_path: Path, console: Console, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dest = tee_dest(tmp_path, range(1))
-    dest.stderrs[0] = dest.tee_stderrs[0] = str(tmp_path / "missing" / "stderr.log")
+    real_pipe2 = os.pipe2
+    calls: list[int] = []
+
+    def pipe2_fails_the_second_time(flags: int) -> tuple[int, int]:
+        calls.append(flags)
+        if len(calls) == 2:
+            raise OSError(24, "Too many open files")
+        return real_pipe2(flags)
+
+    monkeypatch.setattr(os, "pipe2", pipe2_fails_the_second_time)
     relay = relay_for(console)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(OSError, match="Too many open files"):
         relay.wire(0, dest, "", show_on_console=True)
+    relay.close()  # the stdout stream's pipe and log file were closed (fd-leak fixture)
+
+
+def test_a_log_file_that_cannot_be_opened_goes_to_the_console_prefixed(
+    tmp_path: Path, console: Console, caplog: pytest.LogCaptureFixture
+) -> None:
+    dest = tee_dest(tmp_path, range(2), out=False)
+    missing = tmp_path / "removed"
+    for lr in (0, 1):
+        # Redirected only: these streams would not reach the console otherwise.
+        dest.stderrs[lr] = str(missing / str(lr) / "stderr.log")
+    dest.tee_stderrs.clear()
+    relay = relay_for(console)
+    run(WRITE_BOTH, relay.wire(0, dest, "[r0]:", show_on_console=False))
+    run(WRITE_BOTH, relay.wire(1, dest, "[r1]:", show_on_console=True))
     relay.close()
+    assert console.stderr() == b"[r0]:err line\n[r1]:err line\n"
+    problem = f"cannot write worker logs to {missing}/0/stderr.log: No such file or directory"
+    assert relay.log_problem(0) == problem
+    assert relay.log_problem(1) == problem.replace("/0/", "/1/")
+    assert relay.log_problem(2) is None
+    # One warning for the attempt, however many files fail.
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert line == (
+        f"{problem}; this attempt's streams whose log file cannot be opened go to the "
+        "agent's console"
+    )
+
+
+def test_without_a_log_dir_streams_meant_for_files_go_to_the_console(
+    console: Console,
+) -> None:
+    problem = "cannot write worker logs to /logs/attempt_1: No space left on device"
+    dest = LogsDest(
+        stdouts={0: "", 1: ""},
+        stderrs={0: "", 1: ""},
+        error_files={0: "", 1: ""},
+        problem=problem,
+        to_console={0: Std.ERR, 1: Std.ALL},
+    )
+    relay = relay_for(console)
+    # Rank 1 is hidden by the local-ranks filter: the console is its only copy now.
+    run(WRITE_BOTH, relay.wire(1, dest, "[r1]:", show_on_console=False))
+    stdio = relay.wire(0, dest, "[r0]:", show_on_console=True)
+    assert stdio.stdout_fd is None  # not meant for a file: inherited, as before
+    run("import os; os.write(2, b'rank 0 err\\n')", stdio)
+    relay.close()
+    assert console.stdout() == b"[r1]:out line 1\n[r1]:out \xff\xfe raw\n[r1]:no newline at end\n"
+    assert sorted(console.stderr().splitlines()) == [b"[r0]:rank 0 err", b"[r1]:err line"]
+    assert relay.log_problem(0) == f"{problem} (its output went to the agent's console)"
+
+
+def test_a_log_file_that_fills_up_is_noted_and_the_console_copy_goes_on(
+    console: Console,
+) -> None:
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full, where every write fails with ENOSPC")
+    dest = LogsDest(stdouts={0: ""}, stderrs={0: "/dev/full"}, tee_stderrs={0: "/dev/full"})
+    relay = relay_for(console)
+    run(WRITE_BOTH, relay.wire(0, dest, "[r0]:", show_on_console=True))
+    relay.close()
+    assert console.stderr() == b"[r0]:err line\n"
+    assert relay.log_problem(0) == (
+        "cannot write worker logs to /dev/full: No space left on device"
+    )
 
 
 def test_a_dead_console_does_not_stop_the_log_files(tmp_path: Path) -> None:

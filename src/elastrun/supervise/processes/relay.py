@@ -33,6 +33,13 @@ and of other writers to the same pipe, do not interleave mid-line.
 The filtered file of a stream is created (empty) at the first :meth:`OutputRelay.wire`
 when filters for that stream are set, as torchrun does, so that it can be watched
 before any line matches.
+
+Log files that cannot be written (a full disk, a removed directory) never stop a worker
+from starting: a stream whose file cannot be opened, or whose attempt has no log
+directory (``LogsDest.problem``), is shown on the console with the rank's prefix
+instead, with one warning line; a log file that fails later is dropped while the
+console copy goes on. :meth:`OutputRelay.log_problem` tells the failure report why a
+rank's log files may be missing or incomplete.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from dataclasses import dataclass, field
 
 from elastrun.core.errors import ElastrunError
 from elastrun.core.waker import Waker
-from elastrun.supervise.processes.logs import LogsDest
+from elastrun.supervise.processes.logs import LogsDest, Std, describe_os_error
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +109,26 @@ class WorkerStdio:
 
 
 class _Sink:
-    """A descriptor the relay thread writes to; it stops writing after an error."""
+    """A descriptor the relay thread writes to; it stops writing after an error.
 
-    def __init__(self, fd: int, name: str, *, owned: bool) -> None:
+    ``path`` and ``local_rank`` are set for a worker's log file, so that a failure to
+    write it can be told to the failure report.
+    """
+
+    def __init__(
+        self, fd: int, name: str, *, owned: bool, path: str = "", local_rank: int | None = None
+    ) -> None:
         self.fd = fd
         self.name = name
         self.owned = owned
-        self.dead = False
+        self.path = path
+        self.local_rank = local_rank
+        self.dead = fd < 0
+
+    @classmethod
+    def nowhere(cls) -> _Sink:
+        """A sink that drops everything: the log of a stream that has no log file."""
+        return cls(-1, "no log file", owned=False)
 
     def close(self) -> None:
         if self.owned and self.fd >= 0:
@@ -178,6 +198,21 @@ class OutputRelay:
         self._waker: Waker | None = None
         self._close_at: float | None = None  # monotonic; set once by close()
         self._n_streams = 0
+        self._problems: dict[int, str] = {}  # local rank -> why its logs are incomplete
+
+    def log_problem(self, local_rank: int) -> str | None:
+        """Why ``local_rank``'s log files are missing or incomplete, or None.
+
+        Set when its attempt has no log directory, when one of its log files could not
+        be opened (its stream went to the console), or when writing a tee'd stream's
+        log file failed; the first problem of a rank is kept.
+        """
+        with self._lock:
+            return self._problems.get(local_rank)
+
+    def _note_problem(self, local_rank: int, problem: str) -> None:
+        """Keep the first problem of a rank; the caller holds ``self._lock``."""
+        self._problems.setdefault(local_rank, problem)
 
     # ----------------------------------------------------------------- wiring
     def wire(
@@ -188,6 +223,9 @@ class OutputRelay:
         Per stream: tee'd and shown on the console -> a pipe read by the relay;
         written to a file (redirected, or tee'd but hidden by the local-ranks filter)
         -> the file itself; otherwise inherited when shown, ``/dev/null`` when hidden.
+        A stream meant for a file that cannot be written (``dest.to_console``, or a
+        file that cannot be opened) -> a pipe to the console only, shown even for a
+        rank hidden by the filter, since the console is then its only copy.
 
         Args:
             local_rank: the worker's local rank (key into ``dest``).
@@ -197,13 +235,17 @@ class OutputRelay:
 
         Raises:
             ElastrunError: the relay is already closed.
-            OSError: a log file or pipe could not be made (nothing is left open).
+            OSError: a pipe could not be made (nothing is left open).
         """
         child_fds: list[int] = []
         new_streams: list[_Stream] = []
         with self._lock:
             if self._close_at is not None:
                 raise ElastrunError("the output relay is closed; no more workers can be wired")
+            if dest.problem:
+                shown = show_on_console or dest.to_console.get(local_rank, Std.NONE)
+                where = " (its output went to the agent's console)" if shown else ""
+                self._note_problem(local_rank, dest.problem + where)
             try:
                 fds = [
                     self._wire_stream(
@@ -213,12 +255,13 @@ class OutputRelay:
                         tees=tees,
                         prefix=prefix,
                         show_on_console=show_on_console,
+                        to_console=bool(dest.to_console.get(local_rank, Std.NONE) & bit),
                         child_fds=child_fds,
                         new_streams=new_streams,
                     )
-                    for kind, files, tees in (
-                        ("stdout", dest.stdouts, dest.tee_stdouts),
-                        ("stderr", dest.stderrs, dest.tee_stderrs),
+                    for kind, bit, files, tees in (
+                        ("stdout", Std.OUT, dest.stdouts, dest.tee_stdouts),
+                        ("stderr", Std.ERR, dest.stderrs, dest.tee_stderrs),
                     )
                 ]
                 if new_streams and self._thread is None:
@@ -245,28 +288,60 @@ class OutputRelay:
         tees: dict[int, str],
         prefix: str,
         show_on_console: bool,
+        to_console: bool,
         child_fds: list[int],
         new_streams: list[_Stream],
     ) -> int | None:
         filtered = self._filtered_sink(kind)
         path = files.get(local_rank, "")
+        log_fd = -1
+        if path:
+            try:
+                log_fd = _open_log(path)
+            except OSError as exc:
+                problem = f"cannot write worker logs to {describe_os_error(exc, path)}"
+                # One line per attempt: with a full disk, every rank's files fail alike.
+                logger.log(
+                    logging.DEBUG if self._problems else logging.WARNING,
+                    "%s; this attempt's streams whose log file cannot be opened go to the "
+                    "agent's console",
+                    problem,
+                )
+                self._note_problem(local_rank, problem)
+                to_console = True
         # A tee without a file (torch's /dev/null mode names a tee but no file) shows
         # the stream directly, as torch does.
-        if path and tees.get(local_rank, "") and show_on_console:
-            read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        if to_console or (path and tees.get(local_rank, "") and show_on_console):
+            try:
+                read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+            except BaseException:
+                if log_fd >= 0:
+                    _close_quietly(log_fd, f"log file {path}")
+                raise
             child_fds.append(write_fd)
+            name = f"local rank {local_rank} {kind}"
+            log = (
+                _Sink(
+                    log_fd,
+                    f"{name} log file {path}",
+                    owned=True,
+                    path=path,
+                    local_rank=local_rank,
+                )
+                if log_fd >= 0
+                else _Sink.nowhere()
+            )
             try:
                 os.set_blocking(read_fd, False)
-                log_fd = _open_log(path)
             except BaseException:
                 _close_quietly(read_fd, "relay pipe")
+                log.close()
                 raise
-            name = f"local rank {local_rank} {kind}"
             new_streams.append(
                 _Stream(
                     name=name,
                     read_fd=read_fd,
-                    log=_Sink(log_fd, f"{name} log file {path}", owned=True),
+                    log=log,
                     console=self._console[kind],
                     filtered=filtered,
                     needles=self._needles[kind],
@@ -274,10 +349,9 @@ class OutputRelay:
                 )
             )
             return write_fd
-        if path:
-            fd = _open_log(path)
-            child_fds.append(fd)
-            return fd
+        if log_fd >= 0:
+            child_fds.append(log_fd)
+            return log_fd
         if show_on_console:
             return None
         fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
@@ -289,7 +363,17 @@ class OutputRelay:
             path = self._filtered_paths[kind]
             sink = None
             if path and self._needles[kind]:
-                sink = _Sink(_open_log(path), f"filtered {kind} file {path}", owned=True)
+                try:
+                    sink = _Sink(_open_log(path), f"filtered {kind} file {path}", owned=True)
+                except OSError as exc:
+                    # Only a copy of console lines: not worth failing a start for.
+                    logger.warning(
+                        "cannot write filtered %s to %s; this attempt has no %s copy of "
+                        "the matching lines",
+                        kind,
+                        describe_os_error(exc, path),
+                        kind,
+                    )
             self._filtered[kind] = sink
         return self._filtered[kind]
 
@@ -495,6 +579,12 @@ class OutputRelay:
                 logger.warning(
                     "cannot write to %s (%s); its output is dropped from now on", sink.name, exc
                 )
+                if sink.local_rank is not None:
+                    with self._lock:
+                        self._note_problem(
+                            sink.local_rank,
+                            f"cannot write worker logs to {describe_os_error(exc, sink.path)}",
+                        )
                 return
             view = view[written:]
 
