@@ -54,6 +54,7 @@ def _failure(
     terminated: bool = False,
     stderr_file: str | None = None,
     host: str = HOST,
+    log_problem: str | None = None,
 ) -> ProcessFailure:
     return ProcessFailure(
         local_rank=rank,
@@ -65,6 +66,7 @@ def _failure(
         observed_at=at,
         terminated_by_agent=terminated,
         stderr_file=stderr_file,
+        log_problem=log_problem,
     )
 
 
@@ -110,6 +112,46 @@ def test_failure_without_error_file_and_exit_code_explains_how_to_get_one(
     assert "record" in failure.message and "stderr" in failure.message
     assert failure.signal_name() == "<N/A>"
     assert failure.error_file_problem is None  # no file is not a problem
+
+
+def test_failure_whose_error_file_cannot_be_written_names_the_os_error_not_the_hint(
+    tmp_path: Path,
+) -> None:
+    removed = tmp_path / "removed"
+    failure = _failure(0, 1, str(removed / "error.json"))
+    assert failure.message == (
+        f"exited with code 1; no error file: writing to {removed} fails now: "
+        "No such file or directory"
+    )
+    assert failure.write_problem is not None and "record" not in failure.message
+
+
+def test_write_probe_of_a_writable_directory_keeps_the_hint_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    failure = _failure(0, 1, str(tmp_path / "error.json"), stderr_file=str(tmp_path / "e.log"))
+    assert "decorate its main with elastrun.record" in failure.message
+    assert failure.write_problem is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_write_probe_for_a_worker_killed_by_a_signal(tmp_path: Path) -> None:
+    failure = _failure(0, -9, str(tmp_path / "removed" / "error.json"))
+    assert failure.message == "Signal 9 (SIGKILL) received by PID 1000"
+    assert failure.write_problem is None
+
+
+def test_no_write_probe_for_a_sibling_that_elastrun_stopped(tmp_path: Path) -> None:
+    failure = _failure(0, 1, str(tmp_path / "removed" / "error.json"), terminated=True)
+    assert failure.write_problem is None
+    assert "decorate its main" in failure.message
+
+
+def test_log_problem_known_to_the_agent_replaces_the_hint() -> None:
+    problem = "cannot write worker logs to /logs/attempt_1: No space left on device"
+    failure = _failure(0, 1, log_problem=problem)
+    assert failure.message == f"exited with code 1; no error file: {problem}"
+    assert failure.write_problem == problem
 
 
 def test_failure_with_truncated_error_file_reports_the_problem_instead_of_raising(
@@ -320,6 +362,49 @@ def test_report_of_exit_code_without_error_file_shows_na_and_the_hint() -> None:
     assert "  message   : exited with code 3; no error file" in report
     assert "traceback :" not in report
     assert "stderr    :" not in report
+
+
+def test_report_names_a_stderr_log_that_cannot_be_read(tmp_path: Path) -> None:
+    log = tmp_path / "removed" / "stderr.log"
+    failure = _failure(0, 1, _nested_error_file(tmp_path / "e.json"), stderr_file=str(log))
+    assert failure.stderr_problem == f"cannot read {log}: No such file or directory"
+    report = ChildFailedError("t", {0: failure}).format_msg().splitlines()
+    assert f"  stderr    : cannot read {log}: No such file or directory" in report
+
+
+def test_report_says_why_a_stderr_log_is_empty_when_writing_there_fails(tmp_path: Path) -> None:
+    log = tmp_path / "stderr.log"
+    log.write_text("")
+    problem = f"cannot write worker logs to {tmp_path}: No space left on device"
+    report = ChildFailedError(
+        "t", {0: _failure(0, 1, stderr_file=str(log), log_problem=problem)}
+    ).format_msg()
+    assert f"  stderr    : stderr.log is empty; {problem}" in report.splitlines()
+    elsewhere = "cannot write worker logs to /other: No space left on device"
+    report = ChildFailedError(
+        "t", {0: _failure(0, 1, stderr_file=str(log), log_problem=elsewhere)}
+    ).format_msg()
+    assert f"  stderr    : {log} is empty; {elsewhere}" in report.splitlines()
+
+
+def test_report_of_an_empty_stderr_log_that_could_be_written_shows_no_stderr(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "stderr.log"
+    log.write_text("")
+    report = ChildFailedError("t", {0: _failure(0, 1, stderr_file=str(log))}).format_msg()
+    assert "stderr    :" not in report
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stderr.log"]
+
+
+def test_report_marks_a_stderr_tail_that_may_be_incomplete(tmp_path: Path) -> None:
+    log = tmp_path / "stderr.log"
+    log.write_text("epoch 1\n")
+    problem = f"cannot write worker logs to {log}: No space left on device"
+    failure = _failure(0, 1, stderr_file=str(log), log_problem=problem)
+    report = ChildFailedError("t", {0: failure}).format_msg().splitlines()
+    assert f"  stderr    : last 1 line of {log} (may be incomplete: {problem})" in report
+    assert "    epoch 1" in report
 
 
 def test_report_shows_an_unusable_error_file_and_why(tmp_path: Path) -> None:

@@ -23,6 +23,8 @@ STDERR_TAIL_LINES = 20
 _TAIL_READ_BYTES = 64 * 1024
 # A single line in the tail longer than this (a progress bar redrawn with '\r') is cut.
 _TAIL_LINE_MAX_CHARS = 1000
+# What the write probe writes: a small error file's worth, so it needs a free block.
+_PROBE_BYTES = 1024
 
 
 @functools.cache
@@ -52,6 +54,11 @@ class ProcessFailure:
         terminated_by_agent: True when elastrun stopped this worker because another one
             failed (a sibling, not a cause).
         stderr_file: the rank's stderr log, when it was redirected or tee'd.
+        reason: why elastrun ended the worker, when it did so on purpose.
+        log_problem: why the rank's log files or error file are missing or incomplete,
+            when the agent knows (its attempt's log directory could not be made, a log
+            file could not be written), e.g. ``"cannot write worker logs to /logs/x:
+            No space left on device"``.
 
     Derived attributes:
         message: the failure in one line (the exception, the signal, or the exit code).
@@ -62,6 +69,14 @@ class ProcessFailure:
         error_file_contents: the parsed error file, or None.
         traceback: the Python traceback the worker recorded, or None.
         error_file_problem: why an existing error file could not be used, or None.
+        write_problem: why the error file or the stderr log may be missing or empty:
+            ``log_problem``, else -- only when the error file is missing after an exit
+            with a code, or the stderr log is empty, and elastrun did not stop the
+            worker itself -- what writing a small file next to them fails with now
+            (``"writing to /logs/x/0 fails now: No space left on device"``), else None.
+            It replaces the advice to decorate the worker with ``record``, which a full
+            disk or a removed directory would make misleading.
+        stderr_problem: why ``stderr_file`` could not be read, or None.
         stderr_tail: the last lines of ``stderr_file`` (at most 20). When the log ends
             with the very traceback of the error file (python printed what the
             bootstrap recorded), that copy is left out and the lines before it are
@@ -81,6 +96,7 @@ class ProcessFailure:
     #: Why elastrun ended the worker, when it did so on purpose (an expired timer, a
     #: worker stuck in uninterruptible sleep); shown before the exit's own message.
     reason: str | None = None
+    log_problem: str | None = None
 
     message: str = field(init=False)
     timestamp: float = field(init=False)
@@ -88,6 +104,8 @@ class ProcessFailure:
     error_file_contents: ErrorFileContents | None = field(init=False, repr=False)
     traceback: str | None = field(init=False, repr=False)
     error_file_problem: str | None = field(init=False)
+    write_problem: str | None = field(init=False)
+    stderr_problem: str | None = field(init=False)
     stderr_tail: list[str] = field(init=False, repr=False)
     stderr_tail_omits_traceback: bool = field(init=False, repr=False)
 
@@ -102,12 +120,15 @@ class ProcessFailure:
         self.traceback = None
         self.timestamp = self.observed_at
         self.message = ""
+        self.write_problem = self.log_problem
+        error_file_missing = False
 
-        if self.error_file and self.error_file != NOT_AVAILABLE:
+        if self.error_file and self.error_file not in (NOT_AVAILABLE, os.devnull):
             contents = read_error_file(self.error_file)
             if isinstance(contents, ErrorFileProblem):
                 if not contents.missing:
                     self.error_file_problem = contents.reason
+                error_file_missing = contents.missing
             else:
                 self.error_file_contents = contents
                 self.error_file_data = dict(contents.raw)
@@ -116,13 +137,26 @@ class ProcessFailure:
                 if contents.timestamp is not None:
                     self.timestamp = contents.timestamp
 
+        # Siblings that elastrun stopped are not probed: their silence is expected.
+        probe = not self.terminated_by_agent and self.write_problem is None
+        if probe and error_file_missing and self.exitcode > 0:
+            self.write_problem = _probe_write(os.path.dirname(self.error_file))
+        self.stderr_tail, self.stderr_tail_omits_traceback, self.stderr_problem = _stderr_tail(
+            self.stderr_file, self.traceback
+        )
+        if (
+            probe
+            and self.write_problem is None
+            and self.stderr_file
+            and not self.stderr_tail
+            and self.stderr_problem is None
+        ):
+            self.write_problem = _probe_write(os.path.dirname(self.stderr_file))
+
         if not self.message:
             self.message = self._message_without_error_file()
         if self.reason:
             self.message = f"{self.reason}: {self.message}"
-        self.stderr_tail, self.stderr_tail_omits_traceback = _stderr_tail(
-            self.stderr_file, self.traceback
-        )
 
     def _message_without_error_file(self) -> str:
         if self.exitcode < 0:
@@ -132,6 +166,8 @@ class ProcessFailure:
                 f"exited with code {self.exitcode}; "
                 f"its error file could not be used: {self.error_file_problem}"
             )
+        if self.write_problem is not None:
+            return f"exited with code {self.exitcode}; no error file: {self.write_problem}"
         return (
             f"exited with code {self.exitcode}; no error file (the worker did not report an "
             "exception: decorate its main with elastrun.record or torch's record, "
@@ -162,30 +198,62 @@ def signal_name(exitcode: int) -> str:
         return NOT_AVAILABLE
 
 
-def _stderr_tail(path: str | None, traceback: str | None) -> tuple[list[str], bool]:
-    """The tail of the stderr log, without a trailing copy of ``traceback``."""
+def _probe_write(directory: str) -> str | None:
+    """What writing a small file in ``directory`` fails with now; None when it works.
+
+    Tells a worker that wrote no error file (or nothing to its stderr log) apart from
+    one that could not: a full disk, no inodes left, a removed directory. The probe
+    writes and syncs about as much as an error file needs a block for, then removes
+    its file; it describes the directory now, not when the worker tried.
+    """
+    path = os.path.join(directory, f".elastrun-write-probe.{os.getpid()}.{time.monotonic_ns()}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return f"writing to {directory} fails now: {exc.strerror or exc}"
+    error: OSError | None = None
+    try:
+        os.write(fd, b"\0" * _PROBE_BYTES)
+        os.fsync(fd)
+    except OSError as exc:
+        error = exc
+    try:
+        os.close(fd)  # NFS may only report a failed write-back here
+    except OSError as exc:
+        error = error or exc
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        error = error or exc
+    return None if error is None else f"writing to {directory} fails now: {error.strerror or error}"
+
+
+def _stderr_tail(path: str | None, traceback: str | None) -> tuple[list[str], bool, str | None]:
+    """The tail of the stderr log, without a trailing copy of ``traceback``; whether a
+    copy was dropped; why the log could not be read (None when it could)."""
     tb_lines = [line.rstrip() for line in traceback.rstrip().splitlines()] if traceback else []
-    lines = _read_tail(path, STDERR_TAIL_LINES + len(tb_lines))
+    lines, problem = _read_tail(path, STDERR_TAIL_LINES + len(tb_lines))
     # Only an exact copy of the whole traceback is dropped: torch's record captures
     # fewer frames than python prints, and a partial cut would be confusing.
     if tb_lines and [line.rstrip() for line in lines[-len(tb_lines) :]] == tb_lines:
-        return lines[: -len(tb_lines)][-STDERR_TAIL_LINES:], True
-    return lines[-STDERR_TAIL_LINES:], False
+        return lines[: -len(tb_lines)][-STDERR_TAIL_LINES:], True, problem
+    return lines[-STDERR_TAIL_LINES:], False, problem
 
 
-def _read_tail(path: str | None, max_lines: int) -> list[str]:
-    """The last ``max_lines`` lines of the file at ``path``; [] if there is none."""
+def _read_tail(path: str | None, max_lines: int) -> tuple[list[str], str | None]:
+    """The last ``max_lines`` lines of the file at ``path``, and why it could not be
+    read (None when it could, or when there is no path)."""
     if not path:
-        return []
+        return [], None
     try:
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
             start = max(0, size - _TAIL_READ_BYTES)
             f.seek(start)
             data = f.read(_TAIL_READ_BYTES)
-    except OSError:
-        # A missing or unreadable log only means there is no tail to show.
-        return []
+    except OSError as exc:
+        # Said in the report: "no stderr" would hide a removed or unreadable log.
+        return [], f"cannot read {path}: {exc.strerror or exc}"
     lines = data.decode("utf-8", errors="replace").splitlines()
     if start > 0 and len(lines) > 1:
         lines.pop(0)  # most likely the second half of a line cut by the seek
@@ -195,4 +263,4 @@ def _read_tail(path: str | None, max_lines: int) -> list[str]:
     return [
         line if len(line) <= _TAIL_LINE_MAX_CHARS else line[:_TAIL_LINE_MAX_CHARS] + "..."
         for line in tail
-    ]
+    ], None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from datetime import datetime
 
 from elastrun.core.errorfile import copy_with_error_code
@@ -161,15 +162,39 @@ def _root_block(rank: int, failure: ProcessFailure) -> list[str]:
     if failure.traceback:
         lines.append(_field("traceback", ""))
         lines.extend(_indented(failure.traceback))
+    lines.extend(_stderr_lines(failure))
+    return [line.rstrip() for line in lines]
+
+
+def _stderr_lines(failure: ProcessFailure) -> list[str]:
+    """The stderr tail of the root cause, or why there is none when the log failed."""
+    path = failure.stderr_file
     if failure.stderr_tail:
         count = len(failure.stderr_tail)
         noun = "line" if count == 1 else "lines"
         where = " before the traceback" if failure.stderr_tail_omits_traceback else ""
-        lines.append(_field("stderr", f"last {count} {noun} of {failure.stderr_file}{where}"))
-        lines.extend(_indented("\n".join(failure.stderr_tail)))
-    elif failure.stderr_tail_omits_traceback:
-        lines.append(_field("stderr", f"{failure.stderr_file} (only the traceback above)"))
-    return [line.rstrip() for line in lines]
+        # The log may stop short of the failure when writing it failed.
+        caveat = (
+            f" (may be incomplete: {failure.write_problem})"
+            if failure.write_problem is not None
+            else ""
+        )
+        return [
+            _field("stderr", f"last {count} {noun} of {path}{where}{caveat}"),
+            *_indented("\n".join(failure.stderr_tail)),
+        ]
+    if failure.stderr_tail_omits_traceback:
+        return [_field("stderr", f"{path} (only the traceback above)")]
+    if failure.stderr_problem is not None:
+        return [_field("stderr", failure.stderr_problem)]
+    if path and failure.write_problem is not None:
+        # "stderr.log is empty; writing to <its directory> fails now: ..." names the
+        # directory once.
+        name = path
+        if os.path.dirname(path) in failure.write_problem:
+            name = os.path.basename(path)
+        return [_field("stderr", f"{name} is empty; {failure.write_problem}")]
+    return []
 
 
 def _other_block(
