@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from elastrun.store.tcp.client import TcpStore
+    from elastrun.store.tcp.limits import raise_fd_limit
     from elastrun.store.tcp.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION
     from elastrun.store.tcp.server import (
         DEFAULT_DISCONNECT_GRACE,
         TcpStoreServer,
-        raise_fd_limit,
         read_token_file,
         serve_main,
     )
@@ -29,7 +29,7 @@ _WHERE = {
     "PROTOCOL_VERSION": "protocol",
     "DEFAULT_DISCONNECT_GRACE": "server",
     "TcpStoreServer": "server",
-    "raise_fd_limit": "server",
+    "raise_fd_limit": "limits",
     "read_token_file": "server",
     "serve_main": "server",
 }

@@ -22,15 +22,15 @@ from elastrun.core.errors import ConfigError, StoreError
 from elastrun.core.values import parse_int, parse_port, parse_seconds
 from elastrun.store.memory import HISTORY, MemoryStore
 from elastrun.store.tcp import protocol as p
-from elastrun.store.tcp.service import Connection, Service, format_addr
+from elastrun.store.tcp.acceptor import Acceptor
+from elastrun.store.tcp.limits import raise_fd_limit
+from elastrun.store.tcp.service import Service, format_addr
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DISCONNECT_GRACE = 2.0
 #: The largest --max-frame accepted (1 GiB): frames are held in memory whole.
 MAX_FRAME_LIMIT = 1 << 30
-#: Thousands of agents may connect at once after a restart; the kernel caps this.
-BACKLOG = 4096
 _BIND_ATTEMPTS = 20
 
 
@@ -178,7 +178,7 @@ class TcpStoreServer:
         base = time.time_ns() // 1000
         service = Service(loop, store, self._token, self._max_frame, self._grace, base)
         stop = asyncio.Event()
-        servers = await self._listen(service)
+        acceptor = await self._listen(service)
         with self._lock:
             self._loop, self._stop_event, self._service = loop, stop, service
             if self._stopping:
@@ -187,8 +187,7 @@ class TcpStoreServer:
         try:
             await stop.wait()
         finally:
-            for server in servers:
-                server.close()
+            acceptor.close()
             for conn in list(service.conns):
                 conn.close()
             # Let the transports report their closing (connection_lost), which cancels
@@ -198,29 +197,19 @@ class TcpStoreServer:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            for server in servers:
-                await server.wait_closed()
             with self._lock:
                 self._loop = self._stop_event = None
 
-    async def _listen(self, service: Service) -> list[asyncio.Server]:
-        loop = asyncio.get_running_loop()
+    async def _listen(self, service: Service) -> Acceptor:
         socks = await _bind(self._host, self._requested_port)
         self._port = socks[0].getsockname()[1]
-        servers: list[asyncio.Server] = []
+        acceptor = Acceptor(service, socks)
         try:
-            for sock in socks:
-                server = await loop.create_server(
-                    lambda: Connection(service), sock=sock, backlog=BACKLOG
-                )
-                servers.append(server)
+            acceptor.start()
         except BaseException:
-            for server in servers:
-                server.close()
-            for sock in socks:
-                sock.close()
+            acceptor.close()
             raise
-        return servers
+        return acceptor
 
     def __repr__(self) -> str:
         service = self._service
@@ -376,22 +365,6 @@ def read_token_file(path: str) -> str:
     if not token:
         raise StoreError(f"the token file {path} is empty")
     return token
-
-
-def raise_fd_limit() -> int:
-    """Raise this process's open-file limit to its hard limit; returns the new limit.
-
-    Each client connection holds a descriptor, and the common soft limit (1024) is
-    below "thousands of agents".
-    """
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            return hard
-    return soft
 
 
 def serve_main(argv: list[str]) -> int:

@@ -16,6 +16,11 @@ reconnects first and names them in its hello: a SIGKILLed agent's keys vanish wi
 about two seconds, while a brief network blip costs nothing. TTLs are enforced by one
 timer per lease, so a watcher hears of an expiry when it happens, not at the next
 request.
+
+A stranger can open connections and say nothing: each one not authenticated within
+``HANDSHAKE_TIMEOUT`` is closed, the acceptor (``acceptor``) caps how many may be
+pending at once, and what they cause is logged through a ``LogLimiter`` -- a line per
+kind every few seconds, never a line per connection.
 """
 
 from __future__ import annotations
@@ -38,11 +43,15 @@ from elastrun.core.errors import (
 from elastrun.store.api import EventKind, WatchEvent, WatchResult
 from elastrun.store.memory import MemoryStore
 from elastrun.store.tcp import protocol as p
+from elastrun.store.tcp.limits import LogLimiter
 
 log = logging.getLogger("elastrun.store.tcp.server")
 
-#: A connection that has not said hello by then is dropped (it holds a descriptor).
-HANDSHAKE_TIMEOUT = 10.0
+#: A connection that has not said hello by then is dropped (it holds a descriptor); a
+#: real client says hello within milliseconds of the challenge.
+HANDSHAKE_TIMEOUT = 5.0
+#: Lines a stranger can cause once per connection: at most one per kind this often.
+LOG_EVERY = 10.0
 #: A lease id the store never grants (its ids start at 1).
 _NO_LEASE = -1
 
@@ -133,6 +142,14 @@ class Service:
         self._waiters = _Waiters()
         self._leases: dict[int, _LeaseInfo] = {}
         self.conns: set[Connection] = set()
+        #: Connections that have not authenticated yet, oldest first, with when each
+        #: came in (the acceptor caps them and closes the oldest to make room).
+        self.handshaking: dict[Connection, float] = {}
+        #: Connections closed before they authenticated (timed out, or made room).
+        self.unauthenticated_closed = 0
+        #: Called when a connection ends or authenticates: the acceptor may take more.
+        self.on_room: Callable[[], None] | None = None
+        self.limiter = LogLimiter(log, loop.time, LOG_EVERY)
         self._quick: dict[str, Callable[[Connection, p.Message], object]] = {
             "get": self._get,
             "set": self._set,
@@ -501,14 +518,25 @@ class Service:
             raise p.FrameError(f"expected a hello, got {str(hello.get('type'))[:40]!r}")
         version = str(hello.get("version"))[:20]
         if hello.get("version") != p.PROTOCOL_VERSION:
-            log.warning("refused %s: it speaks protocol version %s", conn.peer, version)
+            self.limiter.log(
+                logging.WARNING,
+                "version",
+                "refused %s: it speaks protocol version %s",
+                conn.peer,
+                version,
+            )
             message = (
                 f"the store speaks protocol version {p.PROTOCOL_VERSION}, the client {version}"
             )
             conn.send(self._refusal(p.CODE_VERSION, message))
             return False
         if self.token is not None and not p.check_proof(self.token, nonce, hello.get("proof")):
-            log.warning("refused %s: authentication failed (wrong or missing token)", conn.peer)
+            self.limiter.log(
+                logging.WARNING,
+                "auth",
+                "refused %s: authentication failed (wrong or missing token)",
+                conn.peer,
+            )
             conn.send(self._refusal(p.CODE_AUTH, "authentication failed"))
             return False
         try:
@@ -529,6 +557,11 @@ class Service:
 
     def _refusal(self, code: str, message: str) -> bytes:
         return p.encode({"type": "error", "code": code, "message": message}, p.HANDSHAKE_MAX_FRAME)
+
+    def room(self) -> None:
+        """A connection ended or authenticated: tell the acceptor."""
+        if self.on_room is not None:
+            self.on_room()
 
 
 class Connection(asyncio.Protocol):
@@ -560,18 +593,30 @@ class Connection(asyncio.Protocol):
                 p.tune_socket(sock)
             except OSError as exc:  # the peer may already be gone; the read will tell
                 log.debug("socket options for %s: %r", self.peer, exc)
-        self._service.conns.add(self)
-        self._handshake_timer = self._service.loop.call_later(
+        service = self._service
+        service.conns.add(self)
+        service.handshaking[self] = service.loop.time()
+        self._handshake_timer = service.loop.call_later(
             HANDSHAKE_TIMEOUT, self._handshake_timed_out
         )
-        self.send(self._service.challenge(self._nonce))
+        self.send(service.challenge(self._nonce))
 
     def _handshake_timed_out(self) -> None:
-        if not self._ready:
-            log.warning(
-                "closing the connection from %s: no hello within %ss", self.peer, HANDSHAKE_TIMEOUT
+        if not self._ready and not self._closed:
+            self._service.limiter.log(
+                logging.WARNING,
+                "handshake",
+                "closing the connection from %s: no hello within %gs",
+                self.peer,
+                HANDSHAKE_TIMEOUT,
             )
-            self.close()
+            self.close_unauthenticated()
+
+    def close_unauthenticated(self) -> None:
+        """Close a connection that has not authenticated (timed out, or makes room)."""
+        if not self._ready and not self._closed:
+            self._service.unauthenticated_closed += 1
+        self.close()
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
@@ -594,10 +639,14 @@ class Connection(asyncio.Protocol):
                     self._ready = True
                     if self._handshake_timer is not None:
                         self._handshake_timer.cancel()
+                    self._service.handshaking.pop(self, None)
+                    self._service.room()
                 else:
                     self.close()  # refused: nothing after the hello is read
         except p.FrameError as exc:
-            log.warning("closing the connection from %s: %s", self.peer, exc)
+            self._service.limiter.log(
+                logging.WARNING, "frame", "closing the connection from %s: %s", self.peer, exc
+            )
             self.close()
 
     def send(self, frame: bytes) -> None:
@@ -607,6 +656,7 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         """Flush what was sent and close; reading stops at once."""
         self._closed = True
+        self._service.handshaking.pop(self, None)
         if self._transport is not None:
             self._transport.close()
 
@@ -624,8 +674,11 @@ class Connection(asyncio.Protocol):
         self._buf.clear()
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
-        self._service.conns.discard(self)
+        service = self._service
+        service.conns.discard(self)
+        service.handshaking.pop(self, None)
         for task in list(self.tasks):
             task.cancel()
-        self._service.orphan(self)
+        service.orphan(self)
         log.debug("connection from %s closed (%r)", self.peer, exc)
+        service.room()
