@@ -47,7 +47,7 @@ from elastrun.rendezvous.api import (
     RoundOutcome,
 )
 from elastrun.rendezvous.local import LocalRendezvousHandler
-from elastrun.store.torchwire import TorchWireServer
+from elastrun.store.torchwire.lazy import LazyTorchWireServer
 from elastrun.supervise.failures.failure import ProcessFailure
 from elastrun.supervise.processes.dstate import UninterruptibleWatch
 from elastrun.supervise.processes.guard import OrphanGuard
@@ -56,6 +56,7 @@ from elastrun.supervise.processes.logs import (
     LogsDest,
     LogsSpecs,
     format_line_prefix,
+    reify_or_console,
 )
 from elastrun.supervise.processes.numa import binding_cpus, numa_options_from
 from elastrun.supervise.processes.procset import Exit, ProcessSet
@@ -212,7 +213,7 @@ class LocalElasticAgent:
         self._stuck_exit_timeout = stuck_exit_timeout
         # The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
         # node is its group rank 0: it outlives every worker of the round.
-        self._bootstrap_store: TorchWireServer | None = None
+        self._bootstrap_store: LazyTorchWireServer | None = None
         self._phases = PhaseMachine(self._on_phase)
         self._reasons: dict[int, str] = {}  # pid -> why elastrun ended it on purpose
         self._numa = numa_options_from(spec.numa_options)
@@ -473,7 +474,7 @@ class LocalElasticAgent:
         if facts.group_rank != 0 or not self._agent_store(facts.group_rank):
             return
         addr = facts.master_addr
-        server = TorchWireServer(_listen_host(addr), facts.master_port)
+        server = LazyTorchWireServer(_listen_host(addr), facts.master_port)
         try:
             server.start()
         except StoreError as exc:
@@ -510,7 +511,8 @@ class LocalElasticAgent:
             w.local_rank: binding_cpus(self._numa, w.local_rank, self._spec.local_world_size)
             for w in plan.workers
         }
-        dest = self._logs.reify(envs)
+        # A log directory that fails now (full disk, removed) must not end the agent.
+        dest = reify_or_console(self._logs, envs)
         for env in envs.values():
             error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
             if error_file and error_file != os.devnull:
@@ -721,6 +723,7 @@ class LocalElasticAgent:
                 terminated_by_agent=ex.by_agent and ex.local_rank != stuck,
                 stderr_file=attempt.stderr_files.get(ex.local_rank),
                 reason=self._reasons.get(ex.pid),
+                log_problem=attempt.relay.log_problem(ex.local_rank),
             )
         self._record_failures(
             attempt, [ex for ex in exits if ex.exitcode != 0], restart=False, stuck=stuck

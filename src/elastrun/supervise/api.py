@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from elastrun.core.clock import Deadline
 from elastrun.supervise.failures.failure import ProcessFailure
-from elastrun.supervise.processes.logs import LogsDest, LogsSpecs
+from elastrun.supervise.processes.logs import LogsDest, LogsSpecs, reify_or_console
 from elastrun.supervise.processes.procset import ProcessSet
 from elastrun.supervise.processes.relay import OutputRelay
 from elastrun.supervise.processes.spawn import (
@@ -99,7 +99,7 @@ class PContext:
 
     def start(self) -> None:
         full_envs = {lr: {**os.environ, **e} for lr, e in self.envs.items()}
-        dest = self._dest = self._logs_specs.reify(full_envs)
+        dest = self._dest = reify_or_console(self._logs_specs, full_envs)
         relay = self._relay = OutputRelay(
             filtered_stdout=dest.filtered_stdout,
             filtered_stderr=dest.filtered_stderr,

@@ -9,8 +9,38 @@ torch. ``codec`` holds the wire format, ``state`` the table and its waiting rule
 
 from __future__ import annotations
 
-from elastrun.store.torchwire.codec import DEFAULT_MAX_FRAME, DEFAULT_MAX_KEY
-from elastrun.store.torchwire.connection import DEFAULT_MAX_CONNECTIONS
-from elastrun.store.torchwire.server import TorchWireServer
+from typing import TYPE_CHECKING
 
-__all__ = ["DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_FRAME", "DEFAULT_MAX_KEY", "TorchWireServer"]
+if TYPE_CHECKING:
+    from elastrun.store.torchwire.codec import DEFAULT_MAX_FRAME, DEFAULT_MAX_KEY
+    from elastrun.store.torchwire.connection import DEFAULT_MAX_CONNECTIONS
+    from elastrun.store.torchwire.lazy import LazyTorchWireServer
+    from elastrun.store.torchwire.server import TorchWireServer
+
+# Resolved on first use: the agent imports this package on its launch path, and the
+# server's modules (asyncio among them) are needed only once a worker connects.
+_LAZY = {
+    "DEFAULT_MAX_FRAME": "elastrun.store.torchwire.codec",
+    "DEFAULT_MAX_KEY": "elastrun.store.torchwire.codec",
+    "DEFAULT_MAX_CONNECTIONS": "elastrun.store.torchwire.connection",
+    "LazyTorchWireServer": "elastrun.store.torchwire.lazy",
+    "TorchWireServer": "elastrun.store.torchwire.server",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_FRAME",
+    "DEFAULT_MAX_KEY",
+    "LazyTorchWireServer",
+    "TorchWireServer",
+]

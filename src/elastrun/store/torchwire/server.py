@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 
 from elastrun.core.errors import ConfigError, StoreError
 
 # The tcp store's listening helpers: one address or all of a name's, one port for all,
 # IPv6 sockets that leave the IPv4 port alone, and a re-pick when port 0 collides.
-from elastrun.store.tcp.server import BACKLOG, _bind
+from elastrun.store.tcp.server import _bind
 from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec
 from elastrun.store.torchwire.connection import DEFAULT_MAX_CONNECTIONS, Connection, Hub, Limits
+from elastrun.store.torchwire.lazy import BACKLOG
 
 log = logging.getLogger("elastrun.store.torchwire")
 
@@ -65,10 +67,14 @@ class TorchWireServer:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_frame: int = codec.DEFAULT_MAX_FRAME,
         max_key: int = codec.DEFAULT_MAX_KEY,
+        *,
+        sockets: list[socket.socket] | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError("port", port, "must be in 0..65535")
         self._limits = Limits(max_connections, max_frame, max_key)
+        # Listening sockets bound by the caller (see ``lazy``); the server then owns them.
+        self._given = sockets
         self._host = host
         self._requested_port = port
         self._port: int | None = None
@@ -184,7 +190,7 @@ class TorchWireServer:
             pass
 
     async def _listen(self, loop: asyncio.AbstractEventLoop, hub: Hub) -> list[asyncio.Server]:
-        socks = await _bind(self._host, self._requested_port)
+        socks = self._given or await _bind(self._host, self._requested_port)
         made = await asyncio.gather(
             *(loop.create_server(lambda: Connection(hub), sock=s, backlog=BACKLOG) for s in socks),
             return_exceptions=True,

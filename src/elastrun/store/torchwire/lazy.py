@@ -1,0 +1,167 @@
+"""The workers' store as the agent hosts it: listening at once, serving on first use.
+
+Binding is synchronous and cheap, so the port is the agent's before any worker starts
+and no other process can take it. The server itself (asyncio, the protocol modules:
+tens of milliseconds of imports on the launch path) is started only when the first
+client connects -- which never happens for workers that do not use torch.distributed,
+and for those that do happens after their own much longer torch import. Until then the
+kernel queues connections on the listening socket.
+
+This module imports nothing heavy; keep it that way.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+from elastrun.core.errors import StoreError
+
+if TYPE_CHECKING:
+    from elastrun.store.torchwire.server import TorchWireServer
+
+log = logging.getLogger("elastrun.store.torchwire")
+
+#: Pending connections the kernel keeps before the server accepts (a large job's
+#: workers connect at once).
+BACKLOG = 4096
+_JOIN_TIMEOUT = 5.0
+
+
+def listen_now(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for ``host`` (``""``: every interface) on one port, bound now.
+
+    Raises:
+        StoreError: naming the address, when it cannot be bound.
+    """
+    if host == "localhost":
+        addrs = [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
+    else:
+        try:
+            infos = socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+        except OSError as exc:
+            raise StoreError(f"cannot listen on {host or '*'}:{port}: {exc}") from exc
+        addrs = list(dict.fromkeys((f, str(sa[0])) for f, _, _, _, sa in infos))
+    socks: list[socket.socket] = []
+    chosen = port
+    try:
+        for family, addr in addrs:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind((addr, chosen))
+                sock.listen(BACKLOG)
+            except OSError as exc:
+                sock.close()
+                if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) and len(addrs) > 1:
+                    continue  # e.g. no IPv6 on this machine: the other address will do
+                raise
+            socks.append(sock)
+            chosen = sock.getsockname()[1]
+        if not socks:
+            raise OSError(errno.EADDRNOTAVAIL, "no usable address")
+    except OSError as exc:
+        for sock in socks:
+            sock.close()
+        raise StoreError(f"cannot listen on {host or '*'}:{port}: {exc}") from exc
+    return socks
+
+
+class LazyTorchWireServer:
+    """A :class:`TorchWireServer` that listens from :meth:`start` on and starts serving
+    when the first client connects. Same ``start``/``close``/``port`` contract."""
+
+    def __init__(self, host: str = "", port: int = 0) -> None:
+        self._host = host
+        self._requested_port = port
+        self._socks: list[socket.socket] = []
+        self._server: TorchWireServer | None = None
+        self._thread: threading.Thread | None = None
+        self._wake: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def port(self) -> int:
+        if not self._socks:
+            raise StoreError("the workers' store is not listening yet")
+        return int(self._socks[0].getsockname()[1])
+
+    @property
+    def serving(self) -> bool:
+        """Whether a client came and the server runs."""
+        return self._server is not None
+
+    def start(self) -> int:
+        """Bind and listen now; serve from the first connection on. Returns the port.
+
+        Raises:
+            StoreError: the address cannot be bound.
+        """
+        self._socks = listen_now(self._host, self._requested_port)
+        self._wake = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(
+            target=self._serve_on_first_client, name="elastrun-workers-store", daemon=True
+        )
+        self._thread.start()
+        return self.port
+
+    def _serve_on_first_client(self) -> None:
+        assert self._wake is not None
+        try:
+            fds = [s.fileno() for s in self._socks] + [self._wake[0]]
+            ready, _, _ = select.select(fds, [], [])
+        except (OSError, ValueError):
+            return  # closed under us
+        if self._wake[0] in ready:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                from elastrun.store.torchwire.server import TorchWireServer
+
+                server = TorchWireServer(self._host, self.port, sockets=self._socks)
+                server.start()
+            except Exception as exc:  # reported below; the clients must not wait
+                # Clients would wait in the backlog until their timeout: refuse them now.
+                log.error("the workers' store could not start: %s", exc)
+                for sock in self._socks:
+                    sock.close()
+                return
+            self._server = server
+
+    def close(self) -> None:
+        """Stop serving and listening; idempotent, never raises."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            server = self._server
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
+        if self._thread is not None:
+            self._thread.join(_JOIN_TIMEOUT)
+        if server is not None:
+            server.close()  # it owns the sockets now
+        else:
+            for sock in self._socks:
+                sock.close()
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "serving" if self._server else "listening"
+        where = f"{self._host or '*'}:{self.port if self._socks else self._requested_port}"
+        return f"LazyTorchWireServer({where}, {state})"
