@@ -13,14 +13,8 @@ from hypothesis import strategies as st
 
 from elastrun.core.errors import ConfigError
 from elastrun.launch.cli import parse_launch
-from elastrun.launch.k8s import (
-    ManifestSpec,
-    agent_args,
-    build_manifests,
-    dump_yaml,
-    k8s_main,
-    parse_manifest_args,
-)
+from elastrun.launch.commands.k8s import k8s_main, parse_manifest_args
+from elastrun.launch.k8s import ManifestSpec, agent_args, build_manifests, dump_yaml
 
 BASE = ["--name", "train", "--image", "registry.example/train:1.0", "--nnodes", "2:4"]
 COMMAND = ["--", "train.py", "--epochs", "10"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from elastrun.launch.commands.timeline import timeline_main
 from elastrun.observe.eventlog import JsonLinesEventSink
 from elastrun.observe.sinks import EventValue
 from elastrun.observe.timeline import (
@@ -16,7 +17,6 @@ from elastrun.observe.timeline import (
     parse_events,
     render_html,
     render_text,
-    timeline_main,
 )
 from elastrun.testing import FakeClock
 

@@ -105,9 +105,9 @@ def command_of(launch: Launch) -> tuple[object, list[object]]:
 #: in the working directory still wins (``elastrun store`` with a file called ``store``).
 SUBCOMMANDS: dict[str, str] = {
     "store": "elastrun.store.tcp.server:serve_main",
-    "timeline": "elastrun.observe.timeline:timeline_main",
-    "stacks": "elastrun.launch.stacks:stacks_main",
-    "k8s": "elastrun.launch.k8s:k8s_main",
+    "timeline": "elastrun.launch.commands.timeline:timeline_main",
+    "stacks": "elastrun.launch.commands.stacks:stacks_main",
+    "k8s": "elastrun.launch.commands.k8s:k8s_main",
 }
 
 

@@ -1,0 +1,7 @@
+"""``elastrun <name> ...``: the tools beside the launcher, one module per subcommand.
+
+Each module parses its subcommand's arguments, calls into the layer that does the work
+and returns an exit status (0, 1, or 2 for bad arguments with one line on stderr).
+``elastrun.launch.main.SUBCOMMANDS`` maps each name to its ``module:function``, loaded
+only when that subcommand runs.
+"""

@@ -1,0 +1,37 @@
+"""Kubernetes manifests for an elastic elastrun job (``elastrun k8s manifest``).
+
+What it writes (multi-document YAML, to stdout or ``-o FILE``):
+
+* with ``--store elastrun`` (the default): a Deployment of one ``elastrun store`` pod and
+  a Service in front of it, the rendezvous every worker pod joins. The store is a pod of
+  its own so that losing any worker, including the first, never loses the rendezvous;
+* a headless Service that gives each worker pod a stable DNS name
+  (``NAME-<index>.NAME``) and is the pods' ``subdomain``;
+* an indexed Job of ``MAX`` worker pods, each running one elastrun agent with
+  ``--nnodes MIN:MAX``: the job trains as soon as ``MIN`` pods run and grows to ``MAX``.
+
+Choices, and why:
+
+* Each agent's address is its pod IP (downward API), not a DNS name: a new pod's DNS
+  record can lag behind the pod, and workers must reach the rank-0 pod at once.
+* The run id is the Job's uid (the ``batch.kubernetes.io/controller-uid`` label), so a
+  Job submitted again under the same name never meets the old run's closed rendezvous
+  in a store that outlived it.
+* ``--restart-policy Never`` adds a pod failure policy: exit status 2 (elastrun's bad
+  configuration) fails the Job at once instead of burning the backoff limit, and pods
+  evicted by a disruption (drain, preemption) do not count as failures.
+* The YAML is written without a YAML library: every document is JSON-compatible data,
+  and strings are quoted JSON-style unless they are plainly safe, so no value can be
+  misread (``on``, ``1e3``, ``0755``). PyYAML stays optional.
+
+``manifest`` holds the spec and the builders (pure functions of the spec),
+``yaml_writer`` the YAML output; the subcommand's arguments are parsed in
+:mod:`elastrun.launch.commands.k8s`.
+"""
+
+from __future__ import annotations
+
+from elastrun.launch.k8s.manifest import ManifestSpec, agent_args, build_manifests
+from elastrun.launch.k8s.yaml_writer import dump_yaml
+
+__all__ = ["ManifestSpec", "agent_args", "build_manifests", "dump_yaml"]
