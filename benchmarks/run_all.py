@@ -23,6 +23,7 @@ from pathlib import Path
 
 import bench_launch
 import bench_overhead
+import bench_progress
 import bench_recovery
 import bench_rendezvous
 import bench_store
@@ -36,6 +37,7 @@ SECTIONS: dict[str, Callable[[str], Section]] = {
     "overhead": bench_overhead.run,
     "rendezvous": bench_rendezvous.run,
     "store": bench_store.run,
+    "progress": bench_progress.run,
 }
 
 

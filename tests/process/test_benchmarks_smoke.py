@@ -129,6 +129,16 @@ def test_store_benchmark_counts_operations_of_both_stores(tmp_path: Path) -> Non
         assert all(v > 0 for vs in per_store.values() for v in vs)
 
 
+@pytest.mark.torch
+def test_progress_benchmark_measures_the_report_against_a_10_ms_step(tmp_path: Path) -> None:
+    data = _run_module("bench_progress.py", tmp_path)
+    assert set(_samples(data, "opt_step_us")) == {"off", "elastrun"}
+    assert set(_samples(data, "step10_ms")) == {"no hook", "hook"}
+    raw = data["raw"]
+    assert isinstance(raw, dict)
+    assert isinstance(raw["report_us_per_10ms_step"], float)
+
+
 def test_run_all_writes_the_report_and_the_charts(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     proc = subprocess.run(

@@ -55,7 +55,6 @@ import mmap
 import operator
 import os
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from time import monotonic_ns
@@ -93,33 +92,27 @@ SEQ, PID, STEP, REPORTS, LAST_NS, STEP_NS, LONGEST_NS, CHECK = range(SLOT_WORDS)
 MAX_STEP = (1 << 63) - 1
 
 _CHECK_MASK = (1 << 63) - 1
-# Odd 64-bit multipliers (from splitmix64 and murmur3): a copy mixing two versions of a
-# record matches the check only if sum(k_i * delta_i) == 0 mod 2**63 over the mixed
-# words, which no realistic pair of versions satisfies (one changed word never does).
-_K = (
-    0x9E3779B97F4A7C15,
-    0xBF58476D1CE4E5B9,
-    0x94D049BB133111EB,
-    0xFF51AFD7ED558CCD,
-    0xC4CEB9FE1A85EC53,
-    0x2545F4914F6CDD1D,
-    0xD6E8FEB86659FD93,
-)
 
 
 def record_check(
     seq: int, pid: int, step: int, reports: int, last_ns: int, step_ns: int, longest_ns: int
 ) -> int:
-    """The ``CHECK`` word of a record with these fields (non-negative, below 2**63)."""
-    k0, k1, k2, k3, k4, k5, k6 = _K
+    """The ``CHECK`` word of a record with these fields (non-negative, below 2**63).
+
+    A sum of the fields times odd 64-bit constants (from splitmix64 and murmur3): a copy
+    mixing two versions of a record matches only if ``sum(k_i * delta_i) == 0`` modulo
+    2**63 over the words it took from the other version, which no realistic pair of
+    versions satisfies (and a single changed word never does). Written out, literals
+    inline: it runs on every report.
+    """
     return (
-        seq * k0
-        + pid * k1
-        + step * k2
-        + reports * k3
-        + last_ns * k4
-        + step_ns * k5
-        + longest_ns * k6
+        seq * 0x9E3779B97F4A7C15
+        + pid * 0xBF58476D1CE4E5B9
+        + step * 0x94D049BB133111EB
+        + reports * 0xFF51AFD7ED558CCD
+        + last_ns * 0xC4CEB9FE1A85EC53
+        + step_ns * 0x2545F4914F6CDD1D
+        + longest_ns * 0xD6E8FEB86659FD93
     ) & _CHECK_MASK
 
 
@@ -154,7 +147,6 @@ class Reporter:
     __slots__ = (
         "_base",
         "_last_ns",
-        "_lock",
         "_longest_ns",
         "_map",
         "_pid",
@@ -172,7 +164,6 @@ class Reporter:
         self._view = memoryview(mapping).cast("q")
         self._base = slot_offset(slot)
         self._pid = os.getpid()
-        self._lock = threading.Lock()  # threads of one worker may both report
         self._seq = self._step = self._reports = 0
         self._last_ns = self._step_ns = self._longest_ns = 0
         self.path, self.slot = path, slot
@@ -216,35 +207,38 @@ class Reporter:
 
     def report(self, step: int | None) -> None:
         """Record a step (``None``: the previous one plus one) reached now."""
+        # No lock, on purpose: two threads of one worker reporting at the same instant
+        # may leave a record that readers reject (they keep the previous one) until the
+        # next report rewrites it whole. A lock would cost every report more than this
+        # rare, harmless case is worth (about 10 us of a 10 ms step, caches cold).
         now = monotonic_ns()
-        with self._lock:
-            prev = self._step
-            if step is None:
-                step = prev + 1
-            reports = self._reports + 1
-            if reports > 1:
-                interval = now - self._last_ns
-                self._longest_ns = max(self._longest_ns, interval)
-                advanced = step - prev
-                per_step = interval // advanced if advanced > 1 else interval
-                if reports == 2:
-                    self._step_ns = per_step
-                else:
-                    self._step_ns += (per_step - self._step_ns) >> 3
-            self._step, self._reports, self._last_ns = step, reports, now
-            seq = self._seq + 2
-            self._seq = seq
-            pid, step_ns, longest = self._pid, self._step_ns, self._longest_ns
-            v, b = self._view, self._base
-            v[b] = seq - 1  # odd: a write is under way
-            v[b + 1] = pid
-            v[b + 2] = step
-            v[b + 3] = reports
-            v[b + 4] = now
-            v[b + 5] = step_ns
-            v[b + 6] = longest
-            v[b + 7] = record_check(seq, pid, step, reports, now, step_ns, longest)
-            v[b] = seq
+        prev = self._step
+        if step is None:
+            step = prev + 1
+        reports = self._reports + 1
+        step_ns, longest = self._step_ns, self._longest_ns
+        if reports > 1:
+            interval = now - self._last_ns
+            if interval > longest:  # noqa: PLR1730 - a branch is cheaper than max()
+                longest = interval
+            advanced = step - prev
+            per_step = interval // advanced if advanced > 1 else interval
+            step_ns = per_step if reports == 2 else step_ns + ((per_step - step_ns) >> 3)
+        self._step, self._reports, self._last_ns = step, reports, now
+        self._step_ns, self._longest_ns = step_ns, longest
+        seq = self._seq + 2
+        self._seq = seq
+        pid = self._pid
+        v, b = self._view, self._base
+        v[b] = seq - 1  # odd: a write is under way
+        v[b + 1] = pid
+        v[b + 2] = step
+        v[b + 3] = reports
+        v[b + 4] = now
+        v[b + 5] = step_ns
+        v[b + 6] = longest
+        v[b + 7] = record_check(seq, pid, step, reports, now, step_ns, longest)
+        v[b] = seq
 
     @property
     def step(self) -> int:
@@ -267,7 +261,7 @@ _reporter: Reporter | None = None
 _checked = False  # the variables were looked at (a reporter may or may not exist)
 _explicit = False  # the script called progress(): automatic reports stop
 _seen: set[int] = set()  # ids of the optimizers that stepped in this iteration
-_hook_registered = False
+_hook_handle: object = None  # torch's handle of the registered hook (None: not registered)
 _fork_hook_registered = False
 
 
@@ -368,15 +362,15 @@ def _on_optimizer_step(optimizer: object, args: object, kwargs: object) -> None:
 
 
 def _register_hook(module: ModuleType) -> None:
-    global _hook_registered
-    if _hook_registered:
+    global _hook_handle
+    if _hook_handle is not None:
         return
     register = getattr(module, "register_optimizer_step_post_hook", None)
     if register is None:
         _warn(f"{module.__name__} has no register_optimizer_step_post_hook")
         return
-    register(_on_optimizer_step)
-    _hook_registered = True
+    handle = register(_on_optimizer_step)
+    _hook_handle = True if handle is None else handle  # torch returns a RemovableHandle
 
 
 class _ChainedLoader:
@@ -458,7 +452,7 @@ def install() -> bool:
     module = sys.modules.get(_OPTIMIZER_MODULE)
     if module is not None:
         _register_hook(module)
-    elif not _hook_registered and not any(
+    elif _hook_handle is None and not any(
         isinstance(f, _OptimizerImportWatcher) for f in sys.meta_path
     ):
         sys.meta_path.insert(0, _OptimizerImportWatcher())
