@@ -62,7 +62,9 @@ class StoreProcess:
         )  # fmt: skip
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        assert "serving on" in line, line
+        if "serving on" not in line:
+            self.kill()
+            raise AssertionError(f"the store did not start: {line!r}")
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -78,18 +80,35 @@ def stores() -> Iterator[list[StoreProcess]]:
         store.kill()
 
 
+Agents = list[subprocess.Popen[str]]
+
+
+@pytest.fixture
+def agents() -> Iterator[Agents]:
+    """Agents a test started; any still running (a failed test) are killed at the end."""
+    started: Agents = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.communicate()
+
+
 def agent(
-    tmp: Path, port: int, conf: str, *, nnodes: str = "1:2", extra: list[str] | None = None
+    agents: Agents, tmp: Path, port: int, conf: str, *, nnodes: str = "1:2"
 ) -> subprocess.Popen[str]:
     script = write_script(tmp / "worker.py", WORKER)
-    return start(
+    proc = start(
         ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "faults",
          "--local-addr", "127.0.0.1", "--rdzv-conf",
          f"last_call_timeout=1,join_timeout=30,heartbeat_timeout={HEARTBEAT:g},{conf}",
-         *(extra or []), str(script), str(tmp)],
+         str(script), str(tmp)],
         cwd=tmp,
     )  # fmt: skip
+    agents.append(proc)
+    return proc
 
 
 def workers(tmp: Path) -> list[int]:
@@ -103,36 +122,30 @@ def error_lines(stderr: str) -> list[str]:
 
 @pytest.mark.parametrize("served_by", ["elastrun store", "an agent"])
 def test_survivors_give_up_on_a_dead_store_after_one_read_timeout(
-    tmp_path: Path, stores: list[StoreProcess], served_by: str
+    tmp_path: Path, stores: list[StoreProcess], agents: Agents, served_by: str
 ) -> None:
     port = free_port()
     conf = f"read_timeout={READ_TIMEOUT:g}"
     if served_by == "elastrun store":
         store = StoreProcess(tmp_path, port)
         stores.append(store)
-        survivor = agent(tmp_path, port, f"{conf},is_host=false,token_file={store.token}")
+        survivor = agent(agents, tmp_path, port, f"{conf},is_host=false,token_file={store.token}")
         wait_for(lambda: workers(tmp_path), 30, "the worker")
         kill = store.kill
-        host = None
     else:
-        host = agent(tmp_path, port, f"{conf},is_host=true", nnodes="2")
-        survivor = agent(tmp_path, port, f"{conf},is_host=false", nnodes="2")
+        host = agent(agents, tmp_path, port, f"{conf},is_host=true", nnodes="2")
+        survivor = agent(agents, tmp_path, port, f"{conf},is_host=false", nnodes="2")
         wait_for(lambda: len(workers(tmp_path)) == 2, 30, "both workers")
 
         def kill() -> None:
             os.killpg(host.pid, signal.SIGKILL)  # the agent, its store and its worker
             host.communicate(timeout=10)
 
-    try:
-        started = workers(tmp_path)
-        killed = time.monotonic()
-        kill()
-        r = finish(survivor, 60)
-        took = time.monotonic() - killed
-    finally:
-        if host is not None and host.poll() is None:
-            os.killpg(host.pid, signal.SIGKILL)
-            host.communicate()
+    started = workers(tmp_path)
+    killed = time.monotonic()
+    kill()
+    r = finish(survivor, 60)
+    took = time.monotonic() - killed
     assert r.returncode == 1, r.stderr
     lines = error_lines(r.stderr)
     assert len(lines) == 1, r.stderr
@@ -147,13 +160,14 @@ def test_survivors_give_up_on_a_dead_store_after_one_read_timeout(
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_while_waiting_for_a_dead_store_is_honoured_at_once(
-    tmp_path: Path, stores: list[StoreProcess], sig: int, code: int
+    tmp_path: Path, stores: list[StoreProcess], agents: Agents, sig: int, code: int
 ) -> None:
     port = free_port()
     store = StoreProcess(tmp_path, port)
     stores.append(store)
     # A long read_timeout: the agent would wait 60 s for the store to come back.
-    survivor = agent(tmp_path, port, f"read_timeout=60,is_host=false,token_file={store.token}")
+    conf = f"read_timeout=60,is_host=false,token_file={store.token}"
+    survivor = agent(agents, tmp_path, port, conf)
     wait_for(lambda: workers(tmp_path), 30, "the worker")
     [worker] = workers(tmp_path)
     store.kill()
@@ -170,25 +184,19 @@ def test_a_signal_while_waiting_for_a_dead_store_is_honoured_at_once(
 
 
 def test_a_store_restarted_within_read_timeout_lets_the_job_finish(
-    tmp_path: Path, stores: list[StoreProcess]
+    tmp_path: Path, stores: list[StoreProcess], agents: Agents
 ) -> None:
     port = free_port()
     first = StoreProcess(tmp_path, port)
     stores.append(first)
     conf = f"read_timeout=15,is_host=false,token_file={first.token}"
-    procs = [agent(tmp_path, port, conf, nnodes="2") for _ in range(2)]
-    try:
-        wait_for(lambda: len(workers(tmp_path)) == 2, 30, "both workers")
-        first.kill()
-        time.sleep(1.0)
-        (tmp_path / "go_on").touch()  # workers of the next round finish at once
-        stores.append(StoreProcess(tmp_path, port))
-        results = [finish(p, 40) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+    procs = [agent(agents, tmp_path, port, conf, nnodes="2") for _ in range(2)]
+    wait_for(lambda: len(workers(tmp_path)) == 2, 30, "both workers")
+    first.kill()
+    time.sleep(1.0)
+    (tmp_path / "go_on").touch()  # workers of the next round finish at once
+    stores.append(StoreProcess(tmp_path, port))
+    results = [finish(p, 40) for p in procs]
     for r in results:
         assert r.returncode == 0, r.stderr
         assert "Traceback" not in r.stderr
