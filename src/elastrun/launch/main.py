@@ -104,7 +104,7 @@ def command_of(launch: Launch) -> tuple[object, list[object]]:
 #: ``elastrun <name> ...`` runs a tool instead of launching; a script of the same name
 #: in the working directory still wins (``elastrun store`` with a file called ``store``).
 SUBCOMMANDS: dict[str, str] = {
-    "store": "elastrun.store.tcp.server:serve_main",
+    "store": "elastrun.launch.commands.store:store_main",
     "timeline": "elastrun.launch.commands.timeline:timeline_main",
     "stacks": "elastrun.launch.commands.stacks:stacks_main",
     "k8s": "elastrun.launch.commands.k8s:k8s_main",

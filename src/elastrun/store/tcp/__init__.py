@@ -1,8 +1,9 @@
 """The tcp store: our asyncio server and its synchronous client (DESIGN.md section 3).
 
 ``TcpStoreServer`` serves one in-memory store to many agents -- embedded in an agent
-or on its own with ``elastrun store`` (:func:`serve_main`); ``TcpStore`` is the
-client, implementing the ``Store`` protocol. The wire format is in ``protocol``.
+or on its own with ``elastrun store`` (:mod:`elastrun.launch.commands.store`);
+``TcpStore`` is the client, implementing the ``Store`` protocol. The wire format is in
+``protocol``.
 
 Names are loaded on first use: an agent that is only a client never imports asyncio.
 """
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
         DEFAULT_DISCONNECT_GRACE,
         TcpStoreServer,
         read_token_file,
-        serve_main,
     )
 
 _WHERE = {
@@ -31,7 +31,6 @@ _WHERE = {
     "TcpStoreServer": "server",
     "raise_fd_limit": "limits",
     "read_token_file": "server",
-    "serve_main": "server",
 }
 
 __all__ = [
@@ -42,7 +41,6 @@ __all__ = [
     "TcpStoreServer",
     "raise_fd_limit",
     "read_token_file",
-    "serve_main",
 ]
 
 

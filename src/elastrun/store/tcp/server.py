@@ -1,29 +1,24 @@
-"""The tcp store server: lifecycle (a thread of its own, or the foreground) and the
-``elastrun store`` command. What it serves, and how, is in ``service``.
+"""The tcp store server: lifecycle (a thread of its own, or the foreground). What it
+serves, and how, is in ``service``; the ``elastrun store`` command that runs it on its own
+is :mod:`elastrun.launch.commands.store`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import errno
 import logging
-import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
-from types import FrameType
-from typing import NoReturn
 
 from elastrun.core.errors import ConfigError, StoreError
 from elastrun.core.values import parse_int, parse_port, parse_seconds
 from elastrun.store.memory import HISTORY, MemoryStore
 from elastrun.store.tcp import protocol as p
 from elastrun.store.tcp.acceptor import Acceptor
-from elastrun.store.tcp.limits import raise_fd_limit
 from elastrun.store.tcp.service import Service, format_addr
 
 log = logging.getLogger(__name__)
@@ -287,71 +282,6 @@ async def _bind(host: str, port: int) -> list[socket.socket]:
     raise AssertionError("unreachable")  # pragma: no cover  # the loop returns or raises
 
 
-# -- the `elastrun store` command --------------------------------------------------------
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one ``ConfigError`` line, not a usage message."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError("elastrun store", None, message)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="elastrun store",
-        description="Run the elastrun tcp store on its own, e.g. on a machine outside the job.",
-    )
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default: 127.0.0.1; 0.0.0.0 for every IPv4 interface)",
-    )
-    parser.add_argument(
-        "--port",
-        default="29400",
-        help="port to listen on, 0 to 65535; 0 picks a free one (default: 29400)",
-    )
-    parser.add_argument(
-        "--token-file",
-        default=None,
-        help="file holding the shared token clients must prove they know",
-    )
-    parser.add_argument(
-        "--max-frame",
-        default=str(p.DEFAULT_MAX_FRAME),
-        help=f"largest message in bytes, {p.HANDSHAKE_MAX_FRAME} to {MAX_FRAME_LIMIT} "
-        f"(default: {p.DEFAULT_MAX_FRAME})",
-    )
-    parser.add_argument(
-        "--disconnect-grace",
-        default=str(DEFAULT_DISCONNECT_GRACE),
-        help="seconds a dropped client has to reconnect before its leases "
-        f"end, at most a year (default: {DEFAULT_DISCONNECT_GRACE})",
-    )
-    return parser
-
-
-def _server_from_args(argv: list[str]) -> tuple[TcpStoreServer, argparse.Namespace, str | None]:
-    """Parse ``elastrun store``'s arguments into a server (not started yet).
-
-    Raises:
-        ConfigError: a bad option, naming it and its value.
-        StoreError: an unusable token file.
-    """
-    args = _parser().parse_args(argv)  # -h/--help prints and exits here
-    port = parse_port(args.port, "--port")
-    max_frame = parse_int(
-        args.max_frame, "--max-frame", low=p.HANDSHAKE_MAX_FRAME, high=MAX_FRAME_LIMIT
-    )
-    grace = parse_seconds(args.disconnect_grace, "--disconnect-grace")
-    token = read_token_file(args.token_file) if args.token_file is not None else None
-    server = TcpStoreServer(
-        args.host, port, token=token, max_frame=max_frame, disconnect_grace=grace
-    )
-    return server, args, token
-
-
 def read_token_file(path: str) -> str:
     """The token in ``path`` (surrounding whitespace removed).
 
@@ -365,51 +295,3 @@ def read_token_file(path: str) -> str:
     if not token:
         raise StoreError(f"the token file {path} is empty")
     return token
-
-
-def serve_main(argv: list[str]) -> int:
-    """``elastrun store``: serve a tcp store until SIGTERM or SIGINT; returns the exit code.
-
-    Exit codes: 0 after a signal, 2 for bad arguments or an unusable token file, 1 when
-    the address cannot be bound.
-    """
-    prog = "elastrun store"
-    try:
-        server, args, token = _server_from_args(argv)
-    except ConfigError as exc:
-        # argparse's own messages carry no value: leave out ConfigError's "(got None)".
-        text = exc.reason if exc.value is None else str(exc)
-        print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
-        return 2
-    except StoreError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO, stream=sys.stderr, format=f"{prog}: %(levelname)s %(message)s"
-        )
-    raise_fd_limit()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        server.stop()  # only asks the loop to stop; it runs in this very thread
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def on_ready(port: int) -> None:
-        if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning(
-                "serving without a token: anyone who can reach port %d can read and "
-                "write the store (use --token-file)",
-                port,
-            )
-        print(f"{prog}: serving on {format_addr(args.host, port)}", flush=True)
-
-    try:
-        server.serve_forever(on_ready)
-    except StoreError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0
