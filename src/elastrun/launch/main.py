@@ -22,6 +22,7 @@ from elastrun.core.errors import (
 from elastrun.core.values import parse_int
 from elastrun.launch.api import launch_agent
 from elastrun.launch.cli import Launch, ScriptKind, parse_launch
+from elastrun.store.tcp.limits import raise_fd_limit
 from elastrun.supervise.failures.report import ChildFailedError, copy_root_cause_error_file
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
 
@@ -154,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(launch: Launch) -> int:
+    # Before anything opens a descriptor: an agent serving the rendezvous store holds
+    # one per connected node, and the common soft limit (1024) is below what a large
+    # job, or a flood of strangers, needs. Children inherit the raised limit.
+    raise_fd_limit()
     entry, args = command_of(launch)
     specs = launch.config.logs_specs
     try:
