@@ -207,6 +207,7 @@ def launch_agent(
         restore = install_signal_handlers(parse_signals(config.signals_to_handle), shutdown)
     agent = None
     signalled = False
+    succeeded = False
     extras: _Extras | None = None
     try:
         extras = _Extras(config, run_id, entrypoint, shutdown)
@@ -223,6 +224,7 @@ def launch_agent(
         if on_agent is not None:
             on_agent(agent)
         result = agent.run()
+        succeeded = not result.is_failed()
         if result.is_failed() and not result.failures:
             # The round failed on another node; this one has no failure of its own.
             raise WorkerFailure(agent.budget_note or "the job failed on another node")
@@ -240,7 +242,20 @@ def launch_agent(
         restore()
         if owned:
             shutdown.waker.close()
-        # A signal leaves the run id open so other nodes can decide for themselves;
-        # any other ending closes it (torch's behaviour).
+        # Only a known outcome closes the run id: success (every node finished), or a
+        # failure with no restart left (the failing node closed it with the reason). A
+        # node that stops on a signal or an error of its own (its store connection, a
+        # rendezvous timeout) only leaves: the other nodes decide for themselves.
         if agent is not None and not signalled:
-            agent.rdzv_handler.shutdown()
+            _leave_or_close(agent.rdzv_handler, closes=succeeded)
+
+
+def _leave_or_close(handler: RendezvousHandler, *, closes: bool) -> None:
+    """End this node's part in the rendezvous: close the run (torch's ``shutdown``) when
+    the job's outcome is known here, else leave it open for the other nodes."""
+    from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
+
+    if isinstance(handler, DynamicRendezvousHandler):
+        handler.shutdown(close=closes)
+    else:
+        handler.shutdown()

@@ -44,6 +44,7 @@ from elastrun.core.errors import (
     RendezvousTimeoutError,
     StoreCompactedError,
     StoreError,
+    StoreUnavailableError,
 )
 from elastrun.rendezvous.api import (
     BarrierResult,
@@ -55,6 +56,7 @@ from elastrun.rendezvous.api import (
 )
 from elastrun.rendezvous.decide import RoundView, RoundWatch, RunKeys, Verdict, apply_events
 from elastrun.rendezvous.local import free_port
+from elastrun.rendezvous.progress import ProgressLine
 from elastrun.store.api import EventKind, Store
 
 log = logging.getLogger("elastrun.rendezvous")
@@ -172,6 +174,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._callback: Callable[[], None] | None = None
         self._reform = False
         self._lost = False
+        # Set once the store is given up (it stopped answering for its whole reconnect
+        # window): the one line saying so; every later call ends with it.
+        self._gone: str | None = None
         #: Why the running round must re-form (for the agent's log line).
         self.change_reason = ""
         #: Why ``report_failure`` refused a restart other than an exhausted budget.
@@ -181,6 +186,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # This node left a round whose other members were still working (its exit
         # barrier timed out): leaving must not close the run under them.
         self._left_unfinished = False
+        self._progress_line = ProgressLine(log, clock)
 
     # -- torch-compatible surface ------------------------------------------------------
 
@@ -205,15 +211,31 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._store.compare_set(self._keys.closed, None, reason.encode())
 
     def num_nodes_waiting(self) -> int:
-        """1 when the running round must re-form (nodes waiting, lost, or a failure)."""
+        """1 when the running round must re-form (nodes waiting, lost, or a failure).
+
+        Raises ``RendezvousConnectionError`` once the store is given up (as torch's
+        handler does when its backend is unreachable): the agent stops its workers and
+        exits with that one line instead of re-forming against a store that is gone.
+        """
+        if self._gone is not None:
+            raise RendezvousConnectionError(self._gone)
         return 1 if (self._reform or self._lost) else 0
 
-    def shutdown(self) -> bool:
+    def shutdown(self, close: bool = True) -> bool:
         """Close the run (once a job ends, late agents are refused) and leave.
 
         The node that serves the store waits (up to ``close_timeout``) for the other
         nodes to leave before its store goes away under them.
         """
+        if self._gone is not None:
+            self.leave()  # nothing to close: the store is gone
+            return False
+        if not close and not self._left_unfinished:
+            # This node ends on an error of its own; the others decide for themselves.
+            if self._hosting:
+                self._wait_for_others_to_leave(self._settings.close_timeout)
+            self.leave()
+            return False
         if self._left_unfinished:
             # The job goes on without this node; its outcome is not known yet.
             if self._hosting:
@@ -261,7 +283,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._stop.set()
         self._entered.set()  # wake the watch thread so that it sees the stop
         lease, self._lease = self._lease, None
-        if lease is not None:
+        if lease is not None and self._gone is None:
             # Bounded: a store that is already gone must not hold the exit for its whole
             # reconnect window; the lease then expires by itself.
             _bounded(lambda: self._store.revoke_lease(lease), 2.0)
@@ -396,7 +418,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         try:
+            if self._gone is not None:
+                raise RendezvousConnectionError(self._gone)
             return self._next_rendezvous()
+        except StoreUnavailableError as exc:
+            raise RendezvousConnectionError(self._store_gone(exc)) from exc
         except StoreError as exc:
             raise RendezvousConnectionError(f"rendezvous store failed: {exc}") from exc
 
@@ -572,6 +598,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return current
         if size is not None:
             self._store.set(self._keys.current, str(n).encode())
+            self._progress_line.end()
             log.info("rendezvous round %d closed with %d node(s)", n, size)
         return value
 
@@ -584,6 +611,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return result
 
     def _timeout_error(self, n: int, count: int) -> RendezvousTimeoutError:
+        self._progress_line.end()
         return RendezvousTimeoutError(
             f"rendezvous round {n} timed out after {self._settings.join_timeout:.0f}s "
             f"with {count} node(s); at least {self._settings.min_nodes} needed"
@@ -595,18 +623,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._progress(n, status)
         else:
             s = self._settings
-            log.info(
-                "rendezvous round %d: waiting for it to close (min %d, max %d node(s))",
-                n, s.min_nodes, s.max_nodes,
-            )  # fmt: skip
+            self._progress_line.show(
+                (n, "follower"),
+                f"rendezvous round {n}: waiting for it to close "
+                f"(min {s.min_nodes}, max {s.max_nodes} node(s))",
+            )
 
     def _progress(self, n: int, status: dict[str, Any]) -> None:
         s = self._settings
         if not status.get("started", True):
-            log.info(
-                "waiting as a spare for round %d: the job runs at its maximum of %d node(s)",
-                n, s.max_nodes,
-            )  # fmt: skip
+            self._progress_line.show(
+                (n, "spare"),
+                f"waiting as a spare for round {n}: the job runs at its maximum of "
+                f"{s.max_nodes} node(s)",
+            )
             return
         count = status.get("joined", 0)
         parts = [f"rendezvous round {n}: {count} node(s) in (min {s.min_nodes}, max {s.max_nodes})"]
@@ -614,7 +644,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             parts.append(f"last call ends in {max(0.0, status['last_call_in']):.0f}s")
         elif status.get("timeout_in") is not None:
             parts.append(f"timeout in {max(0.0, status['timeout_in']):.0f}s")
-        log.info("%s", "; ".join(parts))
+        # A log gets a line when the count changes, else one every 30 s at most.
+        self._progress_line.show((n, count), "; ".join(parts))
 
     def _live_nodes(self) -> set[str]:
         found, _ = self._store.get_prefix(self._keys.nodes)
@@ -666,6 +697,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
     def _enter_round(self, n: int, result: dict[str, Any], rank: int) -> RendezvousInfo:
+        self._progress_line.end()
         decision, size = str(result["id"]), int(result["size"])
         shape = tuple((str(r), int(lws), int(c)) for r, lws, c in result.get("shape", ()))
         with self._lock:
@@ -695,7 +727,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _register(self) -> None:
         if self._lease is not None and not self._lost:
-            return
+            # A node thawed after SIGSTOP (or back from a partition) may re-form before
+            # its keep-alive thread noticed that the lease ended: ask the store.
+            if self._store.keep_alive(self._lease):
+                return
+            self._mark_lost("this node's lease expired: the others consider it gone")
         if self.is_closed():
             raise self._closed_error()
         self._lost = False
@@ -741,7 +777,31 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 )
 
     def _ask_keep_alive(self, lease: int, answer: list[bool]) -> None:
-        answer.append(self._store.keep_alive(lease))
+        try:
+            answer.append(self._store.keep_alive(lease))
+        except StoreUnavailableError as exc:
+            # Also from a call the loop stopped waiting for: the store's window ends
+            # when it ends, not at this loop's next tick.
+            self._store_gone(exc)
+            raise
+
+    def _store_gone(self, exc: StoreUnavailableError) -> str:
+        """The store stopped answering for its whole reconnect window (``read_timeout``
+        after it went silent; the client shares that one window between all calls):
+        give it up for good, wake the agent, and return the line that says so."""
+        with self._lock:
+            if self._gone is None:
+                self._gone = (
+                    f"the rendezvous store at {exc.address} stopped answering "
+                    f"{exc.silent_for:.0f}s ago; stopping"
+                )
+                log.debug("giving up the store: %s", exc)
+            gone = self._gone
+        self.change_reason = gone
+        self._lost = True
+        if not self._stop.is_set():  # a late keep-alive thread: nobody to wake any more
+            self._notify()
+        return gone
 
     def _mark_lost(self, reason: str) -> None:
         log.warning("%s", reason)
@@ -784,6 +844,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 reason = view.reason()
                 if reason is not None:
                     self._flag_reform(n, reason)
+            except StoreUnavailableError as exc:
+                self._store_gone(exc)
+                self._stop.wait(1.0)
             except StoreError as exc:
                 if not self._stop.is_set():
                     log.warning("rendezvous watch interrupted: %s", exc)
