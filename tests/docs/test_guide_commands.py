@@ -189,7 +189,7 @@ def test_requirements_and_attributes_are_known() -> None:
 
 
 def test_every_launcher_option_is_documented_in_the_cli_page() -> None:
-    from elastrun.launch.cli import build_parser
+    from elastrun.launch.argv import build_parser
 
     text = (DOCS / "cli.md").read_text()
     missing = []

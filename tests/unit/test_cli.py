@@ -14,16 +14,10 @@ from pathlib import Path
 import pytest
 
 from elastrun.core.errors import ConfigError, NotImplementedYetError
-from elastrun.launch.cli import (
-    Launch,
-    ScriptKind,
-    build_parser,
-    count_nvidia_gpus,
-    parse_launch,
-    parse_nnodes,
-    parse_nproc_per_node,
-    parse_rdzv_conf,
-)
+from elastrun.launch.argv import build_parser
+from elastrun.launch.cli import Launch, ScriptKind, parse_launch
+from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, parse_rdzv_conf
+from elastrun.launch.probe import count_nvidia_gpus
 from elastrun.supervise.processes.logs import DefaultLogsSpecs, Std
 
 HAS_NVIDIA = Path("/proc/driver/nvidia/gpus").exists()

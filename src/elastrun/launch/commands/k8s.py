@@ -14,7 +14,6 @@ from typing import NoReturn
 
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import MAX_SECONDS, parse_int, parse_port
-from elastrun.launch.cli import parse_nnodes
 from elastrun.launch.config import MAX_NPROC_PER_NODE
 from elastrun.launch.k8s.manifest import (
     DEFAULT_STORE_PORT,
@@ -24,6 +23,7 @@ from elastrun.launch.k8s.manifest import (
     build_manifests,
 )
 from elastrun.launch.k8s.yaml_writer import dump_yaml
+from elastrun.launch.parsers import parse_nnodes
 
 __all__ = ["k8s_main", "parse_manifest_args"]
 

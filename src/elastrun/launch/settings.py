@@ -1,0 +1,115 @@
+"""The launch's own settings read from options: sizes, restarts, intervals, handlers.
+
+Each is converted and checked once here; the errors name the option or ``PET_*``
+variable the value came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from elastrun.core.errors import ConfigError
+from elastrun.core.values import parse_int, parse_port, parse_seconds
+from elastrun.launch.argv import Values
+from elastrun.launch.config import START_METHODS, parse_signals
+from elastrun.launch.options import NUMA_BINDINGS
+from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, to_choice
+from elastrun.launch.paths import check_writable_file
+
+__all__ = ["Runtime", "runtime_settings", "sizes"]
+
+
+def sizes(values: Values, environ: Mapping[str, str], notices: list[str]) -> tuple[int, int, int]:
+    """``(min_nodes, max_nodes, nproc_per_node)``, and the notices they call for.
+
+    Raises:
+        ConfigError: a bad ``--nnodes`` or ``--nproc-per-node``.
+    """
+    min_nodes, max_nodes = parse_nnodes(*values.required("nnodes"))
+    nproc_raw, nproc_source = values.required("nproc_per_node")
+    nproc, device = parse_nproc_per_node(nproc_raw, environ, nproc_source)
+    if device is not None:
+        notices.append(f"{nproc_source}={nproc_raw}: starting {nproc} workers, one per {device}")
+    if "OMP_NUM_THREADS" not in environ and nproc > 1:
+        # torchrun writes this into its own os.environ; we only report it, and the
+        # launcher exports it to the workers.
+        notices.append(
+            "OMP_NUM_THREADS is not set: each worker gets OMP_NUM_THREADS=1 so that "
+            f"{nproc} workers do not overload the machine; set it to tune performance"
+        )
+    return min_nodes, max_nodes, nproc
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How the agent runs and restarts the workers, and what it reports where."""
+
+    max_restarts: int
+    monitor_interval: float
+    shutdown_timeout: float | None
+    stuck_exit_timeout: float
+    start_method: str
+    event_log_handler: str
+    metrics_port: int | None
+    preload: tuple[str, ...]
+    numa_options: object | None
+    signals_to_handle: str
+    role: str
+
+
+def runtime_settings(values: Values) -> Runtime:
+    """Restarts, intervals, timeouts, start method, handlers, preload, NUMA and signals.
+
+    Raises:
+        ConfigError: the first bad value, naming its option or variable.
+    """
+    max_restarts = parse_int(*values.required("max_restarts"), low=0)
+    monitor_interval = parse_seconds(*values.required("monitor_interval"), low_open=True)
+    timeout_raw, timeout_source = values.text("shutdown_timeout")
+    shutdown_timeout = None if timeout_raw is None else parse_seconds(timeout_raw, timeout_source)
+    stuck_exit_timeout = parse_seconds(*values.required("stuck_exit_timeout"))
+    start_method = to_choice(*values.required("start_method"), START_METHODS)
+    events = _event_handler(*values.required("event_log_handler"))
+    metrics_raw, metrics_source = values.text("metrics_port")
+    metrics_port = None if metrics_raw is None else parse_port(metrics_raw, metrics_source)
+    preload_raw, _ = values.required("preload")
+    preload = tuple(m.strip() for m in preload_raw.split(",") if m.strip())
+    numa_raw, numa_source = values.text("numa_binding")
+    numa = None if numa_raw is None else to_choice(numa_raw, numa_source, NUMA_BINDINGS)
+    signals, signals_source = values.required("signals_to_handle")
+    role, _ = values.required("role")
+    try:
+        parse_signals(signals)
+    except ConfigError as exc:
+        raise ConfigError(signals_source, exc.value, exc.reason) from None
+    return Runtime(
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        shutdown_timeout=shutdown_timeout,
+        stuck_exit_timeout=stuck_exit_timeout,
+        start_method=start_method,
+        event_log_handler=events,
+        metrics_port=metrics_port,
+        preload=preload,
+        numa_options=_numa_options(numa),
+        signals_to_handle=signals,
+        role=role,
+    )
+
+
+def _numa_options(mode: str | None) -> object | None:
+    if mode is None:
+        return None
+    from elastrun.supervise.processes.numa import AffinityMode, NumaOptions
+
+    return NumaOptions(AffinityMode(mode))
+
+
+def _event_handler(raw: str, source: str) -> str:
+    from elastrun.observe.eventlog import FILE_PREFIX, make_event_sink
+
+    make_event_sink(raw, field=source)  # validates only: no file is opened yet
+    if raw.startswith(FILE_PREFIX):
+        check_writable_file(raw[len(FILE_PREFIX) :], source, raw)
+    return raw
