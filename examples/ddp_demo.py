@@ -86,9 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crash-rank", type=int, default=0, help="global rank that crashes")
     p.add_argument(
         "--crash-mode",
-        choices=("raise", "kill"),
+        choices=("raise", "kill", "hang"),
         default="raise",
-        help="raise an exception, or SIGKILL the process (default raise)",
+        help="raise an exception, SIGKILL the process, or hang forever (its peers then "
+        "block in their next collective; see --hang-timeout) (default raise)",
     )
     p.add_argument(
         "--step-time",
@@ -237,8 +238,17 @@ def maybe_crash(ctx: Context, args: argparse.Namespace, step: int) -> None:
     if args.crash_mode == "kill":
         log(ctx, f"injected crash at step {step}: SIGKILL to myself")
         os.kill(os.getpid(), signal.SIGKILL)
+    if args.crash_mode == "hang":
+        log(ctx, f"injected hang at step {step}: sleeping forever")
+        hang_forever()
     log(ctx, f"injected crash at step {step}: raising")
     raise RuntimeError(f"injected crash at step {step} on rank {ctx.rank}")
+
+
+def hang_forever() -> None:
+    """What a stuck data loader or a deadlock looks like from outside: no progress."""
+    while True:
+        time.sleep(3600)
 
 
 def write_result(path: str, result: dict[str, Any]) -> None:

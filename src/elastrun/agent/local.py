@@ -69,7 +69,8 @@ from elastrun.supervise.processes.spawn import (
     SubprocessStarter,
     WorkerProcess,
 )
-from elastrun.supervise.processes.stacks import request_stacks
+from elastrun.supervise.processes.stacks import StackDump, request_stacks
+from elastrun.supervise.progress import AutoTimeout, HangDetector, HangVerdict, ProgressBoard
 
 log = logging.getLogger("elastrun.agent")
 
@@ -136,6 +137,7 @@ class _Attempt:
     #: Monotonic time since which every exited worker succeeded and some still run.
     lonely_since: float | None = None
     lonely_reported: bool = False
+    hang_handled: bool = False
 
 
 class LocalElasticAgent:
@@ -156,6 +158,9 @@ class LocalElasticAgent:
         metrics: where the agent's metrics go.
         file_timer: the expiration-timer watchdog (TORCHELASTIC_ENABLE_FILE_TIMER=1).
         stuck_watch: ends the run when a worker stays in uninterruptible sleep.
+        hang_timeout: seconds without progress after which a worker that reported
+            progress is hung (``AutoTimeout``: derived from its step times); its stacks
+            are dumped, then it is killed and counts as a failure. None: off.
         stuck_exit_timeout: seconds a worker may keep running after every other local
             worker exited successfully before its stacks are dumped and a warning
             names it (it is not stopped); None turns the check off.
@@ -188,6 +193,7 @@ class LocalElasticAgent:
         file_timer: FileTimer | None = None,
         stuck_watch: UninterruptibleWatch | None = None,
         stuck_exit_timeout: float | None = STUCK_EXIT_TIMEOUT,
+        hang_timeout: float | AutoTimeout | None = None,
     ) -> None:
         self._spec = spec
         self._logs = logs_specs if logs_specs is not None else DefaultLogsSpecs()
@@ -211,6 +217,11 @@ class LocalElasticAgent:
         self._file_timer = file_timer
         self._stuck = stuck_watch
         self._stuck_exit_timeout = stuck_exit_timeout
+        self._hang = HangDetector(hang_timeout, clock) if hang_timeout is not None else None
+        # Where workers report progress (shared memory, no store round trip); made at
+        # the first start, in a private directory, and kept across restarts.
+        self._board: ProgressBoard | None = None
+        self._board_dir: str | None = None
         # The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
         # node is its group rank 0: it outlives every worker of the round.
         self._bootstrap_store: LazyTorchWireServer | None = None
@@ -265,6 +276,7 @@ class LocalElasticAgent:
             "group_rank": g.group_rank,
             "group_world_size": g.group_world_size,
             "workers": [w.id for w in g.workers],
+            "progress": self._progress_status(),
         }
 
     def run(self, role: str = "default") -> RunResult:
@@ -279,6 +291,7 @@ class LocalElasticAgent:
             self._phases.move(AgentPhase.DONE)
             self._finish_attempt(signal.SIGTERM)
             self._close_bootstrap_store()
+            self._close_board()
             self._guard.close()
             if self._file_timer is not None:
                 self._file_timer.stop()
@@ -311,6 +324,7 @@ class LocalElasticAgent:
             stuck = self._stuck_worker(attempt)
             if stuck is not None:
                 return self._fail([], stuck=stuck)
+            self._check_hang(attempt)
             exits = attempt.procs.exits
             failed = sorted(
                 (e for e in exits.values() if e.exitcode != 0), key=lambda e: e.observed_at
@@ -498,15 +512,26 @@ class LocalElasticAgent:
             return ForkStarter()
         return SubprocessStarter(self._python)
 
-    def _start_workers(self, plan: LaunchPlan) -> None:
-        t0 = self._clock.monotonic()
-        number = self._attempts
-        self._attempts += 1
+    def _worker_envs(self, plan: LaunchPlan) -> dict[int, dict[str, str]]:
+        """Each worker's environment: the agent's, the plan's, the file timer's and the
+        progress board's variables."""
         extra: dict[str, str] = {}
         if self._file_timer is not None:
             self._file_timer.start(plan.facts.run_id)
             extra.update(self._file_timer.worker_env())
         envs = {w.local_rank: {**self._environ, **extra, **w.env} for w in plan.workers}
+        board = self._progress_board()
+        if board is not None:
+            board.reset_all()  # a replaced worker that lingers writes where nobody reads
+            for lr, env in envs.items():
+                env.update(board.worker_env(lr))
+        return envs
+
+    def _start_workers(self, plan: LaunchPlan) -> None:
+        t0 = self._clock.monotonic()
+        number = self._attempts
+        self._attempts += 1
+        envs = self._worker_envs(plan)
         cpus = {
             w.local_rank: binding_cpus(self._numa, w.local_rank, self._spec.local_world_size)
             for w in plan.workers
@@ -828,6 +853,98 @@ class LocalElasticAgent:
         self._transition(WorkerState.FAILED)
         self._events.record("agent.failed", {"failures": 0, "restarts": self._budget.used})
         return RunResult(state=WorkerState.FAILED, failures={})
+
+    # -- progress and hangs --------------------------------------------------------
+
+    def _progress_board(self) -> ProgressBoard | None:
+        if self._board is None:
+            try:
+                self._board_dir = tempfile.mkdtemp(prefix="elastrun-progress-")
+                self._board = ProgressBoard.create(self._board_dir, self._spec.local_world_size)
+            except OSError as exc:
+                log.warning("no progress reports from the workers: %s", exc)
+                return None
+        return self._board
+
+    def _close_board(self) -> None:
+        board, self._board = self._board, None
+        if board is not None:
+            board.close()
+        if self._board_dir is not None:
+            shutil.rmtree(self._board_dir, ignore_errors=True)
+            self._board_dir = None
+
+    def _progress_status(self) -> dict[str, dict[str, float | int]]:
+        """Each local rank's last step and the age of its last report (health check)."""
+        board = self._board
+        if board is None or board.closed:
+            return {}
+        now = self._clock.monotonic()
+        return {
+            str(lr): {"step": rec.step, "age_s": round(max(0.0, now - rec.last_report), 3)}
+            for lr, rec in board.snapshot().items()
+        }
+
+    def _check_hang(self, attempt: _Attempt) -> None:
+        """Workers that made no progress for the hang timeout: keep the evidence (every
+        local worker's stacks), then kill the hung ones -- their exits are failures the
+        restart policy handles, with the hang as the reason in the report."""
+        if self._hang is None or self._board is None or attempt.hang_handled:
+            return
+        running = attempt.procs.running()
+        verdict = self._hang.check(self._board.snapshot(running))
+        if verdict is None:
+            return
+        attempt.hang_handled = True
+        pids = attempt.procs.pids()
+        dumps = request_stacks(
+            {
+                lr: (pids[lr], attempt.stacks_files[lr])
+                for lr in running
+                if lr in attempt.stacks_files
+            }
+        )
+        self._report_hang(attempt, verdict, pids, dumps)
+        for lr in verdict.hung:
+            try:
+                os.killpg(pids[lr], signal.SIGKILL)  # our unreaped child leads its group
+            except OSError:
+                pass  # it exited meanwhile; its exit is seen as usual
+
+    def _report_hang(
+        self,
+        attempt: _Attempt,
+        verdict: HangVerdict,
+        pids: dict[int, int],
+        dumps: dict[int, StackDump],
+    ) -> None:
+        first = ", ".join(
+            f"rank {attempt.plan.workers[lr].ranks.global_rank}" for lr in verdict.stopped_first
+        )
+        self._events.record(
+            "agent.hang",
+            {"attempt": attempt.number, "stopped_first": first, "verdict": verdict.describe()},
+        )
+        for silence in verdict.ranks:
+            if not silence.hung:
+                continue
+            lr = silence.local_rank
+            rank = attempt.plan.workers[lr].ranks.global_rank
+            dump = dumps.get(lr)
+            where = f"stacks in {dump.path}" if dump is not None and dump.text else "no stacks"
+            log.error(
+                "rank %d (local rank %d, pid %d) is hung: no progress for %.1fs after step %d "
+                "(--hang-timeout %gs); %s",
+                rank, lr, pids[lr], silence.silent_for, silence.step, silence.timeout, where,
+            )  # fmt: skip
+            reason = (
+                f"hung: no progress for {silence.silent_for:.0f}s after step {silence.step}"
+                f" (ranks that stopped first: {first}); {where}"
+            )
+            if dump is not None and dump.text:
+                tail = "\n".join(dump.text.splitlines()[-25:])
+                reason += f"\n{tail}"
+            self._reasons[pids[lr]] = reason
 
     def _check_stuck_at_exit(self, attempt: _Attempt) -> None:
         """Warn (once, with stacks) about workers still running long after every other

@@ -105,6 +105,7 @@ def build_agent(
         file_timer=AgentFileTimer.from_env(env),
         stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
         stuck_exit_timeout=config.stuck_exit_timeout or None,
+        hang_timeout=config.hang_timeout,  # type: ignore[arg-type]  # parsed by the config
         starter=starter,
     )
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
 from elastrun.launch.argv import Values, blame, split_argv
@@ -46,8 +47,10 @@ from elastrun.launch.rdzv_policy import (
 )
 from elastrun.launch.script import ScriptKind, check_script, interpreter, script_kind
 from elastrun.launch.settings import Runtime, runtime_settings, sizes
-from elastrun.launch.slurm import SlurmSettings
 from elastrun.supervise.processes.logs import LogsSpecs
+
+if TYPE_CHECKING:
+    from elastrun.launch.slurm import SlurmSettings
 
 __all__ = ["Launch", "ScriptKind", "parse_launch"]
 
@@ -171,6 +174,7 @@ def _config(
             virtual_local_rank=values.flag("virtual_local_rank"),
             shutdown_timeout=runtime.shutdown_timeout,
             stuck_exit_timeout=runtime.stuck_exit_timeout,
+            hang_timeout=runtime.hang_timeout,
             node_rank=rdzv.node_rank,
             master_addr=rdzv.master_addr,
             master_port=rdzv.master_port,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import MAX_SECONDS, parse_int, parse_port, parse_seconds
+from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
 
 if TYPE_CHECKING:
     from elastrun.rendezvous.api import RendezvousParameters
@@ -70,6 +71,8 @@ class LaunchConfig:
     #: Seconds a worker may run on after its local peers all exited successfully before
     #: it is reported with its stacks (0: never).
     stuck_exit_timeout: float = 60.0
+    #: Seconds without progress after which a reporting worker is hung, "auto", or None.
+    hang_timeout: float | str | AutoTimeout | None = None
     #: Serve the agent's metrics in Prometheus format on this port (None: off).
     metrics_port: int | None = None
     #: Modules the worker template pre-imports (Python script workers).
@@ -118,6 +121,10 @@ class LaunchConfig:
         parse_seconds(self.monitor_interval, "--monitor-interval", low_open=True)
         parse_seconds(self.exit_barrier_timeout, "exit_barrier_timeout")
         parse_seconds(self.stuck_exit_timeout, "--stuck-exit-timeout")
+        if self.hang_timeout is not None and not isinstance(self.hang_timeout, AutoTimeout):
+            object.__setattr__(
+                self, "hang_timeout", parse_hang_timeout(self.hang_timeout, "--hang-timeout")
+            )
         parse_int(self.node_rank, "--node-rank", low=0, high=MAX_NODES - 1)
         if self.rdzv_timeout != -1:
             parse_int(self.rdzv_timeout, "rdzv_timeout", low=1, high=MAX_SECONDS)

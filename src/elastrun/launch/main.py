@@ -20,11 +20,7 @@ from elastrun.core.errors import (
     WorkerFailure,
 )
 from elastrun.core.values import parse_int
-from elastrun.launch.api import launch_agent
 from elastrun.launch.cli import Launch, ScriptKind, parse_launch
-from elastrun.store.tcp.limits import raise_fd_limit
-from elastrun.supervise.failures.report import ChildFailedError, copy_root_cause_error_file
-from elastrun.supervise.processes.logs import DefaultLogsSpecs
 
 log = logging.getLogger("elastrun.launch")
 
@@ -155,6 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(launch: Launch) -> int:
+    # Imported here, not at the top: a dry run, a subcommand or a bad option must not pay
+    # for loading the agent and everything it runs.
+    from elastrun.launch.api import launch_agent
+    from elastrun.store.tcp.limits import raise_fd_limit
+    from elastrun.supervise.failures.report import ChildFailedError, copy_root_cause_error_file
+
     # Before anything opens a descriptor: an agent serving the rendezvous store holds
     # one per connected node, and the common soft limit (1024) is below what a large
     # job, or a flood of strangers, needs. Children inherit the raised limit.
@@ -192,6 +194,8 @@ def _mention_logs(specs: object) -> None:
 
 def _cleanup_temporary_logs(specs: object) -> None:
     """A clean run leaves nothing behind in a log directory the user did not ask for."""
+    from elastrun.supervise.processes.logs import DefaultLogsSpecs
+
     if isinstance(specs, DefaultLogsSpecs) and specs.is_temporary:
         shutil.rmtree(specs.root_log_dir, ignore_errors=True)
 

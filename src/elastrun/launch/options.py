@@ -178,6 +178,14 @@ OPTIONS: tuple[Option, ...] = (
         "60",
         ours=True,
     ),
+    option(
+        "--hang-timeout",
+        "SECONDS|auto",
+        "a worker that reported progress (optimizer steps, elastrun.progress()) and then "
+        "none for this long is hung: its stacks are dumped, it is killed and counts as a "
+        "failure; auto derives the timeout from its step times (default: off)",
+        ours=True,
+    ),
     option("--virtual-local-rank", None, "give every worker LOCAL_RANK=0 and only its own GPU"),
     option(
         "--dry-run",

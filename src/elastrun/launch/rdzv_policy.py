@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import parse_host_port, parse_int, parse_port
@@ -20,7 +21,9 @@ from elastrun.launch.argv import Values
 from elastrun.launch.config import MAX_NODES
 from elastrun.launch.entry_points import find_entry_point
 from elastrun.launch.parsers import parse_rdzv_conf
-from elastrun.launch.slurm import SlurmSettings
+
+if TYPE_CHECKING:
+    from elastrun.launch.slurm import SlurmSettings
 
 __all__ = [
     "DEFAULT_MASTER_PORT",

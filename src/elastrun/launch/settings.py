@@ -16,6 +16,7 @@ from elastrun.launch.config import START_METHODS, parse_signals
 from elastrun.launch.options import NUMA_BINDINGS
 from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, to_choice
 from elastrun.launch.paths import check_writable_file
+from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
 
 __all__ = ["Runtime", "runtime_settings", "sizes"]
 
@@ -49,6 +50,7 @@ class Runtime:
     monitor_interval: float
     shutdown_timeout: float | None
     stuck_exit_timeout: float
+    hang_timeout: float | AutoTimeout | None
     start_method: str
     event_log_handler: str
     metrics_port: int | None
@@ -69,6 +71,8 @@ def runtime_settings(values: Values) -> Runtime:
     timeout_raw, timeout_source = values.text("shutdown_timeout")
     shutdown_timeout = None if timeout_raw is None else parse_seconds(timeout_raw, timeout_source)
     stuck_exit_timeout = parse_seconds(*values.required("stuck_exit_timeout"))
+    hang_raw, hang_source = values.text("hang_timeout")
+    hang_timeout = None if hang_raw is None else parse_hang_timeout(hang_raw, hang_source)
     start_method = to_choice(*values.required("start_method"), START_METHODS)
     events = _event_handler(*values.required("event_log_handler"))
     metrics_raw, metrics_source = values.text("metrics_port")
@@ -88,6 +92,7 @@ def runtime_settings(values: Values) -> Runtime:
         monitor_interval=monitor_interval,
         shutdown_timeout=shutdown_timeout,
         stuck_exit_timeout=stuck_exit_timeout,
+        hang_timeout=hang_timeout,
         start_method=start_method,
         event_log_handler=events,
         metrics_port=metrics_port,

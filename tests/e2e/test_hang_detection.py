@@ -1,0 +1,91 @@
+"""What does not exit is found: a hung rank is named, its stacks kept, the job restarted.
+
+The progress comes from torch's optimizer steps (no code change in the script) or from
+``elastrun.progress()``; a rank that never reports is never called hung.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from _helpers import REPO, run, write_script
+
+pytestmark = pytest.mark.slow
+
+DEMO = REPO / "examples" / "ddp_demo.py"
+
+
+@pytest.mark.torch
+def test_a_rank_hung_in_ddp_is_found_its_stacks_kept_and_the_job_restarts(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    result_file = tmp_path / "result.json"
+    t0 = time.monotonic()
+    res = run(
+        ["--nproc-per-node", "2", "--hang-timeout", "5", "--max-restarts", "1",
+         "--log-dir", str(logs), str(DEMO), "--steps", "30", "--checkpoint-every", "5",
+         "--step-time", "0.05", "--crash-at-step", "12", "--crash-rank", "1",
+         "--crash-mode", "hang", "--checkpoint-dir", str(tmp_path / "ckpt"),
+         "--result-file", str(result_file)],
+        cwd=tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr
+    hung_lines = [line for line in res.stderr.splitlines() if "is hung" in line]
+    assert hung_lines, res.stderr
+    assert any("rank 1 (local rank 1" in line for line in hung_lines), hung_lines
+    assert "after step 12" in res.stderr or "after step 11" in res.stderr
+    # The evidence: rank 1's stacks show the script's line where it hangs.
+    stacks = next(logs.glob("*/attempt_0/1/stacks.txt")).read_text()
+    assert "hang_forever" in stacks and "ddp_demo.py" in stacks
+    result = json.loads(result_file.read_text())
+    assert result["identical"] is True and result["restart_count"] == 1
+    assert took < 90
+
+
+def test_no_false_verdicts(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path / "slow.py",
+        """
+        import os, time
+        import elastrun
+        if os.environ["RANK"] == "0":
+            time.sleep(4)          # never reports: never called hung
+        else:
+            for step in range(4):  # steady steps slower than a second, under a 3 s timeout
+                time.sleep(1.2)
+                elastrun.progress(step)
+        """,
+    )
+    res = run(["--nproc-per-node", "2", "--hang-timeout", "3", str(script)], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "hung" not in res.stderr
+
+
+def test_a_hang_with_explicit_progress_and_no_torch(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path / "loop.py",
+        """
+        import os, sys, time
+        import elastrun
+        for step in range(100):
+            if step == 5 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+                while True:
+                    time.sleep(1)  # the data loader stopped
+            elastrun.progress(step)
+            time.sleep(0.05)
+        """,
+    )
+    t0 = time.monotonic()
+    res = run(
+        ["--nproc-per-node", "1", "--hang-timeout", "2", "--max-restarts", "1", str(script)],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "is hung: no progress for" in res.stderr
+    assert "after step 4" in res.stderr
+    assert time.monotonic() - t0 < 20
