@@ -8,6 +8,7 @@ time on the recovery path.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import logging
@@ -289,6 +290,9 @@ class LocalElasticAgent:
             return self._invoke_run()
         finally:
             self._phases.move(AgentPhase.DONE)
+            set_callback = getattr(self._handler, "set_change_callback", None)
+            if set_callback is not None:
+                set_callback(lambda: None)  # its threads may outlive the waker
             self._finish_attempt(signal.SIGTERM)
             self._close_bootstrap_store()
             self._close_board()
@@ -331,7 +335,12 @@ class LocalElasticAgent:
             )
             if failed:
                 what = self._describe_failure(attempt, failed[0])
-                if self._policy.on_failure(failed, self._budget, what) is Decision.RESTART_ALL:
+                # The job-wide budget lives in the store: a signal must not wait for it.
+                decision = self._interruptible(
+                    functools.partial(self._policy.on_failure, failed, self._budget, what),
+                    "restart budget",
+                )
+                if decision is Decision.RESTART_ALL:
                     self._restart_after_failure(failed)
                     continue
                 return self._fail(failed)

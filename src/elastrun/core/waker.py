@@ -21,6 +21,8 @@ class Waker:
         return self._r
 
     def wake(self) -> None:
+        if self._closed:
+            return  # its descriptor number may belong to another file by now
         try:
             os.write(self._w, b"\0")
         except (BlockingIOError, OSError):

@@ -353,6 +353,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return False
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
+        try:
+            return self._exit_barrier(timeout)
+        except StoreUnavailableError as exc:
+            raise RendezvousConnectionError(self._store_gone(exc)) from exc
+
+    def _exit_barrier(self, timeout: float) -> BarrierResult:
         """This node's workers finished: wait (up to ``timeout``) for the round's outcome.
 
         Every member ends a round with the same outcome: SUCCEEDED when all members
