@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import selectors
 import socket
-import socketserver
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import socketserver
 
 
 def serve_until_woken(server: socketserver.BaseServer, wake: socket.socket) -> None:

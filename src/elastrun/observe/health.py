@@ -18,17 +18,18 @@ against torch's API keeps working.
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 from elastrun.core.serving import serve_until_woken
 from elastrun.core.values import parse_port
+
+if TYPE_CHECKING:
+    from elastrun.observe.health_http import HealthHTTPServer
 
 __all__ = [
     "HEALTH_CHECK_PORT_ENV",
@@ -61,58 +62,6 @@ def port_from_env(environ: Mapping[str, str]) -> int | None:
     return parse_port(raw, HEALTH_CHECK_PORT_ENV)
 
 
-class _Server(ThreadingHTTPServer):
-    # Handler threads must never keep the agent alive at exit.
-    daemon_threads = True
-    # handle_request() is only called once the socket is readable; a zero timeout (and
-    # a non-blocking listening socket) make sure a connection that vanished in between
-    # cannot block the serving loop, and so stop().
-    timeout = 0.0
-    health: HealthCheckServer
-
-    def server_activate(self) -> None:
-        super().server_activate()
-        self.socket.setblocking(False)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    server_version = "elastrun-health"
-    # A client that connects and sends nothing must not hold a thread forever.
-    timeout = 10.0
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path not in ("/", "/health", "/health/"):
-            self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path: {path}"})
-            return
-        try:
-            document = self.server.health.snapshot()
-        except Exception as exc:
-            # A callback bug must show up as an unhealthy answer, not a dropped connection.
-            log.exception("health check callback failed")
-            self._send(
-                HTTPStatus.INTERNAL_SERVER_ERROR,
-                {"healthy": False, "error": f"{type(exc).__name__}: {exc}"},
-            )
-            return
-        ok = document.get("healthy") is True
-        self._send(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, document)
-
-    def _send(self, status: HTTPStatus, document: Mapping[str, object]) -> None:
-        body = json.dumps(document, default=str).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        # Probes arrive every few seconds: keep them out of the job's stderr.
-        log.debug("%s %s", self.address_string(), format % args)
-
-
 class HealthCheckServer:
     """Serves the agent's health over HTTP from a daemon thread.
 
@@ -143,7 +92,7 @@ class HealthCheckServer:
         self.host = host
         self._state_callback = state_callback
         self._clock = clock
-        self._server: _Server | None = None
+        self._server: HealthHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._wake: tuple[socket.socket, socket.socket] | None = None
 
@@ -178,7 +127,11 @@ class HealthCheckServer:
         """
         if self._server is not None:
             return
-        server = _Server((self.host, self._requested_port), _Handler)
+        # http.server (with http.client, email and ssl) is loaded only for a server that
+        # is started: every launch reads TORCHELASTIC_HEALTH_CHECK_PORT, few serve it.
+        from elastrun.observe.health_http import HealthHandler, HealthHTTPServer
+
+        server = HealthHTTPServer((self.host, self._requested_port), HealthHandler)
         server.health = self
         self._server = server
         self._wake = socket.socketpair()
