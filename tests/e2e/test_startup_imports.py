@@ -1,0 +1,83 @@
+"""What a plain launch loads: only what it uses (DESIGN.md section 8, the agent starts fast).
+
+The launcher runs in a child interpreter (``elastrun.launch.main.main`` called in
+process, so that its ``sys.modules`` can be read when it returns); the workers are real.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+#: Loaded only when chosen: servers, asyncio, the other backends, tools and exporters.
+NOT_ON_A_PLAIN_LAUNCH = (
+    "asyncio",
+    "http.server",
+    "http.client",
+    "ssl",
+    "httpx",
+    "prometheus_client",
+    "elastrun.observe.prometheus",
+    "elastrun.observe.health_http",
+    "elastrun.observe.timeline",
+    "elastrun.launch.k8s",
+    "elastrun.launch.slurm",
+    "elastrun.launch.commands",
+    "elastrun.launch.dryrun",
+    "elastrun.rendezvous.etcd",
+    "elastrun.store.etcd",
+    "elastrun.store.tcp.server",
+    "elastrun.store.torchwire.server",
+    "elastrun.timer",
+    "elastrun.control_plane",
+)
+
+DRIVER = """
+    import json, sys
+    from elastrun.launch.main import main
+    code = main(sys.argv[2:])
+    with open(sys.argv[1], "w") as fh:
+        json.dump({"code": code, "modules": sorted(sys.modules)}, fh)
+"""
+
+
+def _loaded(tmp_path: Path, *args: str) -> list[str]:
+    script = tmp_path / "work.py"
+    script.write_text("print('hello', flush=True)\n")
+    out = tmp_path / "modules.json"
+    subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(DRIVER), str(out), *args, str(script)],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    result = json.loads(out.read_text())
+    assert result["code"] == 0
+    modules: list[str] = result["modules"]
+    return modules
+
+
+def _offending(modules: list[str]) -> list[str]:
+    return [
+        m for m in modules if any(m == n or m.startswith(n + ".") for n in NOT_ON_A_PLAIN_LAUNCH)
+    ]
+
+
+def test_a_plain_eight_worker_launch_loads_no_server_backend_or_tool_it_does_not_use(
+    tmp_path: Path,
+) -> None:
+    modules = _loaded(tmp_path, "--nproc-per-node", "8")
+    assert "elastrun.agent.local" in modules  # it did launch
+    assert _offending(modules) == []
+
+
+def test_a_dry_run_loads_neither_the_agent_nor_the_workers_store(tmp_path: Path) -> None:
+    modules = _loaded(tmp_path, "--dry-run", "--nproc-per-node", "8")
+    assert "elastrun.agent.local" not in modules
+    assert "elastrun.store.torchwire" not in modules
+    assert [m for m in _offending(modules) if m != "elastrun.launch.dryrun"] == []
