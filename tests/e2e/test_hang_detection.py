@@ -89,3 +89,29 @@ def test_a_hang_with_explicit_progress_and_no_torch(tmp_path: Path) -> None:
     assert "is hung: no progress for" in res.stderr
     assert "after step 4" in res.stderr
     assert time.monotonic() - t0 < 20
+
+
+def test_restarts_that_make_no_progress_end_with_status_3(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path / "same_crash.py",
+        """
+        import os, sys, time
+        import elastrun
+        open("attempt_" + os.environ["TORCHELASTIC_RESTART_COUNT"], "w").close()
+        for step in range(5):
+            elastrun.progress(step)
+            time.sleep(0.01)
+        sys.exit(7)  # the same crash at the same step, every time
+        """,
+    )
+    res = run(["--nproc-per-node", "1", "--max-restarts", "10", str(script)], cwd=tmp_path)
+    assert res.returncode == 3, res.stderr
+    assert "restarts made no progress" in res.stderr
+    # The first attempt made progress; three restarts in a row did not.
+    assert sorted(p.name for p in tmp_path.glob("attempt_*")) == [f"attempt_{i}" for i in range(4)]
+    silent = write_script(
+        tmp_path / "silent_crash.py", "import sys, time\ntime.sleep(0.05)\nsys.exit(7)\n"
+    )
+    res = run(["--nproc-per-node", "1", "--max-restarts", "4", str(silent)], cwd=tmp_path)
+    assert res.returncode == 1, res.stderr  # no reports: only the budget stops it
+    assert "restart budget exhausted: 4 of 4" in res.stderr

@@ -71,7 +71,14 @@ from elastrun.supervise.processes.spawn import (
     WorkerProcess,
 )
 from elastrun.supervise.processes.stacks import StackDump, request_stacks
-from elastrun.supervise.progress import AutoTimeout, HangDetector, HangVerdict, ProgressBoard
+from elastrun.supervise.progress import (
+    AutoTimeout,
+    HangDetector,
+    HangVerdict,
+    NoProgressGuard,
+    ProgressBoard,
+    steps_of,
+)
 
 log = logging.getLogger("elastrun.agent")
 
@@ -162,6 +169,10 @@ class LocalElasticAgent:
         hang_timeout: seconds without progress after which a worker that reported
             progress is hung (``AutoTimeout``: derived from its step times); its stacks
             are dumped, then it is killed and counts as a failure. None: off.
+        stalled_restarts: stop restarting (``stalled`` is then set) after
+            this many consecutive attempts in which no rank passed the step it had
+            reached before; None turns it off. Scripts that report no progress are
+            never stopped by it.
         stuck_exit_timeout: seconds a worker may keep running after every other local
             worker exited successfully before its stacks are dumped and a warning
             names it (it is not stopped); None turns the check off.
@@ -195,6 +206,7 @@ class LocalElasticAgent:
         stuck_watch: UninterruptibleWatch | None = None,
         stuck_exit_timeout: float | None = STUCK_EXIT_TIMEOUT,
         hang_timeout: float | AutoTimeout | None = None,
+        stalled_restarts: int | None = 3,
     ) -> None:
         self._spec = spec
         self._logs = logs_specs if logs_specs is not None else DefaultLogsSpecs()
@@ -223,6 +235,9 @@ class LocalElasticAgent:
         # the first start, in a private directory, and kept across restarts.
         self._board: ProgressBoard | None = None
         self._board_dir: str | None = None
+        self._no_progress = NoProgressGuard(stalled_restarts) if stalled_restarts else None
+        #: Why restarting stopped because the restarts made no progress (else None).
+        self.stalled: str | None = None
         # The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
         # node is its group rank 0: it outlives every worker of the round.
         self._bootstrap_store: LazyTorchWireServer | None = None
@@ -334,6 +349,8 @@ class LocalElasticAgent:
                 (e for e in exits.values() if e.exitcode != 0), key=lambda e: e.observed_at
             )
             if failed:
+                if self._no_progress_since_restarts():
+                    return self._fail(failed)
                 what = self._describe_failure(attempt, failed[0])
                 # The job-wide budget lives in the store: a signal must not wait for it.
                 decision = self._interruptible(
@@ -774,6 +791,8 @@ class LocalElasticAgent:
         refusal = getattr(self._budget, "refusal", None)
         if stuck is not None:
             note = f"not restarted: local rank {stuck} was stuck in uninterruptible sleep"
+        elif self.stalled:
+            note = f"not restarted: the restarts made no progress: {self.stalled}"
         elif refusal:
             note = f"not restarted: {refusal}"
         else:
@@ -893,6 +912,19 @@ class LocalElasticAgent:
             str(lr): {"step": rec.step, "age_s": round(max(0.0, now - rec.last_report), 3)}
             for lr, rec in board.snapshot().items()
         }
+
+    def _no_progress_since_restarts(self) -> bool:
+        """Whether the last restarts made no progress (then: stop, with ``stalled`` set).
+
+        Judged from the attempt that just failed, before its records are reset."""
+        if self._no_progress is None or self._board is None:
+            return False
+        if not self._no_progress.attempt_ended(steps_of(self._board.snapshot())):
+            return False
+        self.stalled = self._no_progress.describe()
+        log.error("not restarting: %s", self.stalled)
+        self._events.record("agent.no_progress", {"detail": self.stalled})
+        return True
 
     def _check_hang(self, attempt: _Attempt) -> None:
         """Workers that made no progress for the hang timeout: keep the evidence (every

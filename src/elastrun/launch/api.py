@@ -17,7 +17,7 @@ from elastrun.launch.signals import install_signal_handlers
 from elastrun.observe.sinks import MetricSink
 from elastrun.rendezvous.api import RendezvousHandler
 from elastrun.rendezvous.registry import rendezvous_handler_registry
-from elastrun.supervise.failures.report import ChildFailedError
+from elastrun.supervise.failures.report import ChildFailedError, NoProgressError
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
 from elastrun.supervise.processes.spawn import ProcessStarter
 
@@ -105,6 +105,7 @@ def build_agent(
         file_timer=AgentFileTimer.from_env(env),
         stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
         stuck_exit_timeout=config.stuck_exit_timeout or None,
+        stalled_restarts=config.stalled_restarts or None,
         hang_timeout=config.hang_timeout,  # type: ignore[arg-type]  # parsed by the config
         starter=starter,
     )
@@ -229,6 +230,10 @@ def launch_agent(
         if result.is_failed() and not result.failures:
             # The round failed on another node; this one has no failure of its own.
             raise WorkerFailure(agent.budget_note or "the job failed on another node")
+        if result.is_failed() and agent.stalled:
+            raise NoProgressError(
+                entrypoint_name(entrypoint, args), result.failures, budget_note=agent.budget_note
+            )
         if result.is_failed():
             raise ChildFailedError(
                 entrypoint_name(entrypoint, args), result.failures, budget_note=agent.budget_note

@@ -73,6 +73,8 @@ class LaunchConfig:
     stuck_exit_timeout: float = 60.0
     #: Seconds without progress after which a reporting worker is hung, "auto", or None.
     hang_timeout: float | str | AutoTimeout | None = None
+    #: Restarts in a row without progress before giving up (exit 3); 0: never.
+    stalled_restarts: int = 3
     #: Serve the agent's metrics in Prometheus format on this port (None: off).
     metrics_port: int | None = None
     #: Modules the worker template pre-imports (Python script workers).
@@ -121,6 +123,7 @@ class LaunchConfig:
         parse_seconds(self.monitor_interval, "--monitor-interval", low_open=True)
         parse_seconds(self.exit_barrier_timeout, "exit_barrier_timeout")
         parse_seconds(self.stuck_exit_timeout, "--stuck-exit-timeout")
+        parse_int(self.stalled_restarts, "--stalled-restarts", low=0)
         if self.hang_timeout is not None and not isinstance(self.hang_timeout, AutoTimeout):
             object.__setattr__(
                 self, "hang_timeout", parse_hang_timeout(self.hang_timeout, "--hang-timeout")

@@ -174,7 +174,7 @@ def _run(launch: Launch) -> int:
         own = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if own:
             copy_root_cause_error_file(exc, own)
-        return 1
+        return exc.exit_status
     except ShutdownRequested as exc:
         print(f"elastrun: stopped by {exc.signal_name}", file=sys.stderr)
         _mention_logs(specs)

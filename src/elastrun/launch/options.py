@@ -179,6 +179,14 @@ OPTIONS: tuple[Option, ...] = (
         ours=True,
     ),
     option(
+        "--stalled-restarts",
+        "N",
+        "stop restarting, exit status 3, after N restarts in a row in which no rank passed "
+        "the step it had reached before (needs progress reports; 0 turns it off)",
+        "3",
+        ours=True,
+    ),
+    option(
         "--hang-timeout",
         "SECONDS|auto",
         "a worker that reported progress (optimizer steps, elastrun.progress()) and then "

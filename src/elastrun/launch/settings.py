@@ -51,6 +51,7 @@ class Runtime:
     shutdown_timeout: float | None
     stuck_exit_timeout: float
     hang_timeout: float | AutoTimeout | None
+    stalled_restarts: int
     start_method: str
     event_log_handler: str
     metrics_port: int | None
@@ -71,6 +72,7 @@ def runtime_settings(values: Values) -> Runtime:
     timeout_raw, timeout_source = values.text("shutdown_timeout")
     shutdown_timeout = None if timeout_raw is None else parse_seconds(timeout_raw, timeout_source)
     stuck_exit_timeout = parse_seconds(*values.required("stuck_exit_timeout"))
+    no_progress = parse_int(*values.required("stalled_restarts"), low=0)
     hang_raw, hang_source = values.text("hang_timeout")
     hang_timeout = None if hang_raw is None else parse_hang_timeout(hang_raw, hang_source)
     start_method = to_choice(*values.required("start_method"), START_METHODS)
@@ -93,6 +95,7 @@ def runtime_settings(values: Values) -> Runtime:
         shutdown_timeout=shutdown_timeout,
         stuck_exit_timeout=stuck_exit_timeout,
         hang_timeout=hang_timeout,
+        stalled_restarts=no_progress,
         start_method=start_method,
         event_log_handler=events,
         metrics_port=metrics_port,

@@ -39,6 +39,9 @@ class ChildFailedError(WorkerFailure):
         ValueError: ``failures`` is empty.
     """
 
+    #: The launcher's exit status for this failure.
+    exit_status = 1
+
     def __init__(
         self, name: str, failures: dict[int, ProcessFailure], budget_note: str | None = None
     ) -> None:
@@ -222,3 +225,11 @@ def _other_block(
     if failure.has_error_file or failure.error_file_problem is not None:
         lines.append(f"{_DETAIL_INDENT}error_file: {_error_file(failure)}")
     return lines
+
+
+class NoProgressError(ChildFailedError):
+    """Workers failed again and again without passing the step they had reached: more
+    restarts would not help. The launcher exits with status 3, so that a scheduler that
+    requeues failed jobs can tell this one apart."""
+
+    exit_status = 3
