@@ -16,6 +16,7 @@ STYLE = {
     "elastrun-async": ("tab:blue", "o"),
     "elastrun-threads": ("tab:cyan", "^"),
     "elastrun --no-template": ("tab:cyan", "^"),
+    "bare spawn": ("tab:gray", "D"),
 }
 
 

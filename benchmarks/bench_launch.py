@@ -8,8 +8,11 @@ For N = 1, 2, 4, 8 workers on this node, and two workloads:
 
 Measured from just before the launcher is started: every worker has run its first line;
 (torch) every worker has joined the process group; the launcher has exited. The
-launchers alternate A B A B, so drift in machine load hits both alike. Run from the
-repository root::
+launchers alternate A B A B, so drift in machine load hits both alike.
+
+The trivial workload also has a **bare spawn** column, the floor no launcher can beat:
+the N workers started directly from the benchmark (``python -u worker.py``, the same
+environment plus their rank), timed the same way. Run from the repository root::
 
     .venv/bin/python benchmarks/bench_launch.py            # full
     .venv/bin/python benchmarks/bench_launch.py --quick
@@ -17,9 +20,11 @@ repository root::
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,7 @@ from _common import (
     display_command,
     elastrun,
     elastrun_no_template,
+    kill_marked,
     new_marker,
     read_float,
     require_clean,
@@ -50,6 +56,9 @@ from _report import (
     run_section,
     write_section,
 )
+
+#: The column of workers started without any launcher (trivial workload only).
+BARE = "bare spawn"
 
 TRIVIAL_WORKER = (
     "import time; T = time.time(); import os, sys; "
@@ -128,6 +137,50 @@ def launch_once(lch: Launcher, workload: str, n: int, timeout_s: float) -> dict[
         return result
 
 
+def bare_spawn_once(n: int, timeout_s: float) -> dict[str, float]:
+    """The floor: `n` trivial workers started directly from here, no launcher at all.
+
+    Each gets the environment a launcher passes on (the run's marker) plus its rank; the
+    environments are built before the clock starts, so only the spawns are timed.
+    """
+    marker = new_marker()
+    with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
+        work = Path(tmp)
+        script = work / "worker.py"
+        script.write_text(TRIVIAL_WORKER)
+        out = work / "out"
+        out.mkdir()
+        base = tagged_env(marker)
+        envs = [
+            {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n)} for r in range(n)
+        ]
+        argv = [PYTHON, "-u", str(script), str(out)]
+        procs: list[subprocess.Popen[bytes]] = []
+        t0 = time.time()
+        try:
+            for env in envs:
+                procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
+            deadline = time.monotonic() + timeout_s
+            for proc in procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            exited = time.time() - t0
+        except subprocess.TimeoutExpired as exc:
+            raise ScenarioFailure(f"{n} bare workers did not exit within {timeout_s} s") from exc
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            kill_marked(marker)
+        if any(proc.returncode for proc in procs):
+            raise ScenarioFailure(f"bare workers exited with {[p.returncode for p in procs]}")
+        files = [out / f"first_{r}" for r in range(n)]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ScenarioFailure(f"{missing} were never written")
+        return {"first": max(read_float(f) for f in files) - t0, "exited": exited}
+
+
 def warm_up(launchers: list[Launcher], torch_too: bool, timeout_s: float) -> None:
     """Discarded runs that fill the page cache for every launcher alike."""
     for lch in launchers:
@@ -147,12 +200,13 @@ def warm_up(launchers: list[Launcher], torch_too: bool, timeout_s: float) -> Non
         )
 
 
-def body(section: Section, opts: Options, launchers: list[Launcher]) -> None:
+def body(section: Section, opts: Options, launchers: list[Launcher], bare: bool = True) -> None:
     section.intro = (
         "From just before the launcher is started until every worker has run its first "
         "line, (torch workload) joined a gloo process group, and until the launcher exited. "
         "`--standalone --nproc-per-node=N`, the same flags for both; launchers alternate "
-        "A B A B."
+        f"A B A B. `{BARE}` (trivial workload): the workers started directly, no launcher "
+        "-- the floor."
     )
     columns = [lch.name for lch in launchers]
     by_name = {lch.name: lch for lch in launchers}
@@ -166,7 +220,8 @@ def body(section: Section, opts: Options, launchers: list[Launcher]) -> None:
         if not ns:
             continue
         what_w = "trivial script" if workload == "trivial" else "import torch + gloo group"
-        table = section.table(f"Launch, {what_w}", columns, ref)
+        cols = [*columns, BARE] if workload == "trivial" and bare else columns
+        table = section.table(f"Launch, {what_w}", cols, ref)
         for n in ns:
             label = f"N={n}"
             main = "first" if workload == "trivial" else "joined"
@@ -195,6 +250,8 @@ def body(section: Section, opts: Options, launchers: list[Launcher]) -> None:
             def measure(
                 col: str, rep: int, workload: str = workload, n: int = n
             ) -> dict[str, float]:
+                if col == BARE:
+                    return bare_spawn_once(n, opts.timeout_s)
                 return launch_once(by_name[col], workload, n, opts.timeout_s)
 
             def record(
@@ -209,11 +266,15 @@ def body(section: Section, opts: Options, launchers: list[Launcher]) -> None:
                 if "template" in m:
                     templated.setdefault(col, []).append(m["template"])
 
-            alternate(section, f"launch {workload} N={n}", columns, reps, measure, record)
-            for col in columns:
-                cmd = by_name[col].command(n, Path("/W/worker.py"), ["/W/out"])
-                shown = display_command(cmd, dict(by_name[col].env), Path("/W"))
-                shown = shown.replace(f"--nproc-per-node={n}", "--nproc-per-node=N")
+            alternate(section, f"launch {workload} N={n}", cols, reps, measure, record)
+            for col in cols:
+                if col == BARE:
+                    argv = [PYTHON, "-u", "/W/worker.py", "/W/out"]
+                    shown = "N x " + display_command(argv, {}, Path("/W")) + " (RANK=i)"
+                else:
+                    cmd = by_name[col].command(n, Path("/W/worker.py"), ["/W/out"])
+                    shown = display_command(cmd, dict(by_name[col].env), Path("/W"))
+                    shown = shown.replace(f"--nproc-per-node={n}", "--nproc-per-node=N")
                 section.commands.setdefault(f"{workload}, {col}", shown)
                 s = rows[main].samples.get(col, [])
                 plots.setdefault(workload, {}).setdefault(col, {}).setdefault(str(n), []).extend(
@@ -229,6 +290,7 @@ def body(section: Section, opts: Options, launchers: list[Launcher]) -> None:
 
 
 def _headlines(section: Section, columns: list[str]) -> None:
+    _floor_headline(section)
     for t in section.tables:
         for key in ("trivial8.first", "torch8.joined"):
             row = t.rows.get(key)
@@ -263,6 +325,35 @@ def _headlines(section: Section, columns: list[str]) -> None:
                 )
 
 
+#: elastrun's 8 trivial workers should be running within this factor of the bare floor.
+FLOOR_TARGET = 1.5
+
+
+def _floor_headline(section: Section) -> None:
+    """elastrun against the bare-spawn floor: what the launcher itself adds."""
+    for t in section.tables:
+        row = t.rows.get("trivial8.first")
+        if row is None or BARE not in row.samples or "elastrun" not in row.samples:
+            continue
+        verdict = ratio_check("elastrun", BARE, FLOOR_TARGET)(row.medians())
+        section.headlines.append(
+            Headline(
+                "launch, 8 trivial workers: invoke → all running (elastrun / bare-spawn floor)",
+                ratio_text(row, "elastrun", BARE),
+                f"≤ {FLOOR_TARGET}x the floor",
+                verdict,
+            )
+        )
+        if verdict is False:
+            m = row.medians()
+            section.where_time_goes.append(
+                f"elastrun adds {m['elastrun'] - m[BARE]:.3f} s to the {m[BARE]:.3f} s it takes "
+                "to start 8 interpreters at all: its own interpreter and imports, the "
+                "rendezvous, the worker template's start and the forks (see `--dry-run` and "
+                "`python -X importtime -m elastrun` for the launcher's share)."
+            )
+
+
 def _notes(section: Section) -> None:
     used = section.raw.get("template_used")
     if isinstance(used, dict) and used:
@@ -272,6 +363,9 @@ def _notes(section: Section) -> None:
             f"already in `sys.modules` at the worker's first line): {shown}."
         )
     section.notes += [
+        f"`{BARE}`: the N trivial workers started directly by the benchmark with "
+        "`subprocess.Popen`, one after another, each with the launchers' environment and "
+        "its RANK; the floor for any launcher on this machine.",
         "Workers record `time.time()` in files named after their rank; latency = the last "
         "worker's moment - the moment just before the launcher was started. Exit is noticed "
         "through a pidfd.",
@@ -289,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
         default="elastrun,torchrun,elastrun-no-template",
         help="comma list, in alternation order",
     )
+    p.add_argument(
+        "--no-bare",
+        action="store_true",
+        help=f"leave out the {BARE!r} column (workers started without a launcher)",
+    )
     args = p.parse_args(argv)
     profile = profile_of(args)
     known = {
@@ -297,13 +396,13 @@ def main(argv: list[str] | None = None) -> int:
         "elastrun-no-template": elastrun_no_template(),
     }
     launchers = [known[x] for x in args.launchers.split(",") if x]
-    section = run(profile, launchers)
+    section = run(profile, launchers, bare=not args.no_bare)
     print(section.render())
     write_section(section, args.output_dir)
     return 0
 
 
-def run(profile: str, launchers: list[Launcher] | None = None) -> Section:
+def run(profile: str, launchers: list[Launcher] | None = None, bare: bool = True) -> Section:
     launchers = launchers or [elastrun(), torchrun(), elastrun_no_template()]
     usable = [lch for lch in launchers if lch.available() is None]
     opts = PROFILE_OPTIONS[profile]
@@ -312,7 +411,7 @@ def run(profile: str, launchers: list[Launcher] | None = None) -> Section:
         for lch in launchers:
             if lch not in usable:
                 section.fail(lch.name, f"not run: {lch.available()}")
-        body(section, opts, usable)
+        body(section, opts, usable, bare)
 
     return run_section("launch", "Launch", go, profile)
 
