@@ -6,23 +6,58 @@
 :class:`NoProgressGuard` (no progress across restarts).
 """
 
-from elastrun.supervise.progress.board import FILE_NAME, ProgressBoard, read_record, steps_of
-from elastrun.supervise.progress.guard import NoProgressGuard
-from elastrun.supervise.progress.hang import (
-    AutoTimeout,
-    HangDetector,
-    HangVerdict,
-    RankSilence,
-    parse_hang_timeout,
-)
-from elastrun.supervise.progress.record import ProgressRecord, Snapshot
-from elastrun.supervise.progress.straggler import (
-    NodeSummary,
-    Straggler,
-    StragglerDetector,
-    step_times,
-    summarize,
-)
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastrun.supervise.progress.board import FILE_NAME, ProgressBoard, read_record, steps_of
+    from elastrun.supervise.progress.guard import NoProgressGuard
+    from elastrun.supervise.progress.hang import (
+        AutoTimeout,
+        HangDetector,
+        HangVerdict,
+        RankSilence,
+        parse_hang_timeout,
+    )
+    from elastrun.supervise.progress.record import ProgressRecord, Snapshot
+    from elastrun.supervise.progress.straggler import (
+        NodeSummary,
+        Straggler,
+        StragglerDetector,
+        step_times,
+        summarize,
+    )
+
+# Resolved on first use: the agent imports this package on the launch path and needs
+# only the board and the detectors it uses (the straggler statistics cost milliseconds).
+_LAZY = {
+    "AutoTimeout": "elastrun.supervise.progress.hang",
+    "FILE_NAME": "elastrun.supervise.progress.board",
+    "HangDetector": "elastrun.supervise.progress.hang",
+    "HangVerdict": "elastrun.supervise.progress.hang",
+    "NoProgressGuard": "elastrun.supervise.progress.guard",
+    "NodeSummary": "elastrun.supervise.progress.straggler",
+    "ProgressBoard": "elastrun.supervise.progress.board",
+    "ProgressRecord": "elastrun.supervise.progress.record",
+    "RankSilence": "elastrun.supervise.progress.hang",
+    "Snapshot": "elastrun.supervise.progress.record",
+    "Straggler": "elastrun.supervise.progress.straggler",
+    "StragglerDetector": "elastrun.supervise.progress.straggler",
+    "parse_hang_timeout": "elastrun.supervise.progress.hang",
+    "read_record": "elastrun.supervise.progress.board",
+    "step_times": "elastrun.supervise.progress.straggler",
+    "steps_of": "elastrun.supervise.progress.board",
+    "summarize": "elastrun.supervise.progress.straggler",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "FILE_NAME",
