@@ -91,7 +91,7 @@ STUCK_EXIT_TIMEOUT = 60.0
 
 
 class FileTimer(Protocol):
-    """The agent's expiration-timer watchdog (``elastrun.supervise.timers.agent_timer.AgentFileTimer``)."""
+    """The agent's expiration-timer watchdog (``supervise.timers.agent_timer.AgentFileTimer``)."""
 
     def start(self, run_id: str) -> str: ...
 
