@@ -265,7 +265,9 @@ class AsyncNode:
 
     async def _register(self) -> None:
         if self._lease is not None and not self._lost:
-            return
+            if await self._store.keep_alive(self._lease):
+                return
+            self._lost = True
         if await self.is_closed():
             raise RendezvousClosedError(f"run {self._settings.run_id!r} has ended")
         self._lost = False
@@ -352,9 +354,10 @@ class AsyncNode:
         k = self._keys
         nodes, rev = await self._store.get_prefix(k.nodes)
         joins, _ = await self._store.get_prefix(k.join_prefix(n + 1))
+        done, _ = await self._store.get_prefix(k.done(n))
         failed = await self._store.get(k.failed(n)) is not None
         members = [str(row[0]) for row in await self._decided_rows(n, self._decision)]
-        view.load(members, list(nodes), list(joins), failed, await self.is_closed())
+        view.load(members, list(nodes), list(joins), failed, await self.is_closed(), list(done))
         return rev
 
     async def _check_reform(self) -> bool:

@@ -78,3 +78,18 @@ def no_leaks(
     fds_leaked = _our_fds() - fds_before
     assert not leaked, f"processes left running by this test: {leaked}"
     assert not fds_leaked, f"descriptors left open by this test: {sorted(fds_leaked)}"
+
+
+@pytest.fixture(autouse=True)
+def elastrun_logging_restored() -> Iterator[None]:
+    """A test that runs the launcher in-process (``main()``) configures the ``elastrun``
+    logger for the command line: a handler on that test's captured stderr, level INFO,
+    no propagation. Later tests must get the logger as it was."""
+    import logging
+
+    logger = logging.getLogger("elastrun")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
