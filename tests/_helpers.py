@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,3 +84,30 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != b"Z"
+
+
+@contextlib.contextmanager
+def elastrun_store(directory: Path) -> Iterator[tuple[str, Path]]:
+    """A standalone ``elastrun store`` on a free loopback port, stopped on exit.
+
+    Yields its endpoint (``127.0.0.1:PORT``) and the token file agents pass as
+    ``--rdzv-conf is_host=false,token_file=...``.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    token = directory / "token"
+    token.write_text("s3cret\n")
+    proc = subprocess.Popen(
+        [*ELASTRUN, "store", "--host", "127.0.0.1", "--port", str(port),
+         "--token-file", str(token)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "serving on" in line, line
+        yield f"127.0.0.1:{port}", token
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=10)

@@ -8,15 +8,13 @@ TTL; after SIGCONT the agent finds it was dropped and stops the workers it left 
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from _helpers import finish, pid_alive, start, wait_for, write_script
+from _helpers import elastrun_store, finish, pid_alive, start, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -28,77 +26,67 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _files(d: Path, world: int) -> list[Path]:
     return sorted(d.glob(f"w_*_{world}_*"))
 
 
 def test_a_frozen_node_is_dropped_and_stops_its_workers_when_thawed(tmp_path: Path) -> None:
-    port = _free_port()
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    store = subprocess.Popen(
-        [sys.executable, "-m", "elastrun", "store", "--host", "127.0.0.1", "--port", str(port),
-         "--token-file", str(token)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
     agents: list[subprocess.Popen[str]] = []
-    try:
-        assert store.stdout is not None and "serving on" in store.stdout.readline()
-        script = write_script(tmp_path / "w.py", WORKER)
-        for _ in range(2):
-            agents.append(
-                start(
-                    [
-                        "--nnodes",
-                        "1:2",
-                        "--nproc-per-node",
-                        "1",
-                        "--rdzv-backend",
-                        "c10d",
-                        "--rdzv-endpoint",
-                        f"127.0.0.1:{port}",
-                        "--rdzv-id",
-                        "frozen",
-                        "--local-addr",
-                        "127.0.0.1",
-                        "--no-template",
-                        "--rdzv-conf",
-                        f"is_host=false,token_file={token},heartbeat_timeout=3,last_call_timeout=1",
-                        str(script),
-                        str(tmp_path),
-                        "12",
-                    ],
-                    cwd=tmp_path,
-                )
+    with elastrun_store(tmp_path) as (endpoint, token):
+        try:
+            _run_frozen(tmp_path, endpoint, token, agents)
+        finally:
+            for a in agents:
+                if a.poll() is None:
+                    a.send_signal(signal.SIGCONT)
+                    a.kill()
+                    a.communicate()
+
+
+def _run_frozen(
+    tmp_path: Path, endpoint: str, token: Path, agents: list[subprocess.Popen[str]]
+) -> None:
+    script = write_script(tmp_path / "w.py", WORKER)
+    for _ in range(2):
+        agents.append(
+            start(
+                [
+                    "--nnodes",
+                    "1:2",
+                    "--nproc-per-node",
+                    "1",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--rdzv-id",
+                    "frozen",
+                    "--local-addr",
+                    "127.0.0.1",
+                    "--no-template",
+                    "--rdzv-conf",
+                    f"is_host=false,token_file={token},heartbeat_timeout=3,last_call_timeout=1",
+                    str(script),
+                    str(tmp_path),
+                    "12",
+                ],
+                cwd=tmp_path,
             )
-            time.sleep(0.3)
-        wait_for(lambda: len(_files(tmp_path, 2)) == 2, 30, "a world of 2")
-        frozen = agents[1]
-        frozen_worker = next(
-            int(p.name.rsplit("_", 1)[1]) for p in _files(tmp_path, 2) if p.name.startswith("w_1")
         )
-        frozen.send_signal(signal.SIGSTOP)
-        t0 = time.monotonic()
-        wait_for(lambda: len(_files(tmp_path, 1)) == 1, 15, "the survivor alone")
-        assert time.monotonic() - t0 < 3 + 4  # the TTL, plus detection and restart
-        assert pid_alive(frozen_worker)  # frozen agent: its worker still runs
-        frozen.send_signal(signal.SIGCONT)
-        wait_for(lambda: not pid_alive(frozen_worker), 10, "the thawed node to stop its worker")
-        results = [finish(a, 60) for a in agents]
-        for r in results:
-            assert r.returncode == 0, "\n=====\n".join(x.stderr for x in results)
-        assert "lease expired" in results[1].stderr
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.send_signal(signal.SIGCONT)
-                a.kill()
-                a.communicate()
-        store.send_signal(signal.SIGTERM)
-        store.communicate(timeout=10)
+        time.sleep(0.3)
+    wait_for(lambda: len(_files(tmp_path, 2)) == 2, 30, "a world of 2")
+    frozen = agents[1]
+    frozen_worker = next(
+        int(p.name.rsplit("_", 1)[1]) for p in _files(tmp_path, 2) if p.name.startswith("w_1")
+    )
+    frozen.send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    wait_for(lambda: len(_files(tmp_path, 1)) == 1, 15, "the survivor alone")
+    assert time.monotonic() - t0 < 3 + 4  # the TTL, plus detection and restart
+    assert pid_alive(frozen_worker)  # frozen agent: its worker still runs
+    frozen.send_signal(signal.SIGCONT)
+    wait_for(lambda: not pid_alive(frozen_worker), 10, "the thawed node to stop its worker")
+    results = [finish(a, 60) for a in agents]
+    for r in results:
+        assert r.returncode == 0, "\n=====\n".join(x.stderr for x in results)
+    assert "lease expired" in results[1].stderr

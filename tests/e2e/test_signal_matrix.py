@@ -8,15 +8,13 @@ signal), exits 128+N, and leaves no process behind (the suite's leak check).
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from _helpers import finish, start, wait_for, write_script
+from _helpers import elastrun_store, finish, start, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -103,30 +101,15 @@ def test_a_second_ctrl_c_skips_the_grace(tmp_path: Path) -> None:
     assert res.returncode == 130, res.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_ends_the_rendezvous_wait_through_an_elastrun_store(
     tmp_path: Path, sig: int
 ) -> None:
-    port = _free_port()
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    store = subprocess.Popen(
-        [sys.executable, "-m", "elastrun", "store", "--host", "127.0.0.1", "--port", str(port),
-         "--token-file", str(token)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        assert store.stdout is not None and "serving on" in store.stdout.readline()
+    with elastrun_store(tmp_path) as (endpoint, token):
         script = write_script(tmp_path / "w.py", "import time\ntime.sleep(60)\n")
         proc = start(
             ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "alone",
+             "--rdzv-endpoint", endpoint, "--rdzv-id", "alone",
              "--rdzv-conf", f"is_host=false,token_file={token}", "--local-addr", "127.0.0.1",
              str(script)],
             cwd=tmp_path,
@@ -135,6 +118,3 @@ def test_a_signal_ends_the_rendezvous_wait_through_an_elastrun_store(
         took, code, err = _stop_and_time(proc, sig)
         assert code == 128 + sig, err
         assert took < 2, err
-    finally:
-        store.send_signal(signal.SIGTERM)
-        store.communicate(timeout=10)

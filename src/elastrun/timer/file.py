@@ -14,13 +14,13 @@ the agent side.
 from __future__ import annotations
 
 import errno
-import importlib
 import os
 import select
 import signal as _signal
 import stat
 import time
 
+from elastrun.core.lazy import lazy_getattr
 from elastrun.core.timerwire import (
     TORCHELASTIC_ENABLE_FILE_TIMER,
     TORCHELASTIC_TIMER_FILE,
@@ -56,11 +56,7 @@ _AGENT_SIDE = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _AGENT_SIDE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _AGENT_SIDE)
 
 
 class FileTimerClient(TimerClient):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from elastrun.core.lazy import lazy_getattr
+
 if TYPE_CHECKING:
     from elastrun.store.torchwire.codec import DEFAULT_MAX_FRAME, DEFAULT_MAX_KEY
     from elastrun.store.torchwire.connection import DEFAULT_MAX_CONNECTIONS
@@ -28,14 +30,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",

@@ -8,6 +8,8 @@
 
 from typing import TYPE_CHECKING
 
+from elastrun.core.lazy import lazy_getattr
+
 if TYPE_CHECKING:
     from elastrun.supervise.progress.board import FILE_NAME, ProgressBoard, read_record, steps_of
     from elastrun.supervise.progress.guard import NoProgressGuard
@@ -50,14 +52,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     "FILE_NAME",
