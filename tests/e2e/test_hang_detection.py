@@ -7,12 +7,13 @@ The progress comes from torch's optimizer steps (no code change in the script) o
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, run, write_script
+from _helpers import REPO, finish, run, start, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -115,3 +116,61 @@ def test_restarts_that_make_no_progress_end_with_status_3(tmp_path: Path) -> Non
     res = run(["--nproc-per-node", "1", "--max-restarts", "4", str(silent)], cwd=tmp_path)
     assert res.returncode == 1, res.stderr  # no reports: only the budget stops it
     assert "restart budget exhausted: 4 of 4" in res.stderr
+
+
+@pytest.mark.parametrize("hung", ["1", "both"])
+def test_a_hang_on_two_nodes_restarts_each_node_once(tmp_path: Path, hung: str) -> None:
+    script = write_script(
+        tmp_path / "loop.py",
+        f"""
+        import os, sys, time
+        import elastrun
+        rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+        open(f"ran_{{rank}}_{{attempt}}", "w").close()
+        for step in range(40):
+            if step == 5 and attempt == "0" and (rank == "{hung}" or "{hung}" == "both"):
+                while True:
+                    time.sleep(1)  # a collective that never returns
+            elastrun.progress(step)
+            time.sleep(0.05)
+        """,
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    procs = []
+    for _ in range(2):
+        procs.append(
+            start(
+                [
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "1",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--rdzv-id",
+                    "hang2",
+                    "--local-addr",
+                    "127.0.0.1",
+                    "--hang-timeout",
+                    "2",
+                    "--max-restarts",
+                    "1",
+                    "--no-template",
+                    str(script),
+                ],
+                cwd=tmp_path,
+            )
+        )
+        time.sleep(0.3)
+    results = [finish(p, 90) for p in procs]
+    for r in results:
+        assert r.returncode == 0, "\n=====\n".join(x.stderr for x in results)
+    # One restart for the job: every rank ran in attempts 0 and 1, and no attempt 2.
+    assert sorted(p.name for p in tmp_path.glob("ran_*")) == [
+        "ran_0_0", "ran_0_1", "ran_1_0", "ran_1_1",
+    ]  # fmt: skip
+    assert any("is hung" in r.stderr for r in results)
