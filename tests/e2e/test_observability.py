@@ -117,6 +117,8 @@ def test_metrics_endpoint_and_health_check_while_running(tmp_path: Path) -> None
         import os, sys, time
         if os.environ["RANK"] == "0" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
             sys.exit(3)
+        import elastrun
+        elastrun.progress(7 + int(os.environ["RANK"]))
         while not os.path.exists(sys.argv[1]):
             time.sleep(0.05)
         """,
@@ -155,6 +157,17 @@ def test_metrics_endpoint_and_health_check_while_running(tmp_path: Path) -> None
         health = json.loads(body)
         assert status == 200 and health["healthy"] is True
         assert health["state"] == "HEALTHY" and len(health["workers"]) == 2
+        assert health["phase"] == "running"
+
+        # Each local rank's last reported step, and how long ago it came.
+        def _progress() -> dict[str, dict[str, float]]:
+            body = _get_or_empty(f"http://127.0.0.1:{hport}/health")
+            return json.loads(body).get("progress", {}) if body else {}
+
+        wait_for(lambda: len(_progress()) == 2, 20, "progress in the health document")
+        progress = _progress()
+        assert {lr: p["step"] for lr, p in progress.items()} == {"0": 7, "1": 8}
+        assert all(0 <= p["age_s"] < 60 for p in progress.values())
     finally:
         stop.touch()
         result = finish(proc, 30)
