@@ -13,18 +13,17 @@ import ipaddress
 import json
 import logging
 import os
-import selectors
 import shutil
 import signal
 import socket
 import sys
 import tempfile
-import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from elastrun.agent.interrupt import call_interruptibly
 from elastrun.agent.phases import AgentPhase, PhaseMachine
 from elastrun.agent.plan import LaunchPlan, NodeSlot, RoundFacts, build_plan
 from elastrun.agent.policy import (
@@ -35,6 +34,7 @@ from elastrun.agent.policy import (
     RestartBudget,
     RestartPolicy,
 )
+from elastrun.agent.progress_watch import ProgressWatch, hang_reasons
 from elastrun.agent.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
 from elastrun.core.errors import RendezvousError, ShutdownRequested, StoreError
@@ -70,15 +70,8 @@ from elastrun.supervise.processes.spawn import (
     SubprocessStarter,
     WorkerProcess,
 )
-from elastrun.supervise.processes.stacks import StackDump, request_stacks
-from elastrun.supervise.progress import (
-    AutoTimeout,
-    HangDetector,
-    HangVerdict,
-    NoProgressGuard,
-    ProgressBoard,
-    steps_of,
-)
+from elastrun.supervise.processes.stacks import request_stacks
+from elastrun.supervise.progress import AutoTimeout
 
 log = logging.getLogger("elastrun.agent")
 
@@ -146,6 +139,13 @@ class _Attempt:
     lonely_since: float | None = None
     lonely_reported: bool = False
     hang_handled: bool = False
+
+    def stack_requests(self, local_ranks: list[int]) -> dict[int, tuple[int, str]]:
+        """``{local_rank: (pid, stacks file)}`` of these workers, for ``request_stacks``."""
+        pids = self.procs.pids()
+        return {
+            lr: (pids[lr], self.stacks_files[lr]) for lr in local_ranks if lr in self.stacks_files
+        }
 
 
 class LocalElasticAgent:
@@ -230,12 +230,11 @@ class LocalElasticAgent:
         self._file_timer = file_timer
         self._stuck = stuck_watch
         self._stuck_exit_timeout = stuck_exit_timeout
-        self._hang = HangDetector(hang_timeout, clock) if hang_timeout is not None else None
-        # Where workers report progress (shared memory, no store round trip); made at
-        # the first start, in a private directory, and kept across restarts.
-        self._board: ProgressBoard | None = None
-        self._board_dir: str | None = None
-        self._no_progress = NoProgressGuard(stalled_restarts) if stalled_restarts else None
+        # Where workers report progress (shared memory, no store round trip), and the
+        # verdicts read from it.
+        self._progress = ProgressWatch(
+            spec.local_world_size, hang_timeout, stalled_restarts or None, clock
+        )
         #: Why restarting stopped because the restarts made no progress (else None).
         self.stalled: str | None = None
         # The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
@@ -292,7 +291,7 @@ class LocalElasticAgent:
             "group_rank": g.group_rank,
             "group_world_size": g.group_world_size,
             "workers": [w.id for w in g.workers],
-            "progress": self._progress_status(),
+            "progress": self._progress.status(),
         }
 
     def run(self, role: str = "default") -> RunResult:
@@ -310,7 +309,7 @@ class LocalElasticAgent:
                 set_callback(lambda: None)  # its threads may outlive the waker
             self._finish_attempt(signal.SIGTERM)
             self._close_bootstrap_store()
-            self._close_board()
+            self._progress.close()
             self._guard.close()
             if self._file_timer is not None:
                 self._file_timer.stop()
@@ -407,40 +406,13 @@ class LocalElasticAgent:
         raise ShutdownRequested(signum)
 
     def _interruptible(self, call: Callable[[], T], what: str) -> T:
-        """Run a blocking rendezvous call so that a signal ends the wait at once.
+        """``call()``, unless a signal comes first (see ``agent.interrupt``)."""
 
-        The call runs in a helper thread while this thread waits on the shutdown
-        waker: a signal raises ``ShutdownRequested`` here within milliseconds, whatever
-        the call is blocked in (a store watch, a connection attempt). The abandoned call
-        ends with the process (or when the handler is shut down).
-        """
-        box: list[tuple[bool, object]] = []
-        done = threading.Event()
-        waker = self._shutdown.waker
+        def on_signal() -> None:
+            log.info("stopped while waiting for the %s", what)
+            self._check_shutdown()
 
-        def run() -> None:
-            try:
-                box.append((True, call()))
-            except BaseException as exc:  # handed to the waiting thread below
-                box.append((False, exc))
-            finally:
-                done.set()
-                waker.wake()
-
-        threading.Thread(target=run, name=f"elastrun-agent-{what}", daemon=True).start()
-        with selectors.DefaultSelector() as sel:
-            sel.register(waker.fileno(), selectors.EVENT_READ)
-            while not done.is_set():
-                if self._shutdown.signum is not None:
-                    log.info("stopped while waiting for the %s", what)
-                    self._check_shutdown()
-                sel.select()
-                waker.drain()
-        ok, value = box[0]
-        if not ok:
-            assert isinstance(value, BaseException)
-            raise value
-        return value  # type: ignore[return-value]  # what ``call`` returned, a T
+        return call_interruptibly(call, self._shutdown, on_signal, what)
 
     def _start_round(self) -> None:
         self._close_bootstrap_store()  # the previous round is over for every node
@@ -546,11 +518,7 @@ class LocalElasticAgent:
             self._file_timer.start(plan.facts.run_id)
             extra.update(self._file_timer.worker_env())
         envs = {w.local_rank: {**self._environ, **extra, **w.env} for w in plan.workers}
-        board = self._progress_board()
-        if board is not None:
-            board.reset_all()  # a replaced worker that lingers writes where nobody reads
-            for lr, env in envs.items():
-                env.update(board.worker_env(lr))
+        self._progress.add_worker_env(envs)
         return envs
 
     def _start_workers(self, plan: LaunchPlan) -> None:
@@ -884,44 +852,13 @@ class LocalElasticAgent:
 
     # -- progress and hangs --------------------------------------------------------
 
-    def _progress_board(self) -> ProgressBoard | None:
-        if self._board is None:
-            try:
-                self._board_dir = tempfile.mkdtemp(prefix="elastrun-progress-")
-                self._board = ProgressBoard.create(self._board_dir, self._spec.local_world_size)
-            except OSError as exc:
-                log.warning("no progress reports from the workers: %s", exc)
-                return None
-        return self._board
-
-    def _close_board(self) -> None:
-        board, self._board = self._board, None
-        if board is not None:
-            board.close()
-        if self._board_dir is not None:
-            shutil.rmtree(self._board_dir, ignore_errors=True)
-            self._board_dir = None
-
-    def _progress_status(self) -> dict[str, dict[str, float | int]]:
-        """Each local rank's last step and the age of its last report (health check)."""
-        board = self._board
-        if board is None or board.closed:
-            return {}
-        now = self._clock.monotonic()
-        return {
-            str(lr): {"step": rec.step, "age_s": round(max(0.0, now - rec.last_report), 3)}
-            for lr, rec in board.snapshot().items()
-        }
-
     def _no_progress_since_restarts(self) -> bool:
         """Whether the last restarts made no progress (then: stop, with ``stalled`` set).
 
         Judged from the attempt that just failed, before its records are reset."""
-        if self._no_progress is None or self._board is None:
+        self.stalled = self._progress.stalled()
+        if self.stalled is None:
             return False
-        if not self._no_progress.attempt_ended(steps_of(self._board.snapshot())):
-            return False
-        self.stalled = self._no_progress.describe()
         log.error("not restarting: %s", self.stalled)
         self._events.record("agent.no_progress", {"detail": self.stalled})
         return True
@@ -930,62 +867,27 @@ class LocalElasticAgent:
         """Workers that made no progress for the hang timeout: keep the evidence (every
         local worker's stacks), then kill the hung ones -- their exits are failures the
         restart policy handles, with the hang as the reason in the report."""
-        if self._hang is None or self._board is None or attempt.hang_handled:
+        if attempt.hang_handled:
             return
         running = attempt.procs.running()
-        verdict = self._hang.check(self._board.snapshot(running))
+        verdict = self._progress.hang(running)
         if verdict is None:
             return
         attempt.hang_handled = True
         pids = attempt.procs.pids()
-        dumps = request_stacks(
-            {
-                lr: (pids[lr], attempt.stacks_files[lr])
-                for lr in running
-                if lr in attempt.stacks_files
-            }
+        dumps = request_stacks(attempt.stack_requests(running))
+        ranks = {w.local_rank: w.ranks.global_rank for w in attempt.plan.workers}
+        first = ", ".join(f"rank {ranks[lr]}" for lr in verdict.stopped_first)
+        self._events.record(
+            "agent.hang",
+            {"attempt": attempt.number, "stopped_first": first, "verdict": verdict.describe()},
         )
-        self._report_hang(attempt, verdict, pids, dumps)
+        self._reasons.update(hang_reasons(verdict, ranks, pids, dumps))
         for lr in verdict.hung:
             try:
                 os.killpg(pids[lr], signal.SIGKILL)  # our unreaped child leads its group
             except OSError:
                 pass  # it exited meanwhile; its exit is seen as usual
-
-    def _report_hang(
-        self,
-        attempt: _Attempt,
-        verdict: HangVerdict,
-        pids: dict[int, int],
-        dumps: dict[int, StackDump],
-    ) -> None:
-        first = ", ".join(
-            f"rank {attempt.plan.workers[lr].ranks.global_rank}" for lr in verdict.stopped_first
-        )
-        self._events.record(
-            "agent.hang",
-            {"attempt": attempt.number, "stopped_first": first, "verdict": verdict.describe()},
-        )
-        for silence in verdict.ranks:
-            if not silence.hung:
-                continue
-            lr = silence.local_rank
-            rank = attempt.plan.workers[lr].ranks.global_rank
-            dump = dumps.get(lr)
-            where = f"stacks in {dump.path}" if dump is not None and dump.text else "no stacks"
-            log.error(
-                "rank %d (local rank %d, pid %d) is hung: no progress for %.1fs after step %d "
-                "(--hang-timeout %gs); %s",
-                rank, lr, pids[lr], silence.silent_for, silence.step, silence.timeout, where,
-            )  # fmt: skip
-            reason = (
-                f"hung: no progress for {silence.silent_for:.0f}s after step {silence.step}"
-                f" (ranks that stopped first: {first}); {where}"
-            )
-            if dump is not None and dump.text:
-                tail = "\n".join(dump.text.splitlines()[-25:])
-                reason += f"\n{tail}"
-            self._reasons[pids[lr]] = reason
 
     def _check_stuck_at_exit(self, attempt: _Attempt) -> None:
         """Warn (once, with stacks) about workers still running long after every other
@@ -1004,10 +906,7 @@ class LocalElasticAgent:
         attempt.lonely_reported = True
         running = attempt.procs.running()
         pids = attempt.procs.pids()
-        asked = {
-            lr: (pids[lr], attempt.stacks_files[lr]) for lr in running if lr in attempt.stacks_files
-        }
-        dumps = request_stacks(asked)
+        dumps = request_stacks(attempt.stack_requests(running))
         for lr in running:
             rank = attempt.plan.workers[lr].ranks.global_rank
             dump = dumps.get(lr)
