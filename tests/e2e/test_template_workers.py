@@ -29,7 +29,9 @@ record = {
 }
 torch.manual_seed(1234)
 record["seeded"] = [torch.initial_seed(), torch.rand(4).tolist()]
-print("SEEDS " + json.dumps(record), flush=True)
+# One write per line: print() writes the text and the newline separately, and two
+# workers' lines could interleave on the shared console.
+os.write(1, ("SEEDS " + json.dumps(record) + "\\n").encode())
 sys.exit(1 if record["restart"] == "0" else 0)
 """
 # torch.manual_seed(1234); torch.rand(4) in any fresh interpreter (CPU generator).
@@ -156,12 +158,12 @@ import json, os, subprocess
 import psutil
 me = psutil.Process()
 pgrep = subprocess.run(["pgrep", "-f", "train.py --lr 0.1"], capture_output=True, text=True)
-print("LOOKS " + json.dumps({
+os.write(1, ("LOOKS " + json.dumps({
     "rank": os.environ["RANK"],
     "cmdline": me.cmdline(),
     "comm": me.name(),
     "pgrep": os.getpid() in [int(p) for p in pgrep.stdout.split()],
-}), flush=True)
+}) + "\\n").encode())
 """
 
 
