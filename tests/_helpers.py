@@ -111,3 +111,19 @@ def elastrun_store(directory: Path) -> Iterator[tuple[str, Path]]:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=10)
+
+
+def start_nodes(
+    count: int, nnodes: str, endpoint: str, run_id: str, args: Sequence[str], *, cwd: Path
+) -> list[subprocess.Popen[str]]:
+    """``count`` agents of one c10d job on loopback, one worker each, started 0.3 s apart
+    (the first serves the rendezvous store and joins first). ``args``: the rest of each
+    command line (options, then the script and its arguments)."""
+    common = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+              "--local-addr", "127.0.0.1"]  # fmt: skip
+    procs = []
+    for _ in range(count):
+        procs.append(start([*common, *args], cwd=cwd))
+        time.sleep(0.3)
+    return procs

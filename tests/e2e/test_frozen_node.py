@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import elastrun_store, finish, pid_alive, start, wait_for, write_script
+from _helpers import elastrun_store, finish, pid_alive, start_nodes, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -47,33 +47,9 @@ def _run_frozen(
     tmp_path: Path, endpoint: str, token: Path, agents: list[subprocess.Popen[str]]
 ) -> None:
     script = write_script(tmp_path / "w.py", WORKER)
-    for _ in range(2):
-        agents.append(
-            start(
-                [
-                    "--nnodes",
-                    "1:2",
-                    "--nproc-per-node",
-                    "1",
-                    "--rdzv-backend",
-                    "c10d",
-                    "--rdzv-endpoint",
-                    endpoint,
-                    "--rdzv-id",
-                    "frozen",
-                    "--local-addr",
-                    "127.0.0.1",
-                    "--no-template",
-                    "--rdzv-conf",
-                    f"is_host=false,token_file={token},heartbeat_timeout=3,last_call_timeout=1",
-                    str(script),
-                    str(tmp_path),
-                    "12",
-                ],
-                cwd=tmp_path,
-            )
-        )
-        time.sleep(0.3)
+    conf = f"is_host=false,token_file={token},heartbeat_timeout=3,last_call_timeout=1"
+    args = ["--no-template", "--rdzv-conf", conf, str(script), str(tmp_path), "12"]
+    agents.extend(start_nodes(2, "1:2", endpoint, "frozen", args, cwd=tmp_path))
     wait_for(lambda: len(_files(tmp_path, 2)) == 2, 30, "a world of 2")
     frozen = agents[1]
     frozen_worker = next(

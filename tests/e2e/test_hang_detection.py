@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, finish, run, start, write_script
+from _helpers import REPO, finish, run, start_nodes, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -138,34 +138,8 @@ def test_a_hang_on_two_nodes_restarts_each_node_once(tmp_path: Path, hung: str) 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{s.getsockname()[1]}"
-    procs = []
-    for _ in range(2):
-        procs.append(
-            start(
-                [
-                    "--nnodes",
-                    "2",
-                    "--nproc-per-node",
-                    "1",
-                    "--rdzv-backend",
-                    "c10d",
-                    "--rdzv-endpoint",
-                    endpoint,
-                    "--rdzv-id",
-                    "hang2",
-                    "--local-addr",
-                    "127.0.0.1",
-                    "--hang-timeout",
-                    "2",
-                    "--max-restarts",
-                    "1",
-                    "--no-template",
-                    str(script),
-                ],
-                cwd=tmp_path,
-            )
-        )
-        time.sleep(0.3)
+    args = ["--hang-timeout", "2", "--max-restarts", "1", "--no-template", str(script)]
+    procs = start_nodes(2, "2", endpoint, "hang2", args, cwd=tmp_path)
     results = [finish(p, 90) for p in procs]
     for r in results:
         assert r.returncode == 0, "\n=====\n".join(x.stderr for x in results)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import finish, start, write_script
+from _helpers import finish, start, start_nodes, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -47,37 +47,10 @@ def _agents(
 ) -> list[subprocess.Popen[str]]:
     script = write_script(tmp_path / "job.py", SCRIPT)
     endpoint = f"127.0.0.1:{_free_port()}"
-    procs = []
-    for _ in range(nodes):
-        procs.append(
-            start(
-                [
-                    "--nnodes",
-                    str(nodes),
-                    "--nproc-per-node",
-                    "1",
-                    "--rdzv-backend",
-                    "c10d",
-                    "--rdzv-endpoint",
-                    endpoint,
-                    "--rdzv-id",
-                    "outcome",
-                    "--local-addr",
-                    "127.0.0.1",
-                    "--max-restarts",
-                    str(restarts),
-                    "--rdzv-conf",
-                    "join_timeout=60,last_call_timeout=1" + conf,
-                    "--no-template",
-                    str(script),
-                    str(tmp_path),
-                    *plan,
-                ],
-                cwd=tmp_path,
-            )
-        )
-        time.sleep(0.3)  # the first agent serves the store and joins first
-    return procs
+    args = ["--max-restarts", str(restarts), "--rdzv-conf",
+            "join_timeout=60,last_call_timeout=1" + conf, "--no-template",
+            str(script), str(tmp_path), *plan]  # fmt: skip
+    return start_nodes(nodes, str(nodes), endpoint, "outcome", args, cwd=tmp_path)
 
 
 def _ran(tmp_path: Path) -> list[str]:
