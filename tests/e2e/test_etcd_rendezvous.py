@@ -75,7 +75,15 @@ def agent(
 
 
 def records(where: Path) -> list[dict[str, str]]:
-    return [json.loads(p.read_text()) for p in sorted(where.glob("w_*.json"))]
+    """The workers' records written so far (a file a worker is still writing is skipped:
+    the callers poll)."""
+    found = []
+    for p in sorted(where.glob("w_*.json")):
+        try:
+            found.append(json.loads(p.read_text()))
+        except json.JSONDecodeError:
+            continue
+    return found
 
 
 def demo(tmp_path: Path, steps: int) -> list[str]:
