@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.errors import (
     LeaseExpiredError,
     StoreCompactedError,
@@ -399,3 +400,71 @@ def test_close_is_idempotent(kit: StoreKit) -> None:
     client.set("k", b"v")
     client.close()
     client.close()
+
+
+# -- cancellation -----------------------------------------------------------------------
+
+
+def _cancel_soon(scope: CancelScope, after: float = 0.2) -> threading.Timer:
+    timer = threading.Timer(after, scope.cancel, args=("stop asked",))
+    timer.start()
+    return timer
+
+
+def test_cancelling_a_scope_ends_a_blocked_watch_at_once_with_cancelled(store: Store) -> None:
+    _, rev = store.get_prefix("c/")
+    scope = CancelScope()
+    timer = _cancel_soon(scope)
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled, match="stop asked"):
+        store.watch("c/", rev, 30.0, scope=scope)
+    took = time.monotonic() - t0
+    timer.join()
+    assert 0.15 <= took < 0.2 + 0.5, took
+    # The client goes on working: the next watch sees the next change.
+    store.set("c/after", b"1")
+    result = store.watch("c/", rev, 5.0)
+    assert [e.key for e in result.events] == ["c/after"]
+
+
+def test_cancelling_a_scope_ends_a_blocked_wait_at_once_with_cancelled(store: Store) -> None:
+    scope = CancelScope()
+    timer = _cancel_soon(scope)
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled):
+        store.wait(["c/never"], 30.0, scope=scope)
+    timer.join()
+    assert time.monotonic() - t0 < 0.2 + 0.5
+    store.set("c/now", b"1")
+    store.wait(["c/now"], 5.0)
+
+
+def test_a_scope_cancelled_before_the_call_ends_it_without_waiting(store: Store) -> None:
+    scope = CancelScope()
+    scope.cancel("too late")
+    _, rev = store.get_prefix("c/")
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled, match="too late"):
+        store.watch("c/", rev, 30.0, scope=scope)
+    with pytest.raises(Cancelled):
+        store.wait(["c/never"], 30.0, scope=scope)
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_cancelling_a_parent_scope_ends_a_watch_in_its_child(store: Store) -> None:
+    _, rev = store.get_prefix("c/")
+    parent = CancelScope()
+    with parent.child(timeout=60.0) as child:
+        timer = _cancel_soon(parent)
+        with pytest.raises(Cancelled):
+            store.watch("c/", rev, 30.0, scope=child)
+        timer.join()
+
+
+def test_a_watch_in_an_uncancelled_scope_returns_its_changes(kit: StoreKit) -> None:
+    writer, watcher = kit.client(), kit.client()
+    _, rev = watcher.get_prefix("c/")
+    with CancelScope() as scope:
+        threading.Timer(0.1, writer.set, args=("c/x", b"1")).start()
+        result = watcher.watch("c/", rev, 10.0, scope=scope)
+    assert [e.key for e in result.events] == ["c/x"]

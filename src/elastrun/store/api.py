@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from elastrun.core.cancel import CancelScope
 
 
 class EventKind(enum.Enum):
@@ -94,16 +97,25 @@ class Store(Protocol):
         """End ``lease`` now, deleting its keys. Unknown leases are ignored."""
         ...
 
-    def watch(self, prefix: str, after_revision: int, timeout: float) -> WatchResult:
+    def watch(
+        self,
+        prefix: str,
+        after_revision: int,
+        timeout: float,
+        *,
+        scope: CancelScope | None = None,
+    ) -> WatchResult:
         """Changes under ``prefix`` with revision > ``after_revision``.
 
         Blocks until there is at least one, or ``timeout`` passes (then the result is
-        empty and ``revision`` is the current one).
+        empty and ``revision`` is the current one). Cancelling ``scope`` ends the wait
+        at once with ``Cancelled``.
         """
         ...
 
-    def wait(self, keys: list[str], timeout: float) -> None:
-        """Block until every key exists; raises ``StoreTimeoutError`` after ``timeout``."""
+    def wait(self, keys: list[str], timeout: float, *, scope: CancelScope | None = None) -> None:
+        """Block until every key exists; raises ``StoreTimeoutError`` after ``timeout``
+        and ``Cancelled`` when ``scope`` is cancelled."""
         ...
 
     def close(self) -> None:

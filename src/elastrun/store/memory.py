@@ -8,10 +8,13 @@ lazily on every operation and by waiting watchers, against an injected clock.
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import threading
+from collections.abc import Iterator
 
+from elastrun.core.cancel import CancelScope, scope_or_default
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
 from elastrun.core.errors import (
     LeaseExpiredError,
@@ -180,10 +183,18 @@ class MemoryStore:
         with self._cond:
             self._drop_lease(lease)
 
-    def watch(self, prefix: str, after_revision: int, timeout: float) -> WatchResult:
+    def watch(
+        self,
+        prefix: str,
+        after_revision: int,
+        timeout: float,
+        *,
+        scope: CancelScope | None = None,
+    ) -> WatchResult:
         deadline = Deadline.after(timeout, self._clock)
-        with self._cond:
+        with self._cond, self._woken_by(scope) as live:
             while True:
+                live.raise_if_cancelled()
                 self._expire()
                 if self._events and after_revision < self._events[0].revision - 1:
                     raise StoreCompactedError(
@@ -210,6 +221,20 @@ class MemoryStore:
         found.reverse()
         return tuple(found)
 
+    @contextlib.contextmanager
+    def _woken_by(self, scope: CancelScope | None) -> Iterator[CancelScope]:
+        """While a wait runs, a cancellation of ``scope`` wakes every waiter; the
+        cancelled one raises, the others wait on. (The condition's lock is reentrant:
+        registering on a scope already cancelled notifies from this very thread.)"""
+        scope = scope_or_default(scope)
+
+        def wake() -> None:
+            with self._cond:
+                self._cond.notify_all()
+
+        with scope.wakes(wake):
+            yield scope
+
     def _wait_time(self, deadline: Deadline) -> float | None:
         wait = deadline.timeout()
         expiry = self._next_expiry()
@@ -218,10 +243,11 @@ class MemoryStore:
             wait = until if wait is None else min(wait, until)
         return wait
 
-    def wait(self, keys: list[str], timeout: float) -> None:
+    def wait(self, keys: list[str], timeout: float, *, scope: CancelScope | None = None) -> None:
         deadline = Deadline.after(timeout, self._clock)
-        with self._cond:
+        with self._cond, self._woken_by(scope) as live:
             while True:
+                live.raise_if_cancelled()
                 self._expire()
                 missing = [k for k in keys if k not in self._data]
                 if not missing:

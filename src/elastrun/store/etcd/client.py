@@ -12,16 +12,19 @@ repeat its watch event and repeating a transaction could apply it twice.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import math
 import random
+import socket
 import ssl
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
+from elastrun.core.cancel import CancelScope, scope_or_default
 from elastrun.core.clock import Deadline
 from elastrun.core.errors import (
     LeaseExpiredError,
@@ -231,14 +234,26 @@ class EtcdStore:
         except StoreCompactedError:
             pass  # already compacted at or past that revision
 
-    def watch(self, prefix: str, after_revision: int, timeout: float) -> WatchResult:
+    def watch(
+        self,
+        prefix: str,
+        after_revision: int,
+        timeout: float,
+        *,
+        scope: CancelScope | None = None,
+    ) -> WatchResult:
         """Changes under ``prefix`` after ``after_revision`` (see ``Store.watch``).
 
         An empty answer resumes from ``after_revision`` itself, not from the cluster's
         newer revision: a one-shot gateway stream has no progress marker proving that
         etcd already delivered everything up to that revision, and skipping ahead could
         lose an event it had not yet sent.
+
+        Cancelling ``scope`` shuts the stream's connection down, which ends the read at
+        once (the connect itself is bounded by ``connect_timeout``).
         """
+        live = scope_or_default(scope)
+        live.raise_if_cancelled()
         deadline = Deadline.after(timeout)
         body = {
             "create_request": {
@@ -248,12 +263,14 @@ class EtcdStore:
         }
 
         def attempt(url: str, wait: float) -> WatchResult:
-            return self._watch_stream(url, body, after_revision, deadline)
+            return self._watch_stream(url, body, after_revision, deadline, live)
 
         # Connection trouble gets the usual failover window even for a short watch.
-        return self._with_failover(attempt, safe=True, what="watch", window=max(timeout, 0))
+        return self._with_failover(
+            attempt, safe=True, what="watch", window=max(timeout, 0), scope=live
+        )
 
-    def wait(self, keys: list[str], timeout: float) -> None:
+    def wait(self, keys: list[str], timeout: float, *, scope: CancelScope | None = None) -> None:
         deadline = Deadline.after(timeout)
         while True:
             missing, revision = [], math.inf
@@ -268,7 +285,7 @@ class EtcdStore:
                 return
             if deadline.expired():
                 raise StoreTimeoutError(f"timed out after {timeout}s waiting for {missing}")
-            self.watch(_common_prefix(missing), int(revision), deadline.remaining())
+            self.watch(_common_prefix(missing), int(revision), deadline.remaining(), scope=scope)
 
     def close(self) -> None:
         if not self._closed:
@@ -306,7 +323,13 @@ class EtcdStore:
         return self._with_failover(attempt, safe=safe, what=path.rsplit("/", 1)[-1])
 
     def _with_failover(
-        self, attempt: Callable[[str, float], T], *, safe: bool, what: str, window: float = 0.0
+        self,
+        attempt: Callable[[str, float], T],
+        *,
+        safe: bool,
+        what: str,
+        window: float = 0.0,
+        scope: CancelScope | None = None,
     ) -> T:
         """Run ``attempt(url, wait)`` on the current member, then the others, until it
         works or the request timeout (at least ``window``) passes; see the module
@@ -351,7 +374,7 @@ class EtcdStore:
             if deadline.remaining() <= delay:
                 hosts = ", ".join(host_of(u) for u in self._urls)
                 raise StoreError(f"cannot reach etcd at {hosts}: {last}")
-            time.sleep(delay * random.uniform(0.5, 1.0))
+            scope_or_default(scope).sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, _BACKOFF_CAP)
 
     def _rotation(self) -> Iterator[int]:
@@ -405,7 +428,20 @@ class EtcdStore:
                     ) from None
             return self._token
 
-    def _watch_stream(self, url: str, body: Json, after: int, deadline: Deadline) -> WatchResult:
+    def _watch_stream(
+        self, url: str, body: Json, after: int, deadline: Deadline, scope: CancelScope
+    ) -> WatchResult:
+        import httpx
+
+        try:
+            return self._read_watch(url, body, after, deadline, scope)
+        except (httpx.TransportError, MaybeApplied, NotSent):
+            scope.raise_if_cancelled()  # the cancellation cut the stream: say so
+            raise
+
+    def _read_watch(
+        self, url: str, body: Json, after: int, deadline: Deadline, scope: CancelScope
+    ) -> WatchResult:
         import httpx
 
         # A read waits at least one history-delivery period (see HISTORY_GRACE).
@@ -416,7 +452,7 @@ class EtcdStore:
             with self._client.stream(
                 "POST", url + "/v3/watch", content=json.dumps(body),
                 headers=self._headers(url), timeout=timeout,
-            ) as reply:  # fmt: skip
+            ) as reply, scope.wakes(functools.partial(_cut, reply)):  # fmt: skip
                 if reply.status_code != 200:
                     decode(reply.status_code, reply.read(), url)
                 for line in reply.iter_lines():
@@ -453,6 +489,16 @@ class EtcdStore:
         return WatchEvent(
             EventKind.PUT, self._unk(kv["key"]), unb64(kv.get("value")), to_int(kv["mod_revision"])
         )
+
+
+def _cut(reply: httpx.Response) -> None:
+    """Shut a streaming reply's connection down: a read blocked on it returns at once
+    (closing the descriptor from another thread would not wake it)."""
+    stream = reply.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    if isinstance(sock, socket.socket):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _common_prefix(keys: list[str]) -> str:

@@ -28,15 +28,19 @@ with ``StoreUnavailableError``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import math
+import os
 import random
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
 
+from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.errors import ConfigError, StoreAuthError, StoreError, StoreUnavailableError
 from elastrun.store.api import WatchResult
 from elastrun.store.tcp import protocol as p
@@ -60,6 +64,9 @@ class _Pending:
 
     __slots__ = ("_done", "answer", "lost")
 
+    # ``interrupt`` wakes the waiter with neither an answer nor a loss: its scope was
+    # cancelled (the caller stops waiting; a late answer is dropped).
+
     def __init__(self) -> None:
         self._done = threading.Event()
         self.answer: p.Message | None = None
@@ -71,6 +78,9 @@ class _Pending:
 
     def fail(self) -> None:
         self.lost = True
+        self._done.set()
+
+    def interrupt(self) -> None:
         self._done.set()
 
     def wait(self, timeout: float | None) -> bool:
@@ -208,7 +218,9 @@ class TcpStore:
         self._request_timeout = request_timeout
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # guards _conn, _leases, _threads, _dialing
-        self._connect_lock = threading.Lock()  # one dialer at a time
+        self._dialer = threading.Condition()  # one dialer at a time (``_dial_busy``)
+        self._dial_busy = False
+        self._life = CancelScope()  # cancelled by ``close``: ends every wait
         self._conn: _Connection | None = None
         self._leases: set[int] = set()
         self._threads: list[threading.Thread] = []
@@ -227,14 +239,18 @@ class TcpStore:
 
         Raises ``StoreError`` (``StoreAuthError`` for a refused token).
         """
-        self._connection()
+        try:
+            self._connection(self._life)
+        except Cancelled:
+            raise StoreError(f"the client of the store at {self._where} is closed") from None
 
-    def _connection(self) -> _Connection:
+    def _connection(self, scope: CancelScope) -> _Connection:
         conn = self._conn
         if conn is not None and conn.alive:
             return conn
         asked = time.monotonic()
-        with self._connect_lock:
+        self._take_dialer(scope)
+        try:
             if self._closed.is_set():
                 raise StoreError(f"the client of the store at {self._where} is closed")
             conn = self._conn
@@ -243,10 +259,10 @@ class TcpStore:
             with self._lock:
                 failed = self._failed
             if failed is not None and failed[0] >= asked:
-                # A window ran out while this call queued for the lock: its outcome is
+                # A window ran out while this call queued for the dialer: its outcome is
                 # this call's too (N queued calls must not each try again in turn).
                 raise self._unavailable(failed[1])
-            conn = self._dial()
+            conn = self._dial(scope)
             with self._lock:
                 if self._closed.is_set():
                     conn.sock.close()
@@ -256,8 +272,26 @@ class TcpStore:
                 self._threads.append(conn.thread)
             conn.thread.start()
             return conn
+        finally:
+            with self._dialer:
+                self._dial_busy = False
+                self._dialer.notify_all()
 
-    def _dial(self) -> _Connection:
+    def _take_dialer(self, scope: CancelScope) -> None:
+        """Become the one dialer; a cancelled scope stops queueing behind another."""
+
+        def wake() -> None:
+            with self._dialer:
+                self._dialer.notify_all()
+
+        with self._dialer, scope.wakes(wake):
+            while self._dial_busy:
+                scope.raise_if_cancelled()
+                self._dialer.wait()
+            scope.raise_if_cancelled()
+            self._dial_busy = True
+
+    def _dial(self, scope: CancelScope) -> _Connection:
         with self._lock:
             if self._down_since is None:
                 self._down_since = time.monotonic()
@@ -266,7 +300,7 @@ class TcpStore:
         while True:
             try:
                 attempt = max(_ATTEMPT_MIN, min(_ATTEMPT_CAP, deadline - time.monotonic()))
-                conn = self._open(attempt)
+                conn = self._open(attempt, scope)
             except StoreAuthError:
                 raise  # retrying cannot fix a wrong token
             except _Refused as exc:
@@ -285,8 +319,7 @@ class TcpStore:
                 return conn
             # Full jitter keeps a thousand agents that lost the server together from
             # coming back in lockstep.
-            if self._closed.wait(min(left, random.uniform(delay / 2, delay))):
-                raise StoreError(f"the client of the store at {self._where} is closed")
+            scope.sleep(min(left, random.uniform(delay / 2, delay)))
             delay = min(_BACKOFF_CAP, delay * 2)
 
     def _give_up(self, reason: str) -> StoreUnavailableError:
@@ -306,9 +339,9 @@ class TcpStore:
         silent = time.monotonic() - since if since is not None else 0.0
         return StoreUnavailableError(message, address=self._where, silent_for=silent)
 
-    def _open(self, timeout: float) -> _Connection:
-        # Short attempts: a closing client is never stuck in one for long.
-        sock = socket.create_connection((self._host, self._port), timeout=timeout)
+    def _open(self, timeout: float, scope: CancelScope) -> _Connection:
+        # Short attempts; the connect itself ends at once when the scope is cancelled.
+        sock = _connect((self._host, self._port), timeout, scope)
         with self._lock:
             self._dialing = sock
         try:
@@ -367,7 +400,9 @@ class TcpStore:
         if not eager:
             return
         try:
-            self._connection()
+            self._connection(self._life)
+        except Cancelled:
+            return  # closed meanwhile
         except StoreError as exc:
             # Debug only: every caller waiting meanwhile gets this very outcome, and
             # says it in its own terms (the rendezvous: one line naming the store).
@@ -388,18 +423,58 @@ class TcpStore:
         retry: bool,
         what: str,
         wait_until: float | None = None,
+        scope: CancelScope | None = None,
     ) -> object:
         """Send one request and return its result.
 
         ``retry``: whether re-sending after a connection loss is harmless.
         ``wait_until``: monotonic deadline of a blocking call (``watch``/``wait``);
         each attempt sends the time left as its timeout.
+        ``scope``: cancelling it ends the call at once with ``Cancelled`` (while it
+        connects, queues for the connection, or waits for the answer).
         """
+        if scope is None:
+            return self._attempt(op, args, retry, what, wait_until, self._life)
+        with self._life.child() as both, scope.wakes(lambda: both.cancel(scope.reason or "")):
+            try:
+                return self._attempt(op, args, retry, what, wait_until, both)
+            except Cancelled:
+                if scope.cancelled:
+                    raise Cancelled(scope.reason or "cancelled") from None
+                raise
+
+    def _attempt(
+        self,
+        op: str,
+        args: p.Message,
+        retry: bool,
+        what: str,
+        wait_until: float | None,
+        scope: CancelScope,
+    ) -> object:
+        try:
+            return self._request(op, args, retry, what, wait_until, scope)
+        except Cancelled:
+            if self._closed.is_set():
+                raise StoreError(
+                    f"{what}: the client of the store at {self._where} is closed"
+                ) from None
+            raise
+
+    def _request(
+        self,
+        op: str,
+        args: p.Message,
+        retry: bool,
+        what: str,
+        wait_until: float | None,
+        scope: CancelScope,
+    ) -> object:
         attempts = 0
         while True:
             if self._closed.is_set():
                 raise StoreError(f"{what}: the client of the store at {self._where} is closed")
-            conn = self._connection()
+            conn = self._connection(scope)
             patience = self._request_timeout
             if wait_until is not None:
                 left = max(0.0, wait_until - time.monotonic())
@@ -420,7 +495,12 @@ class TcpStore:
                         f"{what}: the connection to the store at {self._where} keeps dropping"
                     ) from None
                 continue
-            if not pending.wait(None if patience > threading.TIMEOUT_MAX else patience):
+            with scope.wakes(pending.interrupt):
+                pending.wait(None if patience > threading.TIMEOUT_MAX else patience)
+            if pending.answer is None and not pending.lost and scope.cancelled:
+                conn.forget(rid)
+                raise Cancelled(scope.reason or "cancelled")
+            if pending.answer is None and not pending.lost:
                 conn.forget(rid)
                 with self._lock:
                     # The server has been silent since this request left: the outage
@@ -530,7 +610,14 @@ class TcpStore:
             self._leases.discard(lease)  # first: a reconnect must not resume it
         self._call("revoke_lease", {"lease": lease}, retry=True, what=f"revoke_lease({lease})")
 
-    def watch(self, prefix: str, after_revision: int, timeout: float) -> WatchResult:
+    def watch(
+        self,
+        prefix: str,
+        after_revision: int,
+        timeout: float,
+        *,
+        scope: CancelScope | None = None,
+    ) -> WatchResult:
         until = time.monotonic() + timeout if timeout != math.inf else math.inf
         result = self._call(
             "watch",
@@ -538,13 +625,19 @@ class TcpStore:
             retry=True,
             what=f"watch({prefix!r})",
             wait_until=until,
+            scope=scope,
         )
         return p.watch_from_wire(result)
 
-    def wait(self, keys: list[str], timeout: float) -> None:
+    def wait(self, keys: list[str], timeout: float, *, scope: CancelScope | None = None) -> None:
         until = time.monotonic() + timeout if timeout != math.inf else math.inf
         self._call(
-            "wait", {"keys": list(keys)}, retry=True, what=f"wait({keys!r})", wait_until=until
+            "wait",
+            {"keys": list(keys)},
+            retry=True,
+            what=f"wait({keys!r})",
+            wait_until=until,
+            scope=scope,
         )
 
     def close(self) -> None:
@@ -554,6 +647,7 @@ class TcpStore:
         TTL), so its keys vanish shortly after.
         """
         self._closed.set()
+        self._life.cancel("the client was closed")
         with self._lock:
             conn, dialing, threads = self._conn, self._dialing, list(self._threads)
         if dialing is not None:
@@ -564,6 +658,7 @@ class TcpStore:
         for thread in threads:
             if thread is not threading.current_thread() and thread.ident is not None:
                 thread.join(_JOIN_TIMEOUT)
+        self._life.close()
 
     def __enter__(self) -> TcpStore:
         return self
@@ -579,6 +674,46 @@ class TcpStore:
             else ("connected" if conn is not None and conn.alive else "disconnected")
         )
         return f"TcpStore({self._where}, {state}, leases={sorted(self._leases)})"
+
+
+def _connect(address: tuple[str, int], timeout: float, scope: CancelScope) -> socket.socket:
+    """A connected socket (blocking, with ``timeout``); the connect is non-blocking
+    underneath so that a cancelled scope ends it at once."""
+    host, port = address
+    error: OSError | None = None
+    until = time.monotonic() + timeout
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            code = sock.connect_ex(addr)
+            if code in (errno.EINPROGRESS, errno.EAGAIN):
+                with selectors.DefaultSelector() as sel:
+                    sel.register(sock, selectors.EVENT_WRITE)
+                    sel.register(scope.fileno(), selectors.EVENT_READ)
+                    sel.select(max(0.0, until - time.monotonic()))
+                scope.raise_if_cancelled()
+                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code == 0 and not _connected(sock):
+                    code = errno.ETIMEDOUT
+            if code:
+                raise OSError(code, os.strerror(code))
+            sock.settimeout(max(0.001, until - time.monotonic()))
+            return sock
+        except BaseException as exc:
+            sock.close()
+            if not isinstance(exc, OSError):
+                raise
+            error = exc
+    raise error if error is not None else OSError(f"cannot resolve {host!r}")
+
+
+def _connected(sock: socket.socket) -> bool:
+    try:
+        sock.getpeername()
+    except OSError:
+        return False
+    return True
 
 
 class _Refused(Exception):

@@ -1,0 +1,254 @@
+"""Cancel scopes: a deadline, a stop request and a wake-up, handed to every blocking wait.
+
+A wait that takes a scope ends for one of three reasons: what it waits for happens, its
+timeout (bounded by the scope's deadline) passes, or somebody cancels the scope -- then
+it raises ``Cancelled`` at once, without polling a flag on a timer. Waits wire the
+scope to their own wake-up: a callback (``on_cancel``) that sets their event or shuts
+their socket down, or the scope's descriptor (``fileno``) in their ``select``.
+
+Scopes nest: cancelling one cancels its children, and a child's deadline is never later
+than its parent's. ``cancel`` is thread-safe but not async-signal-safe (it takes locks
+and runs callbacks); signal handlers go through ``SignalRelay``, which cancels from a
+thread of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import selectors
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
+from elastrun.core.waker import Waker
+
+log = logging.getLogger("elastrun.cancel")
+
+
+class Cancelled(Exception):
+    """A wait was ended because its scope was cancelled (not by a timeout)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class CancelScope:
+    """A stop request with an optional deadline that blocking waits observe.
+
+    ``CancelScope()`` never expires by itself; ``scope.child(timeout)`` is cancelled
+    with its parent and expires at its own deadline or the parent's, whichever is first.
+    A child must be closed (or used as a context manager) so that its parent forgets it.
+    """
+
+    def __init__(
+        self,
+        *,
+        deadline: Deadline | None = None,
+        parent: CancelScope | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self._clock: Clock = parent.clock if parent is not None else clock
+        own = deadline if deadline is not None else Deadline.never(self._clock)
+        self._deadline = own if parent is None else own.earliest(parent.deadline)
+        self._lock = threading.Lock()
+        self._reason: str | None = None
+        self._fired = threading.Event()
+        self._callbacks: dict[int, Callable[[], None]] = {}
+        self._ids = itertools.count()
+        self._waker: Waker | None = None
+        self._unlink: Callable[[], None] | None = None
+        if parent is not None:
+            self._unlink = parent.on_cancel(lambda: self.cancel(parent.reason or "cancelled"))
+
+    # -- the stop request ------------------------------------------------------------------
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Ask every wait in this scope (and its children) to end now; idempotent."""
+        with self._lock:
+            if self._reason is not None:
+                return
+            self._reason = reason
+            callbacks = list(self._callbacks.values())
+            self._callbacks.clear()
+            waker = self._waker
+        self._fired.set()
+        if waker is not None:
+            waker.wake()
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # one broken wake-up must not keep the others asleep
+                log.exception("a cancellation callback failed")
+
+    @property
+    def cancelled(self) -> bool:
+        return self._reason is not None
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason
+
+    def raise_if_cancelled(self) -> None:
+        if self._reason is not None:
+            raise Cancelled(self._reason)
+
+    # -- the deadline ------------------------------------------------------------------------
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @property
+    def deadline(self) -> Deadline:
+        return self._deadline
+
+    def remaining(self, timeout: float = math.inf) -> float:
+        """The time a wait of ``timeout`` may take in this scope (never negative)."""
+        return min(max(0.0, timeout), self._deadline.remaining())
+
+    # -- wake-ups ------------------------------------------------------------------------------
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run ``callback`` when the scope is cancelled (at once if it already is);
+        returns a function that unregisters it."""
+        with self._lock:
+            if self._reason is None:
+                key = next(self._ids)
+                self._callbacks[key] = callback
+                return lambda: self._forget(key)
+        callback()
+        return lambda: None
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._callbacks.pop(key, None)
+
+    @contextmanager
+    def wakes(self, callback: Callable[[], None]) -> Iterator[None]:
+        """``callback`` runs if the scope is cancelled while the block runs."""
+        unregister = self.on_cancel(callback)
+        try:
+            yield
+        finally:
+            unregister()
+
+    def fileno(self) -> int:
+        """A descriptor that becomes readable once the scope is cancelled (for
+        ``select``); never drain it."""
+        with self._lock:
+            if self._waker is None:
+                self._waker = Waker()
+                if self._reason is not None:
+                    self._waker.wake()
+            return self._waker.fileno()
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds`` (cut at the deadline); raises ``Cancelled`` when cancelled."""
+        if self._fired.wait(self.remaining(seconds)):
+            raise Cancelled(self._reason or "cancelled")
+
+    def wait_readable(self, fd: int, timeout: float = math.inf) -> bool:
+        """Wait until ``fd`` is readable (True) or the timeout passes (False); raises
+        ``Cancelled`` when cancelled."""
+        left = self.remaining(timeout)
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ, "fd")
+            sel.register(self.fileno(), selectors.EVENT_READ, "scope")
+            ready = sel.select(None if math.isinf(left) else left)
+        self.raise_if_cancelled()
+        return bool(ready)
+
+    # -- nesting ------------------------------------------------------------------------------
+
+    def child(self, timeout: float | None = None) -> CancelScope:
+        deadline = None if timeout is None else Deadline.after(timeout, self._clock)
+        return CancelScope(deadline=deadline, parent=self)
+
+    def close(self) -> None:
+        """Detach from the parent and release the descriptor; the scope stays usable
+        as a flag."""
+        unlink, self._unlink = self._unlink, None
+        if unlink is not None:
+            unlink()
+        with self._lock:
+            waker, self._waker = self._waker, None
+        if waker is not None:
+            waker.close()
+
+    def __enter__(self) -> CancelScope:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = f"cancelled: {self._reason}" if self._reason is not None else "active"
+        left = self._deadline.remaining()
+        when = "" if math.isinf(left) else f", {left:.3f}s left"
+        return f"CancelScope({state}{when})"
+
+
+def scope_or_default(scope: CancelScope | None) -> CancelScope:
+    """The scope of a wait whose caller passed none: one that is never cancelled."""
+    return scope if scope is not None else _NEVER
+
+
+# Shared by every wait without a scope: nobody may cancel it (``cancel`` is refused).
+class _NeverCancelled(CancelScope):
+    def cancel(self, reason: str = "cancelled") -> None:
+        raise RuntimeError("the default scope cannot be cancelled")
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+        return lambda: None
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0 and not math.isinf(seconds):
+            threading.Event().wait(seconds)
+
+
+_NEVER = _NeverCancelled()
+
+
+class SignalRelay:
+    """Turns wake-ups written from signal handlers into ``scope.cancel(reason())``.
+
+    A signal handler may only write a byte (``wake``); this relay's thread reads it and
+    cancels the scope from ordinary thread context, where taking locks is safe.
+    """
+
+    def __init__(self, scope: CancelScope, reason: Callable[[], str | None]) -> None:
+        self._scope = scope
+        self._reason = reason
+        self._waker = Waker()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="elastrun-signal-relay", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Async-signal-safe: one write to a pipe."""
+        self._waker.wake()
+
+    def _run(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._waker.fileno(), selectors.EVENT_READ)
+            while True:
+                sel.select()
+                self._waker.drain()
+                if self._stop:
+                    return
+                why = self._reason()
+                if why is not None:
+                    self._scope.cancel(why)
+
+    def close(self) -> None:
+        self._stop = True
+        self._waker.wake()
+        self._thread.join(timeout=5)
+        self._waker.close()
+
+    def __repr__(self) -> str:
+        return f"SignalRelay({self._scope!r})"
