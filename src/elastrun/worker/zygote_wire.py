@@ -1,0 +1,119 @@
+"""The worker template's control channel: names, framing and the spawn request's shape.
+
+Shared by the template (:mod:`elastrun.worker.zygote`) and the agent's end of the
+channel (``elastrun.supervise.processes.template``), and light on purpose: the agent
+imports it on every launch, so it pulls in nothing of the template's own machinery.
+
+Each message is a 4-byte big-endian length and a UTF-8 JSON object; a spawn request
+carries the worker's stdin, stdout and stderr descriptors (SCM_RIGHTS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Sequence
+
+#: The module the agent runs (``python -m``) to start a template.
+ZYGOTE_MODULE = "elastrun.worker.zygote"
+#: Bumped on any incompatible change of the messages below.
+PROTOCOL_VERSION = 2
+#: The variable the agent puts first in the template's environment: room for the
+#: workers' command lines past the end of the template's own (see the zygote's retitle).
+TITLE_ROOM = "ELASTRUN_TITLE_ROOM"
+#: A spawn request sends stdin, stdout and stderr (those that are open).
+STDIO_FDS = 3
+# A spawn request's environment and argv are small; anything this big is a bug.
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+#: The fields of a spawn request and their JSON types.
+REQUEST_FIELDS: dict[str, type] = {
+    "argv": list,
+    "bootstrap_args": list,
+    "env": dict,
+    "cwd": str,
+    "umask": int,
+    "agent_pid": int,
+    "death_signal": int,
+    "ignored_signals": list,
+    "blocked_signals": list,
+    "stdio": list,
+    "cpus": list,
+}
+
+
+def send_message(sock: socket.socket, message: dict[str, object], fds: Sequence[int] = ()) -> None:
+    """Send one JSON message, with ``fds`` attached to its first byte."""
+    payload = json.dumps(message).encode()
+    data = len(payload).to_bytes(4, "big") + payload
+    sent = 0
+    if fds:
+        sent = socket.send_fds(sock, [data], list(fds))
+    sock.sendall(data[sent:])
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n > 0:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionError("control channel closed in the middle of a message")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_message(
+    sock: socket.socket, maxfds: int = 0
+) -> tuple[dict[str, object], list[int]] | None:
+    """Receive one message and the descriptors sent with it; None at end of stream.
+
+    Raises:
+        ConnectionError: the stream ended inside a message, or the message is malformed.
+    """
+    head, fds, flags, _ = socket.recv_fds(sock, 4, max(maxfds, 1))
+    if not head:
+        for fd in fds:
+            os.close(fd)
+        return None
+    try:
+        if flags & socket.MSG_CTRUNC:
+            raise ConnectionError("descriptors were lost in transit (MSG_CTRUNC)")
+        if len(head) < 4:
+            head += _recv_exactly(sock, 4 - len(head))
+        size = int.from_bytes(head, "big")
+        if size > _MAX_MESSAGE_BYTES:
+            raise ConnectionError(f"message of {size} bytes is too large")
+        try:
+            message = json.loads(_recv_exactly(sock, size))
+        except ValueError as exc:  # not UTF-8, not JSON
+            raise ConnectionError(f"malformed control message: {exc}") from exc
+        if not isinstance(message, dict):
+            raise ConnectionError("a control message must be a JSON object")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return message, fds
+
+
+def check_request(request: dict[str, object], nfds: int) -> str | None:
+    """What is wrong with a spawn request that came with ``nfds`` descriptors, or None."""
+    if request.get("version") != PROTOCOL_VERSION:
+        return f"protocol version {request.get('version')!r}, expected {PROTOCOL_VERSION}"
+    for name, kind in REQUEST_FIELDS.items():
+        if not isinstance(request.get(name), kind):
+            return f"{name} must be a {kind.__name__}"
+    stdio = request["stdio"]
+    assert isinstance(stdio, list)
+    if len(stdio) != STDIO_FDS or sum(bool(f) for f in stdio) != nfds:
+        return f"stdio flags {stdio} do not match the {nfds} descriptor(s) sent"
+    return None
+
+
+def int_list(request: dict[str, object], key: str) -> list[int]:
+    """A request's list of integers (signals, CPUs); an absent key is an empty list."""
+    value = request.get(key, [])
+    assert isinstance(value, list)
+    return [int(v) for v in value]
