@@ -1,0 +1,146 @@
+"""Which worker commands the template can run, and which modules it preloads for them.
+
+Only Python script workers go through the template: an argv of the form
+``(python, [OPTS], "-m", "elastrun.worker.bootstrap", ...)`` whose ``python`` is the
+starter's interpreter (:func:`parse_bootstrap_command`). What it preloads besides
+``--preload`` is what the worker's script imports at top level among
+:data:`AUTO_PRELOAD_ROOTS` (:func:`default_preload`), read from the script's syntax
+tree, never by running it.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+BOOTSTRAP_MODULE = "elastrun.worker.bootstrap"
+
+#: Modules preloaded automatically when a worker script imports them at top level.
+#: Both are known to import without starting threads or touching a GPU.
+AUTO_PRELOAD_ROOTS = ("torch", "numpy")
+#: What torch imports only on first use of a name, worth preloading when a script that
+#: imports torch uses it: DistributedDataParallel's first construction imports
+#: torch._dynamo (and sympy), seconds per new worker on every restart.
+LAZY_TORCH_IMPORTS = {"DistributedDataParallel": "torch._dynamo"}
+
+
+# Interpreter options that take a separate value (``-W error``, ``-X dev``).
+_OPTS_WITH_VALUE = frozenset({"-W", "-X", "--check-hash-based-pycs"})
+# Scripts larger than this are not scanned for imports (a generated file, not a script).
+_MAX_SCAN_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class BootstrapCommand:
+    """A worker argv that the template can run: interpreter options and bootstrap args."""
+
+    options: tuple[str, ...]
+    args: tuple[str, ...]  # what follows ``-m elastrun.worker.bootstrap``
+
+
+def parse_bootstrap_command(argv: Sequence[str], python: str) -> BootstrapCommand | None:
+    """Split ``(python, [OPTS], "-m", BOOTSTRAP, ARGS...)``; None for any other argv.
+
+    ``argv[0]`` must be ``python`` (the same file, after resolving links).
+    """
+    if len(argv) < 4 or not _same_file(argv[0], python):
+        return None
+    i = 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
+        if argv[i] in ("-c", "-"):
+            return None
+        i += 2 if argv[i] in _OPTS_WITH_VALUE else 1
+    if tuple(argv[i : i + 2]) != ("-m", BOOTSTRAP_MODULE):
+        return None
+    args = tuple(argv[i + 2 :])
+    if not args:
+        return None
+    return BootstrapCommand(tuple(argv[1:i]), args)
+
+
+def _same_file(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except OSError:
+        return False
+
+
+def default_preload(argv: Sequence[str], cwd: str | None = None) -> list[str]:
+    """The modules worth preloading for a worker: those of ``AUTO_PRELOAD_ROOTS`` that
+    the worker's script imports outside functions and classes, in the script's order.
+
+    ``argv`` is the worker's argv (``python ... -m elastrun.worker.bootstrap SCRIPT``
+    or ``... -m MODULE``); a module is looked up as ``MODULE.py`` or
+    ``MODULE/__main__.py`` under ``cwd``. Anything that cannot be read or parsed gives
+    an empty list: preloading is an optimisation, never a reason to fail.
+    """
+    cmd = parse_bootstrap_command(argv, argv[0]) if argv else None
+    if cmd is None:
+        return []
+    base = os.getcwd() if cwd is None else cwd
+    if cmd.args[0] == "-m":
+        if len(cmd.args) < 2:
+            return []
+        rel = cmd.args[1].replace(".", os.sep)
+        candidates = [rel + ".py", os.path.join(rel, "__main__.py")]
+    else:
+        candidates = [cmd.args[0]]
+    for candidate in candidates:
+        path = os.path.join(base, candidate)
+        if os.path.isfile(path):
+            return _scan_imports(path)
+    return []
+
+
+def _name_of(node: ast.AST) -> str | None:
+    """The name a node uses: ``x``, ``a.x`` and ``import a.x as y`` all use ``x``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.alias):
+        return node.name.rpartition(".")[2]
+    return None
+
+
+def _scan_imports(path: str) -> list[str]:
+    try:
+        if os.path.getsize(path) > _MAX_SCAN_BYTES:
+            return []
+        with open(path, "rb") as fh:
+            tree = ast.parse(fh.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    found: list[str] = []
+
+    def visit(body: Sequence[ast.stmt]) -> None:
+        for node in body:
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                # if/try/with blocks at module level run at import time too.
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    inner = getattr(node, field, None)
+                    if isinstance(inner, list):
+                        visit([n for n in inner if isinstance(n, ast.stmt)])
+                        for handler in inner:
+                            if isinstance(handler, ast.ExceptHandler):
+                                visit(handler.body)
+            for name in names:
+                if name.split(".")[0] in AUTO_PRELOAD_ROOTS and name not in found:
+                    found.append(name)
+
+    visit(tree.body)
+    if any(name.split(".")[0] == "torch" for name in found):
+        used = {_name_of(n) for n in ast.walk(tree)}
+        found += [
+            mod for name, mod in LAZY_TORCH_IMPORTS.items() if name in used and mod not in found
+        ]
+    return found

@@ -1,0 +1,307 @@
+"""One running worker template and the agent's end of its control channel.
+
+:meth:`Template.launch` starts ``python [OPTS] -m elastrun.worker.zygote N`` with the
+template's environment, ``TITLE_ROOM`` first (room in its memory for the command lines
+its workers show, sized for the workers it is started for), and sends it the modules to
+preload; :meth:`Template.await_ready` waits for its hello; :meth:`Template.spawn` asks
+for one worker, with this process a child subreaper for the hand-over
+(:func:`adopting_orphans`), so that the worker becomes the agent's child.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import IO
+
+from elastrun.core.errors import ElastrunError, ShutdownRequested
+from elastrun.core.shutdown import ShutdownRequest
+from elastrun.supervise.processes.spawn import set_parent_death_signal
+from elastrun.supervise.processes.template_key import TemplateKey
+from elastrun.worker.zygote_wire import (
+    PROTOCOL_VERSION,
+    TITLE_ROOM,
+    ZYGOTE_MODULE,
+    recv_message,
+    send_message,
+)
+
+_STOP_TIMEOUT = 5.0
+# Room for workers' command lines beyond the one the template is started for (see
+# TITLE_ROOM); a longer one is shown cut.
+_TITLE_MARGIN = 256
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+class TemplateUnavailable(ElastrunError):
+    """The template cannot be used (unsafe preload, failed to start); the reason."""
+
+
+class TemplateBroken(ElastrunError):
+    """The template died or stopped answering in the middle of a request."""
+
+
+class SpawnRefused(ElastrunError):
+    """The template could not start this one worker (fork failed, bad cwd, ...)."""
+
+
+@contextmanager
+def adopting_orphans() -> Iterator[None]:
+    """Make this process a child subreaper for the duration of a worker hand-over.
+
+    Only for the hand-over: a permanent subreaper would also inherit every orphaned
+    grandchild of every worker (data loader processes, compilers) and keep them as
+    zombies, since nothing else in the agent would reap them.
+    """
+    libc = _libc()
+    previous = ctypes.c_int(0)
+    if libc is None or libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(previous), 0, 0, 0):
+        yield
+        return
+    if not previous.value:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    try:
+        yield
+    finally:
+        if not previous.value:
+            libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+_LIBC: list[ctypes.CDLL | None] = []
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        except OSError:  # pragma: no cover - every Linux libc has prctl
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
+class Template:
+    """One running template process and the agent's end of its control channel."""
+
+    def __init__(
+        self,
+        key: TemplateKey,
+        proc: subprocess.Popen[bytes],
+        sock: socket.socket,
+        stderr: IO[bytes],
+    ) -> None:
+        self.key = key
+        self.proc = proc
+        self._sock = sock
+        self._stderr = stderr
+        self.preloaded: list[str] = []
+        self.ready_seconds = 0.0
+        self._started = time.monotonic()
+        self._ready = False
+
+    @classmethod
+    def launch(
+        cls,
+        python: str,
+        key: TemplateKey,
+        preload: Sequence[str],
+        optional: Sequence[str],
+        worker_argv: Sequence[str] = (),
+    ) -> Template:
+        """Start a template; it imports its modules while the caller goes on.
+
+        ``worker_argv`` is the command line of the workers it is started for: their
+        title needs room in the template's environment (see ``retitle`` in
+        :mod:`elastrun.worker.zygote_worker`).
+
+        Raises:
+            TemplateUnavailable: the interpreter could not be started.
+        """
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        stderr = tempfile.TemporaryFile(prefix="elastrun-template-")  # noqa: SIM115 - owned by the template object
+        # Nothing more on the command line: a worker's title must be longer than it.
+        argv = [python, *key.options, "-m", ZYGOTE_MODULE, str(theirs.fileno())]
+        title = len(os.fsencode(" ".join(worker_argv)))
+        # First in the environment: the memory right after the arguments.
+        env = {TITLE_ROOM: " " * (title + _TITLE_MARGIN), **dict(key.env)}
+        agent = os.getpid()
+        try:
+            with adopting_orphans():
+                # Started while the agent is a subreaper, so the kernel marks the
+                # template's descendants as having one (older kernels do not mark
+                # existing descendants when the flag is set later).
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,  # the terminal's Ctrl-C is for the agent
+                    # Only prctl and getppid run between fork and exec.
+                    preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL, agent),  # noqa: PLW1509
+                )
+        except OSError as exc:
+            ours.close()
+            stderr.close()
+            raise TemplateUnavailable(f"cannot start {python!r}: {exc}") from exc
+        finally:
+            theirs.close()
+        template = cls(key, proc, ours, stderr)
+        setup = {"version": PROTOCOL_VERSION, "preload": list(preload), "optional": list(optional)}
+        try:
+            # A few bytes into an empty socket buffer: never blocks.
+            send_message(ours, setup)
+        except OSError:
+            pass  # it died already; await_ready reports how
+        return template
+
+    @property
+    def ready(self) -> bool:
+        """Whether the hello was received (the modules are imported)."""
+        return self._ready
+
+    def await_ready(self, timeout: float, shutdown: ShutdownRequest | None = None) -> None:
+        """Wait for the template's hello (once); a signal in ``shutdown`` ends the wait.
+
+        Raises:
+            TemplateUnavailable: it died, did not answer in time, or reports that
+                forking is unsafe.
+            ShutdownRequested: a signal arrived while the template was starting.
+        """
+        if self._ready:
+            return
+        if shutdown is not None:
+            self._wait_readable(timeout, shutdown)
+        self._sock.settimeout(timeout)
+        try:
+            got = recv_message(self._sock)
+        except (OSError, ConnectionError) as exc:
+            raise TemplateUnavailable(
+                f"no answer from the template: {exc}{self._stderr_note()}"
+            ) from exc
+        if got is None:
+            raise TemplateUnavailable(
+                f"the template ended during startup ({self._wait_description()})"
+                f"{self._stderr_note()}"
+            )
+        hello, _ = got
+        if hello.get("version") != PROTOCOL_VERSION:
+            raise TemplateUnavailable(f"template speaks protocol {hello.get('version')!r}")
+        if "unsafe" in hello:
+            raise TemplateUnavailable(str(hello["unsafe"]))
+        preloaded = hello.get("preloaded", [])
+        self.preloaded = [str(m) for m in preloaded] if isinstance(preloaded, list) else []
+        self.ready_seconds = time.monotonic() - self._started
+        self._ready = True
+
+    def _wait_readable(self, timeout: float, shutdown: ShutdownRequest) -> None:
+        """Block until the template writes (or the timeout), unless a signal comes first:
+        starting the template imports torch, seconds that a Ctrl-C must not wait for."""
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._sock, selectors.EVENT_READ, "template")
+            sel.register(shutdown.waker.fileno(), selectors.EVENT_READ, "wake")
+            while True:
+                if shutdown.signum is not None:
+                    raise ShutdownRequested(shutdown.signum)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return  # the read below times out and says so
+                events = sel.select(remaining)
+                if any(key.data == "template" for key, _ in events):
+                    return
+                # Other wake-ups (rendezvous news) are for the agent loop, which looks
+                # at what changed on its next pass; only a signal matters here.
+                shutdown.waker.drain()
+
+    def _wait_description(self) -> str:
+        try:
+            self.proc.wait(_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.exit_description()
+
+    def stderr_tail(self, limit: int = 2000) -> str:
+        """The end of what the template wrote to its stderr (import warnings, crashes)."""
+        try:
+            self._stderr.seek(0, os.SEEK_END)
+            size = self._stderr.tell()
+            self._stderr.seek(max(0, size - limit))
+            return self._stderr.read().decode(errors="replace").strip()
+        except (OSError, ValueError):
+            return ""
+
+    def _stderr_note(self) -> str:
+        tail = self.stderr_tail()
+        return f"; its stderr ends with: {tail.splitlines()[-1]}" if tail else ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exit_description(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit status {code}"
+
+    def spawn(self, request: dict[str, object], fds: Sequence[int], timeout: float) -> int:
+        """Ask for a worker; returns its pid (a child of this process by now).
+
+        Raises:
+            TemplateBroken: the channel failed; the template should be discarded.
+            TemplateUnavailable: forking from the template has become unsafe.
+            SpawnRefused: the template could not start this worker.
+        """
+        self._sock.settimeout(timeout)
+        try:
+            with adopting_orphans():
+                send_message(self._sock, request, fds)
+                got = recv_message(self._sock)
+        except (OSError, ConnectionError) as exc:
+            raise TemplateBroken(str(exc) or type(exc).__name__) from exc
+        if got is None:
+            raise TemplateBroken("the template closed the channel")
+        reply, _ = got
+        if "unsafe" in reply:
+            raise TemplateUnavailable(str(reply["unsafe"]))
+        pid = reply.get("pid")
+        if not isinstance(pid, int):
+            raise SpawnRefused(str(reply.get("error", f"unexpected reply {reply!r}")))
+        return pid
+
+    def close(self) -> None:
+        """Stop the template (end of its channel; SIGKILL if it lingers) and reap it."""
+        self._sock.close()
+        if not self._ready:
+            # Still importing its modules, it would notice the closed channel only when
+            # done (seconds of torch's import): it has no workers and nothing to save.
+            self.proc.kill()
+        try:
+            self.proc.wait(_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr.close()
+
+    def __repr__(self) -> str:
+        state = self.exit_description() if self._ready else "starting"
+        return f"Template(pid={self.pid}, preloaded={self.preloaded}, {state})"
