@@ -2,20 +2,16 @@
 
 Everything here runs on the server's event loop and only there. The loop owns the
 store: each request is a short, non-blocking call on it (its lock is never contended,
-so no call can stall the loop). Connections are ``asyncio.Protocol`` objects: a request
-that can be answered at once is answered inside ``data_received``, with no task and no
-extra loop iteration. Only ``watch`` and ``wait`` become tasks.
+so no call can stall the loop). Connections (:mod:`~elastrun.store.tcp.connection`)
+are ``asyncio.Protocol`` objects: a request that can be answered at once is answered
+inside ``data_received``, with no task and no extra loop iteration. Only ``watch`` and
+``wait`` become tasks.
 
 Waiting is event-driven: after every change the service reads the new events once and
-wakes only the waiters whose prefix or keys they touch, so thousands of idle watchers
-cost a future each -- no thread each, and no polling.
-
-Leases belong to the connection that granted them. When it drops, its leases are
-revoked after a short grace (``grace``, capped by each lease's TTL) unless the client
-reconnects first and names them in its hello: a SIGKILLed agent's keys vanish within
-about two seconds, while a brief network blip costs nothing. TTLs are enforced by one
-timer per lease, so a watcher hears of an expiry when it happens, not at the next
-request.
+wakes only the waiters whose prefix or keys they touch (:mod:`~elastrun.store.tcp.waiters`).
+Leases belong to the connection that granted them and outlive a dropped one by a short
+grace (:mod:`~elastrun.store.tcp.leases`); revisions and lease ids travel offset by the
+server's start (:mod:`~elastrun.store.tcp.numbering`).
 
 A stranger can open connections and say nothing: each one not authenticated within
 ``HANDSHAKE_TIMEOUT`` is closed, the acceptor (``acceptor``) caps how many may be
@@ -26,98 +22,30 @@ kind every few seconds, never a line per connection.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
 import math
-import os
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import cast
+from collections.abc import Awaitable, Callable, Iterable
 
 from elastrun.core.errors import (
-    LeaseExpiredError,
     StoreCompactedError,
     StoreError,
     StoreTimeoutError,
 )
-from elastrun.store.api import EventKind, WatchEvent, WatchResult
+from elastrun.store.api import WatchEvent, WatchResult
 from elastrun.store.memory import MemoryStore
 from elastrun.store.tcp import protocol as p
+from elastrun.store.tcp.connection import HANDSHAKE_TIMEOUT, Connection, format_addr
+from elastrun.store.tcp.leases import LeaseTable
 from elastrun.store.tcp.limits import LogLimiter
+from elastrun.store.tcp.numbering import Numbering
+from elastrun.store.tcp.waiters import Waiters
+
+__all__ = ["HANDSHAKE_TIMEOUT", "LOG_EVERY", "Connection", "Service", "format_addr"]
 
 log = logging.getLogger("elastrun.store.tcp.server")
 
-#: A connection that has not said hello by then is dropped (it holds a descriptor); a
-#: real client says hello within milliseconds of the challenge.
-HANDSHAKE_TIMEOUT = 5.0
 #: Lines a stranger can cause once per connection: at most one per kind this often.
 LOG_EVERY = 10.0
-#: A lease id the store never grants (its ids start at 1).
-_NO_LEASE = -1
-
-
-def format_addr(host: str, port: int) -> str:
-    """``host:port``, with brackets around an IPv6 address."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-class _LeaseInfo:
-    """What the loop knows of a lease: its TTL timer and the connection holding it."""
-
-    __slots__ = ("deadline", "grace", "owner", "timer", "ttl")
-
-    def __init__(self, ttl: float, deadline: float, owner: Connection) -> None:
-        self.ttl = ttl
-        self.deadline = deadline
-        self.owner: Connection | None = owner
-        self.timer: asyncio.TimerHandle | None = None
-        self.grace: asyncio.TimerHandle | None = None
-
-
-class _Waiters:
-    """Blocked requests, indexed by what wakes them: a change under a prefix (watch) or
-    the creation of a key (wait). A change costs a look at each distinct prefix, not at
-    each waiter: thousands of nodes watching the same prefix cost one look."""
-
-    def __init__(self) -> None:
-        self.by_prefix: dict[str, set[asyncio.Future[None]]] = {}
-        self.by_key: dict[str, set[asyncio.Future[None]]] = {}
-
-    def __len__(self) -> int:
-        return sum(map(len, self.by_prefix.values())) + sum(map(len, self.by_key.values()))
-
-    def __bool__(self) -> bool:
-        return bool(self.by_prefix or self.by_key)
-
-    def add(
-        self, index: dict[str, set[asyncio.Future[None]]], what: str, fut: asyncio.Future[None]
-    ) -> None:
-        index.setdefault(what, set()).add(fut)
-
-    def remove(
-        self, index: dict[str, set[asyncio.Future[None]]], what: str, fut: asyncio.Future[None]
-    ) -> None:
-        futs = index.get(what)
-        if futs is not None:
-            futs.discard(fut)
-            if not futs:
-                del index[what]
-
-    def wake(self, events: tuple[WatchEvent, ...] | None) -> None:
-        if events is None:
-            woken = [f for futs in (*self.by_prefix.values(), *self.by_key.values()) for f in futs]
-        else:
-            woken = []
-            prefixes = list(self.by_prefix.items())
-            for e in events:
-                for prefix, futs in prefixes:
-                    if e.key.startswith(prefix):
-                        woken.extend(futs)
-                if e.kind is EventKind.PUT:
-                    woken.extend(self.by_key.get(e.key, ()))
-        for fut in woken:
-            if not fut.done():
-                fut.set_result(None)
 
 
 class Service:
@@ -133,14 +61,13 @@ class Service:
         base: int,
     ) -> None:
         self.loop = loop
-        self._base = base
+        self._num = Numbering(base)
         self.store = store
         self.token = token
         self.max_frame = max_frame
-        self._grace = grace
         self._seen = store.revision
-        self._waiters = _Waiters()
-        self._leases: dict[int, _LeaseInfo] = {}
+        self._waiters = Waiters()
+        self._leases = LeaseTable(loop, store, grace, self._num, self.publish)
         self.conns: set[Connection] = set()
         #: Connections that have not authenticated yet, oldest first, with when each
         #: came in (the acceptor caps them and closes the oldest to make room).
@@ -165,49 +92,6 @@ class Service:
             "watch": self._watch,
             "wait": self._wait,
         }
-
-    # -- numbering -----------------------------------------------------------------------
-    #
-    # Revisions and lease ids go on the wire offset by ``base`` (the server's start
-    # time in microseconds), so they keep growing across server restarts. A client
-    # that outlived a restart then holds numbers from before ``base``: its watch gets
-    # StoreCompactedError (re-read, resume) instead of silently waiting for a revision
-    # the new store will not reach for a while, and its old lease id can never name a
-    # lease the new store granted to someone else.
-
-    def _rev_out(self, revision: int) -> int:
-        return revision + self._base
-
-    def _rev_in(self, revision: int) -> int:
-        if revision <= 0:
-            return revision  # "from the very beginning"
-        if revision < self._base:
-            raise StoreCompactedError(
-                f"revision {revision} is from before this store started (at revision "
-                f"{self._base}); re-read and resume"
-            )
-        return revision - self._base
-
-    def _lease_out(self, lease: int) -> int:
-        return lease + self._base
-
-    def _lease_in(self, lease: int) -> int:
-        return lease - self._base if lease > self._base else _NO_LEASE
-
-    def _opt_lease_in(self, m: p.Message) -> int | None:
-        lease = p.get_opt_int(m, "lease")
-        return None if lease is None else self._lease_in(lease)
-
-    @contextlib.contextmanager
-    def _lease_errors(self, m: p.Message) -> Iterator[None]:
-        """Report a dead lease by the id the client knows it by."""
-        try:
-            yield
-        except LeaseExpiredError:
-            raise LeaseExpiredError(f"lease {m.get('lease')} has expired or was revoked") from None
-
-    def _event_out(self, event: WatchEvent) -> WatchEvent:
-        return dataclasses.replace(event, revision=self._rev_out(event.revision))
 
     def __repr__(self) -> str:
         return (
@@ -253,82 +137,15 @@ class Service:
             for index, what in wanted:
                 w.remove(index, what, fut)
 
-    # -- leases --------------------------------------------------------------------------
-
-    def _track(self, lease: int, ttl: float, owner: Connection) -> None:
-        # Taken after the store call, so never earlier than the store's own deadline.
-        info = _LeaseInfo(ttl, self.loop.time() + ttl, owner)
-        info.timer = self.loop.call_at(info.deadline, self._on_deadline, lease)
-        self._leases[lease] = info
-        owner.leases.add(lease)
-
-    def _forget(self, lease: int) -> None:
-        info = self._leases.pop(lease, None)
-        if info is None:
-            return
-        for handle in (info.timer, info.grace):
-            if handle is not None:
-                handle.cancel()
-        if info.owner is not None:
-            info.owner.leases.discard(lease)
-
-    def _on_deadline(self, lease: int) -> None:
-        info = self._leases.get(lease)
-        if info is None:
-            return
-        if info.deadline > self.loop.time():  # kept alive since: sleep again
-            info.timer = self.loop.call_at(info.deadline, self._on_deadline, lease)
-            return
-        # The store expires leases lazily, on its next operation: make one, so the
-        # deletes happen (and watchers hear of them) now.
-        self.store.get("")
-        self._forget(lease)
-        self.publish()
-
-    def _on_grace_over(self, lease: int) -> None:
-        info = self._leases.get(lease)
-        if info is None or info.owner is not None:
-            return
-        log.info(
-            "lease %d revoked: its connection dropped and was not resumed", self._lease_out(lease)
-        )
-        self.store.revoke_lease(lease)
-        self._forget(lease)
-        self.publish()
+    # -- leases ------------------------------------------------------------------------
 
     def orphan(self, conn: Connection) -> None:
         """``conn`` is gone: its leases end after the grace unless resumed."""
-        for lease in list(conn.leases):
-            info = self._leases.get(lease)
-            if info is None or info.owner is not conn:
-                continue
-            info.owner = None
-            info.grace = self.loop.call_later(
-                min(self._grace, info.ttl), self._on_grace_over, lease
-            )
-        conn.leases.clear()
+        self._leases.orphan(conn)
 
     def resume(self, conn: Connection, wanted: list[int]) -> tuple[list[int], list[int]]:
         """Re-attach leases named in a hello to ``conn``; returns (resumed, lost)."""
-        resumed, lost = [], []
-        for wire in wanted:
-            lease = self._lease_in(wire)
-            info = self._leases.get(lease)
-            if info is None or not self.store.keep_alive(lease):
-                self._forget(lease)
-                lost.append(wire)
-                continue
-            if info.owner is not None and info.owner is not conn:
-                info.owner.leases.discard(lease)  # an old connection not yet seen closed
-            if info.grace is not None:
-                info.grace.cancel()
-                info.grace = None
-            info.owner = conn
-            info.deadline = self.loop.time() + info.ttl
-            conn.leases.add(lease)
-            resumed.append(wire)
-        self.publish()
-        return resumed, lost
+        return self._leases.resume(conn, wanted)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -411,9 +228,9 @@ class Service:
 
     def _set(self, conn: Connection, m: p.Message) -> object:
         value = p.unb64(m.get("value"), "value")
-        with self._lease_errors(m):
-            revision = self.store.set(p.get_str(m, "key"), value, lease=self._opt_lease_in(m))
-        return self._rev_out(revision)
+        with self._num.lease_errors(m):
+            revision = self.store.set(p.get_str(m, "key"), value, lease=self._num.opt_lease_in(m))
+        return self._num.rev_out(revision)
 
     def _add(self, conn: Connection, m: p.Message) -> object:
         return self.store.add(p.get_str(m, "key"), p.get_int(m, "amount"))
@@ -421,9 +238,9 @@ class Service:
     def _compare_set(self, conn: Connection, m: p.Message) -> object:
         expected = p.opt_unb64(m.get("expected"), "expected")
         value = p.unb64(m.get("value"), "value")
-        with self._lease_errors(m):
+        with self._num.lease_errors(m):
             swapped, current = self.store.compare_set(
-                p.get_str(m, "key"), expected, value, lease=self._opt_lease_in(m)
+                p.get_str(m, "key"), expected, value, lease=self._num.opt_lease_in(m)
             )
         return [swapped, p.opt_b64(current)]
 
@@ -433,30 +250,26 @@ class Service:
     def _get_prefix(self, conn: Connection, m: p.Message) -> object:
         found, revision = self.store.get_prefix(p.get_str(m, "prefix"))
         items = {k: p.b64(v) for k, v in found.items()}
-        return {"items": items, "revision": self._rev_out(revision)}
+        return {"items": items, "revision": self._num.rev_out(revision)}
 
     def _grant_lease(self, conn: Connection, m: p.Message) -> object:
         ttl = p.get_float(m, "ttl")
         if not math.isfinite(ttl) or ttl <= 0:
             raise StoreError(f"a lease needs a positive, finite ttl, got {ttl}")
         lease = self.store.grant_lease(ttl)
-        self._track(lease, ttl, conn)
-        return self._lease_out(lease)
+        self._leases.track(lease, ttl, conn)
+        return self._num.lease_out(lease)
 
     def _keep_alive(self, conn: Connection, m: p.Message) -> object:
-        lease = self._lease_in(p.get_int(m, "lease"))
+        lease = self._num.lease_in(p.get_int(m, "lease"))
         alive = self.store.keep_alive(lease)
-        info = self._leases.get(lease)
-        if not alive:
-            self._forget(lease)
-        elif info is not None:
-            info.deadline = self.loop.time() + info.ttl  # its timer re-arms when it fires
+        self._leases.kept_alive(lease, alive)
         return alive
 
     def _revoke_lease(self, conn: Connection, m: p.Message) -> object:
-        lease = self._lease_in(p.get_int(m, "lease"))
+        lease = self._num.lease_in(p.get_int(m, "lease"))
         self.store.revoke_lease(lease)
-        self._forget(lease)
+        self._leases.forget(lease)
         return None
 
     # -- blocking operations -------------------------------------------------------------
@@ -464,7 +277,7 @@ class Service:
     async def _watch(self, m: p.Message) -> object:
         prefix = p.get_str(m, "prefix")
         wire_after = p.get_int(m, "after")
-        after = self._rev_in(wire_after)
+        after = self._num.rev_in(wire_after)
         deadline = self.loop.time() + p.get_timeout(m, "timeout")
         while True:
             try:
@@ -478,8 +291,8 @@ class Service:
             finally:
                 self.publish()
             if result.events or self.loop.time() >= deadline:
-                events = tuple(self._event_out(e) for e in result.events)
-                return WatchResult(events, self._rev_out(result.revision))
+                events = tuple(self._num.event_out(e) for e in result.events)
+                return WatchResult(events, self._num.rev_out(result.revision))
             after = result.revision
             await self._until_change(deadline, prefix=prefix)
 
@@ -562,123 +375,3 @@ class Service:
         """A connection ended or authenticated: tell the acceptor."""
         if self.on_room is not None:
             self.on_room()
-
-
-class Connection(asyncio.Protocol):
-    """One client connection: handshake first, then requests, until it closes."""
-
-    def __init__(self, service: Service) -> None:
-        self._service = service
-        self._transport: asyncio.Transport | None = None
-        self._buf = bytearray()
-        self._nonce = os.urandom(p.NONCE_BYTES)
-        self._ready = False  # the hello was accepted
-        self._closed = False
-        self._handshake_timer: asyncio.TimerHandle | None = None
-        self.peer = "?"
-        self.leases: set[int] = set()
-        self.tasks: set[asyncio.Task[None]] = set()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "ready" if self._ready else "handshake"
-        return f"Connection({self.peer}, {state}, leases={sorted(self.leases)})"
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # a stream server's
-        peer = transport.get_extra_info("peername")
-        self.peer = format_addr(str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else "?"
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                p.tune_socket(sock)
-            except OSError as exc:  # the peer may already be gone; the read will tell
-                log.debug("socket options for %s: %r", self.peer, exc)
-        service = self._service
-        service.conns.add(self)
-        service.handshaking[self] = service.loop.time()
-        self._handshake_timer = service.loop.call_later(
-            HANDSHAKE_TIMEOUT, self._handshake_timed_out
-        )
-        self.send(service.challenge(self._nonce))
-
-    def _handshake_timed_out(self) -> None:
-        if not self._ready and not self._closed:
-            self._service.limiter.log(
-                logging.WARNING,
-                "handshake",
-                "closing the connection from %s: no hello within %gs",
-                self.peer,
-                HANDSHAKE_TIMEOUT,
-            )
-            self.close_unauthenticated()
-
-    def close_unauthenticated(self) -> None:
-        """Close a connection that has not authenticated (timed out, or makes room)."""
-        if not self._ready and not self._closed:
-            self._service.unauthenticated_closed += 1
-        self.close()
-
-    def data_received(self, data: bytes) -> None:
-        self._buf += data
-        try:
-            while not self._closed:
-                limit = self._service.max_frame if self._ready else p.HANDSHAKE_MAX_FRAME
-                if len(self._buf) < p.HEADER.size:
-                    return
-                # Checked as soon as the header is in: an oversized frame is refused
-                # before a byte of its body is buffered.
-                length = p.frame_length(bytes(self._buf[: p.HEADER.size]), limit)
-                end = p.HEADER.size + length
-                if len(self._buf) < end:
-                    return
-                message = p.decode(bytes(self._buf[p.HEADER.size : end]))
-                del self._buf[:end]
-                if self._ready:
-                    self._service.dispatch(self, message)
-                elif self._service.hello(self, message, self._nonce):
-                    self._ready = True
-                    if self._handshake_timer is not None:
-                        self._handshake_timer.cancel()
-                    self._service.handshaking.pop(self, None)
-                    self._service.room()
-                else:
-                    self.close()  # refused: nothing after the hello is read
-        except p.FrameError as exc:
-            self._service.limiter.log(
-                logging.WARNING, "frame", "closing the connection from %s: %s", self.peer, exc
-            )
-            self.close()
-
-    def send(self, frame: bytes) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(frame)
-
-    def close(self) -> None:
-        """Flush what was sent and close; reading stops at once."""
-        self._closed = True
-        self._service.handshaking.pop(self, None)
-        if self._transport is not None:
-            self._transport.close()
-
-    # A client that does not read its answers must not make us buffer without bound.
-    def pause_writing(self) -> None:
-        if self._transport is not None:
-            self._transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self._transport is not None and not self._closed:
-            self._transport.resume_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
-        self._buf.clear()
-        if self._handshake_timer is not None:
-            self._handshake_timer.cancel()
-        service = self._service
-        service.conns.discard(self)
-        service.handshaking.pop(self, None)
-        for task in list(self.tasks):
-            task.cancel()
-        service.orphan(self)
-        log.debug("connection from %s closed (%r)", self.peer, exc)
-        service.room()
