@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from elastrun.agent.interrupt import call_interruptibly
+from elastrun.agent.pace_watch import PaceWatch
 from elastrun.agent.phases import AgentPhase, PhaseMachine
 from elastrun.agent.plan import LaunchPlan, NodeSlot, RoundFacts, build_plan
 from elastrun.agent.policy import (
@@ -36,6 +37,7 @@ from elastrun.agent.policy import (
 )
 from elastrun.agent.progress_watch import ProgressWatch, hang_reasons
 from elastrun.agent.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from elastrun.core.cancel import Cancelled
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
 from elastrun.core.errors import RendezvousError, ShutdownRequested, StoreError
 from elastrun.core.procinfo import process_start_time
@@ -71,7 +73,7 @@ from elastrun.supervise.processes.spawn import (
     WorkerProcess,
 )
 from elastrun.supervise.processes.stacks import request_stacks
-from elastrun.supervise.progress import AutoTimeout
+from elastrun.supervise.progress import AutoTimeout, StragglerSettings
 
 log = logging.getLogger("elastrun.agent")
 
@@ -173,6 +175,8 @@ class LocalElasticAgent:
             this many consecutive attempts in which no rank passed the step it had
             reached before; None turns it off. Scripts that report no progress are
             never stopped by it.
+        stragglers: how ranks (and nodes) slower than their peers are found and
+            reported (never stopped); None: off (step metrics are still put).
         stuck_exit_timeout: seconds a worker may keep running after every other local
             worker exited successfully before its stacks are dumped and a warning
             names it (it is not stopped); None turns the check off.
@@ -207,6 +211,7 @@ class LocalElasticAgent:
         stuck_exit_timeout: float | None = STUCK_EXIT_TIMEOUT,
         hang_timeout: float | AutoTimeout | None = None,
         stalled_restarts: int | None = 3,
+        stragglers: StragglerSettings | None = StragglerSettings(),  # noqa: B008 (frozen)
     ) -> None:
         self._spec = spec
         self._logs = logs_specs if logs_specs is not None else DefaultLogsSpecs()
@@ -235,6 +240,7 @@ class LocalElasticAgent:
         self._progress = ProgressWatch(
             spec.local_world_size, hang_timeout, stalled_restarts or None, clock
         )
+        self._pace = PaceWatch(stragglers, self._events, self._metrics, clock)
         #: Why restarting stopped because the restarts made no progress (else None).
         self.stalled: str | None = None
         # The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
@@ -309,6 +315,8 @@ class LocalElasticAgent:
                 set_callback(lambda: None)  # its threads may outlive the waker
             self._finish_attempt(signal.SIGTERM)
             self._close_bootstrap_store()
+            self._shutdown.stop_relay()
+            self._pace.close()
             self._progress.close()
             self._guard.close()
             if self._file_timer is not None:
@@ -321,6 +329,7 @@ class LocalElasticAgent:
     # -- the loop ----------------------------------------------------------------------
 
     def _invoke_run(self) -> RunResult:
+        self._shutdown.start_relay()
         set_info = getattr(self._handler, "set_node_info", None)
         if set_info is not None:
             set_info(self._spec.role, self._spec.local_world_size)
@@ -343,6 +352,8 @@ class LocalElasticAgent:
             if stuck is not None:
                 return self._fail([], stuck=stuck)
             self._check_hang(attempt)
+            if self._pace.due():
+                self._pace.sample(self._progress.snapshot(), attempt.procs.running())
             exits = attempt.procs.exits
             failed = sorted(
                 (e for e in exits.values() if e.exitcode != 0), key=lambda e: e.observed_at
@@ -406,13 +417,22 @@ class LocalElasticAgent:
         raise ShutdownRequested(signum)
 
     def _interruptible(self, call: Callable[[], T], what: str) -> T:
-        """``call()``, unless a signal comes first (see ``agent.interrupt``)."""
+        """``call()``, ended by a signal: a handler that observes cancel scopes runs it
+        in the shutdown request's scope (a signal cancels every store wait inside it);
+        any other runs in a helper thread (see ``agent.interrupt``)."""
 
         def on_signal() -> None:
             log.info("stopped while waiting for the %s", what)
             self._check_shutdown()
 
-        return call_interruptibly(call, self._shutdown, on_signal, what)
+        if not getattr(self._handler, "observes_cancel_scope", False):
+            return call_interruptibly(call, self._shutdown, on_signal, what)
+        try:
+            with self._shutdown.scope.active():
+                return call()
+        except Cancelled:
+            on_signal()  # raises ShutdownRequested
+            raise
 
     def _start_round(self) -> None:
         self._close_bootstrap_store()  # the previous round is over for every node
@@ -421,6 +441,9 @@ class LocalElasticAgent:
         info = self._interruptible(self._handler.next_rendezvous, "rendezvous")
         rdzv_ms = (self._clock.monotonic() - t0) * 1000
         plan = self._plan(info)
+        self._pace.start_round(
+            info.store, self._handler.get_run_id(), info.round, info.rank, info.world_size
+        )
         self._host_bootstrap_store(plan)
         self._metrics.put("agent.rendezvous.duration_ms", rdzv_ms)
         self._metrics.put("agent.group_rank", info.rank)
@@ -583,6 +606,7 @@ class LocalElasticAgent:
             },
         )
         self._update_ranks(plan)
+        self._pace.start_attempt(number, {w.local_rank: w.ranks.global_rank for w in plan.workers})
         _write_workers_file(envs, procs)
         self._transition(WorkerState.HEALTHY)
         self._phases.move(AgentPhase.RUNNING)

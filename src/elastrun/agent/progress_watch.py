@@ -21,6 +21,7 @@ from elastrun.supervise.progress import (
     HangVerdict,
     NoProgressGuard,
     ProgressBoard,
+    Snapshot,
     steps_of,
 )
 
@@ -84,6 +85,11 @@ class ProgressWatch:
             str(lr): {"step": rec.step, "age_s": round(max(0.0, now - rec.last_report), 3)}
             for lr, rec in board.snapshot().items()
         }
+
+    def snapshot(self) -> Snapshot:
+        """Every local rank's last report (empty before the first start)."""
+        board = self._board
+        return {} if board is None or board.closed else board.snapshot()
 
     def hang(self, running: Iterable[int]) -> HangVerdict | None:
         """The hang verdict on the workers still running, or None."""

@@ -106,6 +106,7 @@ def build_agent(
         stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
         stuck_exit_timeout=config.stuck_exit_timeout or None,
         stalled_restarts=config.stalled_restarts or None,
+        stragglers=config.stragglers,
         hang_timeout=config.hang_timeout,  # type: ignore[arg-type]  # parsed by the config
         starter=starter,
     )

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import MAX_SECONDS, parse_int, parse_port, parse_seconds
 from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
+from elastrun.supervise.progress.straggler import StragglerSettings
 
 if TYPE_CHECKING:
     from elastrun.rendezvous.api import RendezvousParameters
@@ -75,6 +76,8 @@ class LaunchConfig:
     hang_timeout: float | str | AutoTimeout | None = None
     #: Restarts in a row without progress before giving up (exit 3); 0: never.
     stalled_restarts: int = 3
+    #: How stragglers are found and reported (None: not at all).
+    stragglers: StragglerSettings | None = StragglerSettings()  # noqa: RUF009 (frozen)
     #: Serve the agent's metrics in Prometheus format on this port (None: off).
     metrics_port: int | None = None
     #: Modules the worker template pre-imports (Python script workers).

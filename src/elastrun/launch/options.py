@@ -194,6 +194,22 @@ OPTIONS: tuple[Option, ...] = (
         "failure; auto derives the timeout from its step times (default: off)",
         ours=True,
     ),
+    option(
+        "--straggler-factor",
+        "K|off",
+        "a rank whose step time stays above K times the median of its peers' for 3 "
+        "windows in a row is reported (a warning, an event, a metric; never stopped); "
+        "nodes are compared the same way (default 2)",
+        "2",
+        ours=True,
+    ),
+    option(
+        "--straggler-window",
+        "SECONDS",
+        "the length of one straggler window (default 10: reported after 30 s)",
+        "10",
+        ours=True,
+    ),
     option("--virtual-local-rank", None, "give every worker LOCAL_RANK=0 and only its own GPU"),
     option(
         "--dry-run",

@@ -17,6 +17,7 @@ from elastrun.launch.options import NUMA_BINDINGS
 from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, to_choice
 from elastrun.launch.paths import check_writable_file
 from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
+from elastrun.supervise.progress.straggler import StragglerSettings, parse_straggler_factor
 
 __all__ = ["Runtime", "runtime_settings", "sizes"]
 
@@ -52,6 +53,7 @@ class Runtime:
     stuck_exit_timeout: float
     hang_timeout: float | AutoTimeout | None
     stalled_restarts: int
+    stragglers: StragglerSettings | None
     start_method: str
     event_log_handler: str
     metrics_port: int | None
@@ -75,6 +77,7 @@ def runtime_settings(values: Values) -> Runtime:
     no_progress = parse_int(*values.required("stalled_restarts"), low=0)
     hang_raw, hang_source = values.text("hang_timeout")
     hang_timeout = None if hang_raw is None else parse_hang_timeout(hang_raw, hang_source)
+    stragglers = _stragglers(values)
     start_method = to_choice(*values.required("start_method"), START_METHODS)
     events = _event_handler(*values.required("event_log_handler"))
     metrics_raw, metrics_source = values.text("metrics_port")
@@ -96,6 +99,7 @@ def runtime_settings(values: Values) -> Runtime:
         stuck_exit_timeout=stuck_exit_timeout,
         hang_timeout=hang_timeout,
         stalled_restarts=no_progress,
+        stragglers=stragglers,
         start_method=start_method,
         event_log_handler=events,
         metrics_port=metrics_port,
@@ -104,6 +108,13 @@ def runtime_settings(values: Values) -> Runtime:
         signals_to_handle=signals,
         role=role,
     )
+
+
+def _stragglers(values: Values) -> StragglerSettings | None:
+    """``--straggler-factor`` and ``--straggler-window`` (None: detection off)."""
+    factor = parse_straggler_factor(*values.required("straggler_factor"))
+    window = parse_seconds(*values.required("straggler_window"), low_open=True)
+    return None if factor is None else StragglerSettings(factor=factor, window=window)
 
 
 def _numa_options(mode: str | None) -> object | None:

@@ -10,7 +10,9 @@ The agent speaks to the sink through :class:`~elastrun.observe.sinks.MetricSink`
 (``put(name, value)``). The names it uses, and what each becomes, are in
 :data:`AGENT_METRICS`; ``agent.state.<STATE>`` (value 1) sets the one-hot gauge
 ``elastrun_worker_group_state{state="<STATE>"}``; any other name is exported as
-``elastrun_metric{name="<name>"}`` holding the last value put.
+``elastrun_metric{name="<name>"}`` holding the last value put. A name with labels
+(``worker.steps{rank=3,local_rank=1}``, see :func:`~elastrun.observe.sinks.labelled`)
+whose base name is in :data:`AGENT_METRICS` sets that metric's labelled child.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import socket
 import threading
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from elastrun.core.errors import ConfigError
+from elastrun.observe.sinks import split_labels
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MetricKind = Literal["counter", "gauge", "histogram"]
+M = TypeVar("M", "Counter", "Gauge", "Histogram")
 
 
 @dataclass(frozen=True)
@@ -40,15 +44,24 @@ class MetricDef:
 
     ``scale`` multiplies the value put: the agent measures durations in milliseconds,
     Prometheus wants base units (seconds). A counter's value is the increment.
+    ``labels``: the label names a put must carry (the metric of one worker or node).
     """
 
     kind: MetricKind
     prom_name: str
     help: str
     scale: float = 1.0
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
 
 
 _MS = 0.001
+_RANK_LABELS = ("rank", "local_rank")
+#: Step times range from a millisecond to minutes.
+STEP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 300.0, math.inf,
+)  # fmt: skip
 
 #: The metric names the agent puts, and their Prometheus form.
 AGENT_METRICS: dict[str, MetricDef] = {
@@ -97,6 +110,41 @@ AGENT_METRICS: dict[str, MetricDef] = {
     "agent.remaining_restarts": MetricDef(
         "gauge", "elastrun_remaining_restarts", "Restarts left before the job fails"
     ),
+    "agent.stragglers": MetricDef(
+        "counter",
+        "elastrun_straggler_reports",
+        "Stragglers reported: local ranks, and (by group rank 0's agent) nodes",
+    ),
+    "worker.steps": MetricDef(
+        "counter",
+        "elastrun_worker_steps",
+        "Progress reports (optimizer steps or elastrun.progress() calls) of each worker",
+        labels=_RANK_LABELS,
+    ),
+    "worker.step": MetricDef(
+        "gauge", "elastrun_worker_step", "The last step each worker reported", labels=_RANK_LABELS
+    ),
+    "worker.step.duration_ms": MetricDef(
+        "histogram",
+        "elastrun_worker_step_seconds",
+        "Time per step of each worker (the mean over each second in which it reported)",
+        _MS,
+        labels=_RANK_LABELS,
+        buckets=STEP_BUCKETS,
+    ),
+    "worker.straggler": MetricDef(
+        "gauge",
+        "elastrun_worker_straggler",
+        "1 while the worker is reported as a straggler (--straggler-factor), else 0",
+        labels=_RANK_LABELS,
+    ),
+    "node.straggler": MetricDef(
+        "gauge",
+        "elastrun_node_straggler",
+        "1 while the node (group rank) is reported as a straggler, else 0 "
+        "(exported by group rank 0's agent)",
+        labels=("group_rank",),
+    ),
 }
 
 STATE_PREFIX = "agent.state."
@@ -137,13 +185,15 @@ class PrometheusMetricSink:
         self._gauges: dict[str, Gauge] = {}
         self._histograms: dict[str, Histogram] = {}
         for name, d in AGENT_METRICS.items():
+            reg = self.registry
             if d.kind == "counter":
-                self._counters[name] = prom.Counter(d.prom_name, d.help, registry=self.registry)
+                self._counters[name] = prom.Counter(d.prom_name, d.help, d.labels, registry=reg)
             elif d.kind == "gauge":
-                self._gauges[name] = prom.Gauge(d.prom_name, d.help, registry=self.registry)
+                self._gauges[name] = prom.Gauge(d.prom_name, d.help, d.labels, registry=reg)
             else:
+                buckets = d.buckets or DURATION_BUCKETS
                 self._histograms[name] = prom.Histogram(
-                    d.prom_name, d.help, buckets=DURATION_BUCKETS, registry=self.registry
+                    d.prom_name, d.help, d.labels, buckets=buckets, registry=reg
                 )
         self._state = prom.Gauge(
             STATE_METRIC,
@@ -173,19 +223,24 @@ class PrometheusMetricSink:
         self.puts += 1
 
     def _put(self, name: str, value: float) -> None:
-        d = AGENT_METRICS.get(name)
-        if d is not None:
+        base, labels = split_labels(name)
+        d = AGENT_METRICS.get(base)
+        if d is not None and set(labels) == set(d.labels):
             scaled = value * d.scale
-            if name in self._counters:
-                self._counters[name].inc(scaled)
-            elif name in self._gauges:
-                self._gauges[name].set(scaled)
+            if base in self._counters:
+                self._child(self._counters[base], labels).inc(scaled)
+            elif base in self._gauges:
+                self._child(self._gauges[base], labels).set(scaled)
             else:
-                self._histograms[name].observe(scaled)
+                self._child(self._histograms[base], labels).observe(scaled)
         elif name.startswith(STATE_PREFIX) and len(name) > len(STATE_PREFIX):
             self._set_state(name[len(STATE_PREFIX) :], value)
         else:
             self._generic.labels(name=name).set(value)
+
+    @staticmethod
+    def _child(metric: M, labels: dict[str, str]) -> M:
+        return metric.labels(**labels) if labels else metric
 
     def _set_state(self, state: str, value: float) -> None:
         # The lock keeps the one-hot invariant when two threads report states at once.

@@ -375,6 +375,11 @@ class RunKeys:
 
     prefix: str
 
+    @classmethod
+    def of_run(cls, run_id: str) -> RunKeys:
+        """The keys of the run ``run_id`` (its prefix in the rendezvous store)."""
+        return cls(f"/elastrun/{run_id}/")
+
     @property
     def ctl(self) -> str:
         return self.prefix + "ctl/"
@@ -415,6 +420,11 @@ class RunKeys:
 
     def master(self, n: int) -> str:
         return f"{self.prefix}rounds/{n}/master"
+
+    def pace(self, n: int) -> str:
+        """Each node's step-time summary in round n, one key per node (stragglers).
+        Not under ``ctl/``: rewritten every few seconds, it must wake no watcher."""
+        return f"{self.prefix}rounds/{n}/pace/"
 
     def done(self, n: int) -> str:
         """The exit barrier of round n. Under ``ctl/`` so that running members see a

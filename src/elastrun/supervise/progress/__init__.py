@@ -25,12 +25,15 @@ if TYPE_CHECKING:
         NodeSummary,
         Straggler,
         StragglerDetector,
+        StragglerSettings,
+        pace_times,
+        parse_straggler_factor,
         step_times,
         summarize,
     )
 
 # Resolved on first use: the agent imports this package on the launch path and needs
-# only the board and the detectors it uses (the straggler statistics cost milliseconds).
+# only the board and the detectors it uses.
 _LAZY = {
     "AutoTimeout": "elastrun.supervise.progress.hang",
     "FILE_NAME": "elastrun.supervise.progress.board",
@@ -44,6 +47,9 @@ _LAZY = {
     "Snapshot": "elastrun.supervise.progress.record",
     "Straggler": "elastrun.supervise.progress.straggler",
     "StragglerDetector": "elastrun.supervise.progress.straggler",
+    "StragglerSettings": "elastrun.supervise.progress.straggler",
+    "pace_times": "elastrun.supervise.progress.straggler",
+    "parse_straggler_factor": "elastrun.supervise.progress.straggler",
     "parse_hang_timeout": "elastrun.supervise.progress.hang",
     "read_record": "elastrun.supervise.progress.board",
     "step_times": "elastrun.supervise.progress.straggler",
@@ -67,7 +73,10 @@ __all__ = [
     "Snapshot",
     "Straggler",
     "StragglerDetector",
+    "StragglerSettings",
+    "pace_times",
     "parse_hang_timeout",
+    "parse_straggler_factor",
     "read_record",
     "step_times",
     "steps_of",

@@ -15,19 +15,39 @@ same and a slow rank does not stand out from them. These intervals show straggle
 among workers that do not wait for each other (independent workers, or nodes of
 different jobs sharing a pool); for synchronous jobs feed the detector each worker's
 own busy time when one is measured.
+
+What the agent feeds it (:func:`pace_times`): each worker's moving average step time, or
+the time since its last report when that is longer -- so a worker that slowed down
+badly or stopped shows at once, not only after its next report.
+
+The defaults (:class:`StragglerSettings`: 2x the median for 3 windows of 10 s) report
+a rank that stayed twice as slow as its peers for half a minute. Workers of equal speed
+are far from that even on a busy 2-CPU machine: scheduling noise is milliseconds per
+step, and a one-off pause (a checkpoint, a garbage collection) fills one window, not
+three in a row.
 """
 
 from __future__ import annotations
 
-import statistics
+import json
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Generic, TypeVar
 
+from elastrun.core.errors import ConfigError
 from elastrun.core.values import check_number, parse_seconds
 from elastrun.supervise.progress.record import ProgressRecord
 
-__all__ = ["NodeSummary", "Straggler", "StragglerDetector", "step_times", "summarize"]
+__all__ = [
+    "NodeSummary",
+    "Straggler",
+    "StragglerDetector",
+    "StragglerSettings",
+    "pace_times",
+    "parse_straggler_factor",
+    "step_times",
+    "summarize",
+]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -53,6 +73,43 @@ class Straggler(Generic[K]):
 
 
 @dataclass(frozen=True)
+class StragglerSettings:
+    """How stragglers are found (``--straggler-factor``, ``--straggler-window``).
+
+    A rank (or a node) is reported once its step time was above ``factor`` times its
+    peers' median in ``windows`` consecutive windows of ``window`` seconds.
+
+    Raises:
+        ConfigError: a value out of range.
+    """
+
+    factor: float = 2.0
+    windows: int = 3
+    window: float = 10.0
+
+    def __post_init__(self) -> None:
+        check_number(self.factor, "--straggler-factor", low=1.0, low_open=True, high=1000.0)
+        check_number(self.windows, "StragglerSettings.windows", integer=True, low=1)
+        parse_seconds(self.window, "--straggler-window", low_open=True)
+
+
+def parse_straggler_factor(value: str | float, field: str = "--straggler-factor") -> float | None:
+    """``--straggler-factor``: a number above 1, or ``off`` / ``0`` (None: no detection).
+
+    Raises:
+        ConfigError: naming ``field`` and the value as given.
+    """
+    if isinstance(value, str) and value.strip().lower() in ("off", "0", "0.0"):
+        return None
+    if not isinstance(value, str) and value == 0:
+        return None
+    try:
+        return check_number(value, field, low=1.0, low_open=True, high=1000.0)
+    except ConfigError:
+        raise ConfigError(field, value, "must be a number > 1 and <= 1000, or off") from None
+
+
+@dataclass(frozen=True)
 class NodeSummary:
     """One node's step times in a few numbers, for job-wide detection.
 
@@ -64,11 +121,50 @@ class NodeSummary:
     step_time: float
     median: float
     slowest_rank: int
+    seq: int = 0  # the publisher's count: a reader tells a fresh summary from a stale one
+
+    #: The version of :meth:`to_json`'s document.
+    VERSION = 1
+
+    def to_json(self) -> bytes:
+        """A small versioned JSON document (what a node publishes in the store)."""
+        return json.dumps({"version": self.VERSION, **asdict(self)}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> NodeSummary | None:
+        """The summary in ``raw``; None for anything else (another version, garbage)."""
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict) or data.get("version") != cls.VERSION:
+                return None
+            return cls(
+                str(data["node"]), int(data["ranks"]), float(data["step_time"]),
+                float(data["median"]), int(data["slowest_rank"]), int(data.get("seq", 0)),
+            )  # fmt: skip
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def _median(values: Iterable[float]) -> float:
+    # Not statistics.median: that module (fractions, decimal) costs the launch 10 ms.
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def step_times(snapshot: Mapping[int, ProgressRecord]) -> dict[int, float]:
     """``{local_rank: step time}`` of the workers of a snapshot that have one."""
     return {rank: rec.step_time for rank, rec in snapshot.items() if rec.step_time is not None}
+
+
+def pace_times(snapshot: Mapping[int, ProgressRecord], now: float) -> dict[int, float]:
+    """``{local_rank: pace}`` of the workers with a step time: the moving average step
+    time, or the time since the last report (``now``: monotonic) when that is longer."""
+    return {
+        rank: max(rec.step_time, now - rec.last_report)
+        for rank, rec in snapshot.items()
+        if rec.step_time is not None
+    }
 
 
 def summarize(node: str, snapshot: Mapping[int, ProgressRecord]) -> NodeSummary | None:
@@ -77,7 +173,7 @@ def summarize(node: str, snapshot: Mapping[int, ProgressRecord]) -> NodeSummary 
     if not times:
         return None
     slowest = max(times, key=lambda rank: (times[rank], -rank))
-    return NodeSummary(node, len(times), times[slowest], statistics.median(times.values()), slowest)
+    return NodeSummary(node, len(times), times[slowest], _median(times.values()), slowest)
 
 
 class StragglerDetector(Generic[K]):
@@ -141,7 +237,7 @@ class StragglerDetector(Generic[K]):
                 self._current.pop(key, None)
         for key, mean in means.items():
             peers = [m for k, m in means.items() if k != key]
-            median = statistics.median(peers) if len(peers) >= self.min_peers else 0.0
+            median = _median(peers) if len(peers) >= self.min_peers else 0.0
             if median <= 0 or mean <= self.factor * median:
                 self._streak.pop(key, None)
                 self._current.pop(key, None)
