@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from types import ModuleType
 
 from elastrun.worker import bootstrap
@@ -37,13 +36,21 @@ _PR_SET_PDEATHSIG = 1
 _ADOPTION_TIMEOUT = 30.0
 
 
-@dataclass(frozen=True)
 class Stdio:
     """How the interpreter built sys.std* at startup (from -u, PYTHONIOENCODING, locale)."""
 
-    buffered: bool
-    encodings: tuple[str, str, str]
-    errors: tuple[str, str, str]
+    # Not a dataclass, for the template's start-up (see zygote_fork.Job).
+    __slots__ = ("buffered", "encodings", "errors")
+
+    def __init__(
+        self, buffered: bool, encodings: tuple[str, str, str], errors: tuple[str, str, str]
+    ) -> None:
+        self.buffered = buffered
+        self.encodings = encodings
+        self.errors = errors
+
+    def __repr__(self) -> str:
+        return f"Stdio(buffered={self.buffered}, {self.encodings}, {self.errors})"
 
     @staticmethod
     def of_interpreter() -> Stdio:
