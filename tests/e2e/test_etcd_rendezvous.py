@@ -204,6 +204,37 @@ def test_a_sigkilled_node_is_dropped_by_lease_expiry_and_the_survivors_reform(
         assert "lost 1 node(s)" in r.stderr, r.stderr[-3000:]
 
 
+def test_a_rank_hung_on_one_of_two_nodes_is_found_and_the_job_restarts_once(
+    tmp_path: Path, make_cluster: Callable[[int], EtcdCluster]
+) -> None:
+    cluster = make_cluster(1)
+    script = write_script(
+        tmp_path / "loop.py",
+        """
+        import os, time
+        import elastrun
+        rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+        open(f"ran_{rank}_{attempt}", "w").close()
+        for step in range(40):
+            if step == 5 and attempt == "0" and rank == "1":
+                while True:
+                    time.sleep(1)  # a collective that never returns
+            elastrun.progress(step)
+            time.sleep(0.05)
+        """,
+    )
+    args = ["--hang-timeout", "2", "--no-template", str(script)]
+    procs = [agent(tmp_path, "2", cluster.endpoints, args, max_restarts=1) for _ in range(2)]
+    results = [finish(p, 90) for p in procs]
+    for r in results:
+        assert r.returncode == 0, "\n=====\n".join(x.stderr[-3000:] for x in results)
+    # Found on the hung rank's node; one restart for the job, every rank ran twice.
+    assert sum("rank 1 (local rank 0" in r.stderr and "is hung" in r.stderr for r in results) == 1
+    assert sorted(p.name for p in tmp_path.glob("ran_*")) == [
+        "ran_0_0", "ran_0_1", "ran_1_0", "ran_1_1",
+    ]  # fmt: skip
+
+
 # -- an etcd that cannot be used ---------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, finish, run, start_nodes, write_script
+from _helpers import REPO, finish, read_json_lines, run, start_nodes, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -81,15 +81,27 @@ def test_a_hang_with_explicit_progress_and_no_torch(tmp_path: Path) -> None:
             time.sleep(0.05)
         """,
     )
+    events = tmp_path / "events.jsonl"
     t0 = time.monotonic()
     res = run(
-        ["--nproc-per-node", "1", "--hang-timeout", "2", "--max-restarts", "1", str(script)],
+        ["--nproc-per-node", "1", "--hang-timeout", "2", "--max-restarts", "1",
+         "--event-log-handler", f"file:{events}", str(script)],
         cwd=tmp_path,
-    )
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "is hung: no progress for" in res.stderr
     assert "after step 4" in res.stderr
     assert time.monotonic() - t0 < 20
+    # The verdict is an event, written before the failure and the restart it caused.
+    names = [e["name"] for e in read_json_lines(events)]
+    assert names.count("agent.hang") == 1
+    assert (
+        names.index("agent.hang")
+        < names.index("agent.worker_failed")
+        < names.index("agent.restart")
+    )
+    hang = next(e for e in read_json_lines(events) if e["name"] == "agent.hang")
+    assert isinstance(hang["metadata"], dict) and hang["metadata"]["stopped_first"] == "rank 0"
 
 
 def test_restarts_that_make_no_progress_end_with_status_3(tmp_path: Path) -> None:

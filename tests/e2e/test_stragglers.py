@@ -111,8 +111,6 @@ def test_a_slow_node_is_reported_by_the_agent_of_group_rank_0(tmp_path: Path) ->
     for r in results:
         assert r.returncode == 0, "\n=====\n".join(x.stderr for x in results)
     # Alone on its node, each rank has no peer there: only the job-wide view sees it.
-    reports = [
-        line for r in results for line in r.stderr.splitlines() if "is a straggler" in line
-    ]
+    reports = [line for r in results for line in r.stderr.splitlines() if "is a straggler" in line]
     assert len(reports) == 1, reports
     assert "node of group rank" in reports[0] and "(its slowest: rank 1)" in reports[0]

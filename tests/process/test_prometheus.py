@@ -13,7 +13,7 @@ import pytest
 
 from elastrun.core.errors import ConfigError
 from elastrun.observe.prometheus import MetricsServer, PrometheusMetricSink
-from elastrun.observe.sinks import MetricSink
+from elastrun.observe.sinks import MetricSink, labelled
 
 
 def scrape(server: MetricsServer) -> str:
@@ -76,6 +76,29 @@ def test_worker_group_state_is_one_hot(server: MetricsServer) -> None:
     assert sample(text, "elastrun_worker_group_state", 'state="STOPPED"') == 1
     assert sample(text, "elastrun_worker_group_state", 'state="HEALTHY"') == 0
     assert sample(text, "elastrun_worker_group_state", 'state="INIT"') == 0
+
+
+def test_worker_metrics_are_labelled_by_rank_and_local_rank(server: MetricsServer) -> None:
+    sink: MetricSink = server.sink
+    sink.put(labelled("worker.steps", rank=5, local_rank=1), 3)
+    sink.put(labelled("worker.steps", rank=5, local_rank=1), 2)
+    sink.put(labelled("worker.step", rank=5, local_rank=1), 42)
+    sink.put(labelled("worker.step.duration_ms", rank=5, local_rank=1), 20)
+    sink.put(labelled("worker.straggler", rank=5, local_rank=1), 1)
+    sink.put(labelled("node.straggler", group_rank=2), 1)
+    sink.put("agent.stragglers", 1)
+    sink.put(labelled("worker.steps", rank=5), 1)  # a label missing: kept, under its name
+    text = scrape(server)
+    labels = 'local_rank="1",rank="5"'
+    assert sample(text, "elastrun_worker_steps_total", labels) == 5
+    assert sample(text, "elastrun_worker_step", labels) == 42
+    assert sample(text, "elastrun_worker_step_seconds_count", labels) == 1
+    assert sample(text, "elastrun_worker_step_seconds_sum", labels) == pytest.approx(0.02)
+    assert sample(text, "elastrun_worker_step_seconds_bucket", 'le="0.025",' + labels) == 1
+    assert sample(text, "elastrun_worker_straggler", labels) == 1
+    assert sample(text, "elastrun_node_straggler", 'group_rank="2"') == 1
+    assert sample(text, "elastrun_straggler_reports_total") == 1
+    assert sample(text, "elastrun_metric", 'name="worker.steps{rank=5}"') == 1
 
 
 def test_stop_frees_the_port_and_is_idempotent() -> None:

@@ -100,7 +100,8 @@ def test_step_metrics_count_each_workers_reports_and_time_its_steps() -> None:
 
 
 def test_the_pace_of_a_worker_is_its_step_time_or_its_silence_if_longer() -> None:
-    snap = {0: record(3, 10.0, 0.5), 1: record(3, 11.5, 0.5), 2: ProgressRecord(1, 9, None, None, 1, 1)}
+    first_step_only = ProgressRecord(1, 9.0, None, None, 1, 1)
+    snap = {0: record(3, 10.0, 0.5), 1: record(3, 11.5, 0.5), 2: first_step_only}
     assert pace_times(snap, 12.0) == {0: 2.0, 1: 0.5}
 
 
