@@ -20,7 +20,7 @@ ZYGOTE_MODULE = "elastrun.worker.zygote"
 #: Bumped on any incompatible change of the messages below.
 PROTOCOL_VERSION = 2
 #: The variable the agent puts first in the template's environment: room for the
-#: workers' command lines past the end of the template's own (see the zygote's retitle).
+#: workers' command lines past the end of the template's own (see zygote_worker.retitle).
 TITLE_ROOM = "ELASTRUN_TITLE_ROOM"
 #: A spawn request sends stdin, stdout and stderr (those that are open).
 STDIO_FDS = 3
