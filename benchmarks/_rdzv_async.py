@@ -2,16 +2,16 @@
 
 ``elastrun.rendezvous.dynamic.DynamicRendezvousHandler`` is synchronous and costs two
 threads and a store connection per node, which a 2-core machine cannot multiply by
-thousands. This class is the same participant written as coroutines: the same keys, the
-same store operations in the same order, the same JSON values, and the very same pure
-decisions and views (``RoundView`` and its ``decide_round``, ``RoundWatch``) imported
-from the package. Each simulated node has its own store connection and lease, so every one is a
-full participant as far as the server and the other nodes can tell.
+thousands. This class drives the very same joining protocol (``rendezvous.joining``, a
+generator of store operations) with coroutines instead of blocking calls, and keeps a
+running round with the same pure views (``RoundWatch``). Each simulated node has its own
+store connection and lease, so every one is a full participant as far as the server and
+the other nodes can tell.
 
-It mirrors only what a rendezvous does with the store; progress logging (a read of the
-closed flag and of the closer's status every few seconds) is left out.
-``protocol_traces()`` runs both implementations side by side on a memory store and
-returns the operations each issued, so a test can pin that they agree.
+The keep-alive and the running round's watch are written here again as tasks (they are
+loops around one store call each); progress notes of the protocol are not shown.
+``protocol_traces()`` runs both participants side by side on a memory store and returns
+the operations each issued, so a test can pin that they agree.
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ import json
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
+from elastrun.core.clock import SYSTEM_CLOCK
 from elastrun.core.errors import (
     RendezvousClosedError,
-    RendezvousTimeoutError,
     StoreCompactedError,
     StoreError,
 )
-from elastrun.rendezvous.decide import RoundView, RoundWatch, RunKeys, Verdict, apply_events
-from elastrun.rendezvous.dynamic import AUDIT_EVERY, PROGRESS_EVERY, NodeDesc, RendezvousSettings
+from elastrun.rendezvous import joining
+from elastrun.rendezvous.decide import RoundWatch, RunKeys
+from elastrun.rendezvous.dynamic import NodeDesc, RendezvousSettings
 from elastrun.rendezvous.local import free_port
 from elastrun.store.api import EventKind
 
@@ -85,146 +85,64 @@ class AsyncNode:
         prev_round, prev_rank = self._round, self._rank
         self._reform = False
         self.changed.clear()
-        deadline = time.monotonic() + self._settings.join_timeout
-        target = await self._first_target(prev_round)
-        while True:
-            result = await self._join_round(target, prev_rank, deadline)
-            key = self._keys.rank(target, result["id"], self._node.node_id)
-            raw = await self._store.get(key)
-            if raw is not None:
-                break
-            target += 1
-        return await self._enter_round(target, result, int(raw))
+        try:
+            joined = await self._drive(joining.join(self._context(), prev_round, prev_rank))
+        finally:
+            self.waiting = False
+        return self._enter_round(joined)
 
-    async def _first_target(self, prev_round: int | None) -> int:
-        current = await self._store.get(self._keys.current)
-        latest = int(current) if current is not None else -1
-        return max(latest, prev_round if prev_round is not None else -1) + 1
-
-    async def _join_round(self, n: int, prev_rank: int | None, deadline: float) -> dict[str, Any]:
-        me, k = self._node, self._keys
-        info = {"addr": me.addr, "role": me.role, "local_world_size": me.local_world_size}
-        join = _dump({**info, "prev_rank": prev_rank})
-        await self._store.set(k.join_prefix(n) + me.node_id, join, lease=self._lease)
-        out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
-        found, rev = await self._store.get_prefix(out)
-        audit_at = deadline
-        while True:
-            raw = found.get(result_key)
-            if raw is not None:
-                self.waiting = False
-                return self._parse_result(raw)
-            if closer_key not in found:
-                won, _ = await self._store.compare_set(
-                    closer_key, None, me.node_id.encode(), lease=self._lease
-                )
-                if won:
-                    return self._parse_result(await self._decide(n, deadline))
-                found, rev = await self._store.get_prefix(out)
-                continue
-            self.waiting = True
-            now = time.monotonic()
-            if now >= audit_at:
-                audit_at = await self._audit(n, deadline, now)
-                found, rev = await self._store.get_prefix(out)
-                continue
-            wait = max(0.0, min(now + PROGRESS_EVERY, audit_at) - now) + 0.01
-            try:
-                res = await self._store.watch(out, rev, wait)
-            except StoreCompactedError:
-                found, rev = await self._store.get_prefix(out)
-                continue
-            rev = res.revision
-            apply_events(found, res.events)
-
-    async def _decide(self, n: int, deadline: float) -> bytes:
-        s, k = self._settings, self._keys
-        view, rev = await self._load_view(n)
-        call_started: float | None = None
-        while True:
-            if view.closed is not None:
-                return await self._publish(n, _dump({"closed": view.closed.decode()}), None)
-            joined = len(view.joins)
-            self.seen = joined
-            self.waiting = True
-            now = time.monotonic()
-            started = view.started()
-            if call_started is None and started and joined >= s.min_nodes:
-                call_started = now
-            decision = view.decide(s, now=now, call_started_at=call_started, join_deadline=deadline)
-            if decision.verdict is Verdict.CLOSE:
-                self.waiting = False
-                return await self._commit(n, view, decision.members, rev)
-            if decision.verdict is Verdict.TIMEOUT:
-                raise RendezvousTimeoutError(f"rendezvous round {n} timed out")
-            wait = PROGRESS_EVERY
-            if decision.wake_at is not None:
-                wait = min(wait, max(0.0, decision.wake_at - now) + 0.01)
-            try:
-                res = await self._store.watch(k.ctl, rev, wait)
-            except StoreCompactedError:
-                view, rev = await self._load_view(n)
-                continue
-            view.apply(res.events)
-            rev = res.revision
-
-    async def _load_view(self, n: int) -> tuple[RoundView, int]:
-        k = self._keys
-        view = RoundView(k, n, await self._previous_members(n))
-        joins, rev = await self._store.get_prefix(k.join_prefix(n))
-        nodes, _ = await self._store.get_prefix(k.nodes)
-        view.load(joins, list(nodes), await self._store.get(k.closed))
-        return view, rev
-
-    async def _audit(self, n: int, deadline: float, now: float) -> float:
-        view, rev = await self._load_view(n)
-        decision = view.decide(
-            self._settings, now=now, call_started_at=None, join_deadline=deadline
+    def _context(self) -> joining.Context:
+        me = self._node
+        return joining.Context(
+            keys=self._keys,
+            node_id=me.node_id,
+            info={"addr": me.addr, "role": me.role, "local_world_size": me.local_world_size},
+            bounds=self._settings,
+            join_timeout=self._settings.join_timeout,
+            run_id=self._settings.run_id,
+            clock=SYSTEM_CLOCK,
+            new_port=free_port,
         )
-        if decision.verdict is Verdict.TIMEOUT:
-            raise RendezvousTimeoutError(f"rendezvous round {n} timed out")
-        if decision.verdict is Verdict.CLOSE:
-            await self._commit(n, view, decision.members, rev)
-        return now + AUDIT_EVERY
 
-    async def _commit(self, n: int, view: RoundView, members: tuple[str, ...], rev: int) -> bytes:
-        k = self._keys
-        decision = uuid.uuid4().hex[:12]
-        full, result = view.outcome(members, decision, rev)
-        await self._store.set(k.decided(n, decision), _dump(full))
-        for rank, m in enumerate(members):
-            await self._store.set(k.rank(n, decision, m), str(rank).encode())
-        return await self._publish(n, _dump(result), len(members))
+    async def _drive(self, protocol: joining.Protocol) -> Any:
+        """``joining.drive`` with each store operation awaited."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                op = protocol.throw(error) if error is not None else protocol.send(value)
+            except StopIteration as stop:
+                return stop.value
+            try:
+                value, error = await self._perform(op), None
+            except Exception as exc:  # thrown into the protocol, as the handler does
+                value, error = None, exc
 
-    async def _publish(self, n: int, value: bytes, size: int | None) -> bytes:
-        won, current = await self._store.compare_set(self._keys.result(n), None, value)
-        if not won:
-            assert current is not None
-            return bytes(current)
-        if size is not None:
-            await self._store.set(self._keys.current, str(n).encode())
-        return value
-
-    def _parse_result(self, raw: bytes) -> dict[str, Any]:
-        result = _load(raw)
-        assert isinstance(result, dict)
-        if "closed" in result:
-            raise RendezvousClosedError(f"run {self._settings.run_id!r} has ended")
-        return result
+    async def _perform(self, op: joining.Op) -> Any:
+        store = self._store
+        match op:
+            case joining.Get(key):
+                return await store.get(key)
+            case joining.GetPrefix(prefix):
+                return await store.get_prefix(prefix)
+            case joining.Put(key, value, leased):
+                return await store.set(key, value, lease=self._lease if leased else None)
+            case joining.CompareSet(key, expected, value, leased):
+                lease = self._lease if leased else None
+                return await store.compare_set(key, expected, value, lease=lease)
+            case joining.Watch(prefix, after, timeout):
+                self.waiting = True  # joined: what the settling counts
+                return await store.watch(prefix, after, timeout)
+            case joining.Wait(keys, timeout):
+                return await store.wait(list(keys), timeout)
+            case joining.Seen(_, joined):
+                self.seen = joined
+        return None  # progress notes: not shown for simulated nodes
 
     async def _decided_rows(self, n: int, decision: str | None = None) -> list[list[Any]]:
-        if decision is None:
-            result = _load(await self._store.get(self._keys.result(n)))
-            if not isinstance(result, dict) or "id" not in result:
-                return []
-            decision = str(result["id"])
-        full = _load(await self._store.get(self._keys.decided(n, decision)))
-        return list(full["members"]) if isinstance(full, dict) else []
-
-    async def _previous_members(self, n: int) -> tuple[str, ...]:
-        if n == 0:
-            return ()
-        return tuple(str(row[0]) for row in await self._decided_rows(n - 1))
+        rows = await self._drive(joining.decided_rows(self._context(), n, decision))
+        assert isinstance(rows, list)
+        return rows
 
     async def _is_member(self, node: str) -> bool:
         known = self._membership.get(node)
@@ -236,7 +154,8 @@ class AsyncNode:
             self._membership[node] = found
         return found
 
-    async def _enter_round(self, n: int, result: dict[str, Any], rank: int) -> tuple[int, int, int]:
+    def _enter_round(self, joined: joining.Joined) -> tuple[int, int, int]:
+        n, rank, result = joined.n, joined.rank, joined.result
         decision, size = str(result["id"]), int(result["size"])
         for _role, lws, count in result.get("shape", ()):  # what the handler's shape holds
             int(lws), int(count)
@@ -245,18 +164,8 @@ class AsyncNode:
         self._since = int(result.get("rev", 0))
         self._reform = False
         self._entered.set()
-        await self._master(n, rank)
         self._start_watch()
         return n, rank, size
-
-    async def _master(self, n: int, rank: int) -> tuple[str, int]:
-        key = self._keys.master(n)
-        if rank == 0:
-            await self._store.set(key, _dump({"addr": self._node.addr, "port": free_port()}))
-        await self._store.wait([key], self._settings.join_timeout)
-        data = _load(await self._store.get(key))
-        assert isinstance(data, dict)
-        return str(data["addr"]), int(data["port"])
 
     # -- liveness and watching -----------------------------------------------------------
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from elastrun.core.errors import RendezvousClosedError, RendezvousTimeoutError
+from elastrun.rendezvous import joining
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
 from elastrun.store.memory import MemoryStore
@@ -195,7 +196,9 @@ def test_a_waiting_node_takes_over_when_the_closer_is_gone() -> None:
 
     def join_then_leave() -> None:
         try:
-            closer._join_round(0, None, deadline)
+            with closer._agent_call():
+                protocol = joining.join_round(closer._context(), 0, None, deadline)
+                joining.drive(protocol, closer._perform)
         except RendezvousClosedError as exc:
             left.append(exc)
 
@@ -227,7 +230,7 @@ def test_a_waiting_node_takes_over_when_the_closer_is_gone() -> None:
 
 
 def test_waiting_nodes_log_the_closers_progress(caplog: pytest.LogCaptureFixture) -> None:
-    import elastrun.rendezvous.dynamic as dyn
+    import elastrun.rendezvous.joining as dyn
 
     store = MemoryStore()
     hs = [_node(store, n, 3, 3) for n in "ab"]

@@ -7,13 +7,19 @@ scope to their own wake-up: a callback (``on_cancel``) that sets their event or 
 their socket down, or the scope's descriptor (``fileno``) in their ``select``.
 
 Scopes nest: cancelling one cancels its children, and a child's deadline is never later
-than its parent's. ``cancel`` is thread-safe but not async-signal-safe (it takes locks
-and runs callbacks); signal handlers go through ``SignalRelay``, which cancels from a
-thread of its own.
+than its parent's. A scope can also be made *current* for a block (``with
+scope.active():``): every store wait in that thread which is handed no scope of its own
+observes the current one, so a caller cancels waits deep inside code (a rendezvous
+handler) that never mentions scopes. Threads start with no current scope.
+
+``cancel`` is thread-safe but not async-signal-safe (it takes locks and runs
+callbacks); signal handlers go through ``SignalRelay``, which cancels from a thread of
+its own.
 """
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import logging
 import math
@@ -164,6 +170,15 @@ class CancelScope:
 
     # -- nesting ------------------------------------------------------------------------------
 
+    @contextmanager
+    def active(self) -> Iterator[CancelScope]:
+        """Make this the current scope of the calling thread for the block."""
+        token = _CURRENT.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.reset(token)
+
     def child(self, timeout: float | None = None) -> CancelScope:
         deadline = None if timeout is None else Deadline.after(timeout, self._clock)
         return CancelScope(deadline=deadline, parent=self)
@@ -192,9 +207,26 @@ class CancelScope:
         return f"CancelScope({state}{when})"
 
 
-def scope_or_default(scope: CancelScope | None) -> CancelScope:
-    """The scope of a wait whose caller passed none: one that is never cancelled."""
+def current() -> CancelScope:
+    """The calling thread's current scope (see ``CancelScope.active``), or one that is
+    never cancelled."""
+    scope = _CURRENT.get()
     return scope if scope is not None else _NEVER
+
+
+def scope_or_default(scope: CancelScope | None) -> CancelScope:
+    """The scope of a wait: the one passed, else the current one."""
+    return scope if scope is not None else current()
+
+
+def is_default(scope: CancelScope) -> bool:
+    """Whether ``scope`` is the never-cancelled default (waits may skip wiring it)."""
+    return scope is _NEVER
+
+
+_CURRENT: contextvars.ContextVar[CancelScope | None] = contextvars.ContextVar(
+    "elastrun_cancel_scope", default=None
+)
 
 
 # Shared by every wait without a scope: nobody may cancel it (``cancel`` is refused).

@@ -28,24 +28,27 @@ interested node and a round of N nodes costs O(N) store traffic. Nothing polls.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from elastrun.core import cancel
+from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
 from elastrun.core.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
-    RendezvousTimeoutError,
     StoreCompactedError,
     StoreError,
     StoreUnavailableError,
 )
+from elastrun.rendezvous import joining
 from elastrun.rendezvous.api import (
     BarrierResult,
     MemberInfo,
@@ -54,17 +57,20 @@ from elastrun.rendezvous.api import (
     RendezvousStoreInfo,
     RoundOutcome,
 )
-from elastrun.rendezvous.decide import RoundView, RoundWatch, RunKeys, Verdict, apply_events
+from elastrun.rendezvous.decide import RoundWatch, RunKeys
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.progress import ProgressLine
 from elastrun.store.api import EventKind, Store
 
 log = logging.getLogger("elastrun.rendezvous")
 
-PROGRESS_EVERY = 5.0
-#: How often a waiting node that is not the closer checks the round itself once its
-#: join deadline has passed (a closer that decides nothing must not hold it forever).
-AUDIT_EVERY = 30.0
+#: How long one watch of a running round lasts before it is renewed (``leave`` ends it
+#: at once; renewing costs one request).
+_WATCH_SPAN = 60.0
+
+# The joining protocol's periods, re-exported for the benchmarks' participant.
+PROGRESS_EVERY = joining.PROGRESS_EVERY
+AUDIT_EVERY = joining.AUDIT_EVERY
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._since = 0  # the store revision the current round was decided at
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._life = CancelScope()  # the handler's own threads: cancelled by ``leave``
+        self._calls: set[CancelScope] = set()  # the agent's calls in progress
         self._entered = threading.Event()  # set while a round runs and has not re-formed
         self._threads: list[threading.Thread] = []
         self._callback: Callable[[], None] | None = None
@@ -189,6 +197,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._progress_line = ProgressLine(log, clock)
 
     # -- torch-compatible surface ------------------------------------------------------
+
+    #: Its store waits observe the caller's current cancel scope (``core.cancel``): the
+    #: agent runs it in its shutdown scope instead of a helper thread.
+    observes_cancel_scope = True
 
     def get_backend(self) -> str:
         return self._backend
@@ -282,6 +294,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Stop watching, revoke the lease (our keys vanish at once), close the store."""
         self._stop.set()
         self._entered.set()  # wake the watch thread so that it sees the stop
+        self._life.cancel("this node left the rendezvous")
+        with self._lock:
+            calls = list(self._calls)
+        for scope in calls:
+            scope.cancel("this node left the rendezvous")
         lease, self._lease = self._lease, None
         if lease is not None and self._gone is None:
             # Bounded: a store that is already gone must not hold the exit for its whole
@@ -315,6 +332,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         ``what`` says which worker failed and how; every node of the round learns it
         (``ctl/failed/<n>``), also nodes whose workers already finished.
         """
+        with self._agent_call():
+            return self._report_failure(max_restarts, what)
+
+    def _report_failure(self, max_restarts: int, what: str) -> bool:
         assert self._round is not None
         self.refusal = None
         if self._lost:
@@ -354,7 +375,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
         try:
-            return self._exit_barrier(timeout)
+            with self._agent_call():
+                return self._exit_barrier(timeout)
         except StoreUnavailableError as exc:
             raise RendezvousConnectionError(self._store_gone(exc)) from exc
 
@@ -378,8 +400,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
             result = self._barrier_verdict(n, view)
             if result is not None:
                 return result
-            if self._stop.is_set():
-                raise self._left_error()
             if deadline.expired():
                 self._left_unfinished = True
                 return BarrierResult(
@@ -387,7 +407,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     f"{len(view.finished)} of {self._size} node(s) finished within {timeout:.0f}s",
                 )
             try:
-                res = self._store.watch(k.ctl, rev, min(deadline.remaining(), 5.0))
+                res = self._store.watch(k.ctl, rev, deadline.remaining())
             except StoreCompactedError:
                 rev = self._reload(view, n)
                 continue
@@ -426,11 +446,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             if self._gone is not None:
                 raise RendezvousConnectionError(self._gone)
-            return self._next_rendezvous()
+            with self._agent_call():
+                return self._next_rendezvous()
         except StoreUnavailableError as exc:
             raise RendezvousConnectionError(self._store_gone(exc)) from exc
         except StoreError as exc:
             raise RendezvousConnectionError(f"rendezvous store failed: {exc}") from exc
+        finally:
+            self._progress_line.end()
 
     def _next_rendezvous(self) -> RendezvousInfo:
         self._register()
@@ -438,205 +461,61 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._fixed_rank is not None:
             prev_rank = self._fixed_rank  # static: the node's rank never changes
         self._reform = False
-        deadline = self._clock.monotonic() + self._settings.join_timeout
-        target = self._first_target(prev_round)
-        while True:
-            result = self._join_round(target, prev_rank, deadline)
-            raw = self._store.get(self._keys.rank(target, result["id"], self._node.node_id))
-            if raw is not None:
-                break
-            target += 1  # a spare: wait for room in the next round
-        return self._enter_round(target, result, int(raw))
+        joined = joining.drive(joining.join(self._context(), prev_round, prev_rank), self._perform)
+        assert isinstance(joined, joining.Joined)
+        return self._enter_round(joined)
 
-    def _first_target(self, prev_round: int | None) -> int:
-        current = self._store.get(self._keys.current)
-        latest = int(current) if current is not None else -1
-        return max(latest, prev_round if prev_round is not None else -1) + 1
+    def _context(self) -> joining.Context:
+        me = self._node
+        return joining.Context(
+            keys=self._keys,
+            node_id=me.node_id,
+            info={"addr": me.addr, "role": me.role, "local_world_size": me.local_world_size},
+            bounds=self._settings,
+            join_timeout=self._settings.join_timeout,
+            run_id=self._settings.run_id,
+            clock=self._clock,
+            new_port=free_port,
+        )
 
-    def _join_round(self, n: int, prev_rank: int | None, deadline: float) -> dict[str, Any]:
-        """Join round ``n`` and return its result.
-
-        The first node to claim ``out/closer`` decides the round (``_decide``); the
-        others watch only ``out/`` for the result, and one of them takes over when the
-        closer's claim vanishes with its lease.
-        """
-        me, k = self._node, self._keys
-        info = {"addr": me.addr, "role": me.role, "local_world_size": me.local_world_size}
-        join = _dump({**info, "prev_rank": prev_rank})
-        self._store.set(k.join_prefix(n) + me.node_id, join, lease=self._lease)
-        out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
-        found, rev = self._store.get_prefix(out)
-        now = self._clock.monotonic()
-        next_progress = now + PROGRESS_EVERY
-        audit_at = deadline
-        while True:
-            raw = found.get(result_key)
-            if raw is not None:
-                return self._parse_result(raw)
-            if self._stop.is_set():
-                raise self._left_error()
-            if closer_key not in found:
-                won, _ = self._store.compare_set(
-                    closer_key, None, me.node_id.encode(), lease=self._lease
+    def _perform(self, op: joining.Op) -> Any:
+        """Carry out one operation of the joining protocol (see ``joining``)."""
+        store = self._store
+        match op:
+            case joining.Get(key):
+                return store.get(key)
+            case joining.GetPrefix(prefix):
+                return store.get_prefix(prefix)
+            case joining.Put(key, value, leased):
+                return store.set(key, value, lease=self._lease if leased else None)
+            case joining.CompareSet(key, expected, value, leased):
+                return store.compare_set(
+                    key, expected, value, lease=self._lease if leased else None
                 )
-                if won:
-                    return self._parse_result(self._decide(n, deadline))
-                found, rev = self._store.get_prefix(out)
-                continue
-            now = self._clock.monotonic()
-            if now >= audit_at:
-                audit_at = self._audit(n, deadline, now)
-                found, rev = self._store.get_prefix(out)
-                continue
-            if now >= next_progress:
-                if self.is_closed():
-                    raise self._closed_error()
-                self._follower_progress(n)
-                next_progress = now + PROGRESS_EVERY
-            wait = max(0.0, min(next_progress, audit_at) - now) + 0.01
-            try:
-                res = self._store.watch(out, rev, wait)
-            except StoreCompactedError:
-                found, rev = self._store.get_prefix(out)
-                continue
-            rev = res.revision
-            apply_events(found, res.events)
+            case joining.Watch(prefix, after, timeout):
+                return store.watch(prefix, after, timeout)
+            case joining.Wait(keys, timeout):
+                return store.wait(list(keys), timeout)
+            case joining.Progress(n, status):
+                return self._progress(n, status)
+            case joining.Seen(_, joined):
+                self.seen = joined
+                return None
+            case joining.Closed(n, size):
+                self._progress_line.end()
+                log.info("rendezvous round %d closed with %d node(s)", n, size)
+                return None
+        raise AssertionError(f"unknown rendezvous operation {op!r}")
 
-    def _decide(self, n: int, deadline: float) -> bytes:
-        """As the closer of round ``n``: follow the joiners and live nodes from watch
-        events and close the round when ``decide_round`` says so. Returns the result."""
-        s, k = self._settings, self._keys
-        view, rev = self._load_view(n)
-        call_started: float | None = None
-        next_progress = self._clock.monotonic()
-        while True:
-            if self._stop.is_set():
-                raise self._left_error()
-            if view.closed is not None:
-                reason = view.closed.decode(errors="replace")
-                return self._publish(n, _dump({"closed": reason}))
-            joined = len(view.joins)
-            self.seen = joined
-            now = self._clock.monotonic()
-            started = view.started()
-            if call_started is None and started and joined >= s.min_nodes:
-                call_started = now
-            decision = view.decide(s, now=now, call_started_at=call_started, join_deadline=deadline)
-            if decision.verdict is Verdict.CLOSE:
-                return self._commit(n, view, decision.members, rev)
-            if decision.verdict is Verdict.TIMEOUT:
-                raise self._timeout_error(n, joined)
-            if now >= next_progress:
-                raw = self._store.get(k.result(n))  # closed by a node auditing the round
-                if raw is not None:
-                    return raw
-                status = {
-                    "joined": joined,
-                    "started": started,
-                    "last_call_in": (
-                        decision.wake_at - now
-                        if decision.wake_at is not None and joined >= s.min_nodes
-                        else None
-                    ),
-                    "timeout_in": deadline - now,
-                }
-                self._store.set(k.status(n), _dump(status))
-                self._progress(n, status)
-                next_progress = now + PROGRESS_EVERY
-            wait = max(0.0, next_progress - now) + 0.01
-            if decision.wake_at is not None:
-                wait = min(wait, max(0.0, decision.wake_at - now) + 0.01)
-            try:
-                res = self._store.watch(k.ctl, rev, wait)
-            except StoreCompactedError:
-                view, rev = self._load_view(n)
-                continue
-            view.apply(res.events)
-            rev = res.revision
-
-    def _load_view(self, n: int) -> tuple[RoundView, int]:
-        """The closer's view of round ``n`` from full reads, and the revision to watch
-        from (replaying changes made between the reads is harmless: each event sets or
-        removes one key)."""
-        k = self._keys
-        view = RoundView(k, n, self._previous_members(n))
-        joins, rev = self._store.get_prefix(k.join_prefix(n))
-        nodes, _ = self._store.get_prefix(k.nodes)
-        view.load(joins, list(nodes), self._store.get(k.closed))
-        return view, rev
-
-    def _audit(self, n: int, deadline: float, now: float) -> float:
-        """Past its join deadline, a waiting node checks the round itself: it times out
-        below the minimum, closes a round that should be closed, and otherwise waits on
-        (the closer is in its last call, or this node is a spare). Returns when to check
-        again."""
-        view, rev = self._load_view(n)
-        decision = view.decide(
-            self._settings, now=now, call_started_at=None, join_deadline=deadline
-        )
-        if decision.verdict is Verdict.TIMEOUT:
-            raise self._timeout_error(n, len(view.joins))
-        if decision.verdict is Verdict.CLOSE:
-            self._commit(n, view, decision.members, rev)
-        return now + AUDIT_EVERY
-
-    def _commit(self, n: int, view: RoundView, members: tuple[str, ...], rev: int) -> bytes:
-        """Publish a decision: the full member list, one rank key per member, then the
-        small result everyone waits for (the commit point: the first result written
-        holds). Each node reads O(1) of it; only tools and the next round's closer read
-        the full list. Returns the result that holds."""
-        k = self._keys
-        decision = uuid.uuid4().hex[:12]
-        full, result = view.outcome(members, decision, rev)
-        self._store.set(k.decided(n, decision), _dump(full))
-        for rank, m in enumerate(members):
-            self._store.set(k.rank(n, decision, m), str(rank).encode())
-        return self._publish(n, _dump(result), len(members))
-
-    def _publish(self, n: int, value: bytes, size: int | None = None) -> bytes:
-        """Write the result of round ``n`` unless someone did; return the one that holds.
-
-        ``size`` is the number of members (None: the result says the run was closed).
-        """
-        won, current = self._store.compare_set(self._keys.result(n), None, value)
-        if not won:
-            assert current is not None
-            return current
-        if size is not None:
-            self._store.set(self._keys.current, str(n).encode())
-            self._progress_line.end()
-            log.info("rendezvous round %d closed with %d node(s)", n, size)
-        return value
-
-    def _parse_result(self, raw: bytes) -> dict[str, Any]:
-        result = _load(raw)
-        if not isinstance(result, dict):
-            raise RendezvousConnectionError(f"unreadable rendezvous result: {raw[:80]!r}")
-        if "closed" in result:
-            raise self._closed_error()
-        return result
-
-    def _timeout_error(self, n: int, count: int) -> RendezvousTimeoutError:
-        self._progress_line.end()
-        return RendezvousTimeoutError(
-            f"rendezvous round {n} timed out after {self._settings.join_timeout:.0f}s "
-            f"with {count} node(s); at least {self._settings.min_nodes} needed"
-        )
-
-    def _follower_progress(self, n: int) -> None:
-        status = _load(self._store.get(self._keys.status(n)))
-        if isinstance(status, dict):
-            self._progress(n, status)
-        else:
-            s = self._settings
+    def _progress(self, n: int, status: dict[str, Any] | None) -> None:
+        s = self._settings
+        if status is None:
             self._progress_line.show(
                 (n, "follower"),
                 f"rendezvous round {n}: waiting for it to close "
                 f"(min {s.min_nodes}, max {s.max_nodes} node(s))",
             )
-
-    def _progress(self, n: int, status: dict[str, Any]) -> None:
-        s = self._settings
+            return
         if not status.get("started", True):
             self._progress_line.show(
                 (n, "spare"),
@@ -653,25 +532,33 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # A log gets a line when the count changes, else one every 30 s at most.
         self._progress_line.show((n, count), "; ".join(parts))
 
+    @contextlib.contextmanager
+    def _agent_call(self) -> Iterator[None]:
+        """Run a call made for the agent (joining, the exit barrier, the budget) in a
+        scope of its own below the caller's current one: a signal that cancels the
+        agent's scope, or ``leave`` from another thread, ends its store waits at once."""
+        with cancel.current().child() as calls, calls.active():
+            with self._lock:
+                self._calls.add(calls)
+            try:
+                yield
+            except Cancelled:
+                if self._stop.is_set():
+                    raise self._left_error() from None
+                raise
+            finally:
+                with self._lock:
+                    self._calls.discard(calls)
+
     def _live_nodes(self) -> set[str]:
         found, _ = self._store.get_prefix(self._keys.nodes)
         cut = len(self._keys.nodes)
         return {k[cut:] for k in found}
 
     def _decided_rows(self, n: int, decision: str | None = None) -> list[list[Any]]:
-        """The full member list of round ``n`` (of its committed decision by default)."""
-        if decision is None:
-            result = _load(self._store.get(self._keys.result(n)))
-            if not isinstance(result, dict) or "id" not in result:
-                return []
-            decision = str(result["id"])
-        full = _load(self._store.get(self._keys.decided(n, decision)))
-        return list(full["members"]) if isinstance(full, dict) else []
-
-    def _previous_members(self, n: int) -> tuple[str, ...]:
-        if n == 0:
-            return ()
-        return tuple(str(row[0]) for row in self._decided_rows(n - 1))
+        rows = joining.drive(joining.decided_rows(self._context(), n, decision), self._perform)
+        assert isinstance(rows, list)
+        return rows
 
     def _member_ids(self) -> tuple[str, ...]:
         """The members of the current round (one full read, then remembered)."""
@@ -702,8 +589,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             for r in self._decided_rows(n, decision)
         )
 
-    def _enter_round(self, n: int, result: dict[str, Any], rank: int) -> RendezvousInfo:
-        self._progress_line.end()
+    def _enter_round(self, joined: joining.Joined) -> RendezvousInfo:
+        n, rank, result = joined.n, joined.rank, joined.result
         decision, size = str(result["id"]), int(result["size"])
         shape = tuple((str(r), int(lws), int(c)) for r, lws, c in result.get("shape", ()))
         with self._lock:
@@ -713,21 +600,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._since = int(result.get("rev", 0))
             self._reform = False
             self._entered.set()
-        master = self._master(n, rank)
         self._start_watch()
         return RendezvousInfo(
-            self._store, rank, size, master, round=n,
+            self._store, rank, size, RendezvousStoreInfo(*joined.master), round=n,
             members=functools.partial(self._member_infos, n, decision), shape=shape,
         )  # fmt: skip
-
-    def _master(self, n: int, rank: int) -> RendezvousStoreInfo:
-        key = self._keys.master(n)
-        if rank == 0:
-            self._store.set(key, _dump({"addr": self._node.addr, "port": free_port()}))
-        self._store.wait([key], self._settings.join_timeout)
-        data = _load(self._store.get(key))
-        assert isinstance(data, dict)
-        return RendezvousStoreInfo(str(data["addr"]), int(data["port"]))
 
     # -- liveness and watching -----------------------------------------------------------
 
@@ -831,14 +708,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
             with self._lock:
                 n, size, since, idle = self._round, self._size, self._since, self._reform
             if n is None or idle:
-                self._entered.wait(1.0)
+                self._entered.wait()  # set by the next round, and by ``leave``
                 continue
             try:
                 if watching is None or watching[0] != n:
                     watching = (n, self._round_watch(n, size), since)
                 _, view, rev = watching
                 try:
-                    res = self._store.watch(self._keys.ctl, rev, 1.0)
+                    # Long: ``leave`` cancels it, and a new round's events reach the
+                    # old watch too (then the loop moves on to the new round's view).
+                    res = self._store.watch(self._keys.ctl, rev, _WATCH_SPAN, scope=self._life)
                 except StoreCompactedError as exc:
                     # The store dropped old history (etcd auto-compaction): re-read.
                     log.debug("rendezvous watch resumes after compaction: %s", exc)
@@ -850,6 +729,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 reason = view.reason()
                 if reason is not None:
                     self._flag_reform(n, reason)
+            except Cancelled:
+                return
             except StoreUnavailableError as exc:
                 self._store_gone(exc)
                 self._stop.wait(1.0)

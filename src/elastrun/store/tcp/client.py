@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.cancel import Cancelled, CancelScope, is_default, scope_or_default
 from elastrun.core.errors import ConfigError, StoreAuthError, StoreError, StoreUnavailableError
 from elastrun.store.api import WatchResult
 from elastrun.store.tcp import protocol as p
@@ -430,17 +430,20 @@ class TcpStore:
         ``retry``: whether re-sending after a connection loss is harmless.
         ``wait_until``: monotonic deadline of a blocking call (``watch``/``wait``);
         each attempt sends the time left as its timeout.
-        ``scope``: cancelling it ends the call at once with ``Cancelled`` (while it
-        connects, queues for the connection, or waits for the answer).
+        ``scope`` (default: the thread's current scope): cancelling it ends the call at
+        once with ``Cancelled`` (while it connects, queues for the connection, or waits
+        for the answer).
         """
-        if scope is None:
+        scope = scope_or_default(scope)
+        if is_default(scope):
             return self._attempt(op, args, retry, what, wait_until, self._life)
-        with self._life.child() as both, scope.wakes(lambda: both.cancel(scope.reason or "")):
+        outer = scope
+        with self._life.child() as both, outer.wakes(lambda: both.cancel(outer.reason or "")):
             try:
                 return self._attempt(op, args, retry, what, wait_until, both)
             except Cancelled:
-                if scope.cancelled:
-                    raise Cancelled(scope.reason or "cancelled") from None
+                if outer.cancelled:
+                    raise Cancelled(outer.reason or "cancelled") from None
                 raise
 
     def _attempt(

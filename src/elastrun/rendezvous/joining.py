@@ -1,0 +1,398 @@
+"""Joining a rendezvous round, sans I/O: the protocol as a generator of store operations.
+
+``join(ctx, prev_round, prev_rank)`` is the whole of a node's side of forming a round:
+it yields operations (``Get``, ``Put``, ``Watch`` ...) and is sent their results; it
+yields notes (``Progress``, ``Closed``) for the driver to show; it raises the
+rendezvous errors; it returns the round it entered as a ``Joined``. It never touches a
+store, a socket, a thread or a logger, so one copy of the protocol serves every driver:
+``drive`` (the synchronous handler in ``dynamic.py``) and the benchmarks' asyncio
+participant, which awaits each operation instead. A driver sends an operation's result
+back with ``send`` and an exception it raised with ``throw`` (the protocol handles
+``StoreCompactedError`` itself and lets everything else propagate).
+
+Time is the one input not sent: the context's clock is read directly (tests inject a
+fake one). The keys and the decisions are ``decide.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+from elastrun.core.clock import Clock
+from elastrun.core.errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+    StoreCompactedError,
+)
+from elastrun.rendezvous.decide import Bounds, RoundView, RunKeys, Verdict, apply_events
+
+#: How often the closer publishes its progress and a follower shows the closer's.
+PROGRESS_EVERY = 5.0
+#: How often a waiting node that is not the closer checks the round itself once its
+#: join deadline has passed (a closer that decides nothing must not hold it forever).
+AUDIT_EVERY = 30.0
+
+# -- operations (the driver performs them) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Get:
+    key: str  # -> bytes | None
+
+
+@dataclass(frozen=True)
+class GetPrefix:
+    prefix: str  # -> (dict[str, bytes], revision)
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes
+    leased: bool = False  # bound to the node's lease -> revision
+
+
+@dataclass(frozen=True)
+class CompareSet:
+    key: str
+    expected: bytes | None
+    value: bytes
+    leased: bool = False  # -> (won, current)
+
+
+@dataclass(frozen=True)
+class Watch:
+    prefix: str
+    after: int
+    timeout: float  # -> WatchResult; may raise StoreCompactedError
+
+
+@dataclass(frozen=True)
+class Wait:
+    keys: tuple[str, ...]
+    timeout: float  # -> None
+
+
+# -- notes (the driver shows them, and sends back None) -------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How round ``n`` is going: the closer's status dict (None: nothing known yet)."""
+
+    n: int
+    status: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Closed:
+    """This node closed round ``n`` with ``size`` members."""
+
+    n: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Seen:
+    """As the closer of round ``n``: how many nodes have joined it so far."""
+
+    n: int
+    joined: int
+
+
+Op = Get | GetPrefix | Put | CompareSet | Watch | Wait | Progress | Closed | Seen
+Protocol = Generator[Op, Any, Any]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the protocol knows of the node and the run."""
+
+    keys: RunKeys
+    node_id: str
+    info: dict[str, Any]  # addr, role, local_world_size
+    bounds: Bounds
+    join_timeout: float
+    run_id: str
+    clock: Clock
+    new_port: Callable[[], int]
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The round this node entered."""
+
+    n: int
+    rank: int
+    result: dict[str, Any]  # the round's small result: id, size, shape, rev
+    master: tuple[str, int]
+
+
+def _dump(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode()
+
+
+def _load(raw: bytes | None) -> object:
+    return None if raw is None else json.loads(raw)
+
+
+# -- the protocol -------------------------------------------------------------------------
+
+
+def join(ctx: Context, prev_round: int | None, prev_rank: int | None) -> Protocol:
+    """Join the next round (a spare moves on to the one after) and enter it."""
+    deadline = ctx.clock.monotonic() + ctx.join_timeout
+    current = yield Get(ctx.keys.current)
+    latest = int(current) if current is not None else -1
+    n = max(latest, prev_round if prev_round is not None else -1) + 1
+    while True:
+        result = yield from join_round(ctx, n, prev_rank, deadline)
+        raw = yield Get(ctx.keys.rank(n, str(result["id"]), ctx.node_id))
+        if raw is not None:
+            break
+        n += 1  # a spare: wait for room in the next round
+    rank = int(raw)
+    master = yield from agree_master(ctx, n, rank)
+    return Joined(n, rank, result, master)
+
+
+def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> Protocol:
+    """Join round ``n`` and return its result.
+
+    The first node to claim ``out/closer`` decides the round (``decide``); the others
+    watch only ``out/`` for the result, and one of them takes over when the closer's
+    claim vanishes with its lease.
+    """
+    k = ctx.keys
+    join_value = _dump({**ctx.info, "prev_rank": prev_rank})
+    yield Put(k.join_prefix(n) + ctx.node_id, join_value, leased=True)
+    out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
+    found, rev = yield GetPrefix(out)
+    now = ctx.clock.monotonic()
+    next_progress = now + PROGRESS_EVERY
+    audit_at = deadline
+    while True:
+        raw = found.get(result_key)
+        if raw is not None:
+            return parse_result(ctx, raw)
+        if closer_key not in found:
+            won, _ = yield CompareSet(closer_key, None, ctx.node_id.encode(), leased=True)
+            if won:
+                decided = yield from decide(ctx, n, deadline)
+                return parse_result(ctx, decided)
+            found, rev = yield GetPrefix(out)
+            continue
+        now = ctx.clock.monotonic()
+        if now >= audit_at:
+            audit_at = yield from audit(ctx, n, deadline, now)
+            found, rev = yield GetPrefix(out)
+            continue
+        if now >= next_progress:
+            yield from follower_progress(ctx, n)
+            next_progress = now + PROGRESS_EVERY
+        wait = max(0.0, min(next_progress, audit_at) - now) + 0.01
+        try:
+            res = yield Watch(out, rev, wait)
+        except StoreCompactedError:
+            found, rev = yield GetPrefix(out)
+            continue
+        rev = res.revision
+        apply_events(found, res.events)
+
+
+def decide(ctx: Context, n: int, deadline: float) -> Protocol:
+    """As the closer of round ``n``: follow the joiners and live nodes from watch
+    events and close the round when ``decide_round`` says so. Returns the result."""
+    s, k = ctx.bounds, ctx.keys
+    view, rev = yield from load_view(ctx, n)
+    call_started: float | None = None
+    next_progress = ctx.clock.monotonic()
+    seen = -1
+    while True:
+        if view.closed is not None:
+            closed = {"closed": view.closed.decode("utf-8", "replace")}
+            return (yield from publish(ctx, n, _dump(closed)))
+        joined = len(view.joins)
+        if joined != seen:
+            yield Seen(n, joined)
+            seen = joined
+        now = ctx.clock.monotonic()
+        started = view.started()
+        if call_started is None and started and joined >= s.min_nodes:
+            call_started = now
+        verdict = view.decide(s, now=now, call_started_at=call_started, join_deadline=deadline)
+        if verdict.verdict is Verdict.CLOSE:
+            return (yield from commit(ctx, n, view, verdict.members, rev))
+        if verdict.verdict is Verdict.TIMEOUT:
+            raise timeout_error(ctx, n, joined)
+        if now >= next_progress:
+            raw = yield Get(k.result(n))  # closed by a node auditing the round
+            if raw is not None:
+                return raw
+            status = {
+                "joined": joined,
+                "started": started,
+                "last_call_in": (
+                    verdict.wake_at - now
+                    if verdict.wake_at is not None and joined >= s.min_nodes
+                    else None
+                ),
+                "timeout_in": deadline - now,
+            }
+            yield Put(k.status(n), _dump(status))
+            yield Progress(n, status)
+            next_progress = now + PROGRESS_EVERY
+        wait = max(0.0, next_progress - now) + 0.01
+        if verdict.wake_at is not None:
+            wait = min(wait, max(0.0, verdict.wake_at - now) + 0.01)
+        try:
+            res = yield Watch(k.ctl, rev, wait)
+        except StoreCompactedError:
+            view, rev = yield from load_view(ctx, n)
+            continue
+        view.apply(res.events)
+        rev = res.revision
+
+
+def load_view(ctx: Context, n: int) -> Protocol:
+    """The closer's view of round ``n`` from full reads, and the revision to watch
+    from (replaying changes made between the reads is harmless: each event sets or
+    removes one key)."""
+    k = ctx.keys
+    previous = yield from previous_members(ctx, n)
+    view = RoundView(k, n, previous)
+    joins, rev = yield GetPrefix(k.join_prefix(n))
+    nodes, _ = yield GetPrefix(k.nodes)
+    closed = yield Get(k.closed)
+    view.load(joins, list(nodes), closed)
+    return view, rev
+
+
+def audit(ctx: Context, n: int, deadline: float, now: float) -> Protocol:
+    """Past its join deadline, a waiting node checks the round itself: it times out
+    below the minimum, closes a round that should be closed, and otherwise waits on
+    (the closer is in its last call, or this node is a spare). Returns when to check
+    again."""
+    view, rev = yield from load_view(ctx, n)
+    verdict = view.decide(ctx.bounds, now=now, call_started_at=None, join_deadline=deadline)
+    if verdict.verdict is Verdict.TIMEOUT:
+        raise timeout_error(ctx, n, len(view.joins))
+    if verdict.verdict is Verdict.CLOSE:
+        yield from commit(ctx, n, view, verdict.members, rev)
+    return now + AUDIT_EVERY
+
+
+def commit(ctx: Context, n: int, view: RoundView, members: tuple[str, ...], rev: int) -> Protocol:
+    """Publish a decision: the full member list, one rank key per member, then the
+    small result everyone waits for (the commit point: the first result written
+    holds). Each node reads O(1) of it; only tools and the next round's closer read
+    the full list. Returns the result that holds."""
+    k = ctx.keys
+    decision = uuid.uuid4().hex[:12]
+    full, result = view.outcome(members, decision, rev)
+    yield Put(k.decided(n, decision), _dump(full))
+    for rank, m in enumerate(members):
+        yield Put(k.rank(n, decision, m), str(rank).encode())
+    return (yield from publish(ctx, n, _dump(result), len(members)))
+
+
+def publish(ctx: Context, n: int, value: bytes, size: int | None = None) -> Protocol:
+    """Write the result of round ``n`` unless someone did; return the one that holds.
+
+    ``size`` is the number of members (None: the result says the run was closed).
+    """
+    won, current = yield CompareSet(ctx.keys.result(n), None, value)
+    if not won:
+        return current
+    if size is not None:
+        yield Put(ctx.keys.current, str(n).encode())
+        yield Closed(n, size)
+    return value
+
+
+def follower_progress(ctx: Context, n: int) -> Protocol:
+    closed = yield Get(ctx.keys.closed)
+    if closed is not None:
+        raise closed_error(ctx, closed)
+    status = _load((yield Get(ctx.keys.status(n))))
+    yield Progress(n, status if isinstance(status, dict) else None)
+
+
+def agree_master(ctx: Context, n: int, rank: int) -> Protocol:
+    """MASTER_ADDR/PORT of round ``n``: its rank 0 picks them, the others read them."""
+    key = ctx.keys.master(n)
+    if rank == 0:
+        yield Put(key, _dump({"addr": ctx.info["addr"], "port": ctx.new_port()}))
+    yield Wait((key,), ctx.join_timeout)
+    data = _load((yield Get(key)))
+    if not isinstance(data, dict):
+        raise RendezvousConnectionError(f"unreadable master address of round {n}")
+    return str(data["addr"]), int(data["port"])
+
+
+def previous_members(ctx: Context, n: int) -> Protocol:
+    if n == 0:
+        return ()
+    rows = yield from decided_rows(ctx, n - 1)
+    return tuple(str(row[0]) for row in rows)
+
+
+def decided_rows(ctx: Context, n: int, decision: str | None = None) -> Protocol:
+    """The full member list of round ``n`` (of its committed decision by default)."""
+    if decision is None:
+        result = _load((yield Get(ctx.keys.result(n))))
+        if not isinstance(result, dict) or "id" not in result:
+            return []
+        decision = str(result["id"])
+    full = _load((yield Get(ctx.keys.decided(n, decision))))
+    return list(full["members"]) if isinstance(full, dict) else []
+
+
+# -- outcomes -------------------------------------------------------------------------------
+
+
+def parse_result(ctx: Context, raw: bytes) -> dict[str, Any]:
+    result = _load(raw)
+    if not isinstance(result, dict):
+        raise RendezvousConnectionError(f"unreadable rendezvous result: {raw[:80]!r}")
+    if "closed" in result:
+        raise closed_error(ctx, str(result["closed"]).encode())
+    return result
+
+
+def timeout_error(ctx: Context, n: int, count: int) -> RendezvousTimeoutError:
+    return RendezvousTimeoutError(
+        f"rendezvous round {n} timed out after {ctx.join_timeout:.0f}s "
+        f"with {count} node(s); at least {ctx.bounds.min_nodes} needed"
+    )
+
+
+def closed_error(ctx: Context, reason: bytes) -> RendezvousClosedError:
+    return RendezvousClosedError(
+        f"run {ctx.run_id!r} has ended ({reason.decode('utf-8', 'replace')}); "
+        "it accepts no more nodes"
+    )
+
+
+# -- the synchronous driver -------------------------------------------------------------------
+
+
+def drive(protocol: Protocol, perform: Callable[[Op], Any]) -> Any:
+    """Run ``protocol`` to its end, performing each operation with ``perform`` (which
+    may raise: the exception is thrown into the protocol at that point)."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = protocol.throw(error) if error is not None else protocol.send(value)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            value, error = perform(op), None
+        except Exception as exc:  # handed to the protocol, which re-raises what it cannot use
+            value, error = None, exc
