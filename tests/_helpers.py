@@ -114,12 +114,19 @@ def elastrun_store(directory: Path) -> Iterator[tuple[str, Path]]:
 
 
 def start_nodes(
-    count: int, nnodes: str, endpoint: str, run_id: str, args: Sequence[str], *, cwd: Path
+    count: int,
+    nnodes: str,
+    endpoint: str,
+    run_id: str,
+    args: Sequence[str],
+    *,
+    cwd: Path,
+    backend: str = "c10d",
 ) -> list[subprocess.Popen[str]]:
-    """``count`` agents of one c10d job on loopback, one worker each, started 0.3 s apart
-    (the first serves the rendezvous store and joins first). ``args``: the rest of each
-    command line (options, then the script and its arguments)."""
-    common = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    """``count`` agents of one job on loopback, one worker each, started 0.3 s apart
+    (with c10d the first serves the rendezvous store and joins first). ``args``: the
+    rest of each command line (options, then the script and its arguments)."""
+    common = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", backend,
               "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
               "--local-addr", "127.0.0.1"]  # fmt: skip
     procs = []

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.errors import RendezvousClosedError, RendezvousTimeoutError
 from elastrun.rendezvous import joining
 from elastrun.rendezvous.api import RendezvousInfo
@@ -257,3 +260,45 @@ def test_waiting_nodes_log_the_closers_progress(caplog: pytest.LogCaptureFixture
     # Both the closer and the node that only waits report the count and the timeout.
     said = {t for t, line in lines if "2 node(s) in (min 3, max 3); timeout in" in line}
     assert len(said) == 2, lines
+
+
+# -- cancellation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["memory", "tcp"])
+def test_the_callers_cancelled_scope_ends_the_wait_for_other_nodes_at_once(kind: str) -> None:
+    from elastrun.store.tcp import TcpStore, TcpStoreServer
+
+    server = None
+    store: Any = MemoryStore()
+    if kind == "tcp":
+        server = TcpStoreServer("127.0.0.1", 0)
+        server.start()
+        store = TcpStore("127.0.0.1", server.port)
+    h = _node(store, "a", 2, 2)
+    try:
+        scope = CancelScope()
+        timer = threading.Timer(0.3, scope.cancel, args=("received SIGTERM",))
+        timer.start()
+        t0 = time.monotonic()
+        with scope.active(), pytest.raises(Cancelled, match="SIGTERM"):
+            h.next_rendezvous()  # waits for a second node (join timeout: 600 s)
+        assert time.monotonic() - t0 < 1.3
+        timer.join()
+    finally:
+        t0 = time.monotonic()
+        h.leave()
+        assert time.monotonic() - t0 < 1.0  # its threads' waits end at once too
+        store.close()
+        if server is not None:
+            server.stop()
+
+
+def test_leave_from_another_thread_ends_a_join_as_left() -> None:
+    store = MemoryStore()
+    h = _node(store, "a", 2, 2)
+    threading.Timer(0.3, h.leave).start()
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousClosedError, match="left"):
+        h.next_rendezvous()
+    assert time.monotonic() - t0 < 1.3
