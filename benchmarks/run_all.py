@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import bench_hang
 import bench_launch
 import bench_overhead
 import bench_progress
@@ -38,6 +39,7 @@ SECTIONS: dict[str, Callable[[str], Section]] = {
     "rendezvous": bench_rendezvous.run,
     "store": bench_store.run,
     "progress": bench_progress.run,
+    "hang": bench_hang.run,
 }
 
 

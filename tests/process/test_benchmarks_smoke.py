@@ -139,6 +139,16 @@ def test_progress_benchmark_measures_the_report_against_a_10_ms_step(tmp_path: P
     assert isinstance(raw["report_us_per_10ms_step"], float)
 
 
+@pytest.mark.torch
+def test_hang_benchmark_times_the_verdict_and_sees_torchrun_not_notice(tmp_path: Path) -> None:
+    data = _run_module("bench_hang.py", tmp_path)
+    assert set(_samples(data, "verdict_s")) == {"--hang-timeout 2"}
+    assert _samples(data, "noticed") == {"--hang-timeout 2": [0.0]}
+    raw = data["raw"]
+    assert isinstance(raw, dict)
+    assert raw["verdict_minus_timeout_s"]["--hang-timeout 2"] <= 2.0
+
+
 def test_run_all_writes_the_report_and_the_charts(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     proc = subprocess.run(
