@@ -10,7 +10,6 @@ returns the creator).
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import threading
 from collections.abc import Callable
 
@@ -65,6 +64,8 @@ class RendezvousHandlerRegistry:
             self._creators[backend] = creator
 
     def names(self) -> list[str]:
+        import importlib.metadata  # ~25 ms (email.* behind it): only off the launch path
+
         found = set(self._creators) | set(BUILTIN_BACKENDS)
         for group in (ENTRY_POINT_GROUP, TORCH_ENTRY_POINT_GROUP):
             found.update(ep.name for ep in importlib.metadata.entry_points(group=group))
@@ -76,6 +77,8 @@ class RendezvousHandlerRegistry:
                 return self._creators[backend]
         if backend in BUILTIN_BACKENDS:
             return _load(BUILTIN_BACKENDS[backend])
+        import importlib.metadata  # plugins only: a built-in backend never pays for it
+
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             if ep.name == backend:
                 creator: RendezvousHandlerCreator = ep.load()
