@@ -49,6 +49,7 @@ from elastrun.rendezvous.api import (
     RendezvousInfo,
     RoundOutcome,
 )
+from elastrun.rendezvous.elastic import ElasticRendezvous, as_elastic
 from elastrun.rendezvous.local import LocalRendezvousHandler
 from elastrun.store.torchwire.lazy import LazyTorchWireServer
 from elastrun.supervise.failures.failure import ProcessFailure
@@ -226,7 +227,8 @@ class LocalElasticAgent:
         self._shutdown = shutdown if shutdown is not None else ShutdownRequest()
         self._starter = starter
         self._policy = policy if policy is not None else RestartAll()
-        self._budget = budget if budget is not None else _default_budget(self._handler, spec)
+        self._rdzv = as_elastic(self._handler)  # what the agent needs beyond torch's methods
+        self._budget = budget if budget is not None else _default_budget(self._rdzv, spec)
         self._clock = clock
         self._environ = dict(os.environ if environ is None else environ)
         self._python = python
@@ -310,9 +312,7 @@ class LocalElasticAgent:
             return self._invoke_run()
         finally:
             self._phases.move(AgentPhase.DONE)
-            set_callback = getattr(self._handler, "set_change_callback", None)
-            if set_callback is not None:
-                set_callback(lambda: None)  # its threads may outlive the waker
+            self._rdzv.set_change_callback(lambda: None)  # its threads may outlive the waker
             self._finish_attempt(signal.SIGTERM)
             self._close_bootstrap_store()
             self._shutdown.stop_relay()
@@ -330,13 +330,9 @@ class LocalElasticAgent:
 
     def _invoke_run(self) -> RunResult:
         self._shutdown.start_relay()
-        set_info = getattr(self._handler, "set_node_info", None)
-        if set_info is not None:
-            set_info(self._spec.role, self._spec.local_world_size)
-        set_callback = getattr(self._handler, "set_change_callback", None)
-        if set_callback is not None:
-            # Membership news from the rendezvous' watch thread wakes the loop at once.
-            set_callback(self._shutdown.waker.wake)
+        self._rdzv.set_node_info(self._spec.role, self._spec.local_world_size)
+        # Membership news from the rendezvous' watch thread wakes the loop at once.
+        self._rdzv.set_change_callback(self._shutdown.waker.wake)
         self._guard.start()
         self._check_shutdown()
         self._start_round()
@@ -378,7 +374,7 @@ class LocalElasticAgent:
                 return result
             self._check_stuck_at_exit(attempt)
             if self._handler.num_nodes_waiting() > 0:
-                why = getattr(self._handler, "change_reason", "") or "nodes are waiting to join"
+                why = self._rdzv.change_reason or "nodes are waiting to join"
                 log.info("%s: re-forming the group (no restart counted here)", why)
                 self._events.record("agent.membership_change", {"reason": why})
                 self._metrics.put("agent.membership_changes", 1)
@@ -425,7 +421,7 @@ class LocalElasticAgent:
             log.info("stopped while waiting for the %s", what)
             self._check_shutdown()
 
-        if not getattr(self._handler, "observes_cancel_scope", False):
+        if not self._rdzv.observes_cancel_scope:
             return call_interruptibly(call, self._shutdown, on_signal, what)
         try:
             with self._shutdown.scope.active():
@@ -832,16 +828,14 @@ class LocalElasticAgent:
             values[attempt.plan.workers[lr].ranks.global_rank] = proc.return_value()
         self._finish_attempt(signal.SIGTERM)
         self._phases.move(AgentPhase.EXIT_BARRIER)
-        barrier = getattr(self._handler, "exit_barrier", None)
-        if barrier is not None and (self._group.group_world_size or 1) > 1:
+        if self._rdzv.has_exit_barrier and (self._group.group_world_size or 1) > 1:
             log.info("workers finished; waiting for the other nodes (exit barrier)")
             outcome = self._interruptible(
-                lambda: barrier(self._exit_barrier_timeout), "exit barrier"
+                lambda: self._rdzv.exit_barrier(self._exit_barrier_timeout), "exit barrier"
             )
-            if isinstance(outcome, BarrierResult):
-                result = self._after_barrier(outcome)
-                if not isinstance(result, bool):
-                    return result
+            result = self._after_barrier(outcome)
+            if not isinstance(result, bool):
+                return result
         self._transition(WorkerState.SUCCEEDED)
         self._events.record("agent.succeeded", {"restarts": self._budget.used})
         log.info("all %d worker(s) finished successfully", len(values))
@@ -987,10 +981,10 @@ def _write_workers_file(envs: dict[int, dict[str, str]], procs: list[WorkerProce
         log.debug("could not write workers.json: %s", exc)
 
 
-def _default_budget(handler: RendezvousHandler, spec: WorkerSpec) -> RestartBudget:
+def _default_budget(rdzv: ElasticRendezvous, spec: WorkerSpec) -> RestartBudget:
     """Job-wide when the rendezvous keeps a budget in its store, else this agent's own."""
-    if hasattr(handler, "report_failure") and hasattr(handler, "restarts_used"):
-        return JobRestartBudget(handler, spec.max_restarts)
+    if rdzv.keeps_job_budget:
+        return JobRestartBudget(rdzv, spec.max_restarts)
     return LocalRestartBudget(spec.max_restarts)
 
 

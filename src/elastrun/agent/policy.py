@@ -56,6 +56,9 @@ class LocalRestartBudget:
 class JobBudgetSource(Protocol):
     """A rendezvous that keeps the job-wide restart budget (the dynamic rendezvous)."""
 
+    #: Why the last failure got no restart, when the budget was not the reason.
+    refusal: str | None
+
     def report_failure(self, max_restarts: int, what: str = "") -> bool: ...
 
     def restarts_used(self) -> int: ...
@@ -86,8 +89,7 @@ class JobRestartBudget:
     @property
     def refusal(self) -> str | None:
         """Why the last failure got no restart, when the budget was not the reason."""
-        reason = getattr(self._source, "refusal", None)
-        return reason if isinstance(reason, str) else None
+        return self._source.refusal
 
     def __repr__(self) -> str:
         return f"JobRestartBudget(limit={self._limit})"

@@ -198,9 +198,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     # -- torch-compatible surface ------------------------------------------------------
 
-    #: Its store waits observe the caller's current cancel scope (``core.cancel``): the
-    #: agent runs it in its shutdown scope instead of a helper thread.
+    # ``elastic.ElasticRendezvous``: its store waits observe the caller's current cancel
+    # scope (the agent runs it in its shutdown scope), it keeps the job-wide budget in
+    # its store and it has an exit barrier.
     observes_cancel_scope = True
+    keeps_job_budget = True
+    has_exit_barrier = True
 
     def get_backend(self) -> str:
         return self._backend
