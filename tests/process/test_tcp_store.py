@@ -438,14 +438,14 @@ def test_a_lease_survives_a_brief_reconnect(servers: list[Server], tmp_path: Pat
         lease = agent.grant_lease(30)
         agent.set("agents/me", b"here", lease=lease)
         _, revision = observer.get_prefix("")
-        connection = agent._conn
+        connection = agent._dialer.current
         assert connection is not None
         connection.sock.shutdown(socket.SHUT_RDWR)  # the network drops under the client
         # Well past the grace: had the client not resumed its lease, the key would go.
         result = observer.watch("agents/", revision, 2.0)
         assert result.events == ()
         assert observer.get("agents/me") == b"here"
-        assert agent._conn is not connection  # it did reconnect
+        assert agent._dialer.current is not connection  # it did reconnect
         assert agent.keep_alive(lease) is True
         agent.set("agents/me", b"still here", lease=lease)
         assert observer.get("agents/me") == b"still here"
@@ -466,7 +466,7 @@ def test_a_watch_cut_off_by_a_dropped_connection_resumes_without_loss() -> None:
             thread = threading.Thread(
                 target=lambda: results.append(watcher.watch("room/door", revision, 10))
             )
-            connection = watcher._conn
+            connection = watcher._dialer.current
             assert connection is not None
             thread.start()
             time.sleep(0.2)  # the watch is in flight
@@ -474,7 +474,7 @@ def test_a_watch_cut_off_by_a_dropped_connection_resumes_without_loss() -> None:
             writer.set("room/door", b"open")  # possibly while the watcher reconnects
             thread.join(10)
             assert [(e.key, e.value) for e in results[0].events] == [("room/door", b"open")]
-            assert watcher._conn is not connection
+            assert watcher._dialer.current is not connection
     finally:
         server.stop()
 

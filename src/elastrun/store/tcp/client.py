@@ -23,153 +23,29 @@ share its outcome instead of dialling again one after the other, so a dead serve
 in a caller that makes a few calls in a row). After the deadline a call makes one short
 attempt of its own -- a server that came back is found -- and otherwise fails at once
 with ``StoreUnavailableError``.
+
+One connection, its reader thread and its handshake are in :mod:`.link`; keeping it up
+across outages (dialling, backoff, the outage window, the leases to resume) is the
+:class:`~elastrun.store.tcp.dialer.Dialer`'s; this module has the requests and the
+store model.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import itertools
-import logging
 import math
-import os
-import random
-import selectors
-import socket
 import threading
 import time
-from collections.abc import Callable
 
 from elastrun.core.cancel import Cancelled, CancelScope, is_default, scope_or_default
-from elastrun.core.errors import ConfigError, StoreAuthError, StoreError, StoreUnavailableError
+from elastrun.core.errors import ConfigError, StoreError, StoreUnavailableError
 from elastrun.store.api import WatchResult
 from elastrun.store.tcp import protocol as p
+from elastrun.store.tcp.dialer import Dialer
+from elastrun.store.tcp.link import Connection, NotSent, Pending
 
-log = logging.getLogger(__name__)
-
-_BACKOFF_FIRST = 0.05
-_BACKOFF_CAP = 1.0
 #: How often a call cut off by a dropped connection is re-sent (when that is harmless).
 _RETRIES = 3
-_JOIN_TIMEOUT = 5.0
-#: Longest single connection attempt (handshake included); the dialer then retries.
-_ATTEMPT_CAP = 5.0
-#: Shortest one: the last attempt of a window, or a call's one attempt after it, gets
-#: this long for the connection and the handshake even when less of the window is left.
-_ATTEMPT_MIN = 0.5
-
-
-class _Pending:
-    """One request waiting for its answer."""
-
-    __slots__ = ("_done", "answer", "lost")
-
-    # ``interrupt`` wakes the waiter with neither an answer nor a loss: its scope was
-    # cancelled (the caller stops waiting; a late answer is dropped).
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self.answer: p.Message | None = None
-        self.lost = False
-
-    def resolve(self, answer: p.Message) -> None:
-        self.answer = answer
-        self._done.set()
-
-    def fail(self) -> None:
-        self.lost = True
-        self._done.set()
-
-    def interrupt(self) -> None:
-        self._done.set()
-
-    def wait(self, timeout: float | None) -> bool:
-        return self._done.wait(timeout)
-
-
-class _NotSent(Exception):
-    """The request never fully left this process: sending it again is always safe."""
-
-
-class _Connection:
-    """One authenticated socket, its reader thread and the requests awaiting answers."""
-
-    def __init__(
-        self,
-        sock: socket.socket,
-        buf: bytearray,
-        max_frame: int,
-        label: str,
-        on_lost: Callable[[_Connection], None],
-    ) -> None:
-        self.sock = sock
-        self.max_frame = max_frame
-        self._buf = buf
-        self._on_lost = on_lost
-        self._pending: dict[int, _Pending] = {}
-        self._lock = threading.Lock()  # guards _pending, alive, and closing the socket
-        self._send_lock = threading.Lock()  # one frame at a time on the wire
-        self.alive = True
-        self.thread = threading.Thread(
-            target=self._read_loop, name=f"elastrun-store-client {label}", daemon=True
-        )
-
-    def __repr__(self) -> str:
-        state = "alive" if self.alive else "closed"
-        return f"_Connection({state}, pending={len(self._pending)})"
-
-    def send(self, rid: int, frame: bytes) -> _Pending:
-        pending = _Pending()
-        with self._lock:
-            if not self.alive:
-                raise _NotSent
-            self._pending[rid] = pending
-        try:
-            with self._send_lock:
-                self.sock.sendall(frame)
-        except OSError:
-            # sendall fails before the kernel took the whole frame: the server never
-            # saw a complete request, so it cannot have applied it.
-            with self._lock:
-                self._pending.pop(rid, None)
-            self.abort()
-            raise _NotSent from None
-        return pending
-
-    def forget(self, rid: int) -> None:
-        with self._lock:
-            self._pending.pop(rid, None)
-
-    def abort(self) -> None:
-        """Cut the connection; the reader thread notices, fails pending calls, cleans up."""
-        with self._lock:
-            if self.alive:
-                with contextlib.suppress(OSError):
-                    self.sock.shutdown(socket.SHUT_RDWR)
-
-    def _read_loop(self) -> None:
-        try:
-            while True:
-                answer = p.recv_frame(self.sock, self.max_frame, self._buf)
-                rid = answer.get("id")
-                with self._lock:
-                    pending = self._pending.pop(rid, None) if isinstance(rid, int) else None
-                if pending is not None:
-                    pending.resolve(answer)
-        except (OSError, p.FrameError) as exc:  # ConnectionError is an OSError
-            log.debug("store connection closed: %r", exc)
-        finally:
-            with self._lock:
-                self.alive = False
-                orphans = list(self._pending.values())
-                self._pending.clear()
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)  # unblocks a sender stuck on a full buffer
-            with self._send_lock:
-                self.sock.close()  # never under a sender: its descriptor could be reused
-            for pending in orphans:
-                pending.fail()
-            self._on_lost(self)
 
 
 class TcpStore:
@@ -210,27 +86,10 @@ class TcpStore:
             raise ConfigError("connect_timeout", connect_timeout, "must be >= 0")
         if not request_timeout > 0:
             raise ConfigError("request_timeout", request_timeout, "must be > 0")
-        self._host = host
-        self._port = port
         self._where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self._token = token
-        self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # guards _conn, _leases, _threads, _dialing
-        self._dialer = threading.Condition()  # one dialer at a time (``_dial_busy``)
-        self._dial_busy = False
-        self._life = CancelScope()  # cancelled by ``close``: ends every wait
-        self._conn: _Connection | None = None
-        self._leases: set[int] = set()
-        self._threads: list[threading.Thread] = []
-        self._dialing: socket.socket | None = None
-        self._closed = threading.Event()
-        # The outage: when the server stopped answering (None while connected), whether
-        # it ever answered, and the end of the last window that ran out: (when, message).
-        self._down_since: float | None = None
-        self._ever_connected = False
-        self._failed: tuple[float, str] | None = None
+        self._dialer = Dialer(host, port, self._where, token, connect_timeout)
 
     # -- connection management -----------------------------------------------------------
 
@@ -240,178 +99,9 @@ class TcpStore:
         Raises ``StoreError`` (``StoreAuthError`` for a refused token).
         """
         try:
-            self._connection(self._life)
+            self._dialer.connection(self._dialer.life)
         except Cancelled:
             raise StoreError(f"the client of the store at {self._where} is closed") from None
-
-    def _connection(self, scope: CancelScope) -> _Connection:
-        conn = self._conn
-        if conn is not None and conn.alive:
-            return conn
-        asked = time.monotonic()
-        self._take_dialer(scope)
-        try:
-            if self._closed.is_set():
-                raise StoreError(f"the client of the store at {self._where} is closed")
-            conn = self._conn
-            if conn is not None and conn.alive:
-                return conn
-            with self._lock:
-                failed = self._failed
-            if failed is not None and failed[0] >= asked:
-                # A window ran out while this call queued for the dialer: its outcome is
-                # this call's too (N queued calls must not each try again in turn).
-                raise self._unavailable(failed[1])
-            conn = self._dial(scope)
-            with self._lock:
-                if self._closed.is_set():
-                    conn.sock.close()
-                    raise StoreError(f"the client of the store at {self._where} is closed")
-                self._conn = conn
-                self._threads = [t for t in self._threads if t.is_alive()]
-                self._threads.append(conn.thread)
-            conn.thread.start()
-            return conn
-        finally:
-            with self._dialer:
-                self._dial_busy = False
-                self._dialer.notify_all()
-
-    def _take_dialer(self, scope: CancelScope) -> None:
-        """Become the one dialer; a cancelled scope stops queueing behind another."""
-
-        def wake() -> None:
-            with self._dialer:
-                self._dialer.notify_all()
-
-        with self._dialer, scope.wakes(wake):
-            while self._dial_busy:
-                scope.raise_if_cancelled()
-                self._dialer.wait()
-            scope.raise_if_cancelled()
-            self._dial_busy = True
-
-    def _dial(self, scope: CancelScope) -> _Connection:
-        with self._lock:
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-            deadline = self._down_since + self._connect_timeout
-        delay = _BACKOFF_FIRST
-        while True:
-            try:
-                attempt = max(_ATTEMPT_MIN, min(_ATTEMPT_CAP, deadline - time.monotonic()))
-                conn = self._open(attempt, scope)
-            except StoreAuthError:
-                raise  # retrying cannot fix a wrong token
-            except _Refused as exc:
-                raise StoreError(str(exc)) from None
-            except (OSError, p.FrameError, p.BadRequest) as exc:
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                if self._closed.is_set():
-                    raise StoreError(f"the client of the store at {self._where} is closed") from exc
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._give_up(reason) from exc
-            else:
-                with self._lock:
-                    self._down_since = self._failed = None
-                    self._ever_connected = True
-                return conn
-            # Full jitter keeps a thousand agents that lost the server together from
-            # coming back in lockstep.
-            scope.sleep(min(left, random.uniform(delay / 2, delay)))
-            delay = min(_BACKOFF_CAP, delay * 2)
-
-    def _give_up(self, reason: str) -> StoreUnavailableError:
-        """The window ran out: remember its outcome for the calls queued behind it."""
-        now = time.monotonic()
-        with self._lock:
-            message = f"cannot reach the store at {self._where}: {reason}"
-            if self._ever_connected:
-                since = self._down_since if self._down_since is not None else now
-                message += f"; it has not answered for {now - since:.0f}s"
-            self._failed = (now, message)
-        return self._unavailable(message)
-
-    def _unavailable(self, message: str) -> StoreUnavailableError:
-        with self._lock:
-            since = self._down_since
-        silent = time.monotonic() - since if since is not None else 0.0
-        return StoreUnavailableError(message, address=self._where, silent_for=silent)
-
-    def _open(self, timeout: float, scope: CancelScope) -> _Connection:
-        # Short attempts; the connect itself ends at once when the scope is cancelled.
-        sock = _connect((self._host, self._port), timeout, scope)
-        with self._lock:
-            self._dialing = sock
-        try:
-            p.tune_socket(sock)
-            buf = bytearray()
-            challenge = p.recv_frame(sock, p.HANDSHAKE_MAX_FRAME, buf)
-            if challenge.get("type") != "challenge":
-                raise p.FrameError(f"the server at {self._where} did not send a challenge")
-            if challenge.get("version") != p.PROTOCOL_VERSION:
-                raise _Refused(
-                    f"the store at {self._where} speaks protocol version "
-                    f"{challenge.get('version')}, this client {p.PROTOCOL_VERSION}"
-                )
-            nonce = p.unb64(challenge.get("nonce"), "nonce")
-            max_frame = p.get_int(challenge, "max_frame")
-            proof = None
-            if challenge.get("auth") is True and self._token is not None:
-                proof = p.proof(self._token, nonce)
-            with self._lock:
-                resume = sorted(self._leases)
-            hello = {
-                "type": "hello",
-                "version": p.PROTOCOL_VERSION,
-                "proof": proof,
-                "resume": resume,
-            }
-            sock.sendall(p.encode(hello, p.HANDSHAKE_MAX_FRAME))
-            reply = p.recv_frame(sock, max(max_frame, p.HANDSHAKE_MAX_FRAME), buf)
-            if reply.get("type") == "error":
-                if reply.get("code") == p.CODE_AUTH:
-                    raise StoreAuthError(
-                        f"store at {self._where} refused authentication: wrong or missing token"
-                    )
-                raise _Refused(f"the store at {self._where} refused: {reply.get('message')}")
-            if reply.get("type") != "welcome":
-                raise p.FrameError(f"the server at {self._where} did not welcome us")
-            lost = p.get_int_list(reply, "lost")
-            if lost:
-                log.warning("store at %s: leases %s expired while reconnecting", self._where, lost)
-                with self._lock:
-                    self._leases.difference_update(lost)
-            sock.settimeout(None)
-        except BaseException:
-            sock.close()
-            raise
-        finally:
-            with self._lock:
-                self._dialing = None
-        return _Connection(sock, buf, max_frame, self._where, self._on_lost)
-
-    def _on_lost(self, conn: _Connection) -> None:
-        # Runs on the dead connection's reader thread. Leases must be resumed within the
-        # server's grace period, which an idle client would miss: reconnect right away.
-        with self._lock:
-            eager = bool(self._leases) and not self._closed.is_set() and self._conn is conn
-        if not eager:
-            return
-        try:
-            self._connection(self._life)
-        except Cancelled:
-            return  # closed meanwhile
-        except StoreError as exc:
-            # Debug only: every caller waiting meanwhile gets this very outcome, and
-            # says it in its own terms (the rendezvous: one line naming the store).
-            log.debug(
-                "lost the connection to the store at %s and could not reconnect; "
-                "its leases will expire: %s",
-                self._where,
-                exc,
-            )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -436,9 +126,12 @@ class TcpStore:
         """
         scope = scope_or_default(scope)
         if is_default(scope):
-            return self._attempt(op, args, retry, what, wait_until, self._life)
+            return self._attempt(op, args, retry, what, wait_until, self._dialer.life)
         outer = scope
-        with self._life.child() as both, outer.wakes(lambda: both.cancel(outer.reason or "")):
+        with (
+            self._dialer.life.child() as both,
+            outer.wakes(lambda: both.cancel(outer.reason or "")),
+        ):
             try:
                 return self._attempt(op, args, retry, what, wait_until, both)
             except Cancelled:
@@ -458,7 +151,7 @@ class TcpStore:
         try:
             return self._request(op, args, retry, what, wait_until, scope)
         except Cancelled:
-            if self._closed.is_set():
+            if self._dialer.closed:
                 raise StoreError(
                     f"{what}: the client of the store at {self._where} is closed"
                 ) from None
@@ -475,9 +168,9 @@ class TcpStore:
     ) -> object:
         attempts = 0
         while True:
-            if self._closed.is_set():
+            if self._dialer.closed:
                 raise StoreError(f"{what}: the client of the store at {self._where} is closed")
-            conn = self._connection(scope)
+            conn = self._dialer.connection(scope)
             patience = self._request_timeout
             if wait_until is not None:
                 left = max(0.0, wait_until - time.monotonic())
@@ -491,35 +184,17 @@ class TcpStore:
             sent_at = time.monotonic()
             try:
                 pending = conn.send(rid, frame)
-            except _NotSent:
+            except NotSent:
                 attempts += 1
                 if attempts > _RETRIES:
                     raise StoreError(
                         f"{what}: the connection to the store at {self._where} keeps dropping"
                     ) from None
                 continue
-            with scope.wakes(pending.interrupt):
-                pending.wait(None if patience > threading.TIMEOUT_MAX else patience)
-            if pending.answer is None and not pending.lost and scope.cancelled:
-                conn.forget(rid)
-                raise Cancelled(scope.reason or "cancelled")
-            if pending.answer is None and not pending.lost:
-                conn.forget(rid)
-                with self._lock:
-                    # The server has been silent since this request left: the outage
-                    # (and every caller's reconnect window) counts from then.
-                    if self._conn is conn and self._down_since is None:
-                        self._down_since = sent_at
-                conn.abort()
-                raise StoreUnavailableError(
-                    f"{what}: the store at {self._where} did not answer within "
-                    f"{patience:.1f}s" + ("" if retry else "; it may or may not have been applied"),
-                    address=self._where,
-                    silent_for=time.monotonic() - sent_at,
-                )
+            self._await(conn, rid, pending, patience, sent_at, retry, what, scope)
             if pending.lost:
                 attempts += 1
-                if self._closed.is_set():
+                if self._dialer.closed:
                     raise StoreError(f"{what}: the client was closed")
                 if not retry:
                     raise StoreError(
@@ -535,6 +210,37 @@ class TcpStore:
             if answer.get("ok") is True:
                 return answer.get("result")
             raise p.error_from_code(answer.get("code"), str(answer.get("message")))
+
+    def _await(
+        self,
+        conn: Connection,
+        rid: int,
+        pending: Pending,
+        patience: float,
+        sent_at: float,
+        retry: bool,
+        what: str,
+        scope: CancelScope,
+    ) -> None:
+        """Wait for ``pending`` to be answered or lost; raise ``Cancelled`` when ``scope``
+        is, and ``StoreUnavailableError`` (cutting the connection) past ``patience``."""
+        with scope.wakes(pending.interrupt):
+            pending.wait(None if patience > threading.TIMEOUT_MAX else patience)
+        if pending.answer is None and not pending.lost and scope.cancelled:
+            conn.forget(rid)
+            raise Cancelled(scope.reason or "cancelled")
+        if pending.answer is None and not pending.lost:
+            conn.forget(rid)
+            # The server has been silent since this request left: the outage
+            # (and every caller's reconnect window) counts from then.
+            self._dialer.went_silent(conn, sent_at)
+            conn.abort()
+            raise StoreUnavailableError(
+                f"{what}: the store at {self._where} did not answer within "
+                f"{patience:.1f}s" + ("" if retry else "; it may or may not have been applied"),
+                address=self._where,
+                silent_for=time.monotonic() - sent_at,
+            )
 
     # -- the store model -----------------------------------------------------------------
 
@@ -595,8 +301,7 @@ class TcpStore:
         lease = _int(
             self._call("grant_lease", {"ttl": ttl}, retry=True, what=f"grant_lease({ttl})")
         )
-        with self._lock:
-            self._leases.add(lease)
+        self._dialer.hold(lease)
         return lease
 
     def keep_alive(self, lease: int) -> bool:
@@ -604,13 +309,11 @@ class TcpStore:
             self._call("keep_alive", {"lease": lease}, retry=True, what=f"keep_alive({lease})")
         )
         if not alive:
-            with self._lock:
-                self._leases.discard(lease)
+            self._dialer.release(lease)
         return alive
 
     def revoke_lease(self, lease: int) -> None:
-        with self._lock:
-            self._leases.discard(lease)  # first: a reconnect must not resume it
+        self._dialer.release(lease)  # first: a reconnect must not resume it
         self._call("revoke_lease", {"lease": lease}, retry=True, what=f"revoke_lease({lease})")
 
     def watch(
@@ -649,19 +352,7 @@ class TcpStore:
         The server revokes this client's leases after its grace period (at most their
         TTL), so its keys vanish shortly after.
         """
-        self._closed.set()
-        self._life.cancel("the client was closed")
-        with self._lock:
-            conn, dialing, threads = self._conn, self._dialing, list(self._threads)
-        if dialing is not None:
-            with contextlib.suppress(OSError):
-                dialing.shutdown(socket.SHUT_RDWR)
-        if conn is not None:
-            conn.abort()
-        for thread in threads:
-            if thread is not threading.current_thread() and thread.ident is not None:
-                thread.join(_JOIN_TIMEOUT)
-        self._life.close()
+        self._dialer.close()
 
     def __enter__(self) -> TcpStore:
         return self
@@ -670,57 +361,13 @@ class TcpStore:
         self.close()
 
     def __repr__(self) -> str:
-        conn = self._conn
+        conn = self._dialer.current
         state = (
             "closed"
-            if self._closed.is_set()
+            if self._dialer.closed
             else ("connected" if conn is not None and conn.alive else "disconnected")
         )
-        return f"TcpStore({self._where}, {state}, leases={sorted(self._leases)})"
-
-
-def _connect(address: tuple[str, int], timeout: float, scope: CancelScope) -> socket.socket:
-    """A connected socket (blocking, with ``timeout``); the connect is non-blocking
-    underneath so that a cancelled scope ends it at once."""
-    host, port = address
-    error: OSError | None = None
-    until = time.monotonic() + timeout
-    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            code = sock.connect_ex(addr)
-            if code in (errno.EINPROGRESS, errno.EAGAIN):
-                with selectors.DefaultSelector() as sel:
-                    sel.register(sock, selectors.EVENT_WRITE)
-                    sel.register(scope.fileno(), selectors.EVENT_READ)
-                    sel.select(max(0.0, until - time.monotonic()))
-                scope.raise_if_cancelled()
-                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if code == 0 and not _connected(sock):
-                    code = errno.ETIMEDOUT
-            if code:
-                raise OSError(code, os.strerror(code))
-            sock.settimeout(max(0.001, until - time.monotonic()))
-            return sock
-        except BaseException as exc:
-            sock.close()
-            if not isinstance(exc, OSError):
-                raise
-            error = exc
-    raise error if error is not None else OSError(f"cannot resolve {host!r}")
-
-
-def _connected(sock: socket.socket) -> bool:
-    try:
-        sock.getpeername()
-    except OSError:
-        return False
-    return True
-
-
-class _Refused(Exception):
-    """The server turned this client away for good (not a transient failure)."""
+        return f"TcpStore({self._where}, {state}, leases={self._dialer.leases()})"
 
 
 def _int(value: object) -> int:
