@@ -1,0 +1,172 @@
+"""The agent's end of the in-process channel (see ``core.inprocess_wire``).
+
+One Unix socket per agent, in a private directory. Workers that use
+``elastrun.inprocess.run`` connect and say hello (their opt-in); the agent announces
+rounds to them and learns when each has synchronised. A thread of its own serves the
+socket and wakes the agent loop on every message; the agent reads the hub's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastrun.core import inprocess_wire as wire
+from elastrun.core.waker import Waker
+
+log = logging.getLogger("elastrun.agent")
+
+# A Unix socket's path must fit in 108 bytes: a long TMPDIR falls back to /tmp.
+_PATH_ROOM = 90
+
+
+@dataclass
+class _Peer:
+    sock: socket.socket
+    reader: wire.LineReader = field(default_factory=wire.LineReader)
+    local_rank: int | None = None
+    pid: int | None = None
+
+
+class InprocessHub:
+    """Which local workers recover in place, and how far each got in a round."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self._dir = _private_dir()
+        self.path = os.path.join(self._dir, "s")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._lock = threading.Lock()
+        self._peers: dict[socket.socket, _Peer] = {}
+        self._hello: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
+        self._synced: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
+        self._stop = Waker()
+        self._thread = threading.Thread(target=self._serve, name="elastrun-inprocess", daemon=True)
+        self._thread.start()
+
+    # -- what the agent asks ------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        """What every worker's environment gets so that it can opt in."""
+        return {wire.SOCKET_ENV: self.path}
+
+    def opted_in(self, local_rank: int, pid: int) -> bool:
+        with self._lock:
+            said = self._hello.get(local_rank)
+        return said is not None and said[0] == pid
+
+    def synced(self, local_rank: int, pid: int, round_no: int) -> bool:
+        with self._lock:
+            said = self._synced.get(local_rank)
+        return said is not None and said == (pid, round_no)
+
+    def announce(
+        self, round_no: int, envs: dict[int, dict[str, str]], pids: dict[int, int]
+    ) -> None:
+        """Send round ``round_no`` to the workers ``pids`` (local rank -> pid) with their
+        environment."""
+        with self._lock:
+            peers = [p for p in self._peers.values() if p.local_rank in pids]
+        for peer in peers:
+            assert peer.local_rank is not None
+            if peer.pid != pids[peer.local_rank]:
+                continue  # a replaced worker's connection, still closing
+            env = {k: v for k, v in envs[peer.local_rank].items() if k in wire.ROUND_VARIABLES}
+            with contextlib.suppress(OSError):
+                peer.sock.sendall(wire.encode({"op": "round", "round": round_no, "env": env}))
+
+    # -- serving -------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ, "listen")
+            sel.register(self._stop.fileno(), selectors.EVENT_READ, "stop")
+            while True:
+                for key, _ in sel.select():
+                    if key.data == "stop":
+                        return
+                    if key.data == "listen":
+                        self._accept(sel)
+                    else:
+                        self._read(sel, key.fileobj)  # type: ignore[arg-type]  # a peer socket
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, OSError):
+            return
+        sock.setblocking(False)
+        with self._lock:
+            self._peers[sock] = _Peer(sock)
+        sel.register(sock, selectors.EVENT_READ, "peer")
+
+    def _read(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        peer = self._peers[sock]
+        try:
+            data = sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        messages: list[dict[str, Any]] = []
+        try:
+            messages = peer.reader.feed(data) if data else []
+        except wire.WireError as exc:
+            log.debug("in-process channel: %s", exc)
+            data = b""
+        for message in messages:
+            self._note(peer, message)
+        if not data:
+            sel.unregister(sock)
+            with self._lock:
+                self._peers.pop(sock, None)
+            sock.close()
+        if messages:
+            self._wake()
+
+    def _note(self, peer: _Peer, message: dict[str, Any]) -> None:
+        try:
+            lr, round_no = int(message["local_rank"]), int(message.get("round", 0))
+        except (KeyError, TypeError, ValueError):
+            return
+        op = message["op"]
+        with self._lock:
+            if op == "hello":
+                peer.local_rank, peer.pid = lr, int(message.get("pid", 0))
+                self._hello[lr] = (peer.pid, round_no)
+            elif op == "synced" and peer.pid is not None:
+                self._synced[lr] = (peer.pid, round_no)
+
+    def close(self) -> None:
+        self._stop.wake()
+        self._thread.join(timeout=5)
+        with self._lock:
+            peers = list(self._peers)
+            self._peers.clear()
+        for sock in peers:
+            sock.close()
+        self._listener.close()
+        self._stop.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        return f"InprocessHub({self.path!r}, opted_in={sorted(self._hello)})"
+
+
+def _private_dir() -> str:
+    base = tempfile.gettempdir()
+    if len(base) > _PATH_ROOM - 30:
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="elastrun-ip-", dir=base)

@@ -1,0 +1,92 @@
+"""The local channel of in-process recovery: what an agent and its workers say.
+
+The agent listens on a Unix stream socket whose path it gives every worker in
+``ELASTRUN_INPROCESS_SOCKET``. A worker that uses ``elastrun.inprocess.run`` connects
+once and keeps the connection for its life; each message is one line of JSON.
+
+worker -> agent
+  ``{"op": "hello", "local_rank": LR, "pid": PID, "round": N}``
+      the worker recovers in place (the opt-in); N is the in-process round it runs in
+  ``{"op": "joined", "local_rank": LR, "round": N}``
+      the worker took round N's environment and is about to synchronise state
+  ``{"op": "synced", "local_rank": LR, "round": N, "commit": C}``
+      it holds commit C, the newest of the round, and calls the training function again
+
+agent -> worker
+  ``{"op": "round", "round": N, "env": {...}}``
+      a worker was replaced: round N starts, with these environment variables
+
+Nothing here imports more than the standard library: both sides use it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: Where the agent's socket is (set only when the agent offers in-process recovery).
+SOCKET_ENV = "ELASTRUN_INPROCESS_SOCKET"
+#: The in-process round a worker starts in (0: the attempt's first; a replacement
+#: starts in a later one and takes the newest commit of its peers).
+ROUND_ENV = "ELASTRUN_INPROCESS_ROUND"
+#: Seconds a worker whose collective failed waits for the agent to announce a round.
+WAIT_ENV = "ELASTRUN_INPROCESS_WAIT"
+
+#: The variables a round message may change (the rest of the environment stays).
+ROUND_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    ROUND_ENV,
+)
+
+MAX_LINE = 1 << 20
+
+
+class WireError(Exception):
+    """A line that is not a message of this channel."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":"), sort_keys=True).encode() + b"\n"
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(line)
+    except ValueError:
+        raise WireError(f"not JSON: {line[:80]!r}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise WireError(f"not a message: {line[:80]!r}")
+    return message
+
+
+class LineReader:
+    """Splits a byte stream into lines (messages), at most ``MAX_LINE`` bytes each."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buf += data
+        out: list[dict[str, Any]] = []
+        while True:
+            end = self._buf.find(b"\n")
+            if end < 0:
+                if len(self._buf) > MAX_LINE:
+                    raise WireError("line too long")
+                return out
+            line = bytes(self._buf[:end])
+            del self._buf[: end + 1]
+            if line.strip():
+                out.append(decode(line))

@@ -1,0 +1,28 @@
+"""In-process recovery: when a worker fails, the others keep their processes and state.
+
+    import elastrun.inprocess as inprocess
+
+    state = inprocess.State(model=model, optimizer=optimizer, step=0)
+
+    @inprocess.run
+    def train(state):
+        dist.init_process_group("gloo")
+        ...
+        state.step += 1
+        state.commit()
+
+    train(state)
+
+Under elastrun, a worker that fails (dies or raises) is replaced by a new process and
+the others recover in place: their failed collective raises, ``run`` rolls the state
+back to the last commit, takes the next round's environment, hands the newest commit to
+every rank that is behind (the replacement included) and calls the function again.
+Outside elastrun the decorator just calls the function. See docs/inprocess.md.
+"""
+
+from __future__ import annotations
+
+from elastrun.inprocess.recovery import peer_gone, run
+from elastrun.inprocess.state import State
+
+__all__ = ["State", "peer_gone", "run"]

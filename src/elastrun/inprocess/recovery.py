@@ -1,0 +1,151 @@
+"""``run``: call a training function again, in the same process, after a peer failed.
+
+The loop of one worker (see ``elastrun.inprocess`` for the contract):
+
+1. Outside elastrun (no agent channel in the environment) the function is simply
+   called once: the decorator costs nothing under ``python`` or torchrun.
+2. Otherwise the worker says hello (the opt-in: the agent now replaces only a failed
+   worker instead of restarting the group) and calls the function.
+3. A collective that fails because a peer died raises here. The worker destroys its
+   process group (aborting it first where the backend can), rolls the state back to
+   its last commit and waits for the agent's next round. It takes the round's
+   environment, synchronises the state with the round's other ranks (the newest commit
+   wins) and calls the function again.
+4. Any other exception is the worker's own failure: it propagates, the process ends,
+   and the agent replaces it.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from elastrun.core import inprocess_wire as wire
+from elastrun.inprocess.channel import Channel
+from elastrun.inprocess.state import State
+
+log = logging.getLogger("elastrun.inprocess")
+
+R = TypeVar("R")
+
+#: How long a worker whose collective failed waits for the agent's round by default.
+DEFAULT_WAIT = 120.0
+
+# Words in the message of a collective that failed because a peer went away (gloo and
+# NCCL raise plain RuntimeErrors; newer torch raises DistError subclasses).
+_PEER_GONE = (
+    "gloo",
+    "nccl",
+    "connection reset",
+    "connection closed",
+    "broken pipe",
+    "socket",
+    "timed out",
+    "processgroup",
+)
+
+
+def run(fn: Callable[..., R]) -> Callable[..., R]:
+    """Decorate ``train(state, ...)`` so that a peer's failure costs only the steps
+    since the last ``state.commit()`` (see ``elastrun.inprocess``)."""
+
+    @functools.wraps(fn)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
+        if not isinstance(state, State):
+            raise TypeError(
+                f"the first argument must be an elastrun.inprocess.State, not {state!r}"
+            )
+        channel = Channel.from_env()
+        if channel is None:
+            return fn(state, *args, **kwargs)
+        try:
+            return _recovering(channel, fn, state, args, kwargs)
+        finally:
+            channel.close()
+
+    return wrapper
+
+
+def _recovering(
+    channel: Channel,
+    fn: Callable[..., R],
+    state: State,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> R:
+    round_no = int(os.environ.get(wire.ROUND_ENV, "0") or 0)
+    wait = float(os.environ.get(wire.WAIT_ENV, "") or DEFAULT_WAIT)
+    channel.send("hello", pid=os.getpid(), round=round_no)
+    while True:
+        if round_no > 0:
+            _synchronise(state, round_no)
+            channel.send("synced", round=round_no, commit=state.commit_id)
+        try:
+            return fn(state, *args, **kwargs)
+        except Exception as exc:
+            if not peer_gone(exc):
+                raise
+            log.warning("a collective failed (%s); recovering in place", _first_line(exc))
+        _teardown()
+        state.rollback()
+        message = channel.wait_round(round_no, wait)
+        if message is None:
+            raise RuntimeError(
+                f"a collective failed and no new round was announced within {wait:.0f}s"
+            )
+        round_no = int(message["round"])
+        _apply_env(message.get("env") or {})
+        channel.send("joined", round=round_no)
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a collective that failed because a peer went away."""
+    for name in ("DistError", "DistBackendError", "DistNetworkError"):
+        kind = _dist_error(name)
+        if kind is not None and isinstance(exc, kind):
+            return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(word in text for word in _PEER_GONE)
+
+
+def _dist_error(name: str) -> type[BaseException] | None:
+    import torch.distributed as dist
+
+    kind = getattr(dist, name, None)
+    return kind if isinstance(kind, type) and issubclass(kind, BaseException) else None
+
+
+def _teardown() -> None:
+    """Drop the broken process group (NCCL: abort its communicators first) and the
+    objects of the failed call that still hold it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if dist.get_backend() == "nccl" and abort is not None:
+            abort()
+        dist.destroy_process_group()
+    gc.collect()  # the failed call's DDP wrapper, and its hooks on the parameters
+
+
+def _apply_env(env: dict[str, str]) -> None:
+    for key in wire.ROUND_VARIABLES:
+        if key in env:
+            os.environ[key] = str(env[key])
+
+
+def _synchronise(state: State, round_no: int) -> None:
+    from elastrun.inprocess.sync import synchronise
+
+    synchronise(state, round_no)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__

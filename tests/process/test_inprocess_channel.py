@@ -1,0 +1,81 @@
+"""The in-process channel: the agent's hub and a worker's channel over a real socket."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from elastrun.agent.inprocess_hub import InprocessHub
+from elastrun.inprocess.channel import Channel
+
+
+def _until(predicate: object, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]  # a callable
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture
+def hub() -> object:
+    woken = threading.Event()
+    made = InprocessHub(woken.set)
+    made.woken = woken  # type: ignore[attr-defined]
+    yield made
+    made.close()
+    assert not os.path.exists(made.path)
+
+
+def test_a_worker_opts_in_learns_rounds_and_reports_it_synced(
+    hub: InprocessHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in hub.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    channel = Channel.from_env()
+    assert channel is not None
+    try:
+        channel.send("hello", pid=4242, round=0)
+        assert _until(lambda: hub.opted_in(1, 4242))
+        assert hub.woken.is_set()  # type: ignore[attr-defined]
+        assert not hub.opted_in(1, 999)  # another process of that local rank
+        assert not hub.opted_in(0, 4242)
+        envs = {1: {"MASTER_PORT": "1234", "RANK": "1", "PATH": "/not/sent"}}
+        hub.announce(1, envs, {1: 4242})
+        hub.announce(2, {1: {"MASTER_PORT": "5678", "RANK": "1"}}, {1: 4242})
+        message = channel.wait_round(0, 5.0)
+        assert message is not None and message["round"] == 2  # the newest supersedes
+        assert message["env"] == {"MASTER_PORT": "5678", "RANK": "1"}
+        assert channel.wait_round(2, 0.1) is None
+        channel.send("synced", round=2, commit=7)
+        assert _until(lambda: hub.synced(1, 4242, 2))
+        assert not hub.synced(1, 4242, 1)
+    finally:
+        channel.close()
+
+
+def test_a_round_for_another_process_of_the_rank_is_not_sent(
+    hub: InprocessHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", hub.path)
+    channel = Channel.from_env()
+    assert channel is not None
+    try:
+        channel.send("hello", pid=1, round=0)
+        assert _until(lambda: hub.opted_in(0, 1))
+        hub.announce(1, {0: {"RANK": "0"}}, {0: 2})  # local rank 0 is now pid 2
+        assert channel.wait_round(0, 0.3) is None
+    finally:
+        channel.close()
+
+
+def test_without_the_agent_there_is_no_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ELASTRUN_INPROCESS_SOCKET", raising=False)
+    assert Channel.from_env() is None
+    monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", "/nonexistent/elastrun.sock")
+    assert Channel.from_env() is None

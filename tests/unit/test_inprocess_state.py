@@ -1,0 +1,78 @@
+"""In-process recovery's worker side without an agent: the state and its commits."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastrun import inprocess
+from elastrun.inprocess import State
+
+
+class Counter:
+    """A stateful object as torch's are: state_dict / load_state_dict."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.value = sd["value"]
+
+
+def test_rollback_returns_every_item_to_the_last_commit() -> None:
+    counter = Counter()
+    state = State(counter=counter, step=0, log=[])
+    assert state.commit_id == 0
+    counter.value, state.step = 5, 5
+    state.log.append("a")
+    state.commit()
+    assert state.commit_id == 1
+    counter.value, state.step = 9, 9
+    state.log.append("b")
+    state.rollback()
+    assert (counter.value, state.step, state.log) == (5, 5, ["a"])
+    assert state.counter is counter  # the same object, reloaded in place
+
+
+def test_a_commit_moves_to_another_rank_with_its_number() -> None:
+    ahead, behind = State(c=Counter(), step=0), State(c=Counter(), step=0)
+    for step in (1, 2, 3):
+        ahead.c.value = step * 10
+        ahead.step = step
+        ahead.commit()
+    behind.import_commit(ahead.export_commit())
+    assert (behind.c.value, behind.step, behind.commit_id) == (30, 3, 3)
+
+
+def test_items_are_attributes_and_private_names_are_refused() -> None:
+    state = State(step=1)
+    state.lr = 0.1
+    assert state.names() == ["lr", "step"]
+    with pytest.raises(AttributeError, match="no item"):
+        _ = state.missing
+    with pytest.raises(AttributeError, match="may not start"):
+        state._hidden = 1
+
+
+def test_outside_elastrun_run_just_calls_the_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ELASTRUN_INPROCESS_SOCKET", raising=False)
+    calls: list[int] = []
+
+    @inprocess.run
+    def train(state: State, extra: int) -> str:
+        calls.append(extra)
+        return "done"
+
+    assert train(State(step=0), 7) == "done"
+    assert calls == [7]
+    with pytest.raises(TypeError, match=r"inprocess\.State"):
+        train(object(), 1)
+
+
+def test_a_collective_that_lost_a_peer_is_told_from_the_workers_own_error() -> None:
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    assert inprocess.peer_gone(gloo)
+    assert not inprocess.peer_gone(ValueError("bad batch"))
+    assert not inprocess.peer_gone(RuntimeError("shape mismatch"))
