@@ -1,8 +1,9 @@
 """``start_processes``: torch's process-context API over elastrun's supervision.
 
 For code written against ``torch.distributed.elastic.multiprocessing``: start N
-workers (a function, or an executable), wait for them, close them. The agent itself uses
-the same pieces (starters, ``ProcessSet``, the output relay) directly.
+workers (a function, or an executable), wait for them, close them. The workers start as
+the agent's do (``supervise.processes.group``: all or none), under the same supervision
+(starters, ``ProcessSet``, the output relay).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from dataclasses import dataclass, field
 
 from elastrun.core.clock import Deadline
 from elastrun.supervise.failures.failure import ProcessFailure
+from elastrun.supervise.processes.group import start_group, start_worker
 from elastrun.supervise.processes.logs import LogsDest, LogsSpecs, reify_or_console
 from elastrun.supervise.processes.procset import ProcessSet
-from elastrun.supervise.processes.relay import OutputRelay
+from elastrun.supervise.processes.relay import OutputRelay, WorkerStdio
 from elastrun.supervise.processes.spawn import (
     ForkStarter,
     FunctionCall,
@@ -108,19 +110,23 @@ class PContext:
         )
         shown = self._logs_specs.local_ranks_filter
         starter = self._starter()
-        procs: list[WorkerProcess] = []
-        for lr in range(self.nprocs):
-            prefix = self._prefixes.get(lr, f"[{self.name}{lr}]:")
-            stdio = relay.wire(lr, dest, prefix, show_on_console=shown is None or lr in shown)
-            try:
-                procs.append(starter.start(self._spec(lr, full_envs[lr], stdio)))
-            finally:
-                stdio.close_in_parent()
-        self._procs = ProcessSet(procs)
 
-    def _spec(self, lr: int, env: dict[str, str], stdio: object) -> ProcessSpec:
-        out = getattr(stdio, "stdout_fd", None)
-        err = getattr(stdio, "stderr_fd", None)
+        def start_one(lr: int) -> WorkerProcess:
+            return start_worker(
+                starter,
+                relay,
+                dest,
+                lr,
+                prefix=self._prefixes.get(lr, f"[{self.name}{lr}]:"),
+                show_on_console=shown is None or lr in shown,
+                make_spec=lambda stdio: self._spec(lr, full_envs[lr], stdio),
+            )
+
+        # All or none: a start that fails midway kills the workers already started.
+        self._procs = ProcessSet(start_group(range(self.nprocs), start_one))
+
+    def _spec(self, lr: int, env: dict[str, str], stdio: WorkerStdio) -> ProcessSpec:
+        out, err = stdio.stdout_fd, stdio.stderr_fd
         if isinstance(self.entrypoint, str):
             argv = (self.entrypoint, *(str(a) for a in self.args[lr]))
             return ProcessSpec(lr, env, argv=argv, stdout_fd=out, stderr_fd=err)
