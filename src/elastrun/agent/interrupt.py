@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from elastrun.core.cancel import Cancelled
 from elastrun.core.shutdown import ShutdownRequest
 
 T = TypeVar("T")
@@ -54,3 +55,25 @@ def call_interruptibly(
         assert isinstance(value, BaseException)
         raise value
     return value  # type: ignore[return-value]  # what ``call`` returned, a T
+
+
+def run_interruptibly(
+    call: Callable[[], T],
+    shutdown: ShutdownRequest,
+    on_signal: Callable[[], None],
+    what: str,
+    *,
+    observes_cancel_scope: bool,
+) -> T:
+    """``call()``, ended by a signal: a call that observes cancel scopes runs in the
+    shutdown request's scope (a signal cancels every store wait inside it); any other
+    runs in a helper thread (``call_interruptibly``). ``on_signal`` is expected to raise.
+    """
+    if not observes_cancel_scope:
+        return call_interruptibly(call, shutdown, on_signal, what)
+    try:
+        with shutdown.scope.active():
+            return call()
+    except Cancelled:
+        on_signal()  # raises ShutdownRequested
+        raise

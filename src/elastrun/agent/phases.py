@@ -4,12 +4,15 @@ The worker group has its states (``WorkerState``: HEALTHY, FAILED...); the agent
 phases of its own, and a signal or a failure elsewhere must be answered in each of them.
 ``PHASE_TRANSITIONS`` is the table of legal moves; ``PhaseMachine.move`` checks it and
 reports every move, so an illegal one is a bug found at once rather than a hang.
+``WORKER_TRANSITIONS`` is the worker group's table (the agent's ``_transition`` checks it).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+
+from elastrun.agent.spec import WorkerState
 
 
 class AgentPhase(enum.Enum):
@@ -37,6 +40,20 @@ PHASE_TRANSITIONS: dict[AgentPhase, frozenset[AgentPhase]] = {
         {AgentPhase.RENDEZVOUS, AgentPhase.DONE}  # the round failed elsewhere: re-form
     ),
     AgentPhase.DONE: frozenset(),
+}
+
+
+# Legal worker-group transitions; the agent's ``_transition`` enforces them and emits an event.
+WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.INIT: frozenset({WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.STOPPED}),
+    WorkerState.HEALTHY: frozenset(
+        {WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED, WorkerState.UNHEALTHY}
+    ),
+    WorkerState.UNHEALTHY: frozenset({WorkerState.FAILED, WorkerState.STOPPED}),
+    WorkerState.STOPPED: frozenset({WorkerState.HEALTHY, WorkerState.FAILED}),
+    WorkerState.SUCCEEDED: frozenset(),
+    WorkerState.FAILED: frozenset(),
+    WorkerState.UNKNOWN: frozenset(),
 }
 
 

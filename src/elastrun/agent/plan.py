@@ -1,7 +1,7 @@
 """The launch plan: ranks, environment and command of every worker, computed purely.
 
 Nothing here touches the system: the base environment, the interpreter path and the
-round's facts are arguments. The executor (``elastrun.agent.local``) applies a plan;
+round's facts are arguments. The executor (``elastrun.agent.workers``) applies a plan;
 ``--dry-run`` prints one.
 """
 
@@ -11,8 +11,13 @@ import os
 import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: ``--dry-run`` plans without a rendezvous
+    from elastrun.agent.spec import WorkerSpec
+    from elastrun.rendezvous.api import RendezvousInfo
 
 LOCAL_RANK_MACRO = "${local_rank}"
 BOOTSTRAP_MODULE = "elastrun.worker.bootstrap"
@@ -230,4 +235,38 @@ def build_plan(
         facts=facts,
         workers=tuple(workers),
         function=None if isinstance(entrypoint, str) else entrypoint,
+    )
+
+
+def node_slots(info: RendezvousInfo, role: str, local_world_size: int) -> list[NodeSlot]:
+    """Every node's share of the round's world, in group-rank order: from the round's
+    shape, else from its members, else ``world_size`` nodes like this one."""
+    nodes = [NodeSlot(r, lws) for r, lws, count in info.shape for _ in range(count)]
+    if not nodes:
+        nodes = [NodeSlot(m.role, m.local_world_size) for m in info.members] or [
+            NodeSlot(role, local_world_size)
+        ] * info.world_size
+    return nodes
+
+
+def round_plan(
+    info: RendezvousInfo,
+    facts: RoundFacts,
+    spec: WorkerSpec,
+    *,
+    base_env: Mapping[str, str],
+    python: str,
+) -> LaunchPlan:
+    """This node's plan for the round ``info`` (whose decisions ``facts`` holds)."""
+    assert spec.entrypoint is not None
+    return build_plan(
+        facts,
+        role=spec.role,
+        local_world_size=spec.local_world_size,
+        nodes=node_slots(info, spec.role, spec.local_world_size),
+        entrypoint=spec.entrypoint,
+        args=spec.args,
+        base_env=base_env,
+        python=python,
+        virtual_local_rank=spec.virtual_local_rank,
     )

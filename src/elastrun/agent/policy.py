@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from elastrun.supervise.processes.procset import Exit
+
+if TYPE_CHECKING:
+    from elastrun.rendezvous.elastic import ElasticRendezvous
 
 
 class RestartBudget(Protocol):
@@ -93,6 +96,13 @@ class JobRestartBudget:
 
     def __repr__(self) -> str:
         return f"JobRestartBudget(limit={self._limit})"
+
+
+def default_budget(rdzv: ElasticRendezvous, max_restarts: int) -> RestartBudget:
+    """Job-wide when the rendezvous keeps a budget in its store, else this agent's own."""
+    if rdzv.keeps_job_budget:
+        return JobRestartBudget(rdzv, max_restarts)
+    return LocalRestartBudget(max_restarts)
 
 
 class Decision(enum.Enum):

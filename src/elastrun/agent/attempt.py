@@ -1,0 +1,102 @@
+"""One attempt: one start of the worker group, its processes and its output wiring.
+
+``AttemptSetup`` is what starting any worker of the attempt needs (its plan, each local
+rank's environment and CPUs, the log destinations, the relay, the starter), computed once
+before the first worker starts; ``WorkerProcesses.start_worker`` starts the worker of one
+local rank from it. ``Attempt`` adds the running processes (``procs``: which process
+serves which local rank) and what the watches note about them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastrun.agent.plan import LaunchPlan
+from elastrun.supervise.processes.logs import LogsDest
+from elastrun.supervise.processes.procset import ProcessSet
+from elastrun.supervise.processes.relay import OutputRelay
+from elastrun.supervise.processes.spawn import ProcessStarter
+
+#: The variable naming the file a worker writes its stacks to on request.
+STACKS_FILE_ENV = "ELASTRUN_STACKS_FILE"
+
+
+@dataclass(frozen=True)
+class AttemptSetup:
+    """How the workers of one attempt are started (the same for each local rank).
+
+    Attributes:
+        number: the attempt's number (0 for the first start of this agent).
+        plan: the round's launch plan.
+        envs: each local rank's complete environment.
+        cpus: each local rank's CPUs (NUMA binding), None for no binding.
+        dest: where each local rank's output goes.
+        relay: relays the attempt's tee'd output; closed when the attempt ends.
+        starter: starts the processes.
+    """
+
+    number: int
+    plan: LaunchPlan
+    envs: dict[int, dict[str, str]]
+    cpus: dict[int, frozenset[int] | None]
+    dest: LogsDest
+    relay: OutputRelay
+    starter: ProcessStarter
+
+
+@dataclass
+class Attempt:
+    """One start of the worker group: its setup, processes and what the watches noted."""
+
+    setup: AttemptSetup
+    procs: ProcessSet
+    started_at: float
+    #: Monotonic time since which every exited worker succeeded and some still run.
+    lonely_since: float | None = None
+    lonely_reported: bool = False
+    hang_handled: bool = False
+
+    @property
+    def number(self) -> int:
+        return self.setup.number
+
+    @property
+    def plan(self) -> LaunchPlan:
+        return self.setup.plan
+
+    @property
+    def dest(self) -> LogsDest:
+        return self.setup.dest
+
+    @property
+    def relay(self) -> OutputRelay:
+        return self.setup.relay
+
+    @property
+    def stderr_files(self) -> dict[int, str]:
+        """``{local_rank: stderr log file}`` of the ranks whose stderr goes to a file."""
+        return {lr: p for lr, p in self.setup.dest.stderrs.items() if p}
+
+    @property
+    def stacks_files(self) -> dict[int, str]:
+        """``{local_rank: stacks file}`` of the ranks that can dump their stacks."""
+        return {
+            lr: env[STACKS_FILE_ENV]
+            for lr, env in self.setup.envs.items()
+            if STACKS_FILE_ENV in env
+        }
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.setup.plan.workers[local_rank].ranks.global_rank
+
+    def stack_requests(self, local_ranks: list[int]) -> dict[int, tuple[int, str]]:
+        """``{local_rank: (pid, stacks file)}`` of these workers, for ``request_stacks``."""
+        pids = self.procs.pids()
+        stacks = self.stacks_files
+        return {lr: (pids[lr], stacks[lr]) for lr in local_ranks if lr in stacks}
+
+    def __repr__(self) -> str:
+        return (
+            f"Attempt(number={self.number}, running={self.procs.running()}, "
+            f"exits={len(self.procs.exits)}, hang_handled={self.hang_handled})"
+        )

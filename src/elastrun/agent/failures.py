@@ -1,0 +1,110 @@
+"""Failed workers: how they are described, recorded and put in the failure report.
+
+Whether the job restarts is the restart policy's decision and the phase transitions are
+the loop's. ``reasons`` (pid -> why elastrun ended that worker on purpose) comes from
+the watches (``AttemptWatches.reasons``).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping
+
+from elastrun.agent.attempt import Attempt
+from elastrun.agent.policy import RestartBudget
+from elastrun.observe.sinks import EventSink
+from elastrun.supervise.failures.failure import ProcessFailure
+from elastrun.supervise.processes.procset import Exit
+
+
+def describe_exit(code: int) -> str:
+    """``exited with code C`` or ``was killed by SIGNAME``."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def describe_failure(attempt: Attempt, first: Exit) -> str:
+    """``rank R (local L) exited with code C``: what the other nodes are told."""
+    rank = attempt.global_rank(first.local_rank)
+    return f"rank {rank} (local {first.local_rank}) {describe_exit(first.exitcode)}"
+
+
+def record_failures(
+    events: EventSink,
+    attempt: Attempt,
+    failed: list[Exit],
+    *,
+    restart: bool,
+    stuck: int | None = None,
+) -> None:
+    """One ``agent.worker_failed`` event per failed exit, whether the job restarts
+    or not (emitted before the restart event, so a log reader sees the cause first)."""
+    for ex in failed:
+        events.record(
+            "agent.worker_failed",
+            {
+                "attempt": attempt.number,
+                "rank": attempt.global_rank(ex.local_rank),
+                "local_rank": ex.local_rank,
+                "exitcode": ex.exitcode,
+                "pid": ex.pid,
+                "by_agent": ex.by_agent and ex.local_rank != stuck,
+                "restart": restart,
+            },
+        )
+
+
+def process_failures(
+    attempt: Attempt, *, host: str, reasons: Mapping[int, str], stuck: int | None
+) -> dict[int, ProcessFailure]:
+    """The failed exits of ``attempt`` by global rank, for the failure report
+    (``stuck``: the local rank stuck in uninterruptible sleep, if that ended the run)."""
+    failures: dict[int, ProcessFailure] = {}
+    for ex in failed_exits(attempt):
+        global_rank = attempt.global_rank(ex.local_rank)
+        failures[global_rank] = ProcessFailure(
+            local_rank=ex.local_rank,
+            pid=ex.pid,
+            exitcode=ex.exitcode,
+            error_file=attempt.dest.error_files.get(ex.local_rank, ""),
+            global_rank=global_rank,
+            host=host,
+            observed_at=ex.observed_at,
+            terminated_by_agent=ex.by_agent and ex.local_rank != stuck,
+            stderr_file=attempt.stderr_files.get(ex.local_rank),
+            reason=reasons.get(ex.pid),
+            log_problem=attempt.relay.log_problem(ex.local_rank),
+        )
+    return failures
+
+
+def failed_exits(attempt: Attempt) -> list[Exit]:
+    """The attempt's failed exits, in the order they were seen."""
+    exits = sorted(attempt.procs.exits.values(), key=lambda e: (e.observed_at, e.local_rank))
+    return [ex for ex in exits if ex.exitcode != 0]
+
+
+def failure_note(
+    budget: RestartBudget, *, stuck: int | None, stalled: str | None, history: list[str]
+) -> str:
+    """Why the job was not restarted, with the earlier failures that were."""
+    limit = budget.limit
+    refusal = getattr(budget, "refusal", None)
+    if stuck is not None:
+        note = f"not restarted: local rank {stuck} was stuck in uninterruptible sleep"
+    elif stalled:
+        note = f"not restarted: the restarts made no progress: {stalled}"
+    elif refusal:
+        note = f"not restarted: {refusal}"
+    else:
+        note = (
+            f"restart budget exhausted: {budget.used} of {limit} restart(s) used "
+            f"(--max-restarts {limit})"
+        )
+    if history:
+        note += "\nearlier failures:\n" + "\n".join(f"  {line}" for line in history)
+    return note

@@ -1,0 +1,119 @@
+"""Joining a round: the rendezvous, this node's launch plan for it, the workers' store.
+
+``Rounds.join`` waits for the next round (the wait ends on a signal), records the round
+in the worker group, plans this node's workers, starts the round's progress exchange and
+serves the workers' bootstrap store when this node is to. Starting the workers is the
+loop's next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from elastrun.agent.bootstrap_store import BootstrapStore
+from elastrun.agent.pace_watch import PaceWatch
+from elastrun.agent.plan import LaunchPlan, RoundFacts, round_plan
+from elastrun.agent.policy import RestartBudget
+from elastrun.agent.report import AgentReport
+from elastrun.agent.spec import WorkerGroup, WorkerSpec
+from elastrun.core.clock import Clock
+from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
+
+#: Runs a blocking call so that a signal ends it (the agent's ``_interruptible``).
+Interruptible = Callable[[Callable[[], RendezvousInfo], str], RendezvousInfo]
+
+
+class Rounds:
+    """The rounds this node joins.
+
+    Args:
+        handler: the rendezvous handler.
+        spec, group: what runs, and the worker group the round is recorded in.
+        budget: the restart budget (its counts go into every worker's environment).
+        environ, python: the agent's environment and interpreter (for the plan).
+        pace: the straggler watch (it exchanges step times through the round's store).
+        report: reports the rendezvous.
+        interruptible: runs the rendezvous wait so that a signal ends it.
+        clock: the agent's.
+    """
+
+    def __init__(
+        self,
+        handler: RendezvousHandler,
+        spec: WorkerSpec,
+        group: WorkerGroup,
+        *,
+        budget: RestartBudget,
+        environ: Mapping[str, str],
+        python: str,
+        pace: PaceWatch,
+        report: AgentReport,
+        interruptible: Interruptible,
+        clock: Clock,
+    ) -> None:
+        self._handler = handler
+        self._spec = spec
+        self._group = group
+        self._budget = budget
+        self._environ = environ
+        self._python = python
+        self._pace = pace
+        self._report = report
+        self._interruptible = interruptible
+        self._clock = clock
+        # The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
+        # node is its group rank 0: it outlives every worker of the round.
+        self._bootstrap_store = BootstrapStore()
+
+    def join(self) -> LaunchPlan:
+        """Wait for the next round (after ``end`` of the previous one); returns this
+        node's plan for it.
+
+        Raises ``ShutdownRequested`` (a signal during the wait), the handler's
+        ``RendezvousError``s, or ``RendezvousError`` when the workers' store cannot be
+        served.
+        """
+        t0 = self._clock.monotonic()
+        info = self._interruptible(self._handler.next_rendezvous, "rendezvous")
+        rdzv_ms = (self._clock.monotonic() - t0) * 1000
+        plan = self._plan(info)
+        self._pace.start_round(
+            info.store, self._handler.get_run_id(), info.round, info.rank, info.world_size
+        )
+        self._bootstrap_store.host(plan, agents_host=self._handler.agent_hosts_bootstrap_store)
+        self._report.rendezvous(info, rdzv_ms)
+        return plan
+
+    def end(self) -> None:
+        """Stop serving the current round's workers' store, if this node serves it."""
+        self._bootstrap_store.close()
+
+    def _plan(self, info: RendezvousInfo) -> LaunchPlan:
+        spec = self._spec
+        group = self._group
+        group.group_rank = info.rank
+        group.group_world_size = info.world_size
+        group.store = info.store
+        group.master_addr = spec.master_addr or info.bootstrap_store_info.master_addr
+        group.master_port = spec.master_port or info.bootstrap_store_info.master_port
+        facts = RoundFacts(
+            run_id=self._handler.get_run_id(),
+            round=info.round,
+            group_rank=info.rank,
+            group_world_size=info.world_size,
+            master_addr=group.master_addr,
+            master_port=group.master_port,
+            restart_count=self._budget.used,
+            max_restarts=self._budget.limit,
+            # The workers bootstrap from a store the agents host with elastrun's own
+            # handlers: every node's workers use it; only rank 0's agent serves it.
+            use_agent_store=self._handler.use_agent_store
+            or self._handler.agent_hosts_bootstrap_store,
+        )
+        return round_plan(info, facts, spec, base_env=self._environ, python=self._python)
+
+    def __repr__(self) -> str:
+        return (
+            f"Rounds(run_id={self._handler.get_run_id()!r}, "
+            f"group_rank={self._group.group_rank}, store={self._bootstrap_store!r})"
+        )

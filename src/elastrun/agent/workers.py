@@ -1,0 +1,287 @@
+"""The agent's worker processes: starting an attempt's group, one local rank at a time,
+and stopping it.
+
+``WorkerProcesses`` is the one place that turns a launch plan into running processes
+(and back): per attempt it computes the setup once (environments, CPUs, log
+destinations, relay, starter), starts the worker of each local rank with
+``start_worker`` (all or none: see ``supervise.processes.group``), records which process
+serves which local rank (the ``ProcessSet`` keyed by local rank, the worker group's ids,
+``workers.json`` for ``elastrun stacks``) and stops the attempt with the one shutdown
+ladder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Protocol
+
+from elastrun.agent.attempt import STACKS_FILE_ENV, Attempt, AttemptSetup
+from elastrun.agent.plan import LaunchPlan
+from elastrun.agent.progress_watch import ProgressWatch
+from elastrun.agent.spec import WorkerGroup, WorkerSpec
+from elastrun.agent.watches import FileTimer
+from elastrun.core.clock import Clock
+from elastrun.core.procinfo import process_start_time
+from elastrun.core.shutdown import ShutdownRequest
+from elastrun.observe.sinks import MetricSink
+from elastrun.supervise.processes.group import start_group, start_worker
+from elastrun.supervise.processes.logs import LogsSpecs, format_line_prefix, reify_or_console
+from elastrun.supervise.processes.numa import binding_cpus, numa_options_from
+from elastrun.supervise.processes.procset import ProcessSet
+from elastrun.supervise.processes.relay import OutputRelay, WorkerStdio
+from elastrun.supervise.processes.spawn import (
+    ForkStarter,
+    FunctionCall,
+    ProcessSpec,
+    ProcessStarter,
+    SubprocessStarter,
+    WorkerProcess,
+)
+
+log = logging.getLogger("elastrun.agent")
+
+
+class Guard(Protocol):
+    """Kills the workers' groups if the agent dies abruptly (see ``OrphanGuard``)."""
+
+    def start(self) -> None: ...
+
+    def watch(self, pgid: int) -> None: ...
+
+    def forget(self, pgid: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class WorkerProcesses:
+    """Starts and stops the worker processes of the agent's attempts.
+
+    Args:
+        spec: what to run (local world size, NUMA options, duplicate filters).
+        group: the worker group whose workers' ids and ranks are kept current.
+        logs: where worker output and error files go.
+        start_method: ``fork`` runs function workers in a fork, else a fresh interpreter.
+        prefix_template: template for tee'd lines (see ``format_line_prefix``).
+        starter: the injected process starter (None: chosen per plan).
+        environ: the agent's environment, under every worker's own variables.
+        python: the interpreter of subprocess workers.
+        guard: told of every worker's process group.
+        file_timer: the expiration-timer watchdog, if on (its variables go to workers).
+        progress: the progress board (its variables go to workers).
+        shutdown: the agent's shutdown request (its waker wakes an attempt's wait; a
+            second signal cuts a stop's grace short).
+        shutdown_timeout: grace between the stop signal and SIGKILL.
+        clock, metrics: the agent's.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        group: WorkerGroup,
+        logs: LogsSpecs,
+        *,
+        start_method: str,
+        prefix_template: str | None,
+        starter: ProcessStarter | None,
+        environ: Mapping[str, str],
+        python: str,
+        guard: Guard,
+        file_timer: FileTimer | None,
+        progress: ProgressWatch,
+        shutdown: ShutdownRequest,
+        shutdown_timeout: float,
+        clock: Clock,
+        metrics: MetricSink,
+    ) -> None:
+        self._spec = spec
+        self._group = group
+        self._logs = logs
+        self._start_method = start_method
+        self._prefix_template = prefix_template
+        self._starter = starter
+        self._environ = environ
+        self._python = python
+        self._guard = guard
+        self._file_timer = file_timer
+        self._progress = progress
+        self._shutdown = shutdown
+        self._shutdown_timeout = shutdown_timeout
+        self._clock = clock
+        self._metrics = metrics
+        self._numa = numa_options_from(spec.numa_options)
+        self._return_dir: str | None = None  # function workers' return values
+
+    # -- starting --------------------------------------------------------------------
+
+    def start(self, plan: LaunchPlan, number: int) -> Attempt:
+        """Start every worker of ``plan`` as attempt ``number``: all of them or none.
+
+        Raises whatever a start raises, after killing the workers already started.
+        """
+        setup = self._setup(plan, number)
+        try:
+            procs = start_group(
+                (w.local_rank for w in plan.workers),
+                lambda lr: self._start_watched(setup, lr),
+                clock=self._clock,
+            )
+        except BaseException:
+            setup.relay.close()
+            raise
+        attempt = Attempt(
+            setup=setup,
+            procs=ProcessSet(procs, wake_fd=self._shutdown.waker.fileno(), clock=self._clock),
+            started_at=self._clock.time(),
+        )
+        self._update_ranks(plan)
+        _write_workers_file(setup.envs, procs)
+        return attempt
+
+    def start_worker(self, setup: AttemptSetup, local_rank: int) -> WorkerProcess:
+        """Start the worker of one local rank of an attempt (its output wired through
+        the attempt's relay); the guard and the worker group are not told."""
+        w = setup.plan.workers[local_rank]
+        prefix = format_line_prefix(
+            self._prefix_template, setup.plan.role, w.ranks.global_rank, local_rank
+        )
+        shown = self._logs.local_ranks_filter
+        return start_worker(
+            setup.starter,
+            setup.relay,
+            setup.dest,
+            local_rank,
+            prefix=prefix,
+            show_on_console=shown is None or local_rank in shown,
+            make_spec=lambda stdio: self._process_spec(setup, local_rank, stdio),
+        )
+
+    def _start_watched(self, setup: AttemptSetup, local_rank: int) -> WorkerProcess:
+        proc = self.start_worker(setup, local_rank)
+        self._guard.watch(proc.pid)
+        self._group.workers[local_rank].id = proc.pid
+        return proc
+
+    def _setup(self, plan: LaunchPlan, number: int) -> AttemptSetup:
+        """Everything the attempt's workers need, before the first one starts (a NUMA
+        binding that cannot be made fails here, with nothing started)."""
+        envs = self._worker_envs(plan)
+        lws = self._spec.local_world_size
+        cpus = {w.local_rank: binding_cpus(self._numa, w.local_rank, lws) for w in plan.workers}
+        # A log directory that fails now (full disk, removed) must not end the agent.
+        dest = reify_or_console(self._logs, envs)
+        _add_stacks_files(envs)
+        relay = OutputRelay(
+            filtered_stdout=dest.filtered_stdout,
+            filtered_stderr=dest.filtered_stderr,
+            stdout_filters=self._spec.duplicate_stdout_filters or (),
+            stderr_filters=self._spec.duplicate_stderr_filters or (),
+        )
+        return AttemptSetup(number, plan, envs, cpus, dest, relay, self._starter_for(plan))
+
+    def _starter_for(self, plan: LaunchPlan) -> ProcessStarter:
+        if self._starter is not None:
+            return self._starter
+        if plan.function is not None and self._start_method == "fork":
+            return ForkStarter()
+        return SubprocessStarter(self._python)
+
+    def _worker_envs(self, plan: LaunchPlan) -> dict[int, dict[str, str]]:
+        """Each worker's environment: the agent's, the plan's, the file timer's and the
+        progress board's variables."""
+        extra: dict[str, str] = {}
+        if self._file_timer is not None:
+            self._file_timer.start(plan.facts.run_id)
+            extra.update(self._file_timer.worker_env())
+        envs = {w.local_rank: {**self._environ, **extra, **w.env} for w in plan.workers}
+        self._progress.add_worker_env(envs)
+        return envs
+
+    def _process_spec(
+        self, setup: AttemptSetup, local_rank: int, stdio: WorkerStdio
+    ) -> ProcessSpec:
+        plan = setup.plan
+        env = setup.envs[local_rank]
+        cpus = setup.cpus[local_rank]
+        out, err = stdio.stdout_fd, stdio.stderr_fd
+        if plan.function is None:
+            argv = plan.workers[local_rank].argv
+            return ProcessSpec(local_rank, env, argv=argv, stdout_fd=out, stderr_fd=err, cpus=cpus)
+        if self._return_dir is None:
+            self._return_dir = tempfile.mkdtemp(prefix="elastrun-ret-")
+        ret = os.path.join(self._return_dir, f"a{setup.number}_r{local_rank}.pkl")
+        call = FunctionCall(plan.function, plan.workers[local_rank].args, ret)
+        return ProcessSpec(local_rank, env, call=call, stdout_fd=out, stderr_fd=err, cpus=cpus)
+
+    def _update_ranks(self, plan: LaunchPlan) -> None:
+        for w in plan.workers:
+            worker = self._group.workers[w.local_rank]
+            worker.global_rank = w.ranks.global_rank
+            worker.role_rank = w.ranks.role_rank
+            worker.world_size = w.ranks.world_size
+            worker.role_world_size = w.ranks.role_world_size
+
+    # -- stopping --------------------------------------------------------------------
+
+    def stop(self, attempt: Attempt, sig: int) -> None:
+        """Stop whatever still runs of ``attempt`` (``sig``, SIGKILL after the grace)
+        and drain its output."""
+        t0 = self._clock.monotonic()
+        running = attempt.procs.running()
+        report = attempt.procs.stop(
+            sig, self._shutdown_timeout, abort_wait=lambda: self._shutdown.count > 1
+        )
+        for pid in attempt.procs.pids().values():
+            self._guard.forget(pid)
+        attempt.relay.close()
+        attempt.procs.close()
+        if running:
+            self._metrics.put(
+                "agent.workers_stop.duration_ms", (self._clock.monotonic() - t0) * 1000
+            )
+            log.info(
+                "stopped %d worker(s) in %.0f ms%s",
+                len(running),
+                (self._clock.monotonic() - t0) * 1000,
+                f" ({len(report.killed)} needed SIGKILL)" if report.killed else "",
+            )
+
+    def close(self) -> None:
+        """Remove the function workers' return values (after the last attempt)."""
+        if self._return_dir:
+            shutil.rmtree(self._return_dir, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkerProcesses(local_world_size={self._spec.local_world_size}, "
+            f"start_method={self._start_method!r}, starter={self._starter!r})"
+        )
+
+
+def _add_stacks_files(envs: dict[int, dict[str, str]]) -> None:
+    """Each worker with an error file dumps its stacks, on request, beside it."""
+    for env in envs.values():
+        error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
+        if error_file and error_file != os.devnull:
+            env[STACKS_FILE_ENV] = os.path.join(os.path.dirname(error_file), "stacks.txt")
+
+
+def _write_workers_file(envs: dict[int, dict[str, str]], procs: list[WorkerProcess]) -> None:
+    """``<attempt>/workers.json``: each local rank's pid, for ``elastrun stacks``."""
+    files = [envs[p.local_rank].get(STACKS_FILE_ENV) for p in procs]
+    if not procs or not files[0]:
+        return
+    attempt_dir = os.path.dirname(os.path.dirname(str(files[0])))
+    data = {
+        str(p.local_rank): {"pid": p.pid, "stacks": f, "start_time": process_start_time(p.pid)}
+        for p, f in zip(procs, files, strict=True)
+    }
+    try:
+        with open(os.path.join(attempt_dir, "workers.json"), "w", encoding="utf-8") as fh:
+            json.dump({"version": 1, "workers": data}, fh)
+    except OSError as exc:
+        log.debug("could not write workers.json: %s", exc)
