@@ -1,7 +1,7 @@
 """Rendezvous decisions as pure functions of (state, now): when a round closes, who is in
 it and with which group rank; and the views of a run kept from watch events. The
-handler (``dynamic.py``) feeds them what the store said and applies the decision; nothing
-here touches the store or the clock.
+handler (``dynamic.py``, with ``liveness.py`` and ``outcome.py``) feeds them what the store
+said and applies the decision; nothing here touches the store or the clock.
 """
 
 from __future__ import annotations

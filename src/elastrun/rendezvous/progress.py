@@ -10,12 +10,40 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 
 #: Longest silence in a log while the wait goes on unchanged.
 LOG_EVERY = 30.0
+
+
+def round_status(
+    n: int, status: Mapping[str, Any] | None, min_nodes: int, max_nodes: int
+) -> tuple[object, str]:
+    """What a joining node shows of round ``n``: the key that matters and the line.
+
+    ``status`` is the closer's progress (None: this node waits for the round to close,
+    not knowing more); a log gets a line when the count changes, else one every 30 s
+    at most.
+    """
+    if status is None:
+        return (n, "follower"), (
+            f"rendezvous round {n}: waiting for it to close "
+            f"(min {min_nodes}, max {max_nodes} node(s))"
+        )
+    if not status.get("started", True):
+        return (n, "spare"), (
+            f"waiting as a spare for round {n}: the job runs at its maximum of {max_nodes} node(s)"
+        )
+    count = status.get("joined", 0)
+    parts = [f"rendezvous round {n}: {count} node(s) in (min {min_nodes}, max {max_nodes})"]
+    if status.get("last_call_in") is not None:
+        parts.append(f"last call ends in {max(0.0, status['last_call_in']):.0f}s")
+    elif status.get("timeout_in") is not None:
+        parts.append(f"timeout in {max(0.0, status['timeout_in']):.0f}s")
+    return (n, count), "; ".join(parts)
 
 
 class ProgressLine:

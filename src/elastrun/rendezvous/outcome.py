@@ -1,0 +1,190 @@
+"""How a round of the dynamic rendezvous ends, the same for every member.
+
+A worker failure takes one restart from the job-wide budget (``budget``), once per round
+however many nodes see it: the first node to claim ``ctl/failed/<n>`` decides, and writes
+its verdict there for the others. Members whose workers finished wait in the exit
+barrier (``ctl/done/<n>/<node>``) for the round's outcome. When the budget is spent or
+the job is done, the run is closed (``ctl/closed``, with why) and late agents are refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+from elastrun.core.clock import Clock, Deadline
+from elastrun.core.errors import StoreCompactedError
+from elastrun.rendezvous.api import BarrierResult, RoundOutcome
+from elastrun.rendezvous.decide import RoundWatch, RunKeys
+from elastrun.rendezvous.liveness import Liveness
+from elastrun.store.api import Store
+
+
+def _dump(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode()
+
+
+def _load(raw: bytes | None) -> object:
+    return None if raw is None else json.loads(raw)
+
+
+class Outcome:
+    """One node's part in ending its rounds: the restart budget, the exit barrier and
+    the closing of the run.
+
+    Args:
+        store: the run's store.
+        keys: the run's keys.
+        liveness: the round this node is in and who its members are.
+        node_id: this node.
+        addr: this node's address (named in a failure's note).
+        clock: for the exit barrier's deadline.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        keys: RunKeys,
+        liveness: Liveness,
+        *,
+        node_id: str,
+        addr: str,
+        clock: Clock,
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._live = liveness
+        self._node_id = node_id
+        self._addr = addr
+        self._clock = clock
+        #: Why ``report_failure`` refused a restart other than an exhausted budget.
+        self.refusal: str | None = None
+        # This node left a round whose other members were still working (its exit
+        # barrier timed out): leaving must not close the run under them.
+        self.left_unfinished = False
+
+    def close(self, reason: str) -> None:
+        """Close the run with ``reason`` (the first reason stays)."""
+        self._store.compare_set(self._keys.closed, None, reason.encode())
+
+    def restarts_used(self) -> int:
+        raw = self._store.get(self._keys.budget)
+        return int(raw) if raw else 0
+
+    # -- a failure against the budget ------------------------------------------------------
+
+    def report_failure(self, max_restarts: int, what: str) -> bool:
+        """A local worker failed in the current round (see the handler's method)."""
+        live = self._live
+        assert live.round is not None
+        self.refusal = None
+        if live.lost:
+            self.refusal = "this node was dropped from the run (" + live.change_reason + ")"
+            return False
+        if not set(live.member_ids()) - self._finished() <= live.live_nodes():
+            # A member is gone: the failure is the loss of a node (its peers' collectives
+            # broke), which re-forms the group without spending the restart budget.
+            return self._open_or_refuse()
+        key = self._keys.failed(live.round)
+        note = {"node": self._node_id, "addr": self._addr, "what": what}
+        won, _ = self._store.compare_set(key, None, _dump(note))
+        if not won:
+            return self._open_or_refuse()
+        used = self._store.add(self._keys.budget, 1)
+        restart = used <= max_restarts
+        if not restart:
+            where = f"{what} on {self._addr}" if what else f"a worker on {self._addr}"
+            self.close(f"restart budget exhausted ({max_restarts}): {where}")
+        # The verdict, for nodes waiting in the exit barrier of this round.
+        self._store.set(key, _dump({**note, "restart": restart}))
+        return restart
+
+    def _finished(self) -> set[str]:
+        if self._live.round is None:
+            return set()
+        done = self._keys.done(self._live.round)
+        found, _ = self._store.get_prefix(done)
+        return {k[len(done) :] for k in found}
+
+    def _open_or_refuse(self) -> bool:
+        raw = self._store.get(self._keys.closed)
+        if raw is None:
+            return True
+        self.refusal = f"the run has ended on another node: {raw.decode(errors='replace')}"
+        return False
+
+    # -- the exit barrier ------------------------------------------------------------------
+
+    def exit_barrier(self, timeout: float) -> BarrierResult:
+        """This node's workers finished: wait (up to ``timeout``) for the round's outcome.
+
+        Every member ends a round with the same outcome: SUCCEEDED when all members
+        finished; RESTART when a worker failed elsewhere (and the job's budget allows a
+        restart) or a member was lost -- this node then re-forms and runs its workers
+        again, as in a whole-group restart; FAILED when the run was closed because the
+        budget is spent. TIMED_OUT leaves without deciding for the others.
+        """
+        live = self._live
+        if live.round is None or live.size <= 1:
+            return BarrierResult(RoundOutcome.SUCCEEDED)
+        n, k = live.round, self._keys
+        self._store.set(k.done(n) + self._node_id, b"1")
+        deadline = Deadline.after(timeout, self._clock)
+        view = live.round_watch(n, live.size)
+        rev = live.reload(view, n)
+        while True:
+            result = self._verdict(n, view)
+            if result is not None:
+                return result
+            if deadline.expired():
+                self.left_unfinished = True
+                return BarrierResult(
+                    RoundOutcome.TIMED_OUT,
+                    f"{len(view.finished)} of {live.size} node(s) finished within {timeout:.0f}s",
+                )
+            try:
+                res = self._store.watch(k.ctl, rev, deadline.remaining())
+            except StoreCompactedError:
+                rev = live.reload(view, n)
+                continue
+            view.apply(res.events)
+            rev = res.revision
+
+    def _verdict(self, n: int, view: RoundWatch) -> BarrierResult | None:
+        """The round's outcome as far as ``view`` shows it; None while it is open."""
+        if view.closed:
+            reason = (self._store.get(self._keys.closed) or b"closed").decode(errors="replace")
+            if reason == "finished":
+                return BarrierResult(RoundOutcome.SUCCEEDED)
+            return BarrierResult(RoundOutcome.FAILED, reason)
+        if view.failed:
+            verdict = self._failure_verdict(n)
+            if verdict is not None:
+                return verdict
+            # The failing node is deciding; its verdict (or the run's closing) follows.
+        if len(view.finished) >= self._live.size:
+            self.close("finished")
+            return BarrierResult(RoundOutcome.SUCCEEDED)
+        if view.lost:
+            return BarrierResult(
+                RoundOutcome.RESTART, f"lost node(s): {', '.join(sorted(view.lost))}"
+            )
+        if any(self._live.is_member(j) for j in view.next_joiners):
+            return BarrierResult(RoundOutcome.RESTART, "the other nodes re-form the group")
+        return None
+
+    def _failure_verdict(self, n: int) -> BarrierResult | None:
+        """The failing node's verdict on round ``n``; None until it is written."""
+        note = _load(self._store.get(self._keys.failed(n)))
+        if not (isinstance(note, dict) and "restart" in note):
+            return None
+        what = str(note.get("what") or "a worker failed")
+        where = f"{what} on {note.get('addr', '?')}"
+        if note["restart"]:
+            return BarrierResult(RoundOutcome.RESTART, where)
+        return BarrierResult(RoundOutcome.FAILED, f"{where}; restart budget exhausted")
+
+    def __repr__(self) -> str:
+        return (
+            f"Outcome(node={self._node_id!r}, round={self._live.round}, "
+            f"refusal={self.refusal!r}, left_unfinished={self.left_unfinished})"
+        )
