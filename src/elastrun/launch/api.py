@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 from elastrun.agent.local import LocalElasticAgent
-from elastrun.agent.spec import Entrypoint, WorkerSpec
+from elastrun.agent.spec import Entrypoint, RunResult, WorkerSpec
 from elastrun.core.errors import ConfigError, ShutdownRequested, WorkerFailure
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.launch.config import LaunchConfig, parse_signals
@@ -208,18 +208,55 @@ def launch_agent(
     if shutdown is None:
         shutdown = ShutdownRequest()
         restore = install_signal_handlers(parse_signals(config.signals_to_handle), shutdown)
-    agent = None
-    signalled = False
-    succeeded = False
-    extras: _Extras | None = None
+    launch = _Launch(config, entrypoint, args, run_id=run_id, shutdown=shutdown)
     try:
-        extras = _Extras(config, run_id, entrypoint, shutdown)
-        agent = build_agent(
-            config,
-            entrypoint,
-            args,
-            run_id=run_id,
-            shutdown=shutdown,
+        return launch.run(environ, on_agent)
+    except ShutdownRequested:
+        launch.signalled = True
+        raise
+    finally:
+        launch.close()
+        restore()
+        if owned:
+            shutdown.waker.close()
+        launch.leave()
+
+
+class _Launch:
+    """One run of ``launch_agent``: what it built, and how it ended (for the cleanup)."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        entrypoint: Entrypoint,
+        args: Sequence[object],
+        *,
+        run_id: str,
+        shutdown: ShutdownRequest,
+    ) -> None:
+        self.config = config
+        self.entrypoint = entrypoint
+        self.args = args
+        self.run_id = run_id
+        self.shutdown = shutdown
+        self.agent: LocalElasticAgent | None = None
+        self.extras: _Extras | None = None
+        self.signalled = False
+        self.succeeded = False
+
+    def run(
+        self,
+        environ: Mapping[str, str] | None,
+        on_agent: Callable[[LocalElasticAgent], None] | None,
+    ) -> dict[int, object]:
+        """Wire the agent, run it, and raise what a failed run ends with."""
+        self.extras = extras = _Extras(self.config, self.run_id, self.entrypoint, self.shutdown)
+        self.agent = agent = build_agent(
+            self.config,
+            self.entrypoint,
+            self.args,
+            run_id=self.run_id,
+            shutdown=self.shutdown,
             environ=environ,
             extras=extras,
         )
@@ -227,34 +264,33 @@ def launch_agent(
         if on_agent is not None:
             on_agent(agent)
         result = agent.run()
-        succeeded = not result.is_failed()
-        if result.is_failed() and not result.failures:
-            # The round failed on another node; this one has no failure of its own.
-            raise WorkerFailure(agent.budget_note or "the job failed on another node")
-        if result.is_failed() and agent.stalled:
-            raise NoProgressError(
-                entrypoint_name(entrypoint, args), result.failures, budget_note=agent.budget_note
-            )
+        self.succeeded = not result.is_failed()
         if result.is_failed():
-            raise ChildFailedError(
-                entrypoint_name(entrypoint, args), result.failures, budget_note=agent.budget_note
-            )
+            raise self._failure(agent, result)
         return result.return_values
-    except ShutdownRequested:
-        signalled = True
-        raise
-    finally:
-        if extras is not None:
-            extras.close()
-        restore()
-        if owned:
-            shutdown.waker.close()
-        # Only a known outcome closes the run id: success (every node finished), or a
-        # failure with no restart left (the failing node closed it with the reason). A
-        # node that stops on a signal or an error of its own (its store connection, a
-        # rendezvous timeout) only leaves: the other nodes decide for themselves.
-        if agent is not None and not signalled:
-            _leave_or_close(agent.rdzv_handler, closes=succeeded)
+
+    def _failure(self, agent: LocalElasticAgent, result: RunResult) -> Exception:
+        """The error a failed run ends with."""
+        if not result.failures:
+            # The round failed on another node; this one has no failure of its own.
+            return WorkerFailure(agent.budget_note or "the job failed on another node")
+        name = entrypoint_name(self.entrypoint, self.args)
+        if agent.stalled:
+            return NoProgressError(name, result.failures, budget_note=agent.budget_note)
+        return ChildFailedError(name, result.failures, budget_note=agent.budget_note)
+
+    def close(self) -> None:
+        """Stop the observability servers and the template."""
+        if self.extras is not None:
+            self.extras.close()
+
+    def leave(self) -> None:
+        """Only a known outcome closes the run id: success (every node finished), or a
+        failure with no restart left (the failing node closed it with the reason). A
+        node that stops on a signal or an error of its own (its store connection, a
+        rendezvous timeout) only leaves: the other nodes decide for themselves."""
+        if self.agent is not None and not self.signalled:
+            _leave_or_close(self.agent.rdzv_handler, closes=self.succeeded)
 
 
 def _leave_or_close(handler: RendezvousHandler, *, closes: bool) -> None:

@@ -232,54 +232,14 @@ def slurm_overrides(environ: Mapping[str, str], *, rdzv_endpoint: str = "") -> S
             allocation but not in an ``srun`` step of several nodes; more than one task
             per node; a malformed or inconsistent variable (naming it).
     """
-    job_id = environ.get("SLURM_JOB_ID", "").strip() or environ.get("SLURM_JOBID", "").strip()
-    if not job_id:
-        raise ConfigError(
-            "--slurm",
-            True,
-            "not inside a Slurm allocation (SLURM_JOB_ID is not set); run it under srun, "
-            "e.g. srun --nodes 2 --ntasks-per-node 1 elastrun --slurm ...",
-        )
-    step_id = environ.get("SLURM_STEP_ID", "").strip() or environ.get("SLURM_STEPID", "").strip()
-    run_id = f"{job_id}.{step_id}" if step_id else job_id
-    notices: list[str] = []
-
-    nodelist = _first(environ, _NODELIST_VARS)
-    if nodelist is None:
-        raise ConfigError("SLURM_JOB_NODELIST", None, "is not set inside the Slurm allocation")
-    hosts = tuple(expand_hostlist(*nodelist))
-    counted = _count(environ, _NNODES_VARS)
-    nnodes = len(hosts) if counted is None else counted[0]
-    if counted is not None and nnodes != len(hosts):
-        raise ConfigError(
-            counted[1], str(nnodes), f"disagrees with {nodelist[1]}={nodelist[0]} ({len(hosts)})"
-        )
-    if not step_id and nnodes > 1:
-        raise ConfigError(
-            "--slurm",
-            True,
-            f"not inside an srun step, but the allocation has {nnodes} nodes; {_ONE_PER_NODE}",
-        )
-    tasks = _count(environ, _NTASKS_VARS)
-    if tasks is not None and tasks[0] > nnodes:
-        raise ConfigError(
-            tasks[1], str(tasks[0]), f"{tasks[0]} tasks on {nnodes} node(s); {_ONE_PER_NODE}"
-        )
-
+    run_id, step_id = _run_id(environ)
+    hosts, nodelist = _step_hosts(environ, stepped=bool(step_id))
+    nnodes = len(hosts)
     node_name = environ.get("SLURMD_NODENAME", "").strip() or None
     node_rank = _node_rank(environ, hosts, node_name)
-
-    host, port = _split_endpoint(rdzv_endpoint)
-    is_host: bool | None
-    if host:
-        endpoint = rdzv_endpoint.strip() if port is not None else f"{host}:{derived_port(run_id)}"
-        is_host = None  # the given endpoint decides who serves (or nobody: external store)
-    else:
-        port = derived_port(run_id) if port is None else port
-        endpoint = f"{hosts[0]}:{port}"
-        is_host = node_rank == 0
-    notices.append(
-        f"--slurm: run id {run_id}, {nnodes} node(s) {nodelist[0]}, this node "
+    endpoint, is_host = _endpoint(rdzv_endpoint, run_id, hosts[0], node_rank)
+    notice = (
+        f"--slurm: run id {run_id}, {nnodes} node(s) {nodelist}, this node "
         f"{node_name or '?'} (rank {node_rank}), rendezvous at {endpoint}"
         + (" served by this node" if is_host else "")
     )
@@ -291,8 +251,62 @@ def slurm_overrides(environ: Mapping[str, str], *, rdzv_endpoint: str = "") -> S
         endpoint=endpoint,
         is_host=is_host,
         local_addr=node_name,
-        notices=tuple(notices),
+        notices=(notice,),
     )
+
+
+def _run_id(environ: Mapping[str, str]) -> tuple[str, str]:
+    """The run id of a Slurm step (``JOB.STEP``, or ``JOB`` outside a step) and the step."""
+    job_id = environ.get("SLURM_JOB_ID", "").strip() or environ.get("SLURM_JOBID", "").strip()
+    if not job_id:
+        raise ConfigError(
+            "--slurm",
+            True,
+            "not inside a Slurm allocation (SLURM_JOB_ID is not set); run it under srun, "
+            "e.g. srun --nodes 2 --ntasks-per-node 1 elastrun --slurm ...",
+        )
+    step_id = environ.get("SLURM_STEP_ID", "").strip() or environ.get("SLURM_STEPID", "").strip()
+    return (f"{job_id}.{step_id}" if step_id else job_id), step_id
+
+
+def _step_hosts(environ: Mapping[str, str], *, stepped: bool) -> tuple[tuple[str, ...], str]:
+    """The step's hosts, in node order, and the node list as Slurm wrote it; checks that
+    the node count agrees and that there is at most one task per node."""
+    nodelist = _first(environ, _NODELIST_VARS)
+    if nodelist is None:
+        raise ConfigError("SLURM_JOB_NODELIST", None, "is not set inside the Slurm allocation")
+    hosts = tuple(expand_hostlist(*nodelist))
+    counted = _count(environ, _NNODES_VARS)
+    nnodes = len(hosts) if counted is None else counted[0]
+    if counted is not None and nnodes != len(hosts):
+        raise ConfigError(
+            counted[1], str(nnodes), f"disagrees with {nodelist[1]}={nodelist[0]} ({len(hosts)})"
+        )
+    if not stepped and nnodes > 1:
+        raise ConfigError(
+            "--slurm",
+            True,
+            f"not inside an srun step, but the allocation has {nnodes} nodes; {_ONE_PER_NODE}",
+        )
+    tasks = _count(environ, _NTASKS_VARS)
+    if tasks is not None and tasks[0] > nnodes:
+        raise ConfigError(
+            tasks[1], str(tasks[0]), f"{tasks[0]} tasks on {nnodes} node(s); {_ONE_PER_NODE}"
+        )
+    return hosts, nodelist[0]
+
+
+def _endpoint(
+    rdzv_endpoint: str, run_id: str, first_host: str, node_rank: int
+) -> tuple[str, bool | None]:
+    """The rendezvous endpoint and whether this node serves its store (None: the given
+    endpoint decides, or nobody does: an external store)."""
+    host, port = _split_endpoint(rdzv_endpoint)
+    if host:
+        endpoint = rdzv_endpoint.strip() if port is not None else f"{host}:{derived_port(run_id)}"
+        return endpoint, None
+    port = derived_port(run_id) if port is None else port
+    return f"{first_host}:{port}", node_rank == 0
 
 
 def _node_rank(environ: Mapping[str, str], hosts: tuple[str, ...], node_name: str | None) -> int:
