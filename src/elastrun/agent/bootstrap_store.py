@@ -45,6 +45,27 @@ class BootstrapStore:
         self._server = server
         log.debug("serving the workers' store for round %d: %r", facts.round, server)
 
+    def rehost(self, addr: str) -> int:
+        """Serve a fresh store for the next in-process round, on a new port of ``addr``
+        (the previous one is closed: its workers left it); returns the port.
+
+        Raises:
+            RendezvousError: the store cannot listen.
+        """
+        self.close()
+        server = LazyTorchWireServer(listen_host(addr), 0)
+        try:
+            port = server.start()
+        except StoreError as exc:
+            raise RendezvousError(f"cannot serve the workers' store at {addr}: {exc}") from exc
+        self._server = server
+        return port
+
+    @property
+    def serving(self) -> bool:
+        """Whether this agent serves the current round's workers' store."""
+        return self._server is not None
+
     def close(self) -> None:
         """Stop serving (the round is over for every node); idempotent."""
         server, self._server = self._server, None

@@ -28,6 +28,7 @@ from typing import TypeVar
 from elastrun.agent import failures
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.finish import BarrierAction, barrier_action, return_values
+from elastrun.agent.inprocess import INPROCESS_ENV, InprocessRecovery, inprocess_timeout
 from elastrun.agent.interrupt import run_interruptibly
 from elastrun.agent.pace_watch import PaceWatch
 from elastrun.agent.phases import WORKER_TRANSITIONS, AgentPhase, PhaseMachine
@@ -57,6 +58,7 @@ from elastrun.supervise.processes.guard import OrphanGuard
 from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsSpecs
 from elastrun.supervise.processes.procset import Exit
 from elastrun.supervise.processes.spawn import ProcessStarter
+from elastrun.supervise.processes.stacks import request_stacks
 from elastrun.supervise.progress import AutoTimeout, StragglerSettings
 
 __all__ = ["STUCK_EXIT_TIMEOUT", "FileTimer", "Guard", "LocalElasticAgent"]
@@ -216,6 +218,15 @@ class LocalElasticAgent:
             interruptible=self._interruptible,
             clock=self._clock,
         )
+        self._inprocess = InprocessRecovery(
+            workers=self._workers,
+            store=self._rounds.bootstrap_store,
+            events=self._events,
+            metrics=self._metrics,
+            clock=self._clock,
+            wake=self._shutdown.waker.wake,
+            timeout=inprocess_timeout(self._environ),
+        )
         self._watches = AttemptWatches(
             self._progress,
             stuck=stuck_watch,
@@ -278,6 +289,7 @@ class LocalElasticAgent:
             self._rdzv.set_change_callback(lambda: None)  # its threads may outlive the waker
             self._finish_attempt(signal.SIGTERM)
             self._rounds.end()
+            self._inprocess.close()
             self._shutdown.stop_relay()
             self._pace.close()
             self._progress.close()
@@ -296,6 +308,8 @@ class LocalElasticAgent:
         # Membership news from the rendezvous' watch thread wakes the loop at once.
         self._rdzv.set_change_callback(self._shutdown.waker.wake)
         self._guard.start()
+        if self._environ.get(INPROCESS_ENV, "1") != "0":
+            self._inprocess.open(self._environ)  # its socket's path goes to every worker
         self._check_shutdown()
         self._start_round()
         while True:
@@ -318,6 +332,9 @@ class LocalElasticAgent:
         self._watches.check_hang(attempt)
         if self._pace.due():
             self._pace.sample(self._progress.snapshot(), attempt.procs.running())
+        if self._inprocess.under_way and self._inprocess.progress() == "late":
+            self._abandon_late_round(attempt)
+            return None
         exits = attempt.procs.exits
         failed = sorted((e for e in exits.values() if e.exitcode != 0), key=lambda e: e.observed_at)
         if failed:
@@ -340,10 +357,55 @@ class LocalElasticAgent:
             functools.partial(self._policy.on_failure, failed, self._budget, what),
             "restart budget",
         )
-        if decision is Decision.RESTART_ALL:
+        if decision is not Decision.RESTART_ALL:
+            return self._fail()
+        if not self._recover_in_place(attempt, failed):
             self._restart_after_failure(failed)
-            return None
-        return self._fail()
+        return None
+
+    def _recover_in_place(self, attempt: Attempt, failed: list[Exit]) -> bool:
+        """Replace only the failed workers when every worker recovers in place
+        (``elastrun.inprocess``); False: restart the whole group instead."""
+        if self._inprocess.under_way:
+            self._inprocess.abandon("another worker failed meanwhile")
+            return False
+        why = self._inprocess.why_not(attempt, failed, self._group.group_world_size or 1)
+        if why is not None:
+            log.debug("not recovering in place: %s", why)
+            return False
+        self._watches.note_expired_timers()
+        self.history.append(
+            self._report.restart(attempt, failed, self._watches.reasons, in_place=True)
+        )
+        try:
+            self._inprocess.recover(attempt, failed, self._budget.used)
+        except Exception as exc:  # a replacement that cannot start: the usual restart
+            self._inprocess.abandon(f"a replacement could not start: {exc}")
+            self._restart_in_full()
+        return True
+
+    def _abandon_late_round(self, attempt: Attempt) -> None:
+        """The in-process round took too long: keep the stacks of the workers that did
+        not synchronise (in their attempt directories), then restart the group."""
+        late = self._inprocess.laggards()
+        dumps = request_stacks(attempt.stack_requests(late))
+        where = ", ".join(
+            f"rank {attempt.global_rank(lr)}: {d.path}" for lr, d in sorted(dumps.items()) if d.text
+        )
+        self._inprocess.abandon(
+            "not every worker synchronised in time"
+            + (f" (stacks of those that did not: {where})" if where else "")
+        )
+        self._restart_in_full()
+
+    def _restart_in_full(self) -> None:
+        """Restart the whole group after an in-process recovery failed (the failure
+        that led to it was already charged to the budget)."""
+        self._phases.move(AgentPhase.RESTARTING)
+        self._finish_attempt(signal.SIGTERM)
+        self._transition(WorkerState.STOPPED)
+        self._check_shutdown()
+        self._start_round()
 
     def _reform_for_waiting_nodes(self) -> None:
         why = self._rdzv.change_reason or "nodes are waiting to join"

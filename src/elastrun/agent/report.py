@@ -74,19 +74,27 @@ class AgentReport:
         self._events.record("agent.membership_change", {"reason": reason})
         self._metrics.put("agent.membership_changes", 1)
 
-    def restart(self, attempt: Attempt, failed: list[Exit], reasons: Mapping[int, str]) -> str:
-        """Log, count and record a restart after ``failed`` (the first one caused it);
-        returns the failure's history line (``attempt N: rank R (...) exited ...``)."""
+    def restart(
+        self,
+        attempt: Attempt,
+        failed: list[Exit],
+        reasons: Mapping[int, str],
+        *,
+        in_place: bool = False,
+    ) -> str:
+        """Log, count and record a restart after ``failed`` (the first one caused it;
+        ``in_place``: only the failed workers are replaced); returns the failure's
+        history line (``attempt N: rank R (...) exited ...``)."""
         budget = self._budget
         first = failed[0]
         rank = attempt.global_rank(first.local_rank)
         what = failures.describe_exit(first.exitcode)
         if first.pid in reasons:
             what = f"{what} ({reasons[first.pid]})"
+        how = "replacing it in place" if in_place else "restarting all workers"
         log.warning(
-            "worker rank %d (local rank %d, pid %d) %s; restarting all workers "
-            "(restart %d of %d)",
-            rank, first.local_rank, first.pid, what, budget.used, budget.limit,
+            "worker rank %d (local rank %d, pid %d) %s; %s (restart %d of %d)",
+            rank, first.local_rank, first.pid, what, how, budget.used, budget.limit,
         )  # fmt: skip
         self._metrics.put("agent.restarts", 1)
         self._metrics.put("agent.worker_failures", len(failed))
@@ -98,6 +106,7 @@ class AgentReport:
                 "rank": rank,
                 "exitcode": first.exitcode,
                 "restart_count": budget.used,
+                "in_place": in_place,
             },
         )
         where = f"local {first.local_rank}, pid {first.pid}"

@@ -84,6 +84,11 @@ class Rounds:
         self._report.rendezvous(info, rdzv_ms)
         return plan
 
+    @property
+    def bootstrap_store(self) -> BootstrapStore:
+        """The workers' store this node serves (in-process rounds re-host it)."""
+        return self._bootstrap_store
+
     def end(self) -> None:
         """Stop serving the current round's workers' store, if this node serves it."""
         self._bootstrap_store.close()

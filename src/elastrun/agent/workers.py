@@ -142,9 +142,13 @@ class WorkerProcesses:
         _write_workers_file(setup.envs, procs)
         return attempt
 
-    def start_worker(self, setup: AttemptSetup, local_rank: int) -> WorkerProcess:
+    def start_worker(
+        self, setup: AttemptSetup, local_rank: int, *, replacing: bool = False
+    ) -> WorkerProcess:
         """Start the worker of one local rank of an attempt (its output wired through
-        the attempt's relay); the guard and the worker group are not told."""
+        the attempt's relay); the guard and the worker group are not told.
+        ``replacing``: the rank's previous worker of this attempt exited (in-process
+        recovery): its log files are added to, not started anew."""
         w = setup.plan.workers[local_rank]
         prefix = format_line_prefix(
             self._prefix_template, setup.plan.role, w.ranks.global_rank, local_rank
@@ -158,7 +162,21 @@ class WorkerProcesses:
             prefix=prefix,
             show_on_console=shown is None or local_rank in shown,
             make_spec=lambda stdio: self._process_spec(setup, local_rank, stdio),
+            append=replacing,
         )
+
+    def replace_worker(self, attempt: Attempt, setup: AttemptSetup, local_rank: int) -> int:
+        """Start a new worker for ``local_rank``, whose worker of ``attempt`` exited, from
+        ``setup`` (the attempt's, with the new round's environment); returns its pid."""
+        old = attempt.procs.processes[local_rank].pid
+        proc = self.start_worker(setup, local_rank, replacing=True)
+        self._guard.forget(old)
+        self._guard.watch(proc.pid)
+        self._group.workers[local_rank].id = proc.pid
+        attempt.procs.replace(proc)
+        attempt.setup = setup
+        _write_workers_file(setup.envs, list(attempt.procs.processes.values()))
+        return proc.pid
 
     def _start_watched(self, setup: AttemptSetup, local_rank: int) -> WorkerProcess:
         proc = self.start_worker(setup, local_rank)

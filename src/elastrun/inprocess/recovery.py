@@ -21,11 +21,14 @@ import functools
 import gc
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from elastrun.core import inprocess_wire as wire
 from elastrun.inprocess.channel import Channel
+from elastrun.inprocess.cut import cut_peer_connections
+from elastrun.inprocess.parking import keep_parked, park_process_groups, release_parked
 from elastrun.inprocess.state import State
 
 log = logging.getLogger("elastrun.inprocess")
@@ -46,6 +49,8 @@ _PEER_GONE = (
     "socket",
     "timed out",
     "processgroup",
+    "tcpstore",
+    "failed to recv",
 )
 
 
@@ -80,12 +85,18 @@ def _recovering(
     round_no = int(os.environ.get(wire.ROUND_ENV, "0") or 0)
     wait = float(os.environ.get(wire.WAIT_ENV, "") or DEFAULT_WAIT)
     channel.send("hello", pid=os.getpid(), round=round_no)
+    # torch wraps sys.excepthook at every init_process_group (to prefix "[rankN]:"):
+    # each call starts from the script's own hook, not from the last call's wrapper.
+    hook = sys.excepthook
     while True:
         if round_no > 0:
             _synchronise(state, round_no)
             channel.send("synced", round=round_no, commit=state.commit_id)
+        sys.excepthook = hook
         try:
-            return fn(state, *args, **kwargs)
+            result = fn(state, *args, **kwargs)
+            release_parked()
+            return result
         except Exception as exc:
             if not peer_gone(exc):
                 raise
@@ -126,11 +137,15 @@ def _teardown() -> None:
     objects of the failed call that still hold it."""
     import torch.distributed as dist
 
+    cut_peer_connections()  # peers blocked on us must fail too (see inprocess.cut)
     if dist.is_available() and dist.is_initialized():
+        park_process_groups()
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if dist.get_backend() == "nccl" and abort is not None:
-            abort()
-        dist.destroy_process_group()
+            abort()  # NCCL: abort the communicators (a destroy could wait on them)
+        else:
+            dist.destroy_process_group()
+    keep_parked()
     gc.collect()  # the failed call's DDP wrapper, and its hooks on the parameters
 
 
@@ -148,4 +163,4 @@ def _synchronise(state: State, round_no: int) -> None:
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {text[0][:120]}" if text else type(exc).__name__

@@ -6,6 +6,8 @@ import copy
 import pickle
 from typing import Any
 
+from elastrun.inprocess.parking import park_process_groups
+
 
 def _stateful(value: object) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(
@@ -54,6 +56,7 @@ class State:
 
     def commit(self) -> None:
         """Snapshot every item in memory (the point a recovery comes back to)."""
+        park_process_groups()  # see inprocess.parking: the training's own group too
         snapshot = self._take()
         object.__setattr__(self, "_snapshot", snapshot)
         object.__setattr__(self, "_commit", self._commit + 1)

@@ -29,6 +29,7 @@ def start_worker(
     prefix: str,
     show_on_console: bool,
     make_spec: Callable[[WorkerStdio], ProcessSpec],
+    append: bool = False,
 ) -> WorkerProcess:
     """Start the worker of one local rank with its output wired through ``relay``.
 
@@ -39,11 +40,12 @@ def start_worker(
         prefix: put before each console line of the worker's tee'd streams.
         show_on_console: False for ranks hidden by ``--local-ranks-filter``.
         make_spec: the worker's ``ProcessSpec``, given its stdio descriptors.
+        append: add to the rank's log files (a worker replaced in place).
 
     Raises whatever wiring or starting raises; the parent's copies of the worker's
     descriptors are closed either way.
     """
-    stdio = relay.wire(local_rank, dest, prefix, show_on_console=show_on_console)
+    stdio = relay.wire(local_rank, dest, prefix, show_on_console=show_on_console, append=append)
     try:
         return starter.start(make_spec(stdio))
     finally:

@@ -129,6 +129,20 @@ class ProcessSet:
                     found.append(ex)
         return found + self.poll()
 
+    def replace(self, proc: WorkerProcess) -> None:
+        """Put ``proc`` in the place of its local rank's worker, which has exited (its
+        exit was collected): the exit is forgotten and the new process watched (in-process
+        recovery replaces one worker and keeps the others)."""
+        lr = proc.local_rank
+        if lr in self._live:
+            raise ValueError(f"local rank {lr} still runs (pid {self._procs[lr].pid})")
+        old = self._procs.get(lr)
+        if old is not None:
+            old.release()
+        self._exits.pop(lr, None)
+        self._procs[lr] = self._live[lr] = proc
+        self._sel.register(proc.exit_fd(), selectors.EVENT_READ, lr)
+
     def _signal_groups(self, ranks: Iterable[int], sig: int) -> None:
         for lr in ranks:
             self._procs[lr].signal_group(sig)

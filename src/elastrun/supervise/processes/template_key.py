@@ -39,6 +39,8 @@ PER_WORKER_VARIABLES = frozenset(
         "ELASTRUN_STACKS_FILE",
         # Each worker's progress record (the file is the agent's, the same for all).
         "ELASTRUN_PROGRESS_SLOT",
+        # The in-process round a replacement worker starts in (elastrun.inprocess).
+        "ELASTRUN_INPROCESS_ROUND",
         # Read by CUDA when it initialises, which the template never does; it differs
         # per worker with --virtual-local-rank.
         "CUDA_VISIBLE_DEVICES",

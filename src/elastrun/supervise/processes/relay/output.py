@@ -94,7 +94,13 @@ class OutputRelay:
 
     # ----------------------------------------------------------------- wiring
     def wire(
-        self, local_rank: int, dest: LogsDest, prefix: str, *, show_on_console: bool
+        self,
+        local_rank: int,
+        dest: LogsDest,
+        prefix: str,
+        *,
+        show_on_console: bool,
+        append: bool = False,
     ) -> WorkerStdio:
         """Prepare the stdout and stderr of one worker about to be started.
 
@@ -110,6 +116,8 @@ class OutputRelay:
             dest: the destinations from ``LogsSpecs.reify``.
             prefix: put before each console line of this worker's tee'd streams.
             show_on_console: False for ranks hidden by ``--local-ranks-filter``.
+            append: add to the rank's log files instead of starting them anew (a worker
+                replaced in place: its predecessor's output stays above).
 
         Raises:
             ElastrunError: the relay is already closed.
@@ -133,6 +141,7 @@ class OutputRelay:
                         tees=tees,
                         prefix=prefix,
                         show_on_console=show_on_console,
+                        append=append,
                         to_console=bool(dest.to_console.get(local_rank, Std.NONE) & bit),
                         child_fds=child_fds,
                         new_streams=new_streams,
@@ -166,6 +175,7 @@ class OutputRelay:
         tees: dict[int, str],
         prefix: str,
         show_on_console: bool,
+        append: bool,
         to_console: bool,
         child_fds: list[int],
         new_streams: list[Stream],
@@ -175,7 +185,7 @@ class OutputRelay:
         log_fd = -1
         if path:
             try:
-                log_fd = open_log(path)
+                log_fd = open_log(path, append=append)
             except OSError as exc:
                 problem = f"cannot write worker logs to {describe_os_error(exc, path)}"
                 # One line per attempt: with a full disk, every rank's files fail alike.

@@ -25,12 +25,15 @@ _FILE_MODE = 0o666  # the umask applies, as with open()
 _WRITABLE_POLL = 1.0
 
 
-def open_log(path: str) -> int:
-    """Open (create, truncate) a log file for writing; close-on-exec.
+def open_log(path: str, *, append: bool = False) -> int:
+    """Open (create, truncate -- or append to) a log file for writing; close-on-exec.
 
     Raises:
         OSError: the file cannot be opened.
     """
+    if append:
+        flags = (_FILE_FLAGS & ~os.O_TRUNC) | os.O_APPEND
+        return os.open(path, flags, _FILE_MODE)
     return os.open(path, _FILE_FLAGS, _FILE_MODE)
 
 

@@ -1,0 +1,204 @@
+"""In-process recovery end to end: real processes, real torch gloo DDP, one node.
+
+The script trains a small model with DDP, commits after every step and takes its
+failures from the command line (``RANK:STEP`` items, each once per job). Every process
+records its pid and the step each call of the training function began at; at the end
+every rank writes its parameters' SHA-256, compared with a run without failures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from _helpers import finish, start, write_script
+
+pytestmark = pytest.mark.slow
+torch = pytest.importorskip("torch")
+
+SCRIPT = """
+import hashlib, json, os, signal, sys, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+import elastrun.inprocess as inprocess
+
+out, steps, plan = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+rank = int(os.environ["RANK"])
+calls = []
+
+def once(name):
+    try:
+        fd = os.open(os.path.join(out, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+def fail(kind, step):
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "raise":
+        raise ValueError(f"rank {rank} fails on purpose at step {step}")
+    if kind == "hang":
+        time.sleep(3600)
+
+def planned(step):
+    for item in plan:
+        who, when, kind = item.split(":")
+        if kind == "sync":
+            continue  # taken at the start of a replacement, below
+        if int(who) == rank and int(when) == step and once(f"did_{item}"):
+            return kind
+    return None
+
+if os.environ.get("ELASTRUN_INPROCESS_ROUND", "0") != "0":
+    for item in plan:
+        who, when, kind = item.split(":")
+        if kind == "sync" and int(who) == rank and once(f"did_{item}"):
+            os._exit(7)  # a replacement dying before the state synchronisation
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+state = inprocess.State(model=model, optimizer=opt, step=0)
+
+@inprocess.run
+def train(state):
+    calls.append(state.step)
+    dist.init_process_group("gloo")
+    ddp = DistributedDataParallel(state.model, find_unused_parameters=True)
+    while state.step < steps:
+        g = torch.Generator().manual_seed(state.step * 1000 + rank)
+        x = torch.randn(16, 8, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True)).backward()
+        opt.step()
+        kind = planned(state.step)
+        if kind:
+            fail(kind, state.step)
+        state.step += 1
+        state.commit()
+    dist.barrier()
+    dist.destroy_process_group()
+
+train(state)
+h = hashlib.sha256()
+for p in model.parameters():
+    h.update(p.detach().numpy().tobytes())
+with open(os.path.join(out, f"rank_{rank}_{os.getpid()}.json"), "w") as fh:
+    json.dump({"rank": rank, "pid": os.getpid(), "calls": calls, "sha": h.hexdigest(),
+               "restarts": os.environ["TORCHELASTIC_RESTART_COUNT"]}, fh)
+"""
+
+NO_API = """
+import os, sys, time
+out = sys.argv[1]
+rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+open(os.path.join(out, f"ran_{rank}_{attempt}_{os.getpid()}"), "w").close()
+if rank == "1" and attempt == "0":
+    sys.exit(3)
+time.sleep(0.5)
+"""
+
+STEPS = 40
+
+
+def _run(tmp_path: Path, name: str, plan: list[str], *extra: str) -> tuple[int, str, list[dict]]:
+    out = tmp_path / name
+    out.mkdir()
+    script = write_script(tmp_path / "train.py", SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **dict(e.split("=", 1) for e in extra)}
+    proc = start(
+        ["--standalone", "--nproc-per-node", "4", "--max-restarts", "3",
+         str(script), str(out), str(STEPS), *plan],
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    res = finish(proc, 180)
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
+    return res.returncode, res.stderr, results
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> str:
+    code, err, results = _run(tmp_path_factory.mktemp("clean"), "out", [])
+    assert code == 0, err
+    shas = {r["sha"] for r in results}
+    assert len(results) == 4 and len(shas) == 1, results
+    return shas.pop()
+
+
+def _by_rank(results: list[dict]) -> dict[int, dict]:
+    ranks = {r["rank"]: r for r in results}
+    assert sorted(ranks) == [0, 1, 2, 3], results
+    return ranks
+
+
+def test_a_killed_rank_is_replaced_and_the_others_keep_their_processes(
+    tmp_path: Path, fault_free: str
+) -> None:
+    code, err, results = _run(tmp_path, "out", ["2:25:kill"])
+    assert code == 0, err
+    ranks = _by_rank(results)
+    for r in (0, 1, 3):
+        assert ranks[r]["calls"] == [0, 26], ranks[r]  # the same process, called again
+    assert ranks[2]["calls"] == [26]  # the replacement starts at the committed step
+    assert {r["sha"] for r in results} == {fault_free}  # bit for bit
+    assert "replacing it in place" in err and "in-process round 1 complete" in err
+    assert "restarting all workers" not in err
+
+
+def test_rank_zero_failing_twice_and_an_exception_are_recovered_in_place(
+    tmp_path: Path, fault_free: str
+) -> None:
+    code, err, results = _run(tmp_path, "out", ["0:10:kill", "0:20:kill", "3:30:raise"])
+    assert code == 0, err
+    ranks = _by_rank(results)
+    assert ranks[1]["calls"] == ranks[2]["calls"] == [0, 11, 21, 31]
+    assert ranks[0]["calls"] == [21, 31]  # rank 0's second replacement, then a survivor
+    assert ranks[3]["calls"] == [31]
+    assert {r["sha"] for r in results} == {fault_free}
+    assert "in-process round 3 complete" in err
+    assert "ValueError: rank 3 fails on purpose at step 30" in err
+    assert ranks[1]["restarts"] == "3"
+
+
+def test_a_replacement_dying_before_the_synchronisation_restarts_the_group(
+    tmp_path: Path, fault_free: str
+) -> None:
+    code, err, results = _run(tmp_path, "out", ["2:15:kill", "2:0:sync"])
+    assert code == 0, err
+    ranks = _by_rank(results)
+    # The whole group restarted from scratch (no checkpoint): every process is new.
+    for r in range(4):
+        assert ranks[r]["calls"] == [0], ranks[r]
+    assert "abandoned" in err and "restarting all workers" in err
+    assert {r["sha"] for r in results} == {fault_free}
+
+
+def test_a_survivor_that_never_reaches_the_round_restarts_the_group(
+    tmp_path: Path, fault_free: str
+) -> None:
+    # Rank 1 hangs at step 12 (in the sleep, not in a collective); rank 2 dies at 12.
+    code, err, results = _run(
+        tmp_path, "out", ["1:12:hang", "2:12:kill"], "ELASTRUN_INPROCESS_TIMEOUT=3"
+    )
+    assert code == 0, err
+    assert "not every worker synchronised in time" in err
+    assert {r["sha"] for r in results} == {fault_free}
+
+
+def test_without_the_api_a_failure_restarts_the_whole_group(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "plain.py", NO_API)
+    res = finish(
+        start(["--standalone", "--nproc-per-node", "3", "--max-restarts", "1",
+               str(script), str(tmp_path)], cwd=tmp_path),
+        60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    ran = sorted(p.name for p in tmp_path.glob("ran_*"))
+    assert sorted(r.split("_")[1] for r in ran if r.split("_")[2] == "1") == ["0", "1", "2"]
+    assert "restarting all workers" in res.stderr
+    assert "in place" not in res.stderr
