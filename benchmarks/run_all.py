@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import bench_hang
+import bench_inprocess
 import bench_launch
 import bench_overhead
 import bench_progress
@@ -40,6 +41,7 @@ SECTIONS: dict[str, Callable[[str], Section]] = {
     "store": bench_store.run,
     "progress": bench_progress.run,
     "hang": bench_hang.run,
+    "inprocess": bench_inprocess.run,
 }
 
 

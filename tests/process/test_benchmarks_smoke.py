@@ -149,6 +149,17 @@ def test_hang_benchmark_times_the_verdict_and_sees_torchrun_not_notice(tmp_path:
     assert raw["verdict_minus_timeout_s"]["--hang-timeout 2"] <= 2.0
 
 
+@pytest.mark.torch
+def test_inprocess_benchmark_loses_no_step_in_place(tmp_path: Path) -> None:
+    data = _run_module("bench_inprocess.py", tmp_path)
+    lost = _samples(data, "lost")
+    assert lost["elastrun in place"] == [0.0]
+    assert lost["elastrun group restart"][0] > 0  # the steps since the checkpoint
+    assert set(_samples(data, "recover_s")) == {
+        "torchrun", "elastrun group restart", "elastrun in place"
+    }  # fmt: skip
+
+
 def test_run_all_writes_the_report_and_the_charts(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     proc = subprocess.run(

@@ -85,6 +85,10 @@ def _recovering(
     round_no = int(os.environ.get(wire.ROUND_ENV, "0") or 0)
     wait = float(os.environ.get(wire.WAIT_ENV, "") or DEFAULT_WAIT)
     channel.send("hello", pid=os.getpid(), round=round_no)
+    # What exists now (the model, torch's modules) lives as long as the process: keep
+    # it out of the collections, so that a recovery's collection (of the failed call's
+    # DDP wrapper) walks only what the training made since (milliseconds, not 0.3 s).
+    gc.freeze()
     # torch wraps sys.excepthook at every init_process_group (to prefix "[rankN]:"):
     # each call starts from the script's own hook, not from the last call's wrapper.
     hook = sys.excepthook

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 
-from elastrun.inprocess.parking import keep_parked, park_process_groups, release_parked
+from elastrun.inprocess.parking import keep_parked, park_process_groups
 from elastrun.inprocess.state import State
 
 #: Bounds the exchange (a rank that never comes makes the others fail, and the agent
@@ -33,7 +33,6 @@ def synchronise(state: State, round_no: int) -> None:
         "gloo", store=prefixed, rank=rank, world_size=world, timeout=SYNC_TIMEOUT
     )
     park_process_groups()  # see inprocess.parking
-    ok = False
     try:
         commits: list[int | None] = [None] * world
         dist.all_gather_object(commits, state.commit_id)
@@ -45,10 +44,8 @@ def synchronise(state: State, round_no: int) -> None:
             if state.commit_id != newest:
                 assert isinstance(blob[0], bytes)
                 state.import_commit(blob[0])
-        ok = True
     finally:
         dist.destroy_process_group()
-        if ok:
-            release_parked()
-        else:
-            keep_parked()
+        # Kept: releasing it would need a pause (see inprocess.parking) on the recovery's
+        # critical path; a synchronisation group costs a few threads until exit.
+        keep_parked()
