@@ -26,6 +26,7 @@ from elastrun.core.clock import Clock
 from elastrun.core.values import parse_seconds
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.procset import Exit
+from elastrun.supervise.processes.stacks import request_stacks
 
 log = logging.getLogger("elastrun.agent")
 
@@ -202,6 +203,18 @@ class InprocessRecovery:
             return []
         return sorted(
             lr for lr, pid in current.expected.items() if not hub.synced(lr, pid, current.number)
+        )
+
+    def abandon_late(self, attempt: Attempt) -> None:
+        """Give up a round past its bound, keeping the stacks of the workers that did
+        not synchronise (in their attempt directories) and naming them."""
+        dumps = request_stacks(attempt.stack_requests(self.laggards()))
+        where = ", ".join(
+            f"rank {attempt.global_rank(lr)}: {d.path}" for lr, d in sorted(dumps.items()) if d.text
+        )
+        self.abandon(
+            "not every worker synchronised in time"
+            + (f" (stacks of those that did not: {where})" if where else "")
         )
 
     def abandon(self, why: str) -> None:

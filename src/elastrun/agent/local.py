@@ -58,7 +58,6 @@ from elastrun.supervise.processes.guard import OrphanGuard
 from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsSpecs
 from elastrun.supervise.processes.procset import Exit
 from elastrun.supervise.processes.spawn import ProcessStarter
-from elastrun.supervise.processes.stacks import request_stacks
 from elastrun.supervise.progress import AutoTimeout, StragglerSettings
 
 __all__ = ["STUCK_EXIT_TIMEOUT", "FileTimer", "Guard", "LocalElasticAgent"]
@@ -385,17 +384,9 @@ class LocalElasticAgent:
         return True
 
     def _abandon_late_round(self, attempt: Attempt) -> None:
-        """The in-process round took too long: keep the stacks of the workers that did
-        not synchronise (in their attempt directories), then restart the group."""
-        late = self._inprocess.laggards()
-        dumps = request_stacks(attempt.stack_requests(late))
-        where = ", ".join(
-            f"rank {attempt.global_rank(lr)}: {d.path}" for lr, d in sorted(dumps.items()) if d.text
-        )
-        self._inprocess.abandon(
-            "not every worker synchronised in time"
-            + (f" (stacks of those that did not: {where})" if where else "")
-        )
+        """The in-process round took too long: restart the group (the stacks of the
+        workers that did not synchronise are kept)."""
+        self._inprocess.abandon_late(attempt)
         self._restart_in_full()
 
     def _restart_in_full(self) -> None:
