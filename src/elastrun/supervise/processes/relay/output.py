@@ -154,11 +154,7 @@ class OutputRelay:
                 if new_streams and self._thread is None:
                     self._start_thread()
             except BaseException:
-                for fd in child_fds:
-                    close_quietly(fd, "worker stdio")
-                for stream in new_streams:
-                    close_quietly(stream.read_fd, stream.name)
-                    stream.log.close()
+                _release(child_fds, new_streams)
                 raise
             self._pending.extend(new_streams)
             self._n_streams += len(new_streams)
@@ -180,62 +176,20 @@ class OutputRelay:
         child_fds: list[int],
         new_streams: list[Stream],
     ) -> int | None:
+        """The descriptor one stream of a worker gets (None: inherit the console)."""
         filtered = self._filtered_sink(kind)
         path = files.get(local_rank, "")
-        log_fd = -1
-        if path:
-            try:
-                log_fd = open_log(path, append=append)
-            except OSError as exc:
-                problem = f"cannot write worker logs to {describe_os_error(exc, path)}"
-                # One line per attempt: with a full disk, every rank's files fail alike.
-                logger.log(
-                    logging.DEBUG if self._problems else logging.WARNING,
-                    "%s; this attempt's streams whose log file cannot be opened go to the "
-                    "agent's console",
-                    problem,
-                )
-                self._note_problem(local_rank, problem)
-                to_console = True
+        log_fd = self._open_rank_log(path, local_rank, append) if path else -1
+        to_console = to_console or bool(path and log_fd < 0)
         # A tee without a file (torch's /dev/null mode names a tee but no file) shows
         # the stream directly, as torch does.
         if to_console or (path and tees.get(local_rank, "") and show_on_console):
-            try:
-                read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-            except BaseException:
-                if log_fd >= 0:
-                    close_quietly(log_fd, f"log file {path}")
-                raise
-            child_fds.append(write_fd)
             name = f"local rank {local_rank} {kind}"
-            log = (
-                Sink(
-                    log_fd,
-                    f"{name} log file {path}",
-                    owned=True,
-                    path=path,
-                    local_rank=local_rank,
-                )
-                if log_fd >= 0
-                else Sink.nowhere()
+            stream, write_fd = self._pipe_stream(
+                kind, name, path, log_fd, local_rank, prefix, filtered
             )
-            try:
-                os.set_blocking(read_fd, False)
-            except BaseException:
-                close_quietly(read_fd, "relay pipe")
-                log.close()
-                raise
-            new_streams.append(
-                Stream(
-                    name=name,
-                    read_fd=read_fd,
-                    log=log,
-                    console=self._console[kind],
-                    filtered=filtered,
-                    needles=self._needles[kind],
-                    prefix=prefix.encode("utf-8", "surrogateescape"),
-                )
-            )
+            child_fds.append(write_fd)
+            new_streams.append(stream)
             return write_fd
         if log_fd >= 0:
             child_fds.append(log_fd)
@@ -245,6 +199,64 @@ class OutputRelay:
         fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         child_fds.append(fd)
         return fd
+
+    def _open_rank_log(self, path: str, local_rank: int, append: bool) -> int:
+        """A rank's log file, opened; -1 (and the problem noted) when it cannot be."""
+        try:
+            return open_log(path, append=append)
+        except OSError as exc:
+            problem = f"cannot write worker logs to {describe_os_error(exc, path)}"
+            # One line per attempt: with a full disk, every rank's files fail alike.
+            logger.log(
+                logging.DEBUG if self._problems else logging.WARNING,
+                "%s; this attempt's streams whose log file cannot be opened go to the "
+                "agent's console",
+                problem,
+            )
+            self._note_problem(local_rank, problem)
+            return -1
+
+    def _pipe_stream(
+        self,
+        kind: str,
+        name: str,
+        path: str,
+        log_fd: int,
+        local_rank: int,
+        prefix: str,
+        filtered: Sink | None,
+    ) -> tuple[Stream, int]:
+        """A pipe the relay reads (to the log file, if any, and the console); returns
+        the stream and the pipe's write end for the worker. Closes ``log_fd`` if it
+        fails."""
+        try:
+            read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        except BaseException:
+            if log_fd >= 0:
+                close_quietly(log_fd, f"log file {path}")
+            raise
+        log = (
+            Sink(log_fd, f"{name} log file {path}", owned=True, path=path, local_rank=local_rank)
+            if log_fd >= 0
+            else Sink.nowhere()
+        )
+        try:
+            os.set_blocking(read_fd, False)
+        except BaseException:
+            close_quietly(read_fd, "relay pipe")
+            close_quietly(write_fd, "relay pipe")
+            log.close()
+            raise
+        stream = Stream(
+            name=name,
+            read_fd=read_fd,
+            log=log,
+            console=self._console[kind],
+            filtered=filtered,
+            needles=self._needles[kind],
+            prefix=prefix.encode("utf-8", "surrogateescape"),
+        )
+        return stream, write_fd
 
     def _filtered_sink(self, kind: str) -> Sink | None:
         if kind not in self._filtered:
@@ -445,3 +457,12 @@ class OutputRelay:
             f"OutputRelay({state}, streams={self._n_streams}, "
             f"thread={'alive' if thread is not None and thread.is_alive() else 'none'})"
         )
+
+
+def _release(child_fds: list[int], streams: list[Stream]) -> None:
+    """Close what a failed wiring made: the child's descriptors and the new streams."""
+    for fd in child_fds:
+        close_quietly(fd, "worker stdio")
+    for stream in streams:
+        close_quietly(stream.read_fd, stream.name)
+        stream.log.close()
