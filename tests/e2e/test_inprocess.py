@@ -44,6 +44,8 @@ def fail(kind, step):
         raise ValueError(f"rank {rank} fails on purpose at step {step}")
     if kind == "hang":
         time.sleep(3600)
+    if kind == "fakegloo":  # looks like a failed collective, but no peer failed
+        raise RuntimeError("[gloo] simulated: Connection reset by peer")
 
 def planned(step):
     for item in plan:
@@ -59,6 +61,9 @@ if os.environ.get("ELASTRUN_INPROCESS_ROUND", "0") != "0":
         who, when, kind = item.split(":")
         if kind == "sync" and int(who) == rank and once(f"did_{item}"):
             os._exit(7)  # a replacement dying before the state synchronisation
+
+if any(i.endswith(":fakegloo") and int(i.split(":")[0]) == rank for i in plan):
+    os.environ["ELASTRUN_INPROCESS_WAIT"] = "1"  # this rank's own wait for a round
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -163,6 +168,18 @@ def test_rank_zero_failing_twice_and_an_exception_are_recovered_in_place(
     assert "in-process round 3 complete" in err
     assert "ValueError: rank 3 fails on purpose at step 30" in err
     assert ranks[1]["restarts"] == "3"
+
+
+def test_an_error_that_only_looks_like_a_failed_collective_is_the_workers_own(
+    tmp_path: Path, fault_free: str
+) -> None:
+    code, err, results = _run(tmp_path, "out", ["1:8:fakegloo"])
+    assert code == 0, err
+    assert "no peer failed" in err and "this is the worker's own error" in err
+    ranks = _by_rank(results)
+    assert ranks[1]["calls"] == [9]  # replaced in place after its own error
+    assert ranks[0]["calls"] == [0, 9]
+    assert {r["sha"] for r in results} == {fault_free}
 
 
 def test_a_replacement_dying_before_the_synchronisation_restarts_the_group(

@@ -47,7 +47,6 @@ _PEER_GONE = (
     "connection closed",
     "broken pipe",
     "socket",
-    "timed out",
     "processgroup",
     "tcpstore",
     "failed to recv",
@@ -104,13 +103,15 @@ def _recovering(
         except Exception as exc:
             if not peer_gone(exc):
                 raise
-            log.warning("a collective failed (%s); recovering in place", _first_line(exc))
+            failure = _first_line(exc)  # not the exception: its frames hold the old group
+            log.warning("a collective failed (%s); recovering in place", failure)
         _teardown()
         state.rollback()
         message = channel.wait_round(round_no, wait)
         if message is None:
             raise RuntimeError(
-                f"a collective failed and no new round was announced within {wait:.0f}s"
+                f"{failure}; no peer failed (the agent announced no new round within "
+                f"{wait:.0f}s): this is the worker's own error"
             )
         round_no = int(message["round"])
         _apply_env(message.get("env") or {})
