@@ -108,15 +108,12 @@ class AsyncNode:
         """``joining.drive`` with each store operation awaited."""
         value: Any = None
         error: BaseException | None = None
-        while True:
-            try:
-                op = protocol.throw(error) if error is not None else protocol.send(value)
-            except StopIteration as stop:
-                return stop.value
+        while not isinstance(op := joining.advance(protocol, value, error), joining.Finished):
             try:
                 value, error = await self._perform(op), None
             except Exception as exc:  # thrown into the protocol, as the handler does
                 value, error = None, exc
+        return op.value
 
     async def _perform(self, op: joining.Op) -> Any:
         store = self._store

@@ -382,17 +382,30 @@ def closed_error(ctx: Context, reason: bytes) -> RendezvousClosedError:
 # -- the synchronous driver -------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Finished:
+    """The protocol ended with ``value``."""
+
+    value: Any
+
+
+def advance(protocol: Protocol, value: Any, error: BaseException | None) -> Op | Finished:
+    """Hand the protocol the last operation's result (or its exception); returns the
+    next operation, or ``Finished``. Every driver's one step, blocking or not."""
+    try:
+        return protocol.throw(error) if error is not None else protocol.send(value)
+    except StopIteration as stop:
+        return Finished(stop.value)
+
+
 def drive(protocol: Protocol, perform: Callable[[Op], Any]) -> Any:
     """Run ``protocol`` to its end, performing each operation with ``perform`` (which
     may raise: the exception is thrown into the protocol at that point)."""
     value: Any = None
     error: BaseException | None = None
-    while True:
-        try:
-            op = protocol.throw(error) if error is not None else protocol.send(value)
-        except StopIteration as stop:
-            return stop.value
+    while not isinstance(op := advance(protocol, value, error), Finished):
         try:
             value, error = perform(op), None
         except Exception as exc:  # handed to the protocol, which re-raises what it cannot use
             value, error = None, exc
+    return op.value
