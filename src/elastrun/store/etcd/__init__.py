@@ -9,8 +9,9 @@ The model maps onto etcd directly: revisions are etcd's store-wide revisions, a 
 an etcd lease, ``compare_set`` and ``add`` are transactions, a watch is a watch stream
 opened from ``after_revision + 1`` and closed once it delivered something.
 
-``client`` holds :class:`EtcdStore` and its failover; ``gateway`` the gateway's
-encodings, endpoint and TLS settings, and the meaning of its errors.
+``client`` holds :class:`EtcdStore` (the store model: keys, transactions, watches);
+``transport`` the requests, the members and failover between them; ``gateway`` the
+gateway's encodings, endpoint and TLS settings, and the meaning of its errors.
 """
 
 from __future__ import annotations

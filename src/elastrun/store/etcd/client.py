@@ -1,13 +1,8 @@
 """The etcd store: the store model on an etcd v3 cluster (see the package docstring).
 
-Failover. A store knows several members and sticks to the last one that answered. A
-request that provably never reached a member (connection refused, or refused by a member
-that has no leader before proposing anything) moves on to the next. A request that *may*
-have been applied -- the connection broke after it was sent, or etcd timed out waiting
-for consensus -- is retried only when repeating it is harmless (reads, keep-alives,
-revokes, watches, lease grants, see ``grant_lease``); every other write raises
-``StoreError`` saying its outcome is unknown, because blindly repeating a put would
-repeat its watch event and repeating a transaction could apply it twice.
+Requests, the members and failover between them are ``transport``'s: a read, keep-alive,
+revoke, watch or lease grant may be repeated on another member, any other write that may
+have been applied raises ``StoreError`` saying its outcome is unknown.
 """
 
 from __future__ import annotations
@@ -15,46 +10,38 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import math
 import random
 import socket
 import ssl
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from elastrun.core.cancel import CancelScope, scope_or_default
 from elastrun.core.clock import Deadline
 from elastrun.core.errors import (
     LeaseExpiredError,
-    StoreAuthError,
     StoreCompactedError,
     StoreError,
     StoreTimeoutError,
 )
 from elastrun.store.api import EventKind, WatchEvent, WatchResult
 from elastrun.store.etcd.gateway import (
-    REQUIRE_LEADER,
-    BadToken,
     Json,
     MaybeApplied,
     NotSent,
     b64,
     decode,
     describe,
-    host_of,
-    parse_endpoints,
     prefix_end,
     stream_message,
     to_int,
     unb64,
 )
+from elastrun.store.etcd.transport import Transport
 
 if TYPE_CHECKING:
     import httpx
-
-log = logging.getLogger("elastrun.store.etcd")
 
 #: etcd hands the history a new watch asks for to it from a background loop that runs
 #: every 100 ms; only after that long is "no event" an answer to trust.
@@ -62,12 +49,6 @@ HISTORY_GRACE = 0.3
 #: A member that does not acknowledge a new watch within this long is taken as hung
 #: (a healthy one does in milliseconds; shorter waits are a caller's quick look).
 _HANG = 0.5
-#: The shortest wait for one answer, and the longest for one that may be repeated.
-_MIN_WAIT = 0.5
-_SAFE_WAIT = 2.0
-_BACKOFF_FIRST = 0.05
-_BACKOFF_CAP = 1.0
-T = TypeVar("T")
 
 
 class EtcdStore:
@@ -99,23 +80,15 @@ class EtcdStore:
         connect_timeout: float = 2.0,
         request_timeout: float = 10.0,
     ) -> None:
-        import httpx  # an optional dependency: only an etcd user needs it
-
-        self._urls = parse_endpoints(endpoints, secure=ssl_context is not None)
-        self._namespace = namespace.encode()
-        self._username = username
-        self._password = password
-        self._connect_timeout = connect_timeout
-        self._request_timeout = request_timeout
-        self._client: httpx.Client = httpx.Client(
-            verify=ssl_context if ssl_context is not None else True,
-            trust_env=False,  # never send etcd traffic through a proxy from the environment
-            timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
+        self._transport = Transport(
+            endpoints,
+            ssl_context=ssl_context,
+            username=username,
+            password=password,
+            connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
         )
-        self._current = 0
-        self._token: str | None = None
-        self._auth_lock = threading.Lock()
-        self._closed = False
+        self._namespace = namespace.encode()
 
     # -- keys ------------------------------------------------------------------------
 
@@ -266,7 +239,7 @@ class EtcdStore:
             return self._watch_stream(url, body, after_revision, deadline, live)
 
         # Connection trouble gets the usual failover window even for a short watch.
-        return self._with_failover(
+        return self._transport.with_failover(
             attempt, safe=True, what="watch", window=max(timeout, 0), scope=live
         )
 
@@ -288,18 +261,16 @@ class EtcdStore:
             self.watch(_common_prefix(missing), int(revision), deadline.remaining(), scope=scope)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._client.close()
+        self._transport.close()
 
     def __repr__(self) -> str:
+        t = self._transport
         return (
-            f"EtcdStore(endpoints={list(self._urls)}, using={self._urls[self._current]!r}, "
-            f"namespace={self._namespace.decode()!r}, user={self._username!r}, "
-            f"closed={self._closed})"
+            f"EtcdStore(endpoints={list(t.urls)}, using={t.using!r}, "
+            f"namespace={self._namespace.decode()!r}, user={t.username!r}, closed={t.closed})"
         )
 
-    # -- transactions --------------------------------------------------------------------
+    # -- requests and transactions -----------------------------------------------------
 
     def _txn(self, compare: Json, put: Json, key: str) -> Json:
         body = {
@@ -309,124 +280,15 @@ class EtcdStore:
         }
         return self._call("/v3/kv/txn", body, safe=False)
 
+    def _call(self, path: str, body: Json, *, safe: bool) -> Json:
+        return self._transport.call(path, body, safe=safe)
+
     @staticmethod
     def _first_kv(answer: Json) -> Json | None:
         kvs = answer.get("kvs")
         return kvs[0] if kvs else None
 
-    # -- requests and failover -----------------------------------------------------------
-
-    def _call(self, path: str, body: Json, *, safe: bool) -> Json:
-        def attempt(url: str, wait: float) -> Json:
-            return self._post(url, path, body, wait)
-
-        return self._with_failover(attempt, safe=safe, what=path.rsplit("/", 1)[-1])
-
-    def _with_failover(
-        self,
-        attempt: Callable[[str, float], T],
-        *,
-        safe: bool,
-        what: str,
-        window: float = 0.0,
-        scope: CancelScope | None = None,
-    ) -> T:
-        """Run ``attempt(url, wait)`` on the current member, then the others, until it
-        works or the request timeout (at least ``window``) passes; see the module
-        docstring. ``wait`` bounds one answer, so that a member that hangs (a machine
-        gone without a word) leaves time to ask another: half the request timeout, and
-        at most ``_SAFE_WAIT`` for a call that may be repeated (a keep-alive must get
-        through well within its lease's TTL)."""
-        if self._closed:
-            raise StoreError("the etcd store is closed")
-        deadline = Deadline.after(max(self._request_timeout, window))
-        delay, last = _BACKOFF_FIRST, ""
-        while True:
-            for index in self._rotation():
-                url = self._urls[index]
-                wait = min(deadline.remaining(), self._request_timeout / 2)
-                if safe:
-                    wait = min(wait, _SAFE_WAIT)
-                wait = max(_MIN_WAIT, wait)
-                try:
-                    result = attempt(url, wait)
-                except RuntimeError:  # httpx refuses to work once the client is closed
-                    if self._closed:
-                        raise StoreError("the etcd store is closed") from None
-                    raise
-                except NotSent as exc:
-                    last = f"{exc} ({host_of(url)})"
-                except MaybeApplied as exc:
-                    if not safe:
-                        raise StoreError(
-                            f"etcd {what}: outcome unknown ({host_of(url)}: {exc}); the request "
-                            "may have been applied, so it is not repeated"
-                        ) from None
-                    last = f"{exc} ({host_of(url)})"
-                else:
-                    if index != self._current:
-                        log.info("etcd: now using %s", host_of(url))
-                        self._current = index
-                    return result
-                if self._closed:
-                    raise StoreError("the etcd store is closed")
-                log.debug("etcd %s failed on %s", what, last)
-            if deadline.remaining() <= delay:
-                hosts = ", ".join(host_of(u) for u in self._urls)
-                raise StoreError(f"cannot reach etcd at {hosts}: {last}")
-            scope_or_default(scope).sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, _BACKOFF_CAP)
-
-    def _rotation(self) -> Iterator[int]:
-        start = self._current
-        for step in range(len(self._urls)):
-            yield (start + step) % len(self._urls)
-
-    def _headers(self, url: str) -> dict[str, str]:
-        headers = dict(REQUIRE_LEADER)
-        if self._username is not None:
-            headers["Authorization"] = self._auth_token(url)
-        return headers
-
-    def _post(self, url: str, path: str, body: Json, wait: float) -> Json:
-        import httpx
-
-        timeout = httpx.Timeout(wait, connect=min(wait, self._connect_timeout))
-        for _ in range(2):  # a second time only after re-authenticating
-            try:
-                reply = self._client.post(
-                    url + path, content=json.dumps(body), headers=self._headers(url),
-                    timeout=timeout,
-                )  # fmt: skip
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-                raise NotSent(describe(exc)) from None
-            except httpx.TransportError as exc:
-                raise MaybeApplied(describe(exc)) from None
-            try:
-                return decode(reply.status_code, reply.content, url)
-            except BadToken:
-                self._token = None
-        raise StoreAuthError(f"etcd at {host_of(url)} keeps refusing fresh auth tokens")
-
-    def _auth_token(self, url: str) -> str:
-        import httpx
-
-        with self._auth_lock:
-            if self._token is None:
-                body = {"name": self._username, "password": self._password or ""}
-                try:
-                    reply = self._client.post(url + "/v3/auth/authenticate", json=body)
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    raise NotSent(describe(exc)) from None
-                except httpx.TransportError as exc:
-                    raise MaybeApplied(describe(exc)) from None  # authenticating is harmless
-                try:
-                    self._token = str(decode(reply.status_code, reply.content, url)["token"])
-                except (BadToken, KeyError):
-                    raise StoreAuthError(
-                        f"etcd at {host_of(url)} refused user {self._username!r}"
-                    ) from None
-            return self._token
+    # -- watches ---------------------------------------------------------------------
 
     def _watch_stream(
         self, url: str, body: Json, after: int, deadline: Deadline, scope: CancelScope
@@ -446,13 +308,12 @@ class EtcdStore:
 
         # A read waits at least one history-delivery period (see HISTORY_GRACE).
         wait = max(deadline.remaining(), HISTORY_GRACE)
-        timeout = httpx.Timeout(wait, connect=self._connect_timeout)
         created = synced = False
         try:
-            with self._client.stream(
-                "POST", url + "/v3/watch", content=json.dumps(body),
-                headers=self._headers(url), timeout=timeout,
-            ) as reply, scope.wakes(functools.partial(_cut, reply)):  # fmt: skip
+            with (
+                self._transport.stream(url, "/v3/watch", body, wait) as reply,
+                scope.wakes(functools.partial(_cut, reply)),
+            ):
                 if reply.status_code != 200:
                     decode(reply.status_code, reply.read(), url)
                 for line in reply.iter_lines():
