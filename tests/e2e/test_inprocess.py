@@ -1,4 +1,5 @@
-"""In-process recovery end to end: real processes, real torch gloo DDP, one node.
+"""In-process recovery end to end: real processes, real torch gloo DDP, on one node
+and on two (two agents on loopback, a standalone rendezvous store).
 
 The script trains a small model with DDP, commits after every step and takes its
 failures from the command line (``RANK:STEP`` items, each once per job). Every process
@@ -10,11 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from _helpers import finish, start, write_script
+from _helpers import elastrun_store, finish, start, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
@@ -43,6 +47,7 @@ def fail(kind, step):
     if kind == "raise":
         raise ValueError(f"rank {rank} fails on purpose at step {step}")
     if kind == "hang":
+        open(os.path.join(out, f"hung_{rank}_{os.getpid()}"), "w").close()
         time.sleep(3600)
     if kind == "fakegloo":  # looks like a failed collective, but no peer failed
         raise RuntimeError("[gloo] simulated: Connection reset by peer")
@@ -72,6 +77,8 @@ state = inprocess.State(model=model, optimizer=opt, step=0)
 
 @inprocess.run
 def train(state):
+    global rank
+    rank = int(os.environ["RANK"])  # a round may renumber the ranks (a lost node)
     calls.append(state.step)
     dist.init_process_group("gloo")
     ddp = DistributedDataParallel(state.model, find_unused_parameters=True)
@@ -219,3 +226,83 @@ def test_without_the_api_a_failure_restarts_the_whole_group(tmp_path: Path) -> N
     assert sorted(r.split("_")[1] for r in ran if r.split("_")[2] == "1") == ["0", "1", "2"]
     assert "restarting all workers" in res.stderr
     assert "in place" not in res.stderr
+
+
+# -- two nodes ---------------------------------------------------------------------------
+
+
+def _start_two_nodes(
+    tmp_path: Path, endpoint: str, token: Path, nnodes: str, plan: list[str]
+) -> tuple[Path, list[subprocess.Popen[str]]]:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path / "train.py", SCRIPT)
+    conf = f"is_host=false,token_file={token},heartbeat_timeout=3,last_call_timeout=1"
+    args = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "ip2", "--rdzv-conf", conf,
+            "--local-addr", "127.0.0.1", "--max-restarts", "3",
+            str(script), str(out), str(STEPS), *plan]  # fmt: skip
+    env = {"OMP_NUM_THREADS": "1"}
+    agents = []
+    for _ in range(2):
+        agents.append(start(args, cwd=tmp_path, env=env))
+        time.sleep(0.3)
+    return out, agents
+
+
+def _end(agents: list[subprocess.Popen[str]]) -> None:
+    for a in agents:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+        a.communicate()  # reaps it and closes its pipes
+
+
+def test_two_nodes_a_killed_rank_is_replaced_in_place(tmp_path: Path, fault_free: str) -> None:
+    with elastrun_store(tmp_path) as (endpoint, token):
+        out, agents = _start_two_nodes(tmp_path, endpoint, token, "2", ["2:35:kill"])
+        try:
+            results = [finish(a, 180) for a in agents]
+        finally:
+            _end(agents)
+    err = "\n=====\n".join(r.stderr for r in results)
+    assert [r.returncode for r in results] == [0, 0], err
+    ranks = _by_rank([json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))])
+    for r in (0, 1, 3):
+        assert ranks[r]["calls"] == [0, 36], ranks[r]  # the same process, called again
+    assert ranks[2]["calls"] == [36]  # the replacement starts at the committed step
+    assert {r["sha"] for r in ranks.values()} == {fault_free}  # bit for bit
+    assert err.count("in-process round 1 complete") == 2, err  # on both nodes
+    assert "restarting all workers" not in err and "restarting them" not in err
+
+
+@pytest.mark.parametrize("lost_rank", [2, 0], ids=["second-node", "store-host-node"])
+def test_two_nodes_a_lost_node_shrinks_the_world_in_place(tmp_path: Path, lost_rank: int) -> None:
+    # The node of ``lost_rank`` is SIGKILLed while that rank sleeps at step 20 (the others
+    # then block in a collective); with rank 0 goes the node that serves the workers' store.
+    plan = [f"{lost_rank}:20:hang"]
+    with elastrun_store(tmp_path) as (endpoint, token):
+        out, agents = _start_two_nodes(tmp_path, endpoint, token, "1:2", plan)
+        try:
+            wait_for(lambda: list(out.glob(f"hung_{lost_rank}_*")), 60, "the rank to hang")
+            (hung,) = out.glob(f"hung_{lost_rank}_*")
+            node = _parent(int(hung.name.rsplit("_", 1)[1]))
+            lost = next(a for a in agents if a.pid == node)
+            lost.send_signal(signal.SIGKILL)  # the node is gone: its workers die with it
+            survivor = next(a for a in agents if a is not lost)
+            res = finish(survivor, 120)
+        finally:
+            _end(agents)
+    assert res.returncode == 0, res.stderr
+    results = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank_*"))}
+    assert sorted(results) == [0, 1], results  # the world shrank to the survivors
+    for r in results.values():
+        assert r["calls"] == [0, 21], r  # the same processes, called again at world 2
+    assert len({r["sha"] for r in results.values()}) == 1  # agreeing on the parameters
+    assert "in-process round 1 complete" in res.stderr
+    assert "the world goes from 4 to 2 ranks" in res.stderr
+    assert "restarting" not in res.stderr
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])

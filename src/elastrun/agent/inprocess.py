@@ -2,12 +2,18 @@
 others into the next round (the workers' side is ``elastrun.inprocess``).
 
 When every worker of the attempt uses ``elastrun.inprocess.run`` (each said hello on
-the hub) and the node is alone in its round, a failure does not stop the survivors. The
-agent serves a fresh workers' store, starts a replacement for each failed local rank
-with the next in-process round's environment, and announces that round to the
-survivors, whose failed collectives brought them to wait for it. The round is complete
-when every one of them, replacements included, has synchronised its state; when that
-does not happen within the bound, the loop falls back to restarting the whole group.
+the hub), a failure does not stop the survivors. Alone in its round, the node serves a
+fresh workers' store itself (``recover``). With other nodes, every node keeps its
+workers running through the rendezvous and, once the new round has formed, they agree
+on it through the rendezvous store (``agent.inprocess_agree``): when all kept theirs,
+each node leads its workers into the round with the round's ranks (``recover_round``);
+the world shrinks in place when a node was lost. Either way the agent starts a
+replacement for each failed local rank with the round's environment and announces the
+round to the survivors, whose failed collectives brought them to wait for it, naming
+every worker's listeners so that no survivor stays blocked on a broken connection. The
+round is complete when every local worker, replacements included, has synchronised its
+state; when that does not happen within the bound, the loop falls back to restarting
+the whole group.
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ import logging
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
-from elastrun.agent.attempt import Attempt
+from elastrun.agent.attempt import Attempt, AttemptSetup
 from elastrun.agent.bootstrap_store import BootstrapStore
+from elastrun.agent.inprocess_agree import Agreement, Offer
 from elastrun.agent.inprocess_hub import InprocessHub
+from elastrun.agent.plan import LaunchPlan
 from elastrun.agent.workers import WorkerProcesses
 from elastrun.core import inprocess_wire as wire
 from elastrun.core.clock import Clock
+from elastrun.core.tcp_sockets import listening_endpoints
 from elastrun.core.values import parse_seconds
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.procset import Exit
@@ -37,6 +46,10 @@ TIMEOUT_ENV = "ELASTRUN_INPROCESS_TIMEOUT"
 #: ``ELASTRUN_INPROCESS=0`` turns in-process recovery off (every failure restarts the
 #: whole group, as for scripts that do not use ``elastrun.inprocess``).
 INPROCESS_ENV = "ELASTRUN_INPROCESS"
+
+
+def _world(plan: LaunchPlan) -> int:
+    return plan.workers[0].ranks.world_size if plan.workers else 0
 
 
 def inprocess_timeout(environ: Mapping[str, str]) -> float:
@@ -102,6 +115,16 @@ class InprocessRecovery:
             self._hub = InprocessHub(self._wake)
             environ.update(self._hub.env())
 
+    @property
+    def is_open(self) -> bool:
+        """Whether workers can opt in (the hub listens)."""
+        return self._hub is not None
+
+    @property
+    def timeout(self) -> float:
+        """The bound on a round's synchronisation."""
+        return self._timeout
+
     def close(self) -> None:
         if self._hub is not None:
             self._hub.close()
@@ -109,64 +132,100 @@ class InprocessRecovery:
 
     # -- deciding -------------------------------------------------------------------------
 
-    def why_not(self, attempt: Attempt, failed: list[Exit], nodes: int) -> str | None:
-        """Why this failure cannot be recovered in place (None: it can)."""
+    def why_not(self, attempt: Attempt, failed: list[Exit], *, alone: bool) -> str | None:
+        """Why this failure cannot be recovered in place (None: it can). ``alone``: the
+        node is alone in its round (else the workers are kept through the rendezvous,
+        and the nodes agree on the round)."""
         hub = self._hub
         if hub is None:
             return "in-process recovery is off"
         if self._current is not None:
             return "a worker failed while the last in-process recovery was under way"
-        if nodes > 1:
-            return "in-process recovery works within one node for now"
-        if not self._store.serving:
+        if alone and not self._store.serving:
             return "the workers' store is not this agent's"
         survivors = attempt.procs.running()
         if not survivors:
             return "no worker survived"
         pids = attempt.procs.pids()
+        if any(ex.exitcode == 0 for ex in attempt.procs.exits.values()):
+            return "a worker already finished"
         if not all(hub.opted_in(ex.local_rank, ex.pid) for ex in failed):
             return "a failed worker did not use elastrun.inprocess"
         if not all(hub.opted_in(lr, pids[lr]) for lr in survivors):
             return "not every worker uses elastrun.inprocess"
         return None
 
+    def offer(self, attempt: Attempt | None, kept: bool) -> Offer:
+        """What this node brings to the agreement on a round across nodes."""
+        if attempt is None or not kept:
+            return Offer(False, self._rounds)
+        pids = attempt.procs.pids()
+        listeners = listening_endpoints(pids[lr] for lr in attempt.procs.running())
+        return Offer(True, self._rounds, tuple(listeners))
+
     # -- recovering -----------------------------------------------------------------------
 
     def recover(self, attempt: Attempt, failed: list[Exit], restart_count: int) -> None:
-        """Replace the failed workers and announce the next round to the survivors.
+        """Alone in the round: replace the failed workers and announce the next round,
+        on a fresh workers' store this agent serves.
 
         Raises what starting a replacement raises (the loop then restarts the group).
         """
-        hub = self._hub
-        assert hub is not None
         self._rounds += 1
-        n = self._rounds
         port = self._store.rehost(attempt.plan.facts.master_addr)
         envs = {
-            lr: {
-                **env,
-                "MASTER_PORT": str(port),
-                "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-                wire.ROUND_ENV: str(n),
-            }
+            lr: {**env, "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
             for lr, env in attempt.setup.envs.items()
         }
-        setup = dataclasses.replace(attempt.setup, envs=envs)
+        self._lead(attempt, dataclasses.replace(attempt.setup, envs=envs), self._listeners(attempt))
+
+    def recover_round(
+        self, attempt: Attempt, plan: LaunchPlan, agreement: Agreement, restart_count: int
+    ) -> None:
+        """Every node of the new rendezvous round kept its workers: lead this node's into
+        the agreed round, with the round's ranks and store, replacing those that failed.
+
+        Raises what starting a replacement raises (the loop then restarts the group).
+        """
+        self._rounds = agreement.round
+        envs = {}
+        for w in plan.workers:
+            envs[w.local_rank] = {
+                **attempt.setup.envs[w.local_rank],
+                **{k: v for k, v in w.env.items() if k in wire.ROUND_VARIABLES},
+                "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            }
+        setup = dataclasses.replace(attempt.setup, plan=plan, envs=envs)
+        self._lead(attempt, setup, list(agreement.listeners))
+
+    def _listeners(self, attempt: Attempt) -> list[str]:
+        pids = attempt.procs.pids()
+        return listening_endpoints(pids[lr] for lr in attempt.procs.running())
+
+    def _lead(self, attempt: Attempt, setup: AttemptSetup, cut: list[str]) -> None:
+        """Announce round ``self._rounds`` to the running workers and replace the others."""
+        hub = self._hub
+        assert hub is not None
+        n = self._rounds
+        envs = {lr: {**env, wire.ROUND_ENV: str(n)} for lr, env in setup.envs.items()}
+        setup = dataclasses.replace(setup, envs=envs)
+        before, after = _world(attempt.setup.plan), _world(setup.plan)
         pids = attempt.procs.pids()
         survivors = {lr: pids[lr] for lr in attempt.procs.running()}
-        hub.announce(n, envs, survivors)
-        replaced = {
-            ex.local_rank: self._workers.replace_worker(attempt, setup, ex.local_rank)
-            for ex in failed
-        }
+        attempt.setup = setup
+        hub.announce(n, envs, survivors, cut)
+        failed = sorted(set(pids) - set(survivors))
+        replaced = {lr: self._workers.replace_worker(attempt, setup, lr) for lr in failed}
+        self._workers.update_ranks(setup.plan)
         now = self._clock.monotonic()
         self._current = _Round(n, now, now + self._timeout, {**survivors, **replaced}, replaced)
         ranks = [attempt.global_rank(lr) for lr in sorted(replaced)]
-        log.warning(
-            "recovering in place (round %d): replaced rank(s) %s (pids %s); %d worker(s) "
-            "keep their processes",
-            n, ranks, sorted(replaced.values()), len(survivors),
-        )  # fmt: skip
+        what = [f"{len(survivors)} worker(s) keep their processes"]
+        if replaced:
+            what.insert(0, f"replaced rank(s) {ranks} (pids {sorted(replaced.values())})")
+        if before != after:
+            what.append(f"the world goes from {before} to {after} ranks")
+        log.warning("recovering in place (round %d): %s", n, "; ".join(what))
         self._events.record(
             "agent.inprocess_round",
             {"round": n, "ranks": ",".join(map(str, ranks)), "survivors": len(survivors)},

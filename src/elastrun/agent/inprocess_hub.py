@@ -73,10 +73,14 @@ class InprocessHub:
         return said is not None and said == (pid, round_no)
 
     def announce(
-        self, round_no: int, envs: dict[int, dict[str, str]], pids: dict[int, int]
+        self,
+        round_no: int,
+        envs: dict[int, dict[str, str]],
+        pids: dict[int, int],
+        cut: list[str] | None = None,
     ) -> None:
         """Send round ``round_no`` to the workers ``pids`` (local rank -> pid) with their
-        environment."""
+        environment, and the endpoints whose connections they cut (``cut``)."""
         with self._lock:
             peers = [p for p in self._peers.values() if p.local_rank in pids]
         for peer in peers:
@@ -85,7 +89,8 @@ class InprocessHub:
                 continue  # a replaced worker's connection, still closing
             env = {k: v for k, v in envs[peer.local_rank].items() if k in wire.ROUND_VARIABLES}
             with contextlib.suppress(OSError):
-                peer.sock.sendall(wire.encode({"op": "round", "round": round_no, "env": env}))
+                message = {"op": "round", "round": round_no, "env": env, "cut": cut or []}
+                peer.sock.sendall(wire.encode(message))
 
     # -- serving -------------------------------------------------------------------------
 

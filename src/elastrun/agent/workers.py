@@ -138,7 +138,7 @@ class WorkerProcesses:
             procs=ProcessSet(procs, wake_fd=self._shutdown.waker.fileno(), clock=self._clock),
             started_at=self._clock.time(),
         )
-        self._update_ranks(plan)
+        self.update_ranks(plan)
         _write_workers_file(setup.envs, procs)
         return attempt
 
@@ -235,7 +235,9 @@ class WorkerProcesses:
         call = FunctionCall(plan.function, plan.workers[local_rank].args, ret)
         return ProcessSpec(local_rank, env, call=call, stdout_fd=out, stderr_fd=err, cpus=cpus)
 
-    def _update_ranks(self, plan: LaunchPlan) -> None:
+    def update_ranks(self, plan: LaunchPlan) -> None:
+        """Record the plan's ranks in the worker group (a new attempt, or an in-process
+        round whose world changed)."""
         for w in plan.workers:
             worker = self._group.workers[w.local_rank]
             worker.global_rank = w.ranks.global_rank

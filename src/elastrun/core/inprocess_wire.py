@@ -13,8 +13,10 @@ worker -> agent
       it holds commit C, the newest of the round, and calls the training function again
 
 agent -> worker
-  ``{"op": "round", "round": N, "env": {...}}``
-      a worker was replaced: round N starts, with these environment variables
+  ``{"op": "round", "round": N, "env": {...}, "cut": [ENDPOINT, ...]}``
+      a worker was replaced: round N starts, with these environment variables; the
+      worker shuts down its connections to or from the listed endpoints (where the
+      previous round's workers listen, ``core.tcp_sockets`` form)
 
 Nothing here imports more than the standard library: both sides use it.
 """

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from elastrun.core import inprocess_wire as wire
 from elastrun.inprocess.channel import Channel
-from elastrun.inprocess.cut import cut_peer_connections
+from elastrun.inprocess.cut import cut_connections, cut_peer_connections
 from elastrun.inprocess.parking import keep_parked, park_process_groups, release_parked
 from elastrun.inprocess.state import State
 
@@ -114,6 +114,9 @@ def _recovering(
                 f"{wait:.0f}s): this is the worker's own error"
             )
         round_no = int(message["round"])
+        # Peers on other nodes may still be blocked reading from this worker's broken
+        # group: the round names every worker's listeners, and the connections go.
+        cut_connections(message.get("cut") or ())
         _apply_env(message.get("env") or {})
         channel.send("joined", round=round_no)
 

@@ -426,6 +426,11 @@ class RunKeys:
         Not under ``ctl/``: rewritten every few seconds, it must wake no watcher."""
         return f"{self.prefix}rounds/{n}/pace/"
 
+    def inprocess(self, n: int) -> str:
+        """What each node of round n offers for an in-process recovery (one key per
+        group rank): whether it kept its workers, their round and their listeners."""
+        return f"{self.prefix}rounds/{n}/inprocess/"
+
     def done(self, n: int) -> str:
         """The exit barrier of round n. Under ``ctl/`` so that running members see a
         member finish before its lease goes (and do not take it for lost); not bound to

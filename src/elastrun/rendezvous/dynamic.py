@@ -14,6 +14,7 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 ``rounds/<n>/rank/<id>/<node>``  a member's group rank in that decision
 ``rounds/<n>/status``        the closer's progress (for the others' log lines)
 ``rounds/<n>/master``        MASTER_ADDR/PORT of round n, chosen by its rank 0
+``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
 ``current``                  the newest closed round
 ``budget``                   failure restarts used by the whole job
 

@@ -1,0 +1,121 @@
+"""A process's TCP sockets, read from ``/proc``, and cutting its own connections.
+
+In-process recovery needs both sides: the agent lists the endpoints its workers listen
+on (their process groups' listeners), and a recovering worker shuts down its own
+connections to those endpoints, so that peers blocked reading from it fail at once
+(see ``elastrun.inprocess.cut``). Endpoints are kept in ``/proc/net/tcp``'s own form,
+``HEXADDR:HEXPORT``, which is all either side compares.
+
+Linux only; elsewhere every function finds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+_LISTEN = "0A"
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    """One row of the TCP table: the two ends and the state (``0A`` is LISTEN)."""
+
+    local: str
+    remote: str
+    state: str
+
+    @property
+    def listening(self) -> bool:
+        return self.state == _LISTEN
+
+
+def socket_fds(pid: int) -> dict[int, str]:
+    """``{fd: socket inode}`` of a process (the ones that can be read)."""
+    out = {}
+    base = f"/proc/{pid}/fd"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"{base}/{name}")
+                if target.startswith("socket:["):
+                    out[int(name)] = target[8:-1]
+    return out
+
+
+def tcp_table() -> dict[str, TcpSocket]:
+    """``{inode: TcpSocket}`` of every TCP socket of this network namespace."""
+    table = {}
+    for path in _TABLES:
+        with contextlib.suppress(OSError), open(path, encoding="ascii") as fh:
+            next(fh, None)
+            for line in fh:
+                fields = line.split()
+                if len(fields) > 9:
+                    table[fields[9]] = TcpSocket(fields[1], fields[2], fields[3])
+    return table
+
+
+def listening_endpoints(pids: Iterable[int]) -> list[str]:
+    """The endpoints these processes listen on (sorted, without repeats)."""
+    table = tcp_table()
+    found = set()
+    for pid in pids:
+        for inode in socket_fds(pid).values():
+            entry = table.get(inode)
+            if entry is not None and entry.listening:
+                found.add(entry.local)
+    return sorted(found)
+
+
+class Endpoints:
+    """A set of listening endpoints; a wildcard address (all zeros) matches any address
+    on its port."""
+
+    def __init__(self, endpoints: Iterable[str]) -> None:
+        self._exact = set()
+        self._ports = set()
+        for end in endpoints:
+            addr, _, port = end.rpartition(":")
+            if addr.strip("0"):
+                self._exact.add(end)
+            else:
+                self._ports.add(port)
+
+    def __contains__(self, end: object) -> bool:
+        if not isinstance(end, str):
+            return False
+        return end in self._exact or end.rpartition(":")[2] in self._ports
+
+    def __bool__(self) -> bool:
+        return bool(self._exact or self._ports)
+
+    def __repr__(self) -> str:
+        return f"Endpoints(exact={len(self._exact)}, ports={len(self._ports)})"
+
+
+def shut_down_own(select: Callable[[TcpSocket], bool]) -> int:
+    """Shut down (both directions) this process's TCP sockets that ``select`` picks;
+    returns how many. The descriptors stay open: their owners close them."""
+    try:
+        ours = socket_fds(os.getpid())
+        table = tcp_table() if ours else {}
+    except OSError:
+        return 0
+    cut = 0
+    for fd, inode in ours.items():
+        entry = table.get(inode)
+        if entry is None or entry.listening or not select(entry):
+            continue
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(fd))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+            finally:
+                sock.close()
+    return cut
