@@ -1,0 +1,67 @@
+"""The nodes' agreement on an in-process round, on a real in-memory store."""
+
+from __future__ import annotations
+
+import threading
+
+from elastrun.agent.inprocess_agree import Agreement, Offer, agree
+from elastrun.core.cancel import CancelScope
+from elastrun.store.memory import MemoryStore
+
+PREFIX = "/elastrun/r/rounds/3/inprocess/"
+
+
+def _agree_all(offers: list[Offer], timeout: float = 5.0) -> list[Agreement | None]:
+    store = MemoryStore()
+    got: list[Agreement | None] = [None] * len(offers)
+
+    def node(rank: int) -> None:
+        got[rank] = agree(store, PREFIX, rank, len(offers), offers[rank], timeout)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(len(offers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return got
+
+
+def test_offers_survive_the_store_and_junk_is_no_offer() -> None:
+    offer = Offer(True, 4, ("0100007F:1F90",))
+    assert Offer.from_json(offer.to_json()) == offer
+    assert Offer.from_json(None) is None
+    assert Offer.from_json(b"not json") is None
+    assert Offer.from_json(b'{"kept": true}') is None
+
+
+def test_when_every_node_kept_its_workers_they_agree_on_one_round() -> None:
+    offers = [Offer(True, 2, ("A:1",)), Offer(True, 5, ("B:2", "A:1")), Offer(True, 0, ())]
+    got = _agree_all(offers)
+    assert got == [Agreement(6, ("A:1", "B:2"))] * 3  # one past the newest; every listener
+
+
+def test_one_node_starting_afresh_makes_every_node_restart() -> None:
+    got = _agree_all([Offer(True, 1, ("A:1",)), Offer(False, 0), Offer(True, 1, ())])
+    assert got == [None, None, None]
+
+
+def test_a_node_that_never_offers_counts_as_a_refusal() -> None:
+    store = MemoryStore()
+    assert agree(store, PREFIX, 0, 2, Offer(True, 1, ()), 0.2) is None
+
+
+def test_a_node_alone_agrees_with_itself() -> None:
+    assert _agree_all([Offer(True, 7, ("A:1",))]) == [Agreement(8, ("A:1",))]
+
+
+def test_the_wait_ends_with_the_callers_scope() -> None:
+    store = MemoryStore()
+    scope = CancelScope()
+    threading.Timer(0.1, scope.cancel).start()
+    ended = []
+    with scope.active():
+        try:
+            agree(store, PREFIX, 0, 2, Offer(True, 1, ()), 30)
+        except Exception as exc:  # Cancelled
+            ended.append(type(exc).__name__)
+    assert ended == ["Cancelled"]
