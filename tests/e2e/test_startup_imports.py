@@ -39,6 +39,11 @@ NOT_ON_A_PLAIN_LAUNCH = (
     "elastrun.worker.zygote_fork",
     "elastrun.worker.zygote_worker",
     "elastrun.worker.bootstrap",
+    # Needed only by what a plain launch does not do: function workers (pickle), a
+    # failure report's times (datetime), reading sysfs for --numa-binding (pathlib).
+    "pickle",
+    "datetime",
+    "pathlib",
 )
 
 #: What a template with nothing to preload must not import: it is on the launch's

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import parse_int
@@ -39,7 +39,7 @@ def parse_nproc_per_node(
     value: str,
     environ: Mapping[str, str],
     source: str = "--nproc-per-node",
-    gpus_dir: Path = NVIDIA_GPUS_DIR,
+    gpus_dir: str | os.PathLike[str] = NVIDIA_GPUS_DIR,
 ) -> tuple[int, str | None]:
     """Resolve ``--nproc-per-node`` into a worker count.
 

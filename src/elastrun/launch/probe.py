@@ -8,14 +8,17 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 
 __all__ = ["NVIDIA_GPUS_DIR", "count_cpus", "count_nvidia_gpus"]
 
-NVIDIA_GPUS_DIR = Path("/proc/driver/nvidia/gpus")
+#: A plain path, not a ``pathlib.Path``: pathlib (and urllib.parse behind it) would be
+#: imported by every launch for this one constant.
+NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
 
 
-def count_nvidia_gpus(environ: Mapping[str, str], gpus_dir: Path = NVIDIA_GPUS_DIR) -> int:
+def count_nvidia_gpus(
+    environ: Mapping[str, str], gpus_dir: str | os.PathLike[str] = NVIDIA_GPUS_DIR
+) -> int:
     """Count the NVIDIA GPUs this process may use, without importing torch.
 
     The driver lists one entry per GPU under ``/proc/driver/nvidia/gpus``. When
@@ -23,7 +26,7 @@ def count_nvidia_gpus(environ: Mapping[str, str], gpus_dir: Path = NVIDIA_GPUS_D
     reads it: entries up to the first invalid one, and none at all if one repeats.
     """
     try:
-        physical = sum(1 for _ in gpus_dir.iterdir())
+        physical = len(os.listdir(gpus_dir))
     except OSError:
         return 0
     visible = environ.get("CUDA_VISIBLE_DEVICES")

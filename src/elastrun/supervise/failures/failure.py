@@ -8,7 +8,6 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from elastrun.core.errorfile import ErrorFileContents, ErrorFileProblem, read_error_file
 
@@ -185,6 +184,8 @@ class ProcessFailure:
 
     def timestamp_isoformat(self) -> str:
         """``timestamp`` as local time, ``YYYY-MM-DD_HH:MM:SS`` (torch's format)."""
+        from datetime import datetime  # only a failure is reported: off a launch's path
+
         return datetime.fromtimestamp(self.timestamp).isoformat(sep="_", timespec="seconds")
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import datetime
 
 from elastrun.core.errorfile import copy_with_error_code
 from elastrun.core.errors import WorkerFailure
@@ -124,6 +123,8 @@ def _indented(text: str, prefix: str = _DETAIL_INDENT) -> list[str]:
 def _time(ts: float) -> str:
     # Milliseconds: the point of ordering by observation time is telling apart failures
     # within the same second.
+    from datetime import datetime  # only a failure is reported: off a launch's path
+
     return datetime.fromtimestamp(ts).isoformat(sep="_", timespec="milliseconds")
 
 

@@ -22,7 +22,6 @@ import ctypes
 import json
 import logging
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -131,6 +130,8 @@ class ProcessStarter(Protocol):
 def _read_return_value(path: str | None) -> object:
     if not path or not os.path.exists(path):
         return None
+    import pickle  # only function workers need it, not a launch of a script
+
     with open(path, "rb") as fh:
         # The file was written by our own child from the user's return value: the one
         # place a pickle crosses a process boundary, as with multiprocessing.
@@ -271,6 +272,8 @@ def write_call_payload(path: str, call: FunctionCall) -> None:
         "sys_path": list(sys.path),
         "cwd": os.getcwd(),
     }
+    import pickle
+
     try:
         body = pickle.dumps((call.function, call.args, call.return_file))
     except (pickle.PicklingError, AttributeError, TypeError) as exc:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __all__ = ["FIELD", "Topology", "format_cpu_list", "parse_cpu_list", "read_topology"]
 
@@ -245,6 +248,8 @@ def read_topology(
         ConfigError: no NUMA node or CPU could be found, a CPU list is malformed, or
             ``visible_devices`` cannot be interpreted.
     """
+    from pathlib import Path  # only --numa-binding reads sysfs: off a plain launch's path
+
     root = Path(sys_root)
     nodes = _read_nodes(root)
     if not nodes:
