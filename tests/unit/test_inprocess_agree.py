@@ -1,10 +1,16 @@
-"""The nodes' agreement on an in-process round, on a real in-memory store."""
+"""The nodes' agreement on an in-process round (on a real in-memory store), and the
+round's bound."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
+
+from elastrun.agent.inprocess import DEFAULT_TIMEOUT, TIMEOUT_ENV, inprocess_timeout
 from elastrun.agent.inprocess_agree import Agreement, Offer, agree
+from elastrun.core.errors import ConfigError
+from elastrun.supervise.progress import AutoTimeout
 from elastrun.core.cancel import CancelScope
 from elastrun.store.memory import MemoryStore
 
@@ -65,3 +71,13 @@ def test_the_wait_ends_with_the_callers_scope() -> None:
         except Exception as exc:  # Cancelled
             ended.append(type(exc).__name__)
     assert ended == ["Cancelled"]
+
+
+def test_the_rounds_bound_is_the_variable_or_a_shorter_fixed_hang_timeout() -> None:
+    assert inprocess_timeout({}) == DEFAULT_TIMEOUT
+    assert inprocess_timeout({TIMEOUT_ENV: "5"}) == 5.0
+    assert inprocess_timeout({}, 7.0) == 7.0  # --hang-timeout 7: a survivor stuck 7 s is hung
+    assert inprocess_timeout({TIMEOUT_ENV: "5"}, 7.0) == 5.0
+    assert inprocess_timeout({}, AutoTimeout()) == DEFAULT_TIMEOUT  # no fixed bound to take
+    with pytest.raises(ConfigError, match=TIMEOUT_ENV):
+        inprocess_timeout({TIMEOUT_ENV: "-1"})

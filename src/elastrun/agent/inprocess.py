@@ -52,16 +52,19 @@ def _world(plan: LaunchPlan) -> int:
     return plan.workers[0].ranks.world_size if plan.workers else 0
 
 
-def inprocess_timeout(environ: Mapping[str, str]) -> float:
-    """The bound on an in-process round, from ``ELASTRUN_INPROCESS_TIMEOUT``.
+def inprocess_timeout(environ: Mapping[str, str], hang_timeout: object = None) -> float:
+    """The bound on an in-process round: ``ELASTRUN_INPROCESS_TIMEOUT``, or a fixed
+    ``--hang-timeout`` when that is shorter (a survivor that cannot reach the round is
+    hung, and the hang detection's bound is the user's word for how long that takes).
 
     Raises:
         ConfigError: not a positive, finite number of seconds.
     """
     raw = environ.get(TIMEOUT_ENV, "")
-    if not raw:
-        return DEFAULT_TIMEOUT
-    return parse_seconds(raw, TIMEOUT_ENV, low_open=True)
+    bound = parse_seconds(raw, TIMEOUT_ENV, low_open=True) if raw else DEFAULT_TIMEOUT
+    if isinstance(hang_timeout, (int, float)) and hang_timeout > 0:
+        bound = min(bound, float(hang_timeout))
+    return bound
 
 
 @dataclass

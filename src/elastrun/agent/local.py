@@ -29,7 +29,7 @@ from elastrun.agent import failures
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.finish import BarrierAction, barrier_action, return_values
 from elastrun.agent.inprocess import INPROCESS_ENV, InprocessRecovery, inprocess_timeout
-from elastrun.agent.inprocess_agree import Agreement, Offer, agree
+from elastrun.agent.inprocess_steps import InprocessSteps
 from elastrun.agent.interrupt import run_interruptibly
 from elastrun.agent.pace_watch import PaceWatch
 from elastrun.agent.phases import WORKER_TRANSITIONS, AgentPhase, PhaseMachine
@@ -52,10 +52,8 @@ from elastrun.core.errors import ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import EventSink, EventValue, MetricSink, NullEventSink, NullMetricSink
 from elastrun.rendezvous.api import BarrierResult, RendezvousHandler
-from elastrun.rendezvous.decide import RunKeys
 from elastrun.rendezvous.elastic import as_elastic
 from elastrun.rendezvous.local import LocalRendezvousHandler
-from elastrun.store.api import Store
 from elastrun.supervise.processes.dstate import UninterruptibleWatch
 from elastrun.supervise.processes.guard import OrphanGuard
 from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsSpecs
@@ -68,10 +66,6 @@ __all__ = ["STUCK_EXIT_TIMEOUT", "FileTimer", "Guard", "LocalElasticAgent"]
 log = logging.getLogger("elastrun.agent")
 
 T = TypeVar("T")
-
-#: The longest a node that kept its workers waits for the other nodes' offers (seconds;
-#: a node that has not written its offer by then is most likely gone).
-AGREE_TIMEOUT = 30.0
 
 
 class LocalElasticAgent:
@@ -221,7 +215,7 @@ class LocalElasticAgent:
             python=self._python,
             pace=self._pace,
             report=self._report,
-            interruptible=self._interruptible,
+            interruptible=self.interruptible,
             clock=self._clock,
         )
         self._inprocess = InprocessRecovery(
@@ -231,7 +225,10 @@ class LocalElasticAgent:
             metrics=self._metrics,
             clock=self._clock,
             wake=self._shutdown.waker.wake,
-            timeout=inprocess_timeout(self._environ),
+            timeout=inprocess_timeout(self._environ, self._progress.hang_timeout),
+        )
+        self._steps = InprocessSteps(
+            self._inprocess, self._rounds, self._group, self._budget, self._pace, self
         )
         self._watches = AttemptWatches(
             self._progress,
@@ -359,7 +356,7 @@ class LocalElasticAgent:
             return self._fail()
         what = failures.describe_failure(attempt, failed[0])
         # The job-wide budget lives in the store: a signal must not wait for it.
-        decision = self._interruptible(
+        decision = self.interruptible(
             functools.partial(self._policy.on_failure, failed, self._budget, what),
             "restart budget",
         )
@@ -375,8 +372,7 @@ class LocalElasticAgent:
         if self._inprocess.under_way:
             self._inprocess.abandon("another worker failed meanwhile")
             return False
-        alone = (self._group.group_world_size or 1) == 1
-        why = self._inprocess.why_not(attempt, failed, alone=alone) or self._why_not_agree(alone)
+        why = self._steps.why_not(attempt, failed)
         if why is not None:
             log.debug("not recovering in place: %s", why)
             return False
@@ -384,36 +380,32 @@ class LocalElasticAgent:
         self.history.append(
             self._report.restart(attempt, failed, self._watches.reasons, in_place=True)
         )
-        if not alone:
-            self._reform_keeping(attempt)
-            return True
-        try:
-            self._inprocess.recover(attempt, failed, self._budget.used)
-        except Exception as exc:  # a replacement that cannot start: the usual restart
-            self._inprocess.abandon(f"a replacement could not start: {exc}")
-            self._restart_in_full()
+        self._steps.recover(attempt, failed)
         return True
-
-    def _why_not_agree(self, alone: bool) -> str | None:
-        """Why the nodes of a round cannot agree on an in-process round (None: they can)."""
-        if alone or isinstance(self._group.store, Store):
-            return None
-        return "the rendezvous has no store the nodes can agree through"
 
     def _abandon_late_round(self, attempt: Attempt) -> None:
         """The in-process round took too long: restart the group (the stacks of the
         workers that did not synchronise are kept)."""
         self._inprocess.abandon_late(attempt)
-        self._restart_in_full()
+        self.restart_group(None)
 
-    def _restart_in_full(self) -> None:
-        """Restart the whole group after an in-process recovery failed (the failure
-        that led to it was already charged to the budget)."""
-        self._phases.move(AgentPhase.RESTARTING)
+    def restart_group(self, plan: LaunchPlan | None) -> None:
+        """Stop the workers and start them afresh, in ``plan`` (a round already joined)
+        or in a new round (after an in-process recovery failed: the failure that led to
+        it was already charged to the budget). For ``InprocessSteps``."""
+        if plan is None:
+            self._phases.move(AgentPhase.RESTARTING)
         self._finish_attempt(signal.SIGTERM)
         self._transition(WorkerState.STOPPED)
         self._check_shutdown()
-        self._start_round()
+        if plan is None:
+            self._start_round()
+        else:
+            self._start_workers(plan)
+
+    def move(self, phase: AgentPhase) -> None:
+        """Enter ``phase`` (for ``InprocessSteps``)."""
+        self._phases.move(phase)
 
     def _reform_for_waiting_nodes(self) -> None:
         why = self._rdzv.change_reason or "nodes are waiting to join"
@@ -422,57 +414,14 @@ class LocalElasticAgent:
         self._report.membership_change(why)
         if self._inprocess.under_way:
             self._inprocess.abandon(f"the group re-forms ({why})")
-        elif self._inprocess.why_not(attempt, [], alone=False) is None and (
-            self._why_not_agree(alone=False) is None
-        ):
+        elif not self._steps.alone and self._steps.why_not(attempt, []) is None:
             log.info("%s: re-forming the group; the workers keep running meanwhile", why)
-            self._reform_keeping(attempt)
+            self._steps.reform_keeping(attempt)
             return
         log.info("%s: re-forming the group (no restart counted here)", why)
         self._finish_attempt(signal.SIGTERM)
         self._transition(WorkerState.STOPPED)
         self._start_round()
-
-    def _reform_keeping(self, attempt: Attempt) -> None:
-        """Join the next round with this node's workers still running; then lead them into
-        an in-process round when every node of the round kept its workers, else restart
-        them (see ``agent.inprocess_agree``)."""
-        self._rounds.end()
-        self._phases.move(AgentPhase.RENDEZVOUS)
-        plan = self._rounds.join()
-        failed = [e for e in attempt.procs.exits.values() if e.exitcode != 0]
-        kept = self._inprocess.why_not(attempt, failed, alone=False) is None
-        agreement = self._agree(plan, self._inprocess.offer(attempt, kept))
-        if agreement is not None:
-            try:
-                self._inprocess.recover_round(attempt, plan, agreement, self._budget.used)
-            except Exception as exc:  # a replacement that cannot start: the usual restart
-                self._inprocess.abandon(f"a replacement could not start: {exc}")
-            else:
-                self._pace.start_attempt(
-                    attempt.number, {w.local_rank: w.ranks.global_rank for w in plan.workers}
-                )
-                self._phases.move(AgentPhase.RUNNING)
-                return
-        else:
-            log.info("not every node kept its workers: restarting them")
-        self._finish_attempt(signal.SIGTERM)
-        self._transition(WorkerState.STOPPED)
-        self._check_shutdown()
-        self._start_workers(plan)
-
-    def _agree(self, plan: LaunchPlan, offer: Offer) -> Agreement | None:
-        """Tell the round's other nodes what this node offers for an in-process round,
-        and (when it kept its workers) hear theirs; the round they all agree on."""
-        store, facts = self._group.store, plan.facts
-        if not isinstance(store, Store) or (facts.group_world_size < 2 and not offer.kept):
-            return None
-        prefix = RunKeys.of_run(facts.run_id).inprocess(facts.round)
-        bound = min(self._inprocess.timeout, AGREE_TIMEOUT)
-        return self._interruptible(
-            lambda: agree(store, prefix, facts.group_rank, facts.group_world_size, offer, bound),
-            "other nodes' in-process offers",
-        )
 
     def _check_shutdown(self) -> None:
         signum = self._shutdown.signum
@@ -485,7 +434,7 @@ class LocalElasticAgent:
         self._events.record("agent.signal", {"signal": name})
         raise ShutdownRequested(signum)
 
-    def _interruptible(self, call: Callable[[], T], what: str) -> T:
+    def interruptible(self, call: Callable[[], T], what: str) -> T:
         """``call()``, ended by a signal (see ``agent.interrupt``)."""
 
         def on_signal() -> None:
@@ -503,10 +452,7 @@ class LocalElasticAgent:
         self._rounds.end()  # the previous round is over for every node
         self._phases.move(AgentPhase.RENDEZVOUS)
         plan = self._rounds.join()
-        if self._inprocess.is_open and plan.facts.group_world_size > 1:
-            # Nodes that kept their workers wait for every node's offer: say at once
-            # that this one starts its workers afresh.
-            self._agree(plan, self._inprocess.offer(None, kept=False))
+        self._steps.starting_afresh(plan)
         self._start_workers(plan)
 
     def _start_workers(self, plan: LaunchPlan) -> None:
@@ -568,7 +514,7 @@ class LocalElasticAgent:
         self._phases.move(AgentPhase.EXIT_BARRIER)
         if self._rdzv.has_exit_barrier and (self._group.group_world_size or 1) > 1:
             log.info("workers finished; waiting for the other nodes (exit barrier)")
-            outcome = self._interruptible(
+            outcome = self.interruptible(
                 lambda: self._rdzv.exit_barrier(self._exit_barrier_timeout), "exit barrier"
             )
             result = self._after_barrier(outcome)

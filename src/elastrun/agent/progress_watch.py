@@ -51,6 +51,8 @@ class ProgressWatch:
         self._size = local_world_size
         self._clock = clock
         self._hang = HangDetector(hang_timeout, clock) if hang_timeout is not None else None
+        #: ``--hang-timeout`` as given (seconds, ``AutoTimeout``, or None: off).
+        self.hang_timeout = hang_timeout
         self._guard = NoProgressGuard(stalled_restarts) if stalled_restarts else None
         self._board: ProgressBoard | None = None
         self._dir: str | None = None

@@ -1,0 +1,150 @@
+"""The agent loop's in-process steps: recovering in place, alone or with other nodes.
+
+``InprocessSteps`` decides, for a failure or a re-formation, whether the workers are
+kept (``InprocessRecovery`` judges the workers, this module the round) and carries the
+recovery through the loop's phases: alone in its round the node leads its workers into
+the next in-process round at once; with other nodes it keeps them through the
+rendezvous and agrees on the round with the others (``agent.inprocess_agree``). When
+keeping them fails, it hands the group back to the loop (``GroupControl``) to restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+from elastrun.agent.attempt import Attempt
+from elastrun.agent.inprocess import InprocessRecovery
+from elastrun.agent.inprocess_agree import Agreement, Offer, agree
+from elastrun.agent.pace_watch import PaceWatch
+from elastrun.agent.phases import AgentPhase
+from elastrun.agent.plan import LaunchPlan
+from elastrun.agent.policy import RestartBudget
+from elastrun.agent.rounds import Rounds
+from elastrun.agent.spec import WorkerGroup
+from elastrun.rendezvous.decide import RunKeys
+from elastrun.store.api import Store
+from elastrun.supervise.processes.procset import Exit
+
+log = logging.getLogger("elastrun.agent")
+
+T = TypeVar("T")
+
+#: The longest a node that kept its workers waits for the other nodes' offers (seconds;
+#: a node that has not written its offer by then is most likely gone).
+AGREE_TIMEOUT = 30.0
+
+
+class GroupControl(Protocol):
+    """What the steps need from the agent loop."""
+
+    def move(self, phase: AgentPhase) -> None:
+        """Enter an agent phase."""
+
+    def restart_group(self, plan: LaunchPlan | None) -> None:
+        """Stop the workers and start them afresh: in ``plan`` (a round already joined)
+        or, None, in a new round."""
+
+    def interruptible(self, call: Callable[[], T], what: str) -> T:
+        """``call()``, ended by a signal."""
+
+
+class InprocessSteps:
+    """Carries in-process recoveries through the agent loop.
+
+    Args:
+        recovery: judges the workers and leads them into rounds.
+        rounds: the rendezvous rounds this node joins.
+        group: the worker group (the round's store and size).
+        budget: the restart budget (its count goes to every worker).
+        pace: the straggler watch (told the ranks of an in-process round).
+        control: the agent loop.
+    """
+
+    def __init__(
+        self,
+        recovery: InprocessRecovery,
+        rounds: Rounds,
+        group: WorkerGroup,
+        budget: RestartBudget,
+        pace: PaceWatch,
+        control: GroupControl,
+    ) -> None:
+        self._recovery = recovery
+        self._rounds = rounds
+        self._group = group
+        self._budget = budget
+        self._pace = pace
+        self._control = control
+
+    @property
+    def alone(self) -> bool:
+        """Whether this node is alone in its round."""
+        return (self._group.group_world_size or 1) == 1
+
+    def why_not(self, attempt: Attempt, failed: list[Exit]) -> str | None:
+        """Why this failure (none: a re-formation) cannot be recovered in place."""
+        alone = self.alone
+        why = self._recovery.why_not(attempt, failed, alone=alone)
+        if why is None and not alone and not isinstance(self._group.store, Store):
+            why = "the rendezvous has no store the nodes can agree through"
+        return why
+
+    def recover(self, attempt: Attempt, failed: list[Exit]) -> None:
+        """Recover in place (``why_not`` said it can): alone, at once; with other nodes,
+        through the next rendezvous round."""
+        if not self.alone:
+            self.reform_keeping(attempt)
+            return
+        try:
+            self._recovery.recover(attempt, failed, self._budget.used)
+        except Exception as exc:  # a replacement that cannot start: the usual restart
+            self._recovery.abandon(f"a replacement could not start: {exc}")
+            self._control.restart_group(None)
+
+    def reform_keeping(self, attempt: Attempt) -> None:
+        """Join the next round with this node's workers still running; then lead them into
+        an in-process round when every node of the round kept its workers, else restart
+        them."""
+        self._rounds.end()
+        self._control.move(AgentPhase.RENDEZVOUS)
+        plan = self._rounds.join()
+        failed = [e for e in attempt.procs.exits.values() if e.exitcode != 0]
+        kept = self._recovery.why_not(attempt, failed, alone=False) is None
+        agreement = self._agree(plan, self._recovery.offer(attempt, kept))
+        if agreement is None:
+            log.info("not every node kept its workers: restarting them")
+            self._control.restart_group(plan)
+            return
+        try:
+            self._recovery.recover_round(attempt, plan, agreement, self._budget.used)
+        except Exception as exc:  # a replacement that cannot start: the usual restart
+            self._recovery.abandon(f"a replacement could not start: {exc}")
+            self._control.restart_group(plan)
+            return
+        ranks = {w.local_rank: w.ranks.global_rank for w in plan.workers}
+        self._pace.start_attempt(attempt.number, ranks)
+        self._control.move(AgentPhase.RUNNING)
+
+    def starting_afresh(self, plan: LaunchPlan) -> None:
+        """This node starts its workers afresh in ``plan``'s round: say so at once to the
+        nodes that kept theirs (they wait for every node's offer)."""
+        if self._recovery.is_open and plan.facts.group_world_size > 1:
+            self._agree(plan, self._recovery.offer(None, kept=False))
+
+    def _agree(self, plan: LaunchPlan, offer: Offer) -> Agreement | None:
+        """Tell the round's other nodes what this node offers for an in-process round,
+        and (when it kept its workers) hear theirs; the round they all agree on."""
+        store, facts = self._group.store, plan.facts
+        if not isinstance(store, Store) or (facts.group_world_size < 2 and not offer.kept):
+            return None
+        prefix = RunKeys.of_run(facts.run_id).inprocess(facts.round)
+        bound = min(self._recovery.timeout, AGREE_TIMEOUT)
+        return self._control.interruptible(
+            lambda: agree(store, prefix, facts.group_rank, facts.group_world_size, offer, bound),
+            "other nodes' in-process offers",
+        )
+
+    def __repr__(self) -> str:
+        return f"InprocessSteps(alone={self.alone}, recovery={self._recovery!r})"
