@@ -9,10 +9,10 @@ import pytest
 
 from elastrun.agent.inprocess import DEFAULT_TIMEOUT, TIMEOUT_ENV, inprocess_timeout
 from elastrun.agent.inprocess_agree import Agreement, Offer, agree
-from elastrun.core.errors import ConfigError
-from elastrun.supervise.progress import AutoTimeout
 from elastrun.core.cancel import CancelScope
+from elastrun.core.errors import ConfigError
 from elastrun.store.memory import MemoryStore
+from elastrun.supervise.progress import AutoTimeout
 
 PREFIX = "/elastrun/r/rounds/3/inprocess/"
 
