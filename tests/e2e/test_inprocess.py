@@ -275,6 +275,24 @@ def test_two_nodes_a_killed_rank_is_replaced_in_place(tmp_path: Path, fault_free
     assert "restarting all workers" not in err and "restarting them" not in err
 
 
+def test_two_nodes_a_replacement_dying_before_the_synchronisation_restarts_every_node(
+    tmp_path: Path, fault_free: str
+) -> None:
+    with elastrun_store(tmp_path) as (endpoint, token):
+        out, agents = _start_two_nodes(tmp_path, endpoint, token, "2", ["2:15:kill", "2:0:sync"])
+        try:
+            results = [finish(a, 180) for a in agents]
+        finally:
+            _end(agents)
+    err = "\n=====\n".join(r.stderr for r in results)
+    assert [r.returncode for r in results] == [0, 0], err
+    ranks = _by_rank([json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))])
+    for r in range(4):  # every node restarted its workers from scratch (no checkpoint)
+        assert ranks[r]["calls"] == [0], ranks[r]
+    assert {r["sha"] for r in ranks.values()} == {fault_free}
+    assert "abandoned" in err
+
+
 @pytest.mark.parametrize("lost_rank", [2, 0], ids=["second-node", "store-host-node"])
 def test_two_nodes_a_lost_node_shrinks_the_world_in_place(tmp_path: Path, lost_rank: int) -> None:
     # The node of ``lost_rank`` is SIGKILLed while that rank sleeps at step 20 (the others
