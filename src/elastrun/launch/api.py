@@ -157,6 +157,56 @@ class _Extras:
                 entrypoint, preload=config.preload, shutdown=self.shutdown
             )
 
+    def prepare_template(
+        self,
+        config: LaunchConfig,
+        entrypoint: Entrypoint,
+        args: Sequence[object],
+        environ: Mapping[str, str] | None,
+    ) -> None:
+        """Start the worker template now, without waiting for it: its interpreter and
+        imports then overlap the agent's wiring and the rendezvous instead of following
+        them (on one node, about the template's whole start-up).
+
+        The template serves the workers whose shared environment it was started with
+        (``TemplateKey``); what a round decides (ranks, ports, run id) and the agent's
+        own paths are per-worker variables, so local rank 0's worker as a provisional
+        plan makes it (the dry run's plan, the same pure function the agent plans with).
+        Should the first round's workers differ after all, the first start replaces the
+        template, as for any change of the shared environment.
+        """
+        starter = self.starter
+        if starter is None or not isinstance(entrypoint, str):
+            return
+        from elastrun.agent.plan import NodeSlot, RoundFacts, build_plan
+        from elastrun.supervise.processes.spawn import ProcessSpec
+        from elastrun.supervise.processes.template import TemplateStarter
+
+        if not isinstance(starter, TemplateStarter):
+            return
+        base = dict(os.environ if environ is None else environ)
+        facts = RoundFacts(
+            run_id="", round=0, group_rank=0, group_world_size=1, master_addr="",
+            master_port=0, restart_count=0, max_restarts=config.max_restarts,
+        )  # fmt: skip
+        try:
+            plan = build_plan(
+                facts,
+                role=config.role,
+                local_world_size=config.nproc_per_node,
+                nodes=[NodeSlot(config.role, config.nproc_per_node)],
+                entrypoint=entrypoint,
+                args=args,
+                base_env=base,
+                python=sys.executable,
+                virtual_local_rank=config.virtual_local_rank,
+            )
+        except ConfigError:
+            return  # the real plan reports it, with the round's facts
+        worker = plan.workers[0]
+        if worker.argv is not None:
+            starter.prepare(ProcessSpec(0, {**base, **worker.env}, argv=worker.argv))
+
     def start_health(self, agent: LocalElasticAgent, environ: Mapping[str, str]) -> None:
         from elastrun.observe.health import HealthCheckServer, port_from_env
 
@@ -251,6 +301,7 @@ class _Launch:
     ) -> dict[int, object]:
         """Wire the agent, run it, and raise what a failed run ends with."""
         self.extras = extras = _Extras(self.config, self.run_id, self.entrypoint, self.shutdown)
+        extras.prepare_template(self.config, self.entrypoint, self.args, environ)
         self.agent = agent = build_agent(
             self.config,
             self.entrypoint,

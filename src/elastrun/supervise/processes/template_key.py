@@ -41,6 +41,11 @@ PER_WORKER_VARIABLES = frozenset(
         "ELASTRUN_PROGRESS_SLOT",
         # The in-process round a replacement worker starts in (elastrun.inprocess).
         "ELASTRUN_INPROCESS_ROUND",
+        # The agent's own paths (its progress board, its in-process channel), made when
+        # it runs and read by elastrun's worker side only when it runs, never at import:
+        # so the launcher can start the template before the agent made them.
+        "ELASTRUN_PROGRESS_FILE",
+        "ELASTRUN_INPROCESS_SOCKET",
         # Read by CUDA when it initialises, which the template never does; it differs
         # per worker with --virtual-local-rank.
         "CUDA_VISIBLE_DEVICES",
