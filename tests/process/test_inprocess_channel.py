@@ -79,3 +79,28 @@ def test_without_the_agent_there_is_no_channel(monkeypatch: pytest.MonkeyPatch) 
     assert Channel.from_env() is None
     monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", "/nonexistent/elastrun.sock")
     assert Channel.from_env() is None
+
+
+def test_the_reading_thread_acts_on_each_newer_round_while_the_worker_is_busy(
+    hub: InprocessHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", hub.path)
+    channel = Channel.from_env()
+    assert channel is not None
+    seen: list[tuple[int, list[str]]] = []
+    channel.on_round = lambda m: seen.append((m["round"], m["cut"]))
+    channel.start()
+    try:
+        channel.send("hello", pid=7, round=0)
+        assert _until(lambda: hub.opted_in(0, 7))
+        hub.announce(2, {0: {"RANK": "0"}}, {0: 7}, ["0100007F:1F90"])
+        assert _until(lambda: len(seen) == 1)  # nobody waits for it: the thread acts
+        hub.announce(1, {0: {"RANK": "0"}}, {0: 7})  # older than the newest: not acted on
+        hub.announce(3, {0: {"RANK": "0"}}, {0: 7})
+        assert _until(lambda: len(seen) == 2)
+        assert seen == [(2, ["0100007F:1F90"]), (3, [])]
+        message = channel.wait_round(0, 5.0)
+        assert message is not None and message["round"] == 3  # and the loop takes the newest
+    finally:
+        channel.close()
+    hub.announce(4, {0: {"RANK": "0"}}, {0: 7})  # after close: nothing reads, nothing breaks

@@ -1,11 +1,21 @@
-"""A worker's end of the agent's in-process channel (see ``core.inprocess_wire``)."""
+"""A worker's end of the agent's in-process channel (see ``core.inprocess_wire``).
+
+A thread of the channel reads the agent's messages as they come, also while the
+training function runs: a round can be announced to a worker whose collectives have
+not failed (a node joins and the world grows, or the round is agreed before this
+worker's peers broke). The thread then calls ``on_round``, which cuts the worker's
+connections to the previous round's workers, so that its next collective fails and the
+recovery loop takes the round.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import selectors
 import socket
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from elastrun.core import inprocess_wire as wire
@@ -17,8 +27,14 @@ class Channel:
     def __init__(self, sock: socket.socket, local_rank: int) -> None:
         self._sock = sock
         self._reader = wire.LineReader()
-        self._pending: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._rounds: list[dict[str, Any]] = []  # announced, not yet taken
+        self._newest = -1  # the newest round the thread has seen
+        self._ended = False
         self.local_rank = local_rank
+        #: Called from the reading thread with each round newer than any before it.
+        self.on_round: Callable[[dict[str, Any]], object] | None = None
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_env(cls) -> Channel | None:
@@ -35,6 +51,14 @@ class Channel:
         sock.set_inheritable(False)
         return cls(sock, int(os.environ.get("LOCAL_RANK", "0")))
 
+    def start(self) -> None:
+        """Start reading the agent's messages (a daemon thread). Idempotent."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._read, name="elastrun-inprocess-channel", daemon=True
+            )
+            self._thread.start()
+
     def send(self, op: str, **fields: Any) -> None:
         try:
             self._sock.sendall(wire.encode({"op": op, "local_rank": self.local_rank, **fields}))
@@ -45,36 +69,56 @@ class Channel:
         """The newest round message past ``after`` (None: none within ``timeout``, or
         the agent closed the channel). Rounds announced while this worker was busy
         supersede each other: only the newest is taken."""
+        self.start()
         deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._sock, selectors.EVENT_READ)
+        with self._cond:
             while True:
-                ready = sel.select(0)  # first what already arrived
-                if not ready:
-                    newest = self._newest(after)
-                    if newest is not None:
-                        return newest
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not sel.select(left):
-                        return None
-                try:
-                    data = self._sock.recv(65536)
-                except OSError:
-                    return self._newest(after)
-                if not data:
-                    return self._newest(after)
-                self._pending.extend(self._reader.feed(data))
+                newest = max(self._rounds, key=lambda m: int(m.get("round", -1)), default=None)
+                self._rounds = []
+                if newest is not None and int(newest.get("round", -1)) > after:
+                    return newest
+                left = deadline - time.monotonic()
+                if self._ended or left <= 0:
+                    return None
+                self._cond.wait(left)
 
-    def _newest(self, after: int) -> dict[str, Any] | None:
-        rounds = [m for m in self._pending if m.get("op") == "round"]
-        self._pending = []
-        best = max(rounds, key=lambda m: int(m.get("round", -1)), default=None)
-        if best is None or int(best.get("round", -1)) <= after:
-            return None
-        return best
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(65536)
+                messages = self._reader.feed(data) if data else []
+            except (OSError, wire.WireError):
+                data = b""
+            for message in messages:
+                if message.get("op") == "round":
+                    self._take(message)
+            if not data:
+                with self._cond:
+                    self._ended = True
+                    self._cond.notify_all()
+                return
+
+    def _take(self, message: dict[str, Any]) -> None:
+        try:
+            n = int(message.get("round", -1))
+        except (TypeError, ValueError):
+            return
+        with self._cond:
+            fresh = n > self._newest
+            self._newest = max(self._newest, n)
+            self._rounds.append(message)
+            self._cond.notify_all()
+        if fresh and self.on_round is not None:
+            with contextlib.suppress(Exception):  # never let the reader die of it
+                self.on_round(message)
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # ends the reading thread's recv
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(5)
         self._sock.close()
 
     def __repr__(self) -> str:
-        return f"Channel(local_rank={self.local_rank})"
+        return f"Channel(local_rank={self.local_rank}, newest_round={self._newest})"

@@ -84,6 +84,11 @@ def _recovering(
     round_no = int(os.environ.get(wire.ROUND_ENV, "0") or 0)
     wait = float(os.environ.get(wire.WAIT_ENV, "") or DEFAULT_WAIT)
     channel.send("hello", pid=os.getpid(), round=round_no)
+    # A round announced while the function runs (its collectives have not failed yet:
+    # the world grows, or the peers that broke are elsewhere): cut the connections to
+    # the previous round's workers at once, so that the next collective fails here.
+    channel.on_round = lambda message: cut_connections(message.get("cut") or ())
+    channel.start()
     # What exists now (the model, torch's modules) lives as long as the process: keep
     # it out of the collections, so that a recovery's collection (of the failed call's
     # DDP wrapper) walks only what the training made since (milliseconds, not 0.3 s).
