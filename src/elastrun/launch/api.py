@@ -7,8 +7,8 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.spec import Entrypoint, RunResult, WorkerSpec
 from elastrun.core.errors import ConfigError, ShutdownRequested, WorkerFailure
 from elastrun.core.shutdown import ShutdownRequest
@@ -20,6 +20,11 @@ from elastrun.rendezvous.registry import rendezvous_handler_registry
 from elastrun.supervise.failures.report import ChildFailedError, NoProgressError
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
 from elastrun.supervise.processes.spawn import ProcessStarter
+
+if TYPE_CHECKING:
+    # Imported when the agent is built, after the worker template was started: loading
+    # the agent then overlaps the template's own start-up (see _Extras.prepare_template).
+    from elastrun.agent.local import LocalElasticAgent
 
 log = logging.getLogger("elastrun.launch")
 
@@ -69,6 +74,8 @@ def build_agent(
     extras: _Extras | None = None,
 ) -> LocalElasticAgent:
     """Wire the agent for ``config`` (no process is started)."""
+    from elastrun.agent.local import LocalElasticAgent
+
     env = os.environ if environ is None else environ
     handler = build_handler(config, run_id)
     spec = WorkerSpec(
@@ -165,8 +172,8 @@ class _Extras:
         environ: Mapping[str, str] | None,
     ) -> None:
         """Start the worker template now, without waiting for it: its interpreter and
-        imports then overlap the agent's wiring and the rendezvous instead of following
-        them (on one node, about the template's whole start-up).
+        imports then overlap loading and wiring the agent and the rendezvous instead of
+        following them (on one node, about the template's whole start-up).
 
         The template serves the workers whose shared environment it was started with
         (``TemplateKey``); what a round decides (ranks, ports, run id) and the agent's
