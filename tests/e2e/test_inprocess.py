@@ -51,6 +51,8 @@ def fail(kind, step):
         time.sleep(3600)
     if kind == "fakegloo":  # looks like a failed collective, but no peer failed
         raise RuntimeError("[gloo] simulated: Connection reset by peer")
+    if kind == "mark":
+        open(os.path.join(out, f"mark_{rank}_{step}"), "w").close()
 
 def planned(step):
     for item in plan:
@@ -93,6 +95,7 @@ def train(state):
             fail(kind, state.step)
         state.step += 1
         state.commit()
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -231,23 +234,29 @@ def test_without_the_api_a_failure_restarts_the_whole_group(tmp_path: Path) -> N
 # -- two nodes ---------------------------------------------------------------------------
 
 
-def _start_two_nodes(
+def _node_args(
     tmp_path: Path, endpoint: str, token: Path, nnodes: str, plan: list[str]
-) -> tuple[Path, list[subprocess.Popen[str]]]:
+) -> list[str]:
     out = tmp_path / "out"
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     script = write_script(tmp_path / "train.py", SCRIPT)
     conf = f"is_host=false,token_file={token},heartbeat_timeout=3,last_call_timeout=1"
     args = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", "ip2", "--rdzv-conf", conf,
             "--local-addr", "127.0.0.1", "--max-restarts", "3",
             str(script), str(out), str(STEPS), *plan]  # fmt: skip
-    env = {"OMP_NUM_THREADS": "1"}
+    return args
+
+
+def _start_two_nodes(
+    tmp_path: Path, endpoint: str, token: Path, nnodes: str, plan: list[str]
+) -> tuple[Path, list[subprocess.Popen[str]]]:
+    args = _node_args(tmp_path, endpoint, token, nnodes, plan)
     agents = []
     for _ in range(2):
-        agents.append(start(args, cwd=tmp_path, env=env))
+        agents.append(start(args, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"}))
         time.sleep(0.3)
-    return out, agents
+    return tmp_path / "out", agents
 
 
 def _end(agents: list[subprocess.Popen[str]]) -> None:
@@ -324,3 +333,33 @@ def test_two_nodes_a_lost_node_shrinks_the_world_in_place(tmp_path: Path, lost_r
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
         return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_two_nodes_a_node_that_joins_grows_the_world_in_place(tmp_path: Path) -> None:
+    # One node trains alone (world 2, a step every 0.1 s); when rank 0 reaches step 5 a
+    # second node joins: the first node's workers keep their processes and state, the
+    # new ones take the newest commit, and the job ends at world 4.
+    env = {"OMP_NUM_THREADS": "1", "STEP_SLEEP": "0.1"}
+    out = tmp_path / "out"
+    with elastrun_store(tmp_path) as (endpoint, token):
+        args = _node_args(tmp_path, endpoint, token, "1:2", ["0:5:mark"])
+        first = start(args, cwd=tmp_path, env=env)
+        agents = [first]
+        try:
+            wait_for((out / "mark_0_5").exists, 60, "rank 0 to reach step 5")
+            agents.append(start(args, cwd=tmp_path, env=env))
+            results = [finish(a, 120) for a in agents]
+        finally:
+            _end(agents)
+    err = "\n=====\n".join(r.stderr for r in results)
+    assert [r.returncode for r in results] == [0, 0], err
+    ranks = _by_rank([json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))])
+    kept, joined = ranks[0]["calls"], ranks[2]["calls"]
+    assert kept[0] == 0 and len(kept) == 2 and kept[1] > 5, kept  # the same process, again
+    assert ranks[1]["calls"] == kept
+    assert joined == ranks[3]["calls"] == kept[1:]  # the new ones start at the commit
+    assert len({r["sha"] for r in ranks.values()}) == 1  # agreeing on the parameters
+    assert "growing in place (round 1)" in results[0].stderr
+    assert "the world goes from 2 to 4 ranks" in results[0].stderr
+    assert "joining in-process round 1" in results[1].stderr
+    assert "restarting" not in err

@@ -33,8 +33,8 @@ def _agree_all(offers: list[Offer], timeout: float = 5.0) -> list[Agreement | No
 
 
 def test_offers_survive_the_store_and_junk_is_no_offer() -> None:
-    offer = Offer(True, 4, ("0100007F:1F90",))
-    assert Offer.from_json(offer.to_json()) == offer
+    for offer in (Offer(True, 4, ("0100007F:1F90",)), Offer(False, 2, fresh=True)):
+        assert Offer.from_json(offer.to_json()) == offer
     assert Offer.from_json(None) is None
     assert Offer.from_json(b"not json") is None
     assert Offer.from_json(b'{"kept": true}') is None
@@ -46,9 +46,18 @@ def test_when_every_node_kept_its_workers_they_agree_on_one_round() -> None:
     assert got == [Agreement(6, ("A:1", "B:2"))] * 3  # one past the newest; every listener
 
 
-def test_one_node_starting_afresh_makes_every_node_restart() -> None:
+def test_one_node_refusing_makes_every_node_restart() -> None:
     got = _agree_all([Offer(True, 1, ("A:1",)), Offer(False, 0), Offer(True, 1, ())])
     assert got == [None, None, None]
+
+
+def test_a_node_starting_afresh_joins_the_round_of_the_nodes_that_kept_theirs() -> None:
+    got = _agree_all([Offer(True, 3, ("A:1",)), Offer(False, 0, fresh=True)])
+    assert got == [Agreement(4, ("A:1",))] * 2  # the world grows in place
+
+
+def test_when_every_node_starts_afresh_the_round_is_an_ordinary_one() -> None:
+    assert _agree_all([Offer(False, 0, fresh=True)] * 3) == [None, None, None]
 
 
 def test_a_node_that_never_offers_counts_as_a_refusal() -> None:

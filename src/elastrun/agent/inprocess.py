@@ -158,13 +158,50 @@ class InprocessRecovery:
             return "not every worker uses elastrun.inprocess"
         return None
 
-    def offer(self, attempt: Attempt | None, kept: bool) -> Offer:
-        """What this node brings to the agreement on a round across nodes."""
-        if attempt is None or not kept:
+    def offer(self, attempt: Attempt, kept: bool) -> Offer:
+        """What this node brings to the agreement on a round across nodes, having kept
+        the workers of ``attempt`` (``kept``) or not (it then refuses)."""
+        if not kept:
             return Offer(False, self._rounds)
         pids = attempt.procs.pids()
         listeners = listening_endpoints(pids[lr] for lr in attempt.procs.running())
         return Offer(True, self._rounds, tuple(listeners))
+
+    def offer_fresh(self, previous: Attempt | None) -> Offer:
+        """What this node brings when it starts its workers afresh: they can join an
+        in-process round when this agent has had no workers yet (the others run the same
+        script) or when its last workers all used ``elastrun.inprocess``."""
+        hub = self._hub
+        able = hub is not None and (
+            previous is None
+            or all(hub.opted_in(lr, pid) for lr, pid in previous.procs.pids().items())
+        )
+        return Offer(False, self._rounds, fresh=able)
+
+    def into_round(self, plan: LaunchPlan, round_no: int) -> LaunchPlan:
+        """``plan`` with its workers started in in-process round ``round_no`` (they take
+        the newest commit of the round's kept workers before training)."""
+        workers = tuple(
+            dataclasses.replace(w, env={**w.env, wire.ROUND_ENV: str(round_no)})
+            for w in plan.workers
+        )
+        return dataclasses.replace(plan, workers=workers)
+
+    def joined_fresh(self, attempt: Attempt, round_no: int) -> None:
+        """The workers of ``attempt`` were started into round ``round_no`` (the world
+        grows in place): the round is complete when they have all synchronised."""
+        self._rounds = round_no
+        pids = attempt.procs.pids()
+        now = self._clock.monotonic()
+        self._current = _Round(round_no, now, now + self._timeout, dict(pids), dict(pids))
+        log.warning(
+            "joining in-process round %d: %d new worker(s) take the newest commit of the "
+            "workers that kept running; the world is now %d ranks",
+            round_no, len(pids), _world(attempt.plan),
+        )  # fmt: skip
+        self._events.record(
+            "agent.inprocess_round", {"round": round_no, "ranks": "", "survivors": 0}
+        )
 
     # -- recovering -----------------------------------------------------------------------
 
@@ -228,7 +265,10 @@ class InprocessRecovery:
             what.insert(0, f"replaced rank(s) {ranks} (pids {sorted(replaced.values())})")
         if before != after:
             what.append(f"the world goes from {before} to {after} ranks")
-        log.warning("recovering in place (round %d): %s", n, "; ".join(what))
+        if replaced or after < before:
+            log.warning("recovering in place (round %d): %s", n, "; ".join(what))
+        else:  # a node joined
+            log.info("growing in place (round %d): %s", n, "; ".join(what))
         self._events.record(
             "agent.inprocess_round",
             {"round": n, "ranks": ",".join(map(str, ranks)), "survivors": len(survivors)},

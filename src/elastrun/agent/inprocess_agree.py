@@ -1,13 +1,17 @@
 """Agreeing on an in-process round across nodes, through the rendezvous store.
 
-When the group re-forms (a worker failed somewhere, or a node was lost), a node whose
-workers all recover in place keeps them running through the rendezvous. Once the new
-round has formed, every node writes what it offers to ``rounds/<n>/inprocess/<rank>``
-(``RunKeys.inprocess``): whether it kept its workers, the in-process round they run
-in, and the endpoints they listen on. Every node then reads every offer and decides
-the same way: when all nodes kept their workers, the round is recovered in place (its
-number one past the newest any node ran, and every listener goes to every worker, which
-cut their connections to them); otherwise every node restarts its workers, as for a
+When the group re-forms (a worker failed somewhere, a node was lost, or one joins), a
+node whose workers all recover in place keeps them running through the rendezvous.
+Once the new round has formed, every node writes what it offers to
+``rounds/<n>/inprocess/<rank>`` (``RunKeys.inprocess``): whether it kept its workers,
+or starts them afresh and they can join an in-process round (a node that joins, or one
+whose last workers all used ``elastrun.inprocess``), the in-process round they run in,
+and the endpoints they listen on. Every node then reads every offer and decides the
+same way: when at least one node kept its workers and every other one can join, the
+round is recovered in place. Its number is one past the newest any node ran; every
+listener goes to every kept worker, which cut their connections to them; the nodes
+starting afresh start their workers in that round, so that they first take the newest
+commit (the world grows in place). Otherwise every node restarts its workers, as for a
 script that does not use ``elastrun.inprocess``.
 
 A node that does not write its offer within the bound counts as a refusal: that node
@@ -33,12 +37,19 @@ class Offer:
     kept: bool  # its workers kept running through the rendezvous
     round: int  # the in-process round they run in
     listeners: tuple[str, ...] = ()  # where they listen (``core.tcp_sockets`` form)
+    fresh: bool = False  # not kept: it starts its workers afresh, and they can join
+
+    @property
+    def joins(self) -> bool:
+        """Whether this node takes part in an in-process round (kept, or fresh)."""
+        return self.kept or self.fresh
 
     def to_json(self) -> bytes:
         return json.dumps(
-            {"kept": self.kept, "round": self.round, "listeners": list(self.listeners)},
+            {"kept": self.kept, "fresh": self.fresh, "round": self.round,
+             "listeners": list(self.listeners)},
             separators=(",", ":"),
-        ).encode()
+        ).encode()  # fmt: skip
 
     @classmethod
     def from_json(cls, raw: bytes | None) -> Offer | None:
@@ -47,9 +58,8 @@ class Offer:
             return None
         try:
             data = json.loads(raw)
-            return cls(
-                bool(data["kept"]), int(data["round"]), tuple(str(e) for e in data["listeners"])
-            )
+            listeners = tuple(str(e) for e in data["listeners"])
+            return cls(bool(data["kept"]), int(data["round"]), listeners, bool(data["fresh"]))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -71,15 +81,17 @@ def agree(
     keys = [f"{prefix}{r}" for r in range(world)]
     try:
         store.set(keys[rank], offer.to_json())
-        if not offer.kept:
-            return None  # no need to wait: this node's workers start afresh
+        if not offer.joins:
+            return None  # no need to wait: this node refuses, and every node restarts
         store.wait(keys, timeout)
         offers = [Offer.from_json(store.get(k)) for k in keys]
     except StoreError as exc:
         log.warning("in-process round: the other nodes' offers could not be read (%s)", exc)
         return None
-    if not all(o is not None and o.kept for o in offers):
+    if not all(o is not None and o.joins for o in offers):
         return None
     got = [o for o in offers if o is not None]
+    if not any(o.kept for o in got):
+        return None  # every node starts afresh: an ordinary round
     listeners = sorted({end for o in got for end in o.listeners})
     return Agreement(max(o.round for o in got) + 1, tuple(listeners))

@@ -77,15 +77,17 @@ class InprocessSteps:
         self._budget = budget
         self._pace = pace
         self._control = control
+        self._joining: int | None = None  # the in-process round fresh workers start in
 
     @property
     def alone(self) -> bool:
         """Whether this node is alone in its round."""
         return (self._group.group_world_size or 1) == 1
 
-    def why_not(self, attempt: Attempt, failed: list[Exit]) -> str | None:
-        """Why this failure (none: a re-formation) cannot be recovered in place."""
-        alone = self.alone
+    def why_not(self, attempt: Attempt, failed: list[Exit], *, reform: bool = False) -> str | None:
+        """Why this failure cannot be recovered in place; ``reform``: why the workers
+        cannot be kept through a re-formation of the group (a node lost or joining)."""
+        alone = self.alone and not reform
         why = self._recovery.why_not(attempt, failed, alone=alone)
         if why is None and not alone and not isinstance(self._group.store, Store):
             why = "the rendezvous has no store the nodes can agree through"
@@ -127,18 +129,32 @@ class InprocessSteps:
         self._pace.start_attempt(attempt.number, ranks)
         self._control.move(AgentPhase.RUNNING)
 
-    def starting_afresh(self, plan: LaunchPlan) -> None:
-        """This node starts its workers afresh in ``plan``'s round: say so at once to the
-        nodes that kept theirs (they wait for every node's offer)."""
-        if self._recovery.is_open and plan.facts.group_world_size > 1:
-            self._agree(plan, self._recovery.offer(None, kept=False))
+    def starting_afresh(self, plan: LaunchPlan, previous: Attempt | None) -> LaunchPlan:
+        """This node starts its workers afresh in ``plan``'s round (``previous``: its last
+        attempt, if any): tell the nodes that may have kept theirs. The plan to start:
+        when they did, this node's workers start in their in-process round and take the
+        newest commit (the world grows in place); ``joined`` then tracks the round."""
+        self._joining = None
+        if not self._recovery.is_open or plan.facts.group_world_size < 2:
+            return plan
+        agreement = self._agree(plan, self._recovery.offer_fresh(previous))
+        if agreement is None:
+            return plan
+        self._joining = agreement.round
+        return self._recovery.into_round(plan, agreement.round)
+
+    def joined(self, attempt: Attempt) -> None:
+        """The workers of ``attempt`` started (see ``starting_afresh``)."""
+        if self._joining is not None:
+            self._recovery.joined_fresh(attempt, self._joining)
+            self._joining = None
 
     def _agree(self, plan: LaunchPlan, offer: Offer) -> Agreement | None:
         """Tell the round's other nodes what this node offers for an in-process round,
         and (when it kept its workers) hear theirs; the round they all agree on."""
         store, facts = self._group.store, plan.facts
         if not isinstance(store, Store) or (facts.group_world_size < 2 and not offer.kept):
-            return None
+            return None  # (a node alone that kept its workers agrees with itself)
         prefix = RunKeys.of_run(facts.run_id).inprocess(facts.round)
         bound = min(self._recovery.timeout, AGREE_TIMEOUT)
         return self._control.interruptible(

@@ -414,7 +414,7 @@ class LocalElasticAgent:
         self._report.membership_change(why)
         if self._inprocess.under_way:
             self._inprocess.abandon(f"the group re-forms ({why})")
-        elif not self._steps.alone and self._steps.why_not(attempt, []) is None:
+        elif self._steps.why_not(attempt, [], reform=True) is None:
             log.info("%s: re-forming the group; the workers keep running meanwhile", why)
             self._steps.reform_keeping(attempt)
             return
@@ -451,9 +451,10 @@ class LocalElasticAgent:
     def _start_round(self) -> None:
         self._rounds.end()  # the previous round is over for every node
         self._phases.move(AgentPhase.RENDEZVOUS)
-        plan = self._rounds.join()
-        self._steps.starting_afresh(plan)
+        plan = self._steps.starting_afresh(self._rounds.join(), self._attempt)
         self._start_workers(plan)
+        assert self._attempt is not None
+        self._steps.joined(self._attempt)
 
     def _start_workers(self, plan: LaunchPlan) -> None:
         t0 = self._clock.monotonic()

@@ -35,7 +35,8 @@ def round_status(
         )
     if not status.get("started", True):
         return (n, "spare"), (
-            f"waiting as a spare for round {n}: the job runs at its maximum of {max_nodes} node(s)"
+            f"waiting for round {n} to start: the running nodes re-form first, or this "
+            f"node is a spare while the job runs at its maximum of {max_nodes} node(s)"
         )
     count = status.get("joined", 0)
     parts = [f"rendezvous round {n}: {count} node(s) in (min {min_nodes}, max {max_nodes})"]
