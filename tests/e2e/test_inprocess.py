@@ -158,7 +158,7 @@ def test_a_killed_rank_is_replaced_and_the_others_keep_their_processes(
     assert code == 0, err
     ranks = _by_rank(results)
     for r in (0, 1, 3):
-        assert ranks[r]["calls"] == [0, 26], ranks[r]  # the same process, called again
+        assert ranks[r]["calls"] == [0, 26], (ranks[r], err)  # the same process, again
     assert ranks[2]["calls"] == [26]  # the replacement starts at the committed step
     assert {r["sha"] for r in results} == {fault_free}  # bit for bit
     assert "replacing it in place" in err and "in-process round 1 complete" in err

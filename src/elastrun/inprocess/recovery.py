@@ -17,6 +17,7 @@ The loop of one worker (see ``elastrun.inprocess`` for the contract):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -87,7 +88,7 @@ def _recovering(
     # A round announced while the function runs (its collectives have not failed yet:
     # the world grows, or the peers that broke are elsewhere): cut the connections to
     # the previous round's workers at once, so that the next collective fails here.
-    channel.on_round = lambda message: cut_connections(message.get("cut") or ())
+    channel.on_round = _interrupt
     channel.start()
     # What exists now (the model, torch's modules) lives as long as the process: keep
     # it out of the collections, so that a recovery's collection (of the failed call's
@@ -145,6 +146,22 @@ def _dist_error(name: str) -> type[BaseException] | None:
     return kind if isinstance(kind, type) and issubclass(kind, BaseException) else None
 
 
+def _interrupt(message: dict[str, Any]) -> None:
+    """A newer round came while the function may still run (the channel's thread): make
+    its collectives fail. gloo's run over TCP: cut the connections to the previous
+    round's workers. NCCL's do not (and a collective with a dead peer hangs rather than
+    fails): abort the communicators, as NCCL allows from another thread."""
+    cut_connections(message.get("cut") or ())
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_backend() != "nccl":
+        return
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        with contextlib.suppress(Exception):  # aborted already, or being destroyed
+            pg.abort()
+
+
 def _teardown() -> None:
     """Drop the broken process group (NCCL: abort its communicators first) and the
     objects of the failed call that still hold it."""
@@ -155,7 +172,11 @@ def _teardown() -> None:
         park_process_groups()
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if dist.get_backend() == "nccl" and abort is not None:
-            abort()  # NCCL: abort the communicators (a destroy could wait on them)
+            try:
+                abort()  # NCCL: abort the communicators (a destroy could wait on them)
+            except Exception:  # the channel's thread aborted some already
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
         else:
             dist.destroy_process_group()
     keep_parked()
