@@ -9,7 +9,13 @@ import sys
 
 import pytest
 
-from elastrun.core.tcp_sockets import Endpoints, listening_endpoints, shut_down_own, tcp_table
+from elastrun.core.tcp_sockets import (
+    Endpoints,
+    _shut_down,
+    listening_endpoints,
+    shut_down_own,
+    tcp_table,
+)
 from elastrun.inprocess.cut import cut_connections
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="Linux /proc")
@@ -62,4 +68,22 @@ def test_connections_to_and_from_listed_listeners_are_cut_and_others_kept() -> N
         assert cut_connections([]) == 0
     finally:
         for s in (listener, other, out, inc, kept, kept_peer):
+            s.close()
+
+
+def test_a_descriptor_whose_number_now_names_another_socket_is_left_alone() -> None:
+    # The table was read for one socket; the number may since name a new one (another
+    # thread closed the first and opened the second): only the socket read is cut.
+    server = socket.create_server(("127.0.0.1", 0))
+    conn = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    try:
+        inode = str(os.fstat(conn.fileno()).st_ino)
+        assert _shut_down(conn.fileno(), str(int(inode) + 1)) == 0  # not the one read
+        conn.sendall(b"x")
+        assert peer.recv(1) == b"x"
+        assert _shut_down(conn.fileno(), inode) == 1
+        assert peer.recv(1) == b""
+    finally:
+        for s in (server, conn, peer):
             s.close()

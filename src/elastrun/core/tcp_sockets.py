@@ -111,11 +111,29 @@ def shut_down_own(select: Callable[[TcpSocket], bool]) -> int:
         entry = table.get(inode)
         if entry is None or entry.listening or not select(entry):
             continue
-        with contextlib.suppress(OSError):
-            sock = socket.socket(fileno=os.dup(fd))
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-                cut += 1
-            finally:
-                sock.close()
+        cut += _shut_down(fd, inode)
     return cut
+
+
+def _shut_down(fd: int, inode: str) -> int:
+    """Shut down the socket at ``fd`` if it is still the one with ``inode`` (another
+    thread may have closed it since the table was read, and a new socket may have the
+    number now); 1 if it was shut down."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return 0
+    try:
+        if str(os.fstat(dup).st_ino) != inode:
+            return 0
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return 0
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return 1
+    except OSError:
+        return 0
+    finally:
+        sock.close()  # closes the duplicate

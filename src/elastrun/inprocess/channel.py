@@ -103,14 +103,15 @@ class Channel:
             n = int(message.get("round", -1))
         except (TypeError, ValueError):
             return
+        if n > self._newest and self.on_round is not None:
+            # Before the loop may take the round: what on_round cuts belongs to the
+            # previous round, never to what the loop makes for this one.
+            with contextlib.suppress(Exception):  # never let the reader die of it
+                self.on_round(message)
         with self._cond:
-            fresh = n > self._newest
             self._newest = max(self._newest, n)
             self._rounds.append(message)
             self._cond.notify_all()
-        if fresh and self.on_round is not None:
-            with contextlib.suppress(Exception):  # never let the reader die of it
-                self.on_round(message)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -99,7 +99,18 @@ def _recovering(
     hook = sys.excepthook
     while True:
         if round_no > 0:
-            _synchronise(state, round_no)
+            try:
+                _synchronise(state, round_no)
+            except Exception as exc:
+                if not peer_gone(exc):
+                    raise
+                # A rank of the round failed or was replaced meanwhile: the agent leads
+                # the survivors into another round.
+                failure = _first_line(exc)
+                log.warning("the state synchronisation failed (%s); waiting for the next "
+                            "round", failure)  # fmt: skip
+                round_no = _next_round(channel, state, round_no, wait, failure)
+                continue
             channel.send("synced", round=round_no, commit=state.commit_id)
         sys.excepthook = hook
         try:
@@ -111,20 +122,27 @@ def _recovering(
                 raise
             failure = _first_line(exc)  # not the exception: its frames hold the old group
             log.warning("a collective failed (%s); recovering in place", failure)
-        _teardown()
-        state.rollback()
-        message = channel.wait_round(round_no, wait)
-        if message is None:
-            raise RuntimeError(
-                f"{failure}; no peer failed (the agent announced no new round within "
-                f"{wait:.0f}s): this is the worker's own error"
-            )
-        round_no = int(message["round"])
-        # Peers on other nodes may still be blocked reading from this worker's broken
-        # group: the round names every worker's listeners, and the connections go.
-        cut_connections(message.get("cut") or ())
-        _apply_env(message.get("env") or {})
-        channel.send("joined", round=round_no)
+        round_no = _next_round(channel, state, round_no, wait, failure)
+
+
+def _next_round(channel: Channel, state: State, round_no: int, wait: float, failure: str) -> int:
+    """Tear the broken group down, roll back, and take the agent's next round (its
+    environment); returns its number. Raises when no round comes: then no peer failed,
+    and ``failure`` was this worker's own."""
+    _teardown()
+    state.rollback()
+    message = channel.wait_round(round_no, wait)
+    if message is None:
+        raise RuntimeError(
+            f"{failure}; no peer failed (the agent announced no new round within "
+            f"{wait:.0f}s): this is the worker's own error"
+        )
+    # Peers on other nodes may still be blocked reading from this worker's broken group:
+    # the round names every worker's listeners, and the connections go.
+    cut_connections(message.get("cut") or ())
+    _apply_env(message.get("env") or {})
+    channel.send("joined", round=int(message["round"]))
+    return int(message["round"])
 
 
 def peer_gone(exc: BaseException) -> bool:
