@@ -217,6 +217,24 @@ def test_a_survivor_that_never_reaches_the_round_restarts_the_group(
     assert {r["sha"] for r in results} == {fault_free}
 
 
+def test_a_survivor_stuck_past_the_join_bound_is_replaced_in_place(
+    tmp_path: Path, fault_free: str
+) -> None:
+    # Rank 1 hangs at step 12 (it stands for a collective that never fails); rank 2
+    # dies at 12. Rank 1 does not reach round 1 within 2 s: its stacks are kept, it is
+    # killed and replaced in round 2, and the others move on to that round.
+    code, err, results = _run(
+        tmp_path, "out", ["1:12:hang", "2:12:kill"], "ELASTRUN_INPROCESS_JOIN_TIMEOUT=2"
+    )
+    assert code == 0, err
+    assert "did not reach in-process round 1 within 2s" in err
+    assert "in-process round 2 complete" in err and "restarting all workers" not in err
+    ranks = _by_rank(results)
+    assert ranks[0]["calls"] == ranks[3]["calls"] == [0, 13], err  # kept all along
+    assert ranks[1]["calls"] == ranks[2]["calls"] == [13]  # the replacements
+    assert {r["sha"] for r in results} == {fault_free}
+
+
 def test_without_the_api_a_failure_restarts_the_whole_group(tmp_path: Path) -> None:
     script = write_script(tmp_path / "plain.py", NO_API)
     res = finish(

@@ -18,8 +18,11 @@ the whole group.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import signal
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
@@ -43,9 +46,25 @@ log = logging.getLogger("elastrun.agent")
 #: default; ``ELASTRUN_INPROCESS_TIMEOUT`` sets it.
 DEFAULT_TIMEOUT = 60.0
 TIMEOUT_ENV = "ELASTRUN_INPROCESS_TIMEOUT"
+#: How long a worker kept through a round may take to reach it (its collectives fail, or
+#: the cut makes them fail) before it counts as stuck and is replaced (seconds);
+#: ``ELASTRUN_INPROCESS_JOIN_TIMEOUT`` sets it. Generous: a worker computing without
+#: collectives (gradient accumulation) reaches the round only at its next collective.
+DEFAULT_JOIN_TIMEOUT = 30.0
+JOIN_TIMEOUT_ENV = "ELASTRUN_INPROCESS_JOIN_TIMEOUT"
 #: ``ELASTRUN_INPROCESS=0`` turns in-process recovery off (every failure restarts the
 #: whole group, as for scripts that do not use ``elastrun.inprocess``).
 INPROCESS_ENV = "ELASTRUN_INPROCESS"
+
+
+def join_timeout(environ: Mapping[str, str]) -> float:
+    """How long a kept worker may take to reach a round (``ELASTRUN_INPROCESS_JOIN_TIMEOUT``).
+
+    Raises:
+        ConfigError: not a positive, finite number of seconds.
+    """
+    raw = environ.get(JOIN_TIMEOUT_ENV, "")
+    return parse_seconds(raw, JOIN_TIMEOUT_ENV, low_open=True) if raw else DEFAULT_JOIN_TIMEOUT
 
 
 def _world(plan: LaunchPlan) -> int:
@@ -76,6 +95,7 @@ class _Round:
     deadline: float  # monotonic
     expected: dict[int, int]  # local rank -> pid of every worker of the round
     replaced: dict[int, int]  # local rank -> pid of the replacements
+    ended: set[int] = dataclasses.field(default_factory=set)  # stuck, and killed
 
 
 class InprocessRecovery:
@@ -88,6 +108,7 @@ class InprocessRecovery:
         clock: the agent's.
         wake: wakes the agent loop (the hub calls it on every worker message).
         timeout: the bound on a round's synchronisation.
+        join_timeout: the bound on a kept worker's reaching a round (then it is stuck).
     """
 
     def __init__(
@@ -100,6 +121,7 @@ class InprocessRecovery:
         clock: Clock,
         wake: Callable[[], None],
         timeout: float = DEFAULT_TIMEOUT,
+        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
     ) -> None:
         self._workers = workers
         self._store = store
@@ -108,6 +130,7 @@ class InprocessRecovery:
         self._clock = clock
         self._wake = wake
         self._timeout = timeout
+        self._join_timeout = join_timeout
         self._hub: InprocessHub | None = None
         self._rounds = 0
         self._current: _Round | None = None
@@ -298,6 +321,49 @@ class InprocessRecovery:
             return "late"
         return "waiting"
 
+    def stuck(self) -> list[int]:
+        """The local ranks of kept workers that have not reached the round under way
+        within the join bound (stuck in a collective that never failed)."""
+        current, hub = self._current, self._hub
+        if current is None or hub is None:
+            return []
+        if self._clock.monotonic() < current.started + self._join_timeout:
+            return []
+        return sorted(
+            lr
+            for lr, pid in current.expected.items()
+            if lr not in current.replaced
+            and lr not in current.ended
+            and not hub.joined(lr, pid, current.number)
+        )
+
+    def end_stuck(self, attempt: Attempt, local_ranks: list[int]) -> None:
+        """Keep the stacks of the stuck workers (in their attempt directories), then
+        SIGKILL them (their process groups): the loop replaces them in place as failed
+        workers, in the next round."""
+        current = self._current
+        assert current is not None
+        dumps = request_stacks(attempt.stack_requests(local_ranks))
+        pids = attempt.procs.pids()
+        for lr in local_ranks:
+            where = dumps[lr].path if lr in dumps and dumps[lr].text else "no stacks"
+            log.warning(
+                "rank %d (local rank %d, pid %d) did not reach in-process round %d within "
+                "%.0fs (stuck in a collective; stacks: %s): replacing it",
+                attempt.global_rank(lr), lr, pids[lr],
+                current.number, self._join_timeout, where,
+            )  # fmt: skip
+            current.ended.add(lr)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(pids[lr]) == pids[lr]:  # its own group: its children too
+                    os.killpg(pids[lr], signal.SIGKILL)
+                else:
+                    os.kill(pids[lr], signal.SIGKILL)
+        self._events.record(
+            "agent.inprocess_stuck",
+            {"ranks": ",".join(str(attempt.global_rank(lr)) for lr in local_ranks)},
+        )
+
     def laggards(self) -> list[int]:
         """The local ranks of the round under way that have not synchronised yet."""
         current, hub = self._current, self._hub
@@ -317,6 +383,7 @@ class InprocessRecovery:
         self.abandon(
             "not every worker synchronised in time"
             + (f" (stacks of those that did not: {where})" if where else "")
+            + "; restarting all workers"
         )
 
     def abandon(self, why: str) -> None:
@@ -324,9 +391,7 @@ class InprocessRecovery:
         current, self._current = self._current, None
         if current is None:
             return
-        log.warning(
-            "in-process round %d abandoned: %s; restarting all workers", current.number, why
-        )
+        log.warning("in-process round %d abandoned: %s", current.number, why)
         self._events.record("agent.inprocess_abandoned", {"round": current.number, "why": why})
 
     def __repr__(self) -> str:

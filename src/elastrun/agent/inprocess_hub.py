@@ -52,6 +52,7 @@ class InprocessHub:
         self._peers: dict[socket.socket, _Peer] = {}
         self._hello: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
         self._synced: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
+        self._joined: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
         self._stop = Waker()
         self._thread = threading.Thread(target=self._serve, name="elastrun-inprocess", daemon=True)
         self._thread.start()
@@ -71,6 +72,12 @@ class InprocessHub:
         with self._lock:
             said = self._synced.get(local_rank)
         return said is not None and said == (pid, round_no)
+
+    def joined(self, local_rank: int, pid: int, round_no: int) -> bool:
+        """Whether that worker took round ``round_no`` (or already synchronised in it)."""
+        with self._lock:
+            said = (self._joined.get(local_rank), self._synced.get(local_rank))
+        return (pid, round_no) in said
 
     def announce(
         self,
@@ -153,6 +160,8 @@ class InprocessHub:
                 self._hello[lr] = (peer.pid, round_no)
             elif op == "synced" and peer.pid is not None:
                 self._synced[lr] = (peer.pid, round_no)
+            elif op == "joined" and peer.pid is not None:
+                self._joined[lr] = (peer.pid, round_no)
 
     def close(self) -> None:
         self._stop.wake()

@@ -28,7 +28,12 @@ from typing import TypeVar
 from elastrun.agent import failures
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.finish import BarrierAction, barrier_action, return_values
-from elastrun.agent.inprocess import INPROCESS_ENV, InprocessRecovery, inprocess_timeout
+from elastrun.agent.inprocess import (
+    INPROCESS_ENV,
+    InprocessRecovery,
+    inprocess_timeout,
+    join_timeout,
+)
 from elastrun.agent.inprocess_steps import InprocessSteps
 from elastrun.agent.interrupt import run_interruptibly
 from elastrun.agent.pace_watch import PaceWatch
@@ -226,6 +231,7 @@ class LocalElasticAgent:
             clock=self._clock,
             wake=self._shutdown.waker.wake,
             timeout=inprocess_timeout(self._environ, self._progress.hang_timeout),
+            join_timeout=join_timeout(self._environ),
         )
         self._steps = InprocessSteps(
             self._inprocess, self._rounds, self._group, self._budget, self._pace, self
@@ -338,6 +344,10 @@ class LocalElasticAgent:
         if self._inprocess.under_way and self._inprocess.progress() == "late":
             self._abandon_late_round(attempt)
             return None
+        laggards = self._inprocess.stuck()
+        if laggards:
+            self._inprocess.end_stuck(attempt, laggards)  # their exits come as failures
+            return None
         exits = attempt.procs.exits
         failed = sorted((e for e in exits.values() if e.exitcode != 0), key=lambda e: e.observed_at)
         if failed:
@@ -369,9 +379,8 @@ class LocalElasticAgent:
     def _recover_in_place(self, attempt: Attempt, failed: list[Exit]) -> bool:
         """Replace only the failed workers when every worker recovers in place
         (``elastrun.inprocess``); False: restart the whole group instead."""
-        if self._inprocess.under_way:
-            self._inprocess.abandon("another worker failed meanwhile")
-            return False
+        if self._inprocess.under_way:  # the next round replaces this one's failed too
+            self._inprocess.abandon("a worker failed meanwhile")
         why = self._steps.why_not(attempt, failed)
         if why is not None:
             log.debug("not recovering in place: %s", why)
@@ -412,9 +421,9 @@ class LocalElasticAgent:
         attempt = self._attempt
         assert attempt is not None
         self._report.membership_change(why)
-        if self._inprocess.under_way:
+        if self._inprocess.under_way:  # the re-formed group's round replaces this one
             self._inprocess.abandon(f"the group re-forms ({why})")
-        elif self._steps.why_not(attempt, [], reform=True) is None:
+        if self._steps.why_not(attempt, [], reform=True) is None:
             log.info("%s: re-forming the group; the workers keep running meanwhile", why)
             self._steps.reform_keeping(attempt)
             return

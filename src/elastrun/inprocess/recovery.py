@@ -197,6 +197,13 @@ def _teardown() -> None:
                     dist.destroy_process_group()
         else:
             dist.destroy_process_group()
+    elif dist.is_available():
+        world = getattr(dist.distributed_c10d, "_world", None)
+        if world is not None and not world.pg_map:
+            # An init_process_group that failed (the synchronisation's, when a peer went
+            # away) counted a group it never made; the group names of the next one must
+            # match those of a fresh process, whose count starts at 0.
+            world.group_count = 0
     keep_parked()
     gc.collect()  # the failed call's DDP wrapper, and its hooks on the parameters
 
