@@ -9,16 +9,22 @@ every rank writes its parameters' SHA-256, compared with a run without failures.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from _helpers import elastrun_store, finish, start, wait_for, write_script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "etcd"))
+from etcd_cluster import EtcdCluster, find_etcd
 
 pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
@@ -271,13 +277,17 @@ def test_without_the_api_a_failure_restarts_the_whole_group(tmp_path: Path) -> N
 
 
 def _node_args(
-    tmp_path: Path, endpoint: str, token: Path, nnodes: str, plan: list[str]
+    tmp_path: Path, endpoint: str, token: Path | None, nnodes: str, plan: list[str]
 ) -> list[str]:
+    """Two workers per node on an ``elastrun store`` (``token``) or, None, on etcd."""
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     script = write_script(tmp_path / "train.py", SCRIPT)
-    conf = f"is_host=false,token_file={token},heartbeat_timeout=3,last_call_timeout=1"
-    args = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+    conf = "heartbeat_timeout=3,last_call_timeout=1"
+    if token is not None:
+        conf = f"is_host=false,token_file={token},{conf}"
+    backend = "c10d" if token is not None else "etcd"
+    args = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", backend,
             "--rdzv-endpoint", endpoint, "--rdzv-id", "ip2", "--rdzv-conf", conf,
             "--local-addr", "127.0.0.1", "--max-restarts", "5",
             str(script), str(out), str(STEPS), *plan]  # fmt: skip
@@ -285,7 +295,7 @@ def _node_args(
 
 
 def _start_two_nodes(
-    tmp_path: Path, endpoint: str, token: Path, nnodes: str, plan: list[str]
+    tmp_path: Path, endpoint: str, token: Path | None, nnodes: str, plan: list[str]
 ) -> tuple[Path, list[subprocess.Popen[str]]]:
     args = _node_args(tmp_path, endpoint, token, nnodes, plan)
     agents = []
@@ -338,12 +348,40 @@ def test_two_nodes_a_replacement_dying_before_the_synchronisation_restarts_every
     assert "abandoned" in err
 
 
-@pytest.mark.parametrize("lost_rank", [2, 0], ids=["second-node", "store-host-node"])
-def test_two_nodes_a_lost_node_shrinks_the_world_in_place(tmp_path: Path, lost_rank: int) -> None:
+@contextlib.contextmanager
+def _rendezvous(kind: str, tmp_path: Path) -> Iterator[tuple[str, Path | None]]:
+    """A standalone elastrun store (endpoint, token file), or a one-member etcd."""
+    if kind == "store":
+        with elastrun_store(tmp_path) as (endpoint, token):
+            yield endpoint, token
+        return
+    binary = find_etcd()
+    assert binary is not None
+    cluster = EtcdCluster(binary, tmp_path / "etcd", 1).start()
+    try:
+        yield cluster.endpoints[0], None
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("lost_rank", "kind"),
+    [
+        pytest.param(2, "store", id="second-node"),
+        pytest.param(0, "store", id="store-host-node"),
+        pytest.param(
+            2, "etcd", id="etcd",
+            marks=pytest.mark.skipif(find_etcd() is None, reason="no etcd binary"),
+        ),
+    ],
+)  # fmt: skip
+def test_two_nodes_a_lost_node_shrinks_the_world_in_place(
+    tmp_path: Path, lost_rank: int, kind: str
+) -> None:
     # The node of ``lost_rank`` is SIGKILLed while that rank sleeps at step 20 (the others
     # then block in a collective); with rank 0 goes the node that serves the workers' store.
     plan = [f"{lost_rank}:20:hang"]
-    with elastrun_store(tmp_path) as (endpoint, token):
+    with _rendezvous(kind, tmp_path) as (endpoint, token):
         out, agents = _start_two_nodes(tmp_path, endpoint, token, "1:2", plan)
         try:
             wait_for(lambda: list(out.glob(f"hung_{lost_rank}_*")), 60, "the rank to hang")
