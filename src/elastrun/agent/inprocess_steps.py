@@ -135,8 +135,9 @@ class InprocessSteps:
         when they did, this node's workers start in their in-process round and take the
         newest commit (the world grows in place); ``joined`` then tracks the round."""
         self._joining = None
-        if not self._recovery.is_open or plan.facts.group_world_size < 2:
-            return plan
+        facts = plan.facts
+        if not self._recovery.is_open or facts.group_world_size < 2 or facts.round == 0:
+            return plan  # (in a job's first round no node can have kept workers)
         agreement = self._agree(plan, self._recovery.offer_fresh(previous))
         if agreement is None:
             return plan
