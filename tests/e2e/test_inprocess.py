@@ -312,9 +312,11 @@ def _end(agents: list[subprocess.Popen[str]]) -> None:
         a.communicate()  # reaps it and closes its pipes
 
 
-def test_two_nodes_a_killed_rank_is_replaced_in_place(tmp_path: Path, fault_free: str) -> None:
+def _two_nodes_to_the_end(tmp_path: Path, plan: list[str]) -> tuple[dict[int, dict], str]:
+    """Two nodes of two workers run ``plan`` to the end, both successfully: each rank's
+    result, and both agents' stderr."""
     with elastrun_store(tmp_path) as (endpoint, token):
-        out, agents = _start_two_nodes(tmp_path, endpoint, token, "2", ["2:35:kill"])
+        out, agents = _start_two_nodes(tmp_path, endpoint, token, "2", plan)
         try:
             results = [finish(a, 180) for a in agents]
         finally:
@@ -322,6 +324,11 @@ def test_two_nodes_a_killed_rank_is_replaced_in_place(tmp_path: Path, fault_free
     err = "\n=====\n".join(r.stderr for r in results)
     assert [r.returncode for r in results] == [0, 0], err
     ranks = _by_rank([json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))])
+    return ranks, err
+
+
+def test_two_nodes_a_killed_rank_is_replaced_in_place(tmp_path: Path, fault_free: str) -> None:
+    ranks, err = _two_nodes_to_the_end(tmp_path, ["2:35:kill"])
     for r in (0, 1, 3):
         _kept(ranks[r], [0, 36], err)  # the same process, called again
     assert ranks[2]["calls"] == [36]  # the replacement starts at the committed step
@@ -333,15 +340,7 @@ def test_two_nodes_a_killed_rank_is_replaced_in_place(tmp_path: Path, fault_free
 def test_two_nodes_a_replacement_dying_before_the_synchronisation_restarts_every_node(
     tmp_path: Path, fault_free: str
 ) -> None:
-    with elastrun_store(tmp_path) as (endpoint, token):
-        out, agents = _start_two_nodes(tmp_path, endpoint, token, "2", ["2:15:kill", "2:0:sync"])
-        try:
-            results = [finish(a, 180) for a in agents]
-        finally:
-            _end(agents)
-    err = "\n=====\n".join(r.stderr for r in results)
-    assert [r.returncode for r in results] == [0, 0], err
-    ranks = _by_rank([json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))])
+    ranks, err = _two_nodes_to_the_end(tmp_path, ["2:15:kill", "2:0:sync"])
     for r in range(4):  # every node restarted its workers from scratch (no checkpoint)
         assert ranks[r]["calls"] == [0], ranks[r]
     assert {r["sha"] for r in ranks.values()} == {fault_free}

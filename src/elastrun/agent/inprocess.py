@@ -186,9 +186,7 @@ class InprocessRecovery:
         the workers of ``attempt`` (``kept``) or not (it then refuses)."""
         if not kept:
             return Offer(False, self._rounds)
-        pids = attempt.procs.pids()
-        listeners = listening_endpoints(pids[lr] for lr in attempt.procs.running())
-        return Offer(True, self._rounds, tuple(listeners))
+        return Offer(True, self._rounds, tuple(self._listeners(attempt)))
 
     def offer_fresh(self, previous: Attempt | None) -> Offer:
         """What this node brings when it starts its workers afresh: they can join an
