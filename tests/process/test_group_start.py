@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from elastrun.core.errors import ProcessStartError
 from elastrun.supervise.api import start_processes
-from elastrun.supervise.processes.group import start_group, start_worker
+from elastrun.supervise.processes.group import GroupMember, start_group, start_worker
 from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsDest, Std
 from elastrun.supervise.processes.procset import ProcessSet
 from elastrun.supervise.processes.relay import OutputRelay, WorkerStdio
 from elastrun.supervise.processes.spawn import (
     ProcessSpec,
-    ProcessStarter,
     SubprocessStarter,
     WorkerProcess,
+    start_each,
 )
 
 SLEEP = (sys.executable, "-c", "import time; time.sleep(60)")
@@ -59,22 +59,19 @@ class FailsAt:
         self.started.append(proc)
         return proc
 
+    def start_many(self, specs: Sequence[ProcessSpec]) -> list[WorkerProcess]:
+        return start_each(self.start, specs)
 
-def _start_one(starter: ProcessStarter, relay: OutputRelay, dest: LogsDest):  # type: ignore[no-untyped-def]  # a test helper returning a closure
-    def start_one(lr: int) -> WorkerProcess:
-        return start_worker(
-            starter,
-            relay,
-            dest,
-            lr,
-            prefix=f"[{lr}]:",
-            show_on_console=True,
-            make_spec=lambda stdio: ProcessSpec(
-                lr, dict(os.environ), argv=SLEEP, stdout_fd=stdio.stdout_fd
-            ),
-        )
 
-    return start_one
+def _sleeper(lr: int) -> GroupMember:
+    return GroupMember(
+        lr,
+        prefix=f"[{lr}]:",
+        show_on_console=True,
+        make_spec=lambda stdio: ProcessSpec(
+            lr, dict(os.environ), argv=SLEEP, stdout_fd=stdio.stdout_fd
+        ),
+    )
 
 
 def test_a_start_that_fails_midway_kills_the_workers_already_started(tmp_path: Path) -> None:
@@ -86,7 +83,7 @@ def test_a_start_that_fails_midway_kills_the_workers_already_started(tmp_path: P
     relay = OutputRelay()
     starter = FailsAt(bad=2)
     with pytest.raises(ProcessStartError, match="local rank 2"):
-        start_group(range(3), _start_one(starter, relay, dest))
+        start_group(starter, relay, dest, [_sleeper(lr) for lr in range(3)])
     relay.close()
     assert len(starter.started) == 2
     assert all(_gone(p.pid) for p in starter.started)  # killed and reaped
@@ -96,7 +93,7 @@ def test_a_start_that_fails_midway_kills_the_workers_already_started(tmp_path: P
 def test_a_group_that_starts_runs_every_local_rank_in_order(tmp_path: Path) -> None:
     dest = LogsDest(stdouts={0: "", 1: ""}, stderrs={0: "", 1: ""})
     relay = OutputRelay()
-    procs = start_group(range(2), _start_one(SubprocessStarter(), relay, dest))
+    procs = start_group(SubprocessStarter(), relay, dest, [_sleeper(0), _sleeper(1)])
     assert [p.local_rank for p in procs] == [0, 1]
     group = ProcessSet(procs)
     group.stop()
@@ -153,7 +150,7 @@ def test_the_parents_copies_of_a_workers_descriptors_are_closed_even_when_its_st
 
     with pytest.raises(ProcessStartError):
         start_worker(
-            FailsAt(bad=0), relay, dest, 0, prefix="", show_on_console=True, make_spec=spec
+            FailsAt(bad=0), relay, dest, GroupMember(0, "", show_on_console=True, make_spec=spec)
         )
     assert seen and seen[0].owned_fds == []
     relay.close()

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -30,6 +30,7 @@ from elastrun.supervise.processes.spawn import (
     ProcessStarter,
     SubprocessStarter,
     WorkerProcess,
+    start_each,
 )
 from elastrun.supervise.processes.template import (
     BootstrapCommand,
@@ -708,6 +709,9 @@ class _RecordingStarter:
     def start(self, spec: ProcessSpec) -> WorkerProcess:
         self.specs.append(spec)
         raise ProcessStartError("recorded")
+
+    def start_many(self, specs: Sequence[ProcessSpec]) -> list[WorkerProcess]:
+        return start_each(self.start, specs)
 
 
 def _noop() -> None:

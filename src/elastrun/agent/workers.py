@@ -1,10 +1,10 @@
-"""The agent's worker processes: starting an attempt's group, one local rank at a time,
-and stopping it.
+"""The agent's worker processes: starting an attempt's group (all at once) or one local
+rank's worker, and stopping them.
 
 ``WorkerProcesses`` is the one place that turns a launch plan into running processes
 (and back): per attempt it computes the setup once (environments, CPUs, log
-destinations, relay, starter), starts the worker of each local rank with
-``start_worker`` (all or none: see ``supervise.processes.group``), records which process
+destinations, relay, starter), starts the workers of every local rank together (all or
+none: see ``supervise.processes.group``), records which process
 serves which local rank (the ``ProcessSet`` keyed by local rank, the worker group's ids,
 ``workers.json`` for ``elastrun stacks``) and stops the attempt with the one shutdown
 ladder.
@@ -29,7 +29,7 @@ from elastrun.core.clock import Clock
 from elastrun.core.procinfo import process_start_time
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MetricSink
-from elastrun.supervise.processes.group import start_group, start_worker
+from elastrun.supervise.processes.group import GroupMember, start_group, start_worker
 from elastrun.supervise.processes.logs import LogsSpecs, format_line_prefix, reify_or_console
 from elastrun.supervise.processes.numa import binding_cpus, numa_options_from
 from elastrun.supervise.processes.procset import ProcessSet
@@ -124,15 +124,15 @@ class WorkerProcesses:
         Raises whatever a start raises, after killing the workers already started.
         """
         setup = self._setup(plan, number)
+        members = [self._member(setup, w.local_rank) for w in plan.workers]
         try:
-            procs = start_group(
-                (w.local_rank for w in plan.workers),
-                lambda lr: self._start_watched(setup, lr),
-                clock=self._clock,
-            )
+            procs = start_group(setup.starter, setup.relay, setup.dest, members)
         except BaseException:
             setup.relay.close()
             raise
+        for proc in procs:
+            self._guard.watch(proc.pid)
+            self._group.workers[proc.local_rank].id = proc.pid
         attempt = Attempt(
             setup=setup,
             procs=ProcessSet(procs, wake_fd=self._shutdown.waker.fileno(), clock=self._clock),
@@ -149,20 +149,20 @@ class WorkerProcesses:
         the attempt's relay); the guard and the worker group are not told.
         ``replacing``: the rank's previous worker of this attempt exited (in-process
         recovery): its log files are added to, not started anew."""
+        member = self._member(setup, local_rank, append=replacing)
+        return start_worker(setup.starter, setup.relay, setup.dest, member)
+
+    def _member(self, setup: AttemptSetup, local_rank: int, append: bool = False) -> GroupMember:
         w = setup.plan.workers[local_rank]
-        prefix = format_line_prefix(
-            self._prefix_template, setup.plan.role, w.ranks.global_rank, local_rank
-        )
         shown = self._logs.local_ranks_filter
-        return start_worker(
-            setup.starter,
-            setup.relay,
-            setup.dest,
+        return GroupMember(
             local_rank,
-            prefix=prefix,
+            prefix=format_line_prefix(
+                self._prefix_template, setup.plan.role, w.ranks.global_rank, local_rank
+            ),
             show_on_console=shown is None or local_rank in shown,
             make_spec=lambda stdio: self._process_spec(setup, local_rank, stdio),
-            append=replacing,
+            append=append,
         )
 
     def replace_worker(self, attempt: Attempt, setup: AttemptSetup, local_rank: int) -> int:
@@ -177,12 +177,6 @@ class WorkerProcesses:
         attempt.setup = setup
         _write_workers_file(setup.envs, list(attempt.procs.processes.values()))
         return proc.pid
-
-    def _start_watched(self, setup: AttemptSetup, local_rank: int) -> WorkerProcess:
-        proc = self.start_worker(setup, local_rank)
-        self._guard.watch(proc.pid)
-        self._group.workers[local_rank].id = proc.pid
-        return proc
 
     def _setup(self, plan: LaunchPlan, number: int) -> AttemptSetup:
         """Everything the attempt's workers need, before the first one starts (a NUMA

@@ -8,6 +8,7 @@ the agent's do (``supervise.processes.group``: all or none), under the same supe
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from elastrun.core.clock import Deadline
 from elastrun.supervise.failures.failure import ProcessFailure
-from elastrun.supervise.processes.group import start_group, start_worker
+from elastrun.supervise.processes.group import GroupMember, start_group
 from elastrun.supervise.processes.logs import LogsDest, LogsSpecs, reify_or_console
 from elastrun.supervise.processes.procset import ProcessSet
 from elastrun.supervise.processes.relay import OutputRelay, WorkerStdio
@@ -29,7 +30,6 @@ from elastrun.supervise.processes.spawn import (
     ProcessSpec,
     ProcessStarter,
     SubprocessStarter,
-    WorkerProcess,
 )
 
 
@@ -111,19 +111,17 @@ class PContext:
         shown = self._logs_specs.local_ranks_filter
         starter = self._starter()
 
-        def start_one(lr: int) -> WorkerProcess:
-            return start_worker(
-                starter,
-                relay,
-                dest,
+        members = [
+            GroupMember(
                 lr,
                 prefix=self._prefixes.get(lr, f"[{self.name}{lr}]:"),
                 show_on_console=shown is None or lr in shown,
-                make_spec=lambda stdio: self._spec(lr, full_envs[lr], stdio),
+                make_spec=functools.partial(self._spec, lr, full_envs[lr]),
             )
-
+            for lr in range(self.nprocs)
+        ]
         # All or none: a start that fails midway kills the workers already started.
-        self._procs = ProcessSet(start_group(range(self.nprocs), start_one))
+        self._procs = ProcessSet(start_group(starter, relay, dest, members))
 
     def _spec(self, lr: int, env: dict[str, str], stdio: WorkerStdio) -> ProcessSpec:
         out, err = stdio.stdout_fd, stdio.stderr_fd

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from elastrun.supervise.processes.spawn import ProcessSpec
+from elastrun.supervise.processes.spawn import ProcessSpec, WorkerProcess, start_each
 
 
 class FakeClock:
@@ -104,6 +104,9 @@ class FakeStarter:
         if code is not None:
             proc.finish(code)
         return proc
+
+    def start_many(self, specs: Sequence[ProcessSpec]) -> list[WorkerProcess]:
+        return start_each(self.start, specs)
 
     def envs(self, attempt: int) -> list[dict[str, str]]:
         return [dict(p.spec.env) for p in self.started if p.attempt == attempt]

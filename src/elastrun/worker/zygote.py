@@ -76,14 +76,15 @@ from collections.abc import Callable
 from types import TracebackType
 
 from elastrun.worker import bootstrap
-from elastrun.worker.zygote_fork import Job, close_quietly, open_fds, spawn, thread_count
+from elastrun.worker.zygote_fork import Job, close_quietly, open_fds, spawn_many, thread_count
 from elastrun.worker.zygote_wire import (
+    BATCH_MAX,
     PROTOCOL_VERSION,
     STDIO_FDS,
     ZYGOTE_MODULE,
-    check_request,
     recv_message,
     send_message,
+    split_batch,
 )
 from elastrun.worker.zygote_worker import Stdio, become_worker, import_titles
 
@@ -188,19 +189,19 @@ def _serve(sock: socket.socket) -> Job:
     """Serve requests until the channel closes; returns only in a new worker."""
     while True:
         try:
-            got = recv_message(sock, maxfds=STDIO_FDS)
+            got = recv_message(sock, maxfds=STDIO_FDS * BATCH_MAX)
         except (ConnectionError, OSError, ValueError):
             raise SystemExit(1) from None
         if got is None:
             raise SystemExit(0)  # the agent closed the channel: a clean stop
-        request, fds = got
+        message, fds = got
         try:
-            problem = check_request(request, len(fds))
-            if problem is not None:
+            batch = split_batch(message, fds)
+            if isinstance(batch, str):
                 close_quietly(*fds)
-                send_message(sock, {"error": f"bad request: {problem}"})
+                send_message(sock, {"error": f"bad request: {batch}"})
                 continue
-            job = spawn(sock, request, fds)
+            job = spawn_many(sock, *batch)
         except OSError:
             raise SystemExit(1) from None  # the agent is gone (no one to reply to)
         if job is not None:

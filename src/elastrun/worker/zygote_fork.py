@@ -1,4 +1,4 @@
-"""How the worker template forks a worker: two forks, so that the worker is the agent's.
+"""How the worker template forks workers: two forks each, so that a worker is the agent's.
 
 The template forks an intermediate process, which forks the worker and exits at once;
 the agent is a child subreaper while it waits for the reply, so the kernel hands the
@@ -6,7 +6,7 @@ orphaned worker to it. The intermediate reports the worker's pid (``P<pid>``) or
 could not start it (``E<error>``) on a pipe; the template passes that on to the agent
 and only then sends the worker its go-ahead (``g``) on another pipe, so no worker runs
 that the agent does not know of. Both forks happen with every signal blocked (see
-:func:`spawn`). What the worker does next is :mod:`elastrun.worker.zygote_worker`'s.
+:func:`spawn_many`). What the worker does next is :mod:`elastrun.worker.zygote_worker`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 
-from elastrun.worker.zygote_wire import int_list, send_message
+from elastrun.worker.zygote_wire import check_request, int_list, send_message
 
 
 class Job:
@@ -78,18 +78,25 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def spawn(sock: socket.socket, request: dict[str, object], fds: list[int]) -> Job | None:
-    """Fork a worker for ``request``; in the template, reply and return None."""
+def spawn_many(
+    sock: socket.socket, requests: list[dict[str, object]], fds: list[list[int]]
+) -> Job | None:
+    """Fork a worker for each request (``fds[i]``: request ``i``'s stdio descriptors);
+    in the template, reply once for all and return None.
+
+    The intermediates of every request are forked back to back and then awaited, so the
+    workers' start-ups overlap; the reply lists each request's pid or error in order,
+    and only then does each started worker get its go-ahead.
+    """
     threads = thread_count()
     if threads > 1:
         # Checked at startup too; this catches a thread started by an at-fork hook or
         # a finaliser since. A fork now could hand the worker a lock held forever.
-        close_quietly(*fds)
+        close_quietly(*(fd for own in fds for fd in own))
         send_message(sock, {"unsafe": f"the template now runs {threads - 1} extra thread(s)"})
         return None
-    stdio_fds = _stdio_fds(request, fds)
-    pid_r, pid_w = os.pipe()  # intermediate -> template: "P<pid>" or "E<error>"
-    go_r, go_w = os.pipe()  # template -> worker: "g" once the agent knows the pid
+    results: list[dict[str, object]] = [{} for _ in requests]
+    started: list[tuple[int, int, int, int]] = []  # request, intermediate, pid_r, go_w
     # The new processes start with every signal blocked, and the worker keeps them
     # blocked until it has its own dispositions (zygote_worker.reset_signals). Without
     # this, the worker would inherit the template's ignored SIGINT, and a SIGINT the agent
@@ -97,29 +104,45 @@ def spawn(sock: socket.socket, request: dict[str, object], fds: list[int]) -> Jo
     # its whole shutdown grace and kills. A blocked signal is held pending instead,
     # even an ignored one, and acts once the worker unblocks it.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    try:
-        intermediate = os.fork()
-    except OSError as exc:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        close_quietly(pid_r, pid_w, go_r, go_w, *fds)
-        send_message(sock, {"error": f"fork failed: {exc}"})
-        return None
-    if intermediate == 0:
-        return _intermediate(request, stdio_fds, pid_w, go_r, (pid_r, go_w))
+    for i, request in enumerate(requests):
+        problem = check_request(request, len(fds[i]))
+        if problem is not None:
+            results[i] = {"error": f"bad request: {problem}"}
+            continue
+        pid_r, pid_w = os.pipe()  # intermediate -> template: "P<pid>" or "E<error>"
+        go_r, go_w = os.pipe()  # template -> worker: "g" once the agent knows the pid
+        try:
+            intermediate = os.fork()
+        except OSError as exc:
+            close_quietly(pid_r, pid_w, go_r, go_w)
+            results[i] = {"error": f"fork failed: {exc}"}
+            continue
+        if intermediate == 0:
+            # Everything of the other requests, and the template's ends of the pipes.
+            others = [fd for j, own in enumerate(fds) if j != i for fd in own]
+            others += [fd for _, _, r, w in started for fd in (r, w)]
+            stdio = _stdio_fds(request, fds[i])
+            return _intermediate(request, stdio, pid_w, go_r, (pid_r, go_w, *others))
+        close_quietly(pid_w, go_r)
+        started.append((i, intermediate, pid_r, go_w))
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    close_quietly(pid_w, go_r, *fds)
-    try:
+    close_quietly(*(fd for own in fds for fd in own))
+    for i, intermediate, pid_r, _ in started:
         os.waitpid(intermediate, 0)
         answer = _read_all(pid_r)
         if answer.startswith(b"P"):
-            send_message(sock, {"pid": int(answer[1:])})
-            # Only now may the worker run: the agent has been told of it.
-            os.write(go_w, b"g")
+            results[i] = {"pid": int(answer[1:])}
         else:
             reason = answer[1:].decode(errors="replace") or "the intermediate process died"
-            send_message(sock, {"error": reason})
+            results[i] = {"error": reason}
+    try:
+        send_message(sock, {"results": results})
+        # Only now may the workers run: the agent has been told of them.
+        for i, _, _, go_w in started:
+            if "pid" in results[i]:
+                os.write(go_w, b"g")
     finally:
-        close_quietly(pid_r, go_w)
+        close_quietly(*(fd for _, _, r, w in started for fd in (r, w)))
     return None
 
 

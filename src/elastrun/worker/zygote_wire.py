@@ -4,8 +4,10 @@ Shared by the template (:mod:`elastrun.worker.zygote`) and the agent's end of th
 channel (``elastrun.supervise.processes.template``), and light on purpose: the agent
 imports it on every launch, so it pulls in nothing of the template's own machinery.
 
-Each message is a 4-byte big-endian length and a UTF-8 JSON object; a spawn request
-carries the worker's stdin, stdout and stderr descriptors (SCM_RIGHTS).
+Each message is a 4-byte big-endian length and a UTF-8 JSON object. The agent asks for
+workers in batches (``{"version": V, "batch": [request, ...]}``), the descriptors of
+every request's stdin, stdout and stderr attached in order (SCM_RIGHTS); the template
+answers ``{"results": [{"pid": N} | {"error": "..."}, ...]}``, one per request.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from collections.abc import Sequence
 #: The module the agent runs (``python -m``) to start a template.
 ZYGOTE_MODULE = "elastrun.worker.zygote"
 #: Bumped on any incompatible change of the messages below.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: The variable the agent puts first in the template's environment: room for the
 #: workers' command lines past the end of the template's own (see zygote_worker.retitle).
 TITLE_ROOM = "ELASTRUN_TITLE_ROOM"
 #: A spawn request sends stdin, stdout and stderr (those that are open).
 STDIO_FDS = 3
+#: At most this many spawn requests travel in one batch: their descriptors must fit in
+#: one SCM_RIGHTS message (Linux takes at most 253).
+BATCH_MAX = 64
 # A spawn request's environment and argv are small; anything this big is a bug.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -96,6 +101,28 @@ def recv_message(
             os.close(fd)
         raise
     return message, fds
+
+
+def split_batch(
+    message: dict[str, object], fds: list[int]
+) -> tuple[list[dict[str, object]], list[list[int]]] | str:
+    """A batch's requests and each one's descriptors, or what is wrong with the batch
+    as a whole (each request is checked on its own by :func:`check_request`)."""
+    if message.get("version") != PROTOCOL_VERSION:
+        return f"protocol version {message.get('version')!r}, expected {PROTOCOL_VERSION}"
+    batch = message.get("batch")
+    if not isinstance(batch, list) or not 0 < len(batch) <= BATCH_MAX:
+        return f"batch must be a list of 1 to {BATCH_MAX} requests"
+    if not all(isinstance(r, dict) and isinstance(r.get("stdio"), list) for r in batch):
+        return "every request of a batch must be an object with stdio flags"
+    counts = [sum(bool(f) for f in r["stdio"]) for r in batch]
+    if sum(counts) != len(fds):
+        return f"the requests' stdio flags name {sum(counts)} descriptor(s), {len(fds)} came"
+    owned, at = [], 0
+    for n in counts:
+        owned.append(fds[at : at + n])
+        at += n
+    return batch, owned
 
 
 def check_request(request: dict[str, object], nfds: int) -> str | None:

@@ -1,76 +1,82 @@
-"""Starting a group of worker processes: one local rank at a time, all or none.
+"""Starting a group of worker processes: all or none.
 
 The agent (one start per attempt) and ``start_processes`` (torch's process-context API)
 start their workers the same way: each worker's stdout and stderr are wired through the
-output relay, its ``ProcessSpec`` is built around those descriptors, it is started, and
-the parent's copies of the descriptors are closed whether or not the start succeeded.
-If a start fails midway, the workers already started are killed before the error
-propagates, so a failed start leaves no process behind.
+output relay, its ``ProcessSpec`` is built around those descriptors, the whole group is
+handed to the starter at once (``ProcessStarter.start_many``: the template forks a
+group's workers in one batch), and the parent's copies of the descriptors are closed
+whether or not the start succeeded. If a start fails midway, the workers already
+started are killed before the error propagates, so a failed start leaves no process
+behind.
 """
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.supervise.processes.logs import LogsDest
-from elastrun.supervise.processes.procset import ProcessSet
 from elastrun.supervise.processes.relay import OutputRelay, WorkerStdio
 from elastrun.supervise.processes.spawn import ProcessSpec, ProcessStarter, WorkerProcess
 
 
-def start_worker(
-    starter: ProcessStarter,
-    relay: OutputRelay,
-    dest: LogsDest,
-    local_rank: int,
-    *,
-    prefix: str,
-    show_on_console: bool,
-    make_spec: Callable[[WorkerStdio], ProcessSpec],
-    append: bool = False,
-) -> WorkerProcess:
-    """Start the worker of one local rank with its output wired through ``relay``.
+@dataclass(frozen=True)
+class GroupMember:
+    """One worker of a group to start.
 
     Args:
-        starter: starts the process.
-        relay, dest: where the worker's streams go (see ``OutputRelay.wire``).
         local_rank: the worker's local rank.
         prefix: put before each console line of the worker's tee'd streams.
         show_on_console: False for ranks hidden by ``--local-ranks-filter``.
         make_spec: the worker's ``ProcessSpec``, given its stdio descriptors.
         append: add to the rank's log files (a worker replaced in place).
-
-    Raises whatever wiring or starting raises; the parent's copies of the worker's
-    descriptors are closed either way.
     """
-    stdio = relay.wire(local_rank, dest, prefix, show_on_console=show_on_console, append=append)
-    try:
-        return starter.start(make_spec(stdio))
-    finally:
-        stdio.close_in_parent()
+
+    local_rank: int
+    prefix: str
+    show_on_console: bool
+    make_spec: Callable[[WorkerStdio], ProcessSpec]
+    append: bool = False
 
 
 def start_group(
-    local_ranks: Iterable[int],
-    start_one: Callable[[int], WorkerProcess],
-    *,
-    clock: Clock = SYSTEM_CLOCK,
+    starter: ProcessStarter,
+    relay: OutputRelay,
+    dest: LogsDest,
+    members: Sequence[GroupMember],
 ) -> list[WorkerProcess]:
-    """``start_one(local_rank)`` for each local rank in order; all start or none runs.
+    """Start every member with its output wired through ``relay``: all or none, in order.
 
-    When a start raises (or the caller is interrupted), the workers already started are
-    killed (SIGKILL, no grace: none of them has done any work yet) and reaped, then the
-    exception propagates. The relay is the caller's to close.
+    Args:
+        starter: starts the processes (``start_many``).
+        relay, dest: where the workers' streams go (see ``OutputRelay.wire``).
+        members: the workers.
+
+    Raises whatever wiring or starting raises, with no worker left running; the
+    parent's copies of the workers' descriptors are closed either way. The relay is the
+    caller's to close.
     """
-    procs: list[WorkerProcess] = []
+    stdios: list[WorkerStdio] = []
     try:
-        for local_rank in local_ranks:
-            procs.append(start_one(local_rank))
-    except BaseException:
-        partial = ProcessSet(procs, clock=clock)
-        partial.stop(signal.SIGKILL, 0)
-        partial.close()
-        raise
-    return procs
+        for m in members:
+            stdios.append(
+                relay.wire(
+                    m.local_rank,
+                    dest,
+                    m.prefix,
+                    show_on_console=m.show_on_console,
+                    append=m.append,
+                )
+            )
+        specs = [m.make_spec(stdio) for m, stdio in zip(members, stdios, strict=True)]
+        return starter.start_many(specs)
+    finally:
+        for stdio in stdios:
+            stdio.close_in_parent()
+
+
+def start_worker(
+    starter: ProcessStarter, relay: OutputRelay, dest: LogsDest, member: GroupMember
+) -> WorkerProcess:
+    """Start one worker with its output wired through ``relay`` (see :func:`start_group`)."""
+    return start_group(starter, relay, dest, [member])[0]

@@ -5,7 +5,7 @@ reaches it and everything it started, and it asks the kernel to SIGKILL it when 
 agent dies (``PR_SET_PDEATHSIG``). Exit is observed through a pidfd, so the agent's
 loop wakes the moment a worker dies instead of polling.
 
-Two starters implement the ``ProcessStarter`` protocol:
+Starters implement the ``ProcessStarter`` protocol (one worker, or a group all or none):
 
 * ``SubprocessStarter`` runs an argv (scripts go through ``elastrun.worker.bootstrap``,
   binaries run as they are, function workers are started as a fresh interpreter that
@@ -13,7 +13,8 @@ Two starters implement the ``ProcessStarter`` protocol:
 * ``ForkStarter`` forks the agent and calls the function in the child
   (``--start-method fork``).
 
-A future template ("zygote") starter is a third implementation of the same protocol.
+The template ("zygote") starter, ``supervise.processes.template``, is a third: it forks
+a group's workers in one batch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -124,7 +125,54 @@ class WorkerProcess(Protocol):
 
 
 class ProcessStarter(Protocol):
-    def start(self, spec: ProcessSpec) -> WorkerProcess: ...
+    """Starts worker processes."""
+
+    def start(self, spec: ProcessSpec) -> WorkerProcess:
+        """Start one worker.
+
+        Raises:
+            ProcessStartError: it could not be started.
+        """
+        ...
+
+    def start_many(self, specs: Sequence[ProcessSpec]) -> list[WorkerProcess]:
+        """Start the workers of ``specs``, all or none, returned in order (a starter that
+        cannot do better than one after another uses :func:`start_each`).
+
+        Raises:
+            ProcessStartError: one could not be started; those already started were
+                killed and reaped.
+        """
+        ...
+
+
+def start_each(
+    start: Callable[[ProcessSpec], WorkerProcess], specs: Iterable[ProcessSpec]
+) -> list[WorkerProcess]:
+    """``start(spec)`` for each spec in order; all start or none runs.
+
+    When a start raises (or the caller is interrupted), the workers already started are
+    killed (see :func:`kill_started`) and the exception propagates.
+    """
+    procs: list[WorkerProcess] = []
+    try:
+        for spec in specs:
+            procs.append(start(spec))
+    except BaseException:
+        kill_started(procs)
+        raise
+    return procs
+
+
+def kill_started(procs: Sequence[WorkerProcess]) -> None:
+    """SIGKILL workers of a start that failed, with no grace (none has done any work
+    yet), and reap them."""
+    # procset builds on this module's types; it is loaded by then anyway.
+    from elastrun.supervise.processes.procset import ProcessSet
+
+    partial = ProcessSet(procs)
+    partial.stop(signal.SIGKILL, 0)
+    partial.close()
 
 
 def _read_return_value(path: str | None) -> object:
@@ -239,6 +287,9 @@ class SubprocessStarter:
         pidfd = os.pidfd_open(proc.pid)
         return _Handle(spec.local_rank, proc.pid, pidfd, proc.poll, return_file)
 
+    def start_many(self, specs: Sequence[ProcessSpec]) -> list[WorkerProcess]:
+        return start_each(self.start, specs)
+
 
 def _main_file_for(function: Callable[..., object]) -> str | None:
     """The script the child must re-import so that ``function`` can be found.
@@ -289,6 +340,9 @@ def write_call_payload(path: str, call: FunctionCall) -> None:
 
 class ForkStarter:
     """Start function workers by forking the agent (``--start-method fork``)."""
+
+    def start_many(self, specs: Sequence[ProcessSpec]) -> list[WorkerProcess]:
+        return start_each(self.start, specs)
 
     def start(self, spec: ProcessSpec) -> WorkerProcess:
         if spec.call is None:

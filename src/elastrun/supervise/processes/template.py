@@ -49,6 +49,7 @@ from elastrun.supervise.processes.spawn import (
     WorkerProcess,
     _Handle,
     _waitpid_nohang,
+    kill_started,
 )
 from elastrun.supervise.processes.template_key import (
     PER_WORKER_VARIABLES,
@@ -65,7 +66,6 @@ from elastrun.supervise.processes.template_preload import (
     parse_bootstrap_command,
 )
 from elastrun.supervise.processes.template_process import (
-    SpawnRefused,
     Template,
     TemplateBroken,
     TemplateUnavailable,
@@ -239,43 +239,104 @@ class TemplateStarter:
         Raises:
             ProcessStartError: from the fallback starter, as it would raise it.
         """
-        cmd = None
-        if spec.argv is not None and not self._closed:
-            cmd = parse_bootstrap_command(spec.argv, self._python)
-        if cmd is None:
-            return self._use_fallback(spec)
-        assert spec.argv is not None
-        cwd = spec.cwd if spec.cwd is not None else os.getcwd()
-        tpl = self._ready_template(TemplateKey.of(cmd, spec.env, self._per_worker), spec.argv, cwd)
-        if tpl is None:
-            return self._use_fallback(spec)
+        return self.start_many([spec])[0]
+
+    def start_many(self, specs: Sequence[ProcessSpec]) -> list[WorkerProcess]:
+        """Start the workers of ``specs`` (all or none), in order: those the template
+        serves in one batch (their forks overlap), the others with the fallback.
+
+        Raises:
+            ProcessStartError: from the fallback starter, as it would raise it, after
+                the workers already started were killed.
+        """
+        started: dict[int, WorkerProcess] = {}
         try:
-            pid = self._spawn(tpl, spec, cmd, cwd)
+            forkable = self._forkable(specs)
+            if forkable:
+                started.update(self._fork_batch(forkable))
+            for i, spec in enumerate(specs):
+                if i not in started:
+                    started[i] = self._use_fallback(spec)
+        except BaseException:
+            kill_started(list(started.values()))
+            raise
+        return [started[i] for i in range(len(specs))]
+
+    def _forkable(
+        self, specs: Sequence[ProcessSpec]
+    ) -> list[tuple[int, ProcessSpec, BootstrapCommand, str]]:
+        """The specs the template would serve (index, spec, command, cwd): Python
+        scripts of the starter's interpreter whose shared environment is the first
+        one's (workers of one group always share it)."""
+        out = []
+        key = None
+        for i, spec in enumerate(specs):
+            if spec.argv is None or self._closed:
+                continue
+            cmd = parse_bootstrap_command(spec.argv, self._python)
+            if cmd is None:
+                continue
+            own = TemplateKey.of(cmd, spec.env, self._per_worker)
+            if key is not None and own != key:
+                continue
+            key = own
+            out.append((i, spec, cmd, spec.cwd if spec.cwd is not None else os.getcwd()))
+        return out
+
+    def _fork_batch(
+        self, batch: list[tuple[int, ProcessSpec, BootstrapCommand, str]]
+    ) -> dict[int, WorkerProcess]:
+        """Fork what ``batch`` asks for; returns the started workers by index (those
+        missing go to the fallback)."""
+        _, first, cmd, cwd = batch[0]
+        assert first.argv is not None
+        key = TemplateKey.of(cmd, first.env, self._per_worker)
+        tpl = self._ready_template(key, first.argv, cwd)
+        if tpl is None:
+            return {}
+        wire = [_spawn_request(spec, cmd, cwd) for _, spec, cmd, cwd in batch]
+        requests, fds = [r for r, _ in wire], [f for _, f in wire]
+        try:
+            answers = tpl.spawn_many(requests, fds, self._spawn_timeout)
         except TemplateBroken as exc:
             log.warning(
-                "worker template (pid %d) failed while starting local rank %d (%s; %s); "
-                "starting it as a fresh process",
+                "worker template (pid %d) failed while starting local rank(s) %s (%s; %s); "
+                "starting them as fresh processes",
                 tpl.pid,
-                spec.local_rank,
+                ", ".join(str(spec.local_rank) for _, spec, _, _ in batch),
                 exc,
                 tpl.exit_description(),
             )
             self._discard()
-            return self._use_fallback(spec)
+            return {}
         except TemplateUnavailable as exc:
             self._disable(tpl.key, str(exc))
             self._discard()
-            return self._use_fallback(spec)
-        except SpawnRefused as exc:
+            return {}
+        started: dict[int, WorkerProcess] = {}
+        for (i, spec, _, _), answer in zip(batch, answers, strict=True):
+            proc = self._adopt(spec, answer)
+            if proc is not None:
+                started[i] = proc
+        return started
+
+    def _adopt(self, spec: ProcessSpec, answer: int | str) -> WorkerProcess | None:
+        """The handle of a forked worker, or None (logged) when it was not started."""
+        reason = answer if isinstance(answer, str) else None
+        if isinstance(answer, int) and _parent_of(answer) != os.getpid():
+            # Not handed to us (no subreaper support?): it exits by itself on seeing
+            # that, and cannot be supervised.
+            reason = f"worker pid {answer} was not adopted by the agent"
+        if reason is not None or isinstance(answer, str):
             log.warning(
                 "worker template could not start local rank %d (%s); "
                 "starting it as a fresh process",
                 spec.local_rank,
-                exc,
+                reason,
             )
-            return self._use_fallback(spec)
+            return None
         self.forked += 1
-        return _Handle(spec.local_rank, pid, os.pidfd_open(pid), _waitpid_nohang(pid))
+        return _Handle(spec.local_rank, answer, os.pidfd_open(answer), _waitpid_nohang(answer))
 
     def _use_fallback(self, spec: ProcessSpec) -> WorkerProcess:
         self.fell_back += 1
@@ -348,15 +409,6 @@ class TemplateStarter:
         self._template = tpl
         self.templates_started += 1
         return tpl
-
-    def _spawn(self, tpl: Template, spec: ProcessSpec, cmd: BootstrapCommand, cwd: str) -> int:
-        request, fds = _spawn_request(spec, cmd, cwd)
-        pid = tpl.spawn(request, fds, self._spawn_timeout)
-        if _parent_of(pid) != os.getpid():
-            # Not handed to us (no subreaper support?): it exits by itself on seeing
-            # that, and cannot be supervised.
-            raise SpawnRefused(f"worker pid {pid} was not adopted by the agent")
-        return pid
 
     def _discard(self) -> None:
         tpl, self._template = self._template, None

@@ -3,8 +3,8 @@
 :meth:`Template.launch` starts ``python [OPTS] -m elastrun.worker.zygote N`` with the
 template's environment, ``TITLE_ROOM`` first (room in its memory for the command lines
 its workers show, sized for the workers it is started for), and sends it the modules to
-preload; :meth:`Template.await_ready` waits for its hello; :meth:`Template.spawn` asks
-for one worker, with this process a child subreaper for the hand-over
+preload; :meth:`Template.await_ready` waits for its hello; :meth:`Template.spawn_many` asks
+for workers, with this process a child subreaper for the hand-over
 (:func:`adopting_orphans`), so that the worker becomes the agent's child.
 """
 
@@ -27,6 +27,7 @@ from elastrun.core.shutdown import ShutdownRequest
 from elastrun.supervise.processes.spawn import set_parent_death_signal
 from elastrun.supervise.processes.template_key import TemplateKey
 from elastrun.worker.zygote_wire import (
+    BATCH_MAX,
     PROTOCOL_VERSION,
     TITLE_ROOM,
     ZYGOTE_MODULE,
@@ -49,10 +50,6 @@ class TemplateUnavailable(ElastrunError):
 
 class TemplateBroken(ElastrunError):
     """The template died or stopped answering in the middle of a request."""
-
-
-class SpawnRefused(ElastrunError):
-    """The template could not start this one worker (fork failed, bad cwd, ...)."""
 
 
 @contextmanager
@@ -78,6 +75,15 @@ def adopting_orphans() -> Iterator[None]:
 
 
 _LIBC: list[ctypes.CDLL | None] = []
+
+
+def _pid_or_reason(result: object) -> int | str:
+    if isinstance(result, dict):
+        pid = result.get("pid")
+        if isinstance(pid, int):
+            return pid
+        return str(result.get("error", f"unexpected result {result!r}"))
+    return f"unexpected result {result!r}"
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -263,18 +269,31 @@ class Template:
                 return f"killed by signal {-code}"
         return f"exit status {code}"
 
-    def spawn(self, request: dict[str, object], fds: Sequence[int], timeout: float) -> int:
-        """Ask for a worker; returns its pid (a child of this process by now).
+    def spawn_many(
+        self, requests: Sequence[dict[str, object]], fds: Sequence[Sequence[int]], timeout: float
+    ) -> list[int | str]:
+        """Ask for one worker per request (``fds[i]``: request ``i``'s descriptors, in
+        batches of at most ``BATCH_MAX``); returns each one's pid (a child of this process
+        by now) or why the template could not start it.
 
         Raises:
             TemplateBroken: the channel failed; the template should be discarded.
             TemplateUnavailable: forking from the template has become unsafe.
-            SpawnRefused: the template could not start this worker.
         """
+        out: list[int | str] = []
+        for at in range(0, len(requests), BATCH_MAX):
+            batch = requests[at : at + BATCH_MAX]
+            attached = [fd for own in fds[at : at + BATCH_MAX] for fd in own]
+            out += self._spawn_batch(list(batch), attached, timeout)
+        return out
+
+    def _spawn_batch(
+        self, batch: list[dict[str, object]], fds: list[int], timeout: float
+    ) -> list[int | str]:
         self._sock.settimeout(timeout)
         try:
             with adopting_orphans():
-                send_message(self._sock, request, fds)
+                send_message(self._sock, {"version": PROTOCOL_VERSION, "batch": batch}, fds)
                 got = recv_message(self._sock)
         except (OSError, ConnectionError) as exc:
             raise TemplateBroken(str(exc) or type(exc).__name__) from exc
@@ -283,10 +302,11 @@ class Template:
         reply, _ = got
         if "unsafe" in reply:
             raise TemplateUnavailable(str(reply["unsafe"]))
-        pid = reply.get("pid")
-        if not isinstance(pid, int):
-            raise SpawnRefused(str(reply.get("error", f"unexpected reply {reply!r}")))
-        return pid
+        results = reply.get("results")
+        if not isinstance(results, list) or len(results) != len(batch):
+            reason = str(reply.get("error", f"unexpected reply {reply!r}"))
+            return [reason] * len(batch)
+        return [_pid_or_reason(r) for r in results]
 
     def close(self) -> None:
         """Stop the template (end of its channel; SIGKILL if it lingers) and reap it."""
