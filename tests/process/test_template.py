@@ -966,3 +966,103 @@ def test_a_forked_worker_is_bound_to_its_cpus_like_a_fresh_one(
         outs.append((tmp_path / "out").read_text())
     assert outs == [f"[{cpu}]\n"] * 2
     assert template.forked == 1
+
+
+def _group_specs(
+    tmp: Path, argvs: list[tuple[str, ...]], cwds: dict[int, Path] | None = None
+) -> tuple[list[ProcessSpec], list[Path]]:
+    """One spec per argv, each with its own stdout file (opened descriptors closed by
+    the caller through ``_close``)."""
+    specs, outs = [], []
+    for lr, argv in enumerate(argvs):
+        out = tmp / f"g{lr}.out"
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        cwd = (cwds or {}).get(lr)
+        specs.append(
+            ProcessSpec(
+                lr,
+                {**os.environ, "LOCAL_RANK": str(lr)},
+                argv=argv,
+                stdout_fd=fd,
+                cwd=None if cwd is None else str(cwd),
+            )
+        )
+        outs.append(out)
+    return specs, outs
+
+
+def _close(specs: list[ProcessSpec]) -> None:
+    for spec in specs:
+        assert spec.stdout_fd is not None
+        os.close(spec.stdout_fd)
+
+
+def test_a_group_is_forked_in_one_batch_and_no_worker_holds_another_workers_descriptors(
+    template: TemplateStarter, tmp_path: Path
+) -> None:
+    probe = _write(tmp_path / "probe.py", PROBE)
+    alone = _run(template, tmp_path, _argv(str(probe))).probe()
+    specs, outs = _group_specs(tmp_path, [_argv(str(probe))] * 4)
+    try:
+        procs = template.start_many(specs)
+    finally:
+        _close(specs)
+    assert [p.local_rank for p in procs] == [0, 1, 2, 3]
+    assert [_wait(p) for p in procs] == [0, 0, 0, 0]
+    assert (template.forked, template.fell_back, template.templates_started) == (5, 0, 1)
+    probes = [json.loads(out.read_text()) for out in outs]
+    assert [p["env"]["LOCAL_RANK"] for p in probes] == ["0", "1", "2", "3"]
+    # Each worker holds what a worker started alone holds: nothing of the others
+    # (their stdout files, the template's pipes to their intermediates).
+    assert all(p["fds"] == alone["fds"] for p in probes), [p["fds"] for p in probes]
+    assert {p["parent"] for p in probes} == {os.getpid()}
+
+
+def test_a_group_with_a_worker_no_one_can_start_starts_none(
+    template: TemplateStarter, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sleeper = _write(tmp_path / "sleep.py", "import time; time.sleep(60)\n")
+    specs, _ = _group_specs(
+        tmp_path, [_argv(str(sleeper))] * 3, cwds={1: tmp_path / "no" / "such" / "dir"}
+    )
+    before = _children()
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER), pytest.raises(ProcessStartError):
+            template.start_many(specs)
+    finally:
+        _close(specs)
+    # Ranks 0 and 2 were forked, rank 1's fresh start failed: the forked two are gone.
+    assert template.forked == 2 and template.fell_back == 1
+    assert _children() - {template.template_pid} == before
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "worker template could not start local rank 1"
+    ]
+
+
+def test_a_group_mixing_scripts_and_other_executables_keeps_its_order(
+    template: TemplateStarter, tmp_path: Path
+) -> None:
+    script = _write(tmp_path / "ok.py", "import os; print('script', os.environ['LOCAL_RANK'])\n")
+    echo = ("/bin/sh", "-c", 'echo binary "$LOCAL_RANK"')
+    specs, outs = _group_specs(tmp_path, [_argv(str(script)), echo, _argv(str(script))])
+    try:
+        procs = template.start_many(specs)
+    finally:
+        _close(specs)
+    assert [_wait(p) for p in procs] == [0, 0, 0]
+    assert [out.read_text() for out in outs] == ["script 0\n", "binary 1\n", "script 2\n"]
+    assert (template.forked, template.fell_back) == (2, 1)
+
+
+def _children() -> set[int]:
+    """Our child processes, zombies included."""
+    kids = set()
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat", encoding="utf-8") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == os.getpid():
+            kids.add(int(name))
+    return kids

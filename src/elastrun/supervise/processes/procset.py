@@ -179,7 +179,7 @@ class ProcessSet:
         self._signal_groups(list(self._live), sig)
         self._wait_all(Deadline.after(timeout, self._clock), by_agent=True, abort_wait=abort_wait)
         killed = tuple(sorted(self._live))
-        if killed:
+        if killed and sig != signal.SIGKILL:
             log.warning(
                 "local ranks %s did not stop within %.1fs of %s; sending SIGKILL",
                 list(killed),
@@ -187,6 +187,8 @@ class ProcessSet:
                 signal.Signals(sig).name,
             )
             self._signal_groups(killed, signal.SIGKILL)
+        if killed:
+            # Killed processes still need reaping (SIGKILL takes effect, not at once).
             self._wait_all(Deadline.after(REAP_BOUND, self._clock), by_agent=True)
         unreaped = tuple(sorted(self._live))
         if unreaped:
