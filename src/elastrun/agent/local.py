@@ -5,7 +5,8 @@ rendezvous -> plan -> start -> watch -> restart / finish. The loop blocks on eve
 rendezvous for waiting nodes at most every ``monitor_interval``; nothing sleeps a fixed
 time on the recovery path.
 
-The loop and the phase transitions live here; the work is done by collaborators:
+The loop and the phase transitions live here; the work is done by collaborators,
+built by ``AgentWiring`` (agent.wiring):
 ``Rounds`` (agent.rounds) joins each round and plans it, ``WorkerProcesses``
 (agent.workers) starts and stops each attempt's processes, ``AttemptWatches``
 (agent.watches) watches the running workers, ``AgentReport`` (agent.report) logs,
@@ -17,63 +18,29 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import signal
-import socket
-import sys
-import uuid
-from collections.abc import Callable, Mapping
-from typing import TypeVar
 
 from elastrun.agent import failures
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.finish import BarrierAction, barrier_action, return_values
-from elastrun.agent.inprocess import (
-    INPROCESS_ENV,
-    InprocessRecovery,
-    inprocess_timeout,
-    join_timeout,
-)
-from elastrun.agent.inprocess_steps import InprocessSteps
-from elastrun.agent.interrupt import run_interruptibly
-from elastrun.agent.pace_watch import PaceWatch
-from elastrun.agent.phases import WORKER_TRANSITIONS, AgentPhase, PhaseMachine
+from elastrun.agent.inprocess import INPROCESS_ENV
+from elastrun.agent.phases import AgentPhase
 from elastrun.agent.plan import LaunchPlan
-from elastrun.agent.policy import (
-    Decision,
-    RestartAll,
-    RestartBudget,
-    RestartPolicy,
-    default_budget,
-)
-from elastrun.agent.progress_watch import ProgressWatch
-from elastrun.agent.report import AgentReport
-from elastrun.agent.rounds import Rounds
-from elastrun.agent.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
-from elastrun.agent.watches import STUCK_EXIT_TIMEOUT, AttemptWatches, FileTimer
-from elastrun.agent.workers import Guard, WorkerProcesses
-from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
-from elastrun.core.errors import ShutdownRequested
-from elastrun.core.shutdown import ShutdownRequest
-from elastrun.observe.sinks import EventSink, EventValue, MetricSink, NullEventSink, NullMetricSink
-from elastrun.rendezvous.api import BarrierResult, RendezvousHandler
-from elastrun.rendezvous.elastic import as_elastic
-from elastrun.rendezvous.local import LocalRendezvousHandler
-from elastrun.supervise.processes.dstate import UninterruptibleWatch
-from elastrun.supervise.processes.guard import OrphanGuard
-from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsSpecs
+from elastrun.agent.policy import Decision
+from elastrun.agent.spec import RunResult, WorkerState
+from elastrun.agent.watches import STUCK_EXIT_TIMEOUT, FileTimer
+from elastrun.agent.wiring import AgentWiring
+from elastrun.agent.workers import Guard
+from elastrun.core.clock import Deadline
+from elastrun.rendezvous.api import BarrierResult
 from elastrun.supervise.processes.procset import Exit
-from elastrun.supervise.processes.spawn import ProcessStarter
-from elastrun.supervise.progress import AutoTimeout, StragglerSettings
 
 __all__ = ["STUCK_EXIT_TIMEOUT", "FileTimer", "Guard", "LocalElasticAgent"]
 
 log = logging.getLogger("elastrun.agent")
 
-T = TypeVar("T")
 
-
-class LocalElasticAgent:
+class LocalElasticAgent(AgentWiring):
     """Runs, watches and restarts the workers of one node.
 
     Args:
@@ -106,184 +73,6 @@ class LocalElasticAgent:
         starter, policy, budget, clock, environ, python, events, guard: injected
             collaborators (production defaults when None).
     """
-
-    def __init__(
-        self,
-        spec: WorkerSpec,
-        logs_specs: LogsSpecs | None = None,
-        start_method: str = "spawn",
-        exit_barrier_timeout: float = 300,
-        log_line_prefix_template: str | None = None,
-        shutdown_timeout: float = 30,
-        health_check_server: object | None = None,
-        *,
-        run_id: str | None = None,
-        shutdown: ShutdownRequest | None = None,
-        starter: ProcessStarter | None = None,
-        policy: RestartPolicy | None = None,
-        budget: RestartBudget | None = None,
-        clock: Clock = SYSTEM_CLOCK,
-        environ: Mapping[str, str] | None = None,
-        python: str = sys.executable,
-        events: EventSink | None = None,
-        hostname: str | None = None,
-        guard: Guard | None = None,
-        metrics: MetricSink | None = None,
-        file_timer: FileTimer | None = None,
-        stuck_watch: UninterruptibleWatch | None = None,
-        stuck_exit_timeout: float | None = STUCK_EXIT_TIMEOUT,
-        hang_timeout: float | AutoTimeout | None = None,
-        stalled_restarts: int | None = 3,
-        stragglers: StragglerSettings | None = StragglerSettings(),  # noqa: B008 (frozen)
-    ) -> None:
-        self._spec = spec
-        self._logs = logs_specs if logs_specs is not None else DefaultLogsSpecs()
-        self._exit_barrier_timeout = exit_barrier_timeout
-        self._shutdown_timeout = shutdown_timeout
-        self._handler: RendezvousHandler = spec.rdzv_handler or LocalRendezvousHandler(
-            run_id or str(uuid.uuid4())
-        )
-        self._owns_shutdown = shutdown is None
-        self._shutdown = shutdown if shutdown is not None else ShutdownRequest()
-        self._policy = policy if policy is not None else RestartAll()
-        self._rdzv = as_elastic(self._handler)  # what the agent needs beyond torch's methods
-        self._budget = (
-            budget if budget is not None else default_budget(self._rdzv, spec.max_restarts)
-        )
-        self._clock = clock
-        self._environ = dict(os.environ if environ is None else environ)
-        self._python = python
-        self._events = events if events is not None else NullEventSink()
-        self._metrics = metrics if metrics is not None else NullMetricSink()
-        self._file_timer = file_timer
-        # Where workers report progress (shared memory, no store round trip), and the
-        # verdicts read from it.
-        self._progress = ProgressWatch(
-            spec.local_world_size, hang_timeout, stalled_restarts or None, clock
-        )
-        self._pace = PaceWatch(stragglers, self._events, self._metrics, clock)
-        self._report = AgentReport(self._events, self._metrics, self._budget)
-        #: Why restarting stopped because the restarts made no progress (else None).
-        self.stalled: str | None = None
-        self._phases = PhaseMachine(self._on_phase)
-        #: Wall-clock time of the loop's last pass (the health check's "last progress").
-        self.last_progress = clock.time()
-        self._host = hostname or socket.getfqdn()
-        self._group = WorkerGroup(spec)
-        self._attempt: Attempt | None = None
-        self._attempts = 0
-        self._guard: Guard = guard if guard is not None else OrphanGuard(python)
-        self._compose(
-            start_method=start_method,
-            prefix_template=log_line_prefix_template,
-            starter=starter,
-            stuck_watch=stuck_watch,
-            stuck_exit_timeout=stuck_exit_timeout,
-        )
-        self.history: list[str] = []  # one line per failure that caused a restart
-        self.budget_note: str | None = None
-
-    def _compose(
-        self,
-        *,
-        start_method: str,
-        prefix_template: str | None,
-        starter: ProcessStarter | None,
-        stuck_watch: UninterruptibleWatch | None,
-        stuck_exit_timeout: float | None,
-    ) -> None:
-        """The collaborators the loop delegates to: the worker processes, the rounds
-        and the watches."""
-        self._workers = WorkerProcesses(
-            self._spec,
-            self._group,
-            self._logs,
-            start_method=start_method,
-            prefix_template=prefix_template,
-            starter=starter,
-            environ=self._environ,
-            python=self._python,
-            guard=self._guard,
-            file_timer=self._file_timer,
-            progress=self._progress,
-            shutdown=self._shutdown,
-            shutdown_timeout=self._shutdown_timeout,
-            clock=self._clock,
-            metrics=self._metrics,
-        )
-        self._rounds = Rounds(
-            self._handler,
-            self._spec,
-            self._group,
-            budget=self._budget,
-            environ=self._environ,
-            python=self._python,
-            pace=self._pace,
-            report=self._report,
-            interruptible=self.interruptible,
-            clock=self._clock,
-        )
-        self._inprocess = InprocessRecovery(
-            workers=self._workers,
-            store=self._rounds.bootstrap_store,
-            events=self._events,
-            metrics=self._metrics,
-            clock=self._clock,
-            wake=self._shutdown.waker.wake,
-            timeout=inprocess_timeout(self._environ, self._progress.hang_timeout),
-            join_timeout=join_timeout(self._environ),
-        )
-        self._steps = InprocessSteps(
-            self._inprocess, self._rounds, self._group, self._budget, self._pace, self
-        )
-        self._watches = AttemptWatches(
-            self._progress,
-            stuck=stuck_watch,
-            file_timer=self._file_timer,
-            stuck_exit_timeout=stuck_exit_timeout,
-            events=self._events,
-            clock=self._clock,
-        )
-
-    # -- public API ------------------------------------------------------------------
-
-    @property
-    def rdzv_handler(self) -> RendezvousHandler:
-        return self._handler
-
-    @property
-    def logs_specs(self) -> LogsSpecs:
-        return self._logs
-
-    def get_worker_group(self, role: str = "default") -> WorkerGroup:
-        return self._group
-
-    def alive(self) -> float:
-        """The last sign of progress (for the health check): the file timer's, if any."""
-        if self._file_timer is not None:
-            return max(self.last_progress, self._file_timer.get_last_progress_time())
-        return self.last_progress
-
-    @property
-    def phase(self) -> AgentPhase:
-        """What the agent is doing now (rendezvous, running, exit barrier...)."""
-        return self._phases.phase
-
-    def status(self) -> dict[str, object]:
-        """A snapshot for the health check and status views."""
-        g = self._group
-        return {
-            "state": g.state.value,
-            "phase": self._phases.phase.value,
-            "run_id": self._handler.get_run_id(),
-            "attempt": self._attempts - 1,
-            "restart_count": self._budget.used,
-            "max_restarts": self._budget.limit,
-            "group_rank": g.group_rank,
-            "group_world_size": g.group_world_size,
-            "workers": [w.id for w in g.workers],
-            "progress": self._progress.status(),
-        }
 
     def run(self, role: str = "default") -> RunResult:
         """Run the workers to completion, restarting them on failure.
@@ -412,10 +201,6 @@ class LocalElasticAgent:
         else:
             self._start_workers(plan)
 
-    def move(self, phase: AgentPhase) -> None:
-        """Enter ``phase`` (for ``InprocessSteps``)."""
-        self._phases.move(phase)
-
     def _reform_for_waiting_nodes(self) -> None:
         why = self._rdzv.change_reason or "nodes are waiting to join"
         attempt = self._attempt
@@ -431,29 +216,6 @@ class LocalElasticAgent:
         self._finish_attempt(signal.SIGTERM)
         self._transition(WorkerState.STOPPED)
         self._start_round()
-
-    def _check_shutdown(self) -> None:
-        signum = self._shutdown.signum
-        if signum is None:
-            return
-        name = signal.Signals(signum).name
-        if self._attempt is not None:
-            log.warning("received %s: stopping workers (grace %.0fs)", name, self._shutdown_timeout)
-            self._finish_attempt(signum)
-        self._events.record("agent.signal", {"signal": name})
-        raise ShutdownRequested(signum)
-
-    def interruptible(self, call: Callable[[], T], what: str) -> T:
-        """``call()``, ended by a signal (see ``agent.interrupt``)."""
-
-        def on_signal() -> None:
-            log.info("stopped while waiting for the %s", what)
-            self._check_shutdown()
-
-        observes = self._rdzv.observes_cancel_scope
-        return run_interruptibly(
-            call, self._shutdown, on_signal, what, observes_cancel_scope=observes
-        )
 
     # -- a round: rendezvous, plan, start ----------------------------------------------
 
@@ -476,11 +238,6 @@ class LocalElasticAgent:
         self._report.workers_started(attempt, (self._clock.monotonic() - t0) * 1000)
 
     # -- stopping, restarting, finishing -----------------------------------------------
-
-    def _finish_attempt(self, sig: int) -> None:
-        """Stop whatever still runs of the current attempt and drain its output."""
-        if self._attempt is not None:
-            self._workers.stop(self._attempt, sig)
 
     def _restart_after_failure(self, failed: list[Exit]) -> None:
         self._phases.move(AgentPhase.RESTARTING)
@@ -560,21 +317,6 @@ class LocalElasticAgent:
         log.error("not restarting: %s", self.stalled)
         self._events.record("agent.no_progress", {"detail": self.stalled})
         return True
-
-    # -- phases and states ---------------------------------------------------------------
-
-    def _on_phase(self, old: AgentPhase, new: AgentPhase) -> None:
-        log.debug("agent phase %s -> %s", old.value, new.value)
-        self._events.record("agent.phase", {"from": old.value, "to": new.value})
-
-    def _transition(self, new: WorkerState) -> None:
-        old = self._group.state
-        if new not in WORKER_TRANSITIONS[old]:
-            raise RuntimeError(f"illegal worker-group transition {old.value} -> {new.value}")
-        self._group.state = new
-        self._metrics.put(f"agent.state.{new.value}", 1)  # the one-hot state gauge
-        meta: dict[str, EventValue] = {"from": old.value, "to": new.value}
-        self._events.record("agent.state", meta)
 
     def __repr__(self) -> str:
         return (

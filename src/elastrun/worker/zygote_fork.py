@@ -96,7 +96,36 @@ def spawn_many(
         send_message(sock, {"unsafe": f"the template now runs {threads - 1} extra thread(s)"})
         return None
     results: list[dict[str, object]] = [{} for _ in requests]
-    started: list[tuple[int, int, int, int]] = []  # request, intermediate, pid_r, go_w
+    forked = _fork_intermediates(requests, fds, results)
+    if isinstance(forked, Job):
+        return forked  # in a new worker
+    close_quietly(*(fd for own in fds for fd in own))
+    for i, intermediate, pid_r, _ in forked:
+        os.waitpid(intermediate, 0)
+        answer = _read_all(pid_r)
+        if answer.startswith(b"P"):
+            results[i] = {"pid": int(answer[1:])}
+        else:
+            reason = answer[1:].decode(errors="replace") or "the intermediate process died"
+            results[i] = {"error": reason}
+    try:
+        send_message(sock, {"results": results})
+        # Only now may the workers run: the agent has been told of them.
+        for i, _, _, go_w in forked:
+            if "pid" in results[i]:
+                os.write(go_w, b"g")
+    finally:
+        close_quietly(*(fd for _, _, r, w in forked for fd in (r, w)))
+    return None
+
+
+def _fork_intermediates(
+    requests: list[dict[str, object]], fds: list[list[int]], results: list[dict[str, object]]
+) -> list[tuple[int, int, int, int]] | Job:
+    """Fork one intermediate per valid request (an invalid one or a failed fork is
+    noted in ``results``); returns (request, intermediate, pid_r, go_w) of each, or the
+    Job in a new worker."""
+    started: list[tuple[int, int, int, int]] = []
     # The new processes start with every signal blocked, and the worker keeps them
     # blocked until it has its own dispositions (zygote_worker.reset_signals). Without
     # this, the worker would inherit the template's ignored SIGINT, and a SIGINT the agent
@@ -126,24 +155,7 @@ def spawn_many(
         close_quietly(pid_w, go_r)
         started.append((i, intermediate, pid_r, go_w))
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    close_quietly(*(fd for own in fds for fd in own))
-    for i, intermediate, pid_r, _ in started:
-        os.waitpid(intermediate, 0)
-        answer = _read_all(pid_r)
-        if answer.startswith(b"P"):
-            results[i] = {"pid": int(answer[1:])}
-        else:
-            reason = answer[1:].decode(errors="replace") or "the intermediate process died"
-            results[i] = {"error": reason}
-    try:
-        send_message(sock, {"results": results})
-        # Only now may the workers run: the agent has been told of them.
-        for i, _, _, go_w in started:
-            if "pid" in results[i]:
-                os.write(go_w, b"g")
-    finally:
-        close_quietly(*(fd for _, _, r, w in started for fd in (r, w)))
-    return None
+    return started
 
 
 def _stdio_fds(request: dict[str, object], fds: list[int]) -> list[int]:
@@ -159,7 +171,7 @@ def _intermediate(
     pid_w: int,
     go_r: int,
     inherited: tuple[int, ...],
-) -> Job | None:
+) -> Job:
     """Fork the worker and exit; returns only in the worker."""
     try:
         close_quietly(*inherited)
