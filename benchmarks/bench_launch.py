@@ -61,6 +61,10 @@ from _report import (
 
 #: The column of workers started without any launcher (trivial workload only).
 BARE = "bare spawn"
+#: The column of the least a Python launcher can do (trivial workload only): see
+#: ``_minimal_launcher.py``.
+MINIMAL = "minimal Python launcher"
+MINIMAL_SCRIPT = Path(__file__).resolve().parent / "_minimal_launcher.py"
 
 TRIVIAL_WORKER = (
     "import time; T = time.time(); import os, sys; "
@@ -183,6 +187,27 @@ def bare_spawn_once(n: int, timeout_s: float) -> dict[str, float]:
         return {"first": max(read_float(f) for f in files) - t0, "exited": exited}
 
 
+def minimal_launch_once(n: int, timeout_s: float) -> dict[str, float]:
+    """The yardstick: `n` trivial workers under ``_minimal_launcher.py``."""
+    lch = Launcher(MINIMAL, Path(PYTHON))
+    with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
+        work = Path(tmp)
+        script = work / "worker.py"
+        script.write_text(TRIVIAL_WORKER)
+        out = work / "out"
+        out.mkdir()
+        cmd = lch.command(n, script, [str(out)])
+        cmd.insert(1, str(MINIMAL_SCRIPT))
+        outcome = run_launcher(cmd, marker=new_marker(), log_dir=work / "logs", timeout_s=timeout_s)
+        require_clean(outcome)
+        files = [out / f"first_{r}" for r in range(n)]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ScenarioFailure(f"{missing} were never written")
+        first = max(read_float(f) for f in files) - outcome.t_invoke
+        return {"first": first, "exited": outcome.wall_s}
+
+
 def warm_up(launchers: list[Launcher], torch_too: bool, timeout_s: float) -> None:
     """Discarded runs that fill the page cache for every launcher alike."""
     for lch in launchers:
@@ -208,7 +233,8 @@ def body(section: Section, opts: Options, launchers: list[Launcher], bare: bool 
         "line, (torch workload) joined a gloo process group, and until the launcher exited. "
         "`--standalone --nproc-per-node=N`, the same flags for both; launchers alternate "
         f"A B A B. `{BARE}` (trivial workload): the workers started directly, no launcher "
-        "-- the floor."
+        f"-- the floor. `{MINIMAL}` (trivial workload): the least a launcher written in "
+        "Python can do (see `_minimal_launcher.py`)."
     )
     columns = [lch.name for lch in launchers]
     by_name = {lch.name: lch for lch in launchers}
@@ -222,7 +248,7 @@ def body(section: Section, opts: Options, launchers: list[Launcher], bare: bool 
         if not ns:
             continue
         what_w = "trivial script" if workload == "trivial" else "import torch + gloo group"
-        cols = [*columns, BARE] if workload == "trivial" and bare else columns
+        cols = [*columns, MINIMAL, BARE] if workload == "trivial" and bare else columns
         table = section.table(f"Launch, {what_w}", cols, ref)
         for n in ns:
             label = f"N={n}"
@@ -254,6 +280,8 @@ def body(section: Section, opts: Options, launchers: list[Launcher], bare: bool 
             ) -> dict[str, float]:
                 if col == BARE:
                     return bare_spawn_once(n, opts.timeout_s)
+                if col == MINIMAL:
+                    return minimal_launch_once(n, opts.timeout_s)
                 return launch_once(by_name[col], workload, n, opts.timeout_s)
 
             def record(
@@ -273,6 +301,10 @@ def body(section: Section, opts: Options, launchers: list[Launcher], bare: bool 
                 if col == BARE:
                     argv = [PYTHON, "-u", "/W/worker.py", "/W/out"]
                     shown = "N x " + display_command(argv, {}, Path("/W")) + " (RANK=i)"
+                elif col == MINIMAL:
+                    argv = [PYTHON, "benchmarks/_minimal_launcher.py", "--standalone"]
+                    argv += ["--nproc-per-node=N", "/W/worker.py", "/W/out"]
+                    shown = display_command(argv, {}, Path("/W"))
                 else:
                     cmd = by_name[col].command(n, Path("/W/worker.py"), ["/W/out"])
                     shown = display_command(cmd, dict(by_name[col].env), Path("/W"))
@@ -346,13 +378,30 @@ def _floor_headline(section: Section) -> None:
                 verdict,
             )
         )
+        m = row.medians()
+        if MINIMAL in m:
+            section.headlines.append(
+                Headline(
+                    "launch, 8 trivial workers: invoke → all running "
+                    "(elastrun / minimal Python launcher)",
+                    ratio_text(row, "elastrun", MINIMAL),
+                    "",
+                    None,
+                )
+            )
         if verdict is False:
-            m = row.medians()
+            least = ""
+            if MINIMAL in m:
+                least = (
+                    f" The least a Python launcher can do (`{MINIMAL}`: its interpreter, the "
+                    "standard modules any launcher imports, then a fork per worker) takes "
+                    f"{m[MINIMAL]:.3f} s, {m[MINIMAL] / m[BARE]:.1f}x the floor."
+                )
             section.where_time_goes.append(
                 f"elastrun adds {m['elastrun'] - m[BARE]:.3f} s to the {m[BARE]:.3f} s it takes "
                 "to start 8 interpreters at all: its own interpreter and imports, the "
                 "rendezvous, the worker template's start and the forks (see `--dry-run` and "
-                "`python -X importtime -m elastrun` for the launcher's share)."
+                f"`python -X importtime -m elastrun` for the launcher's share).{least}"
             )
 
 
@@ -368,6 +417,10 @@ def _notes(section: Section) -> None:
         f"`{BARE}`: the N trivial workers started directly by the benchmark with "
         "`subprocess.Popen`, one after another, each with the launchers' environment and "
         "its RANK; the floor for any launcher on this machine.",
+        f"`{MINIMAL}`: `benchmarks/_minimal_launcher.py`, started like a launcher; it imports "
+        "argparse, logging, dataclasses, subprocess, socket, json, threading and tempfile, "
+        "forks each worker from itself and runs the script with runpy (no rendezvous, store, "
+        "logs or supervision): a lower bound for a launcher written in Python.",
         "Workers record `time.time()` in files named after their rank; latency = the last "
         "worker's moment - the moment just before the launcher was started. Exit is noticed "
         "through a pidfd.",

@@ -92,7 +92,13 @@ def test_torchrun_log_lines_give_its_recovery_timeline(bench_path: None, tmp_pat
 def test_launch_benchmark_measures_both_launchers(tmp_path: Path) -> None:
     data = _run_module("bench_launch.py", tmp_path)
     running = _samples(data, "trivial1.first")
-    assert {"elastrun", "torchrun", "elastrun --no-template", "bare spawn"} == set(running)
+    assert {
+        "elastrun",
+        "torchrun",
+        "elastrun --no-template",
+        "minimal Python launcher",
+        "bare spawn",
+    } == set(running)
     assert all(0 < v < 60 for vs in running.values() for v in vs)
 
 
