@@ -38,6 +38,7 @@ from elastrun.supervise.processes.template import (
     default_preload,
     parse_bootstrap_command,
 )
+from elastrun.worker.zygote_wire import BATCH_MAX
 
 PY = sys.executable
 BOOT = "elastrun.worker.bootstrap"
@@ -1066,3 +1067,29 @@ def _children() -> set[int]:
         if int(fields[1]) == os.getpid():
             kids.add(int(name))
     return kids
+
+
+def test_a_group_larger_than_one_batch_is_forked_batch_by_batch_in_order(
+    template: TemplateStarter, tmp_path: Path
+) -> None:
+    n = BATCH_MAX + 6
+    # One write per worker: print() under -u writes the line and its end separately.
+    script = _write(
+        tmp_path / "rank.py", "import os; os.write(1, os.environ['LOCAL_RANK'].encode() + b' ')\n"
+    )
+    out = tmp_path / "ranks.out"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        specs = [
+            ProcessSpec(
+                lr, {**os.environ, "LOCAL_RANK": str(lr)}, argv=_argv(str(script)), stdout_fd=fd
+            )
+            for lr in range(n)
+        ]
+        procs = template.start_many(specs)
+    finally:
+        os.close(fd)
+    assert [p.local_rank for p in procs] == list(range(n))
+    assert all(_wait(p) == 0 for p in procs)
+    assert (template.forked, template.fell_back) == (n, 0)
+    assert sorted(int(line) for line in out.read_text().split()) == list(range(n))

@@ -70,7 +70,7 @@ from elastrun.supervise.processes.template_process import (
     TemplateBroken,
     TemplateUnavailable,
 )
-from elastrun.worker.zygote_wire import PROTOCOL_VERSION
+from elastrun.worker.zygote_wire import BATCH_MAX, PROTOCOL_VERSION
 
 __all__ = [
     "AUTO_PRELOAD_ROOTS",
@@ -294,31 +294,42 @@ class TemplateStarter:
         tpl = self._ready_template(key, first.argv, cwd)
         if tpl is None:
             return {}
-        wire = [_spawn_request(spec, cmd, cwd) for _, spec, cmd, cwd in batch]
-        requests, fds = [r for r, _ in wire], [f for _, f in wire]
+        started: dict[int, WorkerProcess] = {}
+        # Batches of at most BATCH_MAX: the workers of each batch are adopted before the
+        # next is asked for, so a template breaking midway loses none that runs.
+        for at in range(0, len(batch), BATCH_MAX):
+            part = batch[at : at + BATCH_MAX]
+            answers = self._ask(tpl, part)
+            if answers is None:
+                break  # the template is gone: the rest start fresh
+            for (i, spec, _, _), answer in zip(part, answers, strict=True):
+                proc = self._adopt(spec, answer)
+                if proc is not None:
+                    started[i] = proc
+        return started
+
+    def _ask(
+        self, tpl: Template, part: list[tuple[int, ProcessSpec, BootstrapCommand, str]]
+    ) -> list[int | str] | None:
+        """The template's answer to one batch, or None (logged, the template discarded)
+        when it broke or became unusable."""
+        wire = [_spawn_request(spec, cmd, cwd) for _, spec, cmd, cwd in part]
         try:
-            answers = tpl.spawn_many(requests, fds, self._spawn_timeout)
+            return tpl.spawn_batch([r for r, _ in wire], [f for _, f in wire], self._spawn_timeout)
         except TemplateBroken as exc:
             log.warning(
                 "worker template (pid %d) failed while starting local rank(s) %s (%s; %s); "
                 "starting them as fresh processes",
                 tpl.pid,
-                ", ".join(str(spec.local_rank) for _, spec, _, _ in batch),
+                ", ".join(str(spec.local_rank) for _, spec, _, _ in part),
                 exc,
                 tpl.exit_description(),
             )
             self._discard()
-            return {}
         except TemplateUnavailable as exc:
             self._disable(tpl.key, str(exc))
             self._discard()
-            return {}
-        started: dict[int, WorkerProcess] = {}
-        for (i, spec, _, _), answer in zip(batch, answers, strict=True):
-            proc = self._adopt(spec, answer)
-            if proc is not None:
-                started[i] = proc
-        return started
+        return None
 
     def _adopt(self, spec: ProcessSpec, answer: int | str) -> WorkerProcess | None:
         """The handle of a forked worker, or None (logged) when it was not started."""

@@ -3,7 +3,7 @@
 :meth:`Template.launch` starts ``python [OPTS] -m elastrun.worker.zygote N`` with the
 template's environment, ``TITLE_ROOM`` first (room in its memory for the command lines
 its workers show, sized for the workers it is started for), and sends it the modules to
-preload; :meth:`Template.await_ready` waits for its hello; :meth:`Template.spawn_many` asks
+preload; :meth:`Template.await_ready` waits for its hello; :meth:`Template.spawn_batch` asks
 for workers, with this process a child subreaper for the hand-over
 (:func:`adopting_orphans`), so that the worker becomes the agent's child.
 """
@@ -269,31 +269,25 @@ class Template:
                 return f"killed by signal {-code}"
         return f"exit status {code}"
 
-    def spawn_many(
-        self, requests: Sequence[dict[str, object]], fds: Sequence[Sequence[int]], timeout: float
+    def spawn_batch(
+        self, batch: Sequence[dict[str, object]], fds: Sequence[Sequence[int]], timeout: float
     ) -> list[int | str]:
-        """Ask for one worker per request (``fds[i]``: request ``i``'s descriptors, in
-        batches of at most ``BATCH_MAX``); returns each one's pid (a child of this process
-        by now) or why the template could not start it.
+        """Ask for one worker per request (``fds[i]``: request ``i``'s descriptors; at
+        most ``BATCH_MAX`` requests); returns each one's pid (a child of this process by
+        now) or why the template could not start it.
 
         Raises:
             TemplateBroken: the channel failed; the template should be discarded.
             TemplateUnavailable: forking from the template has become unsafe.
         """
-        out: list[int | str] = []
-        for at in range(0, len(requests), BATCH_MAX):
-            batch = requests[at : at + BATCH_MAX]
-            attached = [fd for own in fds[at : at + BATCH_MAX] for fd in own]
-            out += self._spawn_batch(list(batch), attached, timeout)
-        return out
-
-    def _spawn_batch(
-        self, batch: list[dict[str, object]], fds: list[int], timeout: float
-    ) -> list[int | str]:
+        if not 0 < len(batch) <= BATCH_MAX or len(fds) != len(batch):
+            raise ValueError(f"a batch holds 1 to {BATCH_MAX} requests, each with its fds")
+        attached = [fd for own in fds for fd in own]
+        message = {"version": PROTOCOL_VERSION, "batch": list(batch)}
         self._sock.settimeout(timeout)
         try:
             with adopting_orphans():
-                send_message(self._sock, {"version": PROTOCOL_VERSION, "batch": batch}, fds)
+                send_message(self._sock, message, attached)
                 got = recv_message(self._sock)
         except (OSError, ConnectionError) as exc:
             raise TemplateBroken(str(exc) or type(exc).__name__) from exc
