@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from _helpers import pid_alive, wait_for
-from elastrun.core.errors import ProcessStartError
+from elastrun.core.errors import ProcessStartError, ShutdownRequested
+from elastrun.core.shutdown import ShutdownRequest
 from elastrun.supervise.processes.spawn import (
     FunctionCall,
     ProcessSpec,
@@ -1093,3 +1095,56 @@ def test_a_group_larger_than_one_batch_is_forked_batch_by_batch_in_order(
     assert all(_wait(p) == 0 for p in procs)
     assert (template.forked, template.fell_back) == (n, 0)
     assert sorted(int(line) for line in out.read_text().split()) == list(range(n))
+
+
+@pytest.fixture
+def shutdown() -> Iterator[ShutdownRequest]:
+    request = ShutdownRequest()
+    try:
+        yield request
+    finally:
+        request.waker.close()
+
+
+def test_a_signal_ends_the_wait_for_a_wedged_template_and_the_template_is_killed(
+    tmp_path: Path, shutdown: ShutdownRequest
+) -> None:
+    script = _write(tmp_path / "ok.py", "print('ok')\n")
+    with TemplateStarter(shutdown=shutdown) as starter:
+        assert _run(starter, tmp_path, _argv(str(script))).code == 0  # the template is up
+        pid = starter.template_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # wedged: it reads no request
+        specs, _ = _group_specs(tmp_path, [_argv(str(script))] * 2)
+        timer = threading.Timer(0.3, shutdown.request, (signal.SIGTERM,))
+        timer.start()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(ShutdownRequested):
+                starter.start_many(specs)
+        finally:
+            timer.cancel()
+            _close(specs)
+        # The signal, then the grace (1 s) the template gets to answer; not the 30 s
+        # a wedged template is otherwise given.
+        assert time.monotonic() - t0 < 5
+        assert starter.template_pid is None
+        assert not pid_alive(pid)
+
+
+def test_a_signal_that_came_before_the_start_still_lets_a_healthy_template_answer(
+    tmp_path: Path, shutdown: ShutdownRequest
+) -> None:
+    # The agent stops the workers it knows; a template that answers makes them known.
+    script = _write(tmp_path / "ok.py", "print('ok')\n")
+    with TemplateStarter(shutdown=shutdown) as starter:
+        assert _run(starter, tmp_path, _argv(str(script))).code == 0
+        shutdown.request(signal.SIGINT)
+        specs, outs = _group_specs(tmp_path, [_argv(str(script))] * 2)
+        try:
+            procs = starter.start_many(specs)
+        finally:
+            _close(specs)
+        assert [_wait(p) for p in procs] == [0, 0]
+        assert [out.read_text() for out in outs] == ["ok\n", "ok\n"]
+        assert starter.forked == 3

@@ -41,6 +41,7 @@ import signal
 import sys
 from collections.abc import Iterable, Sequence
 
+from elastrun.core.errors import ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.supervise.processes.spawn import (
     ProcessSpec,
@@ -314,8 +315,14 @@ class TemplateStarter:
         """The template's answer to one batch, or None (logged, the template discarded)
         when it broke or became unusable."""
         wire = [_spawn_request(spec, cmd, cwd) for _, spec, cmd, cwd in part]
+        requests, fds = [r for r, _ in wire], [f for _, f in wire]
         try:
-            return tpl.spawn_batch([r for r, _ in wire], [f for _, f in wire], self._spawn_timeout)
+            return tpl.spawn_batch(requests, fds, self._spawn_timeout, self._shutdown)
+        except ShutdownRequested:
+            # Wedged: its answer may still come, on a channel no one will read again.
+            self._template = None
+            tpl.kill()
+            raise
         except TemplateBroken as exc:
             log.warning(
                 "worker template (pid %d) failed while starting local rank(s) %s (%s; %s); "

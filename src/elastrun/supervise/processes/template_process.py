@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import selectors
 import signal
 import socket
@@ -36,6 +37,8 @@ from elastrun.worker.zygote_wire import (
 )
 
 _STOP_TIMEOUT = 5.0
+# How long a template may still take to answer a spawn request after a signal arrived.
+_SIGNAL_GRACE = 1.0
 # Room for workers' command lines beyond the one the template is started for (see
 # TITLE_ROOM); a longer one is shown cut.
 _TITLE_MARGIN = 256
@@ -230,6 +233,21 @@ class Template:
                 # at what changed on its next pass; only a signal matters here.
                 shutdown.waker.drain()
 
+    def _await_answer(self, timeout: float, shutdown: ShutdownRequest | None) -> None:
+        if shutdown is None:
+            return
+        try:
+            self._wait_readable(timeout, shutdown)
+        except ShutdownRequested:
+            ready, _, _ = select.select([self._sock], [], [], _SIGNAL_GRACE)
+            if not ready:
+                raise
+
+    def kill(self) -> None:
+        """Stop a template that no longer answers: SIGKILL, reap, close the channel."""
+        self.proc.kill()
+        self.close()
+
     def _wait_description(self) -> str:
         try:
             self.proc.wait(_STOP_TIMEOUT)
@@ -270,15 +288,25 @@ class Template:
         return f"exit status {code}"
 
     def spawn_batch(
-        self, batch: Sequence[dict[str, object]], fds: Sequence[Sequence[int]], timeout: float
+        self,
+        batch: Sequence[dict[str, object]],
+        fds: Sequence[Sequence[int]],
+        timeout: float,
+        shutdown: ShutdownRequest | None = None,
     ) -> list[int | str]:
         """Ask for one worker per request (``fds[i]``: request ``i``'s descriptors; at
         most ``BATCH_MAX`` requests); returns each one's pid (a child of this process by
         now) or why the template could not start it.
 
+        A signal in ``shutdown`` while waiting leaves the template a short grace to
+        answer (a healthy one answers in milliseconds, and its workers are then known
+        and stopped with the others); a template that does not is wedged.
+
         Raises:
             TemplateBroken: the channel failed; the template should be discarded.
             TemplateUnavailable: forking from the template has become unsafe.
+            ShutdownRequested: a signal arrived and the template did not answer within
+                the grace; the template must be discarded (its answer may still come).
         """
         if not 0 < len(batch) <= BATCH_MAX or len(fds) != len(batch):
             raise ValueError(f"a batch holds 1 to {BATCH_MAX} requests, each with its fds")
@@ -288,6 +316,7 @@ class Template:
         try:
             with adopting_orphans():
                 send_message(self._sock, message, attached)
+                self._await_answer(timeout, shutdown)
                 got = recv_message(self._sock)
         except (OSError, ConnectionError) as exc:
             raise TemplateBroken(str(exc) or type(exc).__name__) from exc
