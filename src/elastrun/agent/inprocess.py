@@ -39,6 +39,7 @@ from elastrun.core.values import parse_seconds
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.procset import Exit
 from elastrun.supervise.processes.stacks import request_stacks
+from elastrun.supervise.progress import AutoTimeout
 
 log = logging.getLogger("elastrun.agent")
 
@@ -71,7 +72,9 @@ def _world(plan: LaunchPlan) -> int:
     return plan.workers[0].ranks.world_size if plan.workers else 0
 
 
-def inprocess_timeout(environ: Mapping[str, str], hang_timeout: object = None) -> float:
+def inprocess_timeout(
+    environ: Mapping[str, str], hang_timeout: float | AutoTimeout | None = None
+) -> float:
     """The bound on an in-process round: ``ELASTRUN_INPROCESS_TIMEOUT``, or a fixed
     ``--hang-timeout`` when that is shorter (a survivor that cannot reach the round is
     hung, and the hang detection's bound is the user's word for how long that takes).

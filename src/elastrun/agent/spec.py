@@ -18,6 +18,7 @@ from elastrun.core.errors import ConfigError
 if TYPE_CHECKING:
     from elastrun.rendezvous.api import RendezvousHandler
     from elastrun.supervise.failures.failure import ProcessFailure
+    from elastrun.supervise.processes.numa import NumaOptions
 
 #: A worker entry point: a Python callable (function workers), or the path of an
 #: executable that is started with ``args`` as its arguments.
@@ -73,7 +74,7 @@ class WorkerSpec:
     master_addr: str | None = None
     local_addr: str | None = None
     event_log_handler: str = "null"
-    numa_options: object | None = None
+    numa_options: NumaOptions | str | None = None  # a mode name is taken too
     duplicate_stdout_filters: list[str] | None = None
     duplicate_stderr_filters: list[str] | None = None
     virtual_local_rank: bool = False

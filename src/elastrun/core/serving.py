@@ -17,7 +17,7 @@ def serve_until_woken(server: socketserver.BaseServer, wake: socket.socket) -> N
     ``wake``, rather than after ``serve_forever``'s polling interval on every exit.
     """
     with selectors.DefaultSelector() as selector:
-        selector.register(server, selectors.EVENT_READ)  # type: ignore[arg-type]
+        selector.register(server, selectors.EVENT_READ)  # type: ignore[arg-type]  # has fileno()
         selector.register(wake, selectors.EVENT_READ)
         while True:
             ready = selector.select()

@@ -19,12 +19,14 @@ from elastrun.rendezvous.api import RendezvousHandler
 from elastrun.rendezvous.registry import rendezvous_handler_registry
 from elastrun.supervise.failures.report import ChildFailedError, NoProgressError
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
-from elastrun.supervise.processes.spawn import ProcessStarter
 
 if TYPE_CHECKING:
     # Imported when the agent is built, after the worker template was started: loading
     # the agent then overlaps the template's own start-up (see _Extras.prepare_template).
     from elastrun.agent.local import LocalElasticAgent
+    from elastrun.observe.health import HealthCheckServer
+    from elastrun.observe.prometheus import MetricsServer
+    from elastrun.supervise.processes.template import TemplateStarter
 
 log = logging.getLogger("elastrun.launch")
 
@@ -145,7 +147,7 @@ class _Extras:
         probe = getattr(self.events, "probe", None)
         if probe is not None:
             probe()
-        self.server: object | None = None
+        self.server: MetricsServer | None = None
         self.metrics: MetricSink = MetricsApiSink()
         if config.metrics_port is not None:
             from elastrun.observe.prometheus import MetricsServer
@@ -154,8 +156,8 @@ class _Extras:
             server.start()
             self.server = server
             self.metrics = FanoutMetricSink(server.sink, MetricsApiSink())
-        self.health: object | None = None
-        self.starter: ProcessStarter | None = None
+        self.health: HealthCheckServer | None = None
+        self.starter: TemplateStarter | None = None
         if config.use_template and isinstance(entrypoint, str):
             from elastrun.supervise.processes.template import TemplateStarter
 
@@ -187,10 +189,7 @@ class _Extras:
             return
         from elastrun.agent.plan import NodeSlot, RoundFacts, build_plan
         from elastrun.supervise.processes.spawn import ProcessSpec
-        from elastrun.supervise.processes.template import TemplateStarter
 
-        if not isinstance(starter, TemplateStarter):
-            return
         base = dict(os.environ if environ is None else environ)
         facts = RoundFacts(
             run_id="", round=0, group_rank=0, group_world_size=1, master_addr="",
@@ -230,10 +229,12 @@ class _Extras:
         self.health = server
 
     def close(self) -> None:
-        for server in (self.health, self.server, self.starter):
-            stop = getattr(server, "stop", None) or getattr(server, "close", None)
-            if stop is not None:
-                stop()
+        if self.health is not None:
+            self.health.stop()
+        if self.server is not None:
+            self.server.stop()
+        if self.starter is not None:
+            self.starter.close()
 
 
 def launch_agent(

@@ -22,6 +22,7 @@ from elastrun.supervise.progress.straggler import StragglerSettings
 if TYPE_CHECKING:
     from elastrun.rendezvous.api import RendezvousParameters
     from elastrun.supervise.processes.logs import LogsSpecs
+    from elastrun.supervise.processes.numa import NumaOptions
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -57,7 +58,7 @@ class LaunchConfig:
     metrics_cfg: dict[str, str] = field(default_factory=dict)
     local_addr: str | None = None
     event_log_handler: str = "null"
-    numa_options: object | None = None
+    numa_options: NumaOptions | str | None = None  # a mode name is taken too
     signals_to_handle: str = DEFAULT_SIGNALS
     duplicate_stdout_filters: list[str] | None = None
     duplicate_stderr_filters: list[str] | None = None

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from elastrun.core.errors import (
     ConfigError,
@@ -21,6 +22,10 @@ from elastrun.core.errors import (
 )
 from elastrun.core.values import parse_int
 from elastrun.launch.cli import Launch, ScriptKind, parse_launch
+
+if TYPE_CHECKING:  # not loaded at run time: a bad option must not pay for the agent
+    from elastrun.agent.spec import Entrypoint
+    from elastrun.supervise.processes.logs import LogsSpecs
 
 log = logging.getLogger("elastrun.launch")
 
@@ -82,7 +87,7 @@ def configure_logging(environ: os._Environ[str] | dict[str, str]) -> None:
     root.propagate = False
 
 
-def command_of(launch: Launch) -> tuple[object, list[object]]:
+def command_of(launch: Launch) -> tuple[Entrypoint, list[object]]:
     """The entrypoint and its arguments, exactly as torchrun builds them."""
     args: list[object]
     if launch.kind is ScriptKind.RUN_PATH:
@@ -164,7 +169,7 @@ def _run(launch: Launch) -> int:
     entry, args = command_of(launch)
     specs = launch.config.logs_specs
     try:
-        launch_agent(launch.config, entry, args)  # type: ignore[arg-type]
+        launch_agent(launch.config, entry, args)
     except ConfigError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return 2
@@ -186,13 +191,13 @@ def _run(launch: Launch) -> int:
     return 0
 
 
-def _mention_logs(specs: object) -> None:
+def _mention_logs(specs: LogsSpecs | None) -> None:
     run_dir = getattr(specs, "run_log_dir", None)
     if run_dir:
         print(f"elastrun: worker logs and error files are in {run_dir}", file=sys.stderr)
 
 
-def _cleanup_temporary_logs(specs: object) -> None:
+def _cleanup_temporary_logs(specs: LogsSpecs | None) -> None:
     """A clean run leaves nothing behind in a log directory the user did not ask for."""
     from elastrun.supervise.processes.logs import DefaultLogsSpecs
 

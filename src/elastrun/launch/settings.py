@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import parse_int, parse_port, parse_seconds
@@ -18,6 +19,9 @@ from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, to_choic
 from elastrun.launch.paths import check_writable_file
 from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
 from elastrun.supervise.progress.straggler import StragglerSettings, parse_straggler_factor
+
+if TYPE_CHECKING:
+    from elastrun.supervise.processes.numa import NumaOptions
 
 __all__ = ["Runtime", "runtime_settings", "sizes"]
 
@@ -58,7 +62,7 @@ class Runtime:
     event_log_handler: str
     metrics_port: int | None
     preload: tuple[str, ...]
-    numa_options: object | None
+    numa_options: NumaOptions | str | None
     signals_to_handle: str
     role: str
 
@@ -117,7 +121,7 @@ def _stragglers(values: Values) -> StragglerSettings | None:
     return None if factor is None else StragglerSettings(factor=factor, window=window)
 
 
-def _numa_options(mode: str | None) -> object | None:
+def _numa_options(mode: str | None) -> NumaOptions | None:
     if mode is None:
         return None
     from elastrun.supervise.processes.numa import AffinityMode, NumaOptions

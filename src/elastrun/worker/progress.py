@@ -391,8 +391,8 @@ class _ChainedLoader:
     def exec_module(self, module: ModuleType) -> None:
         module.__loader__ = self._loader  # type: ignore[assignment]  # the real one
         if module.__spec__ is not None:
-            module.__spec__.loader = self._loader  # type: ignore[assignment]
-        self._loader.exec_module(module)  # type: ignore[attr-defined]
+            module.__spec__.loader = self._loader  # type: ignore[assignment]  # the real one
+        self._loader.exec_module(module)  # type: ignore[attr-defined]  # checked when wrapped
         self._then(module)
 
     def __repr__(self) -> str:
@@ -422,7 +422,7 @@ class _OptimizerImportWatcher:
                 continue
             if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                 # Duck-typed: importlib.abc.Loader would cost every worker its import.
-                spec.loader = _ChainedLoader(spec.loader, _register_hook)  # type: ignore[assignment]
+                spec.loader = _ChainedLoader(spec.loader, _register_hook)  # type: ignore[assignment]  # duck-typed
             return spec
         return None
 

@@ -137,7 +137,7 @@ def _open_stdio(
         line_buffering=buffered and raw.isatty(),
         write_through=not buffered,
     )
-    stream.mode = "w" if write else "r"  # type: ignore[misc]
+    stream.mode = "w" if write else "r"  # type: ignore[misc]  # read-only in the stubs; open() sets it
     return stream
 
 
@@ -147,9 +147,10 @@ def _reset_stdio(stdio: Stdio) -> None:
         _open_stdio(fd, fd > 0, names[fd], stdio.encodings[fd], stdio.errors[fd], stdio.buffered)
         for fd in range(STDIO_FDS)
     ]
-    sys.stdin = sys.__stdin__ = streams[0]  # type: ignore[misc]
-    sys.stdout = sys.__stdout__ = streams[1]  # type: ignore[misc]
-    sys.stderr = sys.__stderr__ = streams[2]  # type: ignore[misc]
+    # sys.__std*__ are final in the stubs; the interpreter sets them at startup as here.
+    sys.stdin = sys.__stdin__ = streams[0]  # type: ignore[misc]  # see above
+    sys.stdout = sys.__stdout__ = streams[1]  # type: ignore[misc]  # see above
+    sys.stderr = sys.__stderr__ = streams[2]  # type: ignore[misc]  # see above
 
 
 def reset_signals(request: dict[str, object]) -> None:

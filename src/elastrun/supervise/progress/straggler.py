@@ -227,7 +227,7 @@ class StragglerDetector(Generic[K]):
 
     def observe_nodes(self, summaries: Iterable[NodeSummary], now: float) -> list[Straggler[K]]:
         """:meth:`observe` keyed by node name (a detector of ``str`` keys)."""
-        return self.observe({s.node: s.step_time for s in summaries}, now)  # type: ignore[misc]
+        return self.observe({s.node: s.step_time for s in summaries}, now)  # type: ignore[misc]  # K is str for nodes
 
     def _close_window(self, means: Mapping[K, float]) -> list[Straggler[K]]:
         new: list[Straggler[K]] = []
