@@ -102,14 +102,8 @@ class OutputRelay:
         show_on_console: bool,
         append: bool = False,
     ) -> WorkerStdio:
-        """Prepare the stdout and stderr of one worker about to be started.
-
-        Per stream: tee'd and shown on the console -> a pipe read by the relay;
-        written to a file (redirected, or tee'd but hidden by the local-ranks filter)
-        -> the file itself; otherwise inherited when shown, ``/dev/null`` when hidden.
-        A stream meant for a file that cannot be written (``dest.to_console``, or a
-        file that cannot be opened) -> a pipe to the console only, shown even for a
-        rank hidden by the filter, since the console is then its only copy.
+        """Prepare the stdout and stderr of one worker about to be started (what each
+        stream gets: :meth:`_wire_stream`).
 
         Args:
             local_rank: the worker's local rank (key into ``dest``).
@@ -146,10 +140,7 @@ class OutputRelay:
                         child_fds=child_fds,
                         new_streams=new_streams,
                     )
-                    for kind, bit, files, tees in (
-                        ("stdout", Std.OUT, dest.stdouts, dest.tee_stdouts),
-                        ("stderr", Std.ERR, dest.stderrs, dest.tee_stderrs),
-                    )
+                    for kind, bit, files, tees in _streams_of(dest)
                 ]
                 if new_streams and self._thread is None:
                     self._start_thread()
@@ -176,7 +167,15 @@ class OutputRelay:
         child_fds: list[int],
         new_streams: list[Stream],
     ) -> int | None:
-        """The descriptor one stream of a worker gets (None: inherit the console)."""
+        """The descriptor one stream of a worker gets (None: inherit the console).
+
+        Tee'd and shown on the console -> a pipe read by the relay; written to a file
+        (redirected, or tee'd but hidden by the local-ranks filter) -> the file itself;
+        otherwise inherited when shown, ``/dev/null`` when hidden. A stream meant for a
+        file that cannot be written (``to_console``, or a file that cannot be opened)
+        -> a pipe to the console only, shown even for a rank hidden by the filter, since
+        the console is then its only copy.
+        """
         filtered = self._filtered_sink(kind)
         path = files.get(local_rank, "")
         log_fd = self._open_rank_log(path, local_rank, append) if path else -1
@@ -466,3 +465,11 @@ def _release(child_fds: list[int], streams: list[Stream]) -> None:
     for stream in streams:
         close_quietly(stream.read_fd, stream.name)
         stream.log.close()
+
+
+def _streams_of(dest: LogsDest) -> tuple[tuple[str, Std, dict[int, str], dict[int, str]], ...]:
+    """Each stream of a worker: its name, its console bit, its files and tee files."""
+    return (
+        ("stdout", Std.OUT, dest.stdouts, dest.tee_stdouts),
+        ("stderr", Std.ERR, dest.stderrs, dest.tee_stderrs),
+    )
