@@ -158,7 +158,7 @@ def reset_signals(request: dict[str, object]) -> None:
     its SIGINT handler (:func:`handle_interrupts` does that last).
 
     Runs with every signal blocked since the fork (see
-    :func:`elastrun.worker.zygote_fork.spawn`). A signal sent meanwhile is pending; the
+    :func:`elastrun.worker.zygote_fork.spawn_many`). A signal sent meanwhile is pending; the
     new mask delivers it with a default disposition, so it acts as on a fresh process
     that has not yet set up its handlers: SIGINT and SIGTERM end the worker at once
     (setting SIG_IGN, or SIG_DFL for a signal whose default is to be ignored, discards a
