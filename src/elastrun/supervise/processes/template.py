@@ -317,11 +317,9 @@ class TemplateStarter:
         wire = [_spawn_request(spec, cmd, cwd) for _, spec, cmd, cwd in part]
         requests, fds = [r for r, _ in wire], [f for _, f in wire]
         try:
-            return tpl.spawn_batch(requests, fds, self._spawn_timeout, self._shutdown)
+            answers = tpl.spawn_batch(requests, fds, self._spawn_timeout, self._shutdown)
         except ShutdownRequested:
-            # Wedged: its answer may still come, on a channel no one will read again.
-            self._template = None
-            tpl.kill()
+            self._discard()  # killed by spawn_batch
             raise
         except TemplateBroken as exc:
             log.warning(
@@ -336,6 +334,10 @@ class TemplateStarter:
         except TemplateUnavailable as exc:
             self._disable(tpl.key, str(exc))
             self._discard()
+        else:
+            if not tpl.alive():
+                self._discard()  # killed by spawn_batch after a signal
+            return answers
         return None
 
     def _adopt(self, spec: ProcessSpec, answer: int | str) -> WorkerProcess | None:

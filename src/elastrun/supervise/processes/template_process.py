@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import select
 import selectors
 import signal
 import socket
@@ -37,8 +36,9 @@ from elastrun.worker.zygote_wire import (
 )
 
 _STOP_TIMEOUT = 5.0
-# How long a template may still take to answer a spawn request after a signal arrived.
-_SIGNAL_GRACE = 1.0
+# After a signal, how long the killed template's answer may take to be read (the channel
+# ends once the workers it held back have exited, in milliseconds).
+_LEFTOVER_BOUND = 1.0
 # Room for workers' command lines beyond the one the template is started for (see
 # TITLE_ROOM); a longer one is shown cut.
 _TITLE_MARGIN = 256
@@ -233,20 +233,31 @@ class Template:
                 # at what changed on its next pass; only a signal matters here.
                 shutdown.waker.drain()
 
-    def _await_answer(self, timeout: float, shutdown: ShutdownRequest | None) -> None:
+    def _await_answer(self, timeout: float, shutdown: ShutdownRequest | None) -> bool:
+        """Wait until the answer can be read (or the timeout); False when a signal in
+        ``shutdown`` came first."""
         if shutdown is None:
-            return
+            return True
         try:
             self._wait_readable(timeout, shutdown)
         except ShutdownRequested:
-            ready, _, _ = select.select([self._sock], [], [], _SIGNAL_GRACE)
-            if not ready:
-                raise
+            return False
+        return True
 
-    def kill(self) -> None:
-        """Stop a template that no longer answers: SIGKILL, reap, close the channel."""
+    def _answer_left_by_killed(self) -> tuple[dict[str, object], list[int]] | None:
+        """Kill the template and read the answer it had sent, if any.
+
+        A worker runs only once the template has sent its answer: an answer that is
+        not there means no worker of the batch will ever run (those held back exit
+        when the template dies); one that is there names the workers that may.
+        """
         self.proc.kill()
-        self.close()
+        self.proc.wait()
+        self._sock.settimeout(_LEFTOVER_BOUND)
+        try:
+            return recv_message(self._sock)
+        except (OSError, ConnectionError):
+            return None
 
     def _wait_description(self) -> str:
         try:
@@ -298,15 +309,15 @@ class Template:
         most ``BATCH_MAX`` requests); returns each one's pid (a child of this process by
         now) or why the template could not start it.
 
-        A signal in ``shutdown`` while waiting leaves the template a short grace to
-        answer (a healthy one answers in milliseconds, and its workers are then known
-        and stopped with the others); a template that does not is wedged.
+        A signal in ``shutdown`` while waiting ends the wait at once: the template is
+        killed (a stop is under way), and the workers its answer already named, if it
+        had sent one, are returned for the agent to stop with the others.
 
         Raises:
             TemplateBroken: the channel failed; the template should be discarded.
             TemplateUnavailable: forking from the template has become unsafe.
-            ShutdownRequested: a signal arrived and the template did not answer within
-                the grace; the template must be discarded (its answer may still come).
+            ShutdownRequested: a signal arrived before the template answered; it was
+                killed and none of the batch's workers runs.
         """
         if not 0 < len(batch) <= BATCH_MAX or len(fds) != len(batch):
             raise ValueError(f"a batch holds 1 to {BATCH_MAX} requests, each with its fds")
@@ -316,8 +327,13 @@ class Template:
         try:
             with adopting_orphans():
                 send_message(self._sock, message, attached)
-                self._await_answer(timeout, shutdown)
-                got = recv_message(self._sock)
+                if self._await_answer(timeout, shutdown):
+                    got = recv_message(self._sock)
+                else:
+                    got = self._answer_left_by_killed()
+                    if got is None:
+                        assert shutdown is not None and shutdown.signum is not None
+                        raise ShutdownRequested(shutdown.signum)
         except (OSError, ConnectionError) as exc:
             raise TemplateBroken(str(exc) or type(exc).__name__) from exc
         if got is None:
