@@ -27,7 +27,8 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,19 +110,25 @@ PROFILE_OPTIONS = {
 }
 
 
+@contextmanager
+def _work(worker: str) -> Iterator[tuple[Path, Path]]:
+    """A temporary directory holding the worker script and its output folder."""
+    with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
+        script = Path(tmp) / "worker.py"
+        script.write_text(worker)
+        out = Path(tmp) / "out"
+        out.mkdir()
+        yield script, out
+
+
 def launch_once(lch: Launcher, workload: str, n: int, timeout_s: float) -> dict[str, float]:
     """One launch of `n` workers; seconds from invoke to each milestone."""
-    with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
-        work = Path(tmp)
-        script = work / "worker.py"
-        script.write_text(TRIVIAL_WORKER if workload == "trivial" else TORCH_WORKER)
-        out = work / "out"
-        out.mkdir()
+    with _work(TRIVIAL_WORKER if workload == "trivial" else TORCH_WORKER) as (script, out):
         cmd = lch.command(n, script, [str(out)])
         outcome = run_launcher(
             cmd,
             marker=new_marker(),
-            log_dir=work / "logs",
+            log_dir=script.parent / "logs",
             timeout_s=timeout_s,
             env_extra=dict(lch.env),
         )
@@ -150,12 +157,7 @@ def bare_spawn_once(n: int, timeout_s: float) -> dict[str, float]:
     environments are built before the clock starts, so only the spawns are timed.
     """
     marker = new_marker()
-    with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
-        work = Path(tmp)
-        script = work / "worker.py"
-        script.write_text(TRIVIAL_WORKER)
-        out = work / "out"
-        out.mkdir()
+    with _work(TRIVIAL_WORKER) as (script, out):
         base = tagged_env(marker)
         envs = [
             {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n)} for r in range(n)
@@ -180,32 +182,29 @@ def bare_spawn_once(n: int, timeout_s: float) -> dict[str, float]:
             kill_marked(marker)
         if any(proc.returncode for proc in procs):
             raise ScenarioFailure(f"bare workers exited with {[p.returncode for p in procs]}")
-        files = [out / f"first_{r}" for r in range(n)]
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise ScenarioFailure(f"{missing} were never written")
-        return {"first": max(read_float(f) for f in files) - t0, "exited": exited}
+        return {"first": _last_first_line(out, n) - t0, "exited": exited}
 
 
 def minimal_launch_once(n: int, timeout_s: float) -> dict[str, float]:
     """The yardstick: `n` trivial workers under ``_minimal_launcher.py``."""
     lch = Launcher(MINIMAL, Path(PYTHON))
-    with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
-        work = Path(tmp)
-        script = work / "worker.py"
-        script.write_text(TRIVIAL_WORKER)
-        out = work / "out"
-        out.mkdir()
+    with _work(TRIVIAL_WORKER) as (script, out):
         cmd = lch.command(n, script, [str(out)])
         cmd.insert(1, str(MINIMAL_SCRIPT))
-        outcome = run_launcher(cmd, marker=new_marker(), log_dir=work / "logs", timeout_s=timeout_s)
+        logs = script.parent / "logs"
+        outcome = run_launcher(cmd, marker=new_marker(), log_dir=logs, timeout_s=timeout_s)
         require_clean(outcome)
-        files = [out / f"first_{r}" for r in range(n)]
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise ScenarioFailure(f"{missing} were never written")
-        first = max(read_float(f) for f in files) - outcome.t_invoke
+        first = _last_first_line(out, n) - outcome.t_invoke
         return {"first": first, "exited": outcome.wall_s}
+
+
+def _last_first_line(out: Path, n: int) -> float:
+    """The moment the last of `n` trivial workers ran its first line (their files)."""
+    files = [out / f"first_{r}" for r in range(n)]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise ScenarioFailure(f"{missing} were never written")
+    return max(read_float(f) for f in files)
 
 
 def warm_up(launchers: list[Launcher], torch_too: bool, timeout_s: float) -> None:

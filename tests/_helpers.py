@@ -77,6 +77,20 @@ def read_json_lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def children() -> set[int]:
+    """This process's child processes, zombies included (a reaped child is gone)."""
+    kids = set()
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat", encoding="utf-8") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # not a process, or it ended meanwhile
+        if int(fields[1]) == os.getpid():
+            kids.add(int(name))
+    return kids
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:

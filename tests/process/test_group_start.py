@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import children
 from elastrun.core.errors import ProcessStartError
 from elastrun.supervise.api import start_processes
 from elastrun.supervise.processes.group import GroupMember, start_group, start_worker
@@ -87,7 +88,7 @@ def test_a_start_that_fails_midway_kills_the_workers_already_started(tmp_path: P
     relay.close()
     assert len(starter.started) == 2
     assert all(_gone(p.pid) for p in starter.started)  # killed and reaped
-    assert not {p.pid for p in starter.started} & _children()
+    assert not {p.pid for p in starter.started} & children()
 
 
 def test_a_group_that_starts_runs_every_local_rank_in_order(tmp_path: Path) -> None:
@@ -101,20 +102,6 @@ def test_a_group_that_starts_runs_every_local_rank_in_order(tmp_path: Path) -> N
     relay.close()
 
 
-def _children() -> set[int]:
-    """Our child processes, zombies included (a reaped child is gone)."""
-    kids = set()
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat", encoding="utf-8") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # not a process, or it ended meanwhile
-        if int(fields[1]) == os.getpid():
-            kids.add(int(name))
-    return kids
-
-
 def test_start_processes_leaves_no_process_when_a_start_fails(tmp_path: Path) -> None:
     # Rank 0 finds the executable on its PATH and starts; rank 1's PATH lacks it.
     found, empty = tmp_path / "bin", tmp_path / "empty"
@@ -123,7 +110,7 @@ def test_start_processes_leaves_no_process_when_a_start_fails(tmp_path: Path) ->
     worker = found / "worker"
     worker.write_text("#!/bin/sh\nexec sleep 60\n")
     worker.chmod(0o755)
-    before = _children()
+    before = children()
     with pytest.raises(ProcessStartError, match="local rank 1"):
         start_processes(
             name="trainer",
@@ -132,7 +119,7 @@ def test_start_processes_leaves_no_process_when_a_start_fails(tmp_path: Path) ->
             envs={0: {"PATH": str(found)}, 1: {"PATH": str(empty)}},
             logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
         )
-    assert _children() == before
+    assert children() == before
 
 
 def test_the_parents_copies_of_a_workers_descriptors_are_closed_even_when_its_start_fails(

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import pid_alive, wait_for
+from _helpers import children, pid_alive, wait_for
 from elastrun.core.errors import ProcessStartError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.supervise.processes.spawn import (
@@ -1029,7 +1029,7 @@ def test_a_group_with_a_worker_no_one_can_start_starts_none(
     specs, _ = _group_specs(
         tmp_path, [_argv(str(sleeper))] * 3, cwds={1: tmp_path / "no" / "such" / "dir"}
     )
-    before = _children()
+    before = children()
     try:
         with caplog.at_level(logging.WARNING, logger=LOGGER), pytest.raises(ProcessStartError):
             template.start_many(specs)
@@ -1037,7 +1037,7 @@ def test_a_group_with_a_worker_no_one_can_start_starts_none(
         _close(specs)
     # Ranks 0 and 2 were forked, rank 1's fresh start failed: the forked two are gone.
     assert template.forked == 2 and template.fell_back == 1
-    assert _children() - {template.template_pid} == before
+    assert children() - {template.template_pid} == before
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         "worker template could not start local rank 1"
     ]
@@ -1056,20 +1056,6 @@ def test_a_group_mixing_scripts_and_other_executables_keeps_its_order(
     assert [_wait(p) for p in procs] == [0, 0, 0]
     assert [out.read_text() for out in outs] == ["script 0\n", "binary 1\n", "script 2\n"]
     assert (template.forked, template.fell_back) == (2, 1)
-
-
-def _children() -> set[int]:
-    """Our child processes, zombies included."""
-    kids = set()
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat", encoding="utf-8") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == os.getpid():
-            kids.add(int(name))
-    return kids
 
 
 def test_a_group_larger_than_one_batch_is_forked_batch_by_batch_in_order(
@@ -1145,7 +1131,7 @@ def test_a_signal_before_the_start_starts_no_worker(
     with TemplateStarter(shutdown=shutdown) as starter:
         assert _run(starter, tmp_path, _argv(str(script))).code == 0
         pid = starter.template_pid
-        before = _children()
+        before = children()
         shutdown.request(signal.SIGINT)
         specs, outs = _group_specs(tmp_path, [_argv(str(script))] * 2)
         try:
@@ -1155,7 +1141,7 @@ def test_a_signal_before_the_start_starts_no_worker(
             _close(specs)
         assert starter.template_pid is None and pid is not None and not pid_alive(pid)
         # The workers the template had forked but not released end by themselves.
-        wait_for(lambda: _children() <= before - {pid}, 10, "the held-back workers to exit")
+        wait_for(lambda: children() <= before - {pid}, 10, "the held-back workers to exit")
         assert [out.read_text() for out in outs] == ["", ""]
 
 
@@ -1179,6 +1165,6 @@ def test_workers_the_killed_template_had_released_are_returned_to_be_stopped(
             _close(specs)
         assert starter.template_pid is None  # killed
         assert [p.local_rank for p in procs] == [0, 1, 2]
-        assert {p.pid for p in procs} <= _children()
+        assert {p.pid for p in procs} <= children()
         # Each ran (go-ahead sent before the kill) or exited for want of it.
         assert all(_wait(p) in (0, 1) for p in procs)
