@@ -1145,6 +1145,67 @@ def test_a_signal_before_the_start_starts_no_worker(
         assert [out.read_text() for out in outs] == ["", ""]
 
 
+# Preloaded into the template: it stops itself (SIGSTOP) right after forking a batch's
+# intermediates, before it reaps them or answers.
+STALL_BEFORE_ANSWER = """
+import os, signal
+from elastrun.worker import zygote_fork
+
+_fork = zygote_fork._fork_intermediates
+
+def _stalled(*args):
+    out = _fork(*args)
+    if not isinstance(out, zygote_fork.Job):
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return out
+
+zygote_fork._fork_intermediates = _stalled
+"""
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_a_batch_abandoned_midway_leaves_no_process_behind(
+    tmp_path: Path,
+    shutdown: ShutdownRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    workers: int,
+) -> None:
+    # The template stalls after forking a batch's intermediates; they hand their
+    # workers to the agent (a subreaper then) and exit, unreaped, before any answer.
+    # Then a signal: the agent kills the template, whose intermediates come to it as
+    # zombies too. It never learnt any of their pids from an answer, and must reap
+    # them all before the start ends (they stayed its zombies for good).
+    _write(tmp_path / "stall_answer.py", STALL_BEFORE_ANSWER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    before = children()
+
+    def stalled_then_signalled(self: Template, timeout: float, sd: object) -> bool:
+        wait_for(lambda: _stopped(self.pid), 30, "the template to stall")
+        handed = lambda: len(children() - before - {self.pid}) == workers  # noqa: E731
+        wait_for(handed, 30, "the workers to be handed over")
+        shutdown.request(signal.SIGTERM)
+        return False
+
+    monkeypatch.setattr(Template, "_await_answer", stalled_then_signalled)
+    script = _write(tmp_path / "ok.py", "print('ok')\n")
+    with TemplateStarter(preload=["stall_answer"], shutdown=shutdown) as starter:
+        specs, outs = _group_specs(tmp_path, [_argv(str(script))] * workers)
+        try:
+            with pytest.raises(ShutdownRequested):
+                starter.start_many(specs)
+        finally:
+            _close(specs)
+        assert starter.template_pid is None
+        # Reaped by the time the start has ended: no zombie, nothing still running.
+        assert children() == before
+        assert [out.read_text() for out in outs] == [""] * workers
+
+
 def test_workers_the_killed_template_had_released_are_returned_to_be_stopped(
     tmp_path: Path, shutdown: ShutdownRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:

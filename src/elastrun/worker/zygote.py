@@ -189,7 +189,7 @@ def _serve(sock: socket.socket) -> Job:
     """Serve requests until the channel closes; returns only in a new worker."""
     while True:
         try:
-            got = recv_message(sock, maxfds=STDIO_FDS * BATCH_MAX)
+            got = recv_message(sock, maxfds=STDIO_FDS * BATCH_MAX + 1)  # + the ledger
         except (ConnectionError, OSError, ValueError):
             raise SystemExit(1) from None
         if got is None:

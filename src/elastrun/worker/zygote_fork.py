@@ -5,7 +5,9 @@ the agent is a child subreaper while it waits for the reply, so the kernel hands
 orphaned worker to it. The intermediate reports the worker's pid (``P<pid>``) or why it
 could not start it (``E<error>``) on a pipe; the template passes that on to the agent
 and only then sends the worker its go-ahead (``g``) on another pipe, so no worker runs
-that the agent does not know of. Both forks happen with every signal blocked (see
+that the agent does not know of. Each new process notes its pid on the batch's ledger
+first (see :mod:`elastrun.worker.zygote_wire`), so that an agent that gives up on the
+batch can reap whatever it was handed. Both forks happen with every signal blocked (see
 :func:`spawn_many`). What the worker does next is :mod:`elastrun.worker.zygote_worker`'s.
 """
 
@@ -15,7 +17,7 @@ import os
 import signal
 import socket
 
-from elastrun.worker.zygote_wire import check_request, int_list, send_message
+from elastrun.worker.zygote_wire import check_request, int_list, note_pid, send_message
 
 
 class Job:
@@ -79,10 +81,10 @@ def _read_all(fd: int) -> bytes:
 
 
 def spawn_many(
-    sock: socket.socket, requests: list[dict[str, object]], fds: list[list[int]]
+    sock: socket.socket, requests: list[dict[str, object]], fds: list[list[int]], ledger: int
 ) -> Job | None:
-    """Fork a worker for each request (``fds[i]``: request ``i``'s stdio descriptors);
-    in the template, reply once for all and return None.
+    """Fork a worker for each request (``fds[i]``: request ``i``'s stdio descriptors;
+    ``ledger``: the batch's ledger); in the template, reply once for all and return None.
 
     The intermediates of every request are forked back to back and then awaited, so the
     workers' start-ups overlap; the reply lists each request's pid or error in order,
@@ -92,14 +94,14 @@ def spawn_many(
     if threads > 1:
         # Checked at startup too; this catches a thread started by an at-fork hook or
         # a finaliser since. A fork now could hand the worker a lock held forever.
-        close_quietly(*(fd for own in fds for fd in own))
+        close_quietly(ledger, *(fd for own in fds for fd in own))
         send_message(sock, {"unsafe": f"the template now runs {threads - 1} extra thread(s)"})
         return None
     results: list[dict[str, object]] = [{} for _ in requests]
-    forked = _fork_intermediates(requests, fds, results)
+    forked = _fork_intermediates(requests, fds, ledger, results)
     if isinstance(forked, Job):
         return forked  # in a new worker
-    close_quietly(*(fd for own in fds for fd in own))
+    close_quietly(ledger, *(fd for own in fds for fd in own))
     for i, intermediate, pid_r, _ in forked:
         os.waitpid(intermediate, 0)
         answer = _read_all(pid_r)
@@ -120,7 +122,10 @@ def spawn_many(
 
 
 def _fork_intermediates(
-    requests: list[dict[str, object]], fds: list[list[int]], results: list[dict[str, object]]
+    requests: list[dict[str, object]],
+    fds: list[list[int]],
+    ledger: int,
+    results: list[dict[str, object]],
 ) -> list[tuple[int, int, int, int]] | Job:
     """Fork one intermediate per valid request (an invalid one or a failed fork is
     noted in ``results``); returns (request, intermediate, pid_r, go_w) of each, or the
@@ -150,8 +155,9 @@ def _fork_intermediates(
             # Everything of the other requests, and the template's ends of the pipes.
             others = [fd for j, own in enumerate(fds) if j != i for fd in own]
             others += [fd for _, _, r, w in started for fd in (r, w)]
+            note_pid(ledger, b"I")
             stdio = _stdio_fds(request, fds[i])
-            return _intermediate(request, stdio, pid_w, go_r, (pid_r, go_w, *others))
+            return _intermediate(request, stdio, ledger, pid_w, go_r, (pid_r, go_w, *others))
         close_quietly(pid_w, go_r)
         started.append((i, intermediate, pid_r, go_w))
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -168,11 +174,13 @@ def _stdio_fds(request: dict[str, object], fds: list[int]) -> list[int]:
 def _intermediate(
     request: dict[str, object],
     fds: list[int],
+    ledger: int,
     pid_w: int,
     go_r: int,
     inherited: tuple[int, ...],
 ) -> Job:
-    """Fork the worker and exit; returns only in the worker."""
+    """Fork the worker and exit; returns only in the worker (which holds the ledger
+    until it is handed over: :func:`zygote_worker.become_worker` closes it)."""
     try:
         close_quietly(*inherited)
         cwd = request["cwd"]
@@ -189,6 +197,7 @@ def _intermediate(
         ready_r, ready_w = os.pipe()
         worker = os.fork()
         if worker == 0:
+            note_pid(ledger, b"W")
             close_quietly(ready_r, pid_w)
             os.setsid()
             os.close(ready_w)  # end of file: the worker leads its own process group

@@ -8,6 +8,14 @@ Each message is a 4-byte big-endian length and a UTF-8 JSON object. The agent as
 workers in batches (``{"version": V, "batch": [request, ...]}``), the descriptors of
 every request's stdin, stdout and stderr attached in order (SCM_RIGHTS); the template
 answers ``{"results": [{"pid": N} | {"error": "..."}, ...]}``, one per request.
+
+The batch's last descriptor is its *ledger*: the write end of a pipe on which every
+process forked for the batch writes its own pid first thing (``I<pid>`` for an
+intermediate, ``W<pid>`` for a worker), and which each of them holds until it exits or
+is handed over. An agent that gives up on a batch before the answer (a signal, a wedged
+template) reads the ledger to its end: it then knows every process the batch made, and
+that each has exited, so it can reap those the kernel handed to it (see
+``Template.spawn_batch``). Without it they stayed the agent's zombies, unknown to it.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections.abc import Sequence
 #: The module the agent runs (``python -m``) to start a template.
 ZYGOTE_MODULE = "elastrun.worker.zygote"
 #: Bumped on any incompatible change of the messages below.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: The variable the agent puts first in the template's environment: room for the
 #: workers' command lines past the end of the template's own (see zygote_worker.retitle).
 TITLE_ROOM = "ELASTRUN_TITLE_ROOM"
@@ -105,11 +113,15 @@ def recv_message(
 
 def split_batch(
     message: dict[str, object], fds: list[int]
-) -> tuple[list[dict[str, object]], list[list[int]]] | str:
-    """A batch's requests and each one's descriptors, or what is wrong with the batch
-    as a whole (each request is checked on its own by :func:`check_request`)."""
+) -> tuple[list[dict[str, object]], list[list[int]], int] | str:
+    """A batch's requests, each one's descriptors and the ledger's descriptor, or what
+    is wrong with the batch as a whole (each request is checked on its own by
+    :func:`check_request`)."""
     if message.get("version") != PROTOCOL_VERSION:
         return f"protocol version {message.get('version')!r}, expected {PROTOCOL_VERSION}"
+    if not fds:
+        return "a batch comes with its ledger's descriptor"
+    fds, ledger = fds[:-1], fds[-1]
     batch = message.get("batch")
     if not isinstance(batch, list) or not 0 < len(batch) <= BATCH_MAX:
         return f"batch must be a list of 1 to {BATCH_MAX} requests"
@@ -122,7 +134,7 @@ def split_batch(
     for n in counts:
         owned.append(fds[at : at + n])
         at += n
-    return batch, owned
+    return batch, owned, ledger
 
 
 def check_request(request: dict[str, object], nfds: int) -> str | None:
@@ -137,6 +149,18 @@ def check_request(request: dict[str, object], nfds: int) -> str | None:
     if len(stdio) != STDIO_FDS or sum(bool(f) for f in stdio) != nfds:
         return f"stdio flags {stdio} do not match the {nfds} descriptor(s) sent"
     return None
+
+
+def note_pid(ledger: int, role: bytes) -> None:
+    """Write this process's pid on a batch's ledger (``role``: ``b"I"`` or ``b"W"``).
+
+    One short write, atomic on a pipe; a reader that is gone is no error (the agent
+    closes its end once it has the answer, when nothing is left to reap).
+    """
+    try:
+        os.write(ledger, b"%s%d\n" % (role, os.getpid()))
+    except OSError:
+        pass
 
 
 def int_list(request: dict[str, object], key: str) -> list[int]:

@@ -11,6 +11,7 @@ for workers, with this process a child subreaper for the hand-over
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import selectors
 import signal
@@ -35,10 +36,15 @@ from elastrun.worker.zygote_wire import (
     send_message,
 )
 
+log = logging.getLogger(__name__)
+
 _STOP_TIMEOUT = 5.0
 # After a signal, how long the killed template's answer may take to be read (the channel
 # ends once the workers it held back have exited, in milliseconds).
 _LEFTOVER_BOUND = 1.0
+# How long the processes of an abandoned batch may take to exit once the template is
+# dead: they exit at once (end of the go-ahead pipe), unless the machine is wedged.
+_BATCH_EXIT_BOUND = 10.0
 # Room for workers' command lines beyond the one the template is started for (see
 # TITLE_ROOM); a longer one is shown cut.
 _TITLE_MARGIN = 256
@@ -87,6 +93,36 @@ def _pid_or_reason(result: object) -> int | str:
             return pid
         return str(result.get("error", f"unexpected result {result!r}"))
     return f"unexpected result {result!r}"
+
+
+def _read_to_end(fd: int, deadline: float) -> tuple[list[bytes], bool]:
+    """The lines on ``fd`` until its end or the deadline, and whether its end came."""
+    data = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if not sel.select(left):
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return data.split(), True
+            data += chunk
+    return data.split(), False
+
+
+def _reap(pid: int, deadline: float) -> bool:
+    """Reap ``pid`` if it is (or becomes, as its exit completes) this process's child;
+    False if it is still running at the deadline."""
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True  # not ours: handed to another reaper, or reaped already
+        if done:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -321,21 +357,21 @@ class Template:
         """
         if not 0 < len(batch) <= BATCH_MAX or len(fds) != len(batch):
             raise ValueError(f"a batch holds 1 to {BATCH_MAX} requests, each with its fds")
+        if shutdown is not None and shutdown.signum is not None:
+            # A stop is under way already: fork nothing, and end the template as a
+            # signal during the start would.
+            self.proc.kill()
+            self.proc.wait()
+            raise ShutdownRequested(shutdown.signum)
         attached = [fd for own in fds for fd in own]
         message = {"version": PROTOCOL_VERSION, "batch": list(batch)}
         self._sock.settimeout(timeout)
+        ledger_r, ledger_w = os.pipe()
         try:
             with adopting_orphans():
-                send_message(self._sock, message, attached)
-                if self._await_answer(timeout, shutdown):
-                    got = recv_message(self._sock)
-                else:
-                    got = self._answer_left_by_killed()
-                    if got is None:
-                        assert shutdown is not None and shutdown.signum is not None
-                        raise ShutdownRequested(shutdown.signum)
-        except (OSError, ConnectionError) as exc:
-            raise TemplateBroken(str(exc) or type(exc).__name__) from exc
+                got = self._exchange(message, [*attached, ledger_w], ledger_r, timeout, shutdown)
+        finally:
+            os.close(ledger_r)
         if got is None:
             raise TemplateBroken("the template closed the channel")
         reply, _ = got
@@ -346,6 +382,65 @@ class Template:
             reason = str(reply.get("error", f"unexpected reply {reply!r}"))
             return [reason] * len(batch)
         return [_pid_or_reason(r) for r in results]
+
+    def _exchange(
+        self,
+        message: dict[str, object],
+        fds: list[int],
+        ledger: int,
+        timeout: float,
+        shutdown: ShutdownRequest | None,
+    ) -> tuple[dict[str, object], list[int]] | None:
+        """Send one batch and receive its answer (None: the channel closed), while this
+        process is a subreaper. Without an answer, the template is killed and whatever
+        the batch had forked is reaped before this returns or raises."""
+        try:
+            try:
+                send_message(self._sock, message, fds)
+            finally:
+                os.close(fds[-1])  # the ledger's write end: only the batch's processes hold it
+            if self._await_answer(timeout, shutdown):
+                got = recv_message(self._sock)
+            else:
+                got = self._answer_left_by_killed()
+                if got is None:
+                    assert shutdown is not None and shutdown.signum is not None
+                    self._reap_batch(ledger)
+                    raise ShutdownRequested(shutdown.signum)
+        except (OSError, ConnectionError) as exc:
+            self.proc.kill()
+            self.proc.wait()
+            self._reap_batch(ledger)
+            raise TemplateBroken(str(exc) or type(exc).__name__) from exc
+        if got is None:  # it died without answering
+            self.proc.kill()
+            self.proc.wait()
+            self._reap_batch(ledger)
+        return got
+
+    def _reap_batch(self, ledger: int) -> None:
+        """Reap the processes a batch without an answer left to this process.
+
+        The template is dead. Each process the batch forked wrote its pid on the ledger
+        and holds it until it exits (none was handed over: no answer, no go-ahead), so
+        the end of the ledger means they have all exited. Those the kernel handed to
+        this subreaper (a dead template's intermediates, a dead intermediate's worker)
+        are its zombies until reaped here; nobody else knows their pids. Intermediates
+        first: once one is reaped, its worker has been handed on.
+        """
+        deadline = time.monotonic() + _BATCH_EXIT_BOUND
+        notes, ended = _read_to_end(ledger, deadline)
+        pids = [int(n[1:]) for n in notes if n[:1] == b"I" and n[1:].isdigit()]
+        pids += [int(n[1:]) for n in notes if n[:1] == b"W" and n[1:].isdigit()]
+        left = [pid for pid in pids if not _reap(pid, deadline)]
+        if left or not ended:
+            log.warning(
+                "worker template (pid %d): processes of an abandoned start did not exit "
+                "within %.0fs (pids: %s)",
+                self.pid,
+                _BATCH_EXIT_BOUND,
+                ", ".join(map(str, left)) or "unknown",
+            )
 
     def close(self) -> None:
         """Stop the template (end of its channel; SIGKILL if it lingers) and reap it."""
