@@ -75,7 +75,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from elastrun.worker import bootstrap
+from elastrun.worker import bootstrap, threadpools
 from elastrun.worker.zygote_fork import Job, close_quietly, open_fds, spawn_many, thread_count
 from elastrun.worker.zygote_wire import (
     BATCH_MAX,
@@ -161,7 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     required, optional = _recv_setup(sock)
     t0 = time.monotonic()
     titles = import_titles()
-    loaded, problem = _preload(required, optional)
+    # Libraries whose thread pools start at load time start none while the template
+    # imports; each worker gets the pools a fresh start would have (threadpools).
+    previous = threadpools.quiet_for_import(os.environ)
+    try:
+        loaded, problem = _preload(required, optional)
+    finally:
+        threadpools.restore(os.environ, previous)
     hello: dict[str, object] = {
         "version": PROTOCOL_VERSION,
         "pid": os.getpid(),

@@ -26,7 +26,7 @@ import sys
 import time
 from types import ModuleType
 
-from elastrun.worker import bootstrap
+from elastrun.worker import bootstrap, threadpools
 from elastrun.worker.zygote_fork import Job, close_quietly, open_fds
 from elastrun.worker.zygote_wire import STDIO_FDS, TITLE_ROOM, int_list
 
@@ -306,6 +306,7 @@ def become_worker(job: Job, stdio: Stdio, keep: set[int], titles: ModuleType | N
         _reset_stdio(stdio)
         reset_signals(job.request)
         _take_environment(job.request)
+        threadpools.resize_for_worker(os.environ)
         importlib.invalidate_caches()
         reseed()
         import faulthandler
