@@ -202,6 +202,13 @@ CASES = [
     Case(
         "monitor-interval-1e9", ["--monitor-interval", "1e9", SCRIPT], "--monitor-interval", "1e9"
     ),
+    # signals that do not ask a process to end (SIGCHLD: the first worker exit)
+    Case(
+        "signals-to-handle-sigchld",
+        ["--signals-to-handle", "SIGTERM,SIGCHLD", SCRIPT],
+        "--signals-to-handle",
+        _v("SIGCHLD"),
+    ),
     # subcommands
     Case(
         "store-disconnect-grace-nan",

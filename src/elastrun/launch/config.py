@@ -212,8 +212,25 @@ def check_agent_environment(environ: Mapping[str, str]) -> None:
         check_fifo_path(environ[TORCHELASTIC_TIMER_FILE], TORCHELASTIC_TIMER_FILE)
 
 
+#: Signals whose default action is not to end a process. The launcher treats every
+#: handled signal as "stop the job", so handling one of these turns an everyday event
+#: into a stop: SIGCHLD arrives at the first worker exit, SIGWINCH at a terminal resize,
+#: SIGCONT after every resume. torchrun takes any name; refusing them up front is
+#: kinder than a job that stops itself with status 128+N.
+NOT_TERMINATING = frozenset(
+    getattr(signal, name)
+    for name in ("SIGCHLD", "SIGCONT", "SIGURG", "SIGWINCH", "SIGTSTP", "SIGTTIN", "SIGTTOU")
+    if hasattr(signal, name)
+)
+
+
 def parse_signals(spec: str) -> tuple[signal.Signals, ...]:
-    """Parse ``"SIGTERM,SIGINT"`` into signals; unknown names are a ``ConfigError``."""
+    """Parse ``"SIGTERM,SIGINT"`` into signals.
+
+    Raises:
+        ConfigError: an unknown name, SIGKILL or SIGSTOP (they cannot be handled), or a
+            signal that does not end a process by default (:data:`NOT_TERMINATING`).
+    """
     out: list[signal.Signals] = []
     for raw in spec.split(","):
         name = raw.strip()
@@ -225,6 +242,13 @@ def parse_signals(spec: str) -> tuple[signal.Signals, ...]:
             raise ConfigError("--signals-to-handle", name, "is not a signal name") from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             raise ConfigError("--signals-to-handle", name, "cannot be handled")
+        if sig in NOT_TERMINATING:
+            raise ConfigError(
+                "--signals-to-handle",
+                name,
+                "does not ask a process to end (the job would stop at the first one "
+                "the system sends); handle termination signals only",
+            )
         if sig not in out:
             out.append(sig)
     return tuple(out)
