@@ -209,6 +209,13 @@ CASES = [
         "--signals-to-handle",
         _v("SIGCHLD"),
     ),
+    # a run id longer than a directory name may be (it names the log directory)
+    Case(
+        "rdzv-id-10000-characters",
+        [*C10D, "--rdzv-id", "x" * 10_000, SCRIPT],
+        "--rdzv-id",
+        "10000 bytes",
+    ),
     # subcommands
     Case(
         "store-disconnect-grace-nan",

@@ -626,6 +626,30 @@ def test_bad_input_names_option_and_value(
     assert value in str(error)
 
 
+@pytest.mark.parametrize("source", ["--rdzv-id", "PET_RDZV_ID"])
+def test_a_run_id_too_long_for_a_directory_name_is_refused_in_one_short_line(
+    fail: Callable[..., ConfigError], source: str
+) -> None:
+    long_id = "x" * 10_000
+    if source == "PET_RDZV_ID":
+        error = fail("--master-port=1", env={"PET_RDZV_ID": long_id})
+    else:
+        error = fail("--master-port=1", f"--rdzv-id={long_id}")
+    assert error.field == source
+    assert "10000 bytes" in str(error) and len(str(error)) < 300
+
+
+def test_a_run_id_of_200_bytes_still_names_a_log_directory(
+    run: Callable[..., Launch], tmp_path: Path
+) -> None:
+    run_id = "\u00e9" * 100  # 200 bytes in UTF-8
+    launch = run("--master-port=1", f"--rdzv-id={run_id}", f"--log-dir={tmp_path}")
+    specs = launch.config.logs_specs
+    assert isinstance(specs, DefaultLogsSpecs)
+    specs.reify({0: {"TORCHELASTIC_RUN_ID": run_id}})
+    assert specs.run_log_dir is not None and os.path.isdir(specs.run_log_dir)
+
+
 def test_rdzv_conf_error_names_the_bad_item(fail: Callable[..., ConfigError]) -> None:
     error = fail("--rdzv-conf=a=1,b,c=2")
     assert (error.field, error.value) == ("--rdzv-conf", "b")

@@ -31,6 +31,11 @@ SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 #: Upper bounds: beyond them a value is a typo (and some would take minutes to plan).
 MAX_NODES = 100_000
 MAX_NPROC_PER_NODE = 1024
+#: A run id names the log directory ``<run_id>_<random>``, one path component: most file
+#: systems cap that at 255 bytes, and a longer id lost every attempt's logs (each
+#: attempt fell back to the console with a warning quoting the whole id). 200 leaves
+#: room for the random suffix.
+MAX_RUN_ID_BYTES = 200
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ class LaunchConfig:
                 self, "hang_timeout", parse_hang_timeout(self.hang_timeout, "--hang-timeout")
             )
         parse_int(self.node_rank, "--node-rank", low=0, high=MAX_NODES - 1)
+        check_run_id(self.run_id)
         if self.rdzv_timeout != -1:
             parse_int(self.rdzv_timeout, "rdzv_timeout", low=1, high=MAX_SECONDS)
         ports = (("--master-port", self.master_port), ("--metrics-port", self.metrics_port))
@@ -172,6 +178,22 @@ class LaunchConfig:
     def effective_shutdown_timeout(self) -> float:
         assert self.shutdown_timeout is not None  # resolved in __post_init__
         return self.shutdown_timeout
+
+
+def check_run_id(run_id: str) -> None:
+    """Refuse a run id longer than :data:`MAX_RUN_ID_BYTES` (UTF-8).
+
+    Raises:
+        ConfigError: naming ``--rdzv-id``; the value shown is shortened.
+    """
+    size = len(run_id.encode("utf-8", "surrogatepass"))
+    if size > MAX_RUN_ID_BYTES:
+        shown = run_id if len(run_id) <= 40 else f"{run_id[:40]}..."
+        raise ConfigError(
+            "--rdzv-id",
+            shown,
+            f"is {size} bytes long; at most {MAX_RUN_ID_BYTES} (it names the log directory)",
+        )
 
 
 def resolve_shutdown_timeout(value: float | None) -> float:
