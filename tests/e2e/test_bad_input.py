@@ -149,6 +149,13 @@ CASES = [
         _v("[::1"),
     ),
     Case(
+        "master-port-0-for-two-nodes",
+        ["--nnodes", "2", "--node-rank", "0", "--master-port", "0", SCRIPT],
+        "--master-port",
+        "(got 0)",
+    ),
+    Case("standalone-two-nodes", ["--standalone", "--nnodes", "2", SCRIPT], "--standalone", "2"),
+    Case(
         "empty-run-id-multi-node",
         [*C10D, "--rdzv-id", "", SCRIPT],
         "--rdzv-id",
