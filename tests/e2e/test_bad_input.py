@@ -148,6 +148,14 @@ CASES = [
         "--master-addr",
         _v("[::1"),
     ),
+    # host names are spelt right, checked without a lookup (these failed after 41 s)
+    Case(
+        "rdzv-endpoint-host-with-a-space",
+        [*MULTI, "--rdzv-endpoint", "my host:29400", SCRIPT],
+        "--rdzv-endpoint",
+        _v("my host:29400"),
+    ),
+    Case("local-addr-junk", [*C10D, "--local-addr", "n@de!", SCRIPT], "--local-addr", "n@de!"),
     Case(
         "master-port-0-for-two-nodes",
         ["--nnodes", "2", "--node-rank", "0", "--master-port", "0", SCRIPT],

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
-from elastrun.core.values import MAX_SECONDS, parse_int, parse_port, parse_seconds
+from elastrun.core.values import MAX_SECONDS, check_host, parse_int, parse_port, parse_seconds
 from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
 from elastrun.supervise.progress.straggler import StragglerSettings
 
@@ -139,6 +139,8 @@ class LaunchConfig:
             )
         parse_int(self.node_rank, "--node-rank", low=0, high=MAX_NODES - 1)
         check_run_id(self.run_id)
+        if self.local_addr:  # empty: this host's name, as None
+            check_host(self.local_addr, "--local-addr")
         if self.rdzv_timeout != -1:
             parse_int(self.rdzv_timeout, "rdzv_timeout", low=1, high=MAX_SECONDS)
         ports = (("--master-port", self.master_port), ("--metrics-port", self.metrics_port))
