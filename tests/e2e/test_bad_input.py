@@ -157,6 +157,12 @@ CASES = [
     ),
     Case("local-addr-junk", [*C10D, "--local-addr", "n@de!", SCRIPT], "--local-addr", "n@de!"),
     Case(
+        "metrics-port-is-the-rendezvous-port",
+        [*MULTI, "--rdzv-endpoint", "127.0.0.1:29555", "--metrics-port", "29555", SCRIPT],
+        "--metrics-port",
+        "(got 29555)",
+    ),
+    Case(
         "master-port-0-for-two-nodes",
         ["--nnodes", "2", "--node-rank", "0", "--master-port", "0", SCRIPT],
         "--master-port",

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
-from elastrun.core.values import MAX_SECONDS, check_host, parse_int, parse_port, parse_seconds
+from elastrun.core.values import (
+    MAX_SECONDS,
+    check_host,
+    parse_host_port,
+    parse_int,
+    parse_port,
+    parse_seconds,
+)
 from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
 from elastrun.supervise.progress.straggler import StragglerSettings
 
@@ -24,6 +31,8 @@ if TYPE_CHECKING:
     from elastrun.supervise.processes.logs import LogsSpecs
     from elastrun.supervise.processes.numa import NumaOptions
 
+#: The c10d backend's port when the endpoint names none (torchrun's).
+C10D_DEFAULT_PORT = 29400
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -119,6 +128,7 @@ class LaunchConfig:
                 parse_seconds(barrier, "--rdzv-conf exit_barrier_timeout"),
             )
         object.__setattr__(self, "rdzv_configs", configs)
+        self._check_metrics_port()
         object.__setattr__(
             self, "shutdown_timeout", resolve_shutdown_timeout(self.shutdown_timeout)
         )
@@ -147,6 +157,26 @@ class LaunchConfig:
         for name, port in ports:
             if port is not None:
                 parse_port(port, name)
+
+    def _check_metrics_port(self) -> None:
+        """The metrics endpoint must not take the rendezvous store's port.
+
+        Whichever binds first wins, and the store lost: the job failed a minute later
+        blaming the store. Refused whatever the endpoint's host: every node runs the
+        same command, so the node that serves the store would collide.
+        """
+        if self.metrics_port is None or self.rdzv_backend not in ("c10d", "static"):
+            return
+        try:
+            _, port = parse_host_port(self.rdzv_endpoint, "--rdzv-endpoint", C10D_DEFAULT_PORT)
+        except ConfigError:
+            return  # the rendezvous check reports a bad endpoint
+        if port == self.metrics_port:
+            raise ConfigError(
+                "--metrics-port",
+                self.metrics_port,
+                f"is the rendezvous store's port ({self.rdzv_endpoint}); choose another",
+            )
 
     def rendezvous_parameters(self, run_id: str | None = None) -> RendezvousParameters:
         """The rendezvous handler's parameters (``run_id`` overrides the config's)."""
