@@ -223,6 +223,12 @@ CASES = [
     Case(
         "monitor-interval-1e9", ["--monitor-interval", "1e9", SCRIPT], "--monitor-interval", "1e9"
     ),
+    # scripts and modules the workers could not run
+    Case("script-dev-zero", ["/dev/zero"], "script", _v("/dev/zero")),
+    Case("script-a-directory", ["."], "script", "no __main__.py"),
+    Case("module-empty", ["-m", ""], "-m", _v("")),
+    Case("module-missing", ["-m", "surely_not_a_module_x27"], "-m", "no such module"),
+    Case("python-exec-true", [SCRIPT], "PYTHON_EXEC", "/bin/true", {"PYTHON_EXEC": "/bin/true"}),
     # signals that do not ask a process to end (SIGCHLD: the first worker exit)
     Case(
         "signals-to-handle-sigchld",
