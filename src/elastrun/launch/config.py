@@ -196,15 +196,25 @@ class LaunchConfig:
         """Refuse what would only fail later, before anything starts.
 
         Checks the rendezvous parameters the way the built-in backend will read them
-        (without connecting) and the torch environment variables the agent reads.
+        (without connecting), the torch environment variables the agent reads, and a
+        :class:`DefaultLogsSpecs`' log directory.
 
         Raises:
-            ConfigError: naming the option, ``--rdzv-conf`` key or variable.
+            ConfigError: naming the option, ``--rdzv-conf`` key or variable; ``log_dir``
+                for a log directory that is a file or cannot be written (torch raises
+                NotADirectoryError from ``DefaultLogsSpecs()`` for a file; ours does no
+                I/O when built, and the agent would have sent every attempt's output
+                to the console instead, as after a full disk).
         """
+        from elastrun.launch.paths import check_log_dir
         from elastrun.rendezvous.registry import rendezvous_handler_registry
+        from elastrun.supervise.processes.logs import DefaultLogsSpecs
 
         rendezvous_handler_registry.check(self.rendezvous_parameters(self.run_id or "check"))
         check_agent_environment(environ)
+        specs = self.logs_specs
+        if isinstance(specs, DefaultLogsSpecs) and not specs.is_temporary and not specs.is_devnull:
+            check_log_dir(str(specs.log_dir), "log_dir")
 
     @property
     def effective_shutdown_timeout(self) -> float:
