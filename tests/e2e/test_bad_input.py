@@ -148,6 +148,27 @@ CASES = [
         "--master-addr",
         _v("[::1"),
     ),
+    # host names are spelt right, checked without a lookup (these failed after 41 s)
+    Case(
+        "rdzv-endpoint-host-with-a-space",
+        [*MULTI, "--rdzv-endpoint", "my host:29400", SCRIPT],
+        "--rdzv-endpoint",
+        _v("my host:29400"),
+    ),
+    Case("local-addr-junk", [*C10D, "--local-addr", "n@de!", SCRIPT], "--local-addr", "n@de!"),
+    Case(
+        "metrics-port-is-the-rendezvous-port",
+        [*MULTI, "--rdzv-endpoint", "127.0.0.1:29555", "--metrics-port", "29555", SCRIPT],
+        "--metrics-port",
+        "(got 29555)",
+    ),
+    Case(
+        "master-port-0-for-two-nodes",
+        ["--nnodes", "2", "--node-rank", "0", "--master-port", "0", SCRIPT],
+        "--master-port",
+        "(got 0)",
+    ),
+    Case("standalone-two-nodes", ["--standalone", "--nnodes", "2", SCRIPT], "--standalone", "2"),
     Case(
         "empty-run-id-multi-node",
         [*C10D, "--rdzv-id", "", SCRIPT],
@@ -201,6 +222,26 @@ CASES = [
     ),
     Case(
         "monitor-interval-1e9", ["--monitor-interval", "1e9", SCRIPT], "--monitor-interval", "1e9"
+    ),
+    # scripts and modules the workers could not run
+    Case("script-dev-zero", ["/dev/zero"], "script", _v("/dev/zero")),
+    Case("script-a-directory", ["."], "script", "no __main__.py"),
+    Case("module-empty", ["-m", ""], "-m", _v("")),
+    Case("module-missing", ["-m", "surely_not_a_module_x27"], "-m", "no such module"),
+    Case("python-exec-true", [SCRIPT], "PYTHON_EXEC", "/bin/true", {"PYTHON_EXEC": "/bin/true"}),
+    # signals that do not ask a process to end (SIGCHLD: the first worker exit)
+    Case(
+        "signals-to-handle-sigchld",
+        ["--signals-to-handle", "SIGTERM,SIGCHLD", SCRIPT],
+        "--signals-to-handle",
+        _v("SIGCHLD"),
+    ),
+    # a run id longer than a directory name may be (it names the log directory)
+    Case(
+        "rdzv-id-10000-characters",
+        [*C10D, "--rdzv-id", "x" * 10_000, SCRIPT],
+        "--rdzv-id",
+        "10000 bytes",
     ),
     # subcommands
     Case(

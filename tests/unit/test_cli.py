@@ -242,7 +242,7 @@ def test_short_options_redirects_tee_and_module(run: Callable[..., Launch]) -> N
     launch = run("-r", "1", "-t2")
     assert launch.config.logs_specs.redirects == Std.OUT  # type: ignore[union-attr]
     assert launch.config.logs_specs.tee == Std.ERR  # type: ignore[union-attr]
-    assert parse_launch(["-m", "pkg.train"], {}).kind is ScriptKind.MODULE
+    assert parse_launch(["-m", "json.tool"], {}).kind is ScriptKind.MODULE
 
 
 def test_pet_variables_are_converted_like_options(run: Callable[..., Launch]) -> None:
@@ -287,8 +287,21 @@ FLAG_CASES: list[tuple[str, Getter]] = [
 
 @pytest.mark.parametrize(("option", "is_on"), FLAG_CASES, ids=[c[0] for c in FLAG_CASES])
 def test_flag_both_spellings_and_pet_zero_one(
-    run: Callable[..., Launch], option: str, is_on: Getter
+    run: Callable[..., Launch],
+    option: str,
+    is_on: Getter,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if option == "--module":
+        # "train_x27" names a script file and, with -m, the module train_x27.py.
+        monkeypatch.chdir(tmp_path)
+        for name in ("train_x27", "train_x27.py"):
+            (tmp_path / name).write_text("print('hi')\n")
+
+        def run(*options: str, env: Mapping[str, str] | None = None) -> Launch:
+            return parse_launch([*options, "train_x27"], {} if env is None else env)
+
     for spelling in _spellings(option):
         assert is_on(run(spelling)), spelling
     variable = "PET_" + option[2:].replace("-", "_").upper()
@@ -579,6 +592,10 @@ BAD_CASES: list[tuple[tuple[str, ...], dict[str, str], str, str]] = [
     (("--signals-to-handle=SIGFOO",), {}, "--signals-to-handle", "SIGFOO"),
     (("--signals-to-handle=SIGTERM,SIGKILL",), {}, "--signals-to-handle", "SIGKILL"),
     ((), {"PET_SIGNALS_TO_HANDLE": "NOPE"}, "PET_SIGNALS_TO_HANDLE", "NOPE"),
+    (("--signals-to-handle=SIGTERM,SIGCHLD",), {}, "--signals-to-handle", "SIGCHLD"),
+    (("--signals-to-handle=WINCH",), {}, "--signals-to-handle", "WINCH"),
+    (("--signals-to-handle=SIGCONT",), {}, "--signals-to-handle", "SIGCONT"),
+    ((), {"PET_SIGNALS_TO_HANDLE": "SIGTSTP"}, "PET_SIGNALS_TO_HANDLE", "SIGTSTP"),
     (("--shutdown-timeout=-1",), {}, "--shutdown-timeout", "-1"),
     (("--shutdown-timeout=later",), {}, "--shutdown-timeout", "later"),
     (("--rdzv-conf=a",), {}, "--rdzv-conf", "a"),
@@ -589,6 +606,34 @@ BAD_CASES: list[tuple[tuple[str, ...], dict[str, str], str, str]] = [
     (("--master-port=70000",), {}, "--master-port", "70000"),
     (("--master-port=-1",), {}, "--master-port", "-1"),
     (("--master_port=http",), {}, "--master_port", "http"),
+    (("--nnodes=2", "--node-rank=0", "--master-port=0"), {}, "--master-port", "0"),
+    ((), {"PET_NNODES": "2", "PET_MASTER_PORT": "0"}, "PET_MASTER_PORT", "0"),
+    (("--standalone", "--nnodes=2"), {}, "--standalone", "True"),
+    (("--nnodes=1:2",), {"PET_STANDALONE": "1"}, "PET_STANDALONE", "True"),
+    (("--local-addr=node 7",), {}, "--local-addr", "node 7"),
+    (("--local-addr=node7:29400",), {}, "--local-addr", "node7:29400"),
+    ((), {"PET_LOCAL_ADDR": "n@de"}, "PET_LOCAL_ADDR", "n@de"),
+    (("--nnodes=2", "--master-port=1", "--master-addr=my host"), {}, "--master-addr", "my host"),
+    (
+        ("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=my host:29400"),
+        {},
+        "--rdzv-endpoint",
+        "my host:29400",
+    ),
+    (
+        ("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29500", "--metrics-port=29500"),
+        {},
+        "--metrics-port",
+        "29500",
+    ),
+    (
+        ("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h", "--metrics-port=29400"),
+        {},
+        "--metrics-port",
+        "29400",
+    ),
+    (("--nnodes=2", "--master-port=9100", "--metrics-port=9100"), {}, "--metrics-port", "9100"),
+    ((), {"PET_MASTER_PORT": "9100", "PET_METRICS_PORT": "9100"}, "PET_METRICS_PORT", "9100"),
     (("--node-rank=-1",), {}, "--node-rank", "-1"),
     (("--node-rank=first",), {}, "--node-rank", "first"),
     (("--event-log-handler=syslog",), {}, "--event-log-handler", "syslog"),
@@ -622,6 +667,30 @@ def test_bad_input_names_option_and_value(
     assert value in str(error)
 
 
+@pytest.mark.parametrize("source", ["--rdzv-id", "PET_RDZV_ID"])
+def test_a_run_id_too_long_for_a_directory_name_is_refused_in_one_short_line(
+    fail: Callable[..., ConfigError], source: str
+) -> None:
+    long_id = "x" * 10_000
+    if source == "PET_RDZV_ID":
+        error = fail("--master-port=1", env={"PET_RDZV_ID": long_id})
+    else:
+        error = fail("--master-port=1", f"--rdzv-id={long_id}")
+    assert error.field == source
+    assert "10000 bytes" in str(error) and len(str(error)) < 300
+
+
+def test_a_run_id_of_200_bytes_still_names_a_log_directory(
+    run: Callable[..., Launch], tmp_path: Path
+) -> None:
+    run_id = "\u00e9" * 100  # 200 bytes in UTF-8
+    launch = run("--master-port=1", f"--rdzv-id={run_id}", f"--log-dir={tmp_path}")
+    specs = launch.config.logs_specs
+    assert isinstance(specs, DefaultLogsSpecs)
+    specs.reify({0: {"TORCHELASTIC_RUN_ID": run_id}})
+    assert specs.run_log_dir is not None and os.path.isdir(specs.run_log_dir)
+
+
 def test_rdzv_conf_error_names_the_bad_item(fail: Callable[..., ConfigError]) -> None:
     error = fail("--rdzv-conf=a=1,b,c=2")
     assert (error.field, error.value) == ("--rdzv-conf", "b")
@@ -648,11 +717,89 @@ def test_missing_script_file_is_a_config_error(tmp_path: Path) -> None:
         assert info.value.value == missing
 
 
-def test_module_is_not_imported_or_checked() -> None:
-    launch = parse_launch(["-m", "surely_not_a_module_xyz", "a"], {})
-    assert launch.kind is ScriptKind.MODULE
-    assert launch.script == "surely_not_a_module_xyz"
-    assert "surely_not_a_module_xyz" not in sys.modules
+def _package(root: Path, name: str, init: str = "") -> Path:
+    """``root/name/__init__.py`` (writing a marker file when imported) and ``train.py``."""
+    package = root / name
+    package.mkdir(parents=True)
+    marker = root / f"{name}-imported"
+    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n{init}")
+    (package / "train.py").write_text("print('train')\n")
+    return marker
+
+
+@pytest.mark.parametrize("name", ["", " ", "1x", "a..b", "pkg.", "my-pkg", "pkg/train"])
+def test_a_module_name_that_is_not_one_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_launch(["-m", name], {})
+    assert (info.value.field, info.value.value) == ("-m", name)
+
+
+def test_a_module_is_found_in_the_working_directory_without_importing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = _package(tmp_path, "mypkg_x27")
+    monkeypatch.chdir(tmp_path)  # workers run with the cwd as sys.path[0], as python -m
+    for name in ("mypkg_x27", "mypkg_x27.train"):
+        assert parse_launch(["-m", name, "a"], {}).kind is ScriptKind.MODULE
+    with pytest.raises(ConfigError, match="no such module") as info:
+        parse_launch(["-m", "mypkg_x27.trian"], {})
+    assert (info.value.field, info.value.value) == ("-m", "mypkg_x27.trian")
+    assert not marker.exists(), "the launcher imported the package"
+    assert "mypkg_x27" not in sys.modules
+
+
+@pytest.mark.parametrize("name", ["surely_not_a_module_xyz", "json.surely_not", "json.tool.x"])
+def test_a_missing_module_is_refused_without_importing_anything(name: str) -> None:
+    before = set(sys.modules)
+    with pytest.raises(ConfigError, match="no such module") as info:
+        parse_launch(["-m", name, "a"], {})
+    assert (info.value.field, info.value.value) == ("-m", name)
+    top = name.partition(".")[0]
+    assert not {m for m in set(sys.modules) - before if m.startswith(top)}
+
+
+def test_a_submodule_of_an_old_style_namespace_package_is_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pkgutil.extend_path: the package's __path__ grows to every sys.path entry's pkg/.
+    extend = "from pkgutil import extend_path\n__path__ = extend_path(__path__, __name__)\n"
+    marker = _package(tmp_path / "one", "nspkg_x27", extend)
+    other = tmp_path / "two" / "nspkg_x27"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text(extend)
+    (other / "extra.py").write_text("")
+    for entry in ("one", "two"):
+        monkeypatch.syspath_prepend(str(tmp_path / entry))
+    assert parse_launch(["-m", "nspkg_x27.extra"], {}).script == "nspkg_x27.extra"
+    assert not marker.exists()
+
+
+def test_a_module_is_not_looked_up_for_another_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python = tmp_path / "python3"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    env = {"PYTHON_EXEC": str(python)}
+    assert parse_launch(["-m", "only_there_x27"], env).script == "only_there_x27"
+    with pytest.raises(ConfigError, match="not a module name"):
+        parse_launch(["-m", "a..b"], env)
+
+
+@pytest.mark.parametrize("options", [[], ["--run-path"]])
+def test_a_script_that_is_not_a_regular_file_is_refused(tmp_path: Path, options: list[str]) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for script, why in [("/dev/zero", "not a regular file"), (str(fifo), "not a regular file"),
+                        (str(tmp_path), "a directory with no __main__.py")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=why) as info:
+            parse_launch([*options, script], {})
+        assert (info.value.field, info.value.value) == ("script", script)
+
+
+def test_a_directory_with_a_main_module_is_a_script(tmp_path: Path) -> None:
+    (tmp_path / "__main__.py").write_text("print('hi')\n")
+    assert parse_launch([str(tmp_path)], {}).kind is ScriptKind.SCRIPT
 
 
 @pytest.fixture
@@ -690,12 +837,32 @@ def test_binary_must_be_executable(bin_dir: Path, program: str, path: str | None
 
 def test_python_comes_from_python_exec(run: Callable[..., Launch], tmp_path: Path) -> None:
     python = tmp_path / "python3"
-    python.write_text("#!/bin/sh\n")
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     assert run(env={"PYTHON_EXEC": str(python)}).python == str(python)
     assert run(env={"PYTHON_EXEC": ""}).python == sys.executable
     with pytest.raises(ConfigError, match="PYTHON_EXEC"):
         run(env={"PYTHON_EXEC": "/opt/no-such-py/bin/python3"})
+
+
+@pytest.mark.parametrize("program", ["/bin/true", "/bin/echo", "/bin/false"])
+def test_a_python_exec_that_runs_no_python_is_refused(
+    run: Callable[..., Launch], program: str
+) -> None:
+    with pytest.raises(ConfigError, match="is not a Python interpreter") as info:
+        run(env={"PYTHON_EXEC": program})
+    assert (info.value.field, info.value.value) == ("PYTHON_EXEC", program)
+
+
+def test_a_python_exec_that_does_not_answer_is_given_the_benefit_of_the_doubt(
+    tmp_path: Path,
+) -> None:
+    from elastrun.launch.script import check_python
+
+    slow = tmp_path / "slow"
+    slow.write_text("#!/bin/sh\nsleep 30 &\nwait\n")  # a child too: killed with it
+    slow.chmod(0o755)
+    check_python(str(slow), {"PATH": os.defpath}, timeout=0.5)
 
 
 def test_run_path_takes_precedence_over_module_with_a_notice(run: Callable[..., Launch]) -> None:

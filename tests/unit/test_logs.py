@@ -441,3 +441,25 @@ def test_torch_style_private_names_alias_the_public_attributes() -> None:
 def test_logs_specs_is_abstract() -> None:
     with pytest.raises(TypeError):
         LogsSpecs()  # type: ignore[abstract]
+
+
+def test_a_launch_with_a_log_dir_that_is_a_file_is_refused_before_anything_starts(
+    tmp_path: os.PathLike[str],
+) -> None:
+    # torch: NotADirectoryError from DefaultLogsSpecs(); ours builds without I/O, and the
+    # launch refuses it before its first worker (it used to warn and log to the console).
+    import sys
+
+    from elastrun import LaunchConfig, elastic_launch
+    from elastrun.core.errors import ConfigError
+
+    path = os.path.join(os.fspath(tmp_path), "file")
+    open(path, "w").close()
+    marker = os.path.join(os.fspath(tmp_path), "started")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=1, logs_specs=DefaultLogsSpecs(log_dir=path)
+    )
+    with pytest.raises(ConfigError, match="exists and is not a directory") as info:
+        elastic_launch(config, sys.executable)("-c", f"open({marker!r}, 'w').close()")
+    assert (info.value.field, info.value.value) == ("log_dir", path)
+    assert not os.path.exists(marker)

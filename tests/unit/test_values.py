@@ -9,6 +9,7 @@ import pytest
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import (
     MAX_SECONDS,
+    check_host,
     check_number,
     parse_host_port,
     parse_int,
@@ -112,6 +113,10 @@ def test_ports(raw: str, ok: bool) -> None:
         ("[::1]", ("::1", 29400)),
         ("::1", ("::1", 29400)),
         ("fe80::1:2", ("fe80::1:2", 29400)),
+        ("[fe80::1%eth0]:9", ("fe80::1%eth0", 9)),
+        ("node-7.cluster.local.:9", ("node-7.cluster.local.", 9)),
+        ("gpu_node_3:9", ("gpu_node_3", 9)),
+        ("10.0.0.1:9", ("10.0.0.1", 9)),
     ],
 )
 def test_host_port_forms(text: str, expected: tuple[str, int]) -> None:
@@ -129,6 +134,11 @@ def test_host_port_forms(text: str, expected: tuple[str, int]) -> None:
         ("host:99999", "port must be an integer from 0 to 65535"),
         ("host:abc", "port must be an integer"),
         ("host:-1", "port must be an integer"),
+        ("my host:29400", "not a host name"),
+        ("h\tx:1", "not a host name"),
+        ("-h:1", "not a host name"),
+        ("a..b:1", "not a host name"),
+        ("[::1 ]:1", "not an IPv6 address"),
     ],
 )
 def test_bad_host_port_names_the_field_and_the_whole_text(text: str, why: str) -> None:
@@ -136,3 +146,15 @@ def test_bad_host_port_names_the_field_and_the_whole_text(text: str, why: str) -
         parse_host_port(text, "--ep", 29400)
     assert info.value.field == "--ep" and info.value.value == text
     assert why in info.value.reason
+
+
+@pytest.mark.parametrize("host", ["localhost", "n7", "a.b-c.d", "127.0.0.1", "::1", "x_y"])
+def test_a_host_name_or_address_is_accepted_as_written(host: str) -> None:
+    assert check_host(host, "--local-addr") == host
+
+
+@pytest.mark.parametrize("host", ["node 7", "", "n@de", "a/b", "x" * 64, "h:1", "é"])
+def test_a_host_that_cannot_name_a_machine_is_refused_before_any_lookup(host: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_host(host, "--local-addr")
+    assert (info.value.field, info.value.value) == ("--local-addr", host)

@@ -21,12 +21,14 @@ The rules:
 from __future__ import annotations
 
 import math
+import re
 
 from elastrun.core.errors import ConfigError
 
 __all__ = [
     "MAX_PORT",
     "MAX_SECONDS",
+    "check_host",
     "check_number",
     "parse_host_port",
     "parse_int",
@@ -161,6 +163,37 @@ def parse_port(value: str | int, field: str, *, allow_zero: bool = True) -> int:
     return parse_int(value, field, low=0 if allow_zero else 1, high=MAX_PORT)
 
 
+#: One label of a host name. Underscores are not valid in DNS names but are common in
+#: container and cluster host names, and resolvers accept them.
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+_IPV6 = re.compile(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?")
+
+
+def check_host(host: str, field: str, shown: object = None) -> str:
+    """``host`` when it can name a machine: a host name, an IPv4 or an IPv6 address.
+
+    Only the spelling is checked, nothing is resolved: a space or a stray character
+    used to surface only once the first connection timed out, tens of seconds in.
+
+    Raises:
+        ConfigError: naming ``field`` and ``shown`` (default: ``host``).
+    """
+    value = host if shown is None else shown
+    if ":" in host:
+        if not _IPV6.fullmatch(host):
+            raise ConfigError(field, value, f"{host!r} is not an IPv6 address")
+        return host
+    name = host[:-1] if host.endswith(".") else host
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
+        raise ConfigError(
+            field,
+            value,
+            f"{host!r} is not a host name or address (letters, digits, '-', '_' and "
+            "dots between labels)",
+        )
+    return host
+
+
 def parse_host_port(
     text: str, field: str, default_port: int | None, *, allow_zero: bool = True
 ) -> tuple[str, int | None]:
@@ -188,6 +221,7 @@ def parse_host_port(
         port_text = after if colon else None
     if not host.strip():
         raise ConfigError(field, text, "the host is missing (expected HOST:PORT)")
+    check_host(host, field, text)
     if port_text is None:
         return host, default_port
     if not port_text.strip():

@@ -112,9 +112,9 @@ def parse_launch(argv: Sequence[str], environ: Mapping[str, str]) -> Launch:
     rdzv = resolve_rendezvous(values, max_nodes, notices, slurm)
     kind = script_kind(values, notices)
     script: str = namespace.training_script
-    check_script(kind, script, environ)
-    logs = logs_specs(values, nproc)
     python = interpreter(kind, environ)
+    check_script(kind, script, environ, python)
+    logs = logs_specs(values, nproc)
     # Everything is valid; now what this version cannot do yet.
     refuse_not_implemented(values, rdzv.backend)
     config = _config(values, environ, (min_nodes, max_nodes, nproc), runtime, rdzv, logs, slurm)

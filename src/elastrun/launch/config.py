@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
-from elastrun.core.values import MAX_SECONDS, parse_int, parse_port, parse_seconds
+from elastrun.core.values import (
+    MAX_SECONDS,
+    check_host,
+    parse_host_port,
+    parse_int,
+    parse_port,
+    parse_seconds,
+)
 from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
 from elastrun.supervise.progress.straggler import StragglerSettings
 
@@ -24,6 +31,8 @@ if TYPE_CHECKING:
     from elastrun.supervise.processes.logs import LogsSpecs
     from elastrun.supervise.processes.numa import NumaOptions
 
+#: The c10d backend's port when the endpoint names none (torchrun's).
+C10D_DEFAULT_PORT = 29400
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -31,6 +40,11 @@ SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 #: Upper bounds: beyond them a value is a typo (and some would take minutes to plan).
 MAX_NODES = 100_000
 MAX_NPROC_PER_NODE = 1024
+#: A run id names the log directory ``<run_id>_<random>``, one path component: most file
+#: systems cap that at 255 bytes, and a longer id lost every attempt's logs (each
+#: attempt fell back to the console with a warning quoting the whole id). 200 leaves
+#: room for the random suffix.
+MAX_RUN_ID_BYTES = 200
 
 
 @dataclass(frozen=True)
@@ -114,6 +128,7 @@ class LaunchConfig:
                 parse_seconds(barrier, "--rdzv-conf exit_barrier_timeout"),
             )
         object.__setattr__(self, "rdzv_configs", configs)
+        self._check_metrics_port()
         object.__setattr__(
             self, "shutdown_timeout", resolve_shutdown_timeout(self.shutdown_timeout)
         )
@@ -133,12 +148,35 @@ class LaunchConfig:
                 self, "hang_timeout", parse_hang_timeout(self.hang_timeout, "--hang-timeout")
             )
         parse_int(self.node_rank, "--node-rank", low=0, high=MAX_NODES - 1)
+        check_run_id(self.run_id)
+        if self.local_addr:  # empty: this host's name, as None
+            check_host(self.local_addr, "--local-addr")
         if self.rdzv_timeout != -1:
             parse_int(self.rdzv_timeout, "rdzv_timeout", low=1, high=MAX_SECONDS)
         ports = (("--master-port", self.master_port), ("--metrics-port", self.metrics_port))
         for name, port in ports:
             if port is not None:
                 parse_port(port, name)
+
+    def _check_metrics_port(self) -> None:
+        """The metrics endpoint must not take the rendezvous store's port.
+
+        Whichever binds first wins, and the store lost: the job failed a minute later
+        blaming the store. Refused whatever the endpoint's host: every node runs the
+        same command, so the node that serves the store would collide.
+        """
+        if self.metrics_port is None or self.rdzv_backend not in ("c10d", "static"):
+            return
+        try:
+            _, port = parse_host_port(self.rdzv_endpoint, "--rdzv-endpoint", C10D_DEFAULT_PORT)
+        except ConfigError:
+            return  # the rendezvous check reports a bad endpoint
+        if port == self.metrics_port:
+            raise ConfigError(
+                "--metrics-port",
+                self.metrics_port,
+                f"is the rendezvous store's port ({self.rdzv_endpoint}); choose another",
+            )
 
     def rendezvous_parameters(self, run_id: str | None = None) -> RendezvousParameters:
         """The rendezvous handler's parameters (``run_id`` overrides the config's)."""
@@ -158,20 +196,46 @@ class LaunchConfig:
         """Refuse what would only fail later, before anything starts.
 
         Checks the rendezvous parameters the way the built-in backend will read them
-        (without connecting) and the torch environment variables the agent reads.
+        (without connecting), the torch environment variables the agent reads, and a
+        :class:`DefaultLogsSpecs`' log directory.
 
         Raises:
-            ConfigError: naming the option, ``--rdzv-conf`` key or variable.
+            ConfigError: naming the option, ``--rdzv-conf`` key or variable; ``log_dir``
+                for a log directory that is a file or cannot be written (torch raises
+                NotADirectoryError from ``DefaultLogsSpecs()`` for a file; ours does no
+                I/O when built, and the agent would have sent every attempt's output
+                to the console instead, as after a full disk).
         """
+        from elastrun.launch.paths import check_log_dir
         from elastrun.rendezvous.registry import rendezvous_handler_registry
+        from elastrun.supervise.processes.logs import DefaultLogsSpecs
 
         rendezvous_handler_registry.check(self.rendezvous_parameters(self.run_id or "check"))
         check_agent_environment(environ)
+        specs = self.logs_specs
+        if isinstance(specs, DefaultLogsSpecs) and not specs.is_temporary and not specs.is_devnull:
+            check_log_dir(str(specs.log_dir), "log_dir")
 
     @property
     def effective_shutdown_timeout(self) -> float:
         assert self.shutdown_timeout is not None  # resolved in __post_init__
         return self.shutdown_timeout
+
+
+def check_run_id(run_id: str) -> None:
+    """Refuse a run id longer than :data:`MAX_RUN_ID_BYTES` (UTF-8).
+
+    Raises:
+        ConfigError: naming ``--rdzv-id``; the value shown is shortened.
+    """
+    size = len(run_id.encode("utf-8", "surrogatepass"))
+    if size > MAX_RUN_ID_BYTES:
+        shown = run_id if len(run_id) <= 40 else f"{run_id[:40]}..."
+        raise ConfigError(
+            "--rdzv-id",
+            shown,
+            f"is {size} bytes long; at most {MAX_RUN_ID_BYTES} (it names the log directory)",
+        )
 
 
 def resolve_shutdown_timeout(value: float | None) -> float:
@@ -212,8 +276,25 @@ def check_agent_environment(environ: Mapping[str, str]) -> None:
         check_fifo_path(environ[TORCHELASTIC_TIMER_FILE], TORCHELASTIC_TIMER_FILE)
 
 
+#: Signals whose default action is not to end a process. The launcher treats every
+#: handled signal as "stop the job", so handling one of these turns an everyday event
+#: into a stop: SIGCHLD arrives at the first worker exit, SIGWINCH at a terminal resize,
+#: SIGCONT after every resume. torchrun takes any name; refusing them up front is
+#: kinder than a job that stops itself with status 128+N.
+NOT_TERMINATING = frozenset(
+    getattr(signal, name)
+    for name in ("SIGCHLD", "SIGCONT", "SIGURG", "SIGWINCH", "SIGTSTP", "SIGTTIN", "SIGTTOU")
+    if hasattr(signal, name)
+)
+
+
 def parse_signals(spec: str) -> tuple[signal.Signals, ...]:
-    """Parse ``"SIGTERM,SIGINT"`` into signals; unknown names are a ``ConfigError``."""
+    """Parse ``"SIGTERM,SIGINT"`` into signals.
+
+    Raises:
+        ConfigError: an unknown name, SIGKILL or SIGSTOP (they cannot be handled), or a
+            signal that does not end a process by default (:data:`NOT_TERMINATING`).
+    """
     out: list[signal.Signals] = []
     for raw in spec.split(","):
         name = raw.strip()
@@ -225,6 +306,13 @@ def parse_signals(spec: str) -> tuple[signal.Signals, ...]:
             raise ConfigError("--signals-to-handle", name, "is not a signal name") from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             raise ConfigError("--signals-to-handle", name, "cannot be handled")
+        if sig in NOT_TERMINATING:
+            raise ConfigError(
+                "--signals-to-handle",
+                name,
+                "does not ask a process to end (the job would stop at the first one "
+                "the system sends); handle termination signals only",
+            )
         if sig not in out:
             out.append(sig)
     return tuple(out)

@@ -85,6 +85,7 @@ def resolve_rendezvous(
     master_port = DEFAULT_MASTER_PORT if master_port is None else master_port
     _check_run_id(values, run_id, max_nodes)
     master_addr, master_addr_source = values.required("master_addr")
+    _check_port_zero(values, why is not None, backend, endpoint, master_port, max_nodes)
     if backend == "static":
         _check_static_rank(values, node_rank, max_nodes)
         configs["rank"] = str(node_rank)  # overrides a rank= in --rdzv-conf, as torchrun
@@ -147,6 +148,32 @@ def _check_run_id(values: Values, run_id: str, max_nodes: int) -> None:
             values.source("rdzv_id"),
             run_id,
             "must not be empty for a multi-node job: every node needs the same run id",
+        )
+
+
+def _check_port_zero(
+    values: Values, standalone: bool, backend: str, endpoint: str, master_port: int, nodes: int
+) -> None:
+    """Blame the option that chose "any free port" for several nodes.
+
+    The backend refuses that too, but it sees only the endpoint, and would blame
+    ``--rdzv-endpoint`` where the user gave ``--standalone`` or ``--master-port 0``.
+    """
+    if nodes == 1:
+        return
+    if standalone:
+        raise ConfigError(
+            values.source("standalone"),
+            True,
+            f"runs one node on a free local port, but up to {nodes} nodes were asked "
+            "for (--nnodes); give every node --rdzv-endpoint HOST:PORT instead",
+        )
+    if backend == "static" and not endpoint and master_port == 0:
+        raise ConfigError(
+            values.source("master_port"),
+            master_port,
+            "port 0 (any free port) works for a single node only: the other nodes "
+            "could not find it",
         )
 
 
