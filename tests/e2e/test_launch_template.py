@@ -77,3 +77,39 @@ def test_the_template_started_early_serves_the_first_rounds_workers(
     # With --tee, each line comes prefixed with its rank ("[default0]:FORKED ...").
     lines = sorted(re.findall(r"FORKED \d \w+", result.stdout))
     assert lines == [f"FORKED {rank} True" for rank in range(3)], result.stdout
+
+
+# Imports torch (numpy's OpenBLAS starts its threads unless a thread variable is 1),
+# fails its first attempt, and says whether it was forked and what its pools are.
+ONE_WORKER = """\
+import os, sys
+import torch
+forked = "elastrun.worker.zygote_worker" in sys.modules
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+os.write(1, f"ONE {restart} {forked} {torch.get_num_threads()}\\n".encode())
+sys.exit(1 if restart == "0" else 0)
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("omp", [None, "2"])
+def test_one_worker_per_node_is_forked_with_the_users_environment_left_as_it_is(
+    tmp_path: Path, omp: str | None
+) -> None:
+    # elastrun sets OMP_NUM_THREADS=1 only for several workers, as torchrun does; the
+    # template must serve one worker, and users' own thread counts, as they are.
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    script = write_script(tmp_path / "one.py", ONE_WORKER)
+    result = run(
+        ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", str(script)],
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "worker template disabled" not in result.stderr
+    threads = min(int(omp or len(os.sched_getaffinity(0))), len(os.sched_getaffinity(0)))
+    lines = sorted(re.findall(r"ONE \d \w+ \d+", result.stdout))
+    assert lines == [f"ONE 0 True {threads}", f"ONE 1 True {threads}"], result.stdout

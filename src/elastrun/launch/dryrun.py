@@ -41,10 +41,14 @@ def _start_mode(launch: Launch, argv: tuple[str, ...] | None) -> str:
     if not launch.config.use_template:
         return "fresh interpreter per worker (--no-template)"
     if parse_bootstrap_command(argv, launch.python) is None:
-        return "fresh process per worker"
+        return "fresh process per worker (the template serves Python scripts and modules)"
     modules = list(dict.fromkeys([*launch.config.preload, *default_preload(argv)]))
     what = ", ".join(modules) if modules else "nothing yet"
-    return f"forked from a template process (preloading: {what}); --no-template to disable"
+    return (
+        f"forked from a template process (preloading: {what}); a preloaded module that "
+        "starts threads or initialises CUDA when imported would disable it, said once "
+        "at the start; --no-template to disable"
+    )
 
 
 def render_plan(

@@ -139,6 +139,30 @@ def _is_open(fd: int) -> bool:
     return True
 
 
+def _advice(reason: str) -> str:
+    """What the user can change, for a reason the template gave (its wording: zygote.py's
+    ``_fork_hazard`` and ``_preload``, the spawn check in zygote_fork.py)."""
+    if "thread" in reason:
+        return (
+            ". A module that starts threads when imported cannot be preloaded (a forked "
+            "worker could inherit a lock held forever): take it out of --preload, or set "
+            "the variable that sizes its thread pool to 1 for the launcher"
+        )
+    if "CUDA" in reason:
+        return (
+            ". A process that has initialised CUDA cannot fork workers that use it: take "
+            "the module out of --preload, or move its CUDA calls out of import time"
+        )
+    if reason.startswith("cannot preload"):
+        return ". Check the names given to --preload"
+    if reason.startswith("cannot start") or "protocol version" in reason:
+        return (
+            ". The workers' interpreter (PYTHON_EXEC) must have this elastrun installed: "
+            "the same version as the launcher"
+        )
+    return ""
+
+
 def _spawn_request(
     spec: ProcessSpec, cmd: BootstrapCommand, cwd: str
 ) -> tuple[dict[str, object], list[int]]:
@@ -396,7 +420,12 @@ class TemplateStarter:
 
     def _disable(self, key: TemplateKey, reason: str) -> None:
         self._unusable[key] = reason
-        log.warning("worker template disabled (%s); starting workers as fresh processes", reason)
+        log.warning(
+            "worker template disabled (%s); starting workers as fresh processes, so every "
+            "start and restart pays the imports again%s",
+            reason,
+            _advice(reason),
+        )
 
     def _template_for(self, key: TemplateKey, argv: Sequence[str], cwd: str) -> Template | None:
         """The live template for ``key``, launched (not awaited) when there is none."""
