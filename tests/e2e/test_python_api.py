@@ -27,6 +27,42 @@ def fail_on_rank_one() -> None:
         raise ValueError("rank one refuses")
 
 
+def return_while_a_thread_is_inside_torch() -> str:
+    """Returns while a daemon thread runs torch ops with the GIL released: the thread
+    takes the GIL back from a C++ destructor, which aborts the process if the
+    interpreter is finalizing by then (the race behind gloo's abort at exit)."""
+    import threading
+
+    import torch
+
+    a = torch.rand(256, 256)
+    started = threading.Event()
+
+    def spin() -> None:
+        started.set()
+        while True:
+            torch.mm(a, a)
+
+    threading.Thread(target=spin, daemon=True).start()
+    started.wait()
+    return "done"
+
+
+def leave_an_atexit_handler_and_a_thread(out_dir: str) -> str:
+    import atexit
+    import threading
+
+    rank = os.environ["RANK"]
+
+    def write(name: str) -> None:
+        with open(os.path.join(out_dir, f"{name}{rank}"), "w") as fh:
+            fh.write(name)
+
+    atexit.register(write, "atexit")
+    threading.Thread(target=write, args=("thread",)).start()
+    return rank
+
+
 def test_public_api_is_pinned() -> None:
     assert elastrun.__all__ == [
         "ChildFailedError",
@@ -77,6 +113,22 @@ def test_elastic_launch_raises_child_failed_error_naming_the_rank() -> None:
     assert rank == 1
     assert "ValueError: rank one refuses" in failure.message
     assert "restart budget exhausted: 1 of 1" in str(info.value)
+
+
+def test_function_workers_exit_cleanly_while_a_thread_is_inside_torch() -> None:
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=0)
+    result = elastic_launch(config, return_while_a_thread_is_inside_torch)()
+    assert result == {0: "done", 1: "done"}
+
+
+def test_function_workers_run_atexit_handlers_and_join_threads(tmp_path: Path) -> None:
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=0)
+    assert elastic_launch(config, leave_an_atexit_handler_and_a_thread)(str(tmp_path)) == {
+        0: "0",
+        1: "1",
+    }
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["atexit0", "atexit1", "thread0", "thread1"]
 
 
 def test_local_agent_runs_a_function_without_rendezvous_setup() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -120,6 +121,32 @@ def test_start_processes_leaves_no_process_when_a_start_fails(tmp_path: Path) ->
             logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
         )
     assert children() == before
+
+
+def test_start_processes_raises_file_not_found_for_a_missing_executable(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="local rank 0") as info:
+        start_processes(
+            name="trainer",
+            entrypoint=str(tmp_path / "no-such-worker"),
+            args={0: ()},
+            envs={0: {}},
+            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+        )
+    assert isinstance(info.value, ProcessStartError)
+    assert info.value.errno == errno.ENOENT
+
+
+def test_start_processes_raises_runtime_error_for_args_and_envs_of_different_lengths(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(RuntimeError, match=r"keys 0\.\.1"):
+        start_processes(
+            name="trainer",
+            entrypoint=sys.executable,
+            args={0: (), 1: ()},
+            envs={0: {}},
+            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+        )
 
 
 def test_the_parents_copies_of_a_workers_descriptors_are_closed_even_when_its_start_fails(

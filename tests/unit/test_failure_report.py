@@ -80,7 +80,7 @@ def test_failure_takes_message_traceback_and_time_from_nested_error_file(
     failure = _failure(1, 1, path)
     assert failure.message == "ValueError: boom"
     assert failure.traceback == TRACEBACK
-    assert failure.timestamp == 1700000100.0
+    assert failure.timestamp == 1700000100 and isinstance(failure.timestamp, int)
     assert failure.error_file_problem is None
     assert failure.has_error_file
     assert failure.error_file_data == json.loads(Path(path).read_text())
@@ -93,6 +93,15 @@ def test_failure_reads_flat_error_file(tmp_path: Path) -> None:
     assert failure.message == "custom failure text"
     assert failure.traceback is None
     assert failure.timestamp == 1700000005.0
+
+
+def test_failure_whose_error_file_was_never_written_says_not_available(
+    tmp_path: Path,
+) -> None:
+    failure = _failure(0, 1, str(tmp_path / "error.json"), at=T0)
+    assert failure.error_file == "<N/A>"
+    assert failure.timestamp == int(T0) and isinstance(failure.timestamp, int)
+    assert _failure(0, -9, "").error_file == "<N/A>"
 
 
 def test_failure_without_error_file_and_signal_names_the_signal() -> None:
@@ -178,7 +187,7 @@ def test_failure_with_signal_and_broken_error_file_keeps_the_signal_message(
 
 def test_failure_time_is_observation_time_without_error_file_timestamp() -> None:
     failure = _failure(0, 1, at=T0)
-    assert failure.timestamp == T0
+    assert failure.timestamp == int(T0)
     expected = datetime.fromtimestamp(T0).isoformat(sep="_", timespec="seconds")
     assert failure.timestamp_isoformat() == expected
     assert len(failure.timestamp_isoformat()) == len("YYYY-MM-DD_HH:MM:SS")

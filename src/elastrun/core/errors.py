@@ -100,6 +100,11 @@ class ProcessStartError(WorkerFailure):
     """A worker process could not be started (bad executable, fork failure, ...)."""
 
 
+class ExecutableNotFoundError(ProcessStartError, FileNotFoundError):
+    """A worker's executable does not exist: torch lets ``Popen``'s
+    ``FileNotFoundError`` through, so callers catch that."""
+
+
 class ShutdownRequested(ElastrunError):
     """The launcher received a signal and stopped its workers.
 

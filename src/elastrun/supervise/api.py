@@ -63,7 +63,8 @@ class PContext:
     ) -> None:
         nprocs = len(args)
         if set(args) != set(range(nprocs)) or set(envs) != set(range(nprocs)):
-            raise ValueError(
+            # RuntimeError, not ValueError: torch's check raises it, and callers catch it.
+            raise RuntimeError(
                 f"args and envs must both have keys 0..{nprocs - 1}; "
                 f"got {sorted(args)} and {sorted(envs)}"
             )
@@ -215,7 +216,10 @@ def start_processes(
     """Start ``len(args)`` copies of ``entrypoint``; returns the running context.
 
     Raises:
-        ValueError: ``args``/``envs`` keys are not exactly ``0..n-1``.
+        RuntimeError: ``args``/``envs`` keys are not exactly ``0..n-1`` (torch's type).
+        FileNotFoundError: the executable does not exist (an
+            ``ExecutableNotFoundError``, also a ``ProcessStartError``).
+        ProcessStartError: a worker could not be started otherwise.
         NotImplementedYetError: ``numa_options`` given (NUMA binding comes later).
     """
     if numa_options is not None:

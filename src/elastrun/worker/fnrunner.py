@@ -4,15 +4,20 @@ Usage (internal): ``python -u -m elastrun.worker.fnrunner PAYLOAD``, where PAYLO
 written by the agent: a JSON header line, then the pickled ``(function, args,
 return_file)``. The return value is pickled to ``return_file``; an exception is recorded
 to ``TORCHELASTIC_ERROR_FILE`` by ``record`` and the process exits 1.
+
+The process leaves through :func:`leave`, never through interpreter finalization; see
+there for why.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
 import runpy
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -36,6 +41,42 @@ def run_call(function: Callable[..., object], args: tuple[object, ...], return_f
         pickle.dump(result, fh)
     os.replace(tmp, return_file)
     return 0
+
+
+def leave(code: int) -> None:
+    """End the worker with ``code`` once the function is done: what a normal exit does
+    that a user can rely on (non-daemon threads joined, ``atexit`` handlers run, standard
+    streams flushed), then ``os._exit``.
+
+    Why not a normal exit: a function that returns without ``destroy_process_group()``
+    leaves gloo's worker threads alive. Such a thread drops its last reference to a
+    finished collective just after the main thread has been woken by it, and that drop
+    releases Python tensors, so it needs the GIL. If the main thread has meanwhile
+    written the result and begun finalizing the interpreter, taking the GIL ends the
+    thread (``pthread_exit``) inside a C++ destructor that may not unwind:
+    ``std::terminate``, "terminate called without an active exception", SIGABRT, and a
+    job whose every function returned fails. The window is the few milliseconds in
+    which the main thread keeps the GIL, so it opens under load, with many workers.
+    torch's function workers rarely meet it only because they wait, GIL released, until
+    the agent has read every local return value; a wait (a barrier among the node's
+    workers) narrows the window but leaves it open for the last one to arrive. Skipping
+    finalization closes it: the process ends before any thread can be told to exit.
+    What is given up is the teardown of modules (``__del__`` of objects still alive at
+    exit, C++ static destructors), which the fork start method and multiprocessing's
+    forked children skip as well.
+    """
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass  # closed or replaced by the user: nothing left to flush
+        os._exit(code)
 
 
 def _prepare_main(main_file: str | None) -> None:
@@ -69,4 +110,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

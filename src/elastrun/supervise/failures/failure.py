@@ -46,7 +46,8 @@ class ProcessFailure:
         pid: the worker's process id.
         exitcode: the exit status; negative means killed by that signal (``-9``: SIGKILL).
         error_file: the path the worker was told to write its error to; ``""`` (or a
-            path where no file exists) means none was written.
+            path where no file exists) means none was written. After construction it
+            is ``"<N/A>"`` when no file is there, as torch's is (callers test for it).
         global_rank: the worker's global rank, ``-1`` when unknown.
         host: the host the worker ran on; defaults to this host's FQDN.
         observed_at: wall-clock time the agent noticed the exit; ``0`` means now.
@@ -61,8 +62,8 @@ class ProcessFailure:
 
     Derived attributes:
         message: the failure in one line (the exception, the signal, or the exit code).
-        timestamp: when the failure happened: the error file's time if it has one,
-            else ``observed_at``.
+        timestamp: when the failure happened, in whole epoch seconds (an int, as
+            torch's): the error file's time if it has one, else ``observed_at``.
         error_file_data: the error file's JSON document (``{"message": "<NONE>"}``
             when there is none, as in torch).
         error_file_contents: the parsed error file, or None.
@@ -98,7 +99,7 @@ class ProcessFailure:
     log_problem: str | None = None
 
     message: str = field(init=False)
-    timestamp: float = field(init=False)
+    timestamp: int = field(init=False)
     error_file_data: dict[str, object] = field(init=False, repr=False)
     error_file_contents: ErrorFileContents | None = field(init=False, repr=False)
     traceback: str | None = field(init=False, repr=False)
@@ -117,7 +118,7 @@ class ProcessFailure:
         self.error_file_problem = None
         self.error_file_data = {"message": "<NONE>"}
         self.traceback = None
-        self.timestamp = self.observed_at
+        self.timestamp = int(self.observed_at)
         self.message = ""
         self.write_problem = self.log_problem
         error_file_missing = False
@@ -134,12 +135,14 @@ class ProcessFailure:
                 self.traceback = contents.traceback
                 self.message = contents.message
                 if contents.timestamp is not None:
-                    self.timestamp = contents.timestamp
+                    self.timestamp = int(contents.timestamp)
 
         # Siblings that elastrun stopped are not probed: their silence is expected.
         probe = not self.terminated_by_agent and self.write_problem is None
         if probe and error_file_missing and self.exitcode > 0:
             self.write_problem = _probe_write(os.path.dirname(self.error_file))
+        if self.error_file_contents is None and self.error_file_problem is None:
+            self.error_file = NOT_AVAILABLE
         self.stderr_tail, self.stderr_tail_omits_traceback, self.stderr_problem = _stderr_tail(
             self.stderr_file, self.traceback
         )

@@ -30,6 +30,16 @@ class Exit:
     by_agent: bool = False  # the agent stopped it (shutdown ladder)
 
 
+def _stopped_by(code: int, sent: frozenset[int]) -> bool:
+    """Whether an exit seen during a stop was the stop itself.
+
+    A signal the ladder did not send (SIGABRT from a native teardown, SIGSEGV) is the
+    worker's own failure, however well it was timed; an exit code is taken as the
+    worker's answer to the stop (a handler that exits 1 or 143).
+    """
+    return code >= 0 or -code in sent
+
+
 @dataclass(frozen=True)
 class StopReport:
     """What the shutdown ladder did."""
@@ -66,6 +76,7 @@ class ProcessSet:
         self._live = dict(self._procs)
         self._exits: dict[int, Exit] = {}
         self._clock = clock
+        self._sent: frozenset[int] = frozenset()  # the signals the ladder has sent
         self._sel = selectors.DefaultSelector()
         for proc in self._procs.values():
             self._sel.register(proc.exit_fd(), selectors.EVENT_READ, proc.local_rank)
@@ -105,6 +116,7 @@ class ProcessSet:
             self._sel.unregister(proc.exit_fd())
         except (KeyError, ValueError):
             pass
+        by_agent = by_agent and _stopped_by(code, self._sent)
         ex = Exit(local_rank, proc.pid, code, self._clock.time(), by_agent)
         self._exits[local_rank] = ex
         return ex
@@ -176,6 +188,7 @@ class ProcessSet:
         (a second Ctrl-C).
         """
         before = set(self._exits)
+        self._sent = frozenset({sig, signal.SIGKILL})
         self._signal_groups(list(self._live), sig)
         self._wait_all(Deadline.after(timeout, self._clock), by_agent=True, abort_wait=abort_wait)
         killed = tuple(sorted(self._live))

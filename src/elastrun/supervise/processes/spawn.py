@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from elastrun.core.errors import ProcessStartError
+from elastrun.core.errors import ExecutableNotFoundError, ProcessStartError
 
 log = logging.getLogger(__name__)
 
@@ -281,9 +281,14 @@ class SubprocessStarter:
                 preexec_fn=lambda: prepare_child(death, parent, cpus),  # noqa: PLW1509
             )
         except OSError as exc:
-            raise ProcessStartError(
+            message = (
                 f"local rank {spec.local_rank}: cannot start {argv[0]!r}: {exc.strerror or exc}"
-            ) from exc
+            )
+            if isinstance(exc, FileNotFoundError):
+                missing = ExecutableNotFoundError(message)
+                missing.errno = exc.errno  # for ``errno == ENOENT`` checks; str() stays ours
+                raise missing from exc
+            raise ProcessStartError(message) from exc
         pidfd = os.pidfd_open(proc.pid)
         return _Handle(spec.local_rank, proc.pid, pidfd, proc.poll, return_file)
 
