@@ -199,7 +199,7 @@ def jobs_for(cuda: bool, profile: str) -> list[Job]:
     width = 1024 if cuda else 128
     one = Job(
         "one",
-        f"(a) 1 rank, {'NCCL' if cuda else 'gloo'} DDP on the {device.upper()}",
+        f"(a) 1 rank, {'NCCL DDP on one GPU' if cuda else 'gloo DDP on the CPU'}",
         1,
         "nccl" if cuda else "gloo",
         device,

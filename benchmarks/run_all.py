@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import bench_gpu_recovery
 import bench_hang
 import bench_inprocess
 import bench_launch
@@ -36,6 +37,7 @@ from _report import RESULTS_DIR, Section
 SECTIONS: dict[str, Callable[[str], Section]] = {
     "launch": bench_launch.run,
     "recovery": bench_recovery.run,
+    "gpu_recovery": bench_gpu_recovery.run,
     "overhead": bench_overhead.run,
     "rendezvous": bench_rendezvous.run,
     "store": bench_store.run,

@@ -111,6 +111,16 @@ def test_recovery_benchmark_breaks_a_ddp_restart_into_phases(tmp_path: Path) -> 
     assert 0 < total < 120
 
 
+@pytest.mark.torch
+def test_gpu_recovery_benchmark_breaks_a_one_rank_restart_into_phases(tmp_path: Path) -> None:
+    # No GPU here: the same job runs on the CPU with gloo (the CUDA phase is empty).
+    data = _run_module("bench_gpu_recovery.py", tmp_path)
+    for phase in ("total", "detection", "rendezvous", "start", "import", "cuda", "pg", "step"):
+        assert _samples(data, f"one.{phase}")["elastrun"], phase
+    total = _samples(data, "one.total")["elastrun"][0]
+    assert 0 < total < 120
+
+
 def test_overhead_benchmark_reads_the_idle_launchers_cpu_and_memory(tmp_path: Path) -> None:
     data = _run_module("bench_overhead.py", tmp_path)
     rss = _samples(data, "idle2.rss")
