@@ -24,6 +24,10 @@ DECIDED = {
     "non-termination signals are refused": ["SIGCHLD"],
     "PYTHON_EXEC is run once to see that it is Python": ["PYTHON_EXEC", "/bin/true"],
     "-m is looked up without importing": ["without importing any package"],
+    "the CLI shows tee'd lines on its descriptors, the Python API through sys.stdout": [
+        "descriptors 1 and 2",
+        "`contextlib.redirect_stdout`",
+    ],
 }
 
 

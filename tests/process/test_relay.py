@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import stat
@@ -15,7 +17,13 @@ import pytest
 
 from elastrun.core.errors import ElastrunError
 from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsDest, Std
-from elastrun.supervise.processes.relay import MAX_LINE, OutputRelay, WorkerStdio
+from elastrun.supervise.processes.relay import (
+    MAX_LINE,
+    PYTHON_CONSOLE,
+    FdConsole,
+    OutputRelay,
+    WorkerStdio,
+)
 
 PY = sys.executable
 
@@ -60,7 +68,7 @@ def console(tmp_path: Path) -> Iterator[Console]:
 
 
 def relay_for(console: Console, **kw: object) -> OutputRelay:
-    return OutputRelay(console_stdout=console.out, console_stderr=console.err, **kw)  # type: ignore[arg-type]
+    return OutputRelay(console=FdConsole(console.out, console.err), **kw)  # type: ignore[arg-type]
 
 
 def start(code: str, stdio: WorkerStdio, **kw: object) -> subprocess.Popen[bytes]:
@@ -436,11 +444,55 @@ def test_a_dead_console_does_not_stop_the_log_files(tmp_path: Path) -> None:
     os.close(read_end)  # writing to the console now fails with EPIPE
     try:
         dest = tee_dest(tmp_path, range(1), err=False)
-        relay = OutputRelay(console_stdout=write_end)
+        relay = OutputRelay(console=FdConsole(stdout=write_end))
         run(WRITE_BOTH, relay.wire(0, dest, "", show_on_console=True))
         relay.close()
     finally:
         os.close(write_end)
+    assert Path(dest.stdouts[0]).read_bytes() == b"out line 1\nout \xff\xfe raw\nno newline at end"
+
+
+def test_a_python_console_writes_to_sys_stdout_as_it_was_when_the_relay_was_made(
+    tmp_path: Path,
+) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        relay = OutputRelay(console=PYTHON_CONSOLE)
+    # The workers run, and the relay writes, after the redirect ended.
+    dest = tee_dest(tmp_path, range(1))
+    run(WRITE_BOTH, relay.wire(0, dest, "[default0]:", show_on_console=True))
+    relay.close()
+    assert out.getvalue() == (
+        "[default0]:out line 1\n[default0]:out \ufffd\ufffd raw\n[default0]:no newline at end\n"
+    )
+    assert err.getvalue() == "[default0]:err line\n"
+    # The log file keeps the bytes exactly.
+    assert Path(dest.stdouts[0]).read_bytes() == b"out line 1\nout \xff\xfe raw\nno newline at end"
+
+
+class Refuses(io.StringIO):
+    """A text stream whose writes fail, as a closed or broken one's do."""
+
+    def write(self, s: str) -> int:
+        raise ValueError("I/O operation on closed file")
+
+
+def test_a_failing_python_console_does_not_stop_the_log_files(tmp_path: Path) -> None:
+    with contextlib.redirect_stdout(Refuses()):
+        relay = OutputRelay(console=PYTHON_CONSOLE)
+    dest = tee_dest(tmp_path, range(1), err=False)
+    run(WRITE_BOTH, relay.wire(0, dest, "", show_on_console=True))
+    relay.close()
+    assert Path(dest.stdouts[0]).read_bytes() == b"out line 1\nout \xff\xfe raw\nno newline at end"
+    assert relay.log_problem(0) is None
+
+
+def test_no_sys_stdout_drops_console_lines_as_print_does(tmp_path: Path) -> None:
+    with contextlib.redirect_stdout(None):
+        relay = OutputRelay(console=PYTHON_CONSOLE)
+    dest = tee_dest(tmp_path, range(1), err=False)
+    run(WRITE_BOTH, relay.wire(0, dest, "", show_on_console=True))
+    relay.close()
     assert Path(dest.stdouts[0]).read_bytes() == b"out line 1\nout \xff\xfe raw\nno newline at end"
 
 

@@ -70,6 +70,9 @@ class LocalElasticAgent(AgentWiring):
         stuck_exit_timeout: seconds a worker may keep running after every other local
             worker exited successfully before its stacks are dumped and a warning
             names it (it is not stopped); None turns the check off.
+        console: where tee'd lines are shown: ``sys.stdout``/``sys.stderr`` as they are
+            at each start of the workers (torch's behaviour, so ``redirect_stdout`` or a
+            notebook cell sees them) by default; the CLI passes ``FD_CONSOLE``.
         starter, policy, budget, clock, environ, python, events, guard: injected
             collaborators (production defaults when None).
     """

@@ -45,6 +45,7 @@ from elastrun.rendezvous.local import LocalRendezvousHandler
 from elastrun.supervise.processes.dstate import UninterruptibleWatch
 from elastrun.supervise.processes.guard import OrphanGuard
 from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsSpecs
+from elastrun.supervise.processes.relay import PYTHON_CONSOLE, Console
 from elastrun.supervise.processes.spawn import ProcessStarter
 from elastrun.supervise.progress import AutoTimeout, StragglerSettings
 
@@ -85,6 +86,7 @@ class AgentWiring:
         hang_timeout: float | AutoTimeout | None = None,
         stalled_restarts: int | None = 3,
         stragglers: StragglerSettings | None = StragglerSettings(),  # noqa: B008 (frozen)
+        console: Console = PYTHON_CONSOLE,
     ) -> None:
         self._spec = spec
         self._logs = logs_specs if logs_specs is not None else DefaultLogsSpecs()
@@ -108,6 +110,7 @@ class AgentWiring:
         self._compose(
             start_method=start_method,
             prefix_template=log_line_prefix_template,
+            console=console,
             starter=starter,
             stuck_watch=stuck_watch,
             stuck_exit_timeout=stuck_exit_timeout,
@@ -154,6 +157,7 @@ class AgentWiring:
         *,
         start_method: str,
         prefix_template: str | None,
+        console: Console,
         starter: ProcessStarter | None,
         stuck_watch: UninterruptibleWatch | None,
         stuck_exit_timeout: float | None,
@@ -166,6 +170,7 @@ class AgentWiring:
             self._logs,
             start_method=start_method,
             prefix_template=prefix_template,
+            console=console,
             starter=starter,
             environ=self._environ,
             python=self._python,

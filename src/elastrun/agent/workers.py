@@ -33,7 +33,7 @@ from elastrun.supervise.processes.group import GroupMember, start_group, start_w
 from elastrun.supervise.processes.logs import LogsSpecs, format_line_prefix, reify_or_console
 from elastrun.supervise.processes.numa import binding_cpus, numa_options_from
 from elastrun.supervise.processes.procset import ProcessSet
-from elastrun.supervise.processes.relay import OutputRelay, WorkerStdio
+from elastrun.supervise.processes.relay import Console, OutputRelay, WorkerStdio
 from elastrun.supervise.processes.spawn import (
     ForkStarter,
     FunctionCall,
@@ -67,6 +67,7 @@ class WorkerProcesses:
         logs: where worker output and error files go.
         start_method: ``fork`` runs function workers in a fork, else a fresh interpreter.
         prefix_template: template for tee'd lines (see ``format_line_prefix``).
+        console: where tee'd lines are shown (its sinks are made at each attempt).
         starter: the injected process starter (None: chosen per plan).
         environ: the agent's environment, under every worker's own variables.
         python: the interpreter of subprocess workers.
@@ -87,6 +88,7 @@ class WorkerProcesses:
         *,
         start_method: str,
         prefix_template: str | None,
+        console: Console,
         starter: ProcessStarter | None,
         environ: Mapping[str, str],
         python: str,
@@ -103,6 +105,7 @@ class WorkerProcesses:
         self._logs = logs
         self._start_method = start_method
         self._prefix_template = prefix_template
+        self._console = console
         self._starter = starter
         self._environ = environ
         self._python = python
@@ -188,6 +191,7 @@ class WorkerProcesses:
         dest = reify_or_console(self._logs, envs)
         _add_stacks_files(envs)
         relay = OutputRelay(
+            console=self._console,
             filtered_stdout=dest.filtered_stdout,
             filtered_stderr=dest.filtered_stderr,
             stdout_filters=self._spec.duplicate_stdout_filters or (),

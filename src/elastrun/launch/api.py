@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from elastrun.agent.local import LocalElasticAgent
     from elastrun.observe.health import HealthCheckServer
     from elastrun.observe.prometheus import MetricsServer
+    from elastrun.supervise.processes.relay import Console
     from elastrun.supervise.processes.template import TemplateStarter
 
 log = logging.getLogger("elastrun.launch")
@@ -74,9 +75,12 @@ def build_agent(
     shutdown: ShutdownRequest,
     environ: Mapping[str, str] | None = None,
     extras: _Extras | None = None,
+    console: Console | None = None,
 ) -> LocalElasticAgent:
-    """Wire the agent for ``config`` (no process is started)."""
+    """Wire the agent for ``config`` (no process is started); ``console``: see
+    ``launch_agent``."""
     from elastrun.agent.local import LocalElasticAgent
+    from elastrun.supervise.processes.relay import PYTHON_CONSOLE
 
     env = os.environ if environ is None else environ
     handler = build_handler(config, run_id)
@@ -118,6 +122,7 @@ def build_agent(
         stragglers=config.stragglers,
         hang_timeout=config.hang_timeout,  # type: ignore[arg-type]  # parsed by the config
         starter=starter,
+        console=PYTHON_CONSOLE if console is None else console,
     )
 
 
@@ -245,11 +250,15 @@ def launch_agent(
     shutdown: ShutdownRequest | None = None,
     environ: Mapping[str, str] | None = None,
     on_agent: Callable[[LocalElasticAgent], None] | None = None,
+    console: Console | None = None,
 ) -> dict[int, object]:
     """Run the workers of this node to completion.
 
     Installs the signal handlers of ``config.signals_to_handle`` for the duration of
     the run unless a ``shutdown`` request is passed in (then the caller owns signals).
+    Tee'd worker lines go to ``console``: by default ``sys.stdout``/``sys.stderr`` as
+    they are at each start of the workers, as with torch (the ``elastrun`` CLI passes
+    ``FD_CONSOLE``: its descriptors 1 and 2).
 
     Raises:
         ChildFailedError: workers failed and the restart budget ran out.
@@ -266,7 +275,7 @@ def launch_agent(
     if shutdown is None:
         shutdown = ShutdownRequest()
         restore = install_signal_handlers(parse_signals(config.signals_to_handle), shutdown)
-    launch = _Launch(config, entrypoint, args, run_id=run_id, shutdown=shutdown)
+    launch = _Launch(config, entrypoint, args, run_id=run_id, shutdown=shutdown, console=console)
     try:
         return launch.run(environ, on_agent)
     except ShutdownRequested:
@@ -291,12 +300,14 @@ class _Launch:
         *,
         run_id: str,
         shutdown: ShutdownRequest,
+        console: Console | None,
     ) -> None:
         self.config = config
         self.entrypoint = entrypoint
         self.args = args
         self.run_id = run_id
         self.shutdown = shutdown
+        self.console = console
         self.agent: LocalElasticAgent | None = None
         self.extras: _Extras | None = None
         self.signalled = False
@@ -318,6 +329,7 @@ class _Launch:
             shutdown=self.shutdown,
             environ=environ,
             extras=extras,
+            console=self.console,
         )
         extras.start_health(agent, os.environ if environ is None else environ)
         if on_agent is not None:

@@ -161,6 +161,7 @@ def _run(launch: Launch) -> int:
     from elastrun.launch.api import launch_agent
     from elastrun.store.tcp.limits import raise_fd_limit
     from elastrun.supervise.failures.report import ChildFailedError, copy_root_cause_error_file
+    from elastrun.supervise.processes.relay import FD_CONSOLE
 
     # Before anything opens a descriptor: an agent serving the rendezvous store holds
     # one per connected node, and the common soft limit (1024) is below what a large
@@ -169,7 +170,10 @@ def _run(launch: Launch) -> int:
     entry, args = command_of(launch)
     specs = launch.config.logs_specs
     try:
-        launch_agent(launch.config, entry, args)
+        # The CLI owns this process's stdout and stderr: tee'd lines go straight to the
+        # descriptors (faster, and nothing waits in a Python buffer at exit), not
+        # through sys.stdout as for the Python API.
+        launch_agent(launch.config, entry, args, console=FD_CONSOLE)
     except ConfigError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return 2

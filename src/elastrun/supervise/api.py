@@ -23,7 +23,7 @@ from elastrun.supervise.failures.failure import ProcessFailure
 from elastrun.supervise.processes.group import GroupMember, start_group
 from elastrun.supervise.processes.logs import LogsDest, LogsSpecs, reify_or_console
 from elastrun.supervise.processes.procset import ProcessSet
-from elastrun.supervise.processes.relay import OutputRelay, WorkerStdio
+from elastrun.supervise.processes.relay import PYTHON_CONSOLE, OutputRelay, WorkerStdio
 from elastrun.supervise.processes.spawn import (
     ForkStarter,
     FunctionCall,
@@ -103,7 +103,10 @@ class PContext:
     def start(self) -> None:
         full_envs = {lr: {**os.environ, **e} for lr, e in self.envs.items()}
         dest = self._dest = reify_or_console(self._logs_specs, full_envs)
+        # Tee'd lines go to the caller's sys.stdout/sys.stderr, as they are now (torch's
+        # behaviour): a redirect_stdout, capsys or notebook cell around us sees them.
         relay = self._relay = OutputRelay(
+            console=PYTHON_CONSOLE,
             filtered_stdout=dest.filtered_stdout,
             filtered_stderr=dest.filtered_stderr,
             stdout_filters=self._filters[0],

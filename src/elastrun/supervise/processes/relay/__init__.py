@@ -19,7 +19,8 @@ Line handling:
 * lines end at ``\\n``, ``\\r\\n`` or a lone ``\\r`` (so progress bars that redraw with
   ``\\r`` still show progress, as with torchrun, whose tail reads in universal-newline
   mode); each console line keeps its own terminator;
-* bytes are passed through unchanged (no decoding, non-UTF-8 output survives);
+* bytes are passed through unchanged to log files and descriptor consoles (no
+  decoding, non-UTF-8 output survives; a Python text console gets them decoded);
 * a line longer than 64 KiB is shown in 64 KiB pieces, each with the prefix and a
   newline, so one endless line cannot grow memory without bound; the log file still
   gets the line unchanged;
@@ -30,13 +31,20 @@ Console writes never split a line unless it is longer than ``PIPE_BUF`` (a singl
 ``os.write`` of whole lines, at most ``PIPE_BUF`` bytes), so lines of different ranks,
 and of other writers to the same pipe, do not interleave mid-line.
 
+The console is a seam (``console``): the CLI's is its descriptors 1 and 2
+(:data:`FD_CONSOLE`); the Python API's is ``sys.stdout``/``sys.stderr``
+(:data:`PYTHON_CONSOLE`), so that a caller's ``contextlib.redirect_stdout``, pytest's
+capsys or a notebook cell sees the lines, as with torch. There a write is one ``write``
+of whole lines and a ``flush``, under a lock shared by every relay.
+
 The filtered file of a stream is created (empty) at the first :meth:`OutputRelay.wire`
 when filters for that stream are set, as torchrun does, so that it can be watched
 before any line matches.
 
 The package: ``sinks`` (the descriptors: :class:`WorkerStdio`, log files, writes that
-survive a full console), ``stream`` (one tee'd stream and its line framing, pure) and
-``output`` (:class:`OutputRelay`: wiring and the relay thread).
+survive a full console), ``console`` (where console lines go: descriptors or Python's
+streams, and when those are looked up), ``stream`` (one tee'd stream and its line
+framing, pure) and ``output`` (:class:`OutputRelay`: wiring and the relay thread).
 
 Log files that cannot be written (a full disk, a removed directory) never stop a worker
 from starting: a stream whose file cannot be opened, or whose attempt has no log
@@ -48,8 +56,24 @@ rank's log files may be missing or incomplete.
 
 from __future__ import annotations
 
+from elastrun.supervise.processes.relay.console import (
+    FD_CONSOLE,
+    PYTHON_CONSOLE,
+    Console,
+    FdConsole,
+    PythonConsole,
+)
 from elastrun.supervise.processes.relay.output import OutputRelay
 from elastrun.supervise.processes.relay.sinks import WorkerStdio
 from elastrun.supervise.processes.relay.stream import MAX_LINE
 
-__all__ = ["MAX_LINE", "OutputRelay", "WorkerStdio"]
+__all__ = [
+    "FD_CONSOLE",
+    "MAX_LINE",
+    "PYTHON_CONSOLE",
+    "Console",
+    "FdConsole",
+    "OutputRelay",
+    "PythonConsole",
+    "WorkerStdio",
+]

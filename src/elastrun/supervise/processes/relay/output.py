@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from elastrun.core.errors import ElastrunError
 from elastrun.core.waker import Waker
 from elastrun.supervise.processes.logs import LogsDest, Std, describe_os_error
+from elastrun.supervise.processes.relay.console import FD_CONSOLE, Console
 from elastrun.supervise.processes.relay.sinks import (
+    FdSink,
     Sink,
     WorkerStdio,
     close_quietly,
     open_log,
-    write_all,
 )
 from elastrun.supervise.processes.relay.stream import Stream, last_line, render, split_lines
 
@@ -40,8 +41,9 @@ class OutputRelay:
     """Relays tee'd worker output; one instance per start of a worker group.
 
     Args:
-        console_stdout, console_stderr: where tee'd lines are shown (the launcher's
-            own stdout and stderr by default); never closed by the relay.
+        console: where tee'd lines are shown (the process's descriptors 1 and 2 by
+            default; ``PYTHON_CONSOLE``: ``sys.stdout`` and ``sys.stderr`` as they are
+            now); never closed by the relay.
         filtered_stdout, filtered_stderr: files for lines matching the duplicate
             filters (``LogsDest.filtered_*``); ``""`` disables them.
         stdout_filters, stderr_filters: substrings; a tee'd line shown on the console
@@ -53,17 +55,14 @@ class OutputRelay:
     def __init__(
         self,
         *,
-        console_stdout: int = 1,
-        console_stderr: int = 2,
+        console: Console = FD_CONSOLE,
         filtered_stdout: str = "",
         filtered_stderr: str = "",
         stdout_filters: Sequence[str] = (),
         stderr_filters: Sequence[str] = (),
     ) -> None:
-        self._console = {
-            "stdout": Sink(console_stdout, "console stdout", owned=False),
-            "stderr": Sink(console_stderr, "console stderr", owned=False),
-        }
+        stdout_sink, stderr_sink = console.sinks()
+        self._console = {"stdout": stdout_sink, "stderr": stderr_sink}
         self._filtered_paths = {"stdout": filtered_stdout, "stderr": filtered_stderr}
         self._needles = {
             "stdout": tuple(n.encode("utf-8", "surrogateescape") for n in stdout_filters if n),
@@ -235,9 +234,9 @@ class OutputRelay:
                 close_quietly(log_fd, f"log file {path}")
             raise
         log = (
-            Sink(log_fd, f"{name} log file {path}", owned=True, path=path, local_rank=local_rank)
+            FdSink(log_fd, f"{name} log file {path}", owned=True, path=path, local_rank=local_rank)
             if log_fd >= 0
-            else Sink.nowhere()
+            else FdSink.nowhere()
         )
         try:
             os.set_blocking(read_fd, False)
@@ -263,7 +262,7 @@ class OutputRelay:
             sink = None
             if path and self._needles[kind]:
                 try:
-                    sink = Sink(open_log(path), f"filtered {kind} file {path}", owned=True)
+                    sink = FdSink(open_log(path), f"filtered {kind} file {path}", owned=True)
                 except OSError as exc:
                     # Only a copy of console lines: not worth failing a start for.
                     logger.warning(
@@ -441,7 +440,7 @@ class OutputRelay:
             stream.log.close()
 
     def _write(self, sink: Sink, data: bytes | bytearray) -> None:
-        exc = write_all(sink, data, lambda: self._close_at)
+        exc = sink.write(data, lambda: self._close_at)
         if exc is not None and sink.local_rank is not None:
             with self._lock:
                 self._note_problem(

@@ -1,8 +1,9 @@
 """The relay's descriptors: what a worker gets for its stdout/stderr, and where bytes go.
 
-A :class:`Sink` is a descriptor the relay thread writes to (a log file, the console, a
-filtered file); it stops taking output after its first write error, so one full disk or
-closed console never stops the others.
+A :class:`Sink` is where the relay thread writes (a log file, the console, a filtered
+file); it stops taking output after its first write error, so one full disk or closed
+console never stops the others. :class:`FdSink` writes to a descriptor; the console can
+also be a Python text stream (``relay.console``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["Sink", "WorkerStdio", "close_quietly", "open_log", "write_all"]
+__all__ = ["CloseAt", "FdSink", "Sink", "WorkerStdio", "close_quietly", "open_log"]
 
 # The package's one logger name, as before it was split: logging settings keep working.
 logger = logging.getLogger("elastrun.supervise.processes.relay")
@@ -69,12 +71,33 @@ class WorkerStdio:
             close_quietly(self.owned_fds.pop(), "worker stdio")
 
 
-class Sink:
-    """A descriptor the relay thread writes to; it stops writing after an error.
+#: The relay's drain deadline (monotonic), read at each wait; None while it is open.
+CloseAt = Callable[[], float | None]
+
+
+class Sink(Protocol):
+    """Where the relay thread writes bytes; it stops taking output after an error.
 
     ``path`` and ``local_rank`` are set for a worker's log file, so that a failure to
-    write it can be told to the failure report.
+    write it can be told to the failure report (``""`` and None otherwise).
     """
+
+    name: str
+    path: str
+    local_rank: int | None
+
+    def write(self, data: bytes | bytearray, close_at: CloseAt) -> OSError | None:
+        """Write all of ``data`` unless the sink is dead; returns the error that killed
+        it, if that was an ``OSError``. Never raises."""
+        ...
+
+    def close(self) -> None:
+        """Take no more output; release what the sink owns. Idempotent."""
+        ...
+
+
+class FdSink:
+    """A descriptor the relay thread writes to (closed by :meth:`close` if ``owned``)."""
 
     def __init__(
         self, fd: int, name: str, *, owned: bool, path: str = "", local_rank: int | None = None
@@ -87,9 +110,36 @@ class Sink:
         self.dead = fd < 0
 
     @classmethod
-    def nowhere(cls) -> Sink:
+    def nowhere(cls) -> FdSink:
         """A sink that drops everything: the log of a stream that has no log file."""
         return cls(-1, "no log file", owned=False)
+
+    def write(self, data: bytes | bytearray, close_at: CloseAt) -> OSError | None:
+        """Write all of ``data``; see :class:`Sink`.
+
+        A console someone made non-blocking is waited for, but not past ``close_at()``:
+        the rest of ``data`` is then dropped. Any other write error marks the sink dead.
+        """
+        if self.dead:
+            return None
+        view = memoryview(data)
+        while view:
+            try:
+                written = os.write(self.fd, view)
+            except BlockingIOError:
+                # Someone made the console non-blocking; wait for room, not past close.
+                if not _wait_writable(self.fd, close_at()):
+                    logger.warning("%s stayed full until the deadline; output dropped", self.name)
+                    return None
+                continue
+            except OSError as exc:
+                self.dead = True
+                logger.warning(
+                    "cannot write to %s (%s); its output is dropped from now on", self.name, exc
+                )
+                return exc
+            view = view[written:]
+        return None
 
     def close(self) -> None:
         if self.owned and self.fd >= 0:
@@ -98,38 +148,7 @@ class Sink:
         self.dead = True
 
     def __repr__(self) -> str:
-        return f"Sink({self.name!r}, fd={self.fd}, dead={self.dead})"
-
-
-def write_all(
-    sink: Sink, data: bytes | bytearray, close_at: Callable[[], float | None]
-) -> OSError | None:
-    """Write all of ``data`` to ``sink`` unless it is dead; returns the error that killed it.
-
-    A console someone made non-blocking is waited for, but not past ``close_at()`` (the
-    relay's drain deadline, read at each wait; None while it is open): the rest of
-    ``data`` is then dropped. Any other write error marks the sink dead.
-    """
-    if sink.dead:
-        return None
-    view = memoryview(data)
-    while view:
-        try:
-            written = os.write(sink.fd, view)
-        except BlockingIOError:
-            # Someone made the console non-blocking; wait for room, not past close.
-            if not _wait_writable(sink.fd, close_at()):
-                logger.warning("%s stayed full until the deadline; output dropped", sink.name)
-                return None
-            continue
-        except OSError as exc:
-            sink.dead = True
-            logger.warning(
-                "cannot write to %s (%s); its output is dropped from now on", sink.name, exc
-            )
-            return exc
-        view = view[written:]
-    return None
+        return f"FdSink({self.name!r}, fd={self.fd}, dead={self.dead})"
 
 
 def _wait_writable(fd: int, close_at: float | None) -> bool:
