@@ -153,3 +153,55 @@ def test_plan_uses_the_bootstrap_only_for_our_own_interpreter() -> None:
     other = build_plan(FACTS, entrypoint="/other", python="/py", **common)  # type: ignore[arg-type]
     assert ours.workers[0].argv == ("/py", "-u", "-m", "elastrun.worker.bootstrap", "t.py")
     assert other.workers[0].argv == ("/other", "-u", "t.py")
+
+
+def test_the_plan_names_every_variable_the_agent_provides_at_run_time() -> None:
+    from elastrun.agent.plan import RunTimeValue, WorkerServices
+
+    services = WorkerServices(file_timer=True, inprocess=True, signals_to_handle="SIGTERM")
+    plan = build_plan(
+        FACTS, role="d", local_world_size=1, nodes=[NodeSlot("d", 1)], entrypoint="/py",
+        args=("x.py",), base_env={}, python="/py", services=services,
+    )  # fmt: skip
+    worker = plan.workers[0]
+    assert worker.env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM"
+    assert worker.runtime == {
+        "TORCHELASTIC_ERROR_FILE": RunTimeValue.ERROR_FILE,
+        "ELASTRUN_STACKS_FILE": RunTimeValue.STACKS_FILE,
+        "ELASTRUN_PROGRESS_FILE": RunTimeValue.PROGRESS_FILE,
+        "ELASTRUN_PROGRESS_SLOT": RunTimeValue.PROGRESS_SLOT,
+        "TORCHELASTIC_TIMER_FILE": RunTimeValue.TIMER_FILE,
+        "ELASTRUN_INPROCESS_SOCKET": RunTimeValue.INPROCESS_SOCKET,
+    }
+    given = build_plan(
+        FACTS, role="d", local_world_size=1, nodes=[NodeSlot("d", 1)], entrypoint="/py",
+        args=("x.py",), base_env={"TORCHELASTIC_TIMER_FILE": "/f"}, python="/py",
+        services=services,
+    ).workers[0]  # fmt: skip
+    assert given.env["TORCHELASTIC_TIMER_FILE"] == "/f"
+    assert "TORCHELASTIC_TIMER_FILE" not in given.runtime
+
+
+def test_the_executor_can_fill_in_only_the_run_time_variables_the_plan_names() -> None:
+    from elastrun.agent.plan import resolve_env
+
+    worker = build_plan(
+        FACTS, role="d", local_world_size=1, nodes=[NodeSlot("d", 1)], entrypoint="/py",
+        args=("x.py",), base_env={}, python="/py",
+    ).workers[0]  # fmt: skip
+    env = resolve_env(
+        {"HOME": "/h", "RANK": "9"},
+        worker,
+        {"ELASTRUN_PROGRESS_FILE": "/b", "ELASTRUN_PROGRESS_SLOT": "0", "OTHER": "x"},
+    )
+    assert env["HOME"] == "/h" and env["RANK"] == "0"  # the plan's over the agent's
+    assert env["ELASTRUN_PROGRESS_FILE"] == "/b" and "OTHER" not in env
+    assert "ELASTRUN_STACKS_FILE" not in env  # not provided: left out
+
+
+def test_the_plan_spells_the_progress_variables_as_the_worker_reads_them() -> None:
+    from elastrun.agent import plan
+    from elastrun.worker import progress
+
+    assert plan.PROGRESS_FILE_ENV == progress.PROGRESS_FILE_ENV
+    assert plan.PROGRESS_SLOT_ENV == progress.PROGRESS_SLOT_ENV

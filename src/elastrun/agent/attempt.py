@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastrun.agent.plan import LaunchPlan
+from elastrun.agent.plan import STACKS_FILE_ENV, LaunchPlan
 from elastrun.supervise.processes.logs import LogsDest
 from elastrun.supervise.processes.procset import ProcessSet
 from elastrun.supervise.processes.relay import OutputRelay
 from elastrun.supervise.processes.spawn import ProcessStarter
 
 #: The variable naming the file a worker writes its stacks to on request.
-STACKS_FILE_ENV = "ELASTRUN_STACKS_FILE"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from elastrun.agent.attempt import Attempt, AttemptSetup
@@ -53,9 +53,6 @@ TIMEOUT_ENV = "ELASTRUN_INPROCESS_TIMEOUT"
 #: collectives (gradient accumulation) reaches the round only at its next collective.
 DEFAULT_JOIN_TIMEOUT = 30.0
 JOIN_TIMEOUT_ENV = "ELASTRUN_INPROCESS_JOIN_TIMEOUT"
-#: ``ELASTRUN_INPROCESS=0`` turns in-process recovery off (every failure restarts the
-#: whole group, as for scripts that do not use ``elastrun.inprocess``).
-INPROCESS_ENV = "ELASTRUN_INPROCESS"
 
 
 def join_timeout(environ: Mapping[str, str]) -> float:
@@ -138,11 +135,12 @@ class InprocessRecovery:
         self._rounds = 0
         self._current: _Round | None = None
 
-    def open(self, environ: MutableMapping[str, str]) -> None:
-        """Listen for workers, and tell every worker where (through ``environ``)."""
+    def open(self) -> dict[str, str]:
+        """Listen for workers; returns the variables that tell a worker where (the value
+        of the plan's ``ELASTRUN_INPROCESS_SOCKET``)."""
         if self._hub is None:
             self._hub = InprocessHub(self._wake)
-            environ.update(self._hub.env())
+        return self._hub.env()
 
     @property
     def is_open(self) -> bool:

@@ -23,9 +23,8 @@ import signal
 from elastrun.agent import failures
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.finish import BarrierAction, barrier_action, return_values
-from elastrun.agent.inprocess import INPROCESS_ENV
 from elastrun.agent.phases import AgentPhase
-from elastrun.agent.plan import LaunchPlan
+from elastrun.agent.plan import INPROCESS_ENV, LaunchPlan
 from elastrun.agent.policy import Decision
 from elastrun.agent.spec import RunResult, WorkerState
 from elastrun.agent.watches import STUCK_EXIT_TIMEOUT, FileTimer
@@ -110,7 +109,7 @@ class LocalElasticAgent(AgentWiring):
         self._rdzv.set_change_callback(self._shutdown.waker.wake)
         self._guard.start()
         if self._environ.get(INPROCESS_ENV, "1") != "0":
-            self._inprocess.open(self._environ)  # its socket's path goes to every worker
+            self._workers.provide(self._inprocess.open())  # the workers' socket path
         self._check_shutdown()
         self._start_round()
         while True:

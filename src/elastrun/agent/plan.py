@@ -3,10 +3,18 @@
 Nothing here touches the system: the base environment, the interpreter path and the
 round's facts are arguments. The executor (``elastrun.agent.workers``) applies a plan;
 ``--dry-run`` prints one.
+
+Every variable elastrun sets for a worker is named here, including those whose values
+exist only once the agent runs (its temporary files, the attempt's log directory, a
+progress slot): the plan holds those as :class:`RunTimeValue` placeholders, the executor
+fills them in with :func:`resolve_env` (and cannot add a variable the plan does not
+name), and ``--dry-run`` shows them as ``<run time: ...>``. So the dry run lists exactly
+the variables the worker gets.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import string
 from collections.abc import Callable, Mapping, Sequence
@@ -14,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
+from elastrun.core.inprocess_wire import SOCKET_ENV as INPROCESS_SOCKET_ENV
+from elastrun.core.timerwire import file_timer_enabled
 
 if TYPE_CHECKING:  # annotations only: ``--dry-run`` plans without a rendezvous
     from elastrun.agent.spec import WorkerSpec
@@ -81,6 +91,104 @@ class RoundFacts:
     use_agent_store: bool = False
 
 
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+STACKS_FILE_ENV = "ELASTRUN_STACKS_FILE"
+TIMER_FILE_ENV = "TORCHELASTIC_TIMER_FILE"
+SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+# Named here rather than imported: the worker-side modules that define them are not the
+# agent's to import (see the import-linter contracts); a unit test pins that they match.
+PROGRESS_FILE_ENV = "ELASTRUN_PROGRESS_FILE"
+PROGRESS_SLOT_ENV = "ELASTRUN_PROGRESS_SLOT"
+
+
+#: ``ELASTRUN_INPROCESS=0`` turns in-process recovery off (every failure restarts the
+#: whole group, as for scripts that do not use ``elastrun.inprocess``).
+INPROCESS_ENV = "ELASTRUN_INPROCESS"
+
+
+class RunTimeValue(enum.Enum):
+    """A variable's value that exists only once the agent runs; the plan names the
+    variable, the executor provides the value (see :func:`resolve_env`)."""
+
+    ERROR_FILE = "the worker error.json in the attempt log directory"
+    STACKS_FILE = "stacks.txt beside the error file"
+    PROGRESS_FILE = "the progress board, a temporary file"
+    PROGRESS_SLOT = "the worker record on the progress board"
+    TIMER_FILE = "the file timers FIFO, a temporary path"
+    INPROCESS_SOCKET = "the in-process recovery socket, a temporary path"
+
+    @property
+    def placeholder(self) -> str:
+        """How ``--dry-run`` shows the value."""
+        return f"<run time: {self.value}>"
+
+
+@dataclass(frozen=True)
+class WorkerServices:
+    """What the agent provides every worker beyond its ranks; each adds variables.
+
+    Attributes:
+        file_timer: the expiration-timer watchdog runs (``TORCHELASTIC_TIMER_FILE``).
+        inprocess: the in-process recovery socket listens (``ELASTRUN_INPROCESS_SOCKET``).
+        signals_to_handle: what the launcher set ``TORCHELASTIC_SIGNALS_TO_HANDLE`` to,
+            in its own environment, which the workers inherit (None: not launched so).
+    """
+
+    file_timer: bool = False
+    inprocess: bool = False
+    signals_to_handle: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], signals_to_handle: str | None) -> WorkerServices:
+        """The services an agent with the environment ``environ`` provides.
+
+        Raises:
+            ConfigError: ``TORCHELASTIC_ENABLE_FILE_TIMER`` is neither empty, 0 nor 1.
+        """
+        return cls(
+            file_timer=file_timer_enabled(environ),
+            inprocess=environ.get(INPROCESS_ENV, "1") != "0",
+            signals_to_handle=signals_to_handle,
+        )
+
+
+def service_env(
+    services: WorkerServices, base_env: Mapping[str, str]
+) -> tuple[dict[str, str], dict[str, RunTimeValue]]:
+    """The variables the agent's services set for every worker: those known now, and
+    those whose values the running agent provides.
+
+    Every worker has an error file, a stacks file beside it and a progress slot (an
+    agent that cannot make them leaves them empty or out, and says so).
+    """
+    known: dict[str, str] = {}
+    runtime = {
+        ERROR_FILE_ENV: RunTimeValue.ERROR_FILE,
+        STACKS_FILE_ENV: RunTimeValue.STACKS_FILE,
+        PROGRESS_FILE_ENV: RunTimeValue.PROGRESS_FILE,
+        PROGRESS_SLOT_ENV: RunTimeValue.PROGRESS_SLOT,
+    }
+    if services.file_timer:
+        given = base_env.get(TIMER_FILE_ENV)
+        if given:
+            known[TIMER_FILE_ENV] = given  # the user's FIFO: the watchdog serves that one
+        else:
+            runtime[TIMER_FILE_ENV] = RunTimeValue.TIMER_FILE
+    if services.inprocess:
+        runtime[INPROCESS_SOCKET_ENV] = RunTimeValue.INPROCESS_SOCKET
+    if services.signals_to_handle is not None:
+        known[SIGNALS_TO_HANDLE_ENV] = services.signals_to_handle
+    return known, runtime
+
+
+def stacks_file_beside(error_file: str) -> str | None:
+    """Where a worker dumps its stacks on request: beside its error file (None when it
+    has none)."""
+    if not error_file or error_file == os.devnull:
+        return None
+    return os.path.join(os.path.dirname(error_file), "stacks.txt")
+
+
 @dataclass(frozen=True)
 class WorkerPlan:
     """One worker: its ranks, its own environment variables and its command."""
@@ -89,6 +197,8 @@ class WorkerPlan:
     env: dict[str, str]  # the variables elastrun sets (merged over the agent's environment)
     argv: tuple[str, ...] | None  # None for function workers
     args: tuple[object, ...] = ()  # function workers' arguments
+    #: The variables elastrun sets whose values the running agent provides.
+    runtime: dict[str, RunTimeValue] = field(default_factory=dict)
 
     @property
     def local_rank(self) -> int:
@@ -199,6 +309,18 @@ def worker_env(
     return env
 
 
+def resolve_env(
+    base_env: Mapping[str, str], worker: WorkerPlan, provided: Mapping[str, str]
+) -> dict[str, str]:
+    """A worker's complete environment: the agent's, the plan's variables over it, and
+    the values ``provided`` for the plan's run-time variables (by name). A run-time
+    variable with no value provided is left out (the agent could not make it, and said
+    so); a provided name the plan does not list is ignored."""
+    env = {**base_env, **worker.env}
+    env.update((name, provided[name]) for name in worker.runtime if name in provided)
+    return env
+
+
 def build_plan(
     facts: RoundFacts,
     *,
@@ -210,8 +332,10 @@ def build_plan(
     base_env: Mapping[str, str],
     python: str,
     virtual_local_rank: bool = False,
+    services: WorkerServices = WorkerServices(),
 ) -> LaunchPlan:
     """The plan of one round for this node: every worker's ranks, env and command."""
+    known, runtime = service_env(services, base_env)
     workers = []
     for ranks in assign_ranks(facts.group_rank, nodes):
         env = worker_env(
@@ -222,6 +346,7 @@ def build_plan(
             base_env=base_env,
             virtual_local_rank=virtual_local_rank,
         )
+        env.update(known)
         wargs = substitute_local_rank(args, ranks.local_rank)
         argv: tuple[str, ...] | None = None
         if isinstance(entrypoint, str):
@@ -229,7 +354,9 @@ def build_plan(
             boot = with_bootstrap(str_args) if is_same_python(entrypoint, python) else None
             argv = (entrypoint, *(boot if boot is not None else str_args))
             wargs = ()
-        workers.append(WorkerPlan(ranks=ranks, env=env, argv=argv, args=wargs))
+        workers.append(
+            WorkerPlan(ranks=ranks, env=env, argv=argv, args=wargs, runtime=dict(runtime))
+        )
     return LaunchPlan(
         role=role,
         facts=facts,
@@ -256,6 +383,7 @@ def round_plan(
     *,
     base_env: Mapping[str, str],
     python: str,
+    services: WorkerServices = WorkerServices(),
 ) -> LaunchPlan:
     """This node's plan for the round ``info`` (whose decisions ``facts`` holds)."""
     assert spec.entrypoint is not None
@@ -269,4 +397,5 @@ def round_plan(
         base_env=base_env,
         python=python,
         virtual_local_rank=spec.virtual_local_rank,
+        services=services,
     )

@@ -57,15 +57,15 @@ class ProgressWatch:
         self._board: ProgressBoard | None = None
         self._dir: str | None = None
 
-    def add_worker_env(self, envs: Mapping[int, dict[str, str]]) -> None:
-        """Give a new attempt's workers their report slots (the board is made at the
-        first start; a replaced worker that lingers writes where nobody reads)."""
+    def worker_values(self, local_ranks: Iterable[int]) -> dict[int, dict[str, str]]:
+        """A new attempt's workers' report slots: each local rank's values of the plan's
+        progress variables (the board is made at the first start; a replaced worker that
+        lingers writes where nobody reads). Empty when the board cannot be made."""
         board = self._open()
         if board is None:
-            return
+            return {}
         board.reset_all()
-        for lr, env in envs.items():
-            env.update(board.worker_env(lr))
+        return {lr: board.worker_env(lr) for lr in local_ranks}
 
     def _open(self) -> ProgressBoard | None:
         if self._board is None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 
 from elastrun.agent.bootstrap_store import BootstrapStore
 from elastrun.agent.pace_watch import PaceWatch
-from elastrun.agent.plan import LaunchPlan, RoundFacts, round_plan
+from elastrun.agent.plan import LaunchPlan, RoundFacts, WorkerServices, round_plan
 from elastrun.agent.policy import RestartBudget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
@@ -31,6 +31,7 @@ class Rounds:
         spec, group: what runs, and the worker group the round is recorded in.
         budget: the restart budget (its counts go into every worker's environment).
         environ, python: the agent's environment and interpreter (for the plan).
+        services: what the agent provides every worker (its variables are planned too).
         pace: the straggler watch (it exchanges step times through the round's store).
         report: reports the rendezvous.
         interruptible: runs the rendezvous wait so that a signal ends it.
@@ -46,6 +47,7 @@ class Rounds:
         budget: RestartBudget,
         environ: Mapping[str, str],
         python: str,
+        services: WorkerServices,
         pace: PaceWatch,
         report: AgentReport,
         interruptible: Interruptible,
@@ -57,6 +59,7 @@ class Rounds:
         self._budget = budget
         self._environ = environ
         self._python = python
+        self._services = services
         self._pace = pace
         self._report = report
         self._interruptible = interruptible
@@ -115,7 +118,14 @@ class Rounds:
             use_agent_store=self._handler.use_agent_store
             or self._handler.agent_hosts_bootstrap_store,
         )
-        return round_plan(info, facts, spec, base_env=self._environ, python=self._python)
+        return round_plan(
+            info,
+            facts,
+            spec,
+            base_env=self._environ,
+            python=self._python,
+            services=self._services,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -27,7 +27,12 @@ from elastrun.agent.inprocess_steps import InprocessSteps
 from elastrun.agent.interrupt import run_interruptibly
 from elastrun.agent.pace_watch import PaceWatch
 from elastrun.agent.phases import WORKER_TRANSITIONS, AgentPhase, PhaseMachine
-from elastrun.agent.plan import LaunchPlan
+from elastrun.agent.plan import (
+    INPROCESS_ENV,
+    SIGNALS_TO_HANDLE_ENV,
+    LaunchPlan,
+    WorkerServices,
+)
 from elastrun.agent.policy import RestartAll, RestartBudget, RestartPolicy, default_budget
 from elastrun.agent.progress_watch import ProgressWatch
 from elastrun.agent.report import AgentReport
@@ -189,6 +194,12 @@ class AgentWiring:
             budget=self._budget,
             environ=self._environ,
             python=self._python,
+            services=WorkerServices(
+                file_timer=self._file_timer is not None,
+                inprocess=self._environ.get(INPROCESS_ENV, "1") != "0",
+                # Set by the launcher in its own environment, as torchrun does.
+                signals_to_handle=self._environ.get(SIGNALS_TO_HANDLE_ENV),
+            ),
             pace=self._pace,
             report=self._report,
             interruptible=self.interruptible,

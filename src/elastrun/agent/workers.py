@@ -20,8 +20,15 @@ import tempfile
 from collections.abc import Mapping
 from typing import Protocol
 
-from elastrun.agent.attempt import STACKS_FILE_ENV, Attempt, AttemptSetup
-from elastrun.agent.plan import LaunchPlan
+from elastrun.agent.attempt import Attempt, AttemptSetup
+from elastrun.agent.plan import (
+    ERROR_FILE_ENV,
+    STACKS_FILE_ENV,
+    TIMER_FILE_ENV,
+    LaunchPlan,
+    resolve_env,
+    stacks_file_beside,
+)
 from elastrun.agent.progress_watch import ProgressWatch
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.agent.watches import FileTimer
@@ -118,6 +125,7 @@ class WorkerProcesses:
         self._metrics = metrics
         self._numa = numa_options_from(spec.numa_options)
         self._return_dir: str | None = None  # function workers' return values
+        self._provided: dict[str, str] = {}
 
     # -- starting --------------------------------------------------------------------
 
@@ -188,8 +196,13 @@ class WorkerProcesses:
         lws = self._spec.local_world_size
         cpus = {w.local_rank: binding_cpus(self._numa, w.local_rank, lws) for w in plan.workers}
         # A log directory that fails now (full disk, removed) must not end the agent.
+        # The logs specs fill in TORCHELASTIC_ERROR_FILE themselves (torch's LogsSpecs
+        # protocol: ``reify`` writes into the environments it is given).
         dest = reify_or_console(self._logs, envs)
-        _add_stacks_files(envs)
+        for w in plan.workers:
+            stacks = stacks_file_beside(envs[w.local_rank].get(ERROR_FILE_ENV, ""))
+            if stacks is not None and STACKS_FILE_ENV in w.runtime:
+                envs[w.local_rank][STACKS_FILE_ENV] = stacks
         relay = OutputRelay(
             console=self._console,
             filtered_stdout=dest.filtered_stdout,
@@ -199,6 +212,11 @@ class WorkerProcesses:
         )
         return AttemptSetup(number, plan, envs, cpus, dest, relay, self._starter_for(plan))
 
+    def provide(self, values: Mapping[str, str]) -> None:
+        """Values of run-time variables that the agent's other parts hold (the in-process
+        recovery socket), for every later attempt's workers that the plan names them for."""
+        self._provided.update(values)
+
     def _starter_for(self, plan: LaunchPlan) -> ProcessStarter:
         if self._starter is not None:
             return self._starter
@@ -207,15 +225,17 @@ class WorkerProcesses:
         return SubprocessStarter(self._python)
 
     def _worker_envs(self, plan: LaunchPlan) -> dict[int, dict[str, str]]:
-        """Each worker's environment: the agent's, the plan's, the file timer's and the
-        progress board's variables."""
-        extra: dict[str, str] = {}
+        """Each worker's environment before its log directory is made: the plan applied
+        over the agent's environment, with the values of its run-time variables that the
+        file timer, the progress board and :meth:`provide` hold."""
+        provided = dict(self._provided)
         if self._file_timer is not None:
-            self._file_timer.start(plan.facts.run_id)
-            extra.update(self._file_timer.worker_env())
-        envs = {w.local_rank: {**self._environ, **extra, **w.env} for w in plan.workers}
-        self._progress.add_worker_env(envs)
-        return envs
+            provided[TIMER_FILE_ENV] = self._file_timer.start(plan.facts.run_id)
+        slots = self._progress.worker_values(w.local_rank for w in plan.workers)
+        return {
+            w.local_rank: resolve_env(self._environ, w, {**provided, **slots.get(w.local_rank, {})})
+            for w in plan.workers
+        }
 
     def _process_spec(
         self, setup: AttemptSetup, local_rank: int, stdio: WorkerStdio
@@ -278,14 +298,6 @@ class WorkerProcesses:
             f"WorkerProcesses(local_world_size={self._spec.local_world_size}, "
             f"start_method={self._start_method!r}, starter={self._starter!r})"
         )
-
-
-def _add_stacks_files(envs: dict[int, dict[str, str]]) -> None:
-    """Each worker with an error file dumps its stacks, on request, beside it."""
-    for env in envs.values():
-        error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
-        if error_file and error_file != os.devnull:
-            env[STACKS_FILE_ENV] = os.path.join(os.path.dirname(error_file), "stacks.txt")
 
 
 def _write_workers_file(envs: dict[int, dict[str, str]], procs: list[WorkerProcess]) -> None:

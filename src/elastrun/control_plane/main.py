@@ -13,7 +13,7 @@ from elastrun.control_plane.protocol import (
     WorkerServerError,
 )
 from elastrun.control_plane.server import WorkerServer
-from elastrun.worker.record import ErrorHandler, _forward_child_failure, get_error_handler
+from elastrun.worker.record import ErrorHandler, forward_child_failure, get_error_handler
 
 __all__ = ["serve_from_env", "worker_main"]
 
@@ -68,7 +68,7 @@ def worker_main(error_handler: ErrorHandler | None = None) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if not _forward_child_failure(handler, exc):
+        if not forward_child_failure(handler, exc):
             handler.record_exception(exc)
         raise
     finally:

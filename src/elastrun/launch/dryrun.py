@@ -1,11 +1,17 @@
-"""``--dry-run``: print the launch plan of the first round; start nothing, write nothing."""
+"""``--dry-run``: print the launch plan of the first round; start nothing, write nothing.
+
+The plan is the one the agent computes (``agent.plan.build_plan``), with the services the
+agent would provide, so the ``env`` line lists exactly the variables elastrun sets for
+the worker. A value that exists only at run time (a port chosen per round, a temporary
+path, a generated run id) is shown as ``<run time: ...>``.
+"""
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping, Sequence
 
-from elastrun.agent.plan import NodeSlot, RoundFacts, build_plan
+from elastrun.agent.plan import NodeSlot, RoundFacts, WorkerServices, build_plan
 from elastrun.launch.cli import Launch
 from elastrun.supervise.processes.logs import Std, to_map
 
@@ -56,7 +62,7 @@ def render_plan(
 ) -> str:
     """The plan as text: each worker's argv, the variables elastrun sets, its log paths."""
     cfg = launch.config
-    run_id = cfg.run_id or "<generated at start>"
+    run_id = cfg.run_id or "<run time: generated at start>"
     static = cfg.rdzv_backend == "static"
     master_addr = (cfg.master_addr or "127.0.0.1") if static else (cfg.local_addr or "127.0.0.1")
     facts = RoundFacts(
@@ -82,6 +88,7 @@ def render_plan(
         base_env=environ,
         python=sys.executable,
         virtual_local_rank=cfg.virtual_local_rank,
+        services=WorkerServices.from_env(environ, cfg.signals_to_handle),
     )
     out = [
         "elastrun launch plan (dry run: nothing was started)",
@@ -103,7 +110,8 @@ def render_plan(
             out.append(f"  call: {name}{tuple(w.args)!r}")
         env = dict(w.env)
         if env.get("MASTER_PORT") == str(_PORT_PLACEHOLDER):
-            env["MASTER_PORT"] = "<free port chosen each round>"
+            env["MASTER_PORT"] = "<run time: a free port chosen each round>"
+        env.update((name, value.placeholder) for name, value in w.runtime.items())
         out.append("  env : " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
         for line in _log_lines(launch, w.local_rank, cfg.nproc_per_node):
             out.append(f"  {line}")

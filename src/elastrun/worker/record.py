@@ -168,7 +168,7 @@ def record(
                     return None
                 raise
             except Exception as exc:
-                if not _forward_child_failure(handler, exc):
+                if not forward_child_failure(handler, exc):
                     handler.record_exception(exc)
                 raise
 
@@ -179,8 +179,14 @@ def record(
     return decorate(fn)
 
 
-def _forward_child_failure(handler: ErrorHandler, exc: Exception) -> bool:
+def forward_child_failure(handler: ErrorHandler, exc: Exception) -> bool:
     """Forward the root cause of a ChildFailedError-like ``exc``; False if not one.
+
+    Used by :func:`record` and by ``elastrun.control_plane``'s ``worker_main``: when a
+    launcher inside a worker fails because one of its own children failed, the child's
+    error file (when it wrote one) becomes this process's error file as it is, so the
+    report names the real root cause. Returns False (nothing written) when ``exc`` is
+    not such a failure or its error file is missing or unreadable.
 
     Duck-typed so that torch's ChildFailedError works too without importing torch.
     """

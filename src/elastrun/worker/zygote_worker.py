@@ -17,7 +17,6 @@ template's go-ahead.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import io
 import os
@@ -26,11 +25,11 @@ import sys
 import time
 from types import ModuleType
 
+from elastrun.core.linux import die_with_parent
 from elastrun.worker import bootstrap, threadpools
 from elastrun.worker.zygote_fork import Job, close_quietly, open_fds
 from elastrun.worker.zygote_wire import STDIO_FDS, TITLE_ROOM, int_list
 
-_PR_SET_PDEATHSIG = 1
 # Longest a new worker waits to be handed to the agent. The intermediate exits right
 # after forking, so this is only reached when the system is wedged.
 _ADOPTION_TIMEOUT = 30.0
@@ -63,14 +62,6 @@ class Stdio:
         return Stdio(buffered, (enc[0], enc[1], enc[2]), (err[0], err[1], err[2]))
 
 
-def _set_parent_death_signal(sig: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:  # pragma: no cover - every Linux libc has prctl
-        return
-    libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-
-
 def await_adoption(job: Job) -> None:
     """Wait to become the agent's child, then die with it; exit if it is gone."""
     agent = job.request["agent_pid"]
@@ -83,9 +74,7 @@ def await_adoption(job: Job) -> None:
         time.sleep(0.0001)
     if os.getppid() != agent:
         os._exit(1)  # adopted by someone else: the agent died meanwhile
-    _set_parent_death_signal(death)
-    if os.getppid() != agent:
-        os._exit(1)  # the agent died before the signal was armed
+    die_with_parent(death, agent)  # exits if the agent died before the signal was armed
     go = os.read(job.go_fd, 1)
     os.close(job.go_fd)
     if go != b"g":

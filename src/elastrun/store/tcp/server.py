@@ -196,7 +196,7 @@ class TcpStoreServer:
                 self._loop = self._stop_event = None
 
     async def _listen(self, service: Service) -> Acceptor:
-        socks = await _bind(self._host, self._requested_port)
+        socks = await bind_listeners(self._host, self._requested_port)
         self._port = socks[0].getsockname()[1]
         acceptor = Acceptor(service, socks)
         try:
@@ -251,8 +251,15 @@ def _listener(family: socket.AddressFamily, addr: str, port: int) -> socket.sock
     return sock
 
 
-async def _bind(host: str, port: int) -> list[socket.socket]:
-    """Listening sockets for every address of ``host``, all on one port."""
+async def bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for every address of ``host``, all on one port.
+
+    Shared by our store server and the torch-wire server. ``port`` 0 picks a free port
+    (the same one on every address, retried when another address already has it).
+
+    Raises:
+        OSError: no address of ``host`` could be listened on.
+    """
     addrs = await _addresses(host, port)
     for attempt in range(_BIND_ATTEMPTS):
         socks: list[socket.socket] = []

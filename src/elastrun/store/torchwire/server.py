@@ -17,7 +17,7 @@ from elastrun.core.errors import ConfigError, StoreError
 
 # The tcp store's listening helpers: one address or all of a name's, one port for all,
 # IPv6 sockets that leave the IPv4 port alone, and a re-pick when port 0 collides.
-from elastrun.store.tcp.server import _bind
+from elastrun.store.tcp.server import bind_listeners
 from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec
 from elastrun.store.torchwire.connection import DEFAULT_MAX_CONNECTIONS, Connection, Hub, Limits
@@ -190,7 +190,7 @@ class TorchWireServer:
             pass
 
     async def _listen(self, loop: asyncio.AbstractEventLoop, hub: Hub) -> list[asyncio.Server]:
-        socks = self._given or await _bind(self._host, self._requested_port)
+        socks = self._given or await bind_listeners(self._host, self._requested_port)
         made = await asyncio.gather(
             *(loop.create_server(lambda: Connection(hub), sock=s, backlog=BACKLOG) for s in socks),
             return_exceptions=True,

@@ -19,7 +19,6 @@ a group's workers in one batch.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -31,34 +30,17 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from elastrun.core.errors import ExecutableNotFoundError, ProcessStartError
+from elastrun.core.linux import die_with_parent
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-_libc: ctypes.CDLL | None
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-except OSError:  # pragma: no cover - every Linux libc has prctl
-    _libc = None
-
 
 def prepare_child(sig: int, expected_parent: int, cpus: frozenset[int] | None) -> None:
-    """In a freshly forked child: bind its CPUs, then arm the parent-death signal."""
+    """In a freshly forked child: bind its CPUs, then arm the parent-death signal (see
+    :func:`elastrun.core.linux.die_with_parent`: it exits if the parent is gone)."""
     if cpus:
         os.sched_setaffinity(0, cpus)  # inherited across exec, and by its children
-    set_parent_death_signal(sig, expected_parent)
-
-
-def set_parent_death_signal(sig: int, expected_parent: int) -> None:
-    """In a freshly forked child: die with ``sig`` when the parent dies.
-
-    If the parent already died between fork and this call the request would never
-    fire, so the child checks and exits at once.
-    """
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    if os.getppid() != expected_parent:
-        os._exit(1)
+    die_with_parent(sig, expected_parent)
 
 
 @dataclass(frozen=True)
@@ -232,6 +214,19 @@ class _Handle:
         return f"WorkerProcess(local_rank={self.local_rank}, pid={self.pid}, exit={self._code})"
 
 
+def adopt_child(local_rank: int, pid: int, return_file: str | None = None) -> WorkerProcess:
+    """The handle of ``pid``, a running child of this process started without
+    ``subprocess`` (forked here, or forked by the template and handed to this process).
+
+    Its exit is observed through a pidfd and its status reaped with ``waitpid``.
+    ``return_file``: where a function worker leaves its return value.
+
+    Raises:
+        ProcessLookupError: ``pid`` is gone (already reaped).
+    """
+    return _Handle(local_rank, pid, os.pidfd_open(pid), _waitpid_nohang(pid), return_file)
+
+
 def _waitpid_nohang(pid: int) -> Callable[[], int | None]:
     def wait() -> int | None:
         try:
@@ -377,5 +372,4 @@ class ForkStarter:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        pidfd = os.pidfd_open(pid)
-        return _Handle(spec.local_rank, pid, pidfd, _waitpid_nohang(pid), spec.call.return_file)
+        return adopt_child(spec.local_rank, pid, spec.call.return_file)

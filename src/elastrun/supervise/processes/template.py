@@ -48,8 +48,7 @@ from elastrun.supervise.processes.spawn import (
     ProcessStarter,
     SubprocessStarter,
     WorkerProcess,
-    _Handle,
-    _waitpid_nohang,
+    adopt_child,
     kill_started,
 )
 from elastrun.supervise.processes.template_key import (
@@ -380,7 +379,7 @@ class TemplateStarter:
             )
             return None
         self.forked += 1
-        return _Handle(spec.local_rank, answer, os.pidfd_open(answer), _waitpid_nohang(answer))
+        return adopt_child(spec.local_rank, answer)
 
     def _use_fallback(self, spec: ProcessSpec) -> WorkerProcess:
         self.fell_back += 1

@@ -10,7 +10,6 @@ for workers, with this process a child subreaper for the hand-over
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import selectors
@@ -24,8 +23,8 @@ from contextlib import contextmanager
 from typing import IO
 
 from elastrun.core.errors import ElastrunError, ShutdownRequested
+from elastrun.core.linux import child_subreaper, die_with_parent
 from elastrun.core.shutdown import ShutdownRequest
-from elastrun.supervise.processes.spawn import set_parent_death_signal
 from elastrun.supervise.processes.template_key import TemplateKey
 from elastrun.worker.zygote_wire import (
     BATCH_MAX,
@@ -49,9 +48,6 @@ _BATCH_EXIT_BOUND = 10.0
 # TITLE_ROOM); a longer one is shown cut.
 _TITLE_MARGIN = 256
 
-_PR_SET_CHILD_SUBREAPER = 36
-_PR_GET_CHILD_SUBREAPER = 37
-
 
 class TemplateUnavailable(ElastrunError):
     """The template cannot be used (unsafe preload, failed to start); the reason."""
@@ -69,21 +65,8 @@ def adopting_orphans() -> Iterator[None]:
     grandchild of every worker (data loader processes, compilers) and keep them as
     zombies, since nothing else in the agent would reap them.
     """
-    libc = _libc()
-    previous = ctypes.c_int(0)
-    if libc is None or libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(previous), 0, 0, 0):
+    with child_subreaper():
         yield
-        return
-    if not previous.value:
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    try:
-        yield
-    finally:
-        if not previous.value:
-            libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
-
-
-_LIBC: list[ctypes.CDLL | None] = []
 
 
 def _pid_or_reason(result: object) -> int | str:
@@ -123,15 +106,6 @@ def _reap(pid: int, deadline: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.001)
-
-
-def _libc() -> ctypes.CDLL | None:
-    if not _LIBC:
-        try:
-            _LIBC.append(ctypes.CDLL(None, use_errno=True))
-        except OSError:  # pragma: no cover - every Linux libc has prctl
-            _LIBC.append(None)
-    return _LIBC[0]
 
 
 class Template:
@@ -193,7 +167,7 @@ class Template:
                     pass_fds=(theirs.fileno(),),
                     start_new_session=True,  # the terminal's Ctrl-C is for the agent
                     # Only prctl and getppid run between fork and exec.
-                    preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL, agent),  # noqa: PLW1509
+                    preexec_fn=lambda: die_with_parent(signal.SIGKILL, agent),  # noqa: PLW1509
                 )
         except OSError as exc:
             ours.close()

@@ -1,0 +1,89 @@
+"""Rules about the package's layout that import-linter cannot state.
+
+import-linter's contracts are about which *modules* import which (layers, forbidden,
+independence); a contract sees ``from elastrun.a import _b`` only as the edge
+``elastrun.x -> elastrun.a``, never the imported name. Whether what crosses a module
+boundary is private is therefore checked here, on the source's syntax tree.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import elastrun
+
+PACKAGE_DIR = Path(elastrun.__file__).resolve().parent
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _module_name(path: Path) -> tuple[str, bool]:
+    """The dotted name of the module in ``path`` and whether it is a package."""
+    parts = ("elastrun", *path.relative_to(PACKAGE_DIR).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        return ".".join(parts[:-1]), True
+    return ".".join(parts), False
+
+
+def _imported_module(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    base = here[: len(here) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def private_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Every import in ``source`` (the text of ``module``) of an underscored name, or of
+    an underscored module, from an elastrun module: ``"<line>: <module>.<name>"``."""
+    found = []
+    for node in ast.walk(ast.parse(source, module)):
+        if isinstance(node, ast.ImportFrom):
+            origin = _imported_module(node, module, is_package)
+            if origin != "elastrun" and not origin.startswith("elastrun."):
+                continue
+            names = [f"{origin}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("elastrun.")]
+        else:
+            continue
+        for dotted in names:
+            if any(_is_private(part) for part in dotted.split(".")):
+                found.append(f"{node.lineno}: {dotted}")
+    return found
+
+
+def test_no_module_of_the_package_imports_another_modules_private_names() -> None:
+    offenders = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        module, is_package = _module_name(path)
+        hits = private_imports(path.read_text(encoding="utf-8"), module, is_package)
+        if hits:
+            offenders[module] = hits
+    assert offenders == {}, (
+        "private names imported across modules (make them public and documented, "
+        f"or move them): {offenders}"
+    )
+
+
+def test_the_private_import_check_sees_absolute_relative_and_module_imports() -> None:
+    source = (
+        "from elastrun.supervise.processes.spawn import _Handle, adopt_child\n"
+        "from .template import _x, __version__\n"
+        "from .. import failures\n"
+        "import elastrun._private.mod\n"
+        "from os import _exit\n"
+        "from . import _sibling\n"
+    )
+    hits = private_imports(source, "elastrun.supervise.processes.probe")
+    assert hits == [
+        "1: elastrun.supervise.processes.spawn._Handle",
+        "2: elastrun.supervise.processes.template._x",
+        "4: elastrun._private.mod",
+        "6: elastrun.supervise.processes._sibling",
+    ]
+    in_package = private_imports("from .spawn import _Handle\n", "elastrun.supervise", True)
+    assert in_package == ["1: elastrun.supervise.spawn._Handle"]
