@@ -100,7 +100,7 @@ def _recovering(
     while True:
         if round_no > 0:
             try:
-                _synchronise(state, round_no)
+                _synchronise(state, round_no, channel)
             except Exception as exc:
                 if not peer_gone(exc):
                     raise
@@ -214,10 +214,10 @@ def _apply_env(env: dict[str, str]) -> None:
             os.environ[key] = str(env[key])
 
 
-def _synchronise(state: State, round_no: int) -> None:
+def _synchronise(state: State, round_no: int, channel: Channel) -> None:
     from elastrun.inprocess.sync import synchronise
 
-    synchronise(state, round_no)
+    synchronise(state, round_no, lambda: channel.newer_than(round_no))
 
 
 def _first_line(exc: BaseException) -> str:
