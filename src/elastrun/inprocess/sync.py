@@ -68,8 +68,8 @@ def synchronise(state: State, round_no: int, superseded: Callable[[], bool]) -> 
                 state.import_commit(blob[0])
     finally:
         dist.destroy_process_group()
-        # Kept: releasing it would need a pause (see inprocess.parking) on the recovery's
-        # critical path; a synchronisation group costs a few threads until exit.
+        # Kept: releasing it now would need a pause (see inprocess.parking) on the
+        # recovery's critical path; the next recovery releases it, idle by then.
         keep_parked()
 
 
