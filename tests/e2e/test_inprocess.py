@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -381,6 +382,10 @@ def test_a_survivor_stuck_past_the_join_bound_is_replaced_in_place(
     assert code == 0, err
     assert "did not reach in-process round 1 within 2s" in err
     assert "in-process round 2 complete" in err and "restarting all workers" not in err
+    # Its stacks outlive the clean run's temporary log directory, and the run says so.
+    stacks = re.search(r"stacks: (\S+stacks\.txt)\)", err)
+    assert stacks is not None and "Thread" in Path(stacks[1]).read_text(), err
+    assert "the run wrote diagnostics (1 stack dump(s)); kept in" in err
     ranks = _by_rank(results)
     _kept(ranks[0], [0, 13], err)  # kept all along
     _kept(ranks[3], [0, 13], err)
