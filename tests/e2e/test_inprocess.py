@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,7 +38,7 @@ import elastrun.inprocess as inprocess
 
 out, steps, plan = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 rank = int(os.environ["RANK"])
-calls = []
+calls, usage = [], []
 
 def once(name):
     try:
@@ -63,11 +64,39 @@ def fail(kind, step):
 def planned(step):
     for item in plan:
         who, when, kind = item.split(":")
-        if kind == "sync":
-            continue  # taken at the start of a replacement, below
+        if kind in ("sync", "syncdie"):
+            continue  # taken at the start of a replacement, or of a synchronisation
+        if kind == "loop":
+            continue  # taken before the step's collectives, below
         if int(who) == rank and int(when) == step and once(f"did_{item}"):
             return kind
     return None
+
+import elastrun.inprocess.sync as sync
+real_synchronise = sync.synchronise
+
+def synchronise(*args):
+    # RANK:MS:syncdie: the process of that rank dies MS ms into a synchronisation.
+    me = int(os.environ["RANK"])
+    for item in plan:
+        who, when, kind = item.split(":")
+        if kind == "syncslow" and int(who) == me and once(f"did_{item}"):
+            time.sleep(int(when) / 1000)  # a survivor slow to reach the round's store
+        if kind == "syncdie" and int(who) == me and once(f"did_{item}"):
+            if int(when) == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            import threading
+            threading.Timer(int(when) / 1000, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            break
+    return real_synchronise(*args)
+
+sync.synchronise = synchronise
+
+def resources():
+    threads = len(os.listdir("/proc/self/task"))
+    with open("/proc/self/statm") as fh:
+        rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return [len(os.listdir("/proc/self/fd")), threads, rss]
 
 if os.environ.get("ELASTRUN_INPROCESS_ROUND", "0") != "0":
     for item in plan:
@@ -88,9 +117,12 @@ def train(state):
     global rank
     rank = int(os.environ["RANK"])  # a round may renumber the ranks (a lost node)
     calls.append(state.step)
+    usage.append(resources())
     dist.init_process_group("gloo")
     ddp = DistributedDataParallel(state.model, find_unused_parameters=True)
     while state.step < steps:
+        if f"{rank}:{state.step}:loop" in plan:  # every time, before the others commit
+            os.kill(os.getpid(), signal.SIGKILL)
         g = torch.Generator().manual_seed(state.step * 1000 + rank)
         x = torch.randn(16, 8, generator=g)
         opt.zero_grad()
@@ -111,7 +143,7 @@ for p in model.parameters():
     h.update(p.detach().numpy().tobytes())
 with open(os.path.join(out, f"rank_{rank}_{os.getpid()}.json"), "w") as fh:
     json.dump({"rank": rank, "pid": os.getpid(), "calls": calls, "sha": h.hexdigest(),
-               "restarts": os.environ["TORCHELASTIC_RESTART_COUNT"]}, fh)
+               "restarts": os.environ["TORCHELASTIC_RESTART_COUNT"], "usage": usage}, fh)
 """
 
 NO_API = """
@@ -129,14 +161,22 @@ STEPS = 40
 FAST = {"OMP_NUM_THREADS": "1", "ELASTRUN_INPROCESS_JOIN_TIMEOUT": "5"}
 
 
-def _run(tmp_path: Path, name: str, plan: list[str], *extra: str) -> tuple[int, str, list[dict]]:
+def _run(
+    tmp_path: Path,
+    name: str,
+    plan: list[str],
+    *extra: str,
+    restarts: int = 5,
+    nproc: int = 4,
+    steps: int = STEPS,
+) -> tuple[int, str, list[dict]]:
     out = tmp_path / name
     out.mkdir()
     script = write_script(tmp_path / "train.py", SCRIPT)
     env = {**os.environ, **FAST, **dict(e.split("=", 1) for e in extra)}
     proc = start(
-        ["--standalone", "--nproc-per-node", "4", "--max-restarts", "5",
-         str(script), str(out), str(STEPS), *plan],
+        ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
+         str(script), str(out), str(steps), *plan],
         cwd=tmp_path, env=env,
     )  # fmt: skip
     res = finish(proc, 180)
@@ -215,17 +255,107 @@ def test_an_error_that_only_looks_like_a_failed_collective_is_the_workers_own(
     assert {r["sha"] for r in results} == {fault_free}
 
 
-def test_a_replacement_dying_before_the_synchronisation_restarts_the_group(
+def test_a_replacement_dying_before_it_said_hello_is_replaced_in_a_new_round(
     tmp_path: Path, fault_free: str
 ) -> None:
+    # Rank 2's replacement exits before it calls the decorated function: it was started
+    # for an in-process round, so it is an in-process worker and round 2 replaces it.
     code, err, results = _run(tmp_path, "out", ["2:15:kill", "2:0:sync"])
     assert code == 0, err
     ranks = _by_rank(results)
-    # The whole group restarted from scratch (no checkpoint): every process is new.
-    for r in range(4):
-        assert ranks[r]["calls"] == [0], ranks[r]
-    assert "abandoned" in err and "restarting all workers" in err
+    for r in (0, 1, 3):
+        _kept(ranks[r], [0, 16], err)
+    assert ranks[2]["calls"] == [16]
+    assert "in-process round 2 complete" in err and "restarting all workers" not in err
     assert {r["sha"] for r in results} == {fault_free}
+
+
+def test_a_replacement_killed_at_the_start_of_the_synchronisation_twice_is_replaced_again(
+    tmp_path: Path, fault_free: str
+) -> None:
+    code, err, results = _run(tmp_path, "out", ["2:15:kill", "2:0:syncdie", "2:1:syncdie"])
+    assert code == 0, err
+    ranks = _by_rank(results)
+    for r in (0, 1, 3):
+        _kept(ranks[r], [0, 16], err)
+    assert ranks[2]["calls"] == [16]
+    assert "in-process round 3 complete" in err and "restarting all workers" not in err
+    assert "without progress" not in err and "no newer commit" not in err
+    assert {r["sha"] for r in results} == {fault_free}
+
+
+def test_two_ranks_killed_at_once_are_replaced_in_place(tmp_path: Path, fault_free: str) -> None:
+    code, err, results = _run(tmp_path, "out", ["1:10:kill", "2:10:kill"])
+    assert code == 0, err
+    ranks = _by_rank(results)
+    for r in (0, 3):
+        _kept(ranks[r], [0, 11], err)
+    assert ranks[1]["calls"] == ranks[2]["calls"] == [11]
+    assert "restarting all workers" not in err
+    assert {r["sha"] for r in results} == {fault_free}
+
+
+def test_a_survivor_killed_during_the_synchronisation_is_replaced_in_the_next_round(
+    tmp_path: Path, fault_free: str
+) -> None:
+    # Rank 2 dies at step 15; in round 1 rank 0 dies as it starts synchronising, and
+    # rank 3 reaches round 1's store only after the agent has abandoned that round and
+    # stopped its store: it must move on to round 2 at once, not retry the dead port.
+    plan = ["2:15:kill", "0:0:syncdie", "3:1500:syncslow"]
+    code, err, results = _run(tmp_path, "out", plan)
+    assert code == 0, err
+    ranks = _by_rank(results)
+    for r in (1, 3):
+        _kept(ranks[r], [0, 16], err)
+    assert ranks[0]["calls"] == ranks[2]["calls"] == [16]
+    assert "in-process round 2 complete" in err and "restarting all workers" not in err
+    assert "in-process round 1 was superseded" in err  # rank 3, at once
+    assert {r["sha"] for r in results} == {fault_free}
+
+
+def test_rotating_failures_over_every_rank_are_recovered_in_place_with_default_options(
+    tmp_path: Path, fault_free: str
+) -> None:
+    # 30 recoveries, one a step, each of another rank: the job progresses through every
+    # one of them (the committed step), so the stall guard (--stalled-restarts 3, the
+    # default) must not stop it.
+    plan = [f"{i % 4}:{5 + i}:kill" for i in range(30)]
+    code, err, results = _run(tmp_path, "out", plan, restarts=40)
+    assert code == 0, err
+    assert err.count("recovering in place (round") >= 30
+    assert "restarting all workers" not in err and "without progress" not in err
+    assert {r["sha"] for r in results} == {fault_free}
+
+
+def test_a_step_that_fails_again_and_again_is_stopped_by_the_stall_guard(tmp_path: Path) -> None:
+    # Rank 1 dies at step 10 every time it gets there: every recovery restores commit 10.
+    # The first recovery made progress; the next three did not: the fourth failure after
+    # them ends the job (exit 3), with restarts left in the budget.
+    code, err, _ = _run(tmp_path, "out", ["1:10:loop"], restarts=20)
+    assert code == 3, err
+    assert "in-process recoveries in a row restored no newer commit than commit 10" in err
+    assert err.count("recovering in place (round") == 4, err
+
+
+def test_fifty_recoveries_leave_the_survivors_resources_as_after_the_first(
+    tmp_path: Path,
+) -> None:
+    # Two ranks, rank 1 killed at each of 50 steps: rank 0 keeps its process through 50
+    # recoveries, and what it holds (descriptors, threads, memory) must not grow with them.
+    code, err, clean = _run(tmp_path, "clean", [], nproc=2, steps=60)
+    assert code == 0, err
+    plan = [f"1:{s}:kill" for s in range(5, 55)]
+    code, err, results = _run(tmp_path, "out", plan, nproc=2, steps=60, restarts=60)
+    assert code == 0, err
+    assert {r["sha"] for r in results} == {r["sha"] for r in clean} and len(clean) == 2
+    (survivor,) = [r for r in results if r["rank"] == 0]
+    usage = survivor["usage"]
+    assert len(usage) > 10, survivor  # (kept through most recoveries, at least)
+    (fds, threads, rss), (fds_end, threads_end, rss_end) = usage[1], usage[-1]
+    print(f"after recovery 1: {usage[1]}; after {len(usage) - 1}: {usage[-1]}")
+    assert fds_end - fds <= 4, usage
+    assert threads_end - threads <= 4, usage
+    assert rss_end - rss <= 4 << 20, usage
 
 
 def test_a_survivor_that_never_reaches_the_round_restarts_the_group(
@@ -252,6 +382,10 @@ def test_a_survivor_stuck_past_the_join_bound_is_replaced_in_place(
     assert code == 0, err
     assert "did not reach in-process round 1 within 2s" in err
     assert "in-process round 2 complete" in err and "restarting all workers" not in err
+    # Its stacks outlive the clean run's temporary log directory, and the run says so.
+    stacks = re.search(r"stacks: (\S+stacks\.txt)\)", err)
+    assert stacks is not None and "Thread" in Path(stacks[1]).read_text(), err
+    assert "the run wrote diagnostics (1 stack dump(s)); kept in" in err
     ranks = _by_rank(results)
     _kept(ranks[0], [0, 13], err)  # kept all along
     _kept(ranks[3], [0, 13], err)
@@ -337,14 +471,15 @@ def test_two_nodes_a_killed_rank_is_replaced_in_place(tmp_path: Path, fault_free
     assert "restarting all workers" not in err and "restarting them" not in err
 
 
-def test_two_nodes_a_replacement_dying_before_the_synchronisation_restarts_every_node(
+def test_two_nodes_a_replacement_dying_before_it_said_hello_is_replaced_in_place(
     tmp_path: Path, fault_free: str
 ) -> None:
     ranks, err = _two_nodes_to_the_end(tmp_path, ["2:15:kill", "2:0:sync"])
-    for r in range(4):  # every node restarted its workers from scratch (no checkpoint)
-        assert ranks[r]["calls"] == [0], ranks[r]
+    for r in (0, 1, 3):
+        _kept(ranks[r], [0, 16], err)  # the same processes, through two rounds
+    assert ranks[2]["calls"] == [16]
     assert {r["sha"] for r in ranks.values()} == {fault_free}
-    assert "abandoned" in err
+    assert "restarting all workers" not in err and "restarting them" not in err
 
 
 @contextlib.contextmanager

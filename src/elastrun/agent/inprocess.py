@@ -95,6 +95,7 @@ class _Round:
     deadline: float  # monotonic
     expected: dict[int, int]  # local rank -> pid of every worker of the round
     replaced: dict[int, int]  # local rank -> pid of the replacements
+    after_failure: bool  # a recovery (not a node joining): judged by the stall guard
     ended: set[int] = dataclasses.field(default_factory=set)  # stuck, and killed
 
 
@@ -134,6 +135,13 @@ class InprocessRecovery:
         self._hub: InprocessHub | None = None
         self._rounds = 0
         self._current: _Round | None = None
+        # Workers started into an in-process round (replacements, and a joining node's
+        # workers), local rank -> pid: they run the same script as the workers that
+        # opted in, so they are in-process workers from their start, before their hello
+        # (a second failure that comes first leads to another round, not a group restart).
+        self._started: dict[int, int] = {}
+        #: The commit the last completed recovery restored (None: taken, or none yet).
+        self.restored: int | None = None
 
     def open(self) -> dict[str, str]:
         """Listen for workers; returns the variables that tell a worker where (the value
@@ -159,6 +167,11 @@ class InprocessRecovery:
 
     # -- deciding -------------------------------------------------------------------------
 
+    def _in_process(self, hub: InprocessHub, local_rank: int, pid: int) -> bool:
+        """Whether that worker recovers in place: it said hello, or it was started into
+        an in-process round."""
+        return hub.opted_in(local_rank, pid) or self._started.get(local_rank) == pid
+
     def why_not(self, attempt: Attempt, failed: list[Exit], *, alone: bool) -> str | None:
         """Why this failure cannot be recovered in place (None: it can). ``alone``: the
         node is alone in its round (else the workers are kept through the rendezvous,
@@ -176,9 +189,9 @@ class InprocessRecovery:
         pids = attempt.procs.pids()
         if any(ex.exitcode == 0 for ex in attempt.procs.exits.values()):
             return "a worker already finished"
-        if not all(hub.opted_in(ex.local_rank, ex.pid) for ex in failed):
+        if not all(self._in_process(hub, ex.local_rank, ex.pid) for ex in failed):
             return "a failed worker did not use elastrun.inprocess"
-        if not all(hub.opted_in(lr, pids[lr]) for lr in survivors):
+        if not all(self._in_process(hub, lr, pids[lr]) for lr in survivors):
             return "not every worker uses elastrun.inprocess"
         return None
 
@@ -196,7 +209,7 @@ class InprocessRecovery:
         hub = self._hub
         able = hub is not None and (
             previous is None
-            or all(hub.opted_in(lr, pid) for lr, pid in previous.procs.pids().items())
+            or all(self._in_process(hub, lr, pid) for lr, pid in previous.procs.pids().items())
         )
         return Offer(False, self._rounds, fresh=able)
 
@@ -215,7 +228,10 @@ class InprocessRecovery:
         self._rounds = round_no
         pids = attempt.procs.pids()
         now = self._clock.monotonic()
-        self._current = _Round(round_no, now, now + self._timeout, dict(pids), dict(pids))
+        self._current = _Round(
+            round_no, now, now + self._timeout, dict(pids), dict(pids), after_failure=False
+        )
+        self._started.update(pids)
         log.warning(
             "joining in-process round %d: %d new worker(s) take the newest commit of the "
             "workers that kept running; the world is now %d ranks",
@@ -239,13 +255,21 @@ class InprocessRecovery:
             lr: {**env, "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
             for lr, env in attempt.setup.envs.items()
         }
-        self._lead(attempt, dataclasses.replace(attempt.setup, envs=envs), self._listeners(attempt))
+        setup = dataclasses.replace(attempt.setup, envs=envs)
+        self._lead(attempt, setup, self._listeners(attempt), after_failure=True)
 
     def recover_round(
-        self, attempt: Attempt, plan: LaunchPlan, agreement: Agreement, restart_count: int
+        self,
+        attempt: Attempt,
+        plan: LaunchPlan,
+        agreement: Agreement,
+        restart_count: int,
+        *,
+        after_failure: bool,
     ) -> None:
         """Every node of the new rendezvous round kept its workers: lead this node's into
-        the agreed round, with the round's ranks and store, replacing those that failed.
+        the agreed round, with the round's ranks and store, replacing those that failed
+        (``after_failure``: a local worker failed, rather than nodes changing).
 
         Raises what starting a replacement raises (the loop then restarts the group).
         """
@@ -258,13 +282,15 @@ class InprocessRecovery:
                 "TORCHELASTIC_RESTART_COUNT": str(restart_count),
             }
         setup = dataclasses.replace(attempt.setup, plan=plan, envs=envs)
-        self._lead(attempt, setup, list(agreement.listeners))
+        self._lead(attempt, setup, list(agreement.listeners), after_failure=after_failure)
 
     def _listeners(self, attempt: Attempt) -> list[str]:
         pids = attempt.procs.pids()
         return listening_endpoints(pids[lr] for lr in attempt.procs.running())
 
-    def _lead(self, attempt: Attempt, setup: AttemptSetup, cut: list[str]) -> None:
+    def _lead(
+        self, attempt: Attempt, setup: AttemptSetup, cut: list[str], *, after_failure: bool
+    ) -> None:
         """Announce round ``self._rounds`` to the running workers and replace the others."""
         hub = self._hub
         assert hub is not None
@@ -277,10 +303,13 @@ class InprocessRecovery:
         attempt.setup = setup
         hub.announce(n, envs, survivors, cut)
         failed = sorted(set(pids) - set(survivors))
-        replaced = {lr: self._workers.replace_worker(attempt, setup, lr) for lr in failed}
+        replaced: dict[int, int] = {}
+        for lr in failed:
+            replaced[lr] = self._started[lr] = self._workers.replace_worker(attempt, setup, lr)
         self._workers.update_ranks(setup.plan)
         now = self._clock.monotonic()
-        self._current = _Round(n, now, now + self._timeout, {**survivors, **replaced}, replaced)
+        expected = {**survivors, **replaced}
+        self._current = _Round(n, now, now + self._timeout, expected, replaced, after_failure)
         ranks = [attempt.global_rank(lr) for lr in sorted(replaced)]
         what = [f"{len(survivors)} worker(s) keep their processes"]
         if replaced:
@@ -309,6 +338,8 @@ class InprocessRecovery:
         if all(hub.synced(lr, pid, current.number) for lr, pid in current.expected.items()):
             took = self._clock.monotonic() - current.started
             self._current = None
+            if current.after_failure:
+                self.restored = max(hub.commit(lr) for lr in current.expected)
             log.info("in-process round %d complete in %.0f ms", current.number, took * 1000)
             self._metrics.put("agent.inprocess.duration_ms", took * 1000)
             self._events.record(

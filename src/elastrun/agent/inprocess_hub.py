@@ -53,6 +53,7 @@ class InprocessHub:
         self._hello: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
         self._synced: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
         self._joined: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
+        self._commits: dict[int, int] = {}  # local rank -> the commit it synchronised to
         self._stop = Waker()
         self._thread = threading.Thread(target=self._serve, name="elastrun-inprocess", daemon=True)
         self._thread.start()
@@ -72,6 +73,11 @@ class InprocessHub:
         with self._lock:
             said = self._synced.get(local_rank)
         return said is not None and said == (pid, round_no)
+
+    def commit(self, local_rank: int) -> int:
+        """The commit that worker holds since its last synchronisation (0: none)."""
+        with self._lock:
+            return self._commits.get(local_rank, 0)
 
     def joined(self, local_rank: int, pid: int, round_no: int) -> bool:
         """Whether that worker took round ``round_no`` (or already synchronised in it)."""
@@ -160,6 +166,8 @@ class InprocessHub:
                 self._hello[lr] = (peer.pid, round_no)
             elif op == "synced" and peer.pid is not None:
                 self._synced[lr] = (peer.pid, round_no)
+                with contextlib.suppress(TypeError, ValueError):
+                    self._commits[lr] = int(message.get("commit", 0))
             elif op == "joined" and peer.pid is not None:
                 self._joined[lr] = (peer.pid, round_no)
 

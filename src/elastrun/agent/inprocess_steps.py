@@ -120,7 +120,9 @@ class InprocessSteps:
             self._control.restart_group(plan)
             return
         try:
-            self._recovery.recover_round(attempt, plan, agreement, self._budget.used)
+            self._recovery.recover_round(
+                attempt, plan, agreement, self._budget.used, after_failure=bool(failed)
+            )
         except Exception as exc:  # a replacement that cannot start: the usual restart
             self._recovery.abandon(f"a replacement could not start: {exc}")
             self._control.restart_group(plan)

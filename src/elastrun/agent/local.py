@@ -132,9 +132,14 @@ class LocalElasticAgent(AgentWiring):
         self._watches.check_hang(attempt)
         if self._pace.due():
             self._pace.sample(self._progress.snapshot(), attempt.procs.running())
-        if self._inprocess.under_way and self._inprocess.progress() == "late":
-            self._abandon_late_round(attempt)
-            return None
+        if self._inprocess.under_way:
+            round_state = self._inprocess.progress()
+            if round_state == "late":
+                self._abandon_late_round(attempt)
+                return None
+            if round_state == "done" and self._inprocess.restored is not None:
+                self._progress.recovered(self._inprocess.restored)
+                self._inprocess.restored = None
         laggards = self._inprocess.stuck()
         if laggards:
             self._inprocess.end_stuck(attempt, laggards)  # their exits come as failures
@@ -153,7 +158,7 @@ class LocalElasticAgent(AgentWiring):
 
     def _after_failure(self, attempt: Attempt, failed: list[Exit]) -> RunResult | None:
         """Restart (None) or end the run with its failed result."""
-        if self._no_progress_since_restarts():
+        if self._no_progress_since_restarts(attempt, failed):
             return self._fail()
         what = failures.describe_failure(attempt, failed[0])
         # The job-wide budget lives in the store: a signal must not wait for it.
@@ -309,11 +314,19 @@ class LocalElasticAgent(AgentWiring):
         self._report.failed(0)
         return RunResult(state=WorkerState.FAILED, failures={})
 
-    def _no_progress_since_restarts(self) -> bool:
+    def _no_progress_since_restarts(self, attempt: Attempt, failed: list[Exit]) -> bool:
         """Whether the last restarts made no progress (then: stop, with ``stalled`` set).
 
-        Judged from the attempt that just failed, before its records are reset."""
-        self.stalled = self._progress.stalled()
+        A failure recovered in place is judged by the commits the last recoveries
+        restored (the job's progress; a replacement's own step counts start at 0); one
+        during a recovery belongs to that recovery, judged when it completes. Else it is
+        judged from the attempt that just failed, before its records are reset."""
+        if self._inprocess.under_way:
+            return False
+        if self._steps.why_not(attempt, failed) is None:
+            self.stalled = self._progress.stalled_in_place()
+        else:
+            self.stalled = self._progress.stalled()
         if self.stalled is None:
             return False
         log.error("not restarting: %s", self.stalled)

@@ -4,6 +4,15 @@ One ``ProgressWatch`` per agent owns the board the workers report into (shared m
 a private directory, kept across restarts), the hang detector (``--hang-timeout``) and
 the guard against restarts that make no progress (``--stalled-restarts``). It decides;
 the agent acts (dumps stacks, kills, stops restarting).
+
+Progress across restarts is the job's, whichever process made it. After a group
+restart it is read from the board (each rank's reports). An in-process recovery keeps
+most processes and starts a replacement whose own counts begin at 0, so there it is the
+committed step the recovery restored (the newest commit of the round, every rank's
+after the synchronisation): a recovery made progress when it restored a newer commit
+than the recovery before it. A crash loop (the same step failing again and again)
+restores the same commit each time and is stopped; failures that overlap a recovery
+belong to that recovery, which is judged once, when it completes.
 """
 
 from __future__ import annotations
@@ -54,6 +63,9 @@ class ProgressWatch:
         #: ``--hang-timeout`` as given (seconds, ``AutoTimeout``, or None: off).
         self.hang_timeout = hang_timeout
         self._guard = NoProgressGuard(stalled_restarts) if stalled_restarts else None
+        # The in-process recoveries' guard: one "rank", the job, whose step is the
+        # commit each completed recovery restored.
+        self._commits = NoProgressGuard(stalled_restarts) if stalled_restarts else None
         self._board: ProgressBoard | None = None
         self._dir: str | None = None
 
@@ -107,6 +119,24 @@ class ProgressWatch:
         if not self._guard.attempt_ended(steps_of(self._board.snapshot())):
             return None
         return self._guard.describe()
+
+    def recovered(self, commit: int) -> None:
+        """An in-process recovery completed, every rank holding ``commit`` (the newest
+        commit of the round): judge whether it restored a newer one than the last."""
+        if self._commits is not None:
+            self._commits.attempt_ended({0: commit})
+
+    def stalled_in_place(self) -> str | None:
+        """Before recovering a failure in place: why to stop when the last completed
+        in-process recoveries restored no newer commit, else None."""
+        guard = self._commits
+        if guard is None or not guard.should_stop:
+            return None
+        return (
+            f"{guard.stalled} in-process recoveries in a row restored no newer commit "
+            f"than commit {guard.best.get(0, 0)} (limit {guard.limit}): the same step "
+            "fails again and again"
+        )
 
     def close(self) -> None:
         """Unmap and remove the board; idempotent, never raises."""

@@ -82,6 +82,11 @@ class Channel:
                     return None
                 self._cond.wait(left)
 
+    def newer_than(self, round_no: int) -> bool:
+        """Whether a round newer than ``round_no`` was announced."""
+        with self._cond:
+            return self._newest > round_no
+
     def _read(self) -> None:
         while True:
             try:

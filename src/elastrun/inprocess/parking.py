@@ -8,7 +8,15 @@ at the end of every call of the training function -- right after a collective, a
 hung there. So a recovering worker *parks* its process groups (an extra reference,
 taken at every commit and synchronisation) and releases a healthy one itself, after a
 short pause that lets the worker threads finish: the destructor then never waits on a
-thread that needs the GIL. A group broken by a failure is never released.
+thread that needs the GIL.
+
+A group broken by a failure, and a synchronisation's group, are not released at once
+either: the broken group's collectives may still be failing, and a pause on the
+recovery's critical path is what in-process recovery is there to avoid. They are *kept*
+and released at the next recovery, when a whole call of the training function ran since
+(``next_generation``): by then their collectives have ended and their threads are idle.
+So what a recovery leaves (the groups' threads, connections and memory) stays for one
+recovery and does not grow with the number of recoveries.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import time
 PAUSE = 0.1
 
 _parked: dict[int, object] = {}
-_broken: list[object] = []  # parked for good (each holds its extra reference)
+# Kept until idle, with the generation they were kept in (each holds its extra reference).
+_kept: list[tuple[int, object]] = []
+_generation = 0
 
 
 def park_process_groups() -> None:
@@ -48,13 +58,39 @@ def release_parked(pause: float = PAUSE) -> None:
 
 
 def keep_parked() -> None:
-    """Never release the groups parked now (they are broken: their destructors could
-    wait for collectives that never end). Their connections are cut (``inprocess.cut``);
-    their threads and memory stay until the process exits."""
-    _broken.extend(_parked.values())
+    """Keep the groups parked now until they are idle (they are broken, or just used:
+    their destructors could wait for collectives or threads that need the GIL); their
+    connections are cut (``inprocess.cut``). ``release_idle`` frees them once a whole
+    call of the training function ran since."""
+    _kept.extend((_generation, pg) for pg in _parked.values())
     _parked.clear()
+
+
+def next_generation() -> None:
+    """The training function is called again: every group kept so far will have been
+    idle for a whole call by the next recovery."""
+    global _generation
+    _generation += 1
+
+
+def release_idle() -> int:
+    """Free the kept groups of earlier generations (idle since); returns how many."""
+    idle = [pg for gen, pg in _kept if gen < _generation]
+    if not idle:
+        return 0
+    _kept[:] = [(gen, pg) for gen, pg in _kept if gen >= _generation]
+    for pg in idle:
+        ctypes.pythonapi.Py_DecRef(ctypes.py_object(pg))
+    count = len(idle)
+    del idle, pg
+    return count
 
 
 def parked() -> int:
     """How many groups are parked (for tests and logs)."""
     return len(_parked)
+
+
+def kept() -> int:
+    """How many groups are kept until idle (for tests and logs)."""
+    return len(_kept)

@@ -29,7 +29,13 @@ from typing import Any, TypeVar
 from elastrun.core import inprocess_wire as wire
 from elastrun.inprocess.channel import Channel
 from elastrun.inprocess.cut import cut_connections, cut_peer_connections
-from elastrun.inprocess.parking import keep_parked, park_process_groups, release_parked
+from elastrun.inprocess.parking import (
+    keep_parked,
+    next_generation,
+    park_process_groups,
+    release_idle,
+    release_parked,
+)
 from elastrun.inprocess.state import State
 
 log = logging.getLogger("elastrun.inprocess")
@@ -100,7 +106,7 @@ def _recovering(
     while True:
         if round_no > 0:
             try:
-                _synchronise(state, round_no)
+                _synchronise(state, round_no, channel)
             except Exception as exc:
                 if not peer_gone(exc):
                     raise
@@ -113,6 +119,7 @@ def _recovering(
                 continue
             channel.send("synced", round=round_no, commit=state.commit_id)
         sys.excepthook = hook
+        next_generation()  # what the last recovery kept is idle by the next one
         try:
             result = fn(state, *args, **kwargs)
             release_parked()
@@ -185,6 +192,7 @@ def _teardown() -> None:
     objects of the failed call that still hold it."""
     import torch.distributed as dist
 
+    release_idle()  # the groups the last recovery kept (see inprocess.parking)
     cut_peer_connections()  # peers blocked on us must fail too (see inprocess.cut)
     if dist.is_available() and dist.is_initialized():
         park_process_groups()
@@ -214,10 +222,10 @@ def _apply_env(env: dict[str, str]) -> None:
             os.environ[key] = str(env[key])
 
 
-def _synchronise(state: State, round_no: int) -> None:
+def _synchronise(state: State, round_no: int, channel: Channel) -> None:
     from elastrun.inprocess.sync import synchronise
 
-    synchronise(state, round_no)
+    synchronise(state, round_no, lambda: channel.newer_than(round_no))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import time
+from collections.abc import Callable
 
 from elastrun.inprocess.parking import keep_parked, park_process_groups
 from elastrun.inprocess.state import State
@@ -17,17 +20,36 @@ from elastrun.inprocess.state import State
 #: Bounds the exchange (a rank that never comes makes the others fail, and the agent
 #: restarts the group).
 SYNC_TIMEOUT = datetime.timedelta(seconds=120)
+#: How long torch's store client may try to connect once the store answered: it retries
+#: a refused port until then, deaf to a newer round (see ``_reach``).
+CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
+#: Pause between two tries to reach a store that does not answer yet.
+_RETRY = 0.02
 
 
-def synchronise(state: State, round_no: int) -> None:
+class Superseded(RuntimeError):
+    """A newer round was announced while this worker synchronised in an older one."""
+
+
+def synchronise(state: State, round_no: int, superseded: Callable[[], bool]) -> None:
+    """Exchange commits with the round's other ranks; the newest wins.
+
+    Args:
+        superseded: whether a newer round was announced (then the round's store is gone
+            and this one is abandoned).
+
+    Raises:
+        Superseded: a newer round was announced before the store answered.
+        RuntimeError: a collective failed (a rank of the round is gone).
+    """
     import torch.distributed as dist
     from torch._C._distributed_c10d import PrefixStore, TCPStore
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-        is_master=False, timeout=SYNC_TIMEOUT,
-    )  # fmt: skip
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    _reach(addr, port, round_no, superseded)
+    store = TCPStore(addr, port, world, is_master=False, timeout=CONNECT_TIMEOUT)
+    store.set_timeout(SYNC_TIMEOUT)  # the store's waits end when it stops
     prefixed = PrefixStore(f"elastrun/inprocess/{round_no}/", store)
     dist.init_process_group(
         "gloo", store=prefixed, rank=rank, world_size=world, timeout=SYNC_TIMEOUT
@@ -46,6 +68,28 @@ def synchronise(state: State, round_no: int) -> None:
                 state.import_commit(blob[0])
     finally:
         dist.destroy_process_group()
-        # Kept: releasing it would need a pause (see inprocess.parking) on the recovery's
-        # critical path; a synchronisation group costs a few threads until exit.
+        # Kept: releasing it now would need a pause (see inprocess.parking) on the
+        # recovery's critical path; the next recovery releases it, idle by then.
         keep_parked()
+
+
+def _reach(addr: str, port: int, round_no: int, superseded: Callable[[], bool]) -> None:
+    """Wait until the round's store accepts a connection, or a newer round is announced.
+
+    The agent stops a round's store as soon as it abandons the round; torch's client
+    would retry the dead port for its whole timeout, and nothing can interrupt it. This
+    loop asks the channel between tries instead."""
+    deadline = time.monotonic() + SYNC_TIMEOUT.total_seconds()
+    while True:
+        if superseded():
+            raise Superseded(f"tcpstore: in-process round {round_no} was superseded")
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise Superseded(
+                    f"tcpstore: the store of in-process round {round_no} at {addr}:{port} "
+                    f"did not answer: {exc}"
+                ) from exc
+        time.sleep(_RETRY)

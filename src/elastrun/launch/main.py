@@ -202,11 +202,35 @@ def _mention_logs(specs: LogsSpecs | None) -> None:
 
 
 def _cleanup_temporary_logs(specs: LogsSpecs | None) -> None:
-    """A clean run leaves nothing behind in a log directory the user did not ask for."""
+    """A clean run leaves nothing behind in a log directory the user did not ask for --
+    unless it wrote diagnostics there (the stacks of a worker found stuck or hung, which
+    a warning named during the run): those are kept, and the last line says where."""
     from elastrun.supervise.processes.logs import DefaultLogsSpecs
 
-    if isinstance(specs, DefaultLogsSpecs) and specs.is_temporary:
-        shutil.rmtree(specs.root_log_dir, ignore_errors=True)
+    if not (isinstance(specs, DefaultLogsSpecs) and specs.is_temporary):
+        return
+    root = specs.root_log_dir
+    stacks = sorted(
+        os.path.join(top, name)
+        for top, _, names in os.walk(root)
+        for name in names
+        if name == "stacks.txt" and _written(os.path.join(top, name))
+    )
+    if stacks:
+        print(
+            f"elastrun: the run wrote diagnostics ({len(stacks)} stack dump(s)); kept in "
+            f"{root}: {', '.join(stacks)}",
+            file=sys.stderr,
+        )
+        return
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _written(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0  # (every worker's is there, empty until a dump)
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":
