@@ -25,22 +25,18 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from _collect import WORKER_SNIPPET, Collector, Conn
+from _collect import WORKER_SNIPPET, Conn
 from _common import (
     Launcher,
-    Running,
     ScenarioFailure,
     display_command,
     elastrun,
     elastrun_no_template,
-    new_marker,
-    require_clean,
     torchrun,
 )
 from _report import (
@@ -55,7 +51,13 @@ from _report import (
     run_section,
     write_section,
 )
-from bench_recovery import KILL_AT_STEP, TORCHRUN_ENV, _Killer, _latest, launcher_marks
+from bench_recovery import (
+    KILL_AT_STEP,
+    TORCHRUN_ENV,
+    kill_and_recover,
+    latest_report,
+    launcher_marks,
+)
 
 GPU_WORKER = (
     textwrap.dedent(
@@ -217,47 +219,22 @@ def jobs_for(cuda: bool, profile: str) -> list[Job]:
 
 
 def recover_once(lch: Launcher, kind: str, job: Job, opts: Options) -> dict[str, float]:
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-recovery-") as tmp:
-        work = Path(tmp)
-        script = work / "gpu_worker.py"
-        script.write_text(GPU_WORKER)
-        (work / "ckpt").mkdir()
-        killer = _Killer(victim_rank=job.nproc - 1)
-        with Collector(work / "c.sock", on_message=killer) as col:
-            extra = ["--max-restarts=1"]
-            if kind == "elastrun":
-                extra.append(f"--event-log-handler=file:{work / 'events.jsonl'}")
-            args = [
-                str(col.path),
-                str(work / "ckpt"),
-                str(STEP_PERIOD_S),
-                str(CHECKPOINT_EVERY),
-                str(STEPS_AFTER_RESTART),
-                job.device,
-                job.backend,
-                str(job.width),
-            ]
-            env = {**dict(lch.env), **(TORCHRUN_ENV if kind == "torchrun" else {})}
-            running = Running(
-                lch.command(job.nproc, script, args, *extra),
-                marker=new_marker(),
-                log_dir=work / "logs",
-                env_extra=env,
-                name=lch.name,
-            )
-            outcome = running.finish(opts.timeout_s)
-            conns = col.snapshot()
-        require_clean(outcome)
-        if killer.t_kill is None:
-            raise ScenarioFailure(f"rank {job.nproc - 1} never reached step {KILL_AT_STEP}")
-        return _phases(kind, work, killer.t_kill, conns, job.nproc)
+    args = [
+        str(STEP_PERIOD_S),
+        str(CHECKPOINT_EVERY),
+        str(STEPS_AFTER_RESTART),
+        job.device,
+        job.backend,
+        str(job.width),
+    ]
+    return kill_and_recover(lch, kind, job.nproc, GPU_WORKER, args, opts.timeout_s, _phases)
 
 
 def _phases(kind: str, work: Path, t_kill: float, conns: list[Conn], n: int) -> dict[str, float]:
     new = [c for c in conns if c.hello.get("attempt") == 1]
     if len(new) != n:
         raise ScenarioFailure(f"{len(new)} of {n} replacement workers reported")
-    t = {ev: _latest(new, ev) for ev in ("start", "imported", "cuda", "pg", "step")}
+    t = {ev: latest_report(new, ev) for ev in ("start", "imported", "cuda", "pg", "step")}
     result = {
         "total": t["step"] - t_kill,
         "import": t["imported"] - t["start"],

@@ -36,7 +36,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -280,7 +280,7 @@ class _Killer:
             os.kill(int(hello["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
 
 
-def _latest(conns: list[Conn], ev: str) -> float:
+def latest_report(conns: list[Conn], ev: str) -> float:
     """When the slowest of `conns` reported `ev` (its own timestamp)."""
     times = []
     for c in conns:
@@ -291,38 +291,50 @@ def _latest(conns: list[Conn], ev: str) -> float:
     return max(times)
 
 
-def recover_once(lch: Launcher, kind: str, n: int, opts: Options) -> dict[str, float]:
+def kill_and_recover(
+    lch: Launcher,
+    kind: str,
+    nproc: int,
+    worker: str,
+    worker_args: list[str],
+    timeout_s: float,
+    phases: Callable[[str, Path, float, list[Conn], int], dict[str, float]],
+) -> dict[str, float]:
+    """Run ``worker`` (script text; its arguments: the collector's socket, the checkpoint
+    directory, then ``worker_args``) under ``lch`` with ``--max-restarts=1``, SIGKILL the
+    last rank at step KILL_AT_STEP of the first attempt, and return ``phases`` of the
+    recovery (``kind``, the work directory, the kill's time, the workers' connections,
+    ``nproc``)."""
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         work = Path(tmp)
-        script = work / "ddp_worker.py"
-        script.write_text(DDP_WORKER)
+        script = work / "worker.py"
+        script.write_text(worker)
         (work / "ckpt").mkdir()
-        killer = _Killer(victim_rank=n - 1)
+        killer = _Killer(victim_rank=nproc - 1)
         with Collector(work / "c.sock", on_message=killer) as col:
             extra = ["--max-restarts=1"]
             if kind == "elastrun":
                 extra.append(f"--event-log-handler=file:{work / 'events.jsonl'}")
-            args = [
-                str(col.path),
-                str(work / "ckpt"),
-                str(STEP_PERIOD_S),
-                str(CHECKPOINT_EVERY),
-                str(STEPS_AFTER_RESTART),
-            ]
+            args = [str(col.path), str(work / "ckpt"), *worker_args]
             env = {**dict(lch.env), **(TORCHRUN_ENV if kind == "torchrun" else {})}
             running = Running(
-                lch.command(n, script, args, *extra),
+                lch.command(nproc, script, args, *extra),
                 marker=new_marker(),
                 log_dir=work / "logs",
                 env_extra=env,
                 name=lch.name,
             )
-            outcome = running.finish(opts.timeout_s)
+            outcome = running.finish(timeout_s)
             conns = col.snapshot()
         require_clean(outcome)
         if killer.t_kill is None:
-            raise ScenarioFailure(f"rank {n - 1} never reached step {KILL_AT_STEP}")
-        return _phases(kind, work, killer.t_kill, conns, n)
+            raise ScenarioFailure(f"rank {nproc - 1} never reached step {KILL_AT_STEP}")
+        return phases(kind, work, killer.t_kill, conns, nproc)
+
+
+def recover_once(lch: Launcher, kind: str, n: int, opts: Options) -> dict[str, float]:
+    args = [str(STEP_PERIOD_S), str(CHECKPOINT_EVERY), str(STEPS_AFTER_RESTART)]
+    return kill_and_recover(lch, kind, n, DDP_WORKER, args, opts.timeout_s, _phases)
 
 
 def _phases(kind: str, work: Path, t_kill: float, conns: list[Conn], n: int) -> dict[str, float]:
@@ -330,12 +342,12 @@ def _phases(kind: str, work: Path, t_kill: float, conns: list[Conn], n: int) -> 
     new = [c for c in conns if c.hello.get("attempt") == 1]
     if len(new) != n:
         raise ScenarioFailure(f"{len(new)} of {n} replacement workers reported")
-    t_start = _latest(new, "start")
-    t_imported = _latest(new, "imported")
-    t_pg = _latest(new, "pg")
-    t_ddp = _latest(new, "ddp")
-    t_loaded = _latest(new, "resumed")
-    t_step = _latest(new, "step")
+    t_start = latest_report(new, "start")
+    t_imported = latest_report(new, "imported")
+    t_pg = latest_report(new, "pg")
+    t_ddp = latest_report(new, "ddp")
+    t_loaded = latest_report(new, "resumed")
+    t_step = latest_report(new, "step")
     marks = launcher_marks(kind, work, t_kill)
     result = {
         "total": t_step - t_kill,
