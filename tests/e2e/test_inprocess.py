@@ -208,9 +208,14 @@ def _kept(result: dict, calls: list[int], err: str) -> None:
     the rank is then a replacement that started at one of the later commits."""
     if result["calls"] == calls:
         return
-    said = f"rank {result['rank']} (local rank" in err and "did not reach in-process" in err
+    said = f"rank {result['rank']} (local rank" in err and _replaced_stuck(err)
     assert said, (result, err)
     assert result["calls"] == calls[-len(result["calls"]) :], (result, calls)
+
+
+def _replaced_stuck(err: str) -> bool:
+    """Whether the agent replaced a survivor stuck in a collective (see _kept)."""
+    return "did not reach in-process round" in err
 
 
 def test_a_killed_rank_is_replaced_and_the_others_keep_their_processes(
@@ -308,7 +313,10 @@ def test_a_survivor_killed_during_the_synchronisation_is_replaced_in_the_next_ro
     for r in (1, 3):
         _kept(ranks[r], [0, 16], err)
     assert ranks[0]["calls"] == ranks[2]["calls"] == [16]
-    assert "in-process round 2 complete" in err and "restarting all workers" not in err
+    # Round 2 completes, or a later one when a survivor stuck in a collective (see
+    # _kept) was replaced in a round of its own.
+    assert "in-process round 2 complete" in err or _replaced_stuck(err), err
+    assert "restarting all workers" not in err
     assert "in-process round 1 was superseded" in err  # rank 3, at once
     assert {r["sha"] for r in results} == {fault_free}
 
@@ -334,7 +342,10 @@ def test_a_step_that_fails_again_and_again_is_stopped_by_the_stall_guard(tmp_pat
     code, err, _ = _run(tmp_path, "out", ["1:10:loop"], restarts=20)
     assert code == 3, err
     assert "in-process recoveries in a row restored no newer commit than commit 10" in err
-    assert err.count("recovering in place (round") == 4, err
+    # Four recoveries; a survivor stuck in a collective (see _kept) is replaced in a
+    # round of its own, which belongs to the same recovery.
+    rounds = err.count("recovering in place (round")
+    assert rounds == 4 or (rounds > 4 and _replaced_stuck(err)), err
 
 
 def test_fifty_recoveries_leave_the_survivors_resources_as_after_the_first(
