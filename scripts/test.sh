@@ -12,4 +12,7 @@ echo "== ruff"; "$py/ruff" check "${paths[@]}"
 echo "== ruff format"; "$py/ruff" format --check "${paths[@]}"
 echo "== mypy (strict)"; "$py/mypy"
 echo "== import-linter"; "$py/lint-imports"
-echo "== pytest"; "$py/python" -m pytest "$@"
+# Two workers, as CI has two cores; work stealing evens out the long end-to-end tests at
+# the end. Each worker runs the conftest's leak checks on its own tests (the process tag
+# is per test, the descriptor check per worker process). `-n 0` after it runs serially.
+echo "== pytest"; "$py/python" -m pytest -n 2 --dist worksteal "$@"

@@ -43,11 +43,11 @@ WORKER = """
     from elastrun.control_plane import worker_main
 
     def waiting_for_the_go_file(path):
+        print("ready", flush=True)  # from here on, a stack dump shows this function
         while not os.path.exists(path):
             time.sleep(0.02)
 
     with worker_main():
-        print("ready", flush=True)
         waiting_for_the_go_file(sys.argv[1])
         raise ValueError("boom from the with body")
 """
@@ -97,6 +97,10 @@ def worker(tmp_path: Path) -> Iterator[RunningWorker]:
     )
     try:
         wait_for_socket(sock, proc)
+        # The server answers as soon as worker_main starts it, before the main thread is
+        # in the function the tests look for in its stacks: under load that takes a while.
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
         yield proc, sock, error_file, go
     finally:
         if proc.poll() is None:
