@@ -299,8 +299,25 @@ class Crowd:
         self.all_in = asyncio.Event()
         self.all_watching = asyncio.Event()
 
+    def _in(self) -> None:
+        self.connected += 1
+        if self.connected == self.n:
+            self.all_in.set()
+
+    def _watching(self) -> None:
+        self.watching += 1
+        if self.watching == self.n:
+            self.all_watching.set()
+
     async def client(self, i: int) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        # A client that fails still counts at the steps it did not reach, so that the
+        # others go on and the test reports its error instead of waiting out its bound.
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        except BaseException:
+            self._in()
+            self._watching()
+            raise
 
         async def recv() -> p.Message:
             length = p.frame_length(await reader.readexactly(4), p.DEFAULT_MAX_FRAME)
@@ -312,13 +329,13 @@ class Crowd:
             assert answer["ok"] is True, answer
             return answer["result"]
 
+        counted_in = counted_watching = False
         try:
             assert (await recv())["type"] == "challenge"
             writer.write(p.encode({"type": "hello", "version": 1, "resume": []}, 4096))
             assert (await recv())["type"] == "welcome"
-            self.connected += 1
-            if self.connected == self.n:
-                self.all_in.set()
+            counted_in = True
+            self._in()
             await self.all_in.wait()  # every connection is open at once from here on
             value = p.b64(str(i).encode())
             revision = await call({"id": 1, "op": "set", "key": f"c/{i}", "value": value})
@@ -327,15 +344,18 @@ class Crowd:
             # Then everyone watches one key at once.
             watch = {"id": 4, "op": "watch", "prefix": "go/", "after": revision, "timeout": 60}
             writer.write(p.encode(watch, 4096))
-            self.watching += 1
-            if self.watching == self.n:
-                self.all_watching.set()
+            counted_watching = True
+            self._watching()
             answer = await recv()
             assert answer["ok"] is True, answer
             result = answer["result"]
             assert isinstance(result, dict)
             assert [e["key"] for e in result["events"]] == ["go/now"]
         finally:
+            if not counted_in:
+                self._in()
+            if not counted_watching:
+                self._watching()
             writer.close()
             await writer.wait_closed()
 
