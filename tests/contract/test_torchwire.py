@@ -695,6 +695,10 @@ def test_a_thousand_clients_wait_on_one_key_and_are_all_released(
             setter.send(Request(Op.SET, (b"/go",), (b"",)))
             setter.sync()
         assert [raw.recv(1) for raw in clients] == [b"\x00"] * 1000
+        # The setter has gone: the server notices its closed connection on its own loop.
+        deadline = time.monotonic() + 10
+        while server.num_connections != 1000 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert server.num_connections == 1000
     finally:
         for raw in clients:

@@ -1,7 +1,7 @@
 """Every phase answers a signal: template start, running, restarting, a second Ctrl-C.
 
 The rendezvous wait and the exit barrier are in test_round_outcome.py. Each case: the
-launcher stops within 2 s (plus ``--shutdown-timeout`` where workers ignore the stop
+launcher stops within ``SLACK`` (plus ``--shutdown-timeout`` where workers ignore the stop
 signal), exits 128+N, and leaves no process behind (the suite's leak check).
 """
 
@@ -19,6 +19,11 @@ from _helpers import elastrun_store, finish, start, wait_for, write_script
 pytestmark = pytest.mark.slow
 
 SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+# The launcher sees a signal within 100 ms; stopping the workers and exiting (reaping,
+# the report, the template's end) take well under a second on an idle machine, but up to
+# about 2 s on 2 cores shared by two test workers. What matters is seconds, not a wait
+# for a collective, a fixed 30 s grace (torchrun's on restarts) or a hang.
+SLACK = 4.0
 
 WORKER = """
 import os, signal, sys, time
@@ -53,7 +58,7 @@ def test_a_signal_while_the_template_starts(tmp_path: Path, sig: int) -> None:
     time.sleep(0.6)  # the launcher is up; the template is importing torch
     took, code, err = _stop_and_time(proc, sig)
     assert code == 128 + sig, err
-    assert took < 2, err
+    assert took < SLACK, err
     assert "Traceback" not in err
 
 
@@ -65,7 +70,7 @@ def test_a_signal_while_workers_run(tmp_path: Path, sig: int) -> None:
     wait_for(lambda: len(list(tmp_path.glob("started_*"))) == 2, 30, "the workers")
     took, code, err = _stop_and_time(proc, sig)
     assert code == 128 + sig, err
-    assert took < 2, err
+    assert took < SLACK, err
 
 
 @pytest.mark.torch
@@ -80,7 +85,7 @@ def test_a_signal_while_restarting_waits_at_most_the_grace(tmp_path: Path) -> No
     time.sleep(1.0)  # rank 0 failed; the agent waits for rank 1, which ignores SIGTERM
     took, code, err = _stop_and_time(proc, signal.SIGINT)
     assert code == 128 + signal.SIGINT, err
-    assert took < 2 + 3, err
+    assert took < SLACK + 3, err
 
 
 @pytest.mark.torch
@@ -117,4 +122,4 @@ def test_a_signal_ends_the_rendezvous_wait_through_an_elastrun_store(
         time.sleep(1.5)
         took, code, err = _stop_and_time(proc, sig)
         assert code == 128 + sig, err
-        assert took < 2, err
+        assert took < SLACK, err
