@@ -131,7 +131,13 @@ class Load:
 
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.time()
-        results = await asyncio.gather(*(rank(first + i) for i in range(n)), return_exceptions=True)
+        # The whole bootstrap is bounded, not only the connect: a rank that connected
+        # waits on the barrier forever when another rank never arrives.
+        left = deadline - time.monotonic()
+        results = await asyncio.gather(
+            *(asyncio.wait_for(rank(first + i), left) for i in range(n)),
+            return_exceptions=True,
+        )
         for client in clients:
             client.close()
         errors = [repr(r) for r in results if isinstance(r, BaseException)]

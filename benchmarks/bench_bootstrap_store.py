@@ -240,7 +240,7 @@ class Rig:
             first += n
         before, cpu0 = nstat(), self.server.cpu_s()
         client_cpu0 = sum(p.cpu_s() for p in self.loaders)
-        answers = self.ask(cmds, timeout_s + 120)
+        answers = self.ask(cmds, timeout_s + 30)
         cpu, after = self.server.cpu_s() - cpu0, nstat()
         client_cpu = sum(p.cpu_s() for p in self.loaders) - client_cpu0
         failed = sum(int(a["failed"]) for a in answers)  # type: ignore[call-overload]
