@@ -317,16 +317,25 @@ def _throughput(
             row = table.row(f"{op}{clients}", f"{op}, {clients} clients", fmt=".0f")
             crow = cpu.row(f"{op}{clients}", f"{op}, {clients} clients: server", fmt=".2f")
             lrow = cpu.row(f"{op}{clients}c", f"{op}, {clients} clients: clients", fmt=".2f")
+            urow = cpu.row(
+                f"{op}{clients}us", f"{op}, {clients} clients: server CPU us per op", fmt=".0f"
+            )
 
             def measure(col: str, rep: int, op: str = op) -> dict[str, float]:
                 return rigs[col].throughput(op, opts.duration_s)
 
             def record(
-                col: str, m: Mapping[str, float], row: Row = row, crow: Row = crow, lrow: Row = lrow
+                col: str,
+                m: Mapping[str, float],
+                row: Row = row,
+                crow: Row = crow,
+                lrow: Row = lrow,
+                urow: Row = urow,
             ) -> None:
                 row.add(col, m["ops"])
                 crow.add(col, m["cpu"])
                 lrow.add(col, m["client cpu"])
+                urow.add(col, 1e6 * m["cpu"] / m["ops"] if m["ops"] else 0.0)
 
             alternate(section, f"{op} x{clients}", live, opts.reps, measure, record)
         for col in live:
@@ -426,7 +435,8 @@ def _summary(section: Section, opts: Options) -> None:
         "nstat counters are machine-wide: other traffic on the machine counts too.",
         "Read the CPU table with the throughput: a server near 1.0 core is what limits its "
         "row; one well below it (torch's libuv server, mostly) was limited by the clients "
-        "and this shared machine, so its row is a lower bound.",
+        "and this shared machine, so its row is a lower bound. The server's CPU per "
+        "operation (us per op) compares the servers' costs whatever limited the row.",
         "torch's libuv server resolves every accepted peer to a name (a reverse DNS query, "
         "blocking its one event-loop thread). Under strace, a burst of 64 showed its loop "
         "stopped 5.01 s in one such query (this machine's resolver times out at 5 s and "
