@@ -1,4 +1,4 @@
-"""Run one store server in a process of its own: ``python _servers.py elastrun|torch``.
+"""Run one store server in a process of its own: ``python _servers.py elastrun|torchwire|torch``.
 
 Prints ``{"port": N}`` once listening, then serves until its standard input closes (or
 it is killed). The rendezvous and store benchmarks start it so that the server has its
@@ -22,6 +22,17 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"port": server.port}), flush=True)
         sys.stdin.read()
         server.stop()
+        return 0
+    if kind == "torchwire":  # elastrun's server of torch's wire (the workers' store)
+        from elastrun.store.tcp import raise_fd_limit
+        from elastrun.store.torchwire import TorchWireServer
+
+        raise_fd_limit()
+        wire = TorchWireServer("127.0.0.1", 0)
+        port = wire.start()
+        print(json.dumps({"port": port}), flush=True)
+        sys.stdin.read()
+        wire.close()
         return 0
     if kind == "torch":
         import resource

@@ -146,6 +146,19 @@ def test_store_benchmark_counts_operations_of_both_stores(tmp_path: Path) -> Non
 
 
 @pytest.mark.torch
+def test_bootstrap_store_benchmark_speaks_torchs_wire_to_both_servers(tmp_path: Path) -> None:
+    # The run starts with a correctness check of the asyncio wire client against both
+    # servers (a failed check is a failure, and the servers' measurements are missing).
+    data = _run_module("bench_bootstrap_store.py", tmp_path)
+    for op in ("get", "add", "set", "compare_set", "wait"):
+        per_server = _samples(data, f"{op}8")
+        assert set(per_server) == {"elastrun", "torch"}
+        assert all(v > 0 for vs in per_server.values() for v in vs)
+    burst = _samples(data, "barrier16")
+    assert set(burst) == {"elastrun", "torch"}
+    assert all(0 < v < 60 for vs in burst.values() for v in vs)
+
+
 def test_progress_benchmark_measures_the_report_against_a_10_ms_step(tmp_path: Path) -> None:
     data = _run_module("bench_progress.py", tmp_path)
     assert set(_samples(data, "opt_step_us")) == {"off", "elastrun"}
