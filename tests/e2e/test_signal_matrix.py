@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,6 +49,32 @@ def _stop_and_time(proc: subprocess.Popen[str], sig: int) -> tuple[float, int, s
     proc.send_signal(sig)
     res = finish(proc, 60)
     return time.monotonic() - t0, res.returncode, res.stderr
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_signal_while_the_launcher_checks_its_options_waits_for_its_handlers(
+    tmp_path: Path, sig: int
+) -> None:
+    # Before its handlers are installed the launcher parses and checks its options, which
+    # can take a second on a loaded machine; here longer: PYTHON_EXEC is an interpreter
+    # that takes 1.5 s to start, and the launcher runs it once to check it is Python. A
+    # signal meanwhile must stop the launch like any other (128+N, no traceback), not
+    # kill the launcher by its default action or raise KeyboardInterrupt.
+    slow_python = tmp_path / "slow-python"
+    slow_python.write_text(f'#!/bin/sh\nsleep 1.5\nexec {sys.executable} "$@"\n')
+    slow_python.chmod(0o755)
+    started = tmp_path / "started"
+    script = write_script(tmp_path / "w.py", f"open({str(started)!r}, 'w').close()\n")
+    proc = start(
+        ["--nproc-per-node", "1", str(script)], cwd=tmp_path, env={"PYTHON_EXEC": str(slow_python)}
+    )
+    time.sleep(0.8)  # checking PYTHON_EXEC
+    took, code, err = _stop_and_time(proc, sig)
+    assert code == 128 + sig, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert f"stopped by {signal.Signals(sig).name}" in err, err
+    assert not started.exists()  # nothing ran
+    assert took < SLACK + 1.5, err
 
 
 @pytest.mark.torch

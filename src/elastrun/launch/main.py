@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -135,6 +136,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = _subcommand(args)
     if code is not None:
         return code
+    # From here until the handlers are installed (_run), a stop signal waits, blocked,
+    # instead of killing the launcher by its default action half-way through parsing
+    # (exit -N, or a KeyboardInterrupt traceback): on a loaded machine the imports and
+    # checks before the handlers take a second or more. Nothing is started meanwhile
+    # that could inherit the mask: the handlers are in place, and the signals
+    # unblocked, before the first child (the worker template) is.
+    early = signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_SIGNALS)
+    try:
+        return _launch(args, early)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, early)
+
+
+#: The default ``--signals-to-handle``: held back from the start until handled.
+EARLY_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
+
+
+def _launch(args: list[str], mask: set[int | signal.Signals]) -> int:
+    """Parse and run with the early signals blocked; ``mask``: the mask to restore once
+    the launcher's own handlers are installed."""
     try:
         launch = parse_launch(args, os.environ)
     except ConfigError as exc:
@@ -152,13 +173,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     for notice in launch.notices:
         log.info("%s", notice)
-    return _run(launch)
+    return _run(launch, mask)
 
 
-def _run(launch: Launch) -> int:
+def _run(launch: Launch, mask: set[int | signal.Signals] | None = None) -> int:
     # Imported here, not at the top: a dry run, a subcommand or a bad option must not pay
     # for loading the agent and everything it runs.
+    from elastrun.core.shutdown import ShutdownRequest
     from elastrun.launch.api import launch_agent
+    from elastrun.launch.config import parse_signals
+    from elastrun.launch.signals import install_signal_handlers
     from elastrun.store.tcp.limits import raise_fd_limit
     from elastrun.supervise.failures.report import ChildFailedError, copy_root_cause_error_file
     from elastrun.supervise.processes.relay import FD_CONSOLE
@@ -169,11 +193,18 @@ def _run(launch: Launch) -> int:
     raise_fd_limit()
     entry, args = command_of(launch)
     specs = launch.config.logs_specs
+    # The CLI owns signals: its handlers are installed here, and only then are the
+    # signals held back since the start let through (one that came meanwhile is now a
+    # stop request, which the launch answers before it starts anything).
+    shutdown = ShutdownRequest()
+    restore = install_signal_handlers(parse_signals(launch.config.signals_to_handle), shutdown)
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     try:
         # The CLI owns this process's stdout and stderr: tee'd lines go straight to the
         # descriptors (faster, and nothing waits in a Python buffer at exit), not
         # through sys.stdout as for the Python API.
-        launch_agent(launch.config, entry, args, console=FD_CONSOLE)
+        launch_agent(launch.config, entry, args, console=FD_CONSOLE, shutdown=shutdown)
     except ConfigError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return 2
@@ -191,6 +222,9 @@ def _run(launch: Launch) -> int:
     except (RendezvousError, WorkerFailure, ElastrunError) as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        restore()
+        shutdown.waker.close()
     _cleanup_temporary_logs(specs)
     return 0
 
