@@ -189,18 +189,30 @@ def _set_openmp_default(path: str, size: int) -> bool:
     return True
 
 
+# The libraries found by ``remember_libraries`` in the template: (OpenMP, OpenBLAS).
+_REMEMBERED: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+
+
+def remember_libraries() -> None:
+    """Find the OpenMP and OpenBLAS libraries now (in the template, after its imports),
+    so that each forked worker does not scan ``/proc/self/maps`` again on its start."""
+    global _REMEMBERED
+    _REMEMBERED = (tuple(_loaded(_OPENMP_FILE)), tuple(_loaded_openblas()))
+
+
 def resize_for_worker(env: Mapping[str, str]) -> dict[str, int]:
     """Give each loaded OpenBLAS pool, and each OpenMP runtime's default team, the size
     a fresh interpreter with ``env`` and this process's CPU affinity would have; returns
     the sizes set, by library path."""
+    openmp, openblas = _REMEMBERED or (tuple(_loaded(_OPENMP_FILE)), tuple(_loaded_openblas()))
     cpus = len(os.sched_getaffinity(0))
     done = {}
     team = openmp_default_threads(env, cpus)
     if team is not None:
-        for path in _loaded(_OPENMP_FILE):
+        for path in openmp:
             if _set_openmp_default(path, team):
                 done[path] = team
-    for path in _loaded_openblas():
+    for path in openblas:
         blas = _OpenBlas.of(path)
         if blas is None:
             continue

@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         loaded, problem = _preload(required, optional)
     finally:
         threadpools.restore(os.environ, previous)
+    threadpools.remember_libraries()
     hello: dict[str, object] = {
         "version": PROTOCOL_VERSION,
         "pid": os.getpid(),
