@@ -17,9 +17,11 @@ from _helpers import finish, run, start, write_script
 MODES = {"template": [], "no-template": ["--no-template"]}
 
 # Prints what a rank draws with no seed, then with an explicit one; attempt 0 fails so
-# that attempt 1 (a restart, forked from the same template) draws too.
+# that attempt 1 (a restart, forked from the same template) draws too. A rank of attempt
+# 0 fails only once every rank has drawn: the first failure stops the group, and a rank
+# still importing torch (fresh interpreters on a loaded machine) would never print.
 SEEDS = """\
-import json, os, sys
+import json, os, sys, time
 import torch
 record = {
     "rank": os.environ["RANK"],
@@ -32,7 +34,13 @@ record["seeded"] = [torch.initial_seed(), torch.rand(4).tolist()]
 # One write per line: print() writes the text and the newline separately, and two
 # workers' lines could interleave on the shared console.
 os.write(1, ("SEEDS " + json.dumps(record) + "\\n").encode())
-sys.exit(1 if record["restart"] == "0" else 0)
+if record["restart"] == "0":
+    open(f"drawn_{record['rank']}", "w").close()
+    deadline = time.monotonic() + 60
+    while len([f for f in os.listdir() if f.startswith("drawn_")]) < 3:
+        assert time.monotonic() < deadline, "the other ranks never drew"
+        time.sleep(0.05)
+    sys.exit(1)
 """
 # torch.manual_seed(1234); torch.rand(4) in any fresh interpreter (CPU generator).
 SEEDED_1234 = [0.028979241847991943, 0.4018985629081726, 0.25984418392181396, 0.3666413426399231]
