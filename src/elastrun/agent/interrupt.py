@@ -9,13 +9,18 @@ blocked in; the abandoned call ends with the process or when the handler shuts d
 
 from __future__ import annotations
 
+import logging
 import selectors
+import signal
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 from elastrun.core.cancel import Cancelled
+from elastrun.core.errors import ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
+
+log = logging.getLogger("elastrun.agent")
 
 T = TypeVar("T")
 
@@ -77,3 +82,41 @@ def run_interruptibly(
     except Cancelled:
         on_signal()  # raises ShutdownRequested
         raise
+
+
+class Interruptible:
+    """Runs blocking calls so that a signal ends them with ``ShutdownRequested``.
+
+    The agent's loop answers that exception (it stops the workers with the signal); this
+    object only ends the wait, so the rounds, the in-process steps and the restart
+    budget's store calls use it without calling back into the loop.
+
+    Args:
+        shutdown: the request the launcher's signal handlers set.
+        observes_cancel_scope: the calls cancel their store waits in the request's scope
+            (else each runs in a helper thread, see ``call_interruptibly``).
+    """
+
+    def __init__(self, shutdown: ShutdownRequest, *, observes_cancel_scope: bool) -> None:
+        self._shutdown = shutdown
+        self._observes = observes_cancel_scope
+
+    def __call__(self, call: Callable[[], T], what: str) -> T:
+        """``call()``'s value, unless a signal comes first.
+
+        Raises:
+            ShutdownRequested: a signal was received before or during the call.
+        """
+        shutdown = self._shutdown
+
+        def on_signal() -> None:
+            log.info("stopped while waiting for the %s", what)
+            signum = shutdown.signum
+            raise ShutdownRequested(signum if signum is not None else signal.SIGTERM)
+
+        return run_interruptibly(
+            call, shutdown, on_signal, what, observes_cancel_scope=self._observes
+        )
+
+    def __repr__(self) -> str:
+        return f"Interruptible(observes_cancel_scope={self._observes}, shutdown={self._shutdown!r})"

@@ -19,7 +19,7 @@ from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.core.clock import Clock
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
 
-#: Runs a blocking call so that a signal ends it (the agent's ``_interruptible``).
+#: Runs a blocking call so that a signal ends it (``agent.interrupt.Interruptible``).
 Interruptible = Callable[[Callable[[], RendezvousInfo], str], RendezvousInfo]
 
 
