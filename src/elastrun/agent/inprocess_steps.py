@@ -174,7 +174,9 @@ class InprocessSteps:
         prefix = RunKeys.of_run(facts.run_id).inprocess(facts.round)
         bound = min(self._recovery.timeout, AGREE_TIMEOUT)
         return self._interruptible(
-            lambda: agree(store, prefix, facts.group_rank, facts.group_world_size, offer, bound),
+            lambda _scope: agree(
+                store, prefix, facts.group_rank, facts.group_world_size, offer, bound
+            ),
             "other nodes' in-process offers",
         )
 

@@ -16,7 +16,6 @@ of the teardown fails.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import signal
 
@@ -214,7 +213,7 @@ class ElasticLoop:
         what = failures.describe_failure(attempt, failed[0])
         # The job-wide budget lives in the store: a signal must not wait for it.
         decision = p.interruptible(
-            functools.partial(p.policy.on_failure, failed, p.budget, what), "restart budget"
+            lambda _scope: p.policy.on_failure(failed, p.budget, what), "restart budget"
         )
         if decision is not Decision.RESTART_ALL:
             return self._fail()
@@ -363,7 +362,7 @@ class ElasticLoop:
         if p.rdzv.has_exit_barrier and (p.group.group_world_size or 1) > 1:
             log.info("workers finished; waiting for the other nodes (exit barrier)")
             timeout = p.options.exit_barrier_timeout
-            outcome = p.interruptible(lambda: p.rdzv.exit_barrier(timeout), "exit barrier")
+            outcome = p.interruptible(lambda _scope: p.rdzv.exit_barrier(timeout), "exit barrier")
             action, reason = barrier_action(outcome), outcome.reason
         if action is BarrierAction.REFORM:
             p.report.membership_change(reason)

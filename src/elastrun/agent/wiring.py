@@ -111,23 +111,16 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     metrics = world.metrics if world.metrics is not None else NullMetricSink()
     group = WorkerGroup(spec)
     progress, pace, report = _watching(spec, options, world.clock, events, metrics, budget)
-    interruptible = Interruptible(shutdown, observes_cancel_scope=rdzv.observes_cancel_scope)
+    interruptible = Interruptible(shutdown)
     logs = world.logs if world.logs is not None else DefaultLogsSpecs()
     guard: Guard = (
         world.guard if world.guard is not None else OrphanGuard(options.python, options.environ)
     )
     workers = _workers(spec, group, logs, options, world, guard, progress, shutdown, metrics)
-    rounds = _rounds(handler, spec, group, options, world, budget, pace, report, interruptible)
-    inprocess = InprocessRecovery(
-        workers=workers,
-        store=rounds.bootstrap_store,
-        events=events,
-        metrics=metrics,
-        clock=world.clock,
-        wake=shutdown.waker.wake,  # (the hub wakes the loop on every worker message)
-        timeout=options.inprocess_timeout,
-        join_timeout=options.inprocess_join_timeout,
+    rounds = _rounds(
+        handler, rdzv, spec, group, options, world, budget, pace, report, interruptible
     )
+    inprocess = _inprocess(workers, rounds, options, world.clock, events, metrics, shutdown)
     return AgentParts(
         spec=spec,
         options=options,
@@ -199,6 +192,7 @@ def _workers(
 
 def _rounds(
     handler: RendezvousHandler,
+    rdzv: ElasticRendezvous,
     spec: WorkerSpec,
     group: WorkerGroup,
     options: AgentOptions,
@@ -216,6 +210,7 @@ def _rounds(
     )
     return Rounds(
         handler,
+        rdzv,
         spec,
         group,
         budget=budget,
@@ -244,3 +239,26 @@ def _watching(
     )
     pace = PaceWatch(options.stragglers, events, metrics, clock)
     return progress, pace, AgentReport(events, metrics, budget)
+
+
+def _inprocess(
+    workers: WorkerProcesses,
+    rounds: Rounds,
+    options: AgentOptions,
+    clock: Clock,
+    events: EventSink,
+    metrics: MetricSink,
+    shutdown: ShutdownRequest,
+) -> InprocessRecovery:
+    """The in-process recovery: replacements started by ``workers``, the workers' store
+    of ``rounds`` re-hosted per in-process round."""
+    return InprocessRecovery(
+        workers=workers,
+        store=rounds.bootstrap_store,
+        events=events,
+        metrics=metrics,
+        clock=clock,
+        wake=shutdown.waker.wake,  # (the hub wakes the loop on every worker message)
+        timeout=options.inprocess_timeout,
+        join_timeout=options.inprocess_join_timeout,
+    )
