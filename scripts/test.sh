@@ -17,11 +17,11 @@ mypy_log="$(mktemp)"
 trap 'rm -f "$mypy_log"' EXIT
 "$py/mypy" >"$mypy_log" 2>&1 &
 mypy_pid=$!
-# Two workers on CI's two cores. (Three keep the cores busier: 10.2 min in two fresh runs,
-# but the store's descriptor-reserve test then failed 1 run in 2: it counts welcomed
-# clients over time, not at once.) Work stealing evens out the long end-to-end tests at the end. Each worker
-# runs the conftest's leak checks on its own tests (the process tag is per test, the
-# descriptor check per worker process). `-n 0` after it runs serially.
+# Two workers on CI's two cores. (Three keep the cores busier: 10.2 min in two fresh
+# runs, but the store's descriptor-reserve test then failed 1 run in 2.) Work stealing
+# evens out the long end-to-end tests at the end. Each worker runs the conftest's leak
+# checks on its own tests (the process tag is per test, the descriptor check per worker
+# process). `-n 0` after it runs serially.
 echo "== pytest"
 status=0
 "$py/python" -m pytest -n 2 --dist worksteal "$@" || status=$?
