@@ -37,7 +37,7 @@ os.write(1, ("SEEDS " + json.dumps(record) + "\\n").encode())
 if record["restart"] == "0":
     open(f"drawn_{record['rank']}", "w").close()
     deadline = time.monotonic() + 60
-    while len([f for f in os.listdir() if f.startswith("drawn_")]) < 3:
+    while len([f for f in os.listdir() if f.startswith("drawn_")]) < 2:
         assert time.monotonic() < deadline, "the other ranks never drew"
         time.sleep(0.05)
     sys.exit(1)
@@ -53,7 +53,7 @@ def test_every_rank_and_restart_draws_its_own_torch_random_numbers_unless_seeded
 ) -> None:
     script = write_script(tmp_path / "seeds.py", SEEDS)
     result = run(
-        [*MODES[mode], "--nproc-per-node", "3", "--max-restarts", "1", str(script)],
+        [*MODES[mode], "--nproc-per-node", "2", "--max-restarts", "1", str(script)],
         cwd=tmp_path,
         timeout=120,
     )
@@ -64,11 +64,11 @@ def test_every_rank_and_restart_draws_its_own_torch_random_numbers_unless_seeded
         if line.startswith("SEEDS ")
     ]
     assert sorted((r["restart"], r["rank"]) for r in records) == [
-        (restart, rank) for restart in "01" for rank in "012"
+        (restart, rank) for restart in "01" for rank in "01"
     ]
-    # Six workers (three ranks, two attempts): six different OS-drawn seeds.
-    assert len({r["initial_seed"] for r in records}) == 6, records
-    assert len({tuple(r["rand"]) for r in records}) == 6, records
+    # Four workers (two ranks, two attempts): four different OS-drawn seeds.
+    assert len({r["initial_seed"] for r in records}) == 4, records
+    assert len({tuple(r["rand"]) for r in records}) == 4, records
     # An explicit seed gives every worker exactly that seed's numbers.
     assert all(r["seeded"] == [1234, SEEDED_1234] for r in records), records
 
