@@ -4,15 +4,16 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+# The suite starts a few thousand Python processes (agents, templates, workers, stores)
+# that import elastrun and torch. Where the environment sets PYTHONDONTWRITEBYTECODE no
+# .pyc is ever written, and every one of them compiled elastrun from source again (0.3
+# CPU-s a launch), as pytest did each test module in each worker. The suite lets Python
+# write its bytecode (into the ignored __pycache__ folders; torch's on first import) and
+# compiles src/ once up front.
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/bootstrap.sh --quiet
 bash scripts/install-system-deps.sh
 py="$root/.venv/bin"
-# The suite starts a few thousand Python processes (agents, templates, workers, stores)
-# that import elastrun from src/. Where the environment sets PYTHONDONTWRITEBYTECODE no
-# .pyc is ever written, and every one of them compiled elastrun from source again (0.3
-# CPU-s a launch), as pytest did each test module in each worker. The suite writes its
-# bytecode (into the ignored __pycache__ folders) and compiles src/ once up front.
-unset PYTHONDONTWRITEBYTECODE
 "$py/python" -m compileall -q -j 0 src >/dev/null
 paths=(src tests examples benchmarks)
 echo "== ruff"; "$py/ruff" check "${paths[@]}"
