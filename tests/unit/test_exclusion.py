@@ -1,0 +1,166 @@
+"""Exclusion with a cool-down: strikes within a window, the verdict (never below the
+minimum), the records, and the rounds that go on without an excluded node."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from elastrun.core.errors import ConfigError
+from elastrun.rendezvous.decide import Joiner, RoundView, RunKeys, Verdict, decide_round
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.exclusion import (
+    Exclusion,
+    ExclusionRule,
+    ExclusionVerdict,
+    check_failed,
+    exclusion_verdict,
+    load_exclusion,
+    load_strikes,
+    strikes_within,
+)
+from elastrun.store.api import EventKind, WatchEvent
+from elastrun.store.memory import MemoryStore
+from elastrun.testing import FakeClock
+
+RULE = ExclusionRule(after=2, window=60.0, cooldown=30.0)
+
+
+def test_strikes_count_only_within_the_window() -> None:
+    assert strikes_within((10.0, 50.0, 100.0), 120.0, 60.0) == (100.0,)
+    assert strikes_within((100.0, 120.0), 120.0, 60.0) == (100.0, 120.0)
+    assert strikes_within((60.0,), 120.0, 60.0) == ()  # exactly a window old: gone
+
+
+def test_a_node_is_excluded_at_the_limit_but_never_below_the_minimum() -> None:
+    assert exclusion_verdict(1, RULE, others=3, min_nodes=2) is ExclusionVerdict.STAYS
+    assert exclusion_verdict(2, RULE, others=2, min_nodes=2) is ExclusionVerdict.EXCLUDED
+    assert exclusion_verdict(2, RULE, others=1, min_nodes=2) is ExclusionVerdict.KEPT_AT_MIN
+    off = ExclusionRule()
+    assert not off.enabled
+    assert exclusion_verdict(9, off, others=9, min_nodes=1) is ExclusionVerdict.STAYS
+    assert check_failed(others=1, min_nodes=1) is ExclusionVerdict.EXCLUDED
+    assert check_failed(others=0, min_nodes=1) is ExclusionVerdict.KEPT_AT_MIN
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"after": -1}, "--exclude-after"), ({"window": 0.0}, "--exclude-window"),
+     ({"cooldown": float("inf")}, "--exclude-cooldown")],
+)  # fmt: skip
+def test_a_bad_rule_names_its_option(fields: dict[str, float], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        ExclusionRule(**fields)  # type: ignore[arg-type]
+
+
+def test_records_round_trip_and_the_cool_down_expires() -> None:
+    record = Exclusion("n1", 1000.0, "its workers failed 2 times within 60s", "10.0.0.1")
+    assert load_exclusion("n1", record.dump()) == record
+    assert record.remaining(970.0) == 30.0 and record.remaining(1000.0) == 0.0
+    assert load_exclusion("n1", b"not json") is None
+    assert load_exclusion("n1", b'{"v": 99, "until": 1}') is None  # another version
+    assert load_strikes(b'{"v": 1, "at": [1.5, true, "x", 2]}') == (1.5, 2.0)
+
+
+def _j(node: str, prev: int | None = None) -> Joiner:
+    return Joiner(node, 0, prev)
+
+
+KW = dict(max_nodes=2, now=0.0, call_started_at=0.0, last_call=30.0, join_deadline=600.0,
+          first_round=False)  # fmt: skip
+
+
+def test_a_spare_takes_an_excluded_members_place_at_once() -> None:
+    # "b" is excluded (alive, sitting out its cool-down); the spare "s" waited for room.
+    d = decide_round([_j("s"), _j("a", 0)], {"a", "b"}, min_nodes=1, excluded={"b"}, **KW)  # type: ignore[arg-type]
+    assert d.verdict is Verdict.CLOSE and d.members == ("a", "s")
+    # Below the maximum too: the round waits for every live member but the excluded one.
+    d = decide_round([_j("a", 0)], {"a", "b"}, min_nodes=1, excluded={"b"}, **KW)  # type: ignore[arg-type]
+    assert d.verdict is Verdict.CLOSE and d.members == ("a",)
+    without = decide_round([_j("a", 0)], {"a", "b"}, min_nodes=1, **KW)  # type: ignore[arg-type]
+    assert without.verdict is Verdict.WAIT
+
+
+def test_an_excluded_joiner_waits_like_a_spare() -> None:
+    d = decide_round([_j("a", 0), _j("b", 1)], {"a", "b"}, min_nodes=1, excluded={"b"}, **KW)  # type: ignore[arg-type]
+    assert d.verdict is Verdict.CLOSE and d.members == ("a",)
+
+
+def test_the_closer_follows_exclusions_from_events() -> None:
+    keys = RunKeys("/elastrun/job/")
+    view = RoundView(keys, 1, previous=("a", "b"))
+    view.load({}, [keys.nodes + "a", keys.nodes + "b"], None, [keys.excluded("b")])
+    assert view.excluded == {"b"}
+    view.apply([WatchEvent(EventKind.DELETE, keys.excluded("b"), None, 0),
+                WatchEvent(EventKind.PUT, keys.excluded("a"), b"{}", 0)])  # fmt: skip
+    assert view.excluded == {"a"}
+
+
+# --- in the store: the failing node decides, once, for the job ----------------------------
+
+
+def _handler(
+    store: MemoryStore, name: str, lo: int, hi: int, clock: FakeClock | None = None
+) -> DynamicRendezvousHandler:
+    # A long last call: a round that waited for an excluded node would not close in time.
+    settings = RendezvousSettings("job", lo, hi, last_call_timeout=60.0)
+    node = NodeDesc(name, "127.0.0.1", "default", 1)
+    if clock is None:
+        return DynamicRendezvousHandler(store, settings, node)
+    return DynamicRendezvousHandler(store, settings, node, clock=clock)
+
+
+def _join(handlers: list[DynamicRendezvousHandler]) -> list[int]:
+    ranks: dict[str, int] = {}
+
+    def go(h: DynamicRendezvousHandler) -> None:
+        ranks[h._node.node_id] = h.next_rendezvous().rank
+
+    threads = [threading.Thread(target=go, args=(h,), daemon=True) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(ranks) == len(handlers), "the round did not close"
+    return [ranks[h._node.node_id] for h in handlers]
+
+
+def test_two_strikes_exclude_a_node_and_the_others_go_on_without_it() -> None:
+    store, clock = MemoryStore(), FakeClock()
+    a, c = _handler(store, "a", 2, 3), _handler(store, "c", 2, 3)
+    b = _handler(store, "b", 2, 3, clock)
+    b.set_exclusion(RULE)
+    try:
+        _join([a, b, c])
+        assert b.report_failure(5, "rank 1 exited with code 1") is True
+        assert b.exclusion() is None  # one strike
+        _join([a, b, c])
+        clock.advance(10)
+        assert b.report_failure(5, "rank 1 exited with code 1") is True
+        excluded = b.exclusion()
+        assert excluded is not None and excluded.until == clock.time() + RULE.cooldown
+        assert "failed 2 times within 60s" in excluded.reason
+        assert [e.node for e in a.excluded_nodes()] == ["b"]
+        assert sorted(_join([a, c])) == [0, 1]  # at once: no one waits for "b"
+        b.readmit()
+        assert b.exclusion() is None and a.excluded_nodes() == []
+    finally:
+        for h in (a, b, c):
+            h.leave()
+
+
+def test_a_node_stays_when_the_others_alone_are_below_the_minimum() -> None:
+    store = MemoryStore()
+    a, b = _handler(store, "a", 2, 2), _handler(store, "b", 2, 2)
+    b.set_exclusion(ExclusionRule(after=1))
+    try:
+        _join([a, b])
+        assert b.report_failure(5, "rank 1 exited with code 1") is True
+        assert b.exclusion() is None
+        kept = b.take_kept_at_min()
+        assert kept is not None and "without it 1 node(s) would remain (--nnodes minimum 2)" in kept
+        assert b.take_kept_at_min() is None  # said once
+    finally:
+        for h in (a, b):
+            h.leave()
