@@ -4,6 +4,7 @@ nothing heavy (no torch): each attempt costs little."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ def _node(tmp_path: Path, endpoint: str, tag: str, script: Path, seconds: str): 
             "--rdzv-endpoint", endpoint, "--rdzv-id", "exclusion", "--local-addr", "127.0.0.1",
             "--rdzv-conf", "last_call_timeout=1,join_timeout=60", "--no-template",
             "--max-restarts", "5", "--exclude-after", "2", "--exclude-cooldown", "2",
+            "--event-log-handler", f"file:{tmp_path / tag}.jsonl",
             str(script), str(tmp_path), seconds]  # fmt: skip
     return start(args, cwd=tmp_path, env={"NODE_TAG": tag})
 
@@ -66,5 +68,9 @@ def test_a_failing_node_is_excluded_a_spare_replaces_it_and_it_rejoins(tmp_path:
     bad_err = results["bad"].stderr
     assert "is kept out of the job's rounds (its workers failed 2 times within 600s)" in bad_err
     assert "cool-down is over: it joins the job again" in bad_err, err
+    events = [json.loads(x) for x in (tmp_path / "bad.jsonl").read_text().splitlines()]
+    told = [e for e in events if e["name"] in ("agent.excluded", "agent.readmitted")]
+    assert [e["name"] for e in told] == ["agent.excluded", "agent.readmitted"]
+    assert "failed 2 times" in told[0]["metadata"]["reason"]
     # It came back as a spare; the job ended while it waited for room.
     assert "has ended (finished)" in bad_err.split("cool-down is over")[-1], err

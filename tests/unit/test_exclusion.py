@@ -3,11 +3,18 @@ minimum), the records, and the rounds that go on without an excluded node."""
 
 from __future__ import annotations
 
+import logging
+import signal
 import threading
+from collections.abc import Iterator
 
 import pytest
 
-from elastrun.core.errors import ConfigError
+from elastrun.agent.cooldown import CoolDown
+from elastrun.agent.interrupt import Interruptible
+from elastrun.core.errors import ConfigError, ShutdownRequested
+from elastrun.core.shutdown import ShutdownRequest
+from elastrun.observe.sinks import MemoryEventSink, NullMetricSink
 from elastrun.rendezvous.decide import Joiner, RoundView, RunKeys, Verdict, decide_round
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
 from elastrun.rendezvous.exclusion import (
@@ -164,3 +171,104 @@ def test_a_node_stays_when_the_others_alone_are_below_the_minimum() -> None:
     finally:
         for h in (a, b):
             h.leave()
+
+
+# --- the agent's side: sitting out the cool-down ------------------------------------------
+
+
+class _Rdzv:
+    """The rendezvous as the cool-down sees it: one exclusion record of this node."""
+
+    def __init__(self, until: float) -> None:
+        self.record: Exclusion | None = Exclusion("me", until, "its workers failed 2 times")
+        self.kept: str | None = None
+
+    def set_exclusion(self, rule: ExclusionRule) -> None:
+        pass
+
+    def take_kept_at_min(self) -> str | None:
+        kept, self.kept = self.kept, None
+        return kept
+
+    def exclusion(self) -> Exclusion | None:
+        return self.record
+
+    def readmit(self) -> None:
+        self.record = None
+
+    def excluded_nodes(self) -> list[Exclusion]:
+        return [self.record] if self.record is not None else []
+
+
+class _Ticking(FakeClock):
+    """Wall-clock time that moves one second each time it is read."""
+
+    def time(self) -> float:
+        self.advance(1.0)
+        return super().time()
+
+
+@pytest.fixture
+def shutdown() -> Iterator[ShutdownRequest]:
+    request = ShutdownRequest()
+    yield request
+    request.waker.close()
+
+
+def _cooldown(
+    rdzv: _Rdzv, clock: FakeClock, shutdown: ShutdownRequest, events: MemoryEventSink
+) -> CoolDown:
+    return CoolDown(
+        rdzv,  # type: ignore[arg-type]  # the part of ElasticRendezvous it uses
+        RULE,
+        interruptible=Interruptible(shutdown),
+        events=events,
+        metrics=NullMetricSink(),
+        clock=clock,
+        line_every=0.001,
+    )
+
+
+def test_an_excluded_node_says_why_it_waits_then_rejoins(
+    caplog: pytest.LogCaptureFixture, shutdown: ShutdownRequest
+) -> None:
+    clock, events = _Ticking(), MemoryEventSink()
+    rdzv = _Rdzv(until=clock.time() + 4)
+    rdzv.kept = "an earlier failure, but it stays"
+    caplog.set_level(logging.INFO, "elastrun.agent")
+    _cooldown(rdzv, clock, shutdown, events).before_round()
+    lines = [r.getMessage() for r in caplog.records]
+    waiting = [m for m in lines if "kept out of the job's rounds" in m]
+    assert len(waiting) >= 2 and "(its workers failed 2 times): it rejoins in" in waiting[0]
+    assert "this node's cool-down is over: it joins the job again" in lines
+    assert rdzv.record is None  # readmitted
+    assert events.names() == ["agent.exclusion_skipped", "agent.excluded", "agent.readmitted"]
+
+
+def test_a_signal_ends_the_cool_down_at_once(shutdown: ShutdownRequest) -> None:
+    clock = FakeClock()  # the cool-down never ends by itself
+    rdzv = _Rdzv(until=clock.time() + 3600)
+    timer = threading.Timer(0.05, shutdown.scope.cancel, ("SIGTERM",))
+    timer.start()
+    try:
+        with pytest.raises(ShutdownRequested) as stop:
+            _cooldown(rdzv, clock, shutdown, MemoryEventSink()).before_round()
+    finally:
+        timer.join()
+    assert stop.value.signum == signal.SIGTERM
+    assert rdzv.record is not None  # still excluded: it did not rejoin
+
+
+def test_with_the_rule_off_nothing_is_read(shutdown: ShutdownRequest) -> None:
+    class _Untouchable:
+        def __getattr__(self, name: str) -> object:
+            raise AssertionError(f"read {name} with the rule off")
+
+    CoolDown(
+        _Untouchable(),  # type: ignore[arg-type]
+        ExclusionRule(),
+        interruptible=Interruptible(shutdown),
+        events=MemoryEventSink(),
+        metrics=NullMetricSink(),
+        clock=FakeClock(),
+    ).before_round()
