@@ -28,12 +28,13 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-def _node(tmp_path: Path, endpoint: str, tag: str, script: Path, seconds: str):  # type: ignore[no-untyped-def]
-    args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+def _node(tmp_path: Path, endpoint: str, tag: str, script: Path, seconds: str,  # type: ignore[no-untyped-def]
+          nnodes: str = "2", extra: tuple[str, ...] = ()):  # fmt: skip
+    args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", "exclusion", "--local-addr", "127.0.0.1",
             "--rdzv-conf", "last_call_timeout=1,join_timeout=60", "--no-template",
             "--max-restarts", "5", "--exclude-after", "2", "--exclude-cooldown", "2",
-            "--event-log-handler", f"file:{tmp_path / tag}.jsonl",
+            "--event-log-handler", f"file:{tmp_path / tag}.jsonl", *extra,
             str(script), str(tmp_path), seconds]  # fmt: skip
     return start(args, cwd=tmp_path, env={"NODE_TAG": tag})
 
@@ -74,3 +75,22 @@ def test_a_failing_node_is_excluded_a_spare_replaces_it_and_it_rejoins(tmp_path:
     assert "failed 2 times" in told[0]["metadata"]["reason"]
     # It came back as a spare; the job ended while it waited for room.
     assert "has ended (finished)" in bad_err.split("cool-down is over")[-1], err
+
+
+def test_with_exclude_exit_an_excluded_node_leaves_with_replace_this_node(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "work.py", SCRIPT)
+    (tmp_path / "go").touch()  # the bad node fails at once, every time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    # One strike is enough; the good node alone still makes the minimum of 1.
+    extra = ("--exclude-exit", "--exclude-after", "1")
+    good = _node(tmp_path, endpoint, "good", script, "3", "1:2", extra)
+    time.sleep(0.3)
+    bad = _node(tmp_path, endpoint, "bad", script, "3", "1:2", extra)
+    results = {name: finish(p, 120) for name, p in (("bad", bad), ("good", good))}
+    err = "\n".join(f"--- {n}\n{r.stderr[-3000:]}" for n, r in results.items())
+    assert results["bad"].returncode == 75, err
+    assert "exit status 75 (replace this node; --exclude-exit)" in results["bad"].stderr
+    assert results["good"].returncode == 0, err  # the job went on without it
+    assert _runs(tmp_path)["bad"] == 1, err

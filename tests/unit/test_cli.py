@@ -1119,6 +1119,7 @@ def test_exclusion_is_off_by_default_and_set_by_its_options(
     rule = run("--exclude-after", "3", "--exclude-window", "60", "--exclude_cooldown", "5")
     assert rule.config.exclusion == ExclusionRule(after=3, window=60.0, cooldown=5.0)
     env = run(env={"PET_EXCLUDE_AFTER": "2"}).config.exclusion
-    assert env.after == 2
+    assert env.after == 2 and not env.exits
+    assert run("--exclude-exit").config.exclusion.exits
     assert fail("--exclude-cooldown", "0").field == "--exclude-cooldown"
     assert fail("--exclude-after", "-1").field == "--exclude-after"

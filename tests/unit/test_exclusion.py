@@ -12,7 +12,7 @@ import pytest
 
 from elastrun.agent.cooldown import CoolDown
 from elastrun.agent.interrupt import Interruptible
-from elastrun.core.errors import ConfigError, ShutdownRequested
+from elastrun.core.errors import ConfigError, NodeExcludedError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MemoryEventSink, NullMetricSink
 from elastrun.rendezvous.decide import Joiner, RoundView, RunKeys, Verdict, decide_round
@@ -272,3 +272,19 @@ def test_with_the_rule_off_nothing_is_read(shutdown: ShutdownRequest) -> None:
         metrics=NullMetricSink(),
         clock=FakeClock(),
     ).before_round()
+
+
+def test_with_exits_an_excluded_node_leaves_instead_of_waiting(shutdown: ShutdownRequest) -> None:
+    clock, events = FakeClock(), MemoryEventSink()
+    rdzv = _Rdzv(until=clock.time() + 3600)
+    cooldown = CoolDown(
+        rdzv,  # type: ignore[arg-type]
+        ExclusionRule(after=1, exits=True),
+        interruptible=Interruptible(shutdown),
+        events=events,
+        metrics=NullMetricSink(),
+        clock=clock,
+    )
+    with pytest.raises(NodeExcludedError, match="exit status 75"):
+        cooldown.before_round()
+    assert events.names() == ["agent.excluded"]

@@ -8,9 +8,11 @@ left in one line repeated every ``LINE_EVERY`` seconds, in the shutdown scope (a
 ends the wait at once). Then it readmits itself and joins as any newcomer: as a spare
 when the job is at its maximum, else the running group re-forms to take it in.
 
-Why wait rather than exit: the issue asks that the node rejoins after the cool-down, and
-a waiting agent keeps its lease, so the job's tools see it; a scheduler that replaces
-nodes can still stop it (exit status 75 is reserved for that, ``core.exitcodes``).
+Why wait rather than exit by default: an excluded node is to rejoin after its cool-down,
+and a waiting agent keeps its lease, so the job's tools see it. A scheduler that
+replaces nodes (Kubernetes, Slurm with a requeue script) asks for ``--exclude-exit``:
+the agent then leaves at once with exit status 75, "replace this node"
+(``core.exitcodes``), and the run stays open for the others.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 from elastrun.agent.interrupt import Interruptible
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
+from elastrun.core.errors import NodeExcludedError
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.rendezvous.elastic import ElasticRendezvous
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
@@ -96,6 +99,13 @@ class CoolDown:
         self._events.record(
             "agent.excluded", {"node": own.node, "reason": own.reason, "cooldown_s": cooldown}
         )
+        if self._rule.exits:
+            # Leaving revokes the lease, and the exclusion goes with it: the scheduler
+            # replaces the node, and the job goes on without it meanwhile.
+            raise NodeExcludedError(
+                f"this node was kept out of the job's rounds ({own.reason}): it leaves, "
+                "exit status 75 (replace this node; --exclude-exit)"
+            )
         self._metrics.put("agent.excluded", 1)
         self._interruptible(self._wait, "end of this node's cool-down")
         self._interruptible(lambda _scope: self._rdzv.readmit(), "exclusion record")

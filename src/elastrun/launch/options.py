@@ -217,6 +217,13 @@ OPTIONS: tuple[Option, ...] = (
         ours=True,
     ),
     option(
+        "--exclude-exit",
+        None,
+        "an excluded node's agent exits with status 75 (replace this node) instead of "
+        "waiting out --exclude-cooldown, for schedulers that replace nodes",
+        ours=True,
+    ),
+    option(
         "--hang-timeout",
         "SECONDS|auto",
         "a worker that reported progress (optimizer steps, elastrun.progress()) and then "

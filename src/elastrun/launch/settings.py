@@ -85,6 +85,7 @@ def runtime_settings(values: Values) -> Runtime:
         after=parse_int(*values.required("exclude_after"), low=0),
         window=parse_seconds(*values.required("exclude_window"), low_open=True),
         cooldown=parse_seconds(*values.required("exclude_cooldown"), low_open=True),
+        exits=values.flag("exclude_exit"),
     )
     hang_raw, hang_source = values.text("hang_timeout")
     hang_timeout = None if hang_raw is None else parse_hang_timeout(hang_raw, hang_source)

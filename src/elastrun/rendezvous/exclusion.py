@@ -59,6 +59,8 @@ class ExclusionRule:
         after: failures of a node's workers within ``window`` that exclude it (0: never).
         window: seconds a failure counts for.
         cooldown: seconds an excluded node stays out of the rounds.
+        exits: an excluded node's agent exits (status 75, replace this node) instead of
+            waiting out the cool-down, for schedulers that replace nodes.
 
     Raises:
         ConfigError: a field out of range, named.
@@ -67,6 +69,7 @@ class ExclusionRule:
     after: int = 0
     window: float = 600.0
     cooldown: float = 300.0
+    exits: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.after, bool) or not isinstance(self.after, int) or self.after < 0:
