@@ -152,9 +152,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             stop=self._stop, life=self._life, decided_rows=self._decided_rows,
         )  # fmt: skip
         self._outcome = Outcome(
-            store, self._keys, self._liveness, node_id=node.node_id, addr=node.addr, clock=clock
-        )
-        self._outcome.min_nodes = settings.min_nodes
+            store, self._keys, self._liveness,
+            node_id=node.node_id, addr=node.addr, clock=clock, min_nodes=settings.min_nodes,
+        )  # fmt: skip
         #: Joiners the last decision of this node saw, when it was the closer.
         self.seen = 0
         self._progress_line = ProgressLine(log, clock)

@@ -5,6 +5,8 @@ however many nodes see it: the first node to claim ``ctl/failed/<n>`` decides, a
 its verdict there for the others. Members whose workers finished wait in the exit
 barrier (``ctl/done/<n>/<node>``) for the round's outcome. When the budget is spent or
 the job is done, the run is closed (``ctl/closed``, with why) and late agents are refused.
+The node that claims a failure also counts a strike against itself, and may exclude
+itself for a cool-down (``exclusion``: the rule, and why the claim makes it job-wide).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Outcome:
         liveness: the round this node is in and who its members are.
         node_id: this node.
         addr: this node's address (named in a failure's note).
-        clock: for the exit barrier's deadline.
+        clock: for the exit barrier's deadline, and the strikes' times.
+        min_nodes: the job's --nnodes minimum (no exclusion leaves fewer nodes).
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class Outcome:
         node_id: str,
         addr: str,
         clock: Clock,
+        min_nodes: int = 1,
     ) -> None:
         self._store = store
         self._keys = keys
@@ -74,8 +78,7 @@ class Outcome:
         self.left_unfinished = False
         #: When this node is kept out of rounds (``exclusion``); off by default.
         self.rule = ExclusionRule()
-        #: The job's --nnodes minimum (no exclusion leaves fewer nodes).
-        self.min_nodes = 1
+        self._min_nodes = min_nodes
         #: Why this node should have been excluded but stayed (the minimum), once.
         self.kept_at_min: str | None = None
 
@@ -112,8 +115,9 @@ class Outcome:
             where = f"{what} on {self._addr}" if what else f"a worker on {self._addr}"
             self.close(f"restart budget exhausted ({max_restarts}): {where}")
         elif self.rule.enabled:
-            # Before the verdict: the others re-form on it, and their round must not
-            # wait for this node once it is excluded.
+            # Before the verdict, which nodes in the exit barrier re-form on. A closer
+            # already forming the next round (it woke on the claim) learns of the
+            # exclusion from its watch of ``ctl/`` and stops waiting for this node.
             self._strike()
         # The verdict, for nodes waiting in the exit barrier of this round.
         self._store.set(key, _dump({**note, "restart": restart}))
@@ -145,7 +149,7 @@ class Outcome:
         if len(times) < rule.after:
             return  # (no store reads for the others on the way)
         others = self._others()
-        verdict = exclusion_verdict(len(times), rule, others=others, min_nodes=self.min_nodes)
+        verdict = exclusion_verdict(len(times), rule, others=others, min_nodes=self._min_nodes)
         why = f"its workers failed {len(times)} times within {rule.window:.0f}s"
         self._apply(verdict, why, others)
 
@@ -154,7 +158,7 @@ class Outcome:
         failed node check), unless the other nodes alone would be fewer than the
         minimum (then ``kept_at_min`` says so). Returns the exclusion that holds."""
         others = self._others()
-        return self._apply(check_failed(others=others, min_nodes=self.min_nodes), reason, others)
+        return self._apply(check_failed(others=others, min_nodes=self._min_nodes), reason, others)
 
     def _others(self) -> int:
         """The live nodes other than this one that are not excluded themselves."""
@@ -167,7 +171,7 @@ class Outcome:
         if verdict is ExclusionVerdict.KEPT_AT_MIN:
             self.kept_at_min = (
                 f"{reason}, but it stays: without it {others} node(s) would remain "
-                f"(--nnodes minimum {self.min_nodes})"
+                f"(--nnodes minimum {self._min_nodes})"
             )
             return None
         if verdict is ExclusionVerdict.STAYS:
@@ -282,5 +286,6 @@ class Outcome:
     def __repr__(self) -> str:
         return (
             f"Outcome(node={self._node_id!r}, round={self._live.round}, "
-            f"refusal={self.refusal!r}, left_unfinished={self.left_unfinished})"
+            f"refusal={self.refusal!r}, left_unfinished={self.left_unfinished}, "
+            f"rule={self.rule!r}, kept_at_min={self.kept_at_min!r})"
         )
