@@ -12,6 +12,7 @@ import pytest
 
 from elastrun.agent.cooldown import CoolDown
 from elastrun.agent.interrupt import Interruptible
+from elastrun.core import cancel
 from elastrun.core.errors import ConfigError, NodeExcludedError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MemoryEventSink, NullMetricSink
@@ -152,6 +153,9 @@ def test_two_strikes_exclude_a_node_and_the_others_go_on_without_it() -> None:
         assert sorted(_join([a, c])) == [0, 1]  # at once: no one waits for "b"
         b.readmit()
         assert b.exclusion() is None and a.excluded_nodes() == []
+        assert b.wait_closed(0.01) is False
+        a.set_closed("finished")
+        assert b.wait_closed(10) is True  # a node sitting out learns that the job ended
     finally:
         for h in (a, b, c):
             h.leave()
@@ -198,6 +202,10 @@ class _Rdzv:
 
     def excluded_nodes(self) -> list[Exclusion]:
         return [self.record] if self.record is not None else []
+
+    def wait_closed(self, timeout: float) -> bool:
+        cancel.current().sleep(timeout)
+        return False
 
 
 class _Ticking(FakeClock):

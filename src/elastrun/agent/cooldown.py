@@ -5,8 +5,10 @@ round's failure counts a strike against itself, and at the limit it is excluded 
 whole job, unless the minimum keeps it in). This is the agent's side: before each round
 it asks whether this node is excluded, and if so it waits, saying why and how long is
 left in one line repeated every ``LINE_EVERY`` seconds, in the shutdown scope (a signal
-ends the wait at once). Then it readmits itself and joins as any newcomer: as a spare
-when the job is at its maximum, else the running group re-forms to take it in.
+ends the wait at once); the run's closing ends it too (a host serving the store would
+otherwise wait for this node to leave). Then it readmits itself and joins as any
+newcomer: as a spare when the job is at its maximum, else the running group re-forms to
+take it in.
 
 Why wait rather than exit by default: an excluded node is to rejoin after its cool-down,
 and a waiting agent keeps its lease, so the job's tools see it. A scheduler that
@@ -107,14 +109,19 @@ class CoolDown:
                 "exit status 75 (replace this node; --exclude-exit)"
             )
         self._metrics.put("agent.excluded", 1)
-        self._interruptible(self._wait, "end of this node's cool-down")
+        ended = self._interruptible(self._wait, "end of this node's cool-down")
         self._interruptible(lambda _scope: self._rdzv.readmit(), "exclusion record")
         self.own = None
         self._metrics.put("agent.excluded", 0)
-        log.info("this node's cool-down is over: it joins the job again")
+        if ended:
+            log.info("the job ended while this node sat out its cool-down")
+        else:
+            log.info("this node's cool-down is over: it joins the job again")
         self._events.record("agent.readmitted", {"node": own.node})
 
-    def _wait(self, scope: CancelScope) -> None:
+    def _wait(self, _scope: CancelScope) -> bool:
+        """Until the cool-down ends (False), or the run does (True: the job finished or
+        failed while this node sat out; its next join says so, as to any late node)."""
         own = self.own
         assert own is not None, "waiting without an exclusion"
         while (left := own.remaining(self._clock.time())) > 0:
@@ -123,7 +130,9 @@ class CoolDown:
                 own.reason,
                 left,
             )
-            scope.sleep(min(left, self._line_every))
+            if self._rdzv.wait_closed(min(left, self._line_every)):
+                return True
+        return False
 
     def _read_excluded(self) -> None:
         found = self._interruptible(lambda _scope: self._rdzv.excluded_nodes(), "exclusions")

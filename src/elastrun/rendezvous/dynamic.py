@@ -47,6 +47,7 @@ from elastrun.core.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
     StoreError,
+    StoreTimeoutError,
     StoreUnavailableError,
 )
 from elastrun.rendezvous import joining
@@ -332,6 +333,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """The nodes of the job that sit out a cool-down."""
         with self._agent_call():
             return self._outcome.excluded_nodes()
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the run to be closed; whether it is (an
+        excluded node stops sitting out a job that has ended)."""
+        with self._agent_call():
+            try:
+                self._store.wait([self._keys.closed], timeout)
+            except StoreTimeoutError:
+                return False
+            return True
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
         """This node's workers finished: wait (up to ``timeout``) for the round's

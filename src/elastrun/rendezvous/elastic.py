@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from elastrun.core import cancel
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import RendezvousTimeoutError
 from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo, RoundOutcome
@@ -90,6 +91,11 @@ class ElasticRendezvous(Protocol):
         """The job's nodes that sit out a cool-down."""
         ...
 
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the run to be closed (in the calling thread's
+        current cancel scope); whether it is."""
+        ...
+
 
 class PlainRendezvous:
     """``ElasticRendezvous`` for a handler that has only torch's methods."""
@@ -147,6 +153,10 @@ class PlainRendezvous:
 
     def excluded_nodes(self) -> list[Exclusion]:
         return []
+
+    def wait_closed(self, timeout: float) -> bool:
+        cancel.current().sleep(timeout)  # (never asked: no one is excluded here)
+        return False
 
     def __repr__(self) -> str:
         return f"PlainRendezvous({self.handler!r})"

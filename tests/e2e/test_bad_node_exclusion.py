@@ -50,11 +50,11 @@ def test_a_failing_node_is_excluded_a_spare_replaces_it_and_it_rejoins(tmp_path:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{s.getsockname()[1]}"
-    good = _node(tmp_path, endpoint, "good", script, "4")  # serves the rendezvous store
+    good = _node(tmp_path, endpoint, "good", script, "5")  # serves the rendezvous store
     time.sleep(0.3)
-    bad = _node(tmp_path, endpoint, "bad", script, "4")
+    bad = _node(tmp_path, endpoint, "bad", script, "5")
     wait_for(lambda: _runs(tmp_path)["bad"] == 2, 60, "the second round")
-    spare = _node(tmp_path, endpoint, "spare", script, "4")
+    spare = _node(tmp_path, endpoint, "spare", script, "5")
     assert spare.stderr is not None
     for line in spare.stderr:  # (its first progress line comes after some seconds)
         if "this node is a spare" in line:
