@@ -64,8 +64,10 @@ def test_a_failing_node_is_excluded_a_spare_replaces_it_and_it_rejoins(tmp_path:
     err = "\n".join(f"--- {n}\n{r.stderr[-3000:]}" for n, r in results.items())
     assert results["good"].returncode == 0, err
     assert results["spare"].returncode == 0, err
-    # Two failures of the bad node (two restarts), then the spare in its place.
-    assert _runs(tmp_path) == {"good": 3, "bad": 2, "spare": 1}, err
+    # Two failures of the bad node (two restarts), then the spare in its place. (The good
+    # node's first workers may be stopped before they leave their mark.)
+    runs = _runs(tmp_path)
+    assert (runs["bad"], runs["spare"]) == (2, 1), err
     bad_err = results["bad"].stderr
     assert "is kept out of the job's rounds (its workers failed 2 times within 600s)" in bad_err
     assert "cool-down is over: it joins the job again" in bad_err, err
