@@ -153,6 +153,10 @@ def test_two_strikes_exclude_a_node_and_the_others_go_on_without_it() -> None:
         assert sorted(_join([a, c])) == [0, 1]  # at once: no one waits for "b"
         b.readmit()
         assert b.exclusion() is None and a.excluded_nodes() == []
+        # A failed node check feeds the same decision (the minimum still holds: a, b).
+        checked = c.exclude("its node check failed")
+        assert checked is not None and [e.node for e in a.excluded_nodes()] == ["c"]
+        assert c.exclude("again") == checked  # an exclusion that holds keeps its cool-down
         assert b.wait_closed(0.01) is False
         a.set_closed("finished")
         assert b.wait_closed(10) is True  # a node sitting out learns that the job ended

@@ -79,6 +79,11 @@ class ElasticRendezvous(Protocol):
         """Why this node was to be excluded but stayed (the --nnodes minimum), once."""
         ...
 
+    def exclude(self, reason: str) -> Exclusion | None:
+        """Keep this node out for a cool-down now, for ``reason`` (a failed node check);
+        None when the --nnodes minimum keeps it in (``take_kept_at_min`` says why)."""
+        ...
+
     def exclusion(self) -> Exclusion | None:
         """This node's exclusion while it holds: it must not join a round until then."""
         ...
@@ -143,6 +148,9 @@ class PlainRendezvous:
         pass
 
     def take_kept_at_min(self) -> str | None:
+        return None
+
+    def exclude(self, reason: str) -> Exclusion | None:
         return None
 
     def exclusion(self) -> Exclusion | None:
