@@ -41,6 +41,8 @@ __all__ = [
     "Exclusion",
     "ExclusionRule",
     "ExclusionVerdict",
+    "check_failed",
+    "dump_strikes",
     "exclusion_verdict",
     "load_exclusion",
     "load_strikes",
