@@ -1108,3 +1108,18 @@ def test_loglevel_is_a_level_name_or_a_number_up_to_50() -> None:
     for bad in ("LOUD", "51", "-1", "nan"):
         with pytest.raises(ConfigError, match="LOGLEVEL"):
             parse_log_level(bad)
+
+
+def test_exclusion_is_off_by_default_and_set_by_its_options(
+    run: Callable[..., Launch], fail: Callable[..., ConfigError]
+) -> None:
+    from elastrun.rendezvous.exclusion import ExclusionRule
+
+    assert run().config.exclusion == ExclusionRule() and not run().config.exclusion.enabled
+    rule = run("--exclude-after", "3", "--exclude-window", "60", "--exclude_cooldown", "5")
+    assert rule.config.exclusion == ExclusionRule(after=3, window=60.0, cooldown=5.0)
+    env = run(env={"PET_EXCLUDE_AFTER": "2"}).config.exclusion
+    assert env.after == 2 and not env.exits
+    assert run("--exclude-exit").config.exclusion.exits
+    assert fail("--exclude-cooldown", "0").field == "--exclude-cooldown"
+    assert fail("--exclude-after", "-1").field == "--exclude-after"

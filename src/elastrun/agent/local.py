@@ -222,6 +222,7 @@ class LocalElasticAgent:
             "group_world_size": g.group_world_size,
             "workers": [w.id for w in g.workers],
             "progress": p.progress.status(),
+            "excluded_nodes": p.cooldown.status(),
         }
 
     def __repr__(self) -> str:

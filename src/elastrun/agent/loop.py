@@ -104,6 +104,7 @@ class ElasticLoop:
         exits.callback(p.rounds.end)
         exits.callback(self._finish_attempt, signal.SIGTERM)
         p.rdzv.set_node_info(p.spec.role, p.spec.local_world_size)
+        p.cooldown.start()
         # Membership news from the rendezvous' watch thread wakes the loop at once; its
         # threads may outlive the waker, so the callback is taken back first.
         exits.callback(p.rdzv.set_change_callback, _ignore)
@@ -358,6 +359,7 @@ class ElasticLoop:
         p = self._p
         p.rounds.end()  # the previous round is over for every node
         p.lifecycle.enter(AgentPhase.RENDEZVOUS)
+        p.cooldown.before_round()  # an excluded node sits out its cool-down first
         plan = p.steps.starting_afresh(p.rounds.join(), self._attempt)
         self._start_workers(plan)
         p.steps.joined(self._current())

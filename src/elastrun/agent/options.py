@@ -25,6 +25,7 @@ from elastrun.agent.plan import INPROCESS_ENV, SIGNALS_TO_HANDLE_ENV
 from elastrun.agent.watches import STUCK_EXIT_TIMEOUT
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import parse_seconds
+from elastrun.rendezvous.exclusion import ExclusionRule
 from elastrun.supervise.progress import AutoTimeout, StragglerSettings
 
 __all__ = [
@@ -101,6 +102,8 @@ class AgentOptions:
             (None: not launched so).
         inprocess_timeout: the bound on an in-process round's synchronisation.
         inprocess_join_timeout: the bound on a kept worker's reaching a round.
+        exclusion: when a node whose workers keep failing sits out a cool-down (off by
+            default, as torchrun: a node is never kept out).
 
     Raises:
         ConfigError: a field out of range, named.
@@ -123,6 +126,7 @@ class AgentOptions:
     signals_to_handle: str | None = None
     inprocess_timeout: float = DEFAULT_INPROCESS_TIMEOUT
     inprocess_join_timeout: float = DEFAULT_INPROCESS_JOIN_TIMEOUT
+    exclusion: ExclusionRule = ExclusionRule()  # noqa: RUF009 (frozen)
 
     def __post_init__(self) -> None:
         # A read-only copy: the caller's mapping may change, the options may not.

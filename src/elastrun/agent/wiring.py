@@ -15,6 +15,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+from elastrun.agent.cooldown import CoolDown
 from elastrun.agent.inprocess import InprocessRecovery
 from elastrun.agent.inprocess_steps import InprocessSteps
 from elastrun.agent.interrupt import Interruptible
@@ -99,6 +100,7 @@ class AgentParts:
     inprocess: InprocessRecovery
     steps: InprocessSteps
     watches: AttemptWatches
+    cooldown: CoolDown
 
 
 def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentParts:
@@ -153,6 +155,14 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
             file_timer=world.file_timer,
             stuck_exit_timeout=options.stuck_exit_timeout,
             events=events,
+            clock=world.clock,
+        ),
+        cooldown=CoolDown(
+            rdzv,
+            options.exclusion,
+            interruptible=interruptible,
+            events=events,
+            metrics=metrics,
             clock=world.clock,
         ),
     )

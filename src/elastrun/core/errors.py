@@ -92,6 +92,11 @@ class RendezvousGracefulExitError(RendezvousError):
     """This node was not admitted and should exit quietly; not a failure."""
 
 
+class NodeExcludedError(ElastrunError):
+    """This node was kept out of the job's rounds and asked to leave rather than wait
+    out its cool-down: the launcher exits 75, "replace this node"."""
+
+
 class WorkerFailure(ElastrunError):
     """Base class of errors that report failed worker processes."""
 

@@ -35,10 +35,9 @@ class ExitStatus(enum.IntEnum):
     WORKER_FAILED = 1
     #: An option or variable is invalid; nothing was started. No retry fixes it.
     BAD_CONFIG = 2
-    #: This node was found bad (its check failed, or it was excluded for failing
-    #: again and again): replace the node; the job may go on, or be requeued, without it.
-    #: Reserved: defined (and handled by the Kubernetes policy) before the node checks
-    #: and the exclusion that will return it.
+    #: This node was found bad (it was excluded for failing again and again, with
+    #: ``--exclude-exit``; later also a failed node check): replace the node; the job
+    #: may go on, or be requeued, without it.
     REPLACE_NODE = 75
     #: More restarts will not help: the restarts made no progress, or the same rank
     #: failed the same way at the same step twice in a row (a crash loop). Do not requeue.

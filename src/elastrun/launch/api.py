@@ -123,6 +123,7 @@ def build_agent(
         stuck_exit_timeout=config.stuck_exit_timeout or None,
         stalled_restarts=config.stalled_restarts or None,
         crash_loop_stop=config.crash_loop_stop,
+        exclusion=config.exclusion,
         stragglers=config.stragglers,
         hang_timeout=config.hang_timeout,
     )

@@ -177,6 +177,7 @@ def _config(
             hang_timeout=runtime.hang_timeout,
             stalled_restarts=runtime.stalled_restarts,
             crash_loop_stop=not values.flag("no_crash_loop_stop"),
+            exclusion=runtime.exclusion,
             stragglers=runtime.stragglers,
             node_rank=rdzv.node_rank,
             master_addr=rdzv.master_addr,

@@ -23,6 +23,7 @@ from elastrun.core.values import (
     parse_port,
     parse_seconds,
 )
+from elastrun.rendezvous.exclusion import ExclusionRule
 from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
 from elastrun.supervise.progress.straggler import StragglerSettings
 
@@ -93,6 +94,8 @@ class LaunchConfig:
     stalled_restarts: int = 3
     #: Stop restarting (exit 93) when a rank fails the same way at the same step twice.
     crash_loop_stop: bool = True
+    #: When a node whose workers keep failing sits out a cool-down (off by default).
+    exclusion: ExclusionRule = ExclusionRule()  # noqa: RUF009 (frozen)
     #: How stragglers are found and reported (None: not at all).
     stragglers: StragglerSettings | None = StragglerSettings()  # noqa: RUF009 (frozen)
     #: Serve the agent's metrics in Prometheus format on this port (None: off).

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from elastrun.core.errors import (
     ConfigError,
     ElastrunError,
+    NodeExcludedError,
     RendezvousError,
     ShutdownRequested,
     WorkerFailure,
@@ -222,6 +223,9 @@ def _run(launch: Launch, mask: set[int | signal.Signals] | None = None) -> int:
         print(f"elastrun: stopped by {exc.signal_name}", file=sys.stderr)
         _mention_logs(specs)
         return signal_status(exc.signum)
+    except NodeExcludedError as exc:
+        print(f"elastrun: error: {exc}", file=sys.stderr)
+        return ExitStatus.REPLACE_NODE
     except (RendezvousError, WorkerFailure, ElastrunError) as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return ExitStatus.WORKER_FAILED

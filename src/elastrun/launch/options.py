@@ -194,6 +194,36 @@ OPTIONS: tuple[Option, ...] = (
         ours=True,
     ),
     option(
+        "--exclude-after",
+        "K",
+        "keep a node out of the rounds for --exclude-cooldown once its workers failed K "
+        "times within --exclude-window (a spare takes its place; never below the --nnodes "
+        "minimum); 0 turns it off, as torchrun (default 0)",
+        "0",
+        ours=True,
+    ),
+    option(
+        "--exclude-window",
+        "SECONDS",
+        "how long a node's failure counts towards --exclude-after (default 600)",
+        "600",
+        ours=True,
+    ),
+    option(
+        "--exclude-cooldown",
+        "SECONDS",
+        "how long an excluded node sits out before it joins again (default 300)",
+        "300",
+        ours=True,
+    ),
+    option(
+        "--exclude-exit",
+        None,
+        "an excluded node's agent exits with status 75 (replace this node) instead of "
+        "waiting out --exclude-cooldown, for schedulers that replace nodes",
+        ours=True,
+    ),
+    option(
         "--hang-timeout",
         "SECONDS|auto",
         "a worker that reported progress (optimizer steps, elastrun.progress()) and then "

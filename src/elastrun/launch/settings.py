@@ -17,6 +17,7 @@ from elastrun.launch.config import START_METHODS, parse_signals
 from elastrun.launch.options import NUMA_BINDINGS
 from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, to_choice
 from elastrun.launch.paths import check_writable_file
+from elastrun.rendezvous.exclusion import ExclusionRule
 from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
 from elastrun.supervise.progress.straggler import StragglerSettings, parse_straggler_factor
 
@@ -57,6 +58,7 @@ class Runtime:
     stuck_exit_timeout: float
     hang_timeout: float | AutoTimeout | None
     stalled_restarts: int
+    exclusion: ExclusionRule
     stragglers: StragglerSettings | None
     start_method: str
     event_log_handler: str
@@ -79,6 +81,12 @@ def runtime_settings(values: Values) -> Runtime:
     shutdown_timeout = None if timeout_raw is None else parse_seconds(timeout_raw, timeout_source)
     stuck_exit_timeout = parse_seconds(*values.required("stuck_exit_timeout"))
     no_progress = parse_int(*values.required("stalled_restarts"), low=0)
+    exclusion = ExclusionRule(
+        after=parse_int(*values.required("exclude_after"), low=0),
+        window=parse_seconds(*values.required("exclude_window"), low_open=True),
+        cooldown=parse_seconds(*values.required("exclude_cooldown"), low_open=True),
+        exits=values.flag("exclude_exit"),
+    )
     hang_raw, hang_source = values.text("hang_timeout")
     hang_timeout = None if hang_raw is None else parse_hang_timeout(hang_raw, hang_source)
     stragglers = _stragglers(values)
@@ -103,6 +111,7 @@ def runtime_settings(values: Values) -> Runtime:
         stuck_exit_timeout=stuck_exit_timeout,
         hang_timeout=hang_timeout,
         stalled_restarts=no_progress,
+        exclusion=exclusion,
         stragglers=stragglers,
         start_method=start_method,
         event_log_handler=events,

@@ -115,6 +115,16 @@ AGENT_METRICS: dict[str, MetricDef] = {
         "elastrun_straggler_reports",
         "Stragglers reported: local ranks, and (by group rank 0's agent) nodes",
     ),
+    "agent.excluded": MetricDef(
+        "gauge",
+        "elastrun_excluded",
+        "1 while this node sits out a cool-down (--exclude-after), else 0",
+    ),
+    "agent.excluded_nodes": MetricDef(
+        "gauge",
+        "elastrun_excluded_nodes",
+        "Nodes of the job sitting out a cool-down, as this node last read them",
+    ),
     "worker.steps": MetricDef(
         "counter",
         "elastrun_worker_steps",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,10 +75,14 @@ def decide_round(
     last_call: float,
     join_deadline: float,
     first_round: bool,
+    excluded: AbstractSet[str] = frozenset(),
 ) -> RoundDecision:
     """Whether a forming round should close now.
 
     ``previous_live`` are the members of the previous round that are still alive.
+    ``excluded`` are nodes kept out for a cool-down (``exclusion``): as joiners they
+    wait like spares, and a round waits for none of them, so a spare takes an excluded
+    member's place at once.
 
     * The job's first round closes at once with ``max_nodes`` joiners, or with at least
       ``min_nodes`` when the last call (started when the minimum was reached) ends;
@@ -88,6 +93,9 @@ def decide_round(
       a failure or the loss of a node waits for no one), or at ``max_nodes``, or with at
       least the minimum when the last call ends; below the minimum it times out.
     """
+    if excluded:
+        joiners = [j for j in joiners if j.node_id not in excluded]
+        previous_live = previous_live - excluded
     joined = {j.node_id for j in joiners}
     count = len(joiners)
     pending = previous_live - joined
@@ -184,16 +192,25 @@ class RoundView:
         self.joins: dict[str, bytes] = {}
         self._joiners: dict[str, Joiner] = {}
         self.live: set[str] = set()
+        #: Nodes kept out for a cool-down (``exclusion``).
+        self.excluded: set[str] = set()
         self.closed: bytes | None = None
 
-    def load(self, joins: Mapping[str, bytes], nodes: Sequence[str], closed: bytes | None) -> None:
-        """Start from full reads (``joins`` and ``nodes`` as full keys)."""
+    def load(
+        self,
+        joins: Mapping[str, bytes],
+        nodes: Sequence[str],
+        closed: bytes | None,
+        excluded: Sequence[str] = (),
+    ) -> None:
+        """Start from full reads (``joins``, ``nodes`` and ``excluded`` as full keys)."""
         self.joins.clear()
         self._joiners.clear()
         for key, value in joins.items():
             self._put_join(key[len(self._join) :], value)
         cut = len(self._keys.nodes)
         self.live = {k[cut:] for k in nodes}
+        self.excluded = {k[len(self._keys.excluded_prefix) :] for k in excluded}
         self.closed = closed
 
     def apply(self, events: Sequence[WatchEvent]) -> None:
@@ -212,6 +229,9 @@ class RoundView:
                     self.live.add(node)
                 else:
                     self.live.discard(node)
+            elif e.key.startswith(self._keys.excluded_prefix):
+                node = e.key[len(self._keys.excluded_prefix) :]
+                (self.excluded.add if put else self.excluded.discard)(node)
             elif e.key == self._keys.closed:
                 self.closed = e.value if put else None
 
@@ -237,7 +257,7 @@ class RoundView:
             self.joiners(), self.previous_live(), min_nodes=bounds.min_nodes,
             max_nodes=bounds.max_nodes, now=now, call_started_at=call_started_at,
             last_call=bounds.last_call_timeout, join_deadline=join_deadline,
-            first_round=self.round == 0,
+            first_round=self.round == 0, excluded=self.excluded,
         )  # fmt: skip
 
     def outcome(self, members: Sequence[str], decision: str, rev: int) -> tuple[JSONDoc, JSONDoc]:
@@ -397,6 +417,19 @@ class RunKeys:
 
     def failed(self, n: int) -> str:
         return f"{self.prefix}ctl/failed/{n}"
+
+    @property
+    def excluded_prefix(self) -> str:
+        """Nodes kept out of the rounds for a cool-down (``exclusion``)."""
+        return self.prefix + "ctl/excluded/"
+
+    def excluded(self, node: str) -> str:
+        """``node``'s exclusion: bound to its lease, deleted when its cool-down ends."""
+        return self.excluded_prefix + node
+
+    def strikes(self, node: str) -> str:
+        """The times of ``node``'s recent failures. Not under ``ctl/``: no one watches it."""
+        return f"{self.prefix}strikes/{node}"
 
     def out(self, n: int) -> str:
         return f"{self.prefix}rounds/{n}/out/"

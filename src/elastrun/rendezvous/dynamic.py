@@ -15,6 +15,8 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 ``rounds/<n>/status``        the closer's progress (for the others' log lines)
 ``rounds/<n>/master``        MASTER_ADDR/PORT of round n, chosen by its rank 0
 ``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
+``ctl/excluded/<node>``      bound to the lease: the node sits out a cool-down
+``strikes/<node>``           the times of the node's recent failures (``exclusion``)
 ``current``                  the newest closed round
 ``budget``                   failure restarts used by the whole job
 
@@ -45,6 +47,7 @@ from elastrun.core.errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
     StoreError,
+    StoreTimeoutError,
     StoreUnavailableError,
 )
 from elastrun.rendezvous import joining
@@ -56,6 +59,7 @@ from elastrun.rendezvous.api import (
     RendezvousStoreInfo,
 )
 from elastrun.rendezvous.decide import RunKeys
+from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 from elastrun.rendezvous.liveness import Liveness, bounded
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.outcome import Outcome
@@ -149,8 +153,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             stop=self._stop, life=self._life, decided_rows=self._decided_rows,
         )  # fmt: skip
         self._outcome = Outcome(
-            store, self._keys, self._liveness, node_id=node.node_id, addr=node.addr, clock=clock
-        )
+            store, self._keys, self._liveness,
+            node_id=node.node_id, addr=node.addr, clock=clock, min_nodes=settings.min_nodes,
+        )  # fmt: skip
         #: Joiners the last decision of this node saw, when it was the closer.
         self.seen = 0
         self._progress_line = ProgressLine(log, clock)
@@ -296,6 +301,48 @@ class DynamicRendezvousHandler(RendezvousHandler):
         restart, so that every node ends as when the budget is spent."""
         with self._agent_call():
             self._outcome.report_final_failure(what, why)
+
+    # -- exclusion with a cool-down (``exclusion``) ----------------------------------------
+
+    def set_exclusion(self, rule: ExclusionRule) -> None:
+        """When a failing node is kept out of the rounds (the agent tells it once)."""
+        self._outcome.rule = rule
+
+    def take_kept_at_min(self) -> str | None:
+        """Why this node was to be excluded but stayed (the minimum), once."""
+        note, self._outcome.kept_at_min = self._outcome.kept_at_min, None
+        return note
+
+    def exclude(self, reason: str) -> Exclusion | None:
+        """Keep this node out of the rounds for a cool-down (e.g. its check failed);
+        None when the minimum keeps it in (``take_kept_at_min`` says why)."""
+        with self._agent_call():
+            return self._outcome.exclude(reason)
+
+    def exclusion(self) -> Exclusion | None:
+        """This node's exclusion while it holds (it must not join until then)."""
+        with self._agent_call():
+            return self._outcome.exclusion()
+
+    def readmit(self) -> None:
+        """This node's cool-down is over: it joins rounds again."""
+        with self._agent_call():
+            self._outcome.readmit()
+
+    def excluded_nodes(self) -> list[Exclusion]:
+        """The nodes of the job that sit out a cool-down."""
+        with self._agent_call():
+            return self._outcome.excluded_nodes()
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the run to be closed; whether it is (an
+        excluded node stops sitting out a job that has ended)."""
+        with self._agent_call():
+            try:
+                self._store.wait([self._keys.closed], timeout)
+            except StoreTimeoutError:
+                return False
+            return True
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
         """This node's workers finished: wait (up to ``timeout``) for the round's

@@ -2,11 +2,12 @@
 
 torch's handler interface (``api.RendezvousHandler``) knows rounds, but not the rest of
 an elastic job: who this node is, news that the running round must re-form, the
-job-wide restart budget, the exit barrier, and a wait for the next round that a cancel
-scope ends. ``ElasticRendezvous`` names those; elastrun's dynamic handler implements
-them, and ``as_elastic`` wraps any other handler (torch-style plugins, the standalone
-one) in ``PlainRendezvous``, which answers as torchrun would: no barrier, a per-agent
-budget, no news between rounds other than ``num_nodes_waiting``.
+job-wide restart budget, the exit barrier, the nodes kept out for a cool-down, and a
+wait for the next round that a cancel scope ends. ``ElasticRendezvous`` names those;
+elastrun's dynamic handler implements them, and ``as_elastic`` wraps any other handler
+(torch-style plugins, the standalone one) in ``PlainRendezvous``, which answers as
+torchrun would: no barrier, a per-agent budget, no news between rounds other than
+``num_nodes_waiting``.
 
 A torch-style handler's ``next_rendezvous`` takes no scope and may block for minutes in
 code we do not own. The adapter alone runs it in a thread of its own and waits for it in
@@ -24,9 +25,11 @@ import threading
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from elastrun.core import cancel
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import RendezvousTimeoutError
 from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo, RoundOutcome
+from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 
 
 @runtime_checkable
@@ -68,6 +71,36 @@ class ElasticRendezvous(Protocol):
 
     def exit_barrier(self, timeout: float) -> BarrierResult: ...
 
+    def set_exclusion(self, rule: ExclusionRule) -> None:
+        """When a node whose workers keep failing sits out a cool-down (``exclusion``)."""
+        ...
+
+    def take_kept_at_min(self) -> str | None:
+        """Why this node was to be excluded but stayed (the --nnodes minimum), once."""
+        ...
+
+    def exclude(self, reason: str) -> Exclusion | None:
+        """Keep this node out for a cool-down now, for ``reason`` (a failed node check);
+        None when the --nnodes minimum keeps it in (``take_kept_at_min`` says why)."""
+        ...
+
+    def exclusion(self) -> Exclusion | None:
+        """This node's exclusion while it holds: it must not join a round until then."""
+        ...
+
+    def readmit(self) -> None:
+        """This node's cool-down is over."""
+        ...
+
+    def excluded_nodes(self) -> list[Exclusion]:
+        """The job's nodes that sit out a cool-down."""
+        ...
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the run to be closed (in the calling thread's
+        current cancel scope); whether it is."""
+        ...
+
 
 class PlainRendezvous:
     """``ElasticRendezvous`` for a handler that has only torch's methods."""
@@ -108,6 +141,30 @@ class PlainRendezvous:
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
         return BarrierResult(RoundOutcome.SUCCEEDED)  # none: each node ends on its own
+
+    # No job-wide record to keep a node out in: a torch-style job excludes no one.
+
+    def set_exclusion(self, rule: ExclusionRule) -> None:
+        pass
+
+    def take_kept_at_min(self) -> str | None:
+        return None
+
+    def exclude(self, reason: str) -> Exclusion | None:
+        return None
+
+    def exclusion(self) -> Exclusion | None:
+        return None
+
+    def readmit(self) -> None:
+        pass
+
+    def excluded_nodes(self) -> list[Exclusion]:
+        return []
+
+    def wait_closed(self, timeout: float) -> bool:
+        cancel.current().sleep(timeout)  # (never asked: no one is excluded here)
+        return False
 
     def __repr__(self) -> str:
         return f"PlainRendezvous({self.handler!r})"

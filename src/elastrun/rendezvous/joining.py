@@ -268,8 +268,9 @@ def load_view(ctx: Context, n: int) -> Protocol:
     view = RoundView(k, n, previous)
     joins, rev = yield GetPrefix(k.join_prefix(n))
     nodes, _ = yield GetPrefix(k.nodes)
+    excluded, _ = yield GetPrefix(k.excluded_prefix)
     closed = yield Get(k.closed)
-    view.load(joins, list(nodes), closed)
+    view.load(joins, list(nodes), closed, list(excluded))
     return view, rev
 
 

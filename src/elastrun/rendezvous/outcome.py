@@ -5,6 +5,8 @@ however many nodes see it: the first node to claim ``ctl/failed/<n>`` decides, a
 its verdict there for the others. Members whose workers finished wait in the exit
 barrier (``ctl/done/<n>/<node>``) for the round's outcome. When the budget is spent or
 the job is done, the run is closed (``ctl/closed``, with why) and late agents are refused.
+The node that claims a failure also counts a strike against itself, and may exclude
+itself for a cool-down (``exclusion``: the rule, and why the claim makes it job-wide).
 """
 
 from __future__ import annotations
@@ -15,6 +17,17 @@ from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError
 from elastrun.rendezvous.api import BarrierResult, RoundOutcome
 from elastrun.rendezvous.decide import RoundWatch, RunKeys
+from elastrun.rendezvous.exclusion import (
+    Exclusion,
+    ExclusionRule,
+    ExclusionVerdict,
+    check_failed,
+    dump_strikes,
+    exclusion_verdict,
+    load_exclusion,
+    load_strikes,
+    strikes_within,
+)
 from elastrun.rendezvous.liveness import Liveness
 from elastrun.store.api import Store
 
@@ -37,7 +50,8 @@ class Outcome:
         liveness: the round this node is in and who its members are.
         node_id: this node.
         addr: this node's address (named in a failure's note).
-        clock: for the exit barrier's deadline.
+        clock: for the exit barrier's deadline, and the strikes' times.
+        min_nodes: the job's --nnodes minimum (no exclusion leaves fewer nodes).
     """
 
     def __init__(
@@ -49,6 +63,7 @@ class Outcome:
         node_id: str,
         addr: str,
         clock: Clock,
+        min_nodes: int = 1,
     ) -> None:
         self._store = store
         self._keys = keys
@@ -61,6 +76,11 @@ class Outcome:
         # This node left a round whose other members were still working (its exit
         # barrier timed out): leaving must not close the run under them.
         self.left_unfinished = False
+        #: When this node is kept out of rounds (``exclusion``); off by default.
+        self.rule = ExclusionRule()
+        self._min_nodes = min_nodes
+        #: Why this node should have been excluded but stayed (the minimum), once.
+        self.kept_at_min: str | None = None
 
     def close(self, reason: str) -> None:
         """Close the run with ``reason`` (the first reason stays)."""
@@ -94,6 +114,11 @@ class Outcome:
         if not restart:
             where = f"{what} on {self._addr}" if what else f"a worker on {self._addr}"
             self.close(f"restart budget exhausted ({max_restarts}): {where}")
+        elif self.rule.enabled:
+            # Before the verdict, which nodes in the exit barrier re-form on. A closer
+            # already forming the next round (it woke on the claim) learns of the
+            # exclusion from its watch of ``ctl/`` and stops waiting for this node.
+            self._strike()
         # The verdict, for nodes waiting in the exit barrier of this round.
         self._store.set(key, _dump({**note, "restart": restart}))
         return restart
@@ -112,6 +137,65 @@ class Outcome:
                 None,
                 _dump({**note, "restart": False, "why": why}),
             )
+
+    # -- exclusion with a cool-down (``exclusion``) ------------------------------------------
+
+    def _strike(self) -> None:
+        """Count this node's failure (it claimed the round's); exclude it at the limit."""
+        rule, now = self.rule, self._clock.time()
+        key = self._keys.strikes(self._node_id)
+        times = strikes_within((*load_strikes(self._store.get(key)), now), now, rule.window)
+        self._store.set(key, dump_strikes(times))
+        if len(times) < rule.after:
+            return  # (no store reads for the others on the way)
+        others = self._others()
+        verdict = exclusion_verdict(len(times), rule, others=others, min_nodes=self._min_nodes)
+        why = f"its workers failed {len(times)} times within {rule.window:.0f}s"
+        self._apply(verdict, why, others)
+
+    def exclude(self, reason: str) -> Exclusion | None:
+        """Keep this node out of the rounds for the rule's cool-down, for ``reason`` (a
+        failed node check), unless the other nodes alone would be fewer than the
+        minimum (then ``kept_at_min`` says so). Returns the exclusion that holds."""
+        others = self._others()
+        return self._apply(check_failed(others=others, min_nodes=self._min_nodes), reason, others)
+
+    def _others(self) -> int:
+        """The live nodes other than this one that are not excluded themselves."""
+        found, _ = self._store.get_prefix(self._keys.excluded_prefix)
+        excluded = {k[len(self._keys.excluded_prefix) :] for k in found}
+        return len(self._live.live_nodes() - excluded - {self._node_id})
+
+    def _apply(self, verdict: ExclusionVerdict, reason: str, others: int) -> Exclusion | None:
+        me = self._node_id
+        if verdict is ExclusionVerdict.KEPT_AT_MIN:
+            self.kept_at_min = (
+                f"{reason}, but it stays: without it {others} node(s) would remain "
+                f"(--nnodes minimum {self._min_nodes})"
+            )
+            return None
+        if verdict is ExclusionVerdict.STAYS:
+            return None
+        record = Exclusion(me, self._clock.time() + self.rule.cooldown, reason, self._addr)
+        key = self._keys.excluded(me)
+        # Compare-and-set: an exclusion that holds keeps its cool-down.
+        won, current = self._store.compare_set(key, None, record.dump(), lease=self._live.lease)
+        return record if won else load_exclusion(me, current)
+
+    def exclusion(self) -> Exclusion | None:
+        """This node's exclusion, while it holds."""
+        return load_exclusion(self._node_id, self._store.get(self._keys.excluded(self._node_id)))
+
+    def readmit(self) -> None:
+        """This node's cool-down is over: it may join rounds again."""
+        self._store.delete(self._keys.excluded(self._node_id))
+
+    def excluded_nodes(self) -> list[Exclusion]:
+        """The job's excluded nodes, by node id."""
+        found, _ = self._store.get_prefix(self._keys.excluded_prefix)
+        cut = len(self._keys.excluded_prefix)
+        records = (load_exclusion(k[cut:], v) for k, v in sorted(found.items()))
+        return [r for r in records if r is not None]
 
     def _finished(self) -> set[str]:
         if self._live.round is None:
@@ -202,5 +286,6 @@ class Outcome:
     def __repr__(self) -> str:
         return (
             f"Outcome(node={self._node_id!r}, round={self._live.round}, "
-            f"refusal={self.refusal!r}, left_unfinished={self.left_unfinished})"
+            f"refusal={self.refusal!r}, left_unfinished={self.left_unfinished}, "
+            f"rule={self.rule!r}, kept_at_min={self.kept_at_min!r})"
         )

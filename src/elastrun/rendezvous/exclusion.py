@@ -1,0 +1,176 @@
+"""Keeping a node that keeps failing out of the job's rounds for a cool-down, sans I/O.
+
+The problem: at scale most failures are bad hardware, and the costly ones repeat. A node
+whose GPU or link is failing rejoins every round and fails it again, and every node pays
+for each of its failures with a restart. When a spare waits at the maximum, the job is
+better off without that node for a while.
+
+Who decides, and when: only the node that claims a round's failure (``ctl/failed/<n>``,
+a compare-and-set that one node per round wins) counts a strike, and only against
+itself: the first failure seen is the root cause as far as the job knows (the others'
+collectives broke because of it). Rounds follow one another, so the decisions are taken
+one at a time for the whole job -- two nodes can never both decide that they may leave
+when only one can go -- without a lock of their own. A failed node check (``reason``
+other than strikes) feeds the same decision.
+
+Why the clock is the wall clock: the records are read on other machines, whose monotonic
+clocks share no origin. A cool-down lasts minutes; clock skew between NTP-synchronised
+hosts is milliseconds.
+
+Keys (``decide.RunKeys``): ``strikes/<node>`` keeps the times of a node's failures
+within the window (not under ``ctl/``: it must wake no watcher); ``ctl/excluded/<node>``
+is the exclusion itself, bound to the excluded node's lease (it vanishes with the node)
+and deleted by that node when its cool-down is over. Every node of a round sees it from
+the watch it already keeps of ``ctl/``.
+
+This module holds the decisions as pure functions and the records' versioned JSON; the
+rendezvous (``outcome.py``) reads and writes the store.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+from elastrun.core.errors import ConfigError
+
+__all__ = [
+    "Exclusion",
+    "ExclusionRule",
+    "ExclusionVerdict",
+    "check_failed",
+    "dump_strikes",
+    "exclusion_verdict",
+    "load_exclusion",
+    "load_strikes",
+    "strikes_within",
+]
+
+#: The version of the records this module writes.
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class ExclusionRule:
+    """When a node is excluded and for how long.
+
+    Attributes:
+        after: failures of a node's workers within ``window`` that exclude it (0: never).
+        window: seconds a failure counts for.
+        cooldown: seconds an excluded node stays out of the rounds.
+        exits: an excluded node's agent exits (status 75, replace this node) instead of
+            waiting out the cool-down, for schedulers that replace nodes.
+
+    Raises:
+        ConfigError: a field out of range, named.
+    """
+
+    after: int = 0
+    window: float = 600.0
+    cooldown: float = 300.0
+    exits: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.after, bool) or not isinstance(self.after, int) or self.after < 0:
+            raise ConfigError("--exclude-after", self.after, "must be a whole number >= 0")
+        for name, value in (
+            ("--exclude-window", self.window),
+            ("--exclude-cooldown", self.cooldown),
+        ):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(name, value, "must be a finite number of seconds > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.after > 0
+
+
+class ExclusionVerdict(Enum):
+    """What becomes of a node that failed (or whose check failed)."""
+
+    STAYS = "stays"  # not enough strikes
+    EXCLUDED = "excluded"
+    KEPT_AT_MIN = "kept_at_min"  # it should go, but the job would fall below --nnodes min
+
+
+def strikes_within(times: Iterable[float], now: float, window: float) -> tuple[float, ...]:
+    """The strikes that still count at ``now`` (those of the last ``window`` seconds),
+    oldest first; ``times`` may include ``now`` itself for the failure just seen."""
+    return tuple(sorted(t for t in times if now - window < t <= now))
+
+
+def exclusion_verdict(
+    strikes: int, rule: ExclusionRule, *, others: int, min_nodes: int
+) -> ExclusionVerdict:
+    """Whether a node with ``strikes`` failures in the window leaves the rounds.
+
+    ``others``: the live nodes of the job other than this one that are not excluded
+    themselves (members and spares alike). The node goes only when they alone still make
+    ``min_nodes``: a job that can run with a bad node is better than one that stops (the
+    cool-down then starts at the next strike, once a spare has come).
+    """
+    if not rule.enabled or strikes < rule.after:
+        return ExclusionVerdict.STAYS
+    if others < min_nodes:
+        return ExclusionVerdict.KEPT_AT_MIN
+    return ExclusionVerdict.EXCLUDED
+
+
+def check_failed(*, others: int, min_nodes: int) -> ExclusionVerdict:
+    """Whether a node whose check failed leaves the rounds (the same floor as strikes)."""
+    return ExclusionVerdict.EXCLUDED if others >= min_nodes else ExclusionVerdict.KEPT_AT_MIN
+
+
+# -- records ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """One node's exclusion: until when (wall-clock seconds), why, and from where."""
+
+    node: str
+    until: float
+    reason: str
+    addr: str = ""
+
+    def remaining(self, now: float) -> float:
+        return max(0.0, self.until - now)
+
+    def dump(self) -> bytes:
+        doc = {"v": VERSION, "until": self.until, "reason": self.reason, "addr": self.addr}
+        return json.dumps(doc, sort_keys=True).encode()
+
+
+def load_exclusion(node: str, raw: bytes | None) -> Exclusion | None:
+    """The exclusion record of ``node`` (None: absent or unreadable)."""
+    doc = _doc(raw)
+    until = doc.get("until") if doc is not None else None
+    if doc is None or not isinstance(until, (int, float)):
+        return None
+    return Exclusion(node, float(until), str(doc.get("reason", "")), str(doc.get("addr", "")))
+
+
+def dump_strikes(times: Iterable[float]) -> bytes:
+    return json.dumps({"v": VERSION, "at": list(times)}).encode()
+
+
+def load_strikes(raw: bytes | None) -> tuple[float, ...]:
+    """The strike times of a ``strikes/<node>`` record (none when absent or unreadable)."""
+    doc = _doc(raw)
+    at = doc.get("at") if doc is not None else None
+    if not isinstance(at, list):
+        return ()
+    return tuple(float(t) for t in at if isinstance(t, (int, float)) and not isinstance(t, bool))
+
+
+def _doc(raw: bytes | None) -> dict[str, object] | None:
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and doc.get("v") == VERSION else None

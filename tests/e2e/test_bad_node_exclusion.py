@@ -1,0 +1,98 @@
+"""A node whose workers keep failing sits out a cool-down: a spare takes its place, the
+job finishes, and the node comes back once its cool-down is over. The scripts import
+nothing heavy (no torch): each attempt costs little."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+from _helpers import finish, start, wait_for, write_script
+
+# Each worker leaves a mark (its node's tag and pid). On the bad node it fails, with
+# another message each time (a flaky node, not a crash loop): the first time at once (no
+# spare yet: one strike, and the group re-forms with it), the second time once the test
+# says go (a spare waits by then: the second strike excludes the node).
+SCRIPT = """
+import os, sys, time
+where, tag = sys.argv[1], os.environ["NODE_TAG"]
+open(os.path.join(where, f"ran_{tag}_{os.getpid()}"), "w").close()
+if tag == "bad":
+    second = len([f for f in os.listdir(where) if f.startswith("ran_bad")]) > 1
+    while second and not os.path.exists(os.path.join(where, "go")):
+        time.sleep(0.05)
+    raise RuntimeError(f"bad node, pid {os.getpid()}")
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _node(tmp_path: Path, endpoint: str, tag: str, script: Path, seconds: str,  # type: ignore[no-untyped-def]
+          nnodes: str = "2", extra: tuple[str, ...] = ()):  # fmt: skip
+    args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "exclusion", "--local-addr", "127.0.0.1",
+            "--rdzv-conf", "last_call_timeout=1,join_timeout=60", "--no-template",
+            "--max-restarts", "5", "--exclude-after", "2", "--exclude-cooldown", "2",
+            "--event-log-handler", f"file:{tmp_path / tag}.jsonl", *extra,
+            str(script), str(tmp_path), seconds]  # fmt: skip
+    return start(args, cwd=tmp_path, env={"NODE_TAG": tag})
+
+
+def _runs(directory: Path) -> dict[str, int]:
+    """How many workers each node started (their marks)."""
+    tags = [p.name.split("_")[1] for p in directory.glob("ran_*")]
+    return {tag: tags.count(tag) for tag in ("good", "bad", "spare")}
+
+
+def test_a_failing_node_is_excluded_a_spare_replaces_it_and_it_rejoins(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "work.py", SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    good = _node(tmp_path, endpoint, "good", script, "5")  # serves the rendezvous store
+    time.sleep(0.3)
+    bad = _node(tmp_path, endpoint, "bad", script, "5")
+    wait_for(lambda: _runs(tmp_path)["bad"] == 2, 60, "the second round")
+    spare = _node(tmp_path, endpoint, "spare", script, "5")
+    assert spare.stderr is not None
+    for line in spare.stderr:  # (its first progress line comes after some seconds)
+        if "this node is a spare" in line:
+            break
+    (tmp_path / "go").touch()
+    results = {name: finish(p, 120) for name, p in (("good", good), ("spare", spare), ("bad", bad))}
+    err = "\n".join(f"--- {n}\n{r.stderr[-3000:]}" for n, r in results.items())
+    assert results["good"].returncode == 0, err
+    assert results["spare"].returncode == 0, err
+    # Two failures of the bad node (two restarts), then the spare in its place. (The good
+    # node's first workers may be stopped before they leave their mark.)
+    runs = _runs(tmp_path)
+    assert (runs["bad"], runs["spare"]) == (2, 1), err
+    bad_err = results["bad"].stderr
+    assert "is kept out of the job's rounds (its workers failed 2 times within 600s)" in bad_err
+    assert "cool-down is over: it joins the job again" in bad_err, err
+    events = [json.loads(x) for x in (tmp_path / "bad.jsonl").read_text().splitlines()]
+    told = [e for e in events if e["name"] in ("agent.excluded", "agent.readmitted")]
+    assert [e["name"] for e in told] == ["agent.excluded", "agent.readmitted"]
+    assert "failed 2 times" in told[0]["metadata"]["reason"]
+    # It came back as a spare; the job ended while it waited for room.
+    assert "has ended (finished)" in bad_err.split("cool-down is over")[-1], err
+
+
+def test_with_exclude_exit_an_excluded_node_leaves_with_replace_this_node(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "work.py", SCRIPT)
+    (tmp_path / "go").touch()  # the bad node fails at once, every time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    # One strike is enough; the good node alone still makes the minimum of 1.
+    extra = ("--exclude-exit", "--exclude-after", "1")
+    good = _node(tmp_path, endpoint, "good", script, "3", "1:2", extra)
+    time.sleep(0.3)
+    bad = _node(tmp_path, endpoint, "bad", script, "3", "1:2", extra)
+    results = {name: finish(p, 120) for name, p in (("bad", bad), ("good", good))}
+    err = "\n".join(f"--- {n}\n{r.stderr[-3000:]}" for n, r in results.items())
+    assert results["bad"].returncode == 75, err
+    assert "exit status 75 (replace this node; --exclude-exit)" in results["bad"].stderr
+    assert results["good"].returncode == 0, err  # the job went on without it
+    assert _runs(tmp_path)["bad"] == 1, err
