@@ -303,7 +303,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._outcome.report_final_failure(what, why)
 
     # -- exclusion with a cool-down (``exclusion``) ----------------------------------------
-
     def set_exclusion(self, rule: ExclusionRule) -> None:
         """When a failing node is kept out of the rounds (the agent tells it once)."""
         self._outcome.rule = rule
@@ -314,8 +313,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return note
 
     def exclude(self, reason: str) -> Exclusion | None:
-        """Keep this node out of the rounds for a cool-down (e.g. its check failed);
-        None when the minimum keeps it in (``take_kept_at_min`` says why)."""
+        """Keep this node out for a cool-down; None when the minimum keeps it in."""
         with self._agent_call():
             return self._outcome.exclude(reason)
 
@@ -335,8 +333,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return self._outcome.excluded_nodes()
 
     def wait_closed(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the run to be closed; whether it is (an
-        excluded node stops sitting out a job that has ended)."""
+        """Whether the run closed within ``timeout`` s (ends an excluded node's wait)."""
         with self._agent_call():
             try:
                 self._store.wait([self._keys.closed], timeout)
