@@ -12,7 +12,8 @@ A commit therefore keeps
 - each tensor by reference, with its version counter (torch bumps it at every in-place
   write) to check, at a rollback, that it is still the committed one;
 - a *copy* of the tensors that change before the all-reduce can fail: a module's
-  buffers (batch-norm running statistics, updated by the forward pass; small), and,
+  buffers (batch-norm running statistics, updated by the forward pass; small), of
+  tiny tensors (an optimizer's step counters: a copy costs less than a check), and,
   where the state lives on a GPU (whose collectives fail asynchronously, after later
   kernels may have run) or the user asks for it, every tensor, in host memory that the
   next commit reuses.
@@ -32,6 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+#: Tensors this small (scalars: an optimizer's step counters) are copied at every commit: no
+#: check needed, and nothing to speak of in memory.
+SMALL = 16
 
 #: A path from a state dict's root to one tensor (its keys and indices).
 Path = tuple[object, ...]
@@ -136,7 +141,12 @@ def take(
     leaves = []
     for i, (path, tensor) in enumerate(found):
         leaf = Leaf(tensor, tensor._version)
-        wanted = copy_all or tensor.is_cuda or (bool(path) and path[0] in copy_names)
+        wanted = (
+            copy_all
+            or tensor.is_cuda
+            or _nbytes(tensor) <= SMALL
+            or (bool(path) and path[0] in copy_names)
+        )
         if wanted:
             reuse = old[i].saved if i < len(old) else None
             leaf.saved = _copy_into(tensor, reuse)

@@ -145,9 +145,10 @@ class State:
         """Whether the live state is still the last commit's, as far as one can tell:
         no optimizer stepped since, and no tensor kept by reference was written in
         place. (Writes through ``.data`` or numpy bypass the version counters.)"""
-        if self._stepped:
+        leaves = [leaf for snap in self._snap.values() for leaf in snap.leaves]
+        if self._stepped and any(leaf.saved is None for leaf in leaves):
             return False
-        return all(leaf.intact() for snap in self._snap.values() for leaf in snap.leaves)
+        return all(leaf.intact() for leaf in leaves)
 
     def held_commit(self) -> int | None:
         """The commit this rank can hand to others: its number, or None when the live
