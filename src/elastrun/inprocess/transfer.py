@@ -13,7 +13,9 @@ pickle in memory on both sides. Here:
    state is created at its first step, so a fresh replacement has none) and the
    tensors' bytes are broadcast in chunks straight into them: no copy, no pickle, the
    chunks split across the sources and across a few groups, several in flight, so that
-   the transfer streams over every link it can use.
+   the transfer streams over every link it can use. Ranks of one machine skip the
+   network: each receiver reads the chunks from its sources' memory
+   (``inprocess.local_copy``), falling back to gloo where any cannot.
 
 The groups are gloo for CPU tensors and NCCL for CUDA ones where the machine has GPUs
 (torch picks by the tensor's device).
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastrun.core.errors import ElastrunError
+from elastrun.inprocess import local_copy
 from elastrun.inprocess.parking import park_process_groups
 from elastrun.inprocess.state import CommitDescription, State
 
@@ -40,6 +43,8 @@ CHUNK = 16 << 20
 STREAMS = 2
 #: Chunks in flight per group.
 WINDOW = 4
+#: Whether ranks of one machine read the commit from each other's memory (else gloo).
+LOCAL = True
 
 
 class CommitLostError(ElastrunError, RuntimeError):
@@ -133,7 +138,7 @@ def move_commit(state: State, rank: int, world: int) -> Plan:
         r, e = failed[0]
         raise TransferAborted(f"processgroup: rank {r} could not take commit {plan.commit}: {e}")
     tensors = state.commit_tensors() if rank in plan.sources else targets
-    _stream(tensors, plan, rank)
+    _move_bytes(tensors, plan, rank, world)
     if rank in plan.receivers:
         state.adopt(desc, targets)
     return plan
@@ -146,6 +151,39 @@ def _prepare(
         return state.targets(desc), None
     except ElastrunError as exc:
         return [], exc
+
+
+def _move_bytes(tensors: list[torch.Tensor], plan: Plan, rank: int, world: int) -> None:
+    """The commit's bytes, from the sources' ``tensors`` into the receivers'."""
+    if not (LOCAL and _read_locally(tensors, plan, rank, world)):
+        _stream(tensors, plan, rank)
+
+
+def _read_locally(tensors: list[torch.Tensor], plan: Plan, rank: int, world: int) -> bool:
+    """Every receiver reads the chunks from its sources' memory (``inprocess.local_copy``);
+    whether all could (the sources' tensors stay as they are until all said so)."""
+    import torch.distributed as dist
+
+    sending = rank in plan.sources
+    if sending:
+        local_copy.allow_readers()
+    try:
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, local_copy.whereabouts(tensors if sending else None))
+        ok = True
+        if rank in plan.receivers:
+            sizes = [(t.numel(), t.element_size()) for t in tensors]
+            parts = [
+                (c.tensor, c.start * sizes[c.tensor][1], c.stop * sizes[c.tensor][1], c.source)
+                for c in chunks(sizes, plan.sources)
+            ]
+            ok = local_copy.read_chunks(tensors, parts, {s: every[s] for s in plan.sources})
+        oks: list[Any] = [None] * world
+        dist.all_gather_object(oks, ok)
+        return all(oks)
+    finally:
+        if sending:
+            local_copy.forbid_readers()
 
 
 def _stream(tensors: list[torch.Tensor], plan: Plan, rank: int) -> None:

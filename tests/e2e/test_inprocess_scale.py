@@ -80,15 +80,16 @@ opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 sampler = Sampler(len(data), 8)
 
 import elastrun.inprocess.transfer as transfer
-real_stream = transfer._stream
+real_move = transfer._move_bytes
+transfer.LOCAL = os.environ.get("OVER_GLOO") != "1"  # else read from the peer's memory
 
-def stream(*args):
-    # RANK:0:streamdie: that rank dies as the commit's bytes start to move.
-    if planned("streamdie") is not None:
+def move(*args):
+    # RANK:0:movedie: that rank dies as the commit's bytes start to move.
+    if planned("movedie") is not None:
         os.kill(os.getpid(), signal.SIGKILL)
-    return real_stream(*args)
+    return real_move(*args)
 
-transfer._stream = stream
+transfer._move_bytes = move
 
 def one_step(step):
     idx = sampler.next_batch()
@@ -144,7 +145,14 @@ BIG = 4096
 
 
 def _run(
-    tmp_path: Path, name: str, mode: str, features: int, steps: int, plan: list[str], nproc: int
+    tmp_path: Path,
+    name: str,
+    mode: str,
+    features: int,
+    steps: int,
+    plan: list[str],
+    nproc: int,
+    **env: str,
 ) -> tuple[str, dict[int, list[dict]], Path]:
     out = tmp_path / name
     out.mkdir()
@@ -152,7 +160,7 @@ def _run(
     proc = start(
         ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "5",
          str(script), str(out), mode, str(features), str(steps), *plan],
-        cwd=tmp_path, env=ENV,
+        cwd=tmp_path, env={**ENV, **env},
     )  # fmt: skip
     res = finish(proc, 150)
     assert res.returncode == 0, res.stderr
@@ -225,15 +233,16 @@ def test_dropout_batch_norm_and_a_samplers_position_come_back_bit_for_bit(
     assert "in-process round 2 complete" in err and "restarting all workers" not in err
 
 
+@pytest.mark.parametrize("over_gloo", ["0", "1"], ids=["from-memory", "over-gloo"])
 def test_a_rank_killed_while_the_commit_moves_is_replaced_and_the_next_round_completes(
-    tmp_path: Path,
+    tmp_path: Path, over_gloo: str
 ) -> None:
     # Three ranks: rank 2 dies; its replacement takes the commit from ranks 0 and 1 (the
     # chunks split between them), and rank 0 dies as the bytes start to move. Round 2
     # hands the commit from rank 1 to both replacements, one of them half written.
     _, plain, _ = _run(tmp_path, "plain", "plain", 256, 16, [], 3)
-    plan = ["2:6:kill", "0:0:streamdie"]
-    err, ranks, _ = _run(tmp_path, "api", "api", 256, 16, plan, 3)
+    plan = ["2:6:kill", "0:0:movedie"]
+    err, ranks, _ = _run(tmp_path, "api", "api", 256, 16, plan, 3, OVER_GLOO=over_gloo)
     assert _shas(ranks) == _shas(plain) and len(set(_shas(plain).values())) == 1, err
     (kept,) = ranks[1]
     assert kept["calls"] == [0, 7]
