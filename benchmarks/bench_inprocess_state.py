@@ -252,7 +252,7 @@ def _one_size(section: Section, features: int, reps: int, work: Path) -> None:
     section.headlines.append(
         Headline(
             f"in-process recovery of a {size} state per rank: kill -> every rank's next "
-            "step; commit transfer rate; peak RSS against the same training without the API",
+            "step; commit transfer rate (from memory); peak RSS against the group restart's",
             f"{inplace:.2f} s (group restart {group:.2f} s); {gbps:.2f} GB/s; x{ratio:.2f}",
             "transfer >= 2 GB/s, peak <= 1.15x",
             gbps >= 2.0 and ratio <= 1.15,
