@@ -149,3 +149,17 @@ def test_the_chunks_are_split_across_the_sources() -> None:
     assert [(c.tensor, c.start, c.stop, c.source) for c in parts] == [
         (0, 0, per, 0), (0, per, 2 * per, 2), (0, 2 * per, 3 * per, 0), (1, 0, 10, 2),
     ]  # fmt: skip
+
+
+def test_a_commit_is_read_from_a_process_memory_or_refused_for_another_machine() -> None:
+    from elastrun.inprocess import local_copy
+
+    source = [torch.arange(10_000, dtype=torch.float32), torch.ones(3, 5, dtype=torch.int64)]
+    where = local_copy.whereabouts(source)  # (this very process stands for the sender)
+    targets = [torch.zeros_like(t) for t in source]
+    parts = [(0, 0, 16_000, 0), (0, 16_000, 40_000, 0), (1, 0, 120, 0)]  # bytes
+    assert local_copy.read_chunks(targets, parts, {0: where})
+    assert all(torch.equal(a, b) for a, b in zip(source, targets, strict=True))
+    elsewhere = local_copy.Whereabouts("another-boot/pid:[1]", where.pid, where.spans)
+    assert not local_copy.read_chunks(targets, parts, {0: elsewhere})
+    assert local_copy.whereabouts(None).spans is None
