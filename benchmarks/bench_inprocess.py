@@ -124,9 +124,16 @@ SCRIPT = (
 @dataclass(frozen=True)
 class Options:
     reps: int
+    workers: int = 4
 
 
-PROFILE_OPTIONS = {"smoke": Options(reps=1), "quick": Options(reps=2), "full": Options(reps=4)}
+# The smoke run only keeps the script working: two workers (rank 1 is killed) cost half
+# the interpreters of four.
+PROFILE_OPTIONS = {
+    "smoke": Options(reps=1, workers=2),
+    "quick": Options(reps=2),
+    "full": Options(reps=4),
+}
 
 COLUMNS = ["torchrun", "elastrun group restart", "elastrun in place"]
 
@@ -140,9 +147,9 @@ def _lines(out: Path) -> list[tuple[int, int, float, int]]:
     return found
 
 
-def _kill_at(out: Path) -> tuple[float, int]:
-    """Wait for rank KILL_RANK's step KILL_AT, SIGKILL it; returns (time, pid)."""
-    target = out / f"steps_{KILL_RANK}.log"
+def _kill_at(out: Path, victim: int) -> tuple[float, int]:
+    """Wait for rank ``victim``'s step KILL_AT, SIGKILL it; returns (time, pid)."""
+    target = out / f"steps_{victim}.log"
 
     def reached() -> tuple[int, int] | None:
         if not target.exists():
@@ -154,7 +161,7 @@ def _kill_at(out: Path) -> tuple[float, int]:
         return None
 
     if not wait_until(lambda: reached() is not None, 120):
-        raise ScenarioFailure(f"rank {KILL_RANK} never reached step {KILL_AT}")
+        raise ScenarioFailure(f"rank {victim} never reached step {KILL_AT}")
     found = reached()
     assert found is not None
     t_kill = time.time()
@@ -162,7 +169,7 @@ def _kill_at(out: Path) -> tuple[float, int]:
     return t_kill, found[1]
 
 
-def _measure(column: str, work: Path) -> dict[str, float]:
+def _measure(column: str, work: Path, workers: int) -> dict[str, float]:
     run_dir = Path(tempfile.mkdtemp(prefix="inprocess-", dir=work))
     out = run_dir / "out"
     out.mkdir()
@@ -173,10 +180,10 @@ def _measure(column: str, work: Path) -> dict[str, float]:
     env = {"OMP_NUM_THREADS": "1"}
     if column == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    cmd = lch.command(4, script, [str(out), mode], "--max-restarts", "1")
+    cmd = lch.command(workers, script, [str(out), mode], "--max-restarts", "1")
     running = Running(cmd, marker=new_marker(), log_dir=run_dir, env_extra=env)
     try:
-        t_kill, _ = _kill_at(out)
+        t_kill, _ = _kill_at(out, min(KILL_RANK, workers - 1))
     finally:
         outcome = running.finish(240)
     require_clean(outcome)
@@ -191,14 +198,14 @@ def _measure(column: str, work: Path) -> dict[str, float]:
         after.setdefault(rank, t)
         if step <= done.get(rank, -1):
             redone[rank] = redone.get(rank, 0) + 1
-    if sorted(after) != [0, 1, 2, 3]:
+    if sorted(after) != list(range(workers)):
         raise ScenarioFailure(f"ranks that stepped after the kill: {sorted(after)}")
     following = max(done.values()) + 1  # the next step: no rank had completed it
     caught_up: dict[int, float] = {}
     for rank, step, t, _ in lines:
         if t > t_kill and step >= following:
             caught_up.setdefault(rank, t)
-    if sorted(caught_up) != [0, 1, 2, 3]:
+    if sorted(caught_up) != list(range(workers)):
         raise ScenarioFailure(f"ranks that reached step {following}: {sorted(caught_up)}")
     # A rank finishing, just after the kill, the step another logged just before it
     # does it for the first time: only a step a rank had done already counts as lost.
@@ -211,7 +218,8 @@ def _measure(column: str, work: Path) -> dict[str, float]:
 
 def body(section: Section, opts: Options) -> None:
     section.intro = (
-        f"A 4-worker gloo DDP job (a step every 50 ms); rank {KILL_RANK} is SIGKILLed when "
+        f"A {opts.workers}-worker gloo DDP job (a step every 50 ms); rank "
+        f"{min(KILL_RANK, opts.workers - 1)} is SIGKILLed when "
         f"it reports step {KILL_AT}. The group-restart script checkpoints every "
         f"{CHECKPOINT_EVERY} steps; the in-place one commits every step in memory. "
         f"{opts.reps} alternating runs each, on {os.cpu_count()} CPUs, "
@@ -224,7 +232,7 @@ def body(section: Section, opts: Options) -> None:
     with tempfile.TemporaryDirectory(prefix="elastrun-inprocess-") as tmp:
 
         def measure(col: str, _rep: int) -> dict[str, float]:
-            return _measure(col, Path(tmp))
+            return _measure(col, Path(tmp), opts.workers)
 
         def record(col: str, m: Mapping[str, float]) -> None:
             following.add(col, m["next_s"])
@@ -232,16 +240,16 @@ def body(section: Section, opts: Options) -> None:
             lost.add(col, m["lost"])
 
         alternate(section, "recovery", COLUMNS, opts.reps, measure, record)
-    _conclude(section, following, lost)
+    _conclude(section, following, lost, opts.workers)
 
 
-def _conclude(section: Section, following: Row, lost: Row) -> None:
+def _conclude(section: Section, following: Row, lost: Row, workers: int) -> None:
     m, m_lost = following.medians(), lost.medians()
     inplace, group = m.get("elastrun in place"), m.get("elastrun group restart")
     if inplace is not None and group is not None:
         section.headlines.append(
             Headline(
-                "in-process recovery vs group restart (4 workers, one killed): kill -> "
+                f"in-process recovery vs group restart ({workers} workers, one killed): kill -> "
                 "every rank completed the next step",
                 f"{inplace:.2f} s vs {group:.2f} s (x{inplace / group:.2f}); torchrun "
                 f"{m.get('torchrun', float('nan')):.2f} s; steps lost: "
@@ -258,7 +266,7 @@ def _conclude(section: Section, following: Row, lost: Row) -> None:
         "values; the parameters were never copied), join a short-lived gloo group to hand "
         "the newest commit to the replacement (read from the survivors' memory), and "
         "call the training function again (a new process group and DDP wrapper). The "
-        "group restart stops every worker, starts four from the template, and they load "
+        "group restart stops every worker, starts them all from the template, and they load "
         "the checkpoint of step 20; its steps since then are done again."
     )
     section.notes.append(
@@ -267,13 +275,13 @@ def _conclude(section: Section, following: Row, lost: Row) -> None:
         "(a step every 50 ms). 'Completed a step' counts those steps done again too."
     )
     section.commands["elastrun in place"] = (
-        "elastrun --standalone --nproc-per-node=4 --max-restarts 1 job.py OUT inprocess"
+        f"elastrun --standalone --nproc-per-node={workers} --max-restarts 1 job.py OUT inprocess"
     )
     section.commands["elastrun group restart"] = (
-        "elastrun --standalone --nproc-per-node=4 --max-restarts 1 job.py OUT restart"
+        f"elastrun --standalone --nproc-per-node={workers} --max-restarts 1 job.py OUT restart"
     )
     section.commands["torchrun"] = (
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=4 "
+        f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node={workers} "
         "--max-restarts 1 job.py OUT restart"
     )
 

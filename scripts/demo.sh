@@ -4,6 +4,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+# Python writes the bytecode of what it imports (see scripts/bootstrap.sh).
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/bootstrap.sh --quiet
 work="$(mktemp -d -t elastrun-demo.XXXXXX)"
 trap 'rm -rf "$work"' EXIT

@@ -142,7 +142,7 @@ def test_a_three_member_etcd_losing_its_leader_mid_training_restarts_no_worker(
     # Leader first: both agents talk to the member that dies.
     endpoints = [leader.endpoint, *(m.endpoint for m in cluster.members if m is not leader)]
     # A short lease: the agents' keep-alives must reach the new leader in time.
-    procs = [agent(tmp_path, "2", endpoints, demo(tmp_path, 40), conf="ttl=3") for _ in range(2)]
+    procs = [agent(tmp_path, "2", endpoints, demo(tmp_path, 40), conf="ttl=5") for _ in range(2)]
     ckpt = tmp_path / "ckpt"
     wait_for(lambda: ckpt.exists() and any(ckpt.iterdir()), 120, "a first checkpoint")
     cluster.kill(leader)

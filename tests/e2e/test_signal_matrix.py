@@ -7,6 +7,7 @@ signal), exits 128+N, and leaves no process behind (the suite's leak check).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -42,6 +43,21 @@ if mode == "stubborn" and rank == "0" and attempt == "0":
     sys.exit(3)
 time.sleep(120)
 """
+
+
+def _template_of(pid: int) -> bool:
+    """Whether the launcher ``pid`` has started its worker template."""
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat", encoding="utf-8") as fh:
+                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            if parent == pid:
+                with open(f"/proc/{name}/cmdline", "rb") as fh:
+                    if b"elastrun.worker.zygote" in fh.read():
+                        return True
+        except (OSError, IndexError, ValueError):
+            continue  # not a process, or it ended meanwhile
+    return False
 
 
 def _stop_and_time(proc: subprocess.Popen[str], sig: int) -> tuple[float, int, str]:
@@ -82,7 +98,10 @@ def test_a_signal_while_the_launcher_checks_its_options_waits_for_its_handlers(
 def test_a_signal_while_the_template_starts(tmp_path: Path, sig: int) -> None:
     script = write_script(tmp_path / "w.py", WORKER)
     proc = start(["--nproc-per-node", "2", str(script), str(tmp_path)], cwd=tmp_path)
-    time.sleep(0.6)  # the launcher is up; the template is importing torch
+    # The launcher is up once it has started the template, which then imports torch for
+    # seconds. (Not a fixed sleep: on a loaded machine the interpreter alone may take
+    # longer to start, and a signal before it runs any code kills it by default action.)
+    wait_for(lambda: _template_of(proc.pid), 30, "the worker template")
     took, code, err = _stop_and_time(proc, sig)
     assert code == 128 + sig, err
     assert took < SLACK, err

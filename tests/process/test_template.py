@@ -869,6 +869,31 @@ def test_parse_bootstrap_command_keeps_interpreter_options() -> None:
     assert parse_bootstrap_command((PY, "-u", "x.py"), PY) is None
 
 
+def test_a_forked_worker_leaves_the_templates_objects_frozen_and_collects_its_own(
+    template: TemplateStarter, tmp_path: Path
+) -> None:
+    # The template freezes what its imports left alive, so that the collections and the
+    # exit of a worker do not write to (and copy) its pages; the worker's own garbage is
+    # collected as in a fresh interpreter.
+    script = _write(
+        tmp_path / "gc_probe.py",
+        """\
+        import gc, json
+        class Node:
+            pass
+        node = Node()
+        node.me = node
+        del node
+        print(json.dumps({"frozen": gc.get_freeze_count(), "collected": gc.collect()}))
+        """,
+    )
+    fresh, forked = _both(template, tmp_path, _argv(str(script)))
+    assert json.loads(fresh.out)["frozen"] == 0
+    assert json.loads(forked.out)["frozen"] > 1000, forked.out
+    assert json.loads(fresh.out)["collected"] >= 1
+    assert json.loads(forked.out)["collected"] >= 1
+
+
 def test_a_worker_starts_fast_once_the_template_has_imported_its_modules(
     tmp_path: Path,
 ) -> None:

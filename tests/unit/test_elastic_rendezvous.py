@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from elastrun.rendezvous.api import RoundOutcome
+from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.errors import RendezvousClosedError
+from elastrun.rendezvous.api import RendezvousInfo, RoundOutcome
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
 from elastrun.rendezvous.elastic import ElasticRendezvous, PlainRendezvous, as_elastic
 from elastrun.rendezvous.local import LocalRendezvousHandler
@@ -33,3 +38,35 @@ def test_a_torch_style_handler_gets_torchruns_answers() -> None:
     assert rdzv.exit_barrier(5.0).outcome is RoundOutcome.SUCCEEDED
     with pytest.raises(NotImplementedError):
         rdzv.report_failure(3)
+
+
+class _BlockedHandler(LocalRendezvousHandler):
+    """A torch-style handler whose join blocks until released (a foreign wait)."""
+
+    def __init__(self) -> None:
+        super().__init__("job")
+        self.release = threading.Event()
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self.release.wait(30)
+        return super().next_rendezvous()
+
+
+def test_a_torch_style_join_is_waited_for_in_the_callers_scope() -> None:
+    rdzv = as_elastic(LocalRendezvousHandler("job"))
+    assert rdzv.next_round(CancelScope()).round == 0
+    closed = LocalRendezvousHandler("job")
+    closed.set_closed()
+    with pytest.raises(RendezvousClosedError):  # its errors come through
+        as_elastic(closed).next_round(CancelScope())
+
+
+def test_a_cancelled_scope_ends_a_blocked_torch_style_join_at_once() -> None:
+    handler = _BlockedHandler()
+    scope = CancelScope()
+    threading.Timer(0.05, scope.cancel, ("received SIGTERM",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled, match="SIGTERM"):
+        as_elastic(handler).next_round(scope)
+    assert time.monotonic() - t0 < 5  # not the handler's 30 s
+    handler.release.set()  # (the abandoned call ends)

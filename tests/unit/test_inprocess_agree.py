@@ -7,8 +7,12 @@ import threading
 
 import pytest
 
-from elastrun.agent.inprocess import DEFAULT_TIMEOUT, TIMEOUT_ENV, inprocess_timeout
 from elastrun.agent.inprocess_agree import Agreement, Offer, agree
+from elastrun.agent.options import (
+    DEFAULT_INPROCESS_TIMEOUT,
+    INPROCESS_TIMEOUT_ENV,
+    inprocess_timeout,
+)
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import ConfigError
 from elastrun.store.memory import MemoryStore
@@ -83,10 +87,12 @@ def test_the_wait_ends_with_the_callers_scope() -> None:
 
 
 def test_the_rounds_bound_is_the_variable_or_a_shorter_fixed_hang_timeout() -> None:
-    assert inprocess_timeout({}) == DEFAULT_TIMEOUT
-    assert inprocess_timeout({TIMEOUT_ENV: "5"}) == 5.0
+    assert inprocess_timeout({}) == DEFAULT_INPROCESS_TIMEOUT
+    assert inprocess_timeout({INPROCESS_TIMEOUT_ENV: "5"}) == 5.0
     assert inprocess_timeout({}, 7.0) == 7.0  # --hang-timeout 7: a survivor stuck 7 s is hung
-    assert inprocess_timeout({TIMEOUT_ENV: "5"}, 7.0) == 5.0
-    assert inprocess_timeout({}, AutoTimeout()) == DEFAULT_TIMEOUT  # no fixed bound to take
-    with pytest.raises(ConfigError, match=TIMEOUT_ENV):
-        inprocess_timeout({TIMEOUT_ENV: "-1"})
+    assert inprocess_timeout({INPROCESS_TIMEOUT_ENV: "5"}, 7.0) == 5.0
+    assert (
+        inprocess_timeout({}, AutoTimeout()) == DEFAULT_INPROCESS_TIMEOUT
+    )  # no fixed bound to take
+    with pytest.raises(ConfigError, match=INPROCESS_TIMEOUT_ENV):
+        inprocess_timeout({INPROCESS_TIMEOUT_ENV: "-1"})

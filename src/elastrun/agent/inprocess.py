@@ -23,67 +23,28 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastrun.agent.attempt import Attempt, AttemptSetup
 from elastrun.agent.bootstrap_store import BootstrapStore
 from elastrun.agent.inprocess_agree import Agreement, Offer
 from elastrun.agent.inprocess_hub import InprocessHub
+from elastrun.agent.options import DEFAULT_INPROCESS_JOIN_TIMEOUT, DEFAULT_INPROCESS_TIMEOUT
 from elastrun.agent.plan import LaunchPlan
 from elastrun.agent.workers import WorkerProcesses
 from elastrun.core import inprocess_wire as wire
 from elastrun.core.clock import Clock
 from elastrun.core.tcp_sockets import listening_endpoints
-from elastrun.core.values import parse_seconds
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.procset import Exit
 from elastrun.supervise.processes.stacks import request_stacks
-from elastrun.supervise.progress import AutoTimeout
 
 log = logging.getLogger("elastrun.agent")
-
-#: How long the survivors and the replacements have to synchronise (seconds) by
-#: default; ``ELASTRUN_INPROCESS_TIMEOUT`` sets it.
-DEFAULT_TIMEOUT = 60.0
-TIMEOUT_ENV = "ELASTRUN_INPROCESS_TIMEOUT"
-#: How long a worker kept through a round may take to reach it (its collectives fail, or
-#: the cut makes them fail) before it counts as stuck and is replaced (seconds);
-#: ``ELASTRUN_INPROCESS_JOIN_TIMEOUT`` sets it. Generous: a worker computing without
-#: collectives (gradient accumulation) reaches the round only at its next collective.
-DEFAULT_JOIN_TIMEOUT = 30.0
-JOIN_TIMEOUT_ENV = "ELASTRUN_INPROCESS_JOIN_TIMEOUT"
-
-
-def join_timeout(environ: Mapping[str, str]) -> float:
-    """How long a kept worker may take to reach a round (``ELASTRUN_INPROCESS_JOIN_TIMEOUT``).
-
-    Raises:
-        ConfigError: not a positive, finite number of seconds.
-    """
-    raw = environ.get(JOIN_TIMEOUT_ENV, "")
-    return parse_seconds(raw, JOIN_TIMEOUT_ENV, low_open=True) if raw else DEFAULT_JOIN_TIMEOUT
 
 
 def _world(plan: LaunchPlan) -> int:
     return plan.workers[0].ranks.world_size if plan.workers else 0
-
-
-def inprocess_timeout(
-    environ: Mapping[str, str], hang_timeout: float | AutoTimeout | None = None
-) -> float:
-    """The bound on an in-process round: ``ELASTRUN_INPROCESS_TIMEOUT``, or a fixed
-    ``--hang-timeout`` when that is shorter (a survivor that cannot reach the round is
-    hung, and the hang detection's bound is the user's word for how long that takes).
-
-    Raises:
-        ConfigError: not a positive, finite number of seconds.
-    """
-    raw = environ.get(TIMEOUT_ENV, "")
-    bound = parse_seconds(raw, TIMEOUT_ENV, low_open=True) if raw else DEFAULT_TIMEOUT
-    if isinstance(hang_timeout, (int, float)) and hang_timeout > 0:
-        bound = min(bound, float(hang_timeout))
-    return bound
 
 
 @dataclass
@@ -121,8 +82,8 @@ class InprocessRecovery:
         metrics: MetricSink,
         clock: Clock,
         wake: Callable[[], None],
-        timeout: float = DEFAULT_TIMEOUT,
-        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+        timeout: float = DEFAULT_INPROCESS_TIMEOUT,
+        join_timeout: float = DEFAULT_INPROCESS_JOIN_TIMEOUT,
     ) -> None:
         self._workers = workers
         self._store = store

@@ -4,21 +4,23 @@
 kept (``InprocessRecovery`` judges the workers, this module the round) and carries the
 recovery through the loop's phases: alone in its round the node leads its workers into
 the next in-process round at once; with other nodes it keeps them through the
-rendezvous and agrees on the round with the others (``agent.inprocess_agree``). When
-keeping them fails, it hands the group back to the loop (``GroupControl``) to restart.
+rendezvous and agrees on the round with the others (``agent.inprocess_agree``). Each
+step returns a ``GroupDecision`` -- the workers were kept, or the loop restarts them in
+the round just joined, or in a new round -- and the loop acts on it: nothing here calls
+back into the loop.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-from collections.abc import Callable
-from typing import Protocol, TypeVar
+from dataclasses import dataclass
 
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.inprocess import InprocessRecovery
 from elastrun.agent.inprocess_agree import Agreement, Offer, agree
+from elastrun.agent.interrupt import Interruptible
 from elastrun.agent.pace_watch import PaceWatch
-from elastrun.agent.phases import AgentPhase
 from elastrun.agent.plan import LaunchPlan
 from elastrun.agent.policy import RestartBudget
 from elastrun.agent.rounds import Rounds
@@ -29,25 +31,40 @@ from elastrun.supervise.processes.procset import Exit
 
 log = logging.getLogger("elastrun.agent")
 
-T = TypeVar("T")
-
 #: The longest a node that kept its workers waits for the other nodes' offers (seconds;
 #: a node that has not written its offer by then is most likely gone).
 AGREE_TIMEOUT = 30.0
 
 
-class GroupControl(Protocol):
-    """What the steps need from the agent loop."""
+class GroupAction(enum.Enum):
+    KEPT = "kept"  # the workers run on, in place
+    RESTART_IN_ROUND = "restart_in_round"  # restart them in the round already joined
+    RESTART_FRESH = "restart_fresh"  # restart them in a new round
 
-    def move(self, phase: AgentPhase) -> None:
-        """Enter an agent phase."""
 
-    def restart_group(self, plan: LaunchPlan | None) -> None:
-        """Stop the workers and start them afresh: in ``plan`` (a round already joined)
-        or, None, in a new round."""
+@dataclass(frozen=True)
+class GroupDecision:
+    """What the loop does with the worker group after an in-process step.
 
-    def interruptible(self, call: Callable[[], T], what: str) -> T:
-        """``call()``, ended by a signal."""
+    Attributes:
+        action: keep the workers, or restart them (in ``plan``'s round, or a new one).
+        plan: the round already joined (``RESTART_IN_ROUND``; else None).
+    """
+
+    action: GroupAction
+    plan: LaunchPlan | None = None
+
+    @classmethod
+    def kept(cls) -> GroupDecision:
+        return cls(GroupAction.KEPT)
+
+    @classmethod
+    def restart_in(cls, plan: LaunchPlan) -> GroupDecision:
+        return cls(GroupAction.RESTART_IN_ROUND, plan)
+
+    @classmethod
+    def restart_fresh(cls) -> GroupDecision:
+        return cls(GroupAction.RESTART_FRESH)
 
 
 class InprocessSteps:
@@ -59,7 +76,7 @@ class InprocessSteps:
         group: the worker group (the round's store and size).
         budget: the restart budget (its count goes to every worker).
         pace: the straggler watch (told the ranks of an in-process round).
-        control: the agent loop.
+        interruptible: runs the wait for the other nodes' offers so that a signal ends it.
     """
 
     def __init__(
@@ -69,14 +86,14 @@ class InprocessSteps:
         group: WorkerGroup,
         budget: RestartBudget,
         pace: PaceWatch,
-        control: GroupControl,
+        interruptible: Interruptible,
     ) -> None:
         self._recovery = recovery
         self._rounds = rounds
         self._group = group
         self._budget = budget
         self._pace = pace
-        self._control = control
+        self._interruptible = interruptible
         self._joining: int | None = None  # the in-process round fresh workers start in
 
     @property
@@ -93,43 +110,39 @@ class InprocessSteps:
             why = "the rendezvous has no store the nodes can agree through"
         return why
 
-    def recover(self, attempt: Attempt, failed: list[Exit]) -> None:
-        """Recover in place (``why_not`` said it can): alone, at once; with other nodes,
-        through the next rendezvous round."""
-        if not self.alone:
-            self.reform_keeping(attempt)
-            return
+    def recover_alone(self, attempt: Attempt, failed: list[Exit]) -> GroupDecision:
+        """Recover in place at once, this node being alone in its round (``why_not``
+        said it can); with other nodes the loop keeps the workers through the next
+        round instead (``reform_keeping``)."""
         try:
             self._recovery.recover(attempt, failed, self._budget.used)
         except Exception as exc:  # a replacement that cannot start: the usual restart
             self._recovery.abandon(f"a replacement could not start: {exc}")
-            self._control.restart_group(None)
+            return GroupDecision.restart_fresh()
+        return GroupDecision.kept()
 
-    def reform_keeping(self, attempt: Attempt) -> None:
-        """Join the next round with this node's workers still running; then lead them into
-        an in-process round when every node of the round kept its workers, else restart
-        them."""
-        self._rounds.end()
-        self._control.move(AgentPhase.RENDEZVOUS)
+    def reform_keeping(self, attempt: Attempt) -> GroupDecision:
+        """Join the next round with this node's workers still running (the loop has
+        ended the last round and entered the rendezvous); then lead them into an
+        in-process round when every node of the round kept its workers, else restart
+        them in the round joined."""
         plan = self._rounds.join()
         failed = [e for e in attempt.procs.exits.values() if e.exitcode != 0]
         kept = self._recovery.why_not(attempt, failed, alone=False) is None
         agreement = self._agree(plan, self._recovery.offer(attempt, kept))
         if agreement is None:
             log.info("not every node kept its workers: restarting them")
-            self._control.restart_group(plan)
-            return
+            return GroupDecision.restart_in(plan)
         try:
             self._recovery.recover_round(
                 attempt, plan, agreement, self._budget.used, after_failure=bool(failed)
             )
         except Exception as exc:  # a replacement that cannot start: the usual restart
             self._recovery.abandon(f"a replacement could not start: {exc}")
-            self._control.restart_group(plan)
-            return
+            return GroupDecision.restart_in(plan)
         ranks = {w.local_rank: w.ranks.global_rank for w in plan.workers}
         self._pace.start_attempt(attempt.number, ranks)
-        self._control.move(AgentPhase.RUNNING)
+        return GroupDecision.kept()
 
     def starting_afresh(self, plan: LaunchPlan, previous: Attempt | None) -> LaunchPlan:
         """This node starts its workers afresh in ``plan``'s round (``previous``: its last
@@ -160,8 +173,10 @@ class InprocessSteps:
             return None  # (a node alone that kept its workers agrees with itself)
         prefix = RunKeys.of_run(facts.run_id).inprocess(facts.round)
         bound = min(self._recovery.timeout, AGREE_TIMEOUT)
-        return self._control.interruptible(
-            lambda: agree(store, prefix, facts.group_rank, facts.group_world_size, offer, bound),
+        return self._interruptible(
+            lambda _scope: agree(
+                store, prefix, facts.group_rank, facts.group_world_size, offer, bound
+            ),
             "other nodes' in-process offers",
         )
 

@@ -1,79 +1,69 @@
-"""Blocking calls that a signal ends at once.
+"""Blocking calls that a signal ends at once: every wait of the agent runs in the
+shutdown request's cancel scope.
 
-The rendezvous' waits (a store watch, a connection attempt, the exit barrier) and the
-job-wide budget's store call can block for a long time inside code that takes no
-cancellation scope. The agent runs such a call in a helper thread and itself waits on
-the shutdown waker, so a signal is answered within milliseconds whatever the call is
-blocked in; the abandoned call ends with the process or when the handler shuts down.
+A signal cancels that scope (``ShutdownRequest``: through its relay thread); each wait
+the agent makes -- the rendezvous (``ElasticRendezvous.next_round``), the exit barrier,
+the job-wide budget's store calls, the nodes' in-process agreement -- is handed the
+scope, and the store waits deep inside code that takes no scope argument observe it as
+the thread's current scope. A cancelled wait raises ``Cancelled``; here that becomes
+``ShutdownRequested``, which the loop answers in one place by stopping the workers with
+the signal. No thread is started to make a wait end: a wait that cannot take the scope
+is a defect, except inside the adapter of a torch-style rendezvous handler
+(``rendezvous.elastic``), which owns the one thread that foreign code needs.
 """
 
 from __future__ import annotations
 
-import selectors
-import threading
+import logging
+import signal
 from collections.abc import Callable
 from typing import TypeVar
 
-from elastrun.core.cancel import Cancelled
+from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.errors import ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
+
+log = logging.getLogger("elastrun.agent")
 
 T = TypeVar("T")
 
 
-def call_interruptibly(
-    call: Callable[[], T], shutdown: ShutdownRequest, on_signal: Callable[[], None], what: str
-) -> T:
-    """Return ``call()``'s value (or raise its exception), unless a signal arrives first:
-    then ``on_signal()`` runs, which is expected to raise (``ShutdownRequested``).
+class Interruptible:
+    """Runs the agent's blocking calls in the shutdown scope; a signal ends them with
+    ``ShutdownRequested``.
 
-    Other wake-ups of the waker (rendezvous news) are drained here; the agent's loop
-    looks at what changed on its next pass anyway.
+    The agent's loop answers that exception (it stops the workers with the signal); this
+    object only ends the wait, so the rounds, the in-process steps and the restart
+    budget's store calls use it without calling back into the loop.
+
+    Args:
+        shutdown: the request the launcher's signal handlers set; its ``scope`` is the
+            root scope of every wait.
     """
-    box: list[tuple[bool, object]] = []
-    done = threading.Event()
-    waker = shutdown.waker
 
-    def run() -> None:
+    def __init__(self, shutdown: ShutdownRequest) -> None:
+        self._shutdown = shutdown
+
+    @property
+    def scope(self) -> CancelScope:
+        """The root scope: cancelled by the first shutdown request."""
+        return self._shutdown.scope
+
+    def __call__(self, call: Callable[[CancelScope], T], what: str) -> T:
+        """``call(scope)``'s value, unless a signal comes first; the scope is also the
+        calling thread's current one while ``call`` runs.
+
+        Raises:
+            ShutdownRequested: a signal was received before or during the call.
+        """
+        scope = self._shutdown.scope
         try:
-            box.append((True, call()))
-        except BaseException as exc:  # handed to the waiting thread below
-            box.append((False, exc))
-        finally:
-            done.set()
-            waker.wake()
+            with scope.active():
+                return call(scope)
+        except Cancelled:
+            log.info("stopped while waiting for the %s", what)
+            signum = self._shutdown.signum
+            raise ShutdownRequested(signum if signum is not None else signal.SIGTERM) from None
 
-    threading.Thread(target=run, name=f"elastrun-agent-{what}", daemon=True).start()
-    with selectors.DefaultSelector() as sel:
-        sel.register(waker.fileno(), selectors.EVENT_READ)
-        while not done.is_set():
-            if shutdown.signum is not None:
-                on_signal()
-            sel.select()
-            waker.drain()
-    ok, value = box[0]
-    if not ok:
-        assert isinstance(value, BaseException)
-        raise value
-    return value  # type: ignore[return-value]  # what ``call`` returned, a T
-
-
-def run_interruptibly(
-    call: Callable[[], T],
-    shutdown: ShutdownRequest,
-    on_signal: Callable[[], None],
-    what: str,
-    *,
-    observes_cancel_scope: bool,
-) -> T:
-    """``call()``, ended by a signal: a call that observes cancel scopes runs in the
-    shutdown request's scope (a signal cancels every store wait inside it); any other
-    runs in a helper thread (``call_interruptibly``). ``on_signal`` is expected to raise.
-    """
-    if not observes_cancel_scope:
-        return call_interruptibly(call, shutdown, on_signal, what)
-    try:
-        with shutdown.scope.active():
-            return call()
-    except Cancelled:
-        on_signal()  # raises ShutdownRequested
-        raise
+    def __repr__(self) -> str:
+        return f"Interruptible({self._shutdown!r})"

@@ -2,17 +2,21 @@
 
 The worker group has its states (``WorkerState``: HEALTHY, FAILED...); the agent has
 phases of its own, and a signal or a failure elsewhere must be answered in each of them.
-``PHASE_TRANSITIONS`` is the table of legal moves; ``PhaseMachine.move`` checks it and
-reports every move, so an illegal one is a bug found at once rather than a hang.
-``WORKER_TRANSITIONS`` is the worker group's table (the agent's ``_transition`` checks it).
+``PHASE_TRANSITIONS`` is the table of legal moves, ``WORKER_TRANSITIONS`` the worker
+group's; ``Lifecycle.enter`` checks both and reports every move, so an illegal one is a
+bug found at once rather than a hang.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import logging
 
-from elastrun.agent.spec import WorkerState
+from elastrun.agent.spec import WorkerGroup, WorkerState
+from elastrun.core.errors import IllegalTransitionError
+from elastrun.observe.sinks import EventSink, MetricSink
+
+log = logging.getLogger("elastrun.agent")
 
 
 class AgentPhase(enum.Enum):
@@ -43,7 +47,7 @@ PHASE_TRANSITIONS: dict[AgentPhase, frozenset[AgentPhase]] = {
 }
 
 
-# Legal worker-group transitions; the agent's ``_transition`` enforces them and emits an event.
+# Legal worker-group transitions; ``Lifecycle.enter`` enforces them and emits an event.
 WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.INIT: frozenset({WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.STOPPED}),
     WorkerState.HEALTHY: frozenset(
@@ -57,30 +61,60 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 }
 
 
-class PhaseMachine:
-    """The current phase; ``move`` enforces the table and tells ``on_move``."""
+class Lifecycle:
+    """The agent's one state machine: its phase and, moved with it, its worker group's
+    state (``WorkerGroup.state``, which torch's callers read).
 
-    def __init__(self, on_move: Callable[[AgentPhase, AgentPhase], None]) -> None:
+    Why one machine and not two moved side by side: a phase and a worker state that
+    change in two calls can be seen half-moved (a signal between them, an exception in
+    the first), and the pairs that make sense are then nowhere written down. ``enter``
+    checks both tables before changing either, and reports both moves.
+
+    Args:
+        group: the worker group whose state moves with the phase.
+        events, metrics: where every move is recorded (``agent.phase``,
+            ``agent.state`` events; the one-hot ``agent.state.<state>`` gauge).
+    """
+
+    def __init__(self, group: WorkerGroup, events: EventSink, metrics: MetricSink) -> None:
         self._phase = AgentPhase.INIT
-        self._on_move = on_move
+        self._group = group
+        self._events = events
+        self._metrics = metrics
 
     @property
     def phase(self) -> AgentPhase:
         return self._phase
 
-    def move(self, new: AgentPhase) -> None:
-        """Enter ``new``; re-entering the current phase is a no-op.
+    @property
+    def workers(self) -> WorkerState:
+        return self._group.state
+
+    def enter(self, phase: AgentPhase, workers: WorkerState | None = None) -> None:
+        """Enter ``phase``, the worker group's state becoming ``workers`` with it (None:
+        unchanged). Re-entering the current phase or state is no move.
 
         Raises:
-            RuntimeError: the move is not in ``PHASE_TRANSITIONS`` (a bug).
+            IllegalTransitionError: either move is not in its table (a bug).
         """
-        old = self._phase
-        if new is old:
-            return
-        if new not in PHASE_TRANSITIONS[old]:
-            raise RuntimeError(f"illegal agent phase transition {old.value} -> {new.value}")
-        self._phase = new
-        self._on_move(old, new)
+        old, old_state = self._phase, self._group.state
+        if phase is not old and phase not in PHASE_TRANSITIONS[old]:
+            raise IllegalTransitionError(
+                f"illegal agent phase transition {old.value} -> {phase.value}"
+            )
+        new_state = old_state if workers is None else workers
+        if new_state is not old_state and new_state not in WORKER_TRANSITIONS[old_state]:
+            raise IllegalTransitionError(
+                f"illegal worker-group transition {old_state.value} -> {new_state.value}"
+            )
+        if new_state is not old_state:
+            self._group.state = new_state
+            self._metrics.put(f"agent.state.{new_state.value}", 1)  # the one-hot gauge
+            self._events.record("agent.state", {"from": old_state.value, "to": new_state.value})
+        if phase is not old:
+            self._phase = phase
+            log.debug("agent phase %s -> %s", old.value, phase.value)
+            self._events.record("agent.phase", {"from": old.value, "to": phase.value})
 
     def __repr__(self) -> str:
-        return f"PhaseMachine(phase={self._phase.value})"
+        return f"Lifecycle(phase={self._phase.value}, workers={self._group.state.value})"

@@ -8,9 +8,10 @@ loop's next step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from elastrun.agent.bootstrap_store import BootstrapStore
+from elastrun.agent.interrupt import Interruptible
 from elastrun.agent.pace_watch import PaceWatch
 from elastrun.agent.plan import LaunchPlan, RoundFacts, WorkerServices, round_plan
 from elastrun.agent.policy import RestartBudget
@@ -18,9 +19,7 @@ from elastrun.agent.report import AgentReport
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.core.clock import Clock
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
-
-#: Runs a blocking call so that a signal ends it (the agent's ``_interruptible``).
-Interruptible = Callable[[Callable[[], RendezvousInfo], str], RendezvousInfo]
+from elastrun.rendezvous.elastic import ElasticRendezvous
 
 
 class Rounds:
@@ -28,6 +27,7 @@ class Rounds:
 
     Args:
         handler: the rendezvous handler.
+        rdzv: its elastic view (``next_round`` waits in the shutdown scope).
         spec, group: what runs, and the worker group the round is recorded in.
         budget: the restart budget (its counts go into every worker's environment).
         environ, python: the agent's environment and interpreter (for the plan).
@@ -41,6 +41,7 @@ class Rounds:
     def __init__(
         self,
         handler: RendezvousHandler,
+        rdzv: ElasticRendezvous,
         spec: WorkerSpec,
         group: WorkerGroup,
         *,
@@ -54,6 +55,7 @@ class Rounds:
         clock: Clock,
     ) -> None:
         self._handler = handler
+        self._rdzv = rdzv
         self._spec = spec
         self._group = group
         self._budget = budget
@@ -77,7 +79,7 @@ class Rounds:
         served.
         """
         t0 = self._clock.monotonic()
-        info = self._interruptible(self._handler.next_rendezvous, "rendezvous")
+        info = self._interruptible(self._rdzv.next_round, "rendezvous")
         rdzv_ms = (self._clock.monotonic() - t0) * 1000
         plan = self._plan(info)
         self._pace.start_round(

@@ -105,6 +105,11 @@ class ExecutableNotFoundError(ProcessStartError, FileNotFoundError):
     ``FileNotFoundError`` through, so callers catch that."""
 
 
+class IllegalTransitionError(ElastrunError, RuntimeError):
+    """A state machine was asked for a move its table does not allow (a bug: found at
+    once rather than as a hang)."""
+
+
 class ShutdownRequested(ElastrunError):
     """The launcher received a signal and stopped its workers.
 

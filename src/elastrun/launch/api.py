@@ -66,25 +66,14 @@ def build_handler(config: LaunchConfig, run_id: str) -> RendezvousHandler:
     return rendezvous_handler_registry.create_handler(config.rendezvous_parameters(run_id))
 
 
-def build_agent(
+def worker_spec(
     config: LaunchConfig,
+    handler: RendezvousHandler,
     entrypoint: Entrypoint,
     args: Sequence[object],
-    *,
-    run_id: str,
-    shutdown: ShutdownRequest,
-    environ: Mapping[str, str] | None = None,
-    extras: _Extras | None = None,
-    console: Console | None = None,
-) -> LocalElasticAgent:
-    """Wire the agent for ``config`` (no process is started); ``console``: see
-    ``launch_agent``."""
-    from elastrun.agent.local import LocalElasticAgent
-    from elastrun.supervise.processes.relay import PYTHON_CONSOLE
-
-    env = os.environ if environ is None else environ
-    handler = build_handler(config, run_id)
-    spec = WorkerSpec(
+) -> WorkerSpec:
+    """What this node's agent runs, for ``config``."""
+    return WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         rdzv_handler=handler,
@@ -99,30 +88,54 @@ def build_agent(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
+
+
+def build_agent(
+    config: LaunchConfig,
+    entrypoint: Entrypoint,
+    args: Sequence[object],
+    *,
+    run_id: str,
+    shutdown: ShutdownRequest,
+    environ: Mapping[str, str] | None = None,
+    extras: _Extras | None = None,
+    console: Console | None = None,
+) -> LocalElasticAgent:
+    """Wire the agent for ``config`` (no process is started); ``console``: see
+    ``launch_agent``."""
+    from elastrun.agent.local import LocalElasticAgent
+    from elastrun.agent.options import AgentOptions
     from elastrun.supervise.processes.dstate import UninterruptibleWatch, timeout_from_env
+    from elastrun.supervise.processes.relay import PYTHON_CONSOLE
     from elastrun.supervise.timers.agent_timer import AgentFileTimer
 
+    # The edge: the agent's settings are read from the environment here, once.
+    env = os.environ if environ is None else environ
+    spec = worker_spec(config, build_handler(config, run_id), entrypoint, args)
     stuck_after = timeout_from_env(env)
     starter = extras.starter if extras else None
-    return LocalElasticAgent(
-        spec,
-        logs_specs=config.logs_specs if config.logs_specs is not None else DefaultLogsSpecs(),
+    options = AgentOptions.from_environ(
+        env,
         start_method=config.start_method,
         exit_barrier_timeout=config.exit_barrier_timeout,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.effective_shutdown_timeout,
+        stuck_exit_timeout=config.stuck_exit_timeout or None,
+        stalled_restarts=config.stalled_restarts or None,
+        stragglers=config.stragglers,
+        hang_timeout=config.hang_timeout,
+    )
+    return LocalElasticAgent(
+        spec,
+        logs_specs=config.logs_specs if config.logs_specs is not None else DefaultLogsSpecs(),
         shutdown=shutdown,
-        environ=environ,
         events=extras.events if extras else None,
         metrics=extras.metrics if extras else None,
         file_timer=AgentFileTimer.from_env(env),
         stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
-        stuck_exit_timeout=config.stuck_exit_timeout or None,
-        stalled_restarts=config.stalled_restarts or None,
-        stragglers=config.stragglers,
-        hang_timeout=config.hang_timeout,  # type: ignore[arg-type]  # parsed by the config
         starter=starter,
         console=PYTHON_CONSOLE if console is None else console,
+        options=options,
     )
 
 

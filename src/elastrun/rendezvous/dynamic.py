@@ -301,6 +301,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     # -- joining -------------------------------------------------------------------------
 
+    def next_round(self, scope: CancelScope) -> RendezvousInfo:
+        """``next_rendezvous`` with every store wait in ``scope`` (``elastic``)."""
+        with scope.active():
+            return self.next_rendezvous()
+
     def next_rendezvous(self) -> RendezvousInfo:
         try:
             if self._liveness.gone is not None:

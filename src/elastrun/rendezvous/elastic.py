@@ -2,27 +2,39 @@
 
 torch's handler interface (``api.RendezvousHandler``) knows rounds, but not the rest of
 an elastic job: who this node is, news that the running round must re-form, the
-job-wide restart budget, the exit barrier, and whether a cancel scope ends its waits.
-``ElasticRendezvous`` names those; elastrun's dynamic handler implements them, and
-``as_elastic`` wraps any other handler (torch-style plugins, the standalone one) in
-``PlainRendezvous``, which answers as torchrun would: no barrier, a per-agent budget,
-no news between rounds other than ``num_nodes_waiting``.
+job-wide restart budget, the exit barrier, and a wait for the next round that a cancel
+scope ends. ``ElasticRendezvous`` names those; elastrun's dynamic handler implements
+them, and ``as_elastic`` wraps any other handler (torch-style plugins, the standalone
+one) in ``PlainRendezvous``, which answers as torchrun would: no barrier, a per-agent
+budget, no news between rounds other than ``num_nodes_waiting``.
+
+A torch-style handler's ``next_rendezvous`` takes no scope and may block for minutes in
+code we do not own. The adapter alone runs it in a thread of its own and waits for it in
+the caller's scope (``_join_in_thread``): the agent above never starts a thread to make
+a wait end, and a cancelled scope ends the wait at once (the abandoned call ends with the
+process or when the handler shuts down). Why not interrupt the call itself: nothing in
+torch's interface allows it, and a signal raised into foreign code leaves its state
+unknown.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RoundOutcome
+from elastrun.core.cancel import CancelScope
+from elastrun.core.errors import RendezvousTimeoutError
+from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo, RoundOutcome
 
 
 @runtime_checkable
 class ElasticRendezvous(Protocol):
     """The agent's side of an elastic rendezvous, beyond torch's handler methods."""
 
-    #: Whether its waits observe the caller's current cancel scope (``core.cancel``):
-    #: the agent then runs it in its shutdown scope, not in a helper thread.
+    #: Whether its own waits observe the caller's current cancel scope (``core.cancel``);
+    #: else only ``next_round`` ends with the scope (the adapter waits in a thread).
     observes_cancel_scope: bool
     #: Whether ``report_failure``/``restarts_used`` keep a budget for the whole job.
     keeps_job_budget: bool
@@ -34,6 +46,14 @@ class ElasticRendezvous(Protocol):
     refusal: str | None
 
     def set_node_info(self, role: str, local_world_size: int) -> None: ...
+
+    def next_round(self, scope: CancelScope) -> RendezvousInfo:
+        """The next round (torch's ``next_rendezvous``), waited for in ``scope``.
+
+        Raises:
+            Cancelled: ``scope`` was cancelled first.
+        """
+        ...
 
     def set_change_callback(self, callback: Callable[[], None]) -> None: ...
 
@@ -59,6 +79,16 @@ class PlainRendezvous:
     def set_node_info(self, role: str, local_world_size: int) -> None:
         pass  # a torch-style handler learns nothing of the node
 
+    def next_round(self, scope: CancelScope) -> RendezvousInfo:
+        """The handler's ``next_rendezvous``, in a thread of its own, ended by ``scope``
+        (see the module docstring).
+
+        Raises:
+            Cancelled: ``scope`` was cancelled first.
+            RendezvousTimeoutError: ``scope``'s deadline passed first.
+        """
+        return _join_in_thread(self.handler.next_rendezvous, scope)
+
     def set_change_callback(self, callback: Callable[[], None]) -> None:
         pass  # re-formation is noticed through num_nodes_waiting on the agent's tick
 
@@ -73,6 +103,32 @@ class PlainRendezvous:
 
     def __repr__(self) -> str:
         return f"PlainRendezvous({self.handler!r})"
+
+
+def _join_in_thread(call: Callable[[], RendezvousInfo], scope: CancelScope) -> RendezvousInfo:
+    """``call()``'s value (or its exception), unless ``scope`` ends first."""
+    box: list[RendezvousInfo | BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except BaseException as exc:  # handed to the waiting thread below
+            box.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="elastrun-rendezvous-join", daemon=True).start()
+    with scope.wakes(done.set):
+        left = scope.remaining()
+        done.wait(None if math.isinf(left) else left)
+    if not box:
+        scope.raise_if_cancelled()
+        raise RendezvousTimeoutError("the rendezvous did not complete before the deadline")
+    (value,) = box
+    if isinstance(value, BaseException):
+        raise value
+    return value
 
 
 def as_elastic(handler: RendezvousHandler) -> ElasticRendezvous:

@@ -16,13 +16,23 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 
 
 class OrphanGuard:
-    """The agent's side of the guard. Starting it costs one small process per agent."""
+    """The agent's side of the guard. Starting it costs one small process per agent.
 
-    def __init__(self, python: str = sys.executable) -> None:
+    Args:
+        python: the interpreter that runs the guard.
+        environ: the guard's environment (the agent's; None: none), with ``PYTHONPATH``
+            set over it so that the guard finds this package.
+    """
+
+    def __init__(
+        self, python: str = sys.executable, environ: Mapping[str, str] | None = None
+    ) -> None:
         self._python = python
+        self._environ = dict(environ or {})
         self._proc: subprocess.Popen[bytes] | None = None
         self._groups: set[int] = set()
 
@@ -34,7 +44,7 @@ class OrphanGuard:
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # a signal to the agent's group must not reach it
-            env={**os.environ, "PYTHONPATH": _package_root()},
+            env={**self._environ, "PYTHONPATH": _package_root()},
         )
 
     def _send(self, line: str) -> None:

@@ -1,0 +1,65 @@
+"""The agent's options: one frozen value, its settings parsed once from the mapping it
+is given, bad values refused with the field named."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from elastrun.agent.options import (
+    DEFAULT_INPROCESS_JOIN_TIMEOUT,
+    INPROCESS_JOIN_TIMEOUT_ENV,
+    INPROCESS_TIMEOUT_ENV,
+    AgentOptions,
+)
+from elastrun.agent.plan import INPROCESS_ENV, SIGNALS_TO_HANDLE_ENV
+from elastrun.core.errors import ConfigError
+
+
+def test_the_settings_come_from_the_mapping_given_not_the_process() -> None:
+    environ = {
+        INPROCESS_ENV: "0",
+        SIGNALS_TO_HANDLE_ENV: "SIGTERM,SIGUSR1",
+        INPROCESS_TIMEOUT_ENV: "20",
+        "PATH": "/bin",
+    }
+    options = AgentOptions.from_environ(environ, hang_timeout=5.0, shutdown_timeout=3)
+    assert not options.inprocess
+    assert options.signals_to_handle == "SIGTERM,SIGUSR1"
+    assert options.inprocess_timeout == 5.0  # a fixed --hang-timeout is shorter
+    assert options.inprocess_join_timeout == DEFAULT_INPROCESS_JOIN_TIMEOUT
+    assert options.shutdown_timeout == 3
+    assert dict(options.environ) == environ
+
+
+def test_the_options_and_their_environment_cannot_change() -> None:
+    environ = {"A": "1"}
+    options = AgentOptions(environ=environ)
+    environ["A"] = "2"
+    assert options.environ["A"] == "1"
+    with pytest.raises(TypeError):
+        options.environ["A"] = "3"  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.shutdown_timeout = 1  # type: ignore[misc]
+    assert "environ=<1 variables>" in repr(options)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"start_method": "thread"}, "start_method"),
+        ({"shutdown_timeout": -1.0}, "shutdown_timeout"),
+        ({"exit_barrier_timeout": math.nan}, "exit_barrier_timeout"),
+        ({"inprocess_timeout": 0.0}, "inprocess_timeout"),
+    ],
+)
+def test_a_bad_option_is_refused_with_its_name(fields: dict[str, object], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        AgentOptions(**fields)  # type: ignore[arg-type]
+
+
+def test_a_bad_variable_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ConfigError, match=INPROCESS_JOIN_TIMEOUT_ENV):
+        AgentOptions.from_environ({INPROCESS_JOIN_TIMEOUT_ENV: "soon"})
