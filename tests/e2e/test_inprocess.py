@@ -345,9 +345,9 @@ def test_rotating_failures_over_every_rank_are_recovered_in_place_with_default_o
 def test_a_step_that_fails_again_and_again_is_stopped_by_the_stall_guard(tmp_path: Path) -> None:
     # Rank 1 dies at step 10 every time it gets there: every recovery restores commit 10.
     # The first recovery made progress; the next three did not: the fourth failure after
-    # them ends the job (exit 3), with restarts left in the budget.
+    # them ends the job (exit 93: do not requeue), with restarts left in the budget.
     code, err, _ = _run(tmp_path, "out", ["1:10:loop"], restarts=20)
-    assert code == 3, err
+    assert code == 93, err
     assert "in-process recoveries in a row restored no newer commit than commit 10" in err
     # Four recoveries; a survivor stuck in a collective (see _kept) is replaced in a
     # round of its own, which belongs to the same recovery.

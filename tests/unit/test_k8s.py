@@ -113,8 +113,18 @@ def test_a_pod_failure_policy_only_with_restart_policy_never() -> None:
     assert on_failure["template"]["spec"]["restartPolicy"] == "OnFailure"  # type: ignore[index]
     assert never["template"]["spec"]["restartPolicy"] == "Never"  # type: ignore[index]
     rules = never["podFailurePolicy"]["rules"]  # type: ignore[index]
-    assert rules[0]["action"] == "FailJob"
-    assert rules[0]["onExitCodes"]["values"] == [2]  # elastrun's bad-configuration status
+    by_code = {
+        code: rule["action"] for rule in rules if "onExitCodes" in rule
+        for code in rule["onExitCodes"]["values"]
+    }  # fmt: skip
+    # Bad configuration and do-not-requeue fail the Job; a node to replace is not the
+    # job's failure; everything else (1: a worker failure) counts against the backoff.
+    assert by_code == {2: "FailJob", 93: "FailJob", 75: "Ignore"}
+    assert all(r["onExitCodes"]["containerName"] == "trainer" for r in rules if "onExitCodes" in r)
+    assert {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    } in rules
 
 
 def test_the_worker_command_is_an_elastrun_launch_that_parses(tmp_path: Path) -> None:

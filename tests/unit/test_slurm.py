@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -216,3 +220,82 @@ def test_a_bad_endpoint_port_names_the_option() -> None:
     with pytest.raises(ConfigError) as info:
         slurm_overrides(STEP_ENV, rdzv_endpoint=":http")
     assert info.value.field == "--rdzv-endpoint"
+
+
+# -- the guide's requeue script (docs/clusters.md) ---------------------------------------
+
+_STUB_SRUN = """#!/bin/bash
+# Two nodes: runs the task command once per node, returns the highest status (as srun).
+shift  # --kill-on-bad-exit=0
+high=0
+for node in node1 node2; do
+    SLURMD_NODENAME=$node "$@"; rc=$?
+    [ "$rc" -gt "$high" ] && high=$rc
+done
+exit "$high"
+"""
+# elastrun's status on each node comes from STUB_STATUS_<node>.
+_STUB_ELASTRUN = """#!/bin/bash
+var="STUB_STATUS_$SLURMD_NODENAME"
+exit "${!var}"
+"""
+_STUB_SCONTROL = """#!/bin/bash
+echo "$*" >> "$SCONTROL_LOG"
+"""
+
+
+def _requeue_script() -> str:
+    from _helpers import REPO
+
+    text = (REPO / "docs" / "clusters.md").read_text()
+    marker = "tested-by: tests/unit/test_slurm.py::test_the_guides_requeue_script_acts_on"
+    block = text[text.index(marker) :].split("```bash\n", 1)[1]
+    return block.split("\n```", 1)[0] + "\n"
+
+
+@pytest.mark.parametrize(
+    ("statuses", "restarts", "exit_status", "scontrol"),
+    [
+        ((0, 0), 0, 0, []),
+        ((2, 2), 0, 2, []),  # bad configuration: no retry fixes it
+        ((1, 93), 0, 93, []),  # a crash loop on node2: do not requeue
+        ((1, 75), 0, 75, ["update JobId=17 ExcNodeList=node2", "requeue 17"]),
+        ((1, 1), 0, 1, ["requeue 17"]),  # the budget ran out: a retry may succeed
+        ((1, 1), 3, 1, []),  # but not forever
+    ],
+)
+def test_the_guides_requeue_script_acts_on_elastruns_exit_status(
+    tmp_path: Path, statuses: tuple[int, int], restarts: int, exit_status: int, scontrol: list[str]
+) -> None:
+    # The guide's script as written, with srun, elastrun and scontrol replaced by stubs
+    # (tests/e2e/test_slurm_cluster.py runs elastrun under a real Slurm).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (
+        ("srun", _STUB_SRUN),
+        ("elastrun", _STUB_ELASTRUN),
+        ("scontrol", _STUB_SCONTROL),
+    ):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "train.sbatch").write_text(_requeue_script())
+    log = tmp_path / "scontrol.log"
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": "17",
+        "SLURM_RESTART_COUNT": str(restarts),
+        "SCONTROL_LOG": str(log),
+        "STUB_STATUS_node1": str(statuses[0]),
+        "STUB_STATUS_node2": str(statuses[1]),
+    }
+    res = subprocess.run(
+        ["bash", "train.sbatch"],
+        check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert res.returncode == exit_status, res.stderr
+    assert (log.read_text().splitlines() if log.exists() else []) == scontrol

@@ -12,9 +12,12 @@ from collections.abc import Mapping
 
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.policy import RestartBudget
+from elastrun.core.errorfile import ErrorFileContents, read_error_file
 from elastrun.observe.sinks import EventSink
-from elastrun.supervise.failures.failure import ProcessFailure
+from elastrun.supervise.failures.crashloop import FailureSignature, signature_of
+from elastrun.supervise.failures.failure import ProcessFailure, signal_name
 from elastrun.supervise.processes.procset import Exit
+from elastrun.supervise.progress import Snapshot
 
 
 def describe_exit(code: int) -> str:
@@ -88,14 +91,49 @@ def failed_exits(attempt: Attempt) -> list[Exit]:
     return [ex for ex in exits if ex.exitcode != 0]
 
 
+def signatures(attempt: Attempt, failed: list[Exit], progress: Snapshot) -> list[FailureSignature]:
+    """How each worker of ``failed`` that failed on its own did so (its error file, or
+    its signal or exit code) and at which step (``progress``: the attempt's last
+    reports, by local rank): what the crash-loop guard compares."""
+    found = []
+    for ex in failed:
+        if ex.by_agent or ex.exitcode == 0:
+            continue
+        path = attempt.dest.error_files.get(ex.local_rank, "")
+        contents = read_error_file(path) if path else None
+        report = contents if isinstance(contents, ErrorFileContents) else None
+        record = progress.get(ex.local_rank)
+        found.append(
+            signature_of(
+                attempt.global_rank(ex.local_rank),
+                ex.exitcode,
+                message=report.message if report is not None else None,
+                traceback=report.traceback if report is not None else None,
+                step=record.step if record is not None else None,
+                signal_name=signal_name(ex.exitcode) if ex.exitcode < 0 else None,
+            )
+        )
+    return found
+
+
 def failure_note(
-    budget: RestartBudget, *, stuck: int | None, stalled: str | None, history: list[str]
+    budget: RestartBudget,
+    *,
+    stuck: int | None,
+    stalled: str | None,
+    history: list[str],
+    crash_loop: str | None = None,
 ) -> str:
     """Why the job was not restarted, with the earlier failures that were."""
     limit = budget.limit
     refusal = getattr(budget, "refusal", None)
     if stuck is not None:
         note = f"not restarted: local rank {stuck} was stuck in uninterruptible sleep"
+    elif crash_loop:
+        note = (
+            f"not restarted: the failure looks deterministic: {crash_loop} "
+            f"({budget.used} of {limit} restart(s) used; --no-crash-loop-stop restarts anyway)"
+        )
     elif stalled:
         note = f"not restarted: the restarts made no progress: {stalled}"
     elif refusal:

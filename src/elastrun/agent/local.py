@@ -59,6 +59,9 @@ class LocalElasticAgent:
             this many consecutive attempts in which no rank passed the step it had
             reached before; None turns it off. Scripts that report no progress are
             never stopped by it.
+        crash_loop_stop: stop restarting (``crash_loop`` is then set) when a rank
+            fails twice in a row with the same error at the same step
+            (``elastrun.supervise.failures.crashloop``); False: spend the whole budget.
         stragglers: how ranks (and nodes) slower than their peers are found and
             reported (never stopped); None: off (step metrics are still put).
         stuck_exit_timeout: seconds a worker may keep running after every other local
@@ -109,6 +112,7 @@ class LocalElasticAgent:
         stuck_exit_timeout: float | None = STUCK_EXIT_TIMEOUT,
         hang_timeout: float | AutoTimeout | None = None,
         stalled_restarts: int | None = 3,
+        crash_loop_stop: bool = True,
         stragglers: StragglerSettings | None = StragglerSettings(),  # noqa: B008 (frozen)
         console: Console = PYTHON_CONSOLE,
         options: AgentOptions | None = None,
@@ -125,6 +129,7 @@ class LocalElasticAgent:
             stuck_exit_timeout=stuck_exit_timeout,
             hang_timeout=hang_timeout,
             stalled_restarts=stalled_restarts,
+            crash_loop_stop=crash_loop_stop,
             stragglers=stragglers,
         )
         world = World(
@@ -183,6 +188,12 @@ class LocalElasticAgent:
     def stalled(self) -> str | None:
         """Why restarting stopped because the restarts made no progress (else None)."""
         return self._loop.stalled
+
+    @property
+    def crash_loop(self) -> str | None:
+        """Why restarting stopped because a rank failed the same way at the same step
+        twice in a row (else None)."""
+        return self._loop.crash_loop
 
     @property
     def last_progress(self) -> float:

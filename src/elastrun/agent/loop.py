@@ -30,6 +30,7 @@ from elastrun.agent.spec import RunResult, WorkerState
 from elastrun.agent.wiring import AgentParts
 from elastrun.core.clock import Deadline
 from elastrun.core.errors import ShutdownRequested
+from elastrun.supervise.failures.crashloop import CrashLoopGuard
 from elastrun.supervise.processes.procset import Exit
 
 __all__ = ["ElasticLoop"]
@@ -55,6 +56,9 @@ class ElasticLoop:
         self.budget_note: str | None = None
         #: Why restarting stopped because the restarts made no progress (else None).
         self.stalled: str | None = None
+        #: Why restarting stopped because a rank failed the same way twice in a row.
+        self.crash_loop: str | None = None
+        self._crash_loops = CrashLoopGuard() if parts.options.crash_loop_stop else None
         #: Wall-clock time of the loop's last pass (the health check's "last progress").
         self.last_progress = parts.clock.time()
 
@@ -211,6 +215,8 @@ class ElasticLoop:
         if self._no_progress_since_restarts(attempt, failed):
             return self._fail()
         what = failures.describe_failure(attempt, failed[0])
+        if self._crash_loop(attempt, failed, what):
+            return self._fail()
         # The job-wide budget lives in the store: a signal must not wait for it.
         decision = p.interruptible(
             lambda _scope: p.policy.on_failure(failed, p.budget, what), "restart budget"
@@ -262,6 +268,44 @@ class ElasticLoop:
             return False
         log.error("not restarting: %s", self.stalled)
         p.events.record("agent.no_progress", {"detail": self.stalled})
+        return True
+
+    def _crash_loop(self, attempt: Attempt, failed: list[Exit], what: str) -> bool:
+        """Whether a rank failed as in the attempt before (then: stop, with
+        ``crash_loop`` set, and the job ends on every node).
+
+        A failure recovered in place is left to the in-process guard (its replacement
+        counts its steps from 0, and the attempt goes on)."""
+        p = self._p
+        guard = self._crash_loops
+        if guard is None or p.inprocess.under_way or p.steps.why_not(attempt, failed) is None:
+            return False
+        found = failures.signatures(attempt, failed, p.progress.snapshot())
+        repeated = guard.attempt_failed(attempt.number, found)
+        if repeated is None:
+            return False
+        # With no restart left the budget ends the job anyway, as torchrun's would (exit
+        # status 1): the verdict only saves the restarts that remain.
+        left = p.interruptible(lambda _scope: p.budget.limit - p.budget.used, "restart budget")
+        if left <= 0:
+            return False
+        self.crash_loop = (
+            f"{repeated.describe()}, in attempts {attempt.number - 1} and {attempt.number} alike"
+        )
+        log.error("not restarting: the failure looks deterministic: %s", self.crash_loop)
+        p.events.record(
+            "agent.crash_loop",
+            {
+                "rank": repeated.rank,
+                "error": repeated.error,
+                "step": repeated.step,
+                "attempt": attempt.number,
+            },
+        )
+        why = f"crash loop: {repeated.describe()} twice in a row"
+        # Every node ends: the failure is claimed for the round with no restart, and the
+        # run is closed with why (a signal must not wait for the store).
+        p.interruptible(lambda _scope: p.rdzv.report_final_failure(what, why), "ending the job")
         return True
 
     # -- the group: kept, or restarted ---------------------------------------------------
@@ -342,7 +386,11 @@ class ElasticLoop:
         failed = failures.failed_exits(attempt)
         failures.record_failures(p.events, attempt, failed, restart=False, stuck=stuck)
         self.budget_note = failures.failure_note(
-            p.budget, stuck=stuck, stalled=self.stalled, history=self.history
+            p.budget,
+            stuck=stuck,
+            stalled=self.stalled,
+            history=self.history,
+            crash_loop=self.crash_loop,
         )
         p.lifecycle.enter(AgentPhase.DONE, WorkerState.FAILED)
         p.report.failed(len(report))

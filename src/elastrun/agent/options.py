@@ -117,6 +117,7 @@ class AgentOptions:
     stuck_exit_timeout: float | None = STUCK_EXIT_TIMEOUT
     hang_timeout: float | AutoTimeout | None = None
     stalled_restarts: int | None = 3
+    crash_loop_stop: bool = True
     stragglers: StragglerSettings | None = StragglerSettings()  # noqa: RUF009 (frozen)
     inprocess: bool = True
     signals_to_handle: str | None = None

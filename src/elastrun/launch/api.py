@@ -122,6 +122,7 @@ def build_agent(
         shutdown_timeout=config.effective_shutdown_timeout,
         stuck_exit_timeout=config.stuck_exit_timeout or None,
         stalled_restarts=config.stalled_restarts or None,
+        crash_loop_stop=config.crash_loop_stop,
         stragglers=config.stragglers,
         hang_timeout=config.hang_timeout,
     )
@@ -359,7 +360,7 @@ class _Launch:
             # The round failed on another node; this one has no failure of its own.
             return WorkerFailure(agent.budget_note or "the job failed on another node")
         name = entrypoint_name(self.entrypoint, self.args)
-        if agent.stalled:
+        if agent.stalled or agent.crash_loop:
             return NoProgressError(name, result.failures, budget_note=agent.budget_note)
         return ChildFailedError(name, result.failures, budget_note=agent.budget_note)
 

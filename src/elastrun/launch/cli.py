@@ -176,6 +176,7 @@ def _config(
             stuck_exit_timeout=runtime.stuck_exit_timeout,
             hang_timeout=runtime.hang_timeout,
             stalled_restarts=runtime.stalled_restarts,
+            crash_loop_stop=not values.flag("no_crash_loop_stop"),
             stragglers=runtime.stragglers,
             node_rank=rdzv.node_rank,
             master_addr=rdzv.master_addr,

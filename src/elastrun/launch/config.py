@@ -89,8 +89,10 @@ class LaunchConfig:
     stuck_exit_timeout: float = 60.0
     #: Seconds without progress after which a reporting worker is hung, "auto", or None.
     hang_timeout: float | str | AutoTimeout | None = None
-    #: Restarts in a row without progress before giving up (exit 3); 0: never.
+    #: Restarts in a row without progress before giving up (exit 93); 0: never.
     stalled_restarts: int = 3
+    #: Stop restarting (exit 93) when a rank fails the same way at the same step twice.
+    crash_loop_stop: bool = True
     #: How stragglers are found and reported (None: not at all).
     stragglers: StragglerSettings | None = StragglerSettings()  # noqa: RUF009 (frozen)
     #: Serve the agent's metrics in Prometheus format on this port (None: off).

@@ -1,7 +1,9 @@
 """The ``elastrun`` command: argv and environment in, exit status out.
 
-Exit status: 0 success; 1 worker failure (after the report) or a runtime error;
-2 bad configuration (one line, no traceback, nothing started); 128+N after signal N.
+Exit status (``core.exitcodes.ExitStatus``, the table in docs/failures.md): 0 success;
+1 worker failure (after the report) or a runtime error; 2 bad configuration (one line,
+no traceback, nothing started); 93 more restarts would not help (no progress, a crash
+loop: do not requeue); 75 this node was found bad (replace it); 128+N after signal N.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from elastrun.core.errors import (
     ShutdownRequested,
     WorkerFailure,
 )
+from elastrun.core.exitcodes import ExitStatus, signal_status
 from elastrun.core.values import parse_int
 from elastrun.launch.cli import Launch, ScriptKind, parse_launch
 
@@ -131,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(os.environ)
     except ConfigError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitStatus.BAD_CONFIG
     args = list(sys.argv[1:] if argv is None else argv)
     code = _subcommand(args)
     if code is not None:
@@ -160,7 +163,7 @@ def _launch(args: list[str], mask: set[int | signal.Signals]) -> int:
         launch = parse_launch(args, os.environ)
     except ConfigError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitStatus.BAD_CONFIG
     if launch.dry_run:
         from elastrun.launch.dryrun import render_plan
 
@@ -169,7 +172,7 @@ def _launch(args: list[str], mask: set[int | signal.Signals]) -> int:
             print(render_plan(launch, entry, entry_args, os.environ))
         except ConfigError as exc:
             print(f"elastrun: error: {exc}", file=sys.stderr)
-            return 2
+            return ExitStatus.BAD_CONFIG
         return 0
     for notice in launch.notices:
         log.info("%s", notice)
@@ -207,7 +210,7 @@ def _run(launch: Launch, mask: set[int | signal.Signals] | None = None) -> int:
         launch_agent(launch.config, entry, args, console=FD_CONSOLE, shutdown=shutdown)
     except ConfigError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitStatus.BAD_CONFIG
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr)
         _mention_logs(specs)
@@ -218,15 +221,15 @@ def _run(launch: Launch, mask: set[int | signal.Signals] | None = None) -> int:
     except ShutdownRequested as exc:
         print(f"elastrun: stopped by {exc.signal_name}", file=sys.stderr)
         _mention_logs(specs)
-        return 128 + exc.signum
+        return signal_status(exc.signum)
     except (RendezvousError, WorkerFailure, ElastrunError) as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
-        return 1
+        return ExitStatus.WORKER_FAILED
     finally:
         restore()
         shutdown.waker.close()
     _cleanup_temporary_logs(specs)
-    return 0
+    return ExitStatus.SUCCESS
 
 
 def _mention_logs(specs: LogsSpecs | None) -> None:

@@ -181,9 +181,16 @@ OPTIONS: tuple[Option, ...] = (
     option(
         "--stalled-restarts",
         "N",
-        "stop restarting, exit status 3, after N restarts in a row in which no rank passed "
-        "the step it had reached before (needs progress reports; 0 turns it off)",
+        "stop restarting, exit status 93, after N restarts in a row in which no rank "
+        "passed the step it had reached before (needs progress reports; 0 turns it off)",
         "3",
+        ours=True,
+    ),
+    option(
+        "--no-crash-loop-stop",
+        None,
+        "restart within --max-restarts even when a rank failed twice in a row with the "
+        "same error at the same step (by default that stops the job, exit status 93)",
         ours=True,
     ),
     option(

@@ -290,6 +290,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._agent_call():
             return self._outcome.report_failure(max_restarts, what)
 
+    def report_final_failure(self, what: str, why: str) -> None:
+        """A local worker failed so that no restart can help (``why``, e.g. a crash
+        loop): the run is closed with why, and the round's failure is claimed with no
+        restart, so that every node ends as when the budget is spent."""
+        with self._agent_call():
+            self._outcome.report_final_failure(what, why)
+
     def exit_barrier(self, timeout: float) -> BarrierResult:
         """This node's workers finished: wait (up to ``timeout``) for the round's
         outcome (``Outcome.exit_barrier``)."""

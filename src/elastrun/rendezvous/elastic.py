@@ -59,6 +59,11 @@ class ElasticRendezvous(Protocol):
 
     def report_failure(self, max_restarts: int, what: str = "") -> bool: ...
 
+    def report_final_failure(self, what: str, why: str) -> None:
+        """A local worker failed so that no restart can help (``why``): end the job on
+        every node, as an exhausted budget does."""
+        ...
+
     def restarts_used(self) -> int: ...
 
     def exit_barrier(self, timeout: float) -> BarrierResult: ...
@@ -94,6 +99,9 @@ class PlainRendezvous:
 
     def report_failure(self, max_restarts: int, what: str = "") -> bool:
         raise NotImplementedError("a torch-style rendezvous keeps no job-wide budget")
+
+    def report_final_failure(self, what: str, why: str) -> None:
+        pass  # nothing job-wide to end: each node ends on its own
 
     def restarts_used(self) -> int:
         raise NotImplementedError("a torch-style rendezvous keeps no job-wide budget")

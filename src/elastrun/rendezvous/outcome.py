@@ -98,6 +98,21 @@ class Outcome:
         self._store.set(key, _dump({**note, "restart": restart}))
         return restart
 
+    def report_final_failure(self, what: str, why: str) -> None:
+        """A local worker failed so that no restart can help (see the handler's method).
+
+        The run is closed first: a node that claimed the round's failure before this one
+        (its own workers failed too) then finds it closed when it re-forms."""
+        where = f"{what} on {self._addr}" if what else f"a worker on {self._addr}"
+        self.close(f"{why}: {where}")
+        if self._live.round is not None:
+            note = {"node": self._node_id, "addr": self._addr, "what": what}
+            self._store.compare_set(
+                self._keys.failed(self._live.round),
+                None,
+                _dump({**note, "restart": False, "why": why}),
+            )
+
     def _finished(self) -> set[str]:
         if self._live.round is None:
             return set()
@@ -181,7 +196,8 @@ class Outcome:
         where = f"{what} on {note.get('addr', '?')}"
         if note["restart"]:
             return BarrierResult(RoundOutcome.RESTART, where)
-        return BarrierResult(RoundOutcome.FAILED, f"{where}; restart budget exhausted")
+        why = str(note.get("why") or "restart budget exhausted")
+        return BarrierResult(RoundOutcome.FAILED, f"{where}; {why}")
 
     def __repr__(self) -> str:
         return (

@@ -17,9 +17,14 @@ Choices, and why:
 * The run id is the Job's uid (the ``batch.kubernetes.io/controller-uid`` label), so a
   Job submitted again under the same name never meets the old run's closed rendezvous
   in a store that outlived it.
-* ``--restart-policy Never`` adds a pod failure policy: exit status 2 (elastrun's bad
-  configuration) fails the Job at once instead of burning the backoff limit, and pods
-  evicted by a disruption (drain, preemption) do not count as failures.
+* ``--restart-policy Never`` adds a pod failure policy built on elastrun's exit statuses
+  (``core.exitcodes``): 2 (bad configuration) and 93 (do not requeue: a crash loop,
+  restarts without progress) fail the Job at once instead of burning the backoff limit;
+  75 (replace this node) and pods evicted by a disruption (drain, preemption) do not
+  count as failures: the node, not the job, is at fault, and the elastic job trains on
+  with the other pods while the Job replaces that one. Counting 75 instead would let a
+  few bad nodes in a long run fail the whole Job. The replacement may land on the same
+  node: the agent names it, for cordoning.
 * The YAML is written without a YAML library: every document is JSON-compatible data,
   and strings are quoted JSON-style unless they are plainly safe, so no value can be
   misread (``on``, ``1e3``, ``0755``). PyYAML stays optional.

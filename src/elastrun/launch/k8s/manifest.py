@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastrun.core.exitcodes import ExitStatus
+
 __all__ = [
     "CONTAINER",
     "DEFAULT_STORE_PORT",
@@ -197,18 +199,7 @@ def _job(spec: ManifestSpec) -> Doc:
         "backoffLimit": spec.backoff_limit,
     }
     if spec.restart_policy == "Never":
-        job_spec["podFailurePolicy"] = {
-            "rules": [
-                {
-                    "action": "FailJob",
-                    "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [2]},
-                },
-                {
-                    "action": "Ignore",
-                    "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
-                },
-            ]
-        }
+        job_spec["podFailurePolicy"] = pod_failure_policy()
     job_spec["template"] = {
         "metadata": {"labels": _labels(spec, "worker")},
         "spec": _worker_pod(spec),
@@ -218,6 +209,44 @@ def _job(spec: ManifestSpec) -> Doc:
         "kind": "Job",
         "metadata": _metadata(spec, spec.name, "worker"),
         "spec": job_spec,
+    }
+
+
+def pod_failure_policy() -> Doc:
+    """What the Job does with a worker pod that failed, by elastrun's exit status (the
+    first matching rule wins; any other failure counts against ``backoffLimit``).
+
+    Needs the pods' ``restartPolicy: Never``: Kubernetes refuses the policy otherwise.
+    """
+    fail_job = [ExitStatus.BAD_CONFIG, ExitStatus.DO_NOT_REQUEUE]
+    return {
+        "rules": [
+            # No retry fixes these: a bad option, or a failure that repeats (a crash
+            # loop, restarts without progress). Every pod is stopped at once.
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": CONTAINER,
+                    "operator": "In",
+                    "values": [int(code) for code in fail_job],
+                },
+            },
+            # The node, not the job, is at fault: the pod is replaced without counting
+            # against the backoff limit, as for an eviction, and the elastic job goes
+            # on with the others meanwhile.
+            {
+                "action": "Ignore",
+                "onExitCodes": {
+                    "containerName": CONTAINER,
+                    "operator": "In",
+                    "values": [int(ExitStatus.REPLACE_NODE)],
+                },
+            },
+            {
+                "action": "Ignore",
+                "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+            },
+        ]
     }
 
 

@@ -7,6 +7,7 @@ import os
 
 from elastrun.core.errorfile import copy_with_error_code
 from elastrun.core.errors import WorkerFailure
+from elastrun.core.exitcodes import ExitStatus
 from elastrun.supervise.failures.failure import NOT_AVAILABLE, ProcessFailure
 
 __all__ = ["ChildFailedError", "copy_root_cause_error_file"]
@@ -39,7 +40,7 @@ class ChildFailedError(WorkerFailure):
     """
 
     #: The launcher's exit status for this failure.
-    exit_status = 1
+    exit_status: int = ExitStatus.WORKER_FAILED
 
     def __init__(
         self, name: str, failures: dict[int, ProcessFailure], budget_note: str | None = None
@@ -229,8 +230,9 @@ def _other_block(
 
 
 class NoProgressError(ChildFailedError):
-    """Workers failed again and again without passing the step they had reached: more
-    restarts would not help. The launcher exits with status 3, so that a scheduler that
-    requeues failed jobs can tell this one apart."""
+    """More restarts would not help: workers failed again and again without passing the
+    step they had reached, or a rank failed the same way at the same step twice in a
+    row (a crash loop). The launcher exits with ``ExitStatus.DO_NOT_REQUEUE`` (93), so
+    that a scheduler that requeues failed jobs can tell this one apart."""
 
-    exit_status = 3
+    exit_status: int = ExitStatus.DO_NOT_REQUEUE
