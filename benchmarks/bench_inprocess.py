@@ -262,8 +262,9 @@ def _conclude(section: Section, following: Row, lost: Row, workers: int) -> None
     section.notes.append(
         "In place: the agent sees the exit through its pidfd, forks the replacement from "
         "the template and announces the round; the survivors' failed allreduce raises, "
-        "they cut their connections to the other workers, roll back (a copy in memory), "
-        "join a short-lived gloo group to hand the newest commit to the replacement, and "
+        "they cut their connections to the other workers, roll back (the buffers and plain "
+        "values; the parameters were never copied), join a short-lived gloo group to hand "
+        "the newest commit to the replacement (read from the survivors' memory), and "
         "call the training function again (a new process group and DDP wrapper). The "
         "group restart stops every worker, starts them all from the template, and they load "
         "the checkpoint of step 20; its steps since then are done again."

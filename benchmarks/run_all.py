@@ -24,6 +24,7 @@ from pathlib import Path
 import bench_gpu_recovery
 import bench_hang
 import bench_inprocess
+import bench_inprocess_state
 import bench_launch
 import bench_overhead
 import bench_progress
@@ -44,6 +45,7 @@ SECTIONS: dict[str, Callable[[str], Section]] = {
     "progress": bench_progress.run,
     "hang": bench_hang.run,
     "inprocess": bench_inprocess.run,
+    "inprocess_state": bench_inprocess_state.run,
 }
 
 

@@ -330,13 +330,14 @@ def test_a_survivor_killed_during_the_synchronisation_is_replaced_in_the_next_ro
 def test_rotating_failures_over_every_rank_are_recovered_in_place_with_default_options(
     tmp_path: Path, fault_free: str
 ) -> None:
-    # 30 recoveries, one a step, each of another rank: the job progresses through every
-    # one of them (the committed step), so the stall guard (--stalled-restarts 3, the
-    # default) must not stop it.
-    plan = [f"{i % 4}:{5 + i}:kill" for i in range(30)]
-    code, err, results = _run(tmp_path, "out", plan, restarts=40)
+    # 12 recoveries, one a step, each of another rank (every rank three times): the job
+    # progresses through every one of them (the committed step), so the stall guard
+    # (--stalled-restarts 3, the default: four recoveries in a row would trip it) must
+    # not stop it.
+    plan = [f"{i % 4}:{5 + i}:kill" for i in range(12)]
+    code, err, results = _run(tmp_path, "out", plan, restarts=20)
     assert code == 0, err
-    assert err.count("recovering in place (round") >= 30
+    assert err.count("recovering in place (round") >= 12
     assert "restarting all workers" not in err and "without progress" not in err
     assert {r["sha"] for r in results} == {fault_free}
 
@@ -463,6 +464,10 @@ def _end(agents: list[subprocess.Popen[str]]) -> None:
         a.communicate()  # reaps it and closes its pipes
 
 
+#: Between the two agents' stderr in an assertion's message.
+_NODES = "\n=====\n"
+
+
 def _two_nodes_to_the_end(tmp_path: Path, plan: list[str]) -> tuple[dict[int, dict], str]:
     """Two nodes of two workers run ``plan`` to the end, both successfully: each rank's
     result, and both agents' stderr."""
@@ -472,10 +477,16 @@ def _two_nodes_to_the_end(tmp_path: Path, plan: list[str]) -> tuple[dict[int, di
             results = [finish(a, 180) for a in agents]
         finally:
             _end(agents)
-    err = "\n=====\n".join(r.stderr for r in results)
+    err = _NODES.join(r.stderr for r in results)
     assert [r.returncode for r in results] == [0, 0], err
     ranks = _by_rank([json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))])
     return ranks, err
+
+
+def _last_round(node_err: str) -> int:
+    """The last in-process round that completed on a node (0: none)."""
+    done = re.findall(r"in-process round (\d+) complete", node_err)
+    return max((int(n) for n in done), default=0)
 
 
 def test_two_nodes_a_killed_rank_is_replaced_in_place(tmp_path: Path, fault_free: str) -> None:
@@ -484,7 +495,11 @@ def test_two_nodes_a_killed_rank_is_replaced_in_place(tmp_path: Path, fault_free
         _kept(ranks[r], [0, 36], err)  # the same process, called again
     assert ranks[2]["calls"] == [36]  # the replacement starts at the committed step
     assert {r["sha"] for r in ranks.values()} == {fault_free}  # bit for bit
-    assert err.count("in-process round 1 complete") == 2, err  # on both nodes
+    # Round 1 completes on both nodes; or, when a survivor stuck in a collective (see
+    # _kept) was replaced, its node's failure re-forms the group: both nodes then
+    # complete the same later round (seen once in a CI run, and 1 of 19 runs here).
+    rounds = [_last_round(node) for node in err.split(_NODES)]
+    assert rounds == [1, 1] or (_replaced_stuck(err) and rounds[0] == rounds[1] > 1), err
     assert "restarting all workers" not in err and "restarting them" not in err
 
 

@@ -188,6 +188,15 @@ def test_inprocess_benchmark_loses_no_step_in_place(tmp_path: Path) -> None:
     }  # fmt: skip
 
 
+@pytest.mark.torch
+def test_inprocess_state_benchmark_moves_the_commit_as_tensors(tmp_path: Path) -> None:
+    data = _run_module("bench_inprocess_state.py", tmp_path)
+    rate = _samples(data, "gbps")
+    assert rate["in place"] and all(v > 0 for v in rate["in place"]), rate
+    assert not rate.get("group restart"), rate  # nothing moves: it reloads a checkpoint
+    assert _samples(data, "next_s")["group restart"], data
+
+
 def test_run_all_writes_the_report_and_the_charts_of_the_launch_benchmark(
     tmp_path: Path,
 ) -> None:

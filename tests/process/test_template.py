@@ -840,6 +840,13 @@ def test_default_preload_adds_what_ddp_imports_lazily(tmp_path: Path) -> None:
     assert default_preload(_argv(str(no_torch))) == []
 
 
+def test_default_preload_adds_what_an_optimizer_imports_lazily(tmp_path: Path) -> None:
+    # A replacement worker builds its optimizer before it can take the newest commit:
+    # torch._dynamo, imported there, costs it seconds.
+    adam = _write(tmp_path / "adam.py", "import torch\nopt = torch.optim.Adam([])\n")
+    assert default_preload(_argv(str(adam))) == ["torch", "torch._dynamo"]
+
+
 def test_default_preload_reads_a_module_relative_to_the_cwd(tmp_path: Path) -> None:
     _write(tmp_path / "pkg" / "train.py", "import numpy\n")
     assert default_preload(_argv("-m", "pkg.train"), cwd=str(tmp_path)) == ["numpy"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from elastrun import inprocess
@@ -42,8 +44,10 @@ def test_a_commit_moves_to_another_rank_with_its_number() -> None:
         ahead.c.value = step * 10
         ahead.step = step
         ahead.commit()
-    behind.import_commit(ahead.export_commit())
+    desc = pickle.loads(pickle.dumps(ahead.describe()))  # as it travels
+    behind.adopt(desc, behind.targets(desc))
     assert (behind.c.value, behind.step, behind.commit_id) == (30, 3, 3)
+    assert behind.held_commit() == 3
 
 
 def test_items_are_attributes_and_private_names_are_refused() -> None:

@@ -16,13 +16,16 @@
 Under elastrun, a worker that fails (dies or raises) is replaced by a new process and
 the others recover in place: their failed collective raises, ``run`` rolls the state
 back to the last commit, takes the next round's environment, hands the newest commit to
-every rank that is behind (the replacement included) and calls the function again.
+every rank that is behind (the replacement included), tensor by tensor into its own
+tensors, and calls the function again. A commit copies no tensor of the model or
+optimizer on CPU (see ``inprocess.snapshot``).
 Outside elastrun the decorator just calls the function. See docs/inprocess.md.
 """
 
 from __future__ import annotations
 
 from elastrun.inprocess.recovery import peer_gone, run
-from elastrun.inprocess.state import State
+from elastrun.inprocess.state import State, StateMismatchError
+from elastrun.inprocess.transfer import CommitLostError
 
-__all__ = ["State", "peer_gone", "run"]
+__all__ = ["CommitLostError", "State", "StateMismatchError", "peer_gone", "run"]

@@ -1,12 +1,29 @@
-"""What a worker keeps across in-process recoveries: its objects and their last commit."""
+"""What a worker keeps across in-process recoveries: its objects and their last commit.
+
+A commit holds no second copy of the training state on CPU (see ``inprocess.snapshot``
+for why that is safe, and how a rank finds out that it was not); it copies a module's
+buffers, the plain values of every state dict, the random number generators and, for
+tensors on a GPU or when asked, the tensors themselves into host memory it reuses.
+"""
 
 from __future__ import annotations
 
 import copy
-import pickle
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from elastrun.core.errors import ElastrunError
+from elastrun.inprocess import rng
 from elastrun.inprocess.parking import park_process_groups
+from elastrun.inprocess.snapshot import ItemSnapshot, TensorSpec, rebuild, specs, take, walk
+
+if TYPE_CHECKING:
+    import torch
+
+
+class StateMismatchError(ElastrunError, ValueError):
+    """A rank's objects do not have the shapes of the commit it must take (it built
+    its model or optimizer differently from the rank that sends the commit)."""
 
 
 def _stateful(value: object) -> bool:
@@ -15,20 +32,64 @@ def _stateful(value: object) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class CommitDescription:
+    """A commit as the ranks that take it first learn of it: everything but the
+    tensors' bytes (plain values, small enough to pickle), and each tensor's spec."""
+
+    commit: int
+    plain: dict[str, Any]  # the items that are plain values
+    skeletons: dict[str, Any]  # each stateful item's state dict, tensors as slots
+    specs: dict[str, list[TensorSpec]]
+    modules: frozenset[str]
+    rng: rng.RngState | None
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+
+        return sum(
+            s.numel * torch.empty((), dtype=_dtype(s.dtype)).element_size()
+            for item in self.specs.values()
+            for s in item
+        )
+
+
 class State:
     """The training state ``elastrun.inprocess.run`` recovers: objects with
     ``state_dict()``/``load_state_dict()`` (a model, an optimizer, a scheduler, a
-    sampler) and plain values (a step counter), read and written as attributes.
+    sampler or data loader) and plain values (a step counter), read and written as
+    attributes.
 
-    ``commit()`` snapshots all of them in memory; a recovery rolls every one back to the
-    last commit and, when a peer holds a newer one, takes the peer's. The state right
-    after construction is commit 0.
+    ``commit()`` marks the point a recovery comes back to; a recovery rolls every item
+    back to it and, when a peer holds a newer one, takes the peer's, tensor by tensor
+    into this rank's own objects. The state right after construction is commit 0.
+
+    Args:
+        restore_rng: include the random number generators (torch CPU and CUDA, numpy,
+            ``random``) in every commit (default).
+        copy_state: copy every tensor at each commit (into memory reused from one
+            commit to the next) instead of relying on the live state being the commit
+            at a failure: for training whose collectives can fail after its optimizer
+            changed the state (see docs/inprocess.md). Tensors on a GPU are always
+            copied, to host memory.
+        items: the objects and values, by name (not starting with ``_``).
     """
 
-    def __init__(self, **items: Any) -> None:
-        object.__setattr__(self, "_items", dict(items))
+    def __init__(self, *, restore_rng: bool = True, copy_state: bool = False, **items: Any) -> None:
+        object.__setattr__(self, "_items", {})
+        object.__setattr__(self, "_rng_on", restore_rng)
+        object.__setattr__(self, "_copy_all", copy_state)
         object.__setattr__(self, "_commit", 0)
-        object.__setattr__(self, "_snapshot", self._take())
+        object.__setattr__(self, "_stepped", False)  # an optimizer stepped since the commit
+        object.__setattr__(self, "_hooks", {})
+        object.__setattr__(self, "_snap", {})
+        object.__setattr__(self, "_plain", {})
+        object.__setattr__(self, "_rng", None)
+        object.__setattr__(self, "_intact", True)
+        for name, value in items.items():
+            setattr(self, name, value)
+        self._take()
 
     # -- attributes -----------------------------------------------------------------------
 
@@ -43,57 +104,224 @@ class State:
         if name.startswith("_"):
             raise AttributeError(f"State items may not start with '_': {name!r}")
         self._items[name] = value
+        self._watch(name, value)
 
     def names(self) -> list[str]:
         return sorted(self._items)
+
+    def _watch(self, name: str, value: object) -> None:
+        """An optimizer's step changes the state in place; torch's fused optimizers do
+        so without bumping the tensors' version counters, so a step hook says it."""
+        old = self._hooks.pop(name, None)
+        if old is not None:
+            old.remove()
+        register = getattr(value, "register_step_pre_hook", None)
+        if callable(register):
+            self._hooks[name] = register(self._mark_stepped)
+
+    def _mark_stepped(self, *_: object) -> None:
+        object.__setattr__(self, "_stepped", True)
 
     # -- commits --------------------------------------------------------------------------
 
     @property
     def commit_id(self) -> int:
-        """How many times ``commit`` ran (0: the state as constructed)."""
+        """How many times ``commit`` ran (0: the state as constructed), or the number of
+        the commit this rank took from a peer."""
         return int(self._commit)
 
     def commit(self) -> None:
-        """Snapshot every item in memory (the point a recovery comes back to)."""
+        """Mark the point a recovery comes back to (see the class docstring)."""
         park_process_groups()  # see inprocess.parking: the training's own group too
-        snapshot = self._take()
-        object.__setattr__(self, "_snapshot", snapshot)
+        self._take()
         object.__setattr__(self, "_commit", self._commit + 1)
 
-    def rollback(self) -> None:
-        """Put every item back as it was at the last commit."""
-        self._put(self._snapshot)
+    def copied_bytes(self) -> int:
+        """How many bytes of tensors the last commit copied (buffers; every tensor with
+        ``copy_state`` or on a GPU)."""
+        return sum(s.nbytes_copied() for s in self._snap.values())
 
-    def _take(self) -> dict[str, tuple[bool, Any]]:
-        out: dict[str, tuple[bool, Any]] = {}
+    def intact(self) -> bool:
+        """Whether the live state is still the last commit's, as far as one can tell:
+        no optimizer stepped since, and no tensor kept by reference was written in
+        place. (Writes through ``.data`` or numpy bypass the version counters.)"""
+        leaves = [leaf for snap in self._snap.values() for leaf in snap.leaves]
+        if self._stepped and any(leaf.saved is None for leaf in leaves):
+            return False
+        return all(leaf.intact() for leaf in leaves)
+
+    def held_commit(self) -> int | None:
+        """The commit this rank can hand to others: its number, or None when the live
+        state moved on since (checked at the last ``rollback``)."""
+        return self.commit_id if self._intact else None
+
+    def rollback(self) -> None:
+        """Put every item back as it was at the last commit, as far as the commit holds
+        it: a tensor kept by reference that moved on stays as it is, and the rank then
+        no longer holds its commit (``held_commit``): it takes a peer's."""
+        object.__setattr__(self, "_intact", self.intact())
+        for name, snap in self._snap.items():
+            for leaf in snap.leaves:
+                leaf.restore()
+            if not snap.is_module:
+                self._items[name].load_state_dict(rebuild(snap.skeleton, snap.tensors()))
+        for name, value in self._plain.items():
+            self._items[name] = copy.deepcopy(value)
+        if self._rng is not None:
+            rng.restore(self._rng)
+
+    def _take(self) -> None:
+        snaps: dict[str, ItemSnapshot] = {}
+        plain: dict[str, Any] = {}
         for name, value in self._items.items():
             if _stateful(value):
-                out[name] = (True, copy.deepcopy(value.state_dict()))
+                state_dict = value.state_dict()
+                snaps[name] = take(
+                    state_dict,
+                    is_module=_is_module(value),
+                    copy_names=_buffer_names(value, state_dict),
+                    copy_all=self._copy_all,
+                    previous=self._snap.get(name),
+                )
             else:
-                out[name] = (False, copy.deepcopy(value))
-        return out
-
-    def _put(self, snapshot: dict[str, tuple[bool, Any]]) -> None:
-        for name, (stateful, saved) in snapshot.items():
-            current = self._items.get(name)
-            if stateful and _stateful(current):
-                current.load_state_dict(copy.deepcopy(saved))
-            else:
-                self._items[name] = copy.deepcopy(saved)
+                plain[name] = copy.deepcopy(value)
+        object.__setattr__(self, "_snap", snaps)
+        object.__setattr__(self, "_plain", plain)
+        object.__setattr__(self, "_rng", rng.capture() if self._rng_on else None)
+        object.__setattr__(self, "_stepped", False)
+        object.__setattr__(self, "_intact", True)
 
     # -- moving a commit between ranks ------------------------------------------------------
 
-    def export_commit(self) -> bytes:
-        """The last commit, as bytes another rank can ``import_commit``."""
-        return pickle.dumps((self._commit, self._snapshot), protocol=pickle.HIGHEST_PROTOCOL)
+    def describe(self) -> CommitDescription:
+        """The last commit without its tensors' bytes (see ``CommitDescription``)."""
+        return CommitDescription(
+            commit=self._commit,
+            plain=self._plain,
+            skeletons={name: snap.skeleton for name, snap in self._snap.items()},
+            specs={name: specs(snap) for name, snap in self._snap.items()},
+            modules=frozenset(name for name, snap in self._snap.items() if snap.is_module),
+            rng=self._rng,
+        )
 
-    def import_commit(self, blob: bytes) -> None:
-        """Take another rank's commit as this one's, and roll back to it."""
-        commit, snapshot = pickle.loads(blob)  # from a peer of this very job
-        object.__setattr__(self, "_snapshot", snapshot)
-        object.__setattr__(self, "_commit", int(commit))
-        self.rollback()
+    def commit_tensors(self) -> list[torch.Tensor]:
+        """The last commit's tensors, item by item in ``describe``'s order (call after
+        ``rollback``, when the live tensors are the commit's)."""
+        return [t for snap in self._snap.values() for t in snap.tensors()]
+
+    def targets(self, desc: CommitDescription) -> list[torch.Tensor]:
+        """Where this rank receives each tensor of ``desc``: its own tensor at the same
+        place of the same item, written in place, or a new one where it has none yet
+        (an optimizer's state, created at its first step).
+
+        Raises:
+            StateMismatchError: an item is missing, or a tensor has another shape or
+                dtype here.
+        """
+        import torch
+
+        # From here on the live state is no longer this rank's commit, until ``adopt``
+        # (a transfer that fails half way leaves it half written).
+        self._mark_stepped()
+        object.__setattr__(self, "_intact", False)
+        out: list[torch.Tensor] = []
+        for name, item_specs in desc.specs.items():
+            value = self._items.get(name)
+            if not _stateful(value):
+                raise StateMismatchError(
+                    f"the commit has a stateful item {name!r}; this rank has "
+                    f"{'none' if value is None else type(value).__name__}"
+                )
+            own = dict(walk(value.state_dict()))
+            home = _home_device(value, own)
+            for spec in item_specs:
+                mine = own.get(spec.path)
+                dtype = _dtype(spec.dtype)
+                if mine is None:
+                    if name in desc.modules:
+                        raise StateMismatchError(
+                            f"{name}: the commit has {_where(spec.path)} "
+                            f"{list(spec.shape)}; this rank's module has no such entry"
+                        )
+                    device = home if spec.device_type != "cpu" else torch.device("cpu")
+                    out.append(torch.empty(spec.shape, dtype=dtype, device=device))
+                    continue
+                if tuple(mine.shape) != spec.shape or mine.dtype != dtype:
+                    raise StateMismatchError(
+                        f"{name}: {_where(spec.path)} is {list(mine.shape)} {mine.dtype} "
+                        f"here and {list(spec.shape)} {spec.dtype} in the commit (build the "
+                        f"model and optimizer the same way on every rank)"
+                    )
+                out.append(mine)
+        return out
+
+    def adopt(self, desc: CommitDescription, tensors: list[torch.Tensor]) -> None:
+        """Make ``desc``, whose tensors were received into ``tensors`` (``targets``),
+        this rank's state and its last commit."""
+        at = 0
+        for name, skeleton in desc.skeletons.items():
+            count = len(desc.specs[name])
+            mine, at = tensors[at : at + count], at + count
+            value = self._items[name]
+            modular = name in desc.modules
+            own = {_place(t) for _, t in walk(value.state_dict())} if modular else set()
+            # A module whose tensors all came in place needs no load_state_dict (which
+            # would copy every parameter onto itself).
+            if not modular or any(_place(t) not in own for t in mine):
+                value.load_state_dict(rebuild(skeleton, mine))
+        for name, plain in desc.plain.items():
+            self._items[name] = copy.deepcopy(plain)
+        if desc.rng is not None and self._rng_on:
+            rng.restore(desc.rng)
+        self._take()
+        object.__setattr__(self, "_commit", desc.commit)
 
     def __repr__(self) -> str:
         return f"State({', '.join(self.names())}; commit {self._commit})"
+
+
+def _is_module(value: object) -> bool:
+    import torch
+
+    return isinstance(value, torch.nn.Module)
+
+
+def _buffer_names(value: object, state_dict: dict[str, Any]) -> frozenset[str]:
+    """The state dict keys of a module that are not parameters: its buffers (updated by
+    the forward pass, before a failed all-reduce) and extra state, copied at a commit."""
+    import torch
+
+    if not isinstance(value, torch.nn.Module):
+        return frozenset()
+    params = {name for name, _ in value.named_parameters(remove_duplicate=False)}
+    return frozenset(key for key in state_dict if key not in params)
+
+
+def _home_device(value: object, own: dict[Any, torch.Tensor]) -> torch.device:
+    """Where a new tensor of ``value`` goes: its parameters' device."""
+    import torch
+
+    for group in getattr(value, "param_groups", None) or ():
+        for p in group.get("params", ()):
+            if isinstance(p, torch.Tensor):
+                return p.device
+    for t in own.values():
+        return t.device
+    return torch.device("cpu")
+
+
+def _place(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    return t.data_ptr(), tuple(t.shape)
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise StateMismatchError(f"unknown dtype in the commit: {name!r}")
+    return dtype
+
+
+def _where(path: tuple[object, ...]) -> str:
+    return "/".join(str(p) for p in path)

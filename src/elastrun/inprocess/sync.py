@@ -1,5 +1,6 @@
 """Synchronising the state of a round's ranks: the newest commit goes to every rank
-whose commit is older (a replacement's is 0).
+whose commit is older (a replacement's is 0) or whose state moved on since its commit
+(see ``inprocess.transfer``).
 
 It runs on a process group of its own (gloo, on the round's bootstrap store under a
 prefix of its own), made and destroyed around the exchange, so the training function's
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 from elastrun.inprocess.parking import keep_parked, park_process_groups
 from elastrun.inprocess.state import State
+from elastrun.inprocess.transfer import move_commit
 
 #: Bounds the exchange (a rank that never comes makes the others fail, and the agent
 #: restarts the group).
@@ -52,25 +54,24 @@ def synchronise(state: State, round_no: int, superseded: Callable[[], bool]) -> 
     store.set_timeout(SYNC_TIMEOUT)  # the store's waits end when it stops
     prefixed = PrefixStore(f"elastrun/inprocess/{round_no}/", store)
     dist.init_process_group(
-        "gloo", store=prefixed, rank=rank, world_size=world, timeout=SYNC_TIMEOUT
+        _backend(), store=prefixed, rank=rank, world_size=world, timeout=SYNC_TIMEOUT
     )
     park_process_groups()  # see inprocess.parking
     try:
-        commits: list[int | None] = [None] * world
-        dist.all_gather_object(commits, state.commit_id)
-        newest = max(c for c in commits if c is not None)
-        source = commits.index(newest)
-        if any(c != newest for c in commits):
-            blob = [state.export_commit() if rank == source else None]
-            dist.broadcast_object_list(blob, src=source)
-            if state.commit_id != newest:
-                assert isinstance(blob[0], bytes)
-                state.import_commit(blob[0])
+        move_commit(state, rank, world)
     finally:
         dist.destroy_process_group()
         # Kept: releasing it now would need a pause (see inprocess.parking) on the
         # recovery's critical path; the next recovery releases it, idle by then.
         keep_parked()
+
+
+def _backend() -> str:
+    """gloo for CPU tensors; NCCL for CUDA ones where this machine has GPUs (every rank
+    of a round runs the same kind of machine, so all choose alike)."""
+    import torch
+
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _reach(addr: str, port: int, round_no: int, superseded: Callable[[], bool]) -> None:

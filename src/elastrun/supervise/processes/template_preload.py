@@ -22,8 +22,9 @@ BOOTSTRAP_MODULE = "elastrun.worker.bootstrap"
 AUTO_PRELOAD_ROOTS = ("torch", "numpy")
 #: What torch imports only on first use of a name, worth preloading when a script that
 #: imports torch uses it: DistributedDataParallel's first construction imports
-#: torch._dynamo (and sympy), seconds per new worker on every restart.
-LAZY_TORCH_IMPORTS = {"DistributedDataParallel": "torch._dynamo"}
+#: torch._dynamo (and sympy), seconds per new worker on every restart; so does the
+#: first optimizer's (``torch.optim.X``, ``from torch import optim``).
+LAZY_TORCH_IMPORTS = {"DistributedDataParallel": "torch._dynamo", "optim": "torch._dynamo"}
 
 
 # Interpreter options that take a separate value (``-W error``, ``-X dev``).

@@ -1,0 +1,234 @@
+"""Moving the newest commit to the ranks that lack it, as raw tensor buffers.
+
+Pickling a commit (``broadcast_object_list``) moves ~0.13 GB/s and needs the whole
+pickle in memory on both sides. Here:
+
+1. every rank says which commit it holds, and whether its live state still is that
+   commit (``State.held_commit``); ``decide`` picks the newest intact commit, the ranks
+   that hold it (the *sources*) and the ranks that take it (the *receivers*: a
+   replacement, a rank behind, a rank whose state moved on since its commit);
+2. the first source broadcasts the commit's description: its plain values and, for
+   each tensor, its place, shape and dtype (a small pickle);
+3. each receiver finds its own tensor at each place (or allocates one: an optimizer's
+   state is created at its first step, so a fresh replacement has none) and the
+   tensors' bytes are broadcast in chunks straight into them: no copy, no pickle, the
+   chunks split across the sources and across a few groups, several in flight, so that
+   the transfer streams over every link it can use. Ranks of one machine skip the
+   network: each receiver reads the chunks from its sources' memory
+   (``inprocess.local_copy``), falling back to gloo where any cannot.
+
+The groups are gloo for CPU tensors and NCCL for CUDA ones where the machine has GPUs
+(torch picks by the tensor's device).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from elastrun.core.errors import ElastrunError
+from elastrun.inprocess import local_copy
+from elastrun.inprocess.parking import park_process_groups
+from elastrun.inprocess.state import CommitDescription, State
+
+if TYPE_CHECKING:
+    import torch
+
+#: Bytes per chunk: small enough that a transfer streams, large enough that each
+#: collective's fixed cost does not count.
+CHUNK = 16 << 20
+#: Groups per source: the chunks of one source go round-robin over them.
+STREAMS = 2
+#: Chunks in flight per group.
+WINDOW = 4
+#: Whether ranks of one machine read the commit from each other's memory (else gloo).
+LOCAL = True
+
+
+class CommitLostError(ElastrunError, RuntimeError):
+    """No rank of the round holds the newest commit intact: the ranks whose state moved
+    on past their commit are ahead of every intact one (see docs/inprocess.md)."""
+
+
+class TransferAborted(RuntimeError):
+    """Another rank of the round could not take the commit; this one waits for the
+    next round. (Its text reads as a failed collective: ``peer_gone`` says yes.)"""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who hands the commit to whom."""
+
+    commit: int
+    sources: tuple[int, ...]
+    receivers: tuple[int, ...]
+
+
+def decide(held: Sequence[tuple[int, bool]]) -> Plan:
+    """The plan for ranks holding ``held[rank]`` = (commit number, intact).
+
+    Raises:
+        CommitLostError: a rank whose state moved on had a newer commit than every
+            intact one.
+    """
+    intact = [c for c, ok in held if ok]
+    if not intact:
+        raise CommitLostError("no rank holds its last commit intact")
+    newest = max(intact)
+    ahead = [(r, c) for r, (c, ok) in enumerate(held) if not ok and c > newest]
+    if ahead:
+        rank, commit = ahead[0]
+        raise CommitLostError(
+            f"rank {rank}'s state moved on past its commit {commit} (its optimizer "
+            f"stepped, or a collective after the step failed), and no rank holds a commit "
+            f"newer than {newest} intact: use State(copy_state=True) for training whose "
+            f"collectives can fail after the optimizer step"
+        )
+    sources = tuple(r for r, (c, ok) in enumerate(held) if ok and c == newest)
+    receivers = tuple(r for r, (c, ok) in enumerate(held) if not (ok and c == newest))
+    return Plan(newest, sources, receivers)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    tensor: int  # index among the commit's tensors
+    start: int  # elements
+    stop: int
+    source: int
+    stream: int
+
+
+def chunks(sizes: Sequence[tuple[int, int]], sources: Sequence[int]) -> list[Chunk]:
+    """Split tensors of (elements, bytes per element) into chunks of about ``CHUNK``
+    bytes, dealt round-robin to the sources and to each source's streams."""
+    out: list[Chunk] = []
+    k = 0
+    for index, (numel, size) in enumerate(sizes):
+        step = max(1, CHUNK // max(1, size))
+        for start in range(0, numel, step):
+            source = sources[k % len(sources)]
+            stream = (k // len(sources)) % STREAMS
+            out.append(Chunk(index, start, min(numel, start + step), source, stream))
+            k += 1
+    return out
+
+
+def move_commit(state: State, rank: int, world: int) -> Plan:
+    """Hand the newest commit of the round to every rank that lacks it (run by every
+    rank of the round's synchronisation group, the default group)."""
+    import torch.distributed as dist
+
+    held: list[Any] = [None] * world
+    dist.all_gather_object(held, (state.commit_id, state.held_commit() is not None))
+    plan = decide([(int(c), bool(ok)) for c, ok in held])
+    if not plan.receivers:
+        return plan
+    box: list[Any] = [state.describe() if rank == plan.sources[0] else None]
+    dist.broadcast_object_list(box, src=plan.sources[0])
+    desc: CommitDescription = box[0]
+    targets, error = _prepare(state, desc) if rank in plan.receivers else ([], None)
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, "" if error is None else str(error))
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        if error is not None:
+            raise error  # this rank's own: it ends with it, and is replaced
+        r, e = failed[0]
+        raise TransferAborted(f"processgroup: rank {r} could not take commit {plan.commit}: {e}")
+    tensors = state.commit_tensors() if rank in plan.sources else targets
+    _move_bytes(tensors, plan, rank, world)
+    if rank in plan.receivers:
+        state.adopt(desc, targets)
+    return plan
+
+
+def _prepare(
+    state: State, desc: CommitDescription
+) -> tuple[list[torch.Tensor], ElastrunError | None]:
+    try:
+        return state.targets(desc), None
+    except ElastrunError as exc:
+        return [], exc
+
+
+def _move_bytes(tensors: list[torch.Tensor], plan: Plan, rank: int, world: int) -> None:
+    """The commit's bytes, from the sources' ``tensors`` into the receivers'."""
+    if not (LOCAL and _read_locally(tensors, plan, rank, world)):
+        _stream(tensors, plan, rank)
+
+
+def _read_locally(tensors: list[torch.Tensor], plan: Plan, rank: int, world: int) -> bool:
+    """Every receiver reads the chunks from its sources' memory (``inprocess.local_copy``);
+    whether all could (the sources' tensors stay as they are until all said so)."""
+    import torch.distributed as dist
+
+    sending = rank in plan.sources
+    if sending:
+        local_copy.allow_readers()
+    try:
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, local_copy.whereabouts(tensors if sending else None))
+        ok = True
+        if rank in plan.receivers:
+            sizes = [(t.numel(), t.element_size()) for t in tensors]
+            parts = [
+                (c.tensor, c.start * sizes[c.tensor][1], c.stop * sizes[c.tensor][1], c.source)
+                for c in chunks(sizes, plan.sources)
+            ]
+            ok = local_copy.read_chunks(tensors, parts, {s: every[s] for s in plan.sources})
+        oks: list[Any] = [None] * world
+        dist.all_gather_object(oks, ok)
+        return all(oks)
+    finally:
+        if sending:
+            local_copy.forbid_readers()
+
+
+def _stream(tensors: list[torch.Tensor], plan: Plan, rank: int) -> None:
+    """Broadcast every chunk from its source into the receivers' tensors."""
+    import torch.distributed as dist
+
+    groups = _groups(plan)
+    flat, staged = [], []
+    for t in tensors:
+        if t.is_contiguous():
+            flat.append(t.view(-1))
+        else:  # rare: a view of another tensor
+            tmp = t.contiguous()
+            staged.append((t, tmp))
+            flat.append(tmp.view(-1))
+    sizes = [(t.numel(), t.element_size()) for t in flat]
+    pending: dict[tuple[int, int], collections.deque[Any]] = collections.defaultdict(
+        collections.deque
+    )
+    for c in chunks(sizes, plan.sources):
+        if rank != c.source and rank not in plan.receivers:
+            continue
+        key = (c.source, c.stream)
+        queue = pending[key]
+        if len(queue) >= WINDOW:
+            queue.popleft().wait()
+        part = flat[c.tensor][c.start : c.stop]
+        queue.append(dist.broadcast(part, src=c.source, group=groups[key], async_op=True))
+    for queue in pending.values():
+        while queue:
+            queue.popleft().wait()
+    if rank in plan.receivers:
+        for target, tmp in staged:
+            target.copy_(tmp)
+
+
+def _groups(plan: Plan) -> dict[tuple[int, int], Any]:
+    """A group per (source, stream): the source and every receiver. Every rank makes
+    every group, in the same order (torch requires it), members or not."""
+    import torch.distributed as dist
+
+    out = {}
+    for source in plan.sources:
+        ranks = sorted({source, *plan.receivers})
+        for stream in range(STREAMS):
+            out[(source, stream)] = dist.new_group(ranks)
+    park_process_groups()  # freed with the synchronisation's group (see inprocess.parking)
+    return out

@@ -1,0 +1,165 @@
+"""A commit without a second copy of the state: what it copies, how a rank tells that
+its live state is still its commit, and how a commit is taken into another rank's own
+tensors (no processes: the transfer's bytes are copied by hand)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from elastrun.inprocess import State
+from elastrun.inprocess.state import StateMismatchError
+from elastrun.inprocess.transfer import CHUNK, CommitLostError, chunks, decide
+
+torch = pytest.importorskip("torch")
+
+
+def _model(width: int = 32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.BatchNorm1d(width), torch.nn.Dropout(0.5),
+        torch.nn.Linear(width, 1),
+    )  # fmt: skip
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    inputs = model[0].in_features
+    model(torch.randn(4, inputs)).sum().backward()
+    opt.step()
+
+
+def _bytes(*tensors: torch.Tensor) -> list[bytes]:
+    return [t.detach().numpy().tobytes() for t in tensors]
+
+
+def _everything(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
+    live = list(model.state_dict().values())
+    live += [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return _bytes(*live)
+
+
+def test_a_commit_copies_the_buffers_but_not_the_parameters_or_the_optimizer_state() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256))
+    opt = torch.optim.Adam(model.parameters())
+    state = State(model=model, optimizer=opt, step=0)
+    _step(model, opt)
+    state.commit()
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    steps = 4 * len(opt.state)  # Adam's step counters (a float each)
+    assert state.copied_bytes() == buffers + steps
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert buffers < 0.05 * 3 * params  # the parameters and Adam's two moments
+
+
+def test_a_forward_pass_after_a_commit_is_rolled_back_and_the_commit_stays_intact() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = State(model=model, optimizer=opt, step=0)
+    _step(model, opt)
+    state.commit()
+    committed, draw = _everything(model, opt), torch.rand(3)
+    model(torch.randn(4, 8)).sum().backward()  # the batch-norm statistics move, dropout draws
+    state.rollback()  # ... and the all-reduce of the gradients failed
+    assert state.held_commit() == 1
+    assert _everything(model, opt) == committed
+    assert torch.equal(torch.rand(3), draw)  # the generator as at the commit
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam-foreach", "adam-fused"])
+def test_an_optimizer_step_after_the_commit_means_the_rank_no_longer_holds_it(kind: str) -> None:
+    model = _model()
+    if kind == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        fused = kind == "adam-fused"
+        opt = torch.optim.Adam(model.parameters(), fused=fused, foreach=not fused)
+    state = State(model=model, optimizer=opt, step=0)
+    _step(model, opt)
+    state.commit()
+    _step(model, opt)  # (a collective after the step failed)
+    state.rollback()
+    assert state.held_commit() is None
+
+
+def test_with_copy_state_an_optimizer_step_after_the_commit_is_rolled_back() -> None:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    state = State(model=model, optimizer=opt, step=0, copy_state=True)
+    _step(model, opt)
+    state.commit()
+    committed = _everything(model, opt)
+    _step(model, opt)
+    state.rollback()
+    assert state.held_commit() == 1 and _everything(model, opt) == committed
+    first = [leaf.saved for leaf in state._snap["model"].leaves]
+    state.commit()  # the copies are reused, not made anew
+    assert [leaf.saved for leaf in state._snap["model"].leaves] == first
+
+
+def test_a_replacement_takes_a_commit_into_its_own_tensors_and_allocates_adams_state() -> None:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    ahead = State(model=model, optimizer=opt, step=0)
+    for step in range(3):
+        _step(model, opt)
+        ahead.step = step + 1
+        ahead.commit()
+    fresh_model = _model()
+    fresh_opt = torch.optim.Adam(fresh_model.parameters())  # no state yet
+    fresh = State(model=fresh_model, optimizer=fresh_opt, step=0)
+    desc = pickle.loads(pickle.dumps(ahead.describe()))
+    targets = fresh.targets(desc)
+    weight = fresh_model[0].weight
+    assert any(t.data_ptr() == weight.data_ptr() for t in targets)  # in place
+    for target, source in zip(targets, ahead.commit_tensors(), strict=True):
+        target.copy_(source)  # what the broadcast does
+    fresh.adopt(desc, targets)
+    assert fresh_model[0].weight is weight
+    assert _everything(fresh_model, fresh_opt) == _everything(model, opt)
+    assert (fresh.step, fresh.commit_id, fresh.held_commit()) == (3, 3, 3)
+    torch.manual_seed(1)
+    _step(model, opt)
+    torch.manual_seed(1)
+    _step(fresh_model, fresh_opt)  # both go on alike
+    assert _everything(fresh_model, fresh_opt) == _everything(model, opt)
+
+
+def test_a_replacement_built_differently_is_told_which_tensor_does_not_fit() -> None:
+    ahead = State(model=_model(32))
+    other = State(model=_model(16))
+    with pytest.raises(StateMismatchError, match=r"model: 0\.weight is \[16, 8\]"):
+        other.targets(ahead.describe())
+
+
+def test_the_newest_intact_commit_is_taken_from_every_rank_that_holds_it() -> None:
+    plan = decide([(7, True), (0, True), (7, True), (6, True)])
+    assert (plan.commit, plan.sources, plan.receivers) == (7, (0, 2), (1, 3))
+    plan = decide([(7, False), (7, True), (0, True)])  # rank 0's optimizer stepped
+    assert (plan.sources, plan.receivers) == ((1,), (0, 2))
+    with pytest.raises(CommitLostError, match="rank 0's state moved on past its commit 7"):
+        decide([(7, False), (0, True)])
+
+
+def test_the_chunks_are_split_across_the_sources() -> None:
+    per = CHUNK // 4
+    parts = chunks([(3 * per, 4), (10, 4)], (0, 2))
+    assert [(c.tensor, c.start, c.stop, c.source) for c in parts] == [
+        (0, 0, per, 0), (0, per, 2 * per, 2), (0, 2 * per, 3 * per, 0), (1, 0, 10, 2),
+    ]  # fmt: skip
+
+
+def test_a_commit_is_read_from_a_process_memory_or_refused_for_another_machine() -> None:
+    from elastrun.inprocess import local_copy
+
+    source = [torch.arange(10_000, dtype=torch.float32), torch.ones(3, 5, dtype=torch.int64)]
+    where = local_copy.whereabouts(source)  # (this very process stands for the sender)
+    targets = [torch.zeros_like(t) for t in source]
+    parts = [(0, 0, 16_000, 0), (0, 16_000, 40_000, 0), (1, 0, 120, 0)]  # bytes
+    assert local_copy.read_chunks(targets, parts, {0: where})
+    assert all(torch.equal(a, b) for a, b in zip(source, targets, strict=True))
+    elsewhere = local_copy.Whereabouts("another-boot/pid:[1]", where.pid, where.spans)
+    assert not local_copy.read_chunks(targets, parts, {0: elsewhere})
+    assert local_copy.whereabouts(None).spans is None
