@@ -229,6 +229,16 @@ def profile_of(args: argparse.Namespace) -> str:
     return "smoke" if args.smoke else "quick" if args.quick else "full"
 
 
+def module_main(run: Callable[[str], Section], doc: str, argv: list[str] | None) -> int:
+    """A benchmark module's command line: run the profile asked for, print the section
+    and write it into the output directory."""
+    args = common_parser(doc).parse_args(argv)
+    section = run(profile_of(args))
+    print(section.render())
+    write_section(section, args.output_dir)
+    return 0
+
+
 def run_section(name: str, title: str, body: Callable[[Section], None], profile: str) -> Section:
     """Run `body` into a fresh section; an unexpected error becomes a reported failure."""
     section = Section(name, title, profile=profile)

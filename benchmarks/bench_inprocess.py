@@ -47,10 +47,8 @@ from _report import (
     Row,
     Section,
     alternate,
-    common_parser,
-    profile_of,
+    module_main,
     run_section,
-    write_section,
 )
 
 KILL_RANK, KILL_AT, STEPS, CHECKPOINT_EVERY = 2, 25, 40, 10
@@ -295,11 +293,7 @@ def run(profile: str) -> Section:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = common_parser(__doc__ or "").parse_args(argv)
-    section = run(profile_of(args))
-    print(section.render())
-    write_section(section, args.output_dir)
-    return 0
+    return module_main(run, __doc__ or "", argv)
 
 
 if __name__ == "__main__":
