@@ -17,6 +17,7 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 ``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
 ``ctl/excluded/<node>``      bound to the lease: the node sits out a cool-down
 ``strikes/<node>``           the times of the node's recent failures (``exclusion``)
+``check/...``                node checks: waves, ports, results (``checkboard``)
 ``current``                  the newest closed round
 ``budget``                   failure restarts used by the whole job
 
@@ -58,6 +59,7 @@ from elastrun.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
+from elastrun.rendezvous.checkboard import CheckBoard
 from elastrun.rendezvous.decide import RunKeys
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 from elastrun.rendezvous.liveness import Liveness, bounded
@@ -340,6 +342,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             except StoreTimeoutError:
                 return False
             return True
+
+    def check_board(self) -> CheckBoard:
+        """Where node checks meet in this run's store, once this node holds a lease."""
+        with self._agent_call():
+            self._register()
+        return CheckBoard(
+            self._store, self._keys.prefix, self._node.node_id, self._node.addr,
+            lease=self._liveness.lease, clock=self._clock,
+        )  # fmt: skip
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
         """This node's workers finished: wait (up to ``timeout``) for the round's

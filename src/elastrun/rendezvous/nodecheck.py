@@ -214,6 +214,8 @@ class Isolation:
         if not slow:
             self.good.add(node)
             return
+        if partner in self.bad:
+            return  # a failed partner says nothing of this node: it is paired again
         self._slow_with[node].add(partner)
         if partner in passed_before:
             shown = "failed" if t is None else f"took {t:.2f}s (limit {limit:.2f}s)"
