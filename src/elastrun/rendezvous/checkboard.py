@@ -39,8 +39,8 @@ __all__ = ["WINDOW", "CheckBoard", "LinkResult", "Wave"]
 
 #: Seconds a wave stays open for nodes to register.
 WINDOW = 5.0
-#: A node does not register in a wave that closes within this many seconds: its write
-#: might land after the members were read.
+#: A node does not register in a wave that closes within this many seconds (or a
+#: quarter of the window, if less): its write might land after the members were read.
 MARGIN = 0.5
 VERSION = 1
 
@@ -147,7 +147,8 @@ class CheckBoard:
             doc = _load(raw) or {}
             number, until = doc.get("id"), _number(doc.get("until"))
             now = self._clock.time()
-            if isinstance(number, int) and until is not None and now < until - MARGIN:
+            margin = min(MARGIN, self._window / 4)
+            if isinstance(number, int) and until is not None and now < until - margin:
                 return number, until
             fresh = (number if isinstance(number, int) else 0) + 1, now + self._window
             won, _ = self._store.compare_set(key, raw, _dump({"id": fresh[0], "until": fresh[1]}))
