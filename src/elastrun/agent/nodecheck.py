@@ -162,9 +162,10 @@ class NodeCheck:
 
     # -- the check itself ------------------------------------------------------------------
 
-    def _check(self, scope: CancelScope) -> CheckOutcome:
+    def _check(self, parent: CancelScope) -> CheckOutcome:
         deadline = time.monotonic() + self._rule.timeout
-        with contextlib.ExitStack() as helpers:
+        # A child scope: the descriptor its waits select on is released with it.
+        with parent.child() as scope, scope.active(), contextlib.ExitStack() as helpers:
             compute = self._start(["compute"], deadline, helpers)
             board = self._rdzv.check_board()
             wave = self._join(board, deadline)
