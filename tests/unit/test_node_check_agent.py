@@ -6,13 +6,19 @@ node out in (a torch-style rendezvous) the node joins anyway."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
 
+from _helpers import wait_for
 from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.options import AgentOptions
 from elastrun.agent.spec import WorkerSpec, WorkerState
+from elastrun.core.errors import ShutdownRequested
+from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MemoryEventSink
 from elastrun.rendezvous.nodecheck import NodeCheckRule
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
@@ -36,18 +42,19 @@ class Metrics:
 # its answer is the check process' last line.
 FAKE_PYTHON = """#!/bin/sh
 echo "$@" >> {calls}
+{before}
 echo '{answer}'
 """
 
 
 def _agent(
-    tmp_path: Path, starter: FakeStarter, *, ok: bool, **kw: object
+    tmp_path: Path, starter: FakeStarter, *, ok: bool, before: str = "", **kw: object
 ) -> tuple[LocalElasticAgent, Path]:
     calls = tmp_path / "calls"
     good, bad = '{"ok": true, "seconds": 0.01}', '{"ok": false, "error": "bad GPU"}'
     answer = good if ok else bad
     python = tmp_path / "python"
-    python.write_text(FAKE_PYTHON.format(calls=calls, answer=answer))
+    python.write_text(FAKE_PYTHON.format(calls=calls, answer=answer, before=before))
     python.chmod(0o755)
     spec = WorkerSpec(local_world_size=2, entrypoint="/bin/prog", max_restarts=3)
     options = AgentOptions(
@@ -88,3 +95,25 @@ def test_a_failed_check_is_told_and_with_nowhere_to_be_kept_out_the_node_joins(
     assert metrics.values("agent.node_check_failed") == [1]
     assert "node node-a (checked alone) failed its check" in caplog.text
     assert "it joins anyway (no job-wide record to keep it out in)" in caplog.text
+
+
+def test_a_signal_ends_the_check_at_once_and_its_process_with_it(tmp_path: Path) -> None:
+    request = ShutdownRequest()
+    starter = FakeStarter()
+    # The check never answers (its process sleeps far past the test's time).
+    pid_file = tmp_path / "pid"
+    before = f"echo $$ > {pid_file}; exec sleep 600"
+    agent, calls = _agent(tmp_path, starter, ok=True, before=before, shutdown=request)
+
+    def signal_once_it_runs() -> None:
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the check")
+        request.request(signal.SIGTERM)
+
+    threading.Thread(target=signal_once_it_runs, daemon=True).start()
+    with pytest.raises(ShutdownRequested) as info:
+        agent.run()
+    assert info.value.signum == signal.SIGTERM
+    assert calls.read_text().count("compute") == 1 and starter.started == []
+    with pytest.raises(ProcessLookupError):  # killed and reaped on the way out
+        os.kill(int(pid_file.read_text()), 0)
+    request.waker.close()
