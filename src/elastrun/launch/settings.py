@@ -6,6 +6,7 @@ variable the value came from.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -136,7 +137,10 @@ def _stragglers(values: Values) -> StragglerSettings | None:
 def _node_check(values: Values) -> NodeCheckRule:
     """``--node-check`` and its timeout, script and slowdown (read even when it is off,
     so that a bad value is named at once)."""
-    script, _ = values.text("node_check_script")
+    script, script_source = values.text("node_check_script")
+    if script and not os.path.isfile(script):
+        # Found here, not on each node at its first check (where every node would fail).
+        raise ConfigError(script_source, script, "is not a file")
     slowdown, slowdown_source = values.required("node_check_slowdown")
     return NodeCheckRule(
         enabled=values.flag("node_check"),
