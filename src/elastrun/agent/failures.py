@@ -97,7 +97,7 @@ def signatures(attempt: Attempt, failed: list[Exit], progress: Snapshot) -> list
     reports, by local rank): what the crash-loop guard compares."""
     found = []
     for ex in failed:
-        if ex.by_agent or ex.exitcode == 0:
+        if ex.by_agent:  # (``failed`` holds failed exits only)
             continue
         path = attempt.dest.error_files.get(ex.local_rank, "")
         contents = read_error_file(path) if path else None

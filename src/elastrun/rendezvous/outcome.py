@@ -112,8 +112,7 @@ class Outcome:
         used = self._store.add(self._keys.budget, 1)
         restart = used <= max_restarts
         if not restart:
-            where = f"{what} on {self._addr}" if what else f"a worker on {self._addr}"
-            self.close(f"restart budget exhausted ({max_restarts}): {where}")
+            self.close(f"restart budget exhausted ({max_restarts}): {self._where(what)}")
         elif self.rule.enabled:
             # Before the verdict, which nodes in the exit barrier re-form on. A closer
             # already forming the next round (it woke on the claim) learns of the
@@ -128,8 +127,7 @@ class Outcome:
 
         The run is closed first: a node that claimed the round's failure before this one
         (its own workers failed too) then finds it closed when it re-forms."""
-        where = f"{what} on {self._addr}" if what else f"a worker on {self._addr}"
-        self.close(f"{why}: {where}")
+        self.close(f"{why}: {self._where(what)}")
         if self._live.round is not None:
             note = {"node": self._node_id, "addr": self._addr, "what": what}
             self._store.compare_set(
@@ -137,6 +135,10 @@ class Outcome:
                 None,
                 _dump({**note, "restart": False, "why": why}),
             )
+
+    def _where(self, what: str) -> str:
+        """The failure and this node's address, for the reason the run closes."""
+        return f"{what} on {self._addr}" if what else f"a worker on {self._addr}"
 
     # -- exclusion with a cool-down (``exclusion``) ------------------------------------------
 
