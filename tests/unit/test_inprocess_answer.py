@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastrun.agent.inprocess_answer import Answer, Known, Question, answer, hold_ends_in
+from elastrun.agent.inprocess_answer import Answer, Known, Question, answer, hold, hold_ends_in
 
 HOLD = 5.0
 ASKED = Question(local_rank=0, pid=100, round=2, since=10.0)
@@ -37,3 +37,10 @@ def test_the_loop_wakes_when_the_oldest_questions_hold_ends() -> None:
     assert hold_ends_in([], now=11.0, hold=HOLD) is None
     assert hold_ends_in([later, ASKED], now=11.0, hold=HOLD) == 4.0
     assert hold_ends_in([ASKED], now=20.0, hold=HOLD) == 0.0
+
+
+def test_with_other_nodes_the_hold_covers_a_vanished_nodes_lease() -> None:
+    assert hold(1, HOLD, loss_bound=10.0) == HOLD  # alone: no node can vanish unseen
+    assert hold(2, HOLD, loss_bound=10.0) == 11.0  # its lease ends, then its news comes
+    assert hold(2, HOLD, loss_bound=3.0) == HOLD
+    assert hold(2, HOLD, loss_bound=0.0) == HOLD  # a rendezvous that does not say

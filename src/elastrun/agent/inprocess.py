@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from elastrun.agent.attempt import Attempt, AttemptSetup
 from elastrun.agent.bootstrap_store import BootstrapStore
 from elastrun.agent.inprocess_agree import Agreement, Offer
-from elastrun.agent.inprocess_answer import Answer, Known, Question, answer, hold_ends_in
+from elastrun.agent.inprocess_answer import Answer, Known, Question, answer, hold, hold_ends_in
 from elastrun.agent.inprocess_hub import InprocessHub
 from elastrun.agent.options import DEFAULT_INPROCESS_JOIN_TIMEOUT, DEFAULT_INPROCESS_TIMEOUT
 from elastrun.agent.plan import LaunchPlan
@@ -73,7 +73,8 @@ class InprocessRecovery:
         timeout: the bound on a round's synchronisation.
         join_timeout: the bound on a kept worker's reaching a round (then it is stuck).
         answer_hold: the longest "no peer failed" is held back for news of a failure
-            in flight (see ``agent.inprocess_answer``).
+            in flight (see ``agent.inprocess_answer``), alone in the round.
+        loss_bound: the rendezvous' ``loss_bound`` (with other nodes, the hold covers it).
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class InprocessRecovery:
         timeout: float = DEFAULT_INPROCESS_TIMEOUT,
         join_timeout: float = DEFAULT_INPROCESS_JOIN_TIMEOUT,
         answer_hold: float = wire.ANSWER_HOLD,
+        loss_bound: float = 0.0,
     ) -> None:
         self._workers = workers
         self._store = store
@@ -97,7 +99,8 @@ class InprocessRecovery:
         self._wake = wake
         self._timeout = timeout
         self._join_timeout = join_timeout
-        self._answer_hold = answer_hold
+        self._answer_hold = self._hold = answer_hold
+        self._loss_bound = loss_bound
         self._asked: dict[tuple[int, int, int], float] = {}  # (lr, pid, round) -> first seen
         self._hub: InprocessHub | None = None
         self._rounds = 0
@@ -222,9 +225,11 @@ class InprocessRecovery:
         exits = attempt.procs.exits.values()
         failed = frozenset(e.local_rank for e in exits if e.exitcode != 0)
         known = Known(self._rounds, failed, reforming())
+        nodes = attempt.plan.facts.group_world_size
+        self._hold = hold(nodes, self._answer_hold, self._loss_bound)
         now = self._clock.monotonic()
         for q in questions:
-            verdict = answer(q, known, now, self._answer_hold)
+            verdict = answer(q, known, now, self._hold)
             if verdict is Answer.WAIT:
                 continue
             del self._asked[(q.local_rank, q.pid, q.round)]
@@ -233,7 +238,7 @@ class InprocessRecovery:
                 log.info(
                     "rank %d (local rank %d) raised an error of its own in round %d: no "
                     "peer failed within %.1fs", attempt.global_rank(q.local_rank),
-                    q.local_rank, q.round, self._answer_hold,
+                    q.local_rank, q.round, self._hold,
                 )  # fmt: skip
             hub.answer(q.local_rank, q.pid, q.round, peer_failed)
 
@@ -242,7 +247,7 @@ class InprocessRecovery:
         then to answer it."""
         now = self._clock.monotonic()
         waiting = [Question(lr, pid, n, since) for (lr, pid, n), since in self._asked.items()]
-        return hold_ends_in(waiting, now, self._answer_hold)
+        return hold_ends_in(waiting, now, self._hold)
 
     def _questions(self, attempt: Attempt) -> list[Question]:
         """The questions of the attempt's running workers, each stamped when first seen

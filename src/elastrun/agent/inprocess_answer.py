@@ -10,8 +10,8 @@ rendezvous, and leads the in-process rounds.
 The answer is a pure function of what the agent knows and of how long the question has
 waited. A death can be in flight when the question comes (the peer's connection breaks
 before its exit can be reaped; another node's failure reaches the store a moment
-later), so "no peer failed" is held back up to a bound (``wire.ANSWER_HOLD``); any news
-of a failure answers at once. The agent loop evaluates the questions on each pass (the
+later), so "no peer failed" is held back up to a bound (``hold``); any news of a
+failure answers at once. The agent loop evaluates the questions on each pass (the
 hub wakes it on every question, the process set on every exit, the rendezvous on every
 re-formation) and sets its next wake-up no later than the oldest question's hold ends:
 nothing polls, and the loop never blocks on a question.
@@ -71,6 +71,20 @@ def answer(question: Question, known: Known, now: float, hold: float) -> Answer:
     if now - question.since >= hold:
         return Answer.OWN
     return Answer.WAIT
+
+
+def hold(nodes: int, base: float, loss_bound: float) -> float:
+    """How long "no peer failed" is held back in a round of ``nodes`` nodes: ``base``
+    (``wire.ANSWER_HOLD``) covers a peer's exit not yet reaped and another node's
+    failure on its way through the store. With other nodes, a node can also vanish
+    whole (its agent killed with its workers: their connections break at once, but the
+    node is known lost only when its lease ends, ``loss_bound`` seconds later): the
+    hold then lasts that, and a second more for the news to arrive. Shorter, the
+    survivors of a lost node would be told their failed collectives were their own
+    errors and end, and the group would restart instead of shrinking in place."""
+    if nodes < 2:
+        return base
+    return max(base, loss_bound + 1.0)
 
 
 def hold_ends_in(questions: list[Question], now: float, hold: float) -> float | None:

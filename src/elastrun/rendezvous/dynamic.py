@@ -179,6 +179,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._liveness.change_reason = reason
 
     @property
+    def loss_bound(self) -> float:
+        """A node that vanished is dropped when its lease ends (``heartbeat_timeout``)."""
+        return self._settings.heartbeat_timeout
+
+    @property
     def refusal(self) -> str | None:
         """Why ``report_failure`` refused a restart other than an exhausted budget."""
         return self._outcome.refusal
