@@ -29,7 +29,15 @@ from dataclasses import dataclass
 from elastrun.agent.attempt import Attempt, AttemptSetup
 from elastrun.agent.bootstrap_store import BootstrapStore
 from elastrun.agent.inprocess_agree import Agreement, Offer
-from elastrun.agent.inprocess_answer import Answer, Known, Question, answer, hold, hold_ends_in
+from elastrun.agent.inprocess_answer import (
+    ANY_TIME,
+    Answer,
+    Known,
+    Question,
+    answer,
+    hold,
+    hold_ends_in,
+)
 from elastrun.agent.inprocess_hub import InprocessHub
 from elastrun.agent.options import DEFAULT_INPROCESS_JOIN_TIMEOUT, DEFAULT_INPROCESS_TIMEOUT
 from elastrun.agent.plan import LaunchPlan
@@ -102,6 +110,7 @@ class InprocessRecovery:
         self._answer_hold = self._hold = answer_hold
         self._loss_bound = loss_bound
         self._asked: dict[tuple[int, int, int], float] = {}  # (lr, pid, round) -> first seen
+        self._told_own: dict[int, tuple[int, float]] = {}  # lr -> (pid, when it was told)
         self._hub: InprocessHub | None = None
         self._rounds = 0
         self._current: _Round | None = None
@@ -222,8 +231,7 @@ class InprocessRecovery:
             return
         hub = self._hub
         assert hub is not None  # (questions come through it)
-        exits = attempt.procs.exits.values()
-        failed = frozenset(e.local_rank for e in exits if e.exitcode != 0)
+        failed = self._failed_since(attempt)
         known = Known(self._rounds, failed, reforming())
         nodes = attempt.plan.facts.group_world_size
         self._hold = hold(nodes, self._answer_hold, self._loss_bound)
@@ -235,12 +243,23 @@ class InprocessRecovery:
             del self._asked[(q.local_rank, q.pid, q.round)]
             peer_failed = verdict is Answer.PEER_FAILED
             if not peer_failed:
+                self._told_own[q.local_rank] = (q.pid, now)
                 log.info(
                     "rank %d (local rank %d) raised an error of its own in round %d: no "
                     "peer failed within %.1fs", attempt.global_rank(q.local_rank),
                     q.local_rank, q.round, self._hold,
                 )  # fmt: skip
             hub.answer(q.local_rank, q.pid, q.round, peer_failed)
+
+    def _failed_since(self, attempt: Attempt) -> dict[int, float]:
+        """The local ranks whose worker failed, each with the time from which its
+        failure can explain another's error (see ``inprocess_answer.Known``)."""
+        failed = {}
+        for e in attempt.procs.exits.values():
+            if e.exitcode != 0:
+                pid, told = self._told_own.get(e.local_rank, (None, ANY_TIME))
+                failed[e.local_rank] = told if pid == e.pid else ANY_TIME
+        return failed
 
     def next_answer_in(self) -> float | None:
         """Seconds until a question's hold ends (None: none waits): the loop wakes by

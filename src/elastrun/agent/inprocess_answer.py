@@ -20,7 +20,11 @@ nothing polls, and the loop never blocks on a question.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
+
+#: In ``Known.failed``: a failure that may have come at any time.
+ANY_TIME = -math.inf
 
 
 class Answer(enum.Enum):
@@ -51,13 +55,17 @@ class Known:
 
     Attributes:
         round: the newest in-process round it led its workers into (or agreed on).
-        failed: the local ranks whose worker exited with an error, not replaced yet.
+        failed: the local ranks whose worker exited with an error, not replaced yet,
+            each with the time from which its failure can explain a peer's error:
+            ``ANY_TIME``, or when the agent told that worker its error was its own (it
+            was alive then, so an error raised before cannot come from its death: when
+            every rank raises the same error at once, none is told another's failure).
         reforming: the rendezvous says the group re-forms (a worker of another node
             failed, a node was lost, or one waits to join): the round is over.
     """
 
     round: int
-    failed: frozenset[int]
+    failed: dict[int, float]
     reforming: bool
 
 
@@ -66,7 +74,7 @@ def answer(question: Question, known: Known, now: float, hold: float) -> Answer:
     for ``hold`` seconds after the question came."""
     if known.round > question.round or known.reforming:
         return Answer.PEER_FAILED
-    if known.failed - {question.local_rank}:
+    if any(lr != question.local_rank and question.since > t for lr, t in known.failed.items()):
         return Answer.PEER_FAILED
     if now - question.since >= hold:
         return Answer.OWN
