@@ -43,7 +43,8 @@ SOCKET_ENV = "ELASTRUN_INPROCESS_SOCKET"
 #: The in-process round a worker starts in (0: the attempt's first; a replacement
 #: starts in a later one and takes the newest commit of its peers).
 ROUND_ENV = "ELASTRUN_INPROCESS_ROUND"
-#: Seconds a worker whose collective failed waits for the agent to announce a round.
+#: Seconds a worker whose collective failed waits for the agent's answer, and then (a
+#: peer failed) for the agent to announce a round.
 WAIT_ENV = "ELASTRUN_INPROCESS_WAIT"
 
 #: The longest the agent holds its answer to an ``ask`` for news of a peer's failure
