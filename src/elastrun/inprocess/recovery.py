@@ -133,13 +133,47 @@ def _synchronised(channel: Channel, state: State, round_no: int, wait: float) ->
 def _peer_failed(channel: Channel, exc: Exception, round_no: int, wait: float) -> bool:
     """Whether ``exc`` is a collective that failed because a peer failed in round
     ``round_no``. Only an error a failed collective can raise is asked about: a
-    ``RuntimeError`` (torch's ``DistError`` family included), not one of elastrun's own
-    (a commit that no rank holds). The agent decides, not the error's text: it holds
+    ``RuntimeError`` (torch's ``DistError`` family included) that torch raised (see
+    ``_raised_by_torch``), not one of elastrun's own (a commit that no rank holds) nor
+    one the user's code raised. The agent decides, not the error's text: it holds
     its answer at most ``ANSWER_HOLD`` seconds for news of a failure in flight, so a
     worker's own error is named within seconds."""
     if not isinstance(exc, RuntimeError) or isinstance(exc, ElastrunError):
         return False
+    if not channel.newer_than(round_no) and not _raised_by_torch(exc):
+        return False  # raised by the user's own code: named at once, nothing to ask
     return channel.peer_failed(round_no, wait)
+
+
+def _raised_by_torch(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from or while handling, came out of
+    torch: one of its distributed error types, or raised with torch's code innermost
+    (a collective's wrapper, the autograd engine running DDP's hooks), or with this
+    package's (the state synchronisation's: a superseded round, another rank's failed
+    transfer). A ``raise`` in the user's own frames is not: a failed collective cannot
+    have raised it."""
+    import torch
+    import torch.distributed as dist
+
+    homes = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+    kinds = tuple(
+        kind
+        for kind in (getattr(dist, n, None) for n in ("DistError", "DistBackendError"))
+        if isinstance(kind, type) and issubclass(kind, BaseException)
+    )
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if kinds and isinstance(err, kinds):
+            return True
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None and tb.tb_frame.f_code.co_filename.startswith(homes):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _next_round(channel: Channel, state: State, round_no: int, wait: float, failure: str) -> int:
