@@ -26,6 +26,7 @@ import bench_hang
 import bench_inprocess
 import bench_inprocess_state
 import bench_launch
+import bench_node_check
 import bench_overhead
 import bench_progress
 import bench_recovery
@@ -44,6 +45,7 @@ SECTIONS: dict[str, Callable[[str], Section]] = {
     "store": bench_store.run,
     "progress": bench_progress.run,
     "hang": bench_hang.run,
+    "node_check": bench_node_check.run,
     "inprocess": bench_inprocess.run,
     "inprocess_state": bench_inprocess_state.run,
 }

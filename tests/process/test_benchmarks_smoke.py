@@ -178,6 +178,16 @@ def test_hang_benchmark_times_the_verdict_and_sees_torchrun_not_notice(tmp_path:
 
 
 @pytest.mark.torch
+def test_node_check_benchmark_costs_a_check_and_names_the_simulated_bad_node(
+    tmp_path: Path,
+) -> None:
+    data = _run_module("bench_node_check.py", tmp_path)
+    assert _samples(data, "compute_cpu_s")["elastrun"][0] > 0
+    assert _samples(data, "rounds_link_100") == {"elastrun": [2.0]}
+    assert set(_samples(data, "named_compute_100")) == {"elastrun"}
+
+
+@pytest.mark.torch
 def test_inprocess_benchmark_loses_no_step_in_place(tmp_path: Path) -> None:
     data = _run_module("bench_inprocess.py", tmp_path)
     lost = _samples(data, "lost")

@@ -45,7 +45,7 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
-                self.proc.wait(10)
+                self.proc.wait(30)  # generous: a CI machine may be loaded
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

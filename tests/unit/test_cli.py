@@ -1123,3 +1123,18 @@ def test_exclusion_is_off_by_default_and_set_by_its_options(
     assert run("--exclude-exit").config.exclusion.exits
     assert fail("--exclude-cooldown", "0").field == "--exclude-cooldown"
     assert fail("--exclude-after", "-1").field == "--exclude-after"
+
+
+def test_the_node_check_is_off_by_default_and_set_by_its_options(
+    run: Callable[..., Launch], fail: Callable[..., ConfigError]
+) -> None:
+    from elastrun.rendezvous.nodecheck import NodeCheckRule
+
+    assert run().config.node_check == NodeCheckRule() and not run().config.node_check.enabled
+    on = run("--node-check", "--node-check-timeout", "30", "--node_check_slowdown", "2.5")
+    assert on.config.node_check == NodeCheckRule(enabled=True, timeout=30.0, slowdown=2.5)
+    env = run(env={"PET_NODE_CHECK": "1", "PET_NODE_CHECK_SCRIPT": __file__})
+    assert env.config.node_check.enabled and env.config.node_check.script == __file__
+    assert fail("--node-check-script", "/no/such/check.py").field == "--node-check-script"
+    assert fail("--node-check-timeout", "0").field == "--node-check-timeout"
+    assert fail("--node-check-slowdown", "1").field == "--node-check-slowdown"

@@ -47,6 +47,8 @@ class CoolDown:
         events, metrics: where exclusions are told.
         clock: the agent's (wall-clock time: the records are read on other hosts).
         line_every: how often the waiting line repeats.
+        node_check: nodes are checked (``agent.nodecheck``): a failed check excludes a
+            node even when ``rule`` excludes none for its failures.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class CoolDown:
         metrics: MetricSink,
         clock: Clock,
         line_every: float = LINE_EVERY,
+        node_check: bool = False,
     ) -> None:
         self._rdzv = rdzv
         self._rule = rule
@@ -67,6 +70,7 @@ class CoolDown:
         self._metrics = metrics
         self._clock = clock
         self._line_every = line_every
+        self._enabled = rule.enabled or node_check
         #: This node's exclusion while it sits one out.
         self.own: Exclusion | None = None
         #: The job's excluded nodes, as last read (before each round this node joins).
@@ -83,7 +87,7 @@ class CoolDown:
         Raises:
             ShutdownRequested: a signal during a read or the wait.
         """
-        if not self._rule.enabled:
+        if not self._enabled:
             return
         kept = self._rdzv.take_kept_at_min()
         if kept is not None:

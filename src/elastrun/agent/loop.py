@@ -251,6 +251,7 @@ class ElasticLoop:
         attempt = self._current()
         p.watches.note_expired_timers()
         self.history.append(p.report.restart(attempt, failed, p.watches.reasons))
+        p.nodecheck.own_failure()  # this node's workers failed: check it before it rejoins
         self._stop_workers()
         self._check_shutdown()
         self._start_round()
@@ -364,6 +365,7 @@ class ElasticLoop:
         p = self._p
         p.rounds.end()  # the previous round is over for every node
         p.lifecycle.enter(AgentPhase.RENDEZVOUS)
+        p.nodecheck.before_round()  # when due: the first round, or after its own failure
         p.cooldown.before_round()  # an excluded node sits out its cool-down first
         plan = p.steps.starting_afresh(p.rounds.join(), self._attempt)
         self._start_workers(plan)

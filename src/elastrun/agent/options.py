@@ -26,6 +26,7 @@ from elastrun.agent.watches import STUCK_EXIT_TIMEOUT
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import parse_seconds
 from elastrun.rendezvous.exclusion import ExclusionRule
+from elastrun.rendezvous.nodecheck import NodeCheckRule
 from elastrun.supervise.progress import AutoTimeout, StragglerSettings
 
 __all__ = [
@@ -104,6 +105,8 @@ class AgentOptions:
         inprocess_join_timeout: the bound on a kept worker's reaching a round.
         exclusion: when a node whose workers keep failing sits out a cool-down (off by
             default, as torchrun: a node is never kept out).
+        node_check: whether and how this node is checked before it joins (off by
+            default); a node that fails it sits out ``exclusion``'s cool-down.
 
     Raises:
         ConfigError: a field out of range, named.
@@ -127,6 +130,7 @@ class AgentOptions:
     inprocess_timeout: float = DEFAULT_INPROCESS_TIMEOUT
     inprocess_join_timeout: float = DEFAULT_INPROCESS_JOIN_TIMEOUT
     exclusion: ExclusionRule = ExclusionRule()  # noqa: RUF009 (frozen)
+    node_check: NodeCheckRule = NodeCheckRule()  # noqa: RUF009 (frozen)
 
     def __post_init__(self) -> None:
         # A read-only copy: the caller's mapping may change, the options may not.

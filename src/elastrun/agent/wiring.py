@@ -19,6 +19,7 @@ from elastrun.agent.cooldown import CoolDown
 from elastrun.agent.inprocess import InprocessRecovery
 from elastrun.agent.inprocess_steps import InprocessSteps
 from elastrun.agent.interrupt import Interruptible
+from elastrun.agent.nodecheck import NodeCheck
 from elastrun.agent.options import AgentOptions
 from elastrun.agent.pace_watch import PaceWatch
 from elastrun.agent.phases import Lifecycle
@@ -101,6 +102,7 @@ class AgentParts:
     steps: InprocessSteps
     watches: AttemptWatches
     cooldown: CoolDown
+    nodecheck: NodeCheck
 
 
 def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentParts:
@@ -114,6 +116,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     group = WorkerGroup(spec)
     progress, pace, report = _watching(spec, options, world.clock, events, metrics, budget)
     interruptible = Interruptible(shutdown)
+    host = options.hostname or socket.getfqdn()
     logs = world.logs if world.logs is not None else DefaultLogsSpecs()
     guard: Guard = (
         world.guard if world.guard is not None else OrphanGuard(options.python, options.environ)
@@ -141,7 +144,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         metrics=metrics,
         guard=guard,
         file_timer=world.file_timer,
-        host=options.hostname or socket.getfqdn(),
+        host=host,
         lifecycle=Lifecycle(group, events, metrics),
         interruptible=interruptible,
         progress=progress,
@@ -166,6 +169,18 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
             events=events,
             metrics=metrics,
             clock=world.clock,
+            node_check=options.node_check.enabled,
+        ),
+        nodecheck=NodeCheck(
+            rdzv,
+            options.node_check,
+            python=options.python,
+            environ=options.environ,
+            interruptible=interruptible,
+            events=events,
+            metrics=metrics,
+            clock=world.clock,
+            host=host,
         ),
     )
 

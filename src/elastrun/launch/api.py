@@ -124,6 +124,7 @@ def build_agent(
         stalled_restarts=config.stalled_restarts or None,
         crash_loop_stop=config.crash_loop_stop,
         exclusion=config.exclusion,
+        node_check=config.node_check,
         stragglers=config.stragglers,
         hang_timeout=config.hang_timeout,
     )

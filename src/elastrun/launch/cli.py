@@ -178,6 +178,7 @@ def _config(
             stalled_restarts=runtime.stalled_restarts,
             crash_loop_stop=not values.flag("no_crash_loop_stop"),
             exclusion=runtime.exclusion,
+            node_check=runtime.node_check,
             stragglers=runtime.stragglers,
             node_rank=rdzv.node_rank,
             master_addr=rdzv.master_addr,

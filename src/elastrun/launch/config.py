@@ -24,6 +24,7 @@ from elastrun.core.values import (
     parse_seconds,
 )
 from elastrun.rendezvous.exclusion import ExclusionRule
+from elastrun.rendezvous.nodecheck import NodeCheckRule
 from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
 from elastrun.supervise.progress.straggler import StragglerSettings
 
@@ -96,6 +97,8 @@ class LaunchConfig:
     crash_loop_stop: bool = True
     #: When a node whose workers keep failing sits out a cool-down (off by default).
     exclusion: ExclusionRule = ExclusionRule()  # noqa: RUF009 (frozen)
+    #: Whether and how a node is checked before it joins (off by default).
+    node_check: NodeCheckRule = NodeCheckRule()  # noqa: RUF009 (frozen)
     #: How stragglers are found and reported (None: not at all).
     stragglers: StragglerSettings | None = StragglerSettings()  # noqa: RUF009 (frozen)
     #: Serve the agent's metrics in Prometheus format on this port (None: off).

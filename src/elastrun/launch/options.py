@@ -224,6 +224,36 @@ OPTIONS: tuple[Option, ...] = (
         ours=True,
     ),
     option(
+        "--node-check",
+        None,
+        "check this node before it joins its first round and before it rejoins after a "
+        "failure of its workers (a matrix product on each accelerator, a timed exchange "
+        "with a partner node); a node that fails is kept out as by --exclude-after "
+        "(never below the --nnodes minimum). Off by default, as torchrun",
+        ours=True,
+    ),
+    option(
+        "--node-check-timeout",
+        "SECONDS",
+        "how long a node's check may take; a node that overruns it failed (default 120)",
+        "120",
+        ours=True,
+    ),
+    option(
+        "--node-check-script",
+        "PATH",
+        "a check of your own, run after the built-in one on each checked node (a .py "
+        "file with the workers' interpreter, else as a program); exit status 0: healthy",
+        ours=True,
+    ),
+    option(
+        "--node-check-slowdown",
+        "K",
+        "a node whose check is slower than K times the median of its peers' fails (default 3)",
+        "3",
+        ours=True,
+    ),
+    option(
         "--hang-timeout",
         "SECONDS|auto",
         "a worker that reported progress (optimizer steps, elastrun.progress()) and then "

@@ -6,18 +6,20 @@ variable the value came from.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
-from elastrun.core.values import parse_int, parse_port, parse_seconds
+from elastrun.core.values import check_number, parse_int, parse_port, parse_seconds
 from elastrun.launch.argv import Values
 from elastrun.launch.config import START_METHODS, parse_signals
 from elastrun.launch.options import NUMA_BINDINGS
 from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, to_choice
 from elastrun.launch.paths import check_writable_file
 from elastrun.rendezvous.exclusion import ExclusionRule
+from elastrun.rendezvous.nodecheck import NodeCheckRule
 from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
 from elastrun.supervise.progress.straggler import StragglerSettings, parse_straggler_factor
 
@@ -59,6 +61,7 @@ class Runtime:
     hang_timeout: float | AutoTimeout | None
     stalled_restarts: int
     exclusion: ExclusionRule
+    node_check: NodeCheckRule
     stragglers: StragglerSettings | None
     start_method: str
     event_log_handler: str
@@ -112,6 +115,7 @@ def runtime_settings(values: Values) -> Runtime:
         hang_timeout=hang_timeout,
         stalled_restarts=no_progress,
         exclusion=exclusion,
+        node_check=_node_check(values),
         stragglers=stragglers,
         start_method=start_method,
         event_log_handler=events,
@@ -128,6 +132,22 @@ def _stragglers(values: Values) -> StragglerSettings | None:
     factor = parse_straggler_factor(*values.required("straggler_factor"))
     window = parse_seconds(*values.required("straggler_window"), low_open=True)
     return None if factor is None else StragglerSettings(factor=factor, window=window)
+
+
+def _node_check(values: Values) -> NodeCheckRule:
+    """``--node-check`` and its timeout, script and slowdown (read even when it is off,
+    so that a bad value is named at once)."""
+    script, script_source = values.text("node_check_script")
+    if script and not os.path.isfile(script):
+        # Found here, not on each node at its first check (where every node would fail).
+        raise ConfigError(script_source, script, "is not a file")
+    slowdown, slowdown_source = values.required("node_check_slowdown")
+    return NodeCheckRule(
+        enabled=values.flag("node_check"),
+        timeout=parse_seconds(*values.required("node_check_timeout"), low_open=True),
+        script=script or None,
+        slowdown=check_number(slowdown, slowdown_source, low=1.0, low_open=True),
+    )
 
 
 def _numa_options(mode: str | None) -> NumaOptions | None:

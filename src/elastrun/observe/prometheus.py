@@ -125,6 +125,14 @@ AGENT_METRICS: dict[str, MetricDef] = {
         "elastrun_excluded_nodes",
         "Nodes of the job sitting out a cool-down, as this node last read them",
     ),
+    "agent.node_check_failed": MetricDef(
+        "gauge",
+        "elastrun_node_check_failed",
+        "1 when this node failed its last node check (--node-check), else 0",
+    ),
+    "agent.node_check.duration_ms": MetricDef(
+        "gauge", "elastrun_node_check_seconds", "How long this node's last node check took", _MS
+    ),
     "worker.steps": MetricDef(
         "counter",
         "elastrun_worker_steps",

@@ -17,6 +17,7 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 ``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
 ``ctl/excluded/<node>``      bound to the lease: the node sits out a cool-down
 ``strikes/<node>``           the times of the node's recent failures (``exclusion``)
+``check/...``                node checks: waves, ports, results (``checkboard``)
 ``current``                  the newest closed round
 ``budget``                   failure restarts used by the whole job
 
@@ -58,6 +59,7 @@ from elastrun.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
+from elastrun.rendezvous.checkboard import CheckBoard
 from elastrun.rendezvous.decide import RunKeys
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 from elastrun.rendezvous.liveness import Liveness, bounded
@@ -67,10 +69,6 @@ from elastrun.rendezvous.progress import ProgressLine, round_status
 from elastrun.store.api import Store
 
 log = logging.getLogger("elastrun.rendezvous")
-
-# The joining protocol's periods, re-exported for the benchmarks' participant.
-PROGRESS_EVERY = joining.PROGRESS_EVERY
-AUDIT_EVERY = joining.AUDIT_EVERY
 
 
 @dataclass(frozen=True)
@@ -214,11 +212,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         """1 when the running round must re-form (nodes waiting, lost, or a failure).
-
-        Raises ``RendezvousConnectionError`` once the store is given up (as torch's
-        handler does when its backend is unreachable): the agent stops its workers and
-        exits with that one line instead of re-forming against a store that is gone.
-        """
+        ``RendezvousConnectionError`` once the store is given up, as torch's handler: the
+        agent then stops its workers and exits instead of re-forming without a store."""
         live = self._liveness
         if live.gone is not None:
             raise RendezvousConnectionError(live.gone)
@@ -301,9 +296,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return self._outcome.report_failure(max_restarts, what)
 
     def report_final_failure(self, what: str, why: str) -> None:
-        """A local worker failed so that no restart can help (``why``, e.g. a crash
-        loop): the run is closed with why, and the round's failure is claimed with no
-        restart, so that every node ends as when the budget is spent."""
+        """No restart can help a local worker's failure (``why``, e.g. a crash loop):
+        close the run and claim the round's failure with no restart, as a spent budget."""
         with self._agent_call():
             self._outcome.report_final_failure(what, why)
 
@@ -345,6 +339,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             except StoreTimeoutError:
                 return False
             return True
+
+    def check_board(self) -> CheckBoard:
+        """Where node checks meet in this run's store, once this node holds a lease."""
+        with self._agent_call():
+            self._register()
+        me, lease, clock = self._node, self._liveness.lease, self._clock
+        return CheckBoard(
+            self._store, self._keys.prefix, me.node_id, me.addr, lease=lease, clock=clock
+        )
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
         """This node's workers finished: wait (up to ``timeout``) for the round's
@@ -453,7 +456,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 yield
             except Cancelled:
                 if self._stop.is_set():
-                    raise self._left_error() from None
+                    raise RendezvousClosedError(
+                        "this node left the rendezvous while it was waiting"
+                    ) from None
                 raise
             finally:
                 with self._lock:
@@ -484,11 +489,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Whether the running round must re-form, from full reads (for tests and
         tools; the watch thread keeps the same answer from events)."""
         return self._liveness.check_reform()
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def _left_error(self) -> RendezvousClosedError:
-        return RendezvousClosedError("this node left the rendezvous while it was waiting")
 
     def _closed_error(self) -> RendezvousClosedError:
         raw = self._store.get(self._keys.closed) or b"closed"

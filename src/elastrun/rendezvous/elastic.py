@@ -29,6 +29,7 @@ from elastrun.core import cancel
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import RendezvousTimeoutError
 from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo, RoundOutcome
+from elastrun.rendezvous.checkboard import CheckBoard
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 
 
@@ -104,6 +105,11 @@ class ElasticRendezvous(Protocol):
         current cancel scope); whether it is."""
         ...
 
+    def check_board(self) -> CheckBoard | None:
+        """Where node checks meet in the store (``checkboard``), with this node's lease
+        taken first; None: no store to meet in (the node is checked alone)."""
+        ...
+
 
 class PlainRendezvous:
     """``ElasticRendezvous`` for a handler that has only torch's methods."""
@@ -169,6 +175,9 @@ class PlainRendezvous:
     def wait_closed(self, timeout: float) -> bool:
         cancel.current().sleep(timeout)  # (never asked: no one is excluded here)
         return False
+
+    def check_board(self) -> CheckBoard | None:
+        return None  # no store of ours: a node is checked alone, for compute only
 
     def __repr__(self) -> str:
         return f"PlainRendezvous({self.handler!r})"

@@ -148,11 +148,26 @@ class Acceptor:
         if self._closed:  # the server stopped before this task ran: close() closed it
             self._starting.discard(sock)
             return
+        made: list[Connection] = []
+
+        def serve() -> Connection:
+            # The socket moves from "starting" to the service's connections (and
+            # handshakes) in one step: counted in both, or in neither, the budgets would
+            # drift by one for each connection in between (``_full``, ``_free_fds``).
+            conn = Connection(self._service)
+            conn.register()
+            self._starting.discard(sock)
+            made.append(conn)
+            return conn
+
         try:
-            await self._loop.connect_accepted_socket(lambda: Connection(self._service), sock)
+            await self._loop.connect_accepted_socket(serve, sock)
         except OSError as exc:  # the peer left already
             log.debug("could not start serving an accepted connection: %r", exc)
             sock.close()
+            for conn in made:
+                if conn in self._service.conns:  # asyncio had not reported it lost
+                    conn.connection_lost(exc)
         finally:
             self._starting.discard(sock)
 
