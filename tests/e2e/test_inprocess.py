@@ -57,7 +57,7 @@ def fail(kind, step):
         open(os.path.join(out, f"hung_{rank}_{os.getpid()}"), "w").close()
         time.sleep(3600)
     if kind == "fakegloo":  # looks like a failed collective, but no peer failed
-        raise RuntimeError("[gloo] simulated: Connection reset by peer")
+        raise RuntimeError(f"gloo socket closed by user code\\nrank {rank}, step {step}")
     if kind == "mark":
         open(os.path.join(out, f"mark_{rank}_{step}"), "w").close()
 
@@ -103,9 +103,6 @@ if os.environ.get("ELASTRUN_INPROCESS_ROUND", "0") != "0":
         who, when, kind = item.split(":")
         if kind == "sync" and int(who) == rank and once(f"did_{item}"):
             os._exit(7)  # a replacement dying before the state synchronisation
-
-if any(i.endswith(":fakegloo") and int(i.split(":")[0]) == rank for i in plan):
-    os.environ["ELASTRUN_INPROCESS_WAIT"] = "1"  # this rank's own wait for a round
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -254,16 +251,43 @@ def test_rank_zero_failing_twice_and_an_exception_are_recovered_in_place(
     assert ranks[1]["restarts"] == str(3 + err.count("did not reach in-process"))
 
 
+def _own_error(err: str, rank: int, step: int) -> None:
+    """``err`` shows rank ``rank``'s own error, raised at ``step``, as it was raised: its
+    type, its whole message and its traceback down to the script's frame; no survivor
+    took it for a peer's failure."""
+    assert "Traceback (most recent call last)" in err and ", in fail\n" in err, err
+    assert "RuntimeError: gloo socket closed by user code\n" in err, err
+    assert f"rank {rank}, step {step}" in err, err  # the message's second line
+    assert "gloo socket closed by user code) and a peer failed" not in err, err
+    assert "no new round within" not in err, err
+
+
 def test_an_error_that_only_looks_like_a_failed_collective_is_the_workers_own(
     tmp_path: Path, fault_free: str
 ) -> None:
     code, err, results = _run(tmp_path, "out", ["1:8:fakegloo"])
     assert code == 0, err
-    assert "no peer failed" in err and "this is the worker's own error" in err
+    _own_error(err, 1, 8)
+    # Raised in the user's own frame: the worker names it at once, without asking.
+    assert "raised an error of its own" not in err, err
     ranks = _by_rank(results)
     assert ranks[1]["calls"] == [9]  # replaced in place after its own error
     _kept(ranks[0], [0, 9], err)
     assert {r["sha"] for r in results} == {fault_free}
+
+
+def test_a_users_error_that_reads_like_gloos_ends_the_job_at_once_as_it_was_raised(
+    tmp_path: Path,
+) -> None:
+    t0 = time.monotonic()
+    code, err, results = _run(tmp_path, "out", ["1:1:fakegloo"], nproc=2, restarts=0, steps=3)
+    took = time.monotonic() - t0
+    assert code == 1 and results == [], err
+    _own_error(err, 1, 1)
+    # The agent's failure report takes the error file, written from the exception.
+    report = err[err.index("Root cause (first observed failure):") :]
+    assert "gloo socket closed by user code" in report and "rank 1, step 1" in report, err
+    assert took < 60, (took, err)  # a worker waiting for a round would wait 120 s
 
 
 def test_a_replacement_dying_before_it_said_hello_is_replaced_in_a_new_round(

@@ -104,3 +104,35 @@ def test_the_reading_thread_acts_on_each_newer_round_while_the_worker_is_busy(
     finally:
         channel.close()
     hub.announce(4, {0: {"RANK": "0"}}, {0: 7})  # after close: nothing reads, nothing breaks
+
+
+def test_a_workers_question_is_answered_by_the_agent_or_by_a_newer_round(
+    hub: InprocessHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", hub.path)
+    channel = Channel.from_env()
+    assert channel is not None
+    try:
+        channel.send("hello", pid=7, round=0)
+        assert _until(lambda: hub.opted_in(0, 7))
+
+        def answer_when_asked(round_no: int, peer_failed: bool) -> None:
+            assert _until(lambda: hub.questions() == {0: (7, round_no)})
+            hub.answer(0, 7, round_no, peer_failed)
+
+        for peer_failed in (False, True):
+            t = threading.Thread(target=answer_when_asked, args=(0, peer_failed))
+            t.start()
+            assert channel.peer_failed(0, 5.0) is peer_failed
+            t.join()
+            assert hub.questions() == {}
+        hub.announce(1, {0: {"RANK": "0"}}, {0: 7})  # a newer round answers it too
+        assert channel.peer_failed(0, 5.0) is True
+        assert channel.peer_failed(1, 0.1) is False  # no answer in time: its own
+        hub.forget(0, 8)  # another process of the rank: kept
+        assert hub.questions() == {0: (7, 1)}
+        hub.forget(0, 7)
+        assert hub.questions() == {}
+    finally:
+        channel.close()
+    hub.answer(0, 7, 1, True)  # after close: nothing reads, nothing breaks

@@ -25,6 +25,7 @@ def test_the_dynamic_handler_is_elastic_itself() -> None:
     assert rdzv is handler
     assert isinstance(handler, ElasticRendezvous)
     assert rdzv.observes_cancel_scope and rdzv.keeps_job_budget and rdzv.has_exit_barrier
+    assert rdzv.loss_bound == settings.heartbeat_timeout
 
 
 def test_a_torch_style_handler_gets_torchruns_answers() -> None:
@@ -32,7 +33,7 @@ def test_a_torch_style_handler_gets_torchruns_answers() -> None:
     rdzv = as_elastic(handler)
     assert isinstance(rdzv, PlainRendezvous) and rdzv.handler is handler
     assert not (rdzv.observes_cancel_scope or rdzv.keeps_job_budget or rdzv.has_exit_barrier)
-    assert rdzv.change_reason == "" and rdzv.refusal is None
+    assert rdzv.change_reason == "" and rdzv.refusal is None and rdzv.loss_bound == 0.0
     rdzv.set_node_info("trainer", 4)  # accepted and ignored
     rdzv.set_change_callback(lambda: None)
     assert rdzv.exit_barrier(5.0).outcome is RoundOutcome.SUCCEEDED

@@ -5,6 +5,7 @@ tensors (no processes: the transfer's bytes are copied by hand)."""
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 
 import pytest
 
@@ -163,3 +164,34 @@ def test_a_commit_is_read_from_a_process_memory_or_refused_for_another_machine()
     elsewhere = local_copy.Whereabouts("another-boot/pid:[1]", where.pid, where.spans)
     assert not local_copy.read_chunks(targets, parts, {0: elsewhere})
     assert local_copy.whereabouts(None).spans is None
+
+
+# -- which errors a worker asks the agent about ------------------------------------------
+
+
+def _raised(fn: Callable[[], object]) -> BaseException:
+    try:
+        fn()
+    except BaseException as exc:
+        return exc
+    raise AssertionError("nothing was raised")
+
+
+def test_only_an_error_that_torch_raised_may_be_a_peers_failure() -> None:
+    from elastrun.inprocess.recovery import _raised_by_torch
+
+    def users() -> None:
+        raise RuntimeError("gloo socket closed by user code")
+
+    def torchs() -> None:
+        torch.autograd.grad(torch.ones(1), torch.ones(1))  # no graph: torch raises
+
+    def wrapped() -> None:
+        try:
+            torchs()
+        except RuntimeError as exc:
+            raise RuntimeError("the step failed") from exc
+
+    assert not _raised_by_torch(_raised(users))
+    assert _raised_by_torch(_raised(torchs))
+    assert _raised_by_torch(_raised(wrapped))  # the user's wrapper of torch's error

@@ -29,6 +29,15 @@ from dataclasses import dataclass
 from elastrun.agent.attempt import Attempt, AttemptSetup
 from elastrun.agent.bootstrap_store import BootstrapStore
 from elastrun.agent.inprocess_agree import Agreement, Offer
+from elastrun.agent.inprocess_answer import (
+    ANY_TIME,
+    Answer,
+    Known,
+    Question,
+    answer,
+    hold,
+    hold_ends_in,
+)
 from elastrun.agent.inprocess_hub import InprocessHub
 from elastrun.agent.options import DEFAULT_INPROCESS_JOIN_TIMEOUT, DEFAULT_INPROCESS_TIMEOUT
 from elastrun.agent.plan import LaunchPlan
@@ -71,6 +80,9 @@ class InprocessRecovery:
         wake: wakes the agent loop (the hub calls it on every worker message).
         timeout: the bound on a round's synchronisation.
         join_timeout: the bound on a kept worker's reaching a round (then it is stuck).
+        answer_hold: the longest "no peer failed" is held back for news of a failure
+            in flight (see ``agent.inprocess_answer``), alone in the round.
+        loss_bound: the rendezvous' ``loss_bound`` (with other nodes, the hold covers it).
     """
 
     def __init__(
@@ -84,6 +96,8 @@ class InprocessRecovery:
         wake: Callable[[], None],
         timeout: float = DEFAULT_INPROCESS_TIMEOUT,
         join_timeout: float = DEFAULT_INPROCESS_JOIN_TIMEOUT,
+        answer_hold: float = wire.ANSWER_HOLD,
+        loss_bound: float = 0.0,
     ) -> None:
         self._workers = workers
         self._store = store
@@ -93,6 +107,10 @@ class InprocessRecovery:
         self._wake = wake
         self._timeout = timeout
         self._join_timeout = join_timeout
+        self._answer_hold = self._hold = answer_hold
+        self._loss_bound = loss_bound
+        self._asked: dict[tuple[int, int, int], float] = {}  # (lr, pid, round) -> first seen
+        self._told_own: dict[int, tuple[int, float]] = {}  # lr -> (pid, when it was told)
         self._hub: InprocessHub | None = None
         self._rounds = 0
         self._current: _Round | None = None
@@ -201,6 +219,73 @@ class InprocessRecovery:
         self._events.record(
             "agent.inprocess_round", {"round": round_no, "ranks": "", "survivors": 0}
         )
+
+    # -- answering: did a peer fail? -------------------------------------------------------
+
+    def answer(self, attempt: Attempt, reforming: Callable[[], bool]) -> None:
+        """Answer the workers' questions that can be answered now (see
+        ``agent.inprocess_answer``); ``reforming``: whether the rendezvous says the
+        group re-forms (asked only while a question waits)."""
+        questions = self._questions(attempt)
+        if not questions:
+            return
+        hub = self._hub
+        assert hub is not None  # (questions come through it)
+        failed = self._failed_since(attempt)
+        known = Known(self._rounds, failed, reforming())
+        nodes = attempt.plan.facts.group_world_size
+        self._hold = hold(nodes, self._answer_hold, self._loss_bound)
+        now = self._clock.monotonic()
+        for q in questions:
+            verdict = answer(q, known, now, self._hold)
+            if verdict is Answer.WAIT:
+                continue
+            del self._asked[(q.local_rank, q.pid, q.round)]
+            peer_failed = verdict is Answer.PEER_FAILED
+            if not peer_failed:
+                self._told_own[q.local_rank] = (q.pid, now)
+                log.info(
+                    "rank %d (local rank %d) raised an error of its own in round %d: no "
+                    "peer failed within %.1fs", attempt.global_rank(q.local_rank),
+                    q.local_rank, q.round, self._hold,
+                )  # fmt: skip
+            hub.answer(q.local_rank, q.pid, q.round, peer_failed)
+
+    def _failed_since(self, attempt: Attempt) -> dict[int, float]:
+        """The local ranks whose worker failed, each with the time from which its
+        failure can explain another's error (see ``inprocess_answer.Known``)."""
+        failed = {}
+        for e in attempt.procs.exits.values():
+            if e.exitcode != 0:
+                pid, told = self._told_own.get(e.local_rank, (None, ANY_TIME))
+                failed[e.local_rank] = told if pid == e.pid else ANY_TIME
+        return failed
+
+    def next_answer_in(self) -> float | None:
+        """Seconds until a question's hold ends (None: none waits): the loop wakes by
+        then to answer it."""
+        now = self._clock.monotonic()
+        waiting = [Question(lr, pid, n, since) for (lr, pid, n), since in self._asked.items()]
+        return hold_ends_in(waiting, now, self._hold)
+
+    def _questions(self, attempt: Attempt) -> list[Question]:
+        """The questions of the attempt's running workers, each stamped when first seen
+        (the hub wakes the loop on every message, so at once)."""
+        hub = self._hub
+        if hub is None:
+            return []
+        pids = attempt.procs.pids()
+        running = set(attempt.procs.running())
+        now = self._clock.monotonic()
+        asked: dict[tuple[int, int, int], float] = {}
+        for lr, (pid, round_no) in hub.questions().items():
+            if lr not in running or pids.get(lr) != pid:
+                hub.forget(lr, pid)  # it exited, or was replaced: nobody waits for the answer
+                continue
+            key = (lr, pid, round_no)
+            asked[key] = self._asked.get(key, now)
+        self._asked = asked
+        return [Question(lr, pid, n, since) for (lr, pid, n), since in asked.items()]
 
     # -- recovering -----------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 
 One Unix socket per agent, in a private directory. Workers that use
 ``elastrun.inprocess.run`` connect and say hello (their opt-in); the agent announces
-rounds to them and learns when each has synchronised. A thread of its own serves the
-socket and wakes the agent loop on every message; the agent reads the hub's state.
+rounds to them, learns when each has synchronised, and answers their questions (did a
+peer fail?). A thread of its own serves the socket and wakes the agent loop on every
+message; the agent reads the hub's state, and decides the answers in its loop.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class InprocessHub:
         self._synced: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
         self._joined: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
         self._commits: dict[int, int] = {}  # local rank -> the commit it synchronised to
+        self._asked: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round) unanswered
         self._stop = Waker()
         self._thread = threading.Thread(target=self._serve, name="elastrun-inprocess", daemon=True)
         self._thread.start()
@@ -84,6 +86,29 @@ class InprocessHub:
         with self._lock:
             said = (self._joined.get(local_rank), self._synced.get(local_rank))
         return (pid, round_no) in said
+
+    def questions(self) -> dict[int, tuple[int, int]]:
+        """The unanswered questions (did a peer fail?): local rank -> (pid, round)."""
+        with self._lock:
+            return dict(self._asked)
+
+    def answer(self, local_rank: int, pid: int, round_no: int, peer_failed: bool) -> None:
+        """Answer that worker's question about round ``round_no`` (an answer for a
+        question it no longer waits on is dropped)."""
+        with self._lock:
+            if self._asked.get(local_rank) == (pid, round_no):
+                del self._asked[local_rank]
+            peers = [p for p in self._peers.values() if (p.local_rank, p.pid) == (local_rank, pid)]
+        message = {"op": "answer", "round": round_no, "peer_failed": peer_failed}
+        for peer in peers:
+            with contextlib.suppress(OSError):
+                peer.sock.sendall(wire.encode(message))
+
+    def forget(self, local_rank: int, pid: int) -> None:
+        """Drop that worker's question (it exited, or was replaced)."""
+        with self._lock:
+            if self._asked.get(local_rank, (None, None))[0] == pid:
+                del self._asked[local_rank]
 
     def announce(
         self,
@@ -170,6 +195,8 @@ class InprocessHub:
                     self._commits[lr] = int(message.get("commit", 0))
             elif op == "joined" and peer.pid is not None:
                 self._joined[lr] = (peer.pid, round_no)
+            elif op == "ask" and peer.pid is not None:
+                self._asked[lr] = (peer.pid, round_no)
 
     def close(self) -> None:
         self._stop.wake()

@@ -115,11 +115,14 @@ class ElasticLoop:
             p.workers.provide(p.inprocess.open())  # the workers' socket path
 
     def _watch(self) -> RunResult:
-        """Pass after pass, each after a wake-up or ``monitor_interval``: the result."""
+        """Pass after pass, each after a wake-up or ``monitor_interval`` (sooner when a
+        worker's question is due an answer): the result."""
         interval = self._p.spec.monitor_interval
         while True:
             attempt = self._current()
-            attempt.procs.wait_for_exits(Deadline.after(interval, self._p.clock))
+            due = self._p.inprocess.next_answer_in()
+            wait = interval if due is None else min(interval, due)
+            attempt.procs.wait_for_exits(Deadline.after(wait, self._p.clock))
             result = self._pass(attempt)
             if result is not None:
                 return result
@@ -189,8 +192,10 @@ class ElasticLoop:
         return None
 
     def _inprocess_pass(self, attempt: Attempt) -> bool:
-        """Follow an in-process round under way; True when this pass is over."""
+        """Answer the workers' questions (did a peer fail?) and follow an in-process
+        round under way; True when this pass is over."""
         inprocess = self._p.inprocess
+        inprocess.answer(attempt, lambda: self._p.handler.num_nodes_waiting() > 0)
         if inprocess.under_way:
             round_state = inprocess.progress()
             if round_state == "late":

@@ -125,7 +125,9 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     rounds = _rounds(
         handler, rdzv, spec, group, options, world, budget, pace, report, interruptible
     )
-    inprocess = _inprocess(workers, rounds, options, world.clock, events, metrics, shutdown)
+    inprocess = _inprocess(
+        workers, rounds, options, world.clock, events, metrics, shutdown, rdzv.loss_bound
+    )
     return AgentParts(
         spec=spec,
         options=options,
@@ -274,9 +276,10 @@ def _inprocess(
     events: EventSink,
     metrics: MetricSink,
     shutdown: ShutdownRequest,
+    loss_bound: float,
 ) -> InprocessRecovery:
     """The in-process recovery: replacements started by ``workers``, the workers' store
-    of ``rounds`` re-hosted per in-process round."""
+    of ``rounds`` re-hosted per in-process round (``loss_bound``: the rendezvous')."""
     return InprocessRecovery(
         workers=workers,
         store=rounds.bootstrap_store,
@@ -286,4 +289,5 @@ def _inprocess(
         wake=shutdown.waker.wake,  # (the hub wakes the loop on every worker message)
         timeout=options.inprocess_timeout,
         join_timeout=options.inprocess_join_timeout,
+        loss_bound=loss_bound,
     )

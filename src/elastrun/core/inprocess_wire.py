@@ -11,12 +11,24 @@ worker -> agent
       the worker took round N's environment and is about to synchronise state
   ``{"op": "synced", "local_rank": LR, "round": N, "commit": C}``
       it holds commit C, the newest of the round, and calls the training function again
+  ``{"op": "ask", "local_rank": LR, "round": N}``
+      the training function (or the state synchronisation) raised an error that a
+      failed collective can raise, in round N: did a peer fail? The worker waits for
+      the answer (or a newer round) before it tears anything down
 
 agent -> worker
   ``{"op": "round", "round": N, "env": {...}, "cut": [ENDPOINT, ...]}``
       a worker was replaced: round N starts, with these environment variables; the
       worker shuts down its connections to or from the listed endpoints (where the
       previous round's workers listen, ``core.tcp_sockets`` form)
+  ``{"op": "answer", "round": N, "peer_failed": BOOL}``
+      the answer to an ``ask`` about round N: true when another worker of round N failed
+      (or the round is over: a newer round exists, the group re-forms); false when no
+      peer failed within the agent's bound (``ANSWER_HOLD``): the error is the worker's
+      own, and it propagates unchanged. A ``round`` message past N answers it too.
+
+Version 2 of the channel added ``ask`` and ``answer`` (version 1: hello, joined,
+synced, round); both ends come from the same package, so none is negotiated.
 
 Nothing here imports more than the standard library: both sides use it.
 """
@@ -31,8 +43,18 @@ SOCKET_ENV = "ELASTRUN_INPROCESS_SOCKET"
 #: The in-process round a worker starts in (0: the attempt's first; a replacement
 #: starts in a later one and takes the newest commit of its peers).
 ROUND_ENV = "ELASTRUN_INPROCESS_ROUND"
-#: Seconds a worker whose collective failed waits for the agent to announce a round.
+#: Seconds a worker whose collective failed waits for the agent's answer, and then (a
+#: peer failed) for the agent to announce a round.
 WAIT_ENV = "ELASTRUN_INPROCESS_WAIT"
+
+#: The longest the agent holds its answer to an ``ask`` for news of a peer's failure
+#: still in flight (seconds): a dead peer's connection breaks before its exit can be
+#: reaped, and another node's failure reaches this agent through that node's agent and
+#: the rendezvous store (its reaping, one store write, this agent's watch event: tens
+#: of milliseconds on a healthy network). Five seconds leave a loaded machine two
+#: orders of magnitude of margin, and a worker's own error (one that is not a failed
+#: collective) is still named within seconds, not after ``WAIT_ENV``'s two minutes.
+ANSWER_HOLD = 5.0
 
 #: The variables a round message may change (the rest of the environment stays).
 ROUND_VARIABLES = (

@@ -14,18 +14,19 @@
     train(state)
 
 Under elastrun, a worker that fails (dies or raises) is replaced by a new process and
-the others recover in place: their failed collective raises, ``run`` rolls the state
-back to the last commit, takes the next round's environment, hands the newest commit to
-every rank that is behind (the replacement included), tensor by tensor into its own
-tensors, and calls the function again. A commit copies no tensor of the model or
+the others recover in place: their failed collective raises, the agent confirms that a
+peer failed (an error that is the worker's own propagates unchanged), ``run`` rolls the
+state back to the last commit, takes the next round's environment, hands the newest
+commit to every rank that is behind (the replacement included), tensor by tensor into
+its own tensors, and calls the function again. A commit copies no tensor of the model or
 optimizer on CPU (see ``inprocess.snapshot``).
 Outside elastrun the decorator just calls the function. See docs/inprocess.md.
 """
 
 from __future__ import annotations
 
-from elastrun.inprocess.recovery import peer_gone, run
+from elastrun.inprocess.recovery import run
 from elastrun.inprocess.state import State, StateMismatchError
 from elastrun.inprocess.transfer import CommitLostError
 
-__all__ = ["CommitLostError", "State", "StateMismatchError", "peer_gone", "run"]
+__all__ = ["CommitLostError", "State", "StateMismatchError", "run"]

@@ -5,7 +5,8 @@ training function runs: a round can be announced to a worker whose collectives h
 not failed (a node joins and the world grows, or the round is agreed before this
 worker's peers broke). The thread then calls ``on_round``, which cuts the worker's
 connections to the previous round's workers, so that its next collective fails and the
-recovery loop takes the round.
+recovery loop takes the round. It also takes the agent's answers to the worker's
+questions (``peer_failed``: did a peer fail, or was the error the worker's own?).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Channel:
         self._cond = threading.Condition()
         self._rounds: list[dict[str, Any]] = []  # announced, not yet taken
         self._newest = -1  # the newest round the thread has seen
+        self._answers: dict[int, bool] = {}  # round -> whether a peer failed in it
         self._ended = False
         self.local_rank = local_rank
         #: Called from the reading thread with each round newer than any before it.
@@ -82,6 +84,29 @@ class Channel:
                     return None
                 self._cond.wait(left)
 
+    def peer_failed(self, round_no: int, timeout: float) -> bool:
+        """Ask the agent whether a peer failed in round ``round_no`` (see the wire's
+        ``ask``): True when it says so or announces a newer round (which ``wait_round``
+        then takes); False when it says no peer failed, closes the channel, or does not
+        answer within ``timeout``: then the error was the worker's own."""
+        self.start()
+        with self._cond:
+            if self._newest > round_no:
+                return True  # (told already: no need to ask)
+            self._answers.pop(round_no, None)  # (a question about the round asked before)
+        self.send("ask", round=round_no)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._newest > round_no:
+                    return True
+                if round_no in self._answers:
+                    return self._answers.pop(round_no)
+                left = deadline - time.monotonic()
+                if self._ended or left <= 0:
+                    return False
+                self._cond.wait(left)
+
     def newer_than(self, round_no: int) -> bool:
         """Whether a round newer than ``round_no`` was announced."""
         with self._cond:
@@ -97,6 +122,8 @@ class Channel:
             for message in messages:
                 if message.get("op") == "round":
                     self._take(message)
+                elif message.get("op") == "answer":
+                    self._answer(message)
             if not data:
                 with self._cond:
                     self._ended = True
@@ -116,6 +143,15 @@ class Channel:
         with self._cond:
             self._newest = max(self._newest, n)
             self._rounds.append(message)
+            self._cond.notify_all()
+
+    def _answer(self, message: dict[str, Any]) -> None:
+        try:
+            n = int(message.get("round", -1))
+        except (TypeError, ValueError):
+            return
+        with self._cond:
+            self._answers[n] = bool(message.get("peer_failed"))
             self._cond.notify_all()
 
     def close(self) -> None:

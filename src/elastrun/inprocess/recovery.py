@@ -6,13 +6,18 @@ The loop of one worker (see ``elastrun.inprocess`` for the contract):
    called once: the decorator costs nothing under ``python`` or torchrun.
 2. Otherwise the worker says hello (the opt-in: the agent now replaces only a failed
    worker instead of restarting the group) and calls the function.
-3. A collective that fails because a peer died raises here. The worker destroys its
-   process group (aborting it first where the backend can), rolls the state back to
-   its last commit and waits for the agent's next round. It takes the round's
-   environment, synchronises the state with the round's other ranks (the newest commit
-   wins) and calls the function again.
-4. Any other exception is the worker's own failure: it propagates, the process ends,
-   and the agent replaces it.
+3. When the function raises an error that a failed collective can raise (a
+   ``RuntimeError``: gloo and NCCL raise plain ones, torch's ``DistError`` family
+   subclasses it), the worker asks the agent whether a peer failed in its round. The
+   agent knows: it reaps its node's workers and hears of other nodes' failures through
+   the rendezvous. Nothing is torn down before the answer.
+4. A peer failed: the worker destroys its process group (aborting it first where the
+   backend can), rolls the state back to its last commit and waits for the agent's
+   next round. It takes the round's environment, synchronises the state with the
+   round's other ranks (the newest commit wins) and calls the function again.
+5. No peer failed, or the error cannot come from a collective: it is the worker's own.
+   The original exception propagates at once, unchanged (its type, message and
+   traceback); the process ends, and the agent replaces it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from elastrun.core import inprocess_wire as wire
+from elastrun.core.errors import ElastrunError
 from elastrun.inprocess.channel import Channel
 from elastrun.inprocess.cut import cut_connections, cut_peer_connections
 from elastrun.inprocess.parking import (
@@ -42,22 +48,9 @@ log = logging.getLogger("elastrun.inprocess")
 
 R = TypeVar("R")
 
-#: How long a worker whose collective failed waits for the agent's round by default.
+#: How long a worker whose collective failed waits for the agent's answer, and then
+#: for its round, by default.
 DEFAULT_WAIT = 120.0
-
-# Words in the message of a collective that failed because a peer went away (gloo and
-# NCCL raise plain RuntimeErrors; newer torch raises DistError subclasses).
-_PEER_GONE = (
-    "gloo",
-    "nccl",
-    "connection reset",
-    "connection closed",
-    "broken pipe",
-    "socket",
-    "processgroup",
-    "tcpstore",
-    "failed to recv",
-)
 
 
 def run(fn: Callable[..., R]) -> Callable[..., R]:
@@ -104,45 +97,95 @@ def _recovering(
     # each call starts from the script's own hook, not from the last call's wrapper.
     hook = sys.excepthook
     while True:
-        if round_no > 0:
+        failure = _synchronised(channel, state, round_no, wait) if round_no > 0 else None
+        if failure is None:
+            sys.excepthook = hook
+            next_generation()  # what the last recovery kept is idle by the next one
             try:
-                _synchronise(state, round_no, channel)
+                result = fn(state, *args, **kwargs)
+                release_parked()
+                return result
             except Exception as exc:
-                if not peer_gone(exc):
-                    raise
-                # A rank of the round failed or was replaced meanwhile: the agent leads
-                # the survivors into another round.
-                failure = _first_line(exc)
-                log.warning("the state synchronisation failed (%s); waiting for the next "
-                            "round", failure)  # fmt: skip
-                round_no = _next_round(channel, state, round_no, wait, failure)
-                continue
-            channel.send("synced", round=round_no, commit=state.commit_id)
-        sys.excepthook = hook
-        next_generation()  # what the last recovery kept is idle by the next one
-        try:
-            result = fn(state, *args, **kwargs)
-            release_parked()
-            return result
-        except Exception as exc:
-            if not peer_gone(exc):
-                raise
-            failure = _first_line(exc)  # not the exception: its frames hold the old group
-            log.warning("a collective failed (%s); recovering in place", failure)
+                if not _peer_failed(channel, exc, round_no, wait):
+                    raise  # the worker's own error: the original, as it was raised
+                failure = _first_line(exc)  # not the exception: its frames hold the old group
+            log.warning("a collective failed (%s) and a peer failed; recovering in place", failure)
         round_no = _next_round(channel, state, round_no, wait, failure)
+
+
+def _synchronised(channel: Channel, state: State, round_no: int, wait: float) -> str | None:
+    """Synchronise the state with round ``round_no``'s other ranks. None when done;
+    else what failed because a peer failed (or the round was superseded), and the
+    worker takes the next round. Raises the worker's own errors unchanged."""
+    try:
+        _synchronise(state, round_no, channel)
+    except Exception as exc:
+        if not _peer_failed(channel, exc, round_no, wait):
+            raise
+        failure = _first_line(exc)
+    else:
+        channel.send("synced", round=round_no, commit=state.commit_id)
+        return None
+    log.warning("the state synchronisation failed (%s); waiting for the next round", failure)
+    return failure
+
+
+def _peer_failed(channel: Channel, exc: Exception, round_no: int, wait: float) -> bool:
+    """Whether ``exc`` is a collective that failed because a peer failed in round
+    ``round_no``. Only an error a failed collective can raise is asked about: a
+    ``RuntimeError`` (torch's ``DistError`` family included) that torch raised (see
+    ``_raised_by_torch``), not one of elastrun's own (a commit that no rank holds) nor
+    one the user's code raised. The agent decides, not the error's text: it holds
+    its answer at most ``ANSWER_HOLD`` seconds for news of a failure in flight, so a
+    worker's own error is named within seconds."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, ElastrunError):
+        return False
+    if not channel.newer_than(round_no) and not _raised_by_torch(exc):
+        return False  # raised by the user's own code: named at once, nothing to ask
+    return channel.peer_failed(round_no, wait)
+
+
+def _raised_by_torch(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from or while handling, came out of
+    torch: one of its distributed error types, or raised with torch's code innermost
+    (a collective's wrapper, the autograd engine running DDP's hooks), or with this
+    package's (the state synchronisation's: a superseded round, another rank's failed
+    transfer). A ``raise`` in the user's own frames is not: a failed collective cannot
+    have raised it."""
+    import torch
+    import torch.distributed as dist
+
+    homes = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+    kinds = tuple(
+        kind
+        for kind in (getattr(dist, n, None) for n in ("DistError", "DistBackendError"))
+        if isinstance(kind, type) and issubclass(kind, BaseException)
+    )
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if kinds and isinstance(err, kinds):
+            return True
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None and tb.tb_frame.f_code.co_filename.startswith(homes):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _next_round(channel: Channel, state: State, round_no: int, wait: float, failure: str) -> int:
     """Tear the broken group down, roll back, and take the agent's next round (its
-    environment); returns its number. Raises when no round comes: then no peer failed,
-    and ``failure`` was this worker's own."""
+    environment); returns its number. Raises when no round comes (``failure``: the
+    first line of the error that a peer's failure caused)."""
     _teardown()
     state.rollback()
     message = channel.wait_round(round_no, wait)
     if message is None:
         raise RuntimeError(
-            f"{failure}; no peer failed (the agent announced no new round within "
-            f"{wait:.0f}s): this is the worker's own error"
+            f"{failure}; a peer failed, but the agent announced no new round within {wait:.0f}s"
         )
     # Peers on other nodes may still be blocked reading from this worker's broken group:
     # the round names every worker's listeners, and the connections go.
@@ -150,25 +193,6 @@ def _next_round(channel: Channel, state: State, round_no: int, wait: float, fail
     _apply_env(message.get("env") or {})
     channel.send("joined", round=int(message["round"]))
     return int(message["round"])
-
-
-def peer_gone(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a collective that failed because a peer went away."""
-    for name in ("DistError", "DistBackendError", "DistNetworkError"):
-        kind = _dist_error(name)
-        if kind is not None and isinstance(exc, kind):
-            return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc).lower()
-    return any(word in text for word in _PEER_GONE)
-
-
-def _dist_error(name: str) -> type[BaseException] | None:
-    import torch.distributed as dist
-
-    kind = getattr(dist, name, None)
-    return kind if isinstance(kind, type) and issubclass(kind, BaseException) else None
 
 
 def _interrupt(message: dict[str, Any]) -> None:

@@ -54,7 +54,7 @@ class CommitLostError(ElastrunError, RuntimeError):
 
 class TransferAborted(RuntimeError):
     """Another rank of the round could not take the commit; this one waits for the
-    next round. (Its text reads as a failed collective: ``peer_gone`` says yes.)"""
+    next round (the agent, asked, names the other rank's failure)."""
 
 
 @dataclass(frozen=True)

@@ -154,8 +154,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             store, self._keys, self._liveness,
             node_id=node.node_id, addr=node.addr, clock=clock, min_nodes=settings.min_nodes,
         )  # fmt: skip
-        #: Joiners the last decision of this node saw, when it was the closer.
-        self.seen = 0
+        self.seen = 0  # joiners the last decision of this node saw, as the closer
+        self.loss_bound = settings.heartbeat_timeout  # a vanished node's lease then ends
         self._progress_line = ProgressLine(log, clock)
 
     # -- torch-compatible surface ------------------------------------------------------

@@ -48,6 +48,9 @@ class ElasticRendezvous(Protocol):
     change_reason: str
     #: Why ``report_failure`` refused a restart other than an exhausted budget.
     refusal: str | None
+    #: The longest a node whose agent died unannounced (killed with its workers) stays a
+    #: member before the others learn it is lost (its lease's TTL; 0: not known).
+    loss_bound: float
 
     def set_node_info(self, role: str, local_world_size: int) -> None: ...
 
@@ -116,6 +119,7 @@ class PlainRendezvous:
     has_exit_barrier = False
     change_reason = ""
     refusal: str | None = None
+    loss_bound = 0.0  # (torch's handlers keep their liveness to themselves)
 
     def __init__(self, handler: RendezvousHandler) -> None:
         self.handler = handler
