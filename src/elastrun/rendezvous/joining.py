@@ -121,6 +121,8 @@ class Context:
     run_id: str
     clock: Clock
     new_port: Callable[[], int]
+    progress_every: float = PROGRESS_EVERY
+    audit_every: float = AUDIT_EVERY
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> 
     out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
     found, rev = yield GetPrefix(out)
     now = ctx.clock.monotonic()
-    next_progress = now + PROGRESS_EVERY
+    next_progress = now + ctx.progress_every
     audit_at = deadline
     while True:
         raw = found.get(result_key)
@@ -194,7 +196,7 @@ def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> 
             continue
         if now >= next_progress:
             yield from follower_progress(ctx, n)
-            next_progress = now + PROGRESS_EVERY
+            next_progress = now + ctx.progress_every
         wait = max(0.0, min(next_progress, audit_at) - now) + 0.01
         try:
             res = yield Watch(out, rev, wait)
@@ -246,7 +248,7 @@ def decide(ctx: Context, n: int, deadline: float) -> Protocol:
             }
             yield Put(k.status(n), _dump(status))
             yield Progress(n, status)
-            next_progress = now + PROGRESS_EVERY
+            next_progress = now + ctx.progress_every
         wait = max(0.0, next_progress - now) + 0.01
         if verdict.wake_at is not None:
             wait = min(wait, max(0.0, verdict.wake_at - now) + 0.01)
@@ -285,7 +287,7 @@ def audit(ctx: Context, n: int, deadline: float, now: float) -> Protocol:
         raise timeout_error(ctx, n, len(view.joins))
     if verdict.verdict is Verdict.CLOSE:
         yield from commit(ctx, n, view, verdict.members, rev)
-    return now + AUDIT_EVERY
+    return now + ctx.audit_every
 
 
 def commit(ctx: Context, n: int, view: RoundView, members: tuple[str, ...], rev: int) -> Protocol:
