@@ -154,7 +154,7 @@ PROFILE_OPTIONS = {
     # variable set, and tests/e2e/test_inprocess_scale.py moves one that way).
     "smoke": Options(reps=1, features=(512,), columns=("group restart", "in place")),
     "quick": Options(reps=1, features=(2048, 4096)),
-    "full": Options(reps=1, features=(2048, 4096, 8192)),
+    "full": Options(reps=3, features=(2048, 4096, 8192)),
 }
 
 
