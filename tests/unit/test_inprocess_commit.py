@@ -166,6 +166,23 @@ def test_a_commit_is_read_from_a_process_memory_or_refused_for_another_machine()
     assert local_copy.whereabouts(None).spans is None
 
 
+def test_new_tensors_are_populated_from_their_end_without_changing_a_byte() -> None:
+    from elastrun.inprocess import prefault
+
+    fresh = torch.empty(3 * prefault.SLICE // 8 + 1000, dtype=torch.float32)  # 1.5 slices
+    written = torch.arange(prefault.MINIMUM // 4, dtype=torch.float64)  # already touched
+    small, gpu = torch.empty(10), torch.empty(prefault.MINIMUM, device="meta")
+    pieces = prefault.spans([written, small, fresh, gpu])
+    begin, end = fresh.data_ptr(), fresh.data_ptr() + fresh.numel() * 4
+    top, bottom = pieces[0], pieces[1]  # the last tensor first, from its last page
+    assert top == (end // 4096 * 4096 - prefault.SLICE, prefault.SLICE)
+    assert bottom == (-(-begin // 4096) * 4096, top[0] - -(-begin // 4096) * 4096)
+    assert len(pieces) == 3 and written.data_ptr() <= pieces[2][0]  # no small one
+    with prefault.populating([written, small, fresh]):
+        pass
+    assert torch.equal(written, torch.arange(prefault.MINIMUM // 4, dtype=torch.float64))
+
+
 # -- which errors a worker asks the agent about ------------------------------------------
 
 

@@ -15,7 +15,8 @@ pickle in memory on both sides. Here:
    chunks split across the sources and across a few groups, several in flight, so that
    the transfer streams over every link it can use. Ranks of one machine skip the
    network: each receiver reads the chunks from its sources' memory
-   (``inprocess.local_copy``), falling back to gloo where any cannot.
+   (``inprocess.local_copy``), falling back to gloo where any cannot. Meanwhile a
+   thread faults in the receiver's new tensors (``inprocess.prefault``).
 
 The groups are gloo for CPU tensors and NCCL for CUDA ones where the machine has GPUs
 (torch picks by the tensor's device).
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastrun.core.errors import ElastrunError
-from elastrun.inprocess import local_copy
+from elastrun.inprocess import local_copy, prefault
 from elastrun.inprocess.parking import park_process_groups
 from elastrun.inprocess.state import CommitDescription, State
 
@@ -129,16 +130,19 @@ def move_commit(state: State, rank: int, world: int) -> Plan:
     dist.broadcast_object_list(box, src=plan.sources[0])
     desc: CommitDescription = box[0]
     targets, error = _prepare(state, desc) if rank in plan.receivers else ([], None)
-    errors: list[Any] = [None] * world
-    dist.all_gather_object(errors, "" if error is None else str(error))
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        if error is not None:
-            raise error  # this rank's own: it ends with it, and is replaced
-        r, e = failed[0]
-        raise TransferAborted(f"processgroup: rank {r} could not take commit {plan.commit}: {e}")
-    tensors = state.commit_tensors() if rank in plan.sources else targets
-    _move_bytes(tensors, plan, rank, world)
+    with prefault.populating(targets):  # new tensors' pages, while the rest goes on
+        errors: list[Any] = [None] * world
+        dist.all_gather_object(errors, "" if error is None else str(error))
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            if error is not None:
+                raise error  # this rank's own: it ends with it, and is replaced
+            r, e = failed[0]
+            raise TransferAborted(
+                f"processgroup: rank {r} could not take commit {plan.commit}: {e}"
+            )
+        tensors = state.commit_tensors() if rank in plan.sources else targets
+        _move_bytes(tensors, plan, rank, world)
     if rank in plan.receivers:
         state.adopt(desc, targets)
     return plan
