@@ -17,8 +17,10 @@ with DDP; a replacement of rank 0 would take another rank's). The result is bit 
 bit that of the same training without the API, and the kept rank's peak memory grows
 by less than half the state (a commit that copied the state would add all of it).
 
-The claims at real sizes (0.4 and 1.6 GB per rank, GB/s, the peak against a group
-restart's, kill -> every rank's next step) are the benchmark's
+A second test runs the issue's size, 0.4 GB per rank on two ranks: one recovery, bit
+for bit, the survivor's process kept, its peak RSS within 15 % of the same training's
+without the API. The timings at real sizes (0.4 and 1.6 GB per rank, GB/s, the peak
+against a group restart's, kill -> every rank's next step) are the benchmark's
 (benchmarks/bench_inprocess_state.py, benchmarks/RESULTS.md); a commit read from a
 process of another machine is refused in tests/unit/test_inprocess_commit.py.
 
@@ -170,22 +172,29 @@ STATE_BYTES = 3 * 2 * FEATURES * FEATURES * 4
 STEPS = 10
 
 
-def _run(tmp_path: Path, mode: str, plan: list[str]) -> tuple[str, dict[int, list[dict]], Path]:
+def _run(
+    tmp_path: Path,
+    mode: str,
+    plan: list[str],
+    nproc: int = 3,
+    features: int = FEATURES,
+    steps: int = STEPS,
+) -> tuple[str, dict[int, list[dict]], Path]:
     out = tmp_path / mode
     out.mkdir()
     script = write_script(tmp_path / "train.py", SCRIPT)
     proc = start(
-        ["--standalone", "--nproc-per-node", "3", "--max-restarts", "5",
-         str(script), str(out), mode, str(FEATURES), str(STEPS), *plan],
+        ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "5",
+         str(script), str(out), mode, str(features), str(steps), *plan],
         cwd=tmp_path, env=ENV,
     )  # fmt: skip
-    res = finish(proc, 150)
+    res = finish(proc, 240)
     assert res.returncode == 0, res.stderr
     ranks: dict[int, list[dict]] = {}
     for path in sorted(out.glob("rank_*.json")):
         result = json.loads(path.read_text())
         ranks.setdefault(result["rank"], []).append(result)
-    assert sorted(ranks) == [0, 1, 2], ranks
+    assert sorted(ranks) == list(range(nproc)), ranks
     return res.stderr, ranks, out
 
 
@@ -219,3 +228,25 @@ def test_three_recoveries_over_gloo_and_from_memory_keep_the_state_bit_for_bit(
     growth = done[0]["peak"] - clean[0]["peak"]
     print(f"kept rank's peak RSS +{growth / 1e6:.1f} MB, state {STATE_BYTES / 1e6:.0f} MB")
     assert growth < STATE_BYTES / 2, (done[0]["peak"], clean[0]["peak"])
+
+
+def test_a_state_of_0_4_gb_per_rank_recovers_in_place_bit_for_bit_within_its_memory_bound(
+    tmp_path: Path,
+) -> None:
+    # The size: 4096 x 8192 float32 parameters and Adam's two moments, 0.40 GB
+    # per rank (plus the small network), two ranks; rank 1 is killed after step 3 and
+    # its replacement takes the commit over gloo (the script's first round).
+    features = 4096
+    sized = {"nproc": 2, "features": features, "steps": 6}
+    _, plain, _ = _run(tmp_path, "plain", [], **sized)
+    err, ranks, _ = _run(tmp_path, "api", ["1:3:kill"], **sized)
+    done, clean = _one(ranks), _one(plain)
+    assert {r: d["sha"] for r, d in done.items()} == {r: c["sha"] for r, c in clean.items()}
+    assert done[0]["calls"] == [0, 4], done  # the survivor kept its process
+    assert done[1]["calls"] == [4], done
+    assert "in-process round 1 complete" in err and "restarting all workers" not in err
+    # No second copy: the survivor's peak within 15 % of the same training's without
+    # the API (the bound; about 1 % measured).
+    ratio = done[0]["peak"] / clean[0]["peak"]
+    print(f"survivor's peak RSS {ratio:.3f}x the training's without the API")
+    assert ratio <= 1.15, (done[0]["peak"], clean[0]["peak"])
