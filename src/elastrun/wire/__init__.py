@@ -4,6 +4,7 @@
 :mod:`.timer`           the expiration timers' requests on the FIFO (torch's JSON lines)
 :mod:`.inprocess`       the in-process recovery channel between an agent and its workers
 :mod:`.zygote`          the worker template's control channel (spawn batches, ledger)
+:mod:`.progress`        the shared-memory file of the workers' progress records
 ======================  ============================================================
 
 Both ends of each format import the module and nothing of each other: the agent side
