@@ -5,6 +5,7 @@
 :mod:`.inprocess`       the in-process recovery channel between an agent and its workers
 :mod:`.zygote`          the worker template's control channel (spawn batches, ledger)
 :mod:`.progress`        the shared-memory file of the workers' progress records
+:mod:`.workers`         ``<attempt>/workers.json``, the pids ``elastrun stacks`` signals
 ======================  ============================================================
 
 Both ends of each format import the module and nothing of each other: the agent side
