@@ -34,7 +34,7 @@ NOT_ON_A_PLAIN_LAUNCH = (
     "elastrun.timer",
     "elastrun.control_plane",
     # The worker template's own machinery runs in the template, never in the agent,
-    # which needs only the channel's wire format (elastrun.worker.zygote_wire).
+    # which needs only the channel's wire format (elastrun.wire.zygote).
     "elastrun.worker.zygote",
     "elastrun.worker.zygote_fork",
     "elastrun.worker.zygote_worker",

@@ -10,6 +10,7 @@ import pytest
 
 from elastrun.agent.inprocess_hub import InprocessHub
 from elastrun.inprocess.channel import Channel
+from elastrun.wire import inprocess as wire
 
 
 def _until(predicate: object, timeout: float = 5.0) -> bool:
@@ -70,6 +71,25 @@ def test_a_round_for_another_process_of_the_rank_is_not_sent(
         assert _until(lambda: hub.opted_in(0, 1))
         hub.announce(1, {0: {"RANK": "0"}}, {0: 2})  # local rank 0 is now pid 2
         assert channel.wait_round(0, 0.3) is None
+    finally:
+        channel.close()
+
+
+def test_a_hello_of_another_channel_version_is_refused_and_the_channel_ends(
+    hub: InprocessHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", hub.path)
+    channel = Channel.from_env()
+    assert channel is not None
+    try:
+        channel.send("hello", version=wire.VERSION + 1, pid=7, round=0)
+        # The agent closes the connection: the worker's channel ends at once (its own
+        # errors then propagate), and the agent never counts it as recovering in place.
+        started = time.monotonic()
+        assert channel.wait_round(-1, 30.0) is None
+        assert not channel.peer_failed(0, 30.0)
+        assert time.monotonic() - started < 10.0  # ended, not timed out
+        assert not hub.opted_in(0, 7)
     finally:
         channel.close()
 

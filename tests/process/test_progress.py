@@ -24,7 +24,7 @@ import pytest
 from elastrun.supervise.processes.spawn import ProcessSpec, ProcessStarter
 from elastrun.supervise.processes.template import TemplateStarter
 from elastrun.supervise.progress import ProgressBoard, ProgressRecord
-from elastrun.worker.progress import PROGRESS_FILE_ENV, REPORTS, SLOT_WORDS, STEP, slot_offset
+from elastrun.wire.progress import PROGRESS_FILE_ENV, REPORTS, SLOT_WORDS, STEP, slot_offset
 
 PY = sys.executable
 BOOT = [PY, "-u", "-m", "elastrun.worker.bootstrap"]

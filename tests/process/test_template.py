@@ -41,7 +41,7 @@ from elastrun.supervise.processes.template import (
     parse_bootstrap_command,
 )
 from elastrun.supervise.processes.template_process import Template
-from elastrun.worker.zygote_wire import BATCH_MAX
+from elastrun.wire.zygote import BATCH_MAX
 
 PY = sys.executable
 BOOT = "elastrun.worker.bootstrap"

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from _helpers import pid_alive, wait_for
-from elastrun.core.timerwire import TORCHELASTIC_TIMER_FILE
 from elastrun.supervise.timers.agent_timer import AgentFileTimer
 from elastrun.timer import (
     FileTimerClient,
@@ -33,6 +32,7 @@ from elastrun.timer import (
     configure,
     expires,
 )
+from elastrun.wire.timer import TORCHELASTIC_TIMER_FILE
 
 PY = sys.executable
 

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from elastrun.core.errors import ConfigError, ElastrunError
 from elastrun.supervise.progress import FILE_NAME, ProgressBoard, read_record
-from elastrun.worker import progress as wp
-from elastrun.worker.progress import (
+from elastrun.wire.progress import (
     CHECK,
     MAX_STEP,
     PROGRESS_FILE_ENV,
@@ -22,10 +21,11 @@ from elastrun.worker.progress import (
     SLOT_WORDS,
     STEP,
     ProgressFileError,
-    Reporter,
     record_check,
     slot_offset,
 )
+from elastrun.worker import progress as wp
+from elastrun.worker.progress import Reporter
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_the_check_word_tells_a_mix_of_two_records_from_either(
 def test_opening_a_file_that_is_not_a_progress_file_is_refused(tmp_path: Path) -> None:
     junk = tmp_path / "junk"
     junk.write_bytes(b"x" * 4096)
-    with pytest.raises(ProgressFileError, match="is not a version 1 progress file"):
+    with pytest.raises(ProgressFileError, match="is not a progress file"):
         Reporter.open(str(junk), 0)
     (tmp_path / "short").write_bytes(b"x")
     with pytest.raises(ProgressFileError, match="is not a progress file"):

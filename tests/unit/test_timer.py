@@ -12,11 +12,6 @@ from collections.abc import Hashable
 import pytest
 
 from elastrun.core.errors import ConfigError, ElastrunError
-from elastrun.core.timerwire import (
-    TORCHELASTIC_ENABLE_FILE_TIMER,
-    TORCHELASTIC_TIMER_FILE,
-    TimerRequestError,
-)
 from elastrun.supervise.timers.agent_timer import AgentFileTimer
 from elastrun.supervise.timers.file_server import plan_reaps
 from elastrun.testing import FakeClock
@@ -35,6 +30,11 @@ from elastrun.timer import (
     expires,
 )
 from elastrun.timer.api import TimerNotConfiguredError, TimerTable, expired_timers
+from elastrun.wire.timer import (
+    TORCHELASTIC_ENABLE_FILE_TIMER,
+    TORCHELASTIC_TIMER_FILE,
+    TimerRequestError,
+)
 
 NOT_A_PID = 4_000_123  # above any default pid_max: never a running process
 

@@ -42,12 +42,12 @@ from elastrun.agent.inprocess_hub import InprocessHub
 from elastrun.agent.options import DEFAULT_INPROCESS_JOIN_TIMEOUT, DEFAULT_INPROCESS_TIMEOUT
 from elastrun.agent.plan import LaunchPlan
 from elastrun.agent.workers import WorkerProcesses
-from elastrun.core import inprocess_wire as wire
 from elastrun.core.clock import Clock
 from elastrun.core.tcp_sockets import listening_endpoints
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.procset import Exit
 from elastrun.supervise.processes.stacks import request_stacks
+from elastrun.wire import inprocess as wire
 
 log = logging.getLogger("elastrun.agent")
 

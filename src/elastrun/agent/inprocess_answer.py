@@ -1,7 +1,7 @@
 """Did a peer fail? The agent's answer to a worker whose collective may have failed.
 
 A worker whose training function raised an error that a failed collective can raise
-asks the agent before it tears anything down (``core.inprocess_wire``'s ``ask``). The
+asks the agent before it tears anything down (``wire.inprocess``'s ``ask``). The
 error's text cannot tell a peer's death from the worker's own error (a user's
 ``RuntimeError("socket closed")`` reads like gloo's); the agent knows: it reaps its
 node's workers, hears of other nodes' failures and of re-formations through the

@@ -1,4 +1,4 @@
-"""The agent's end of the in-process channel (see ``core.inprocess_wire``).
+"""The agent's end of the in-process channel (see ``wire.inprocess``).
 
 One Unix socket per agent, in a private directory. Workers that use
 ``elastrun.inprocess.run`` connect and say hello (their opt-in); the agent announces
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastrun.core import inprocess_wire as wire
 from elastrun.core.waker import Waker
+from elastrun.wire import inprocess as wire
 
 log = logging.getLogger("elastrun.agent")
 
@@ -170,7 +170,9 @@ class InprocessHub:
             log.debug("in-process channel: %s", exc)
             data = b""
         for message in messages:
-            self._note(peer, message)
+            if not self._note(peer, message):
+                data = b""  # a worker of another version: it recovers as torchrun's do
+                break
         if not data:
             sel.unregister(sock)
             with self._lock:
@@ -179,12 +181,16 @@ class InprocessHub:
         if messages:
             self._wake()
 
-    def _note(self, peer: _Peer, message: dict[str, Any]) -> None:
+    def _note(self, peer: _Peer, message: dict[str, Any]) -> bool:
+        """Take in one message; False: the connection is to be closed."""
         try:
             lr, round_no = int(message["local_rank"]), int(message.get("round", 0))
         except (KeyError, TypeError, ValueError):
-            return
+            return True
         op = message["op"]
+        if op == "hello" and (problem := wire.version_problem(message)) is not None:
+            log.warning("local rank %d is not recovered in place: its hello says %s", lr, problem)
+            return False
         with self._lock:
             if op == "hello":
                 peer.local_rank, peer.pid = lr, int(message.get("pid", 0))
@@ -197,6 +203,7 @@ class InprocessHub:
                 self._joined[lr] = (peer.pid, round_no)
             elif op == "ask" and peer.pid is not None:
                 self._asked[lr] = (peer.pid, round_no)
+        return True
 
     def close(self) -> None:
         self._stop.wake()

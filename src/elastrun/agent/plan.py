@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
-from elastrun.core.inprocess_wire import SOCKET_ENV as INPROCESS_SOCKET_ENV
-from elastrun.core.timerwire import file_timer_enabled
+from elastrun.wire.inprocess import SOCKET_ENV as INPROCESS_SOCKET_ENV
+from elastrun.wire.timer import file_timer_enabled
 
 if TYPE_CHECKING:  # annotations only: ``--dry-run`` plans without a rendezvous
     from elastrun.agent.spec import WorkerSpec

@@ -12,7 +12,6 @@ ladder.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -49,6 +48,7 @@ from elastrun.supervise.processes.spawn import (
     SubprocessStarter,
     WorkerProcess,
 )
+from elastrun.wire import workers as workers_file
 
 log = logging.getLogger("elastrun.agent")
 
@@ -302,16 +302,16 @@ class WorkerProcesses:
 
 def _write_workers_file(envs: dict[int, dict[str, str]], procs: list[WorkerProcess]) -> None:
     """``<attempt>/workers.json``: each local rank's pid, for ``elastrun stacks``."""
-    files = [envs[p.local_rank].get(STACKS_FILE_ENV) for p in procs]
-    if not procs or not files[0]:
-        return
-    attempt_dir = os.path.dirname(os.path.dirname(str(files[0])))
-    data = {
-        str(p.local_rank): {"pid": p.pid, "stacks": f, "start_time": process_start_time(p.pid)}
-        for p, f in zip(procs, files, strict=True)
+    entries = {
+        p.local_rank: workers_file.WorkerEntry(p.pid, f, process_start_time(p.pid))
+        for p in procs
+        if (f := envs[p.local_rank].get(STACKS_FILE_ENV))
     }
+    if not entries:
+        return
+    attempt_dir = os.path.dirname(os.path.dirname(next(iter(entries.values())).stacks))
     try:
-        with open(os.path.join(attempt_dir, "workers.json"), "w", encoding="utf-8") as fh:
-            json.dump({"version": 1, "workers": data}, fh)
+        with open(os.path.join(attempt_dir, workers_file.FILE_NAME), "w", encoding="utf-8") as fh:
+            fh.write(workers_file.encode(entries))
     except OSError as exc:
-        log.debug("could not write workers.json: %s", exc)
+        log.debug("could not write %s: %s", workers_file.FILE_NAME, exc)

@@ -1,4 +1,4 @@
-"""A worker's end of the agent's in-process channel (see ``core.inprocess_wire``).
+"""A worker's end of the agent's in-process channel (see ``wire.inprocess``).
 
 A thread of the channel reads the agent's messages as they come, also while the
 training function runs: a round can be announced to a worker whose collectives have
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastrun.core import inprocess_wire as wire
+from elastrun.wire import inprocess as wire
 
 
 class Channel:

@@ -31,7 +31,6 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from elastrun.core import inprocess_wire as wire
 from elastrun.core.errors import ElastrunError
 from elastrun.inprocess.channel import Channel
 from elastrun.inprocess.cut import cut_connections, cut_peer_connections
@@ -43,6 +42,7 @@ from elastrun.inprocess.parking import (
     release_parked,
 )
 from elastrun.inprocess.state import State
+from elastrun.wire import inprocess as wire
 
 log = logging.getLogger("elastrun.inprocess")
 
@@ -83,7 +83,7 @@ def _recovering(
 ) -> R:
     round_no = int(os.environ.get(wire.ROUND_ENV, "0") or 0)
     wait = float(os.environ.get(wire.WAIT_ENV, "") or DEFAULT_WAIT)
-    channel.send("hello", pid=os.getpid(), round=round_no)
+    channel.send("hello", version=wire.VERSION, pid=os.getpid(), round=round_no)
     # A round announced while the function runs (its collectives have not failed yet:
     # the world grows, or the peers that broke are elsewhere): cut the connections to
     # the previous round's workers at once, so that the next collective fails here.

@@ -273,10 +273,10 @@ def check_agent_environment(environ: Mapping[str, str]) -> None:
     Raises:
         ConfigError: naming the variable and its value.
     """
-    from elastrun.core.timerwire import TORCHELASTIC_TIMER_FILE, file_timer_enabled
     from elastrun.launch.paths import check_fifo_path
     from elastrun.observe.health import port_from_env
     from elastrun.supervise.processes.dstate import timeout_from_env
+    from elastrun.wire.timer import TORCHELASTIC_TIMER_FILE, file_timer_enabled
 
     port_from_env(environ)
     timeout_from_env(environ)

@@ -6,7 +6,7 @@ the agent's watchdog (``TORCHELASTIC_TIMER_FILE``), in a single ``write`` of at 
 
 The watchdog itself (:class:`FileTimerServer`, :class:`AgentFileTimer`) runs in the
 agent and lives in :mod:`elastrun.supervise.timers`; the wire format is
-:mod:`elastrun.core.timerwire`. Their names are still importable from here, as torch's
+:mod:`elastrun.wire.timer`. Their names are still importable from here, as torch's
 users expect, but loaded only when asked for: a worker using the client never imports
 the agent side.
 """
@@ -21,14 +21,14 @@ import stat
 import time
 
 from elastrun.core.lazy import lazy_getattr
-from elastrun.core.timerwire import (
+from elastrun.timer.api import TimerClient
+from elastrun.wire.timer import (
     TORCHELASTIC_ENABLE_FILE_TIMER,
     TORCHELASTIC_TIMER_FILE,
     FileTimerRequest,
     TimerRequestError,
     file_timer_enabled,
 )
-from elastrun.timer.api import TimerClient
 
 __all__ = [
     "TORCHELASTIC_ENABLE_FILE_TIMER",

@@ -44,8 +44,8 @@ STACKS_ENV = "ELASTRUN_STACKS_FILE"
 _stacks_file: object = None  # kept open for the life of the process
 
 
-#: ``elastrun.worker.progress.PROGRESS_FILE_ENV``, spelled out so that a worker the agent
-#: asks no reports from does not import that module.
+#: ``elastrun.wire.progress.PROGRESS_FILE_ENV``, spelled out so that a worker the agent
+#: asks no reports from imports neither that module nor the worker's writer.
 _PROGRESS_ENV = "ELASTRUN_PROGRESS_FILE"
 
 

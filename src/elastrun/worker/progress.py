@@ -27,21 +27,8 @@ at the start (a learning-rate probe) and never again does not freeze the count, 
 referenced, so none is kept alive. Each process counts from 1: a script that resumes
 from a checkpoint and wants its global step seen should call :func:`progress` with it.
 
-**The record** (:data:`SLOT_WORDS` signed 64-bit words, one cache line; the file starts
-with a header of the same size)::
-
-    SEQ  PID  STEP  REPORTS  LAST_NS  STEP_NS  LONGEST_NS  CHECK
-
-``LAST_NS`` is ``CLOCK_MONOTONIC`` in nanoseconds (the agent is on the same host, and its
-monotonic clock is that clock), ``STEP_NS`` an exponentially weighted moving average of
-the time per step (weight 1/8 for the newest interval, divided by the steps it covers),
-``LONGEST_NS`` the longest interval between two reports seen. A reader must never see a
-half-written record: the writer makes ``SEQ`` odd, writes the fields and ``CHECK``, then
-makes ``SEQ`` even (a sequence lock); a reader accepts a copy whose ``SEQ`` is even and
-unchanged around the copy and whose ``CHECK`` matches (:func:`record_check`). The
-sequence lock alone suffices where stores are seen in order (x86); the check word also
-catches the reordering a weaker memory model (arm64) may show to a reader without
-barriers, which Python cannot issue.
+**The record** and the file's layout are :mod:`elastrun.wire.progress`'s: a sequence
+lock and a check word, so that the agent never reads a half-written record.
 
 Processes forked from the worker (``DataLoader`` workers, ``os.fork``) do not report
 (an ``os.register_at_fork`` hook forgets the record in the child), and the variables are
@@ -60,7 +47,17 @@ from importlib.machinery import ModuleSpec
 from time import monotonic_ns
 from types import ModuleType
 
-from elastrun.core.errors import ConfigError, ElastrunError
+from elastrun.core.errors import ConfigError
+from elastrun.wire.progress import (
+    MAX_STEP,
+    PROGRESS_FILE_ENV,
+    PROGRESS_SLOT_ENV,
+    ProgressFileError,
+    file_size,
+    header_problem,
+    record_check,
+    slot_offset,
+)
 
 __all__ = [
     "PROGRESS_FILE_ENV",
@@ -69,74 +66,6 @@ __all__ = [
     "install",
     "progress",
 ]
-
-#: The file the agent created; its presence is the agent asking for reports.
-PROGRESS_FILE_ENV = "ELASTRUN_PROGRESS_FILE"
-#: This worker's record in the file (an index, not a rank: see ProgressBoard.reset).
-PROGRESS_SLOT_ENV = "ELASTRUN_PROGRESS_SLOT"
-
-# --- the shared layout (also read by elastrun.supervise.progress) --------------------
-
-#: ``b"ELPROGR1"`` as a little-endian signed word: the file's first word.
-MAGIC = int.from_bytes(b"ELPROGR1", "little", signed=True)
-VERSION = 1
-WORD = 8
-SLOT_WORDS = 8
-SLOT_BYTES = SLOT_WORDS * WORD
-HEADER_WORDS = SLOT_WORDS  # magic, version, slots, slot words, then reserved
-# Header words.
-H_MAGIC, H_VERSION, H_SLOTS, H_SLOT_WORDS = 0, 1, 2, 3
-# Record words.
-SEQ, PID, STEP, REPORTS, LAST_NS, STEP_NS, LONGEST_NS, CHECK = range(SLOT_WORDS)
-#: The largest step a record holds.
-MAX_STEP = (1 << 63) - 1
-
-_CHECK_MASK = (1 << 63) - 1
-
-
-def record_check(
-    seq: int, pid: int, step: int, reports: int, last_ns: int, step_ns: int, longest_ns: int
-) -> int:
-    """The ``CHECK`` word of a record with these fields (non-negative, below 2**63).
-
-    A sum of the fields times odd 64-bit constants (from splitmix64 and murmur3): a copy
-    mixing two versions of a record matches only if ``sum(k_i * delta_i) == 0`` modulo
-    2**63 over the words it took from the other version, which no realistic pair of
-    versions satisfies (and a single changed word never does). Written out, literals
-    inline: it runs on every report.
-    """
-    return (
-        seq * 0x9E3779B97F4A7C15
-        + pid * 0xBF58476D1CE4E5B9
-        + step * 0x94D049BB133111EB
-        + reports * 0xFF51AFD7ED558CCD
-        + last_ns * 0xC4CEB9FE1A85EC53
-        + step_ns * 0x2545F4914F6CDD1D
-        + longest_ns * 0xD6E8FEB86659FD93
-    ) & _CHECK_MASK
-
-
-def slot_offset(slot: int) -> int:
-    """The index of ``slot``'s first word (the file as an array of words)."""
-    return HEADER_WORDS + slot * SLOT_WORDS
-
-
-def file_size(slots: int) -> int:
-    """The size in bytes of a progress file with ``slots`` records."""
-    return (HEADER_WORDS + slots * SLOT_WORDS) * WORD
-
-
-def header_words(slots: int) -> list[int]:
-    """The header of a progress file with ``slots`` records."""
-    words = [0] * HEADER_WORDS
-    words[H_MAGIC], words[H_VERSION] = MAGIC, VERSION
-    words[H_SLOTS], words[H_SLOT_WORDS] = slots, SLOT_WORDS
-    return words
-
-
-class ProgressFileError(ElastrunError):
-    """The progress file cannot be used: missing, too small, or of another layout."""
-
 
 # --- the writer ------------------------------------------------------------------------
 
@@ -192,17 +121,12 @@ class Reporter:
             os.close(fd)  # the mapping keeps what it needs
         words = memoryview(mapping).cast("q")
         try:
-            magic, version, slots, slot_words = words[:4].tolist()
+            problem = header_problem(words[:4].tolist(), size, slot)
         finally:
             words.release()
-        problem = None
-        if magic != MAGIC or version != VERSION or slot_words != SLOT_WORDS:
-            problem = f"{path} is not a version {VERSION} progress file"
-        elif size < file_size(slots) or not 0 <= slot < slots:
-            problem = f"{path} has no record {slot} ({slots} records, {size} bytes)"
         if problem is not None:
             mapping.close()
-            raise ProgressFileError(problem)
+            raise ProgressFileError(f"{path} {problem}")
         return cls(mapping, path, slot)
 
     def report(self, step: int | None) -> None:

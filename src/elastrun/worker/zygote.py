@@ -65,7 +65,7 @@ What cannot be made identical, and is documented as such:
 * Modules already imported saw the template's environment at import time -- which is
   why the agent keys templates by the environment.
 
-The messages on the control socket are :mod:`elastrun.worker.zygote_wire`'s.
+The messages on the control socket are :mod:`elastrun.wire.zygote`'s.
 """
 
 from __future__ import annotations
@@ -80,17 +80,18 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from elastrun.worker import bootstrap, threadpools
-from elastrun.worker.zygote_fork import Job, close_quietly, open_fds, spawn_many, thread_count
-from elastrun.worker.zygote_wire import (
+from elastrun.wire.zygote import (
     BATCH_MAX,
-    PROTOCOL_VERSION,
     STDIO_FDS,
+    VERSION,
     ZYGOTE_MODULE,
     recv_message,
     send_message,
     split_batch,
+    version_problem,
 )
+from elastrun.worker import bootstrap, threadpools
+from elastrun.worker.zygote_fork import Job, close_quietly, open_fds, spawn_many, thread_count
 from elastrun.worker.zygote_worker import Stdio, become_worker, import_titles
 
 
@@ -109,8 +110,9 @@ def _recv_setup(sock: socket.socket) -> tuple[list[str], list[str]]:
     if got is None:
         raise SystemExit(1)  # the agent is gone
     setup, _ = got
-    if setup.get("version") != PROTOCOL_VERSION:
-        raise SystemExit(f"{ZYGOTE_MODULE}: protocol version {setup.get('version')!r}")
+    problem = version_problem(setup)
+    if problem is not None:
+        raise SystemExit(f"{ZYGOTE_MODULE}: the agent speaks {problem}")
     return _str_list(setup, "preload"), _str_list(setup, "optional")
 
 
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     hello: dict[str, object] = {
-        "version": PROTOCOL_VERSION,
+        "version": VERSION,
         "pid": os.getpid(),
         "preloaded": loaded,
         "seconds": round(time.monotonic() - t0, 3),

@@ -6,7 +6,7 @@ orphaned worker to it. The intermediate reports the worker's pid (``P<pid>``) or
 could not start it (``E<error>``) on a pipe; the template passes that on to the agent
 and only then sends the worker its go-ahead (``g``) on another pipe, so no worker runs
 that the agent does not know of. Each new process notes its pid on the batch's ledger
-first (see :mod:`elastrun.worker.zygote_wire`), so that an agent that gives up on the
+first (see :mod:`elastrun.wire.zygote`), so that an agent that gives up on the
 batch can reap whatever it was handed. Both forks happen with every signal blocked (see
 :func:`spawn_many`). What the worker does next is :mod:`elastrun.worker.zygote_worker`'s.
 """
@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 
-from elastrun.worker.zygote_wire import check_request, int_list, note_pid, send_message
+from elastrun.wire.zygote import check_request, int_list, note_pid, send_message
 
 
 class Job:

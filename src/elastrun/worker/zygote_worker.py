@@ -26,9 +26,9 @@ import time
 from types import ModuleType
 
 from elastrun.core.linux import die_with_parent
+from elastrun.wire.zygote import STDIO_FDS, TITLE_ROOM, int_list
 from elastrun.worker import bootstrap, threadpools
 from elastrun.worker.zygote_fork import Job, close_quietly, open_fds
-from elastrun.worker.zygote_wire import STDIO_FDS, TITLE_ROOM, int_list
 
 # Longest a new worker waits to be handed to the agent. The intermediate exits right
 # after forking, so this is only reached when the system is wedged.

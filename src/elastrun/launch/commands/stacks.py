@@ -3,14 +3,14 @@
 Each Python worker started through elastrun's bootstrap dumps all its threads' stacks
 to ``<attempt>/<local_rank>/stacks.txt`` when it receives SIGUSR1 (faulthandler, so it
 answers even from native code). This command finds the newest attempt under a log
-directory, signals the workers listed in its ``workers.json`` -- after checking by
-start time that each pid still is that worker -- and prints what they wrote.
+directory, signals the workers listed in its ``workers.json`` (:mod:`elastrun.wire.workers`)
+-- after checking by start time that each pid still is that worker -- and prints what
+they wrote.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -21,10 +21,11 @@ from typing import NoReturn
 from elastrun.core.errors import ConfigError
 from elastrun.core.procinfo import process_start_time
 from elastrun.core.values import parse_seconds
+from elastrun.wire import workers as workers_file
 
 
 def _attempt_dirs(root: Path) -> list[Path]:
-    found = [p.parent for p in root.glob("**/workers.json")]
+    found = [p.parent for p in root.glob(f"**/{workers_file.FILE_NAME}")]
     return sorted(found, key=lambda p: p.stat().st_mtime)
 
 
@@ -62,32 +63,41 @@ def stacks_main(argv: list[str]) -> int:
         return 2
     attempts = _attempt_dirs(Path(args.log_dir))
     if not attempts:
-        print(f"elastrun stacks: no workers.json under {args.log_dir}", file=sys.stderr)
+        print(f"elastrun stacks: no {workers_file.FILE_NAME} under {args.log_dir}", file=sys.stderr)
         return 2
     attempt = attempts[-1]
-    workers = json.loads((attempt / "workers.json").read_text())["workers"]
-    sizes: dict[str, int] = {}
+    try:
+        workers = workers_file.decode((attempt / workers_file.FILE_NAME).read_bytes())
+    except (OSError, workers_file.WorkersFileError) as exc:
+        print(f"elastrun stacks: {attempt / workers_file.FILE_NAME}: {exc}", file=sys.stderr)
+        return 2
+    return _dump(attempt, workers, timeout)
+
+
+def _dump(attempt: Path, workers: dict[int, workers_file.WorkerEntry], timeout: float) -> int:
+    """Signal ``workers`` and print what each wrote within ``timeout`` seconds: 0 when
+    every worker answered, 1 when some did not."""
+    sizes: dict[int, int] = {}
     missing = []
-    for lr, info in sorted(workers.items(), key=lambda kv: int(kv[0])):
-        path = info["stacks"]
-        sizes[lr] = os.path.getsize(path) if os.path.exists(path) else 0
-        if not _is_that_worker(int(info["pid"]), info.get("start_time")):
+    for lr, info in sorted(workers.items()):
+        sizes[lr] = _size(info.stacks)
+        if not _is_that_worker(info.pid, info.start_time):
             missing.append(lr)
             continue
-        os.kill(int(info["pid"]), signal.SIGUSR1)
+        os.kill(info.pid, signal.SIGUSR1)
     deadline = time.monotonic() + timeout
     pending = {lr for lr in workers if lr not in missing}
     while pending and time.monotonic() < deadline:
-        pending = {lr for lr in pending if _size(workers[lr]["stacks"]) <= sizes[lr]}
+        pending = {lr for lr in pending if _size(workers[lr].stacks) <= sizes[lr]}
         time.sleep(0.05)
     time.sleep(0.1)  # let a dump that has begun finish
     print(f"stacks of {attempt}")
-    for lr, info in sorted(workers.items(), key=lambda kv: int(kv[0])):
-        print(f"=== local rank {lr} (pid {info['pid']}) ===")
+    for lr, info in sorted(workers.items()):
+        print(f"=== local rank {lr} (pid {info.pid}) ===")
         if lr in missing:
             print("  not running")
             continue
-        with open(info["stacks"], encoding="utf-8", errors="replace") as fh:
+        with open(info.stacks, encoding="utf-8", errors="replace") as fh:
             fh.seek(sizes[lr])
             text = fh.read().rstrip()
         print(text or "  no answer (not a Python worker, or SIGUSR1 is handled elsewhere)")

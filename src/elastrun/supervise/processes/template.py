@@ -70,7 +70,7 @@ from elastrun.supervise.processes.template_process import (
     TemplateBroken,
     TemplateUnavailable,
 )
-from elastrun.worker.zygote_wire import BATCH_MAX, PROTOCOL_VERSION
+from elastrun.wire.zygote import BATCH_MAX, VERSION
 
 __all__ = [
     "AUTO_PRELOAD_ROOTS",
@@ -177,7 +177,7 @@ def _spawn_request(
     # a closed one stays closed in the worker.
     present = [_is_open(fd) for fd in wanted]
     request: dict[str, object] = {
-        "version": PROTOCOL_VERSION,
+        "version": VERSION,
         "argv": list(spec.argv),
         "bootstrap_args": list(cmd.args),
         "env": dict(spec.env),

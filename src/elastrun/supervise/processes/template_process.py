@@ -26,13 +26,14 @@ from elastrun.core.errors import ElastrunError, ShutdownRequested
 from elastrun.core.linux import child_subreaper, die_with_parent
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.supervise.processes.template_key import TemplateKey
-from elastrun.worker.zygote_wire import (
+from elastrun.wire.zygote import (
     BATCH_MAX,
-    PROTOCOL_VERSION,
     TITLE_ROOM,
+    VERSION,
     ZYGOTE_MODULE,
     recv_message,
     send_message,
+    version_problem,
 )
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class Template:
         finally:
             theirs.close()
         template = cls(key, proc, ours, stderr)
-        setup = {"version": PROTOCOL_VERSION, "preload": list(preload), "optional": list(optional)}
+        setup = {"version": VERSION, "preload": list(preload), "optional": list(optional)}
         try:
             # A few bytes into an empty socket buffer: never blocks.
             send_message(ours, setup)
@@ -214,8 +215,9 @@ class Template:
                 f"{self._stderr_note()}"
             )
         hello, _ = got
-        if hello.get("version") != PROTOCOL_VERSION:
-            raise TemplateUnavailable(f"template speaks protocol {hello.get('version')!r}")
+        problem = version_problem(hello)
+        if problem is not None:
+            raise TemplateUnavailable(f"the template speaks {problem}")
         if "unsafe" in hello:
             raise TemplateUnavailable(str(hello["unsafe"]))
         preloaded = hello.get("preloaded", [])
@@ -338,7 +340,7 @@ class Template:
             self.proc.wait()
             raise ShutdownRequested(shutdown.signum)
         attached = [fd for own in fds for fd in own]
-        message = {"version": PROTOCOL_VERSION, "batch": list(batch)}
+        message = {"version": VERSION, "batch": list(batch)}
         self._sock.settimeout(timeout)
         ledger_r, ledger_w = os.pipe()
         try:

@@ -1,8 +1,8 @@
 """Workers' progress as the agent sees it: the shared records and the verdicts read from them.
 
-:class:`ProgressBoard` owns the file the workers report into
-(:mod:`elastrun.worker.progress` writes it); its snapshots feed the pure detectors:
-:class:`HangDetector` (``--hang-timeout``), :class:`StragglerDetector` and
+:class:`ProgressBoard` owns the file the workers report into (:mod:`elastrun.worker.progress`
+writes it, in :mod:`elastrun.wire.progress`'s layout); its snapshots feed the pure
+detectors: :class:`HangDetector` (``--hang-timeout``), :class:`StragglerDetector` and
 :class:`NoProgressGuard` (no progress across restarts).
 """
 

@@ -5,7 +5,7 @@ The file holds two records per local rank. A worker writes the one its variables
 and clears it. So a replaced worker that is somehow still running -- unkillable in the
 kernel, not yet reaped -- writes into a record nobody reads, and never shares one with
 its successor (two writers would defeat the sequence lock). The layout and the
-protocol are :mod:`elastrun.worker.progress`'s.
+protocol are :mod:`elastrun.wire.progress`'s.
 
 Reading a snapshot copies each record (a few microseconds per worker) and keeps the
 last consistent copy, which is what a snapshot shows for a record caught in the middle
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 from elastrun.core.errors import ConfigError, ElastrunError
 from elastrun.supervise.progress.record import ProgressRecord, Snapshot
-from elastrun.worker.progress import (
+from elastrun.wire.progress import (
     CHECK,
     LAST_NS,
     LONGEST_NS,

@@ -3,5 +3,5 @@
 :mod:`~elastrun.supervise.timers.file_server` reads the requests that workers write to
 a FIFO and reaps a worker whose timer runs out; :mod:`~elastrun.supervise.timers.agent_timer`
 is the agent's handle on it. The workers' side is :mod:`elastrun.timer`; the two share
-only :mod:`elastrun.core.timerwire`.
+only :mod:`elastrun.wire.timer`.
 """

@@ -13,8 +13,8 @@ from typing import cast
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError
-from elastrun.core.timerwire import TORCHELASTIC_TIMER_FILE, file_timer_enabled
 from elastrun.supervise.timers.file_server import FileTimerServer, LogEvent, OnExpired
+from elastrun.wire.timer import TORCHELASTIC_TIMER_FILE, file_timer_enabled
 
 __all__ = ["AgentFileTimer"]
 

@@ -2,7 +2,7 @@
 
 Each :class:`~elastrun.timer.FileTimerClient` request is one JSON line written to the
 FIFO in a single ``write`` of at most ``PIPE_BUF`` bytes, which the kernel keeps whole
-even when many workers write at once (the format is :mod:`elastrun.core.timerwire`).
+even when many workers write at once (the format is :mod:`elastrun.wire.timer`).
 :class:`FileTimerServer` reads the lines on a thread and signals a worker whose timer
 runs out.
 
@@ -34,7 +34,7 @@ from typing import cast
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError
 from elastrun.core.timers import TimerTable
-from elastrun.core.timerwire import FileTimerRequest, TimerRequestError
+from elastrun.wire.timer import FileTimerRequest, TimerRequestError
 
 __all__ = ["FileTimerServer", "LogEvent", "OnExpired", "ReapDecision", "plan_reaps"]
 

@@ -5,6 +5,12 @@ line (the keys torch writes) to the FIFO that the agent's
 :class:`~elastrun.supervise.timers.FileTimerServer` reads. Both ends import this module
 and nothing of each other: the worker never loads the agent's watchdog, and the agent
 never loads the workers' client.
+
+**Version.** The format is torch's, byte for byte, so that torch's client and server
+interoperate with ours: every line carries torch's own ``"version": 1``, which is
+:data:`VERSION`. elastrun adds no key of its own (torch's server would not know it). A
+line of another version is refused (:class:`TimerRequestError`, which the server logs,
+dropping the line); a line without the key is read as version 1.
 """
 
 from __future__ import annotations
@@ -19,10 +25,14 @@ from elastrun.core.timers import TimerRequest
 __all__ = [
     "TORCHELASTIC_ENABLE_FILE_TIMER",
     "TORCHELASTIC_TIMER_FILE",
+    "VERSION",
     "FileTimerRequest",
     "TimerRequestError",
     "file_timer_enabled",
 ]
+
+#: The ``version`` of every request line (torch's, which writes 1).
+VERSION = 1
 
 TORCHELASTIC_ENABLE_FILE_TIMER = "TORCHELASTIC_ENABLE_FILE_TIMER"
 TORCHELASTIC_TIMER_FILE = "TORCHELASTIC_TIMER_FILE"
@@ -48,7 +58,7 @@ class FileTimerRequest(TimerRequest):
         self, worker_pid: int, scope_id: str, expiration_time: float, signal: int = 0
     ) -> None:
         super().__init__(worker_pid, scope_id, expiration_time)
-        self.version = 1
+        self.version = VERSION
         self.signal = signal
 
     @property
@@ -90,11 +100,13 @@ class FileTimerRequest(TimerRequest):
             raise TimerRequestError(f"not JSON: {line[:200]!r}") from exc
         if not isinstance(data, dict):
             raise TimerRequestError(f"not a JSON object: {line[:200]!r}")
-        version = data.get("version", 1)
+        version = data.get("version", VERSION)
         pid, scope_id = data.get("pid"), data.get("scope_id")
         expiration, sig = data.get("expiration_time"), data.get("signal", 0)
-        if version != 1:
-            raise TimerRequestError(f"unknown timer request version {version!r}")
+        if version != VERSION or isinstance(version, bool):
+            raise TimerRequestError(
+                f"unknown timer request version {version!r} (this server reads {VERSION})"
+            )
         if not isinstance(pid, int) or not isinstance(scope_id, str) or not _is_int(sig):
             raise TimerRequestError(f"bad pid, scope_id or signal in {data!r}")
         if isinstance(pid, bool) or isinstance(expiration, bool):

@@ -5,8 +5,9 @@ The agent listens on a Unix stream socket whose path it gives every worker in
 once and keeps the connection for its life; each message is one line of JSON.
 
 worker -> agent
-  ``{"op": "hello", "local_rank": LR, "pid": PID, "round": N}``
-      the worker recovers in place (the opt-in); N is the in-process round it runs in
+  ``{"op": "hello", "version": V, "local_rank": LR, "pid": PID, "round": N}``
+      the worker recovers in place (the opt-in); N is the in-process round it runs in,
+      V the channel's version it speaks
   ``{"op": "joined", "local_rank": LR, "round": N}``
       the worker took round N's environment and is about to synchronise state
   ``{"op": "synced", "local_rank": LR, "round": N, "commit": C}``
@@ -27,8 +28,13 @@ agent -> worker
       peer failed within the agent's bound (``ANSWER_HOLD``): the error is the worker's
       own, and it propagates unchanged. A ``round`` message past N answers it too.
 
-Version 2 of the channel added ``ask`` and ``answer`` (version 1: hello, joined,
-synced, round); both ends come from the same package, so none is negotiated.
+**Version.** :data:`VERSION` travels in the worker's hello, the one message that starts
+a conversation; nothing is negotiated (both ends come from the same package). The agent
+answers a hello of another version (:func:`version_problem`) by closing the connection:
+that worker is then not recovered in place, and a failure restarts the whole group, as
+torchrun does; the worker's channel ends, so its own errors propagate. A hello without
+the key is version 2's, from before the key was added. Version 2 added ``ask`` and
+``answer`` (version 1: hello, joined, synced, round).
 
 Nothing here imports more than the standard library: both sides use it.
 """
@@ -37,6 +43,11 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+#: The channel's version, carried in the hello.
+VERSION = 2
+# What a hello without a version speaks: the key came after version 2's messages.
+_UNVERSIONED = 2
 
 #: Where the agent's socket is (set only when the agent offers in-process recovery).
 SOCKET_ENV = "ELASTRUN_INPROCESS_SOCKET"
@@ -93,6 +104,14 @@ def decode(line: bytes) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise WireError(f"not a message: {line[:80]!r}")
     return message
+
+
+def version_problem(hello: dict[str, Any]) -> str | None:
+    """What is wrong with a hello's ``version`` (None: it is :data:`VERSION`)."""
+    version = hello.get("version", _UNVERSIONED)
+    if version == VERSION and not isinstance(version, bool):
+        return None
+    return f"in-process channel version {version!r}, expected {VERSION}"
 
 
 class LineReader:

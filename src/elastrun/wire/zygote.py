@@ -4,6 +4,11 @@ Shared by the template (:mod:`elastrun.worker.zygote`) and the agent's end of th
 channel (``elastrun.supervise.processes.template``), and light on purpose: the agent
 imports it on every launch, so it pulls in nothing of the template's own machinery.
 
+**Version.** :data:`VERSION` travels in every message that starts something: the
+template's hello, the agent's setup, each batch and each spawn request. Either end
+refuses a message of another version (:func:`version_problem` says why): the agent
+then starts its workers without the template, the template exits.
+
 Each message is a 4-byte big-endian length and a UTF-8 JSON object. The agent asks for
 workers in batches (``{"version": V, "batch": [request, ...]}``), the descriptors of
 every request's stdin, stdout and stderr attached in order (SCM_RIGHTS); the template
@@ -27,8 +32,8 @@ from collections.abc import Sequence
 
 #: The module the agent runs (``python -m``) to start a template.
 ZYGOTE_MODULE = "elastrun.worker.zygote"
-#: Bumped on any incompatible change of the messages below.
-PROTOCOL_VERSION = 4
+#: The channel's version, bumped on any incompatible change of the messages below.
+VERSION = 4
 #: The variable the agent puts first in the template's environment: room for the
 #: workers' command lines past the end of the template's own (see zygote_worker.retitle).
 TITLE_ROOM = "ELASTRUN_TITLE_ROOM"
@@ -111,14 +116,23 @@ def recv_message(
     return message, fds
 
 
+def version_problem(message: dict[str, object]) -> str | None:
+    """What is wrong with a message's ``version`` (None: it is :data:`VERSION`)."""
+    version = message.get("version")
+    if version == VERSION and not isinstance(version, bool):
+        return None
+    return f"protocol version {version!r}, expected {VERSION}"
+
+
 def split_batch(
     message: dict[str, object], fds: list[int]
 ) -> tuple[list[dict[str, object]], list[list[int]], int] | str:
     """A batch's requests, each one's descriptors and the ledger's descriptor, or what
     is wrong with the batch as a whole (each request is checked on its own by
     :func:`check_request`)."""
-    if message.get("version") != PROTOCOL_VERSION:
-        return f"protocol version {message.get('version')!r}, expected {PROTOCOL_VERSION}"
+    problem = version_problem(message)
+    if problem is not None:
+        return problem
     if not fds:
         return "a batch comes with its ledger's descriptor"
     fds, ledger = fds[:-1], fds[-1]
@@ -139,8 +153,9 @@ def split_batch(
 
 def check_request(request: dict[str, object], nfds: int) -> str | None:
     """What is wrong with a spawn request that came with ``nfds`` descriptors, or None."""
-    if request.get("version") != PROTOCOL_VERSION:
-        return f"protocol version {request.get('version')!r}, expected {PROTOCOL_VERSION}"
+    problem = version_problem(request)
+    if problem is not None:
+        return problem
     for name, kind in REQUEST_FIELDS.items():
         if not isinstance(request.get(name), kind):
             return f"{name} must be a {kind.__name__}"
