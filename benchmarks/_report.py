@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from _common import REPO, Summary
 
@@ -237,6 +238,25 @@ def module_main(run: Callable[[str], Section], doc: str, argv: list[str] | None)
     print(section.render())
     write_section(section, args.output_dir)
     return 0
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A benchmark module whose ``body(section, options)`` runs with its profile's
+    options: ``run(profile)`` (for ``run_all``) and ``main(argv)`` (its command line)."""
+
+    name: str
+    title: str
+    body: Callable[[Section, Any], None]
+    options: Mapping[str, Any]
+    doc: str
+
+    def run(self, profile: str) -> Section:
+        opts = self.options[profile]
+        return run_section(self.name, self.title, lambda s: self.body(s, opts), profile)
+
+    def main(self, argv: list[str] | None = None) -> int:
+        return module_main(self.run, self.doc, argv)
 
 
 def run_section(name: str, title: str, body: Callable[[Section], None], profile: str) -> Section:

@@ -41,12 +41,11 @@ from _common import (
     wait_until,
 )
 from _report import (
+    Benchmark,
     Headline,
     Row,
     Section,
     alternate,
-    module_main,
-    run_section,
 )
 
 #: gloo's default collective timeout (torch.distributed's default_pg_timeout), seconds.
@@ -230,16 +229,14 @@ def _conclude(section: Section, excess: Row, noticed: Row) -> None:
     )
 
 
-def run(profile: str) -> Section:
-    opts = PROFILE_OPTIONS[profile]
-    return run_section(
-        "hang", "Hangs: time to notice a rank stuck in a collective", lambda s: body(s, opts),
-        profile,
-    )  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> int:
-    return module_main(run, __doc__ or "", argv)
+BENCHMARK = Benchmark(
+    "hang",
+    "Hangs: time to notice a rank stuck in a collective",
+    body,
+    PROFILE_OPTIONS,
+    __doc__ or "",
+)
+run, main = BENCHMARK.run, BENCHMARK.main
 
 
 if __name__ == "__main__":

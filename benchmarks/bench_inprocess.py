@@ -43,12 +43,11 @@ from _common import (
     wait_until,
 )
 from _report import (
+    Benchmark,
     Headline,
     Row,
     Section,
     alternate,
-    module_main,
-    run_section,
 )
 
 KILL_RANK, KILL_AT, STEPS, CHECKPOINT_EVERY = 2, 25, 40, 10
@@ -288,16 +287,14 @@ def _conclude(section: Section, following: Row, lost: Row, workers: int) -> None
     )
 
 
-def run(profile: str) -> Section:
-    opts = PROFILE_OPTIONS[profile]
-    return run_section(
-        "inprocess", "In-process recovery: time and steps lost after a killed rank",
-        lambda s: body(s, opts), profile,
-    )  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> int:
-    return module_main(run, __doc__ or "", argv)
+BENCHMARK = Benchmark(
+    "inprocess",
+    "In-process recovery: time and steps lost after a killed rank",
+    body,
+    PROFILE_OPTIONS,
+    __doc__ or "",
+)
+run, main = BENCHMARK.run, BENCHMARK.main
 
 
 if __name__ == "__main__":

@@ -38,11 +38,10 @@ from pathlib import Path
 
 from _common import Running, ScenarioFailure, elastrun, new_marker, require_clean, wait_until
 from _report import (
+    Benchmark,
     Headline,
     Section,
     alternate,
-    module_main,
-    run_section,
 )
 
 KILL_AT, CHECKPOINT_AT = 3, 2
@@ -270,16 +269,14 @@ def _one_size(section: Section, features: int, opts: Options, work: Path) -> Non
     )
 
 
-def run(profile: str) -> Section:
-    opts = PROFILE_OPTIONS[profile]
-    return run_section(
-        "inprocess_state", "In-process recovery against state size",
-        lambda s: body(s, opts), profile,
-    )  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> int:
-    return module_main(run, __doc__ or "", argv)
+BENCHMARK = Benchmark(
+    "inprocess_state",
+    "In-process recovery against state size",
+    body,
+    PROFILE_OPTIONS,
+    __doc__ or "",
+)
+run, main = BENCHMARK.run, BENCHMARK.main
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from _report import Headline, Section, absolute_check, module_main, run_section
+from _report import Benchmark, Headline, Section, absolute_check
 
 from elastrun.rendezvous.checkboard import WINDOW
 from elastrun.rendezvous.nodecheck import Isolation
@@ -203,16 +203,14 @@ def body(section: Section, opts: Options) -> None:
     )
 
 
-def run(profile: str) -> Section:
-    opts = PROFILE_OPTIONS[profile]
-    return run_section(
-        "node_check", "Node checks: cost per node, and a bad node among N named",
-        lambda s: body(s, opts), profile,
-    )  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> int:
-    return module_main(run, __doc__ or "", argv)
+BENCHMARK = Benchmark(
+    "node_check",
+    "Node checks: cost per node, and a bad node among N named",
+    body,
+    PROFILE_OPTIONS,
+    __doc__ or "",
+)
+run, main = BENCHMARK.run, BENCHMARK.main
 
 
 if __name__ == "__main__":

@@ -35,12 +35,11 @@ from pathlib import Path
 
 from _common import PYTHON, ScenarioFailure, kill_marked, new_marker, tagged_env
 from _report import (
+    Benchmark,
     Headline,
     Section,
     absolute_check,
     alternate,
-    module_main,
-    run_section,
 )
 
 from elastrun.supervise.progress import ProgressBoard
@@ -219,15 +218,10 @@ def body(section: Section, opts: Options) -> None:
     )
 
 
-def run(profile: str) -> Section:
-    opts = PROFILE_OPTIONS[profile]
-    return run_section(
-        "progress", "Progress reports: cost per step", lambda s: body(s, opts), profile
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    return module_main(run, __doc__ or "", argv)
+BENCHMARK = Benchmark(
+    "progress", "Progress reports: cost per step", body, PROFILE_OPTIONS, __doc__ or ""
+)
+run, main = BENCHMARK.run, BENCHMARK.main
 
 
 if __name__ == "__main__":
