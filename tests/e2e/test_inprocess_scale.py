@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,7 +171,9 @@ STATE_BYTES = 3 * 2 * FEATURES * FEATURES * 4
 STEPS = 10
 
 
-def _run(tmp_path: Path, mode: str, plan: list[str]) -> tuple[str, dict[int, list[dict]], Path]:
+def _run(
+    tmp_path: Path, mode: str, plan: list[str]
+) -> tuple[str, dict[int, list[dict[str, Any]]], Path]:
     out = tmp_path / mode
     out.mkdir()
     script = write_script(tmp_path / "train.py", SCRIPT)
@@ -181,7 +184,7 @@ def _run(tmp_path: Path, mode: str, plan: list[str]) -> tuple[str, dict[int, lis
     )  # fmt: skip
     res = finish(proc, 150)
     assert res.returncode == 0, res.stderr
-    ranks: dict[int, list[dict]] = {}
+    ranks: dict[int, list[dict[str, Any]]] = {}
     for path in sorted(out.glob("rank_*.json")):
         result = json.loads(path.read_text())
         ranks.setdefault(result["rank"], []).append(result)
@@ -189,7 +192,7 @@ def _run(tmp_path: Path, mode: str, plan: list[str]) -> tuple[str, dict[int, lis
     return res.stderr, ranks, out
 
 
-def _one(ranks: dict[int, list[dict]]) -> dict[int, dict]:
+def _one(ranks: dict[int, list[dict[str, Any]]]) -> dict[int, dict[str, Any]]:
     """Each rank's one process that finished."""
     return {rank: r for rank, (r,) in ranks.items()}
 
