@@ -24,7 +24,8 @@ from elastrun.core.errors import (
 from elastrun.store.api import EventKind, Store, WatchEvent
 
 if TYPE_CHECKING:  # the fixtures' types; conftest is not importable by name at run time
-    from conftest import MakeKit, StoreKit
+    # (mypy names this directory's conftest contract.conftest: pyproject's mypy_path)
+    from contract.conftest import MakeKit, StoreKit
 
 TTL = 0.3
 #: Long enough after a TTL for any implementation to have dropped the lease.

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypedDict, TypeVar
 
 import pytest
 
@@ -140,7 +140,10 @@ def ports(dist: Any, wire: WireProcess) -> Iterator[dict[str, int]]:
     gc.collect()
 
 
-def same_on_both(ports: dict[str, int], scenario: Callable[[int], object]) -> object:
+T = TypeVar("T")
+
+
+def same_on_both(ports: dict[str, int], scenario: Callable[[int], T]) -> T:
     """Run ``scenario`` against both servers; assert equal observations; return ours."""
     seen = {name: scenario(port) for name, port in ports.items()}
     assert seen["ours"] == seen["torch"]
@@ -272,7 +275,7 @@ def test_several_clients_at_once_count_wait_and_see_each_other(
             t.join(10)
         return [errors, main.add("ctr", 0), seen]
 
-    errors, total, seen = same_on_both(ports, scenario)  # type: ignore[misc]
+    errors, total, seen = same_on_both(ports, scenario)
     assert errors == [] and total == n * adds
     assert seen == [[str(j).encode() for j in range(n)]] * n
 
@@ -303,7 +306,7 @@ def test_prefix_stores_on_top_behave_as_on_torchs_server(dist: Any, ports: dict[
         ]
 
     out = same_on_both(ports, scenario)
-    assert out[:3] == [b"1", b"2", 2]  # type: ignore[index]
+    assert out[:3] == [b"1", b"2", 2]
 
 
 @pytest.mark.torch
@@ -633,6 +636,13 @@ def test_a_taken_port_is_a_store_error_naming_the_address(server: TorchWireServe
     other.close()
 
 
+class _ServerArgs(TypedDict, total=False):
+    port: int
+    max_connections: int
+    max_frame: int
+    max_key: int
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -642,9 +652,7 @@ def test_a_taken_port_is_a_store_error_naming_the_address(server: TorchWireServe
         ({"max_key": 0}, "max_key"),
     ],
 )
-def test_bad_arguments_are_config_errors_naming_the_field(
-    kwargs: dict[str, int], field: str
-) -> None:
+def test_bad_arguments_are_config_errors_naming_the_field(kwargs: _ServerArgs, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         TorchWireServer("127.0.0.1", **kwargs)
     assert info.value.field == field

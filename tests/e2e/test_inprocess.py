@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -166,7 +167,7 @@ def _run(
     restarts: int = 5,
     nproc: int = 4,
     steps: int = STEPS,
-) -> tuple[int, str, list[dict]]:
+) -> tuple[int, str, list[dict[str, Any]]]:
     out = tmp_path / name
     out.mkdir()
     script = write_script(tmp_path / "train.py", SCRIPT)
@@ -185,18 +186,18 @@ def _run(
 def fault_free(tmp_path_factory: pytest.TempPathFactory) -> str:
     code, err, results = _run(tmp_path_factory.mktemp("clean"), "out", [])
     assert code == 0, err
-    shas = {r["sha"] for r in results}
+    shas: set[str] = {r["sha"] for r in results}
     assert len(results) == 4 and len(shas) == 1, results
     return shas.pop()
 
 
-def _by_rank(results: list[dict]) -> dict[int, dict]:
+def _by_rank(results: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     ranks = {r["rank"]: r for r in results}
     assert sorted(ranks) == [0, 1, 2, 3], results
     return ranks
 
 
-def _kept(result: dict, calls: list[int], err: str) -> None:
+def _kept(result: dict[str, Any], calls: list[int], err: str) -> None:
     """``result``'s rank kept its process and was called again at each of ``calls``.
 
     torch 2.13's gloo now and then (about one run in thirty here) leaves a survivor
@@ -492,7 +493,7 @@ def _end(agents: list[subprocess.Popen[str]]) -> None:
 _NODES = "\n=====\n"
 
 
-def _two_nodes_to_the_end(tmp_path: Path, plan: list[str]) -> tuple[dict[int, dict], str]:
+def _two_nodes_to_the_end(tmp_path: Path, plan: list[str]) -> tuple[dict[int, dict[str, Any]], str]:
     """Two nodes of two workers run ``plan`` to the end, both successfully: each rank's
     result, and both agents' stderr."""
     with elastrun_store(tmp_path) as (endpoint, token):

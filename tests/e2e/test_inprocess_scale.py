@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -179,7 +180,7 @@ def _run(
     nproc: int = 3,
     features: int = FEATURES,
     steps: int = STEPS,
-) -> tuple[str, dict[int, list[dict]], Path]:
+) -> tuple[str, dict[int, list[dict[str, Any]]], Path]:
     out = tmp_path / mode
     out.mkdir()
     script = write_script(tmp_path / "train.py", SCRIPT)
@@ -190,7 +191,7 @@ def _run(
     )  # fmt: skip
     res = finish(proc, 240)
     assert res.returncode == 0, res.stderr
-    ranks: dict[int, list[dict]] = {}
+    ranks: dict[int, list[dict[str, Any]]] = {}
     for path in sorted(out.glob("rank_*.json")):
         result = json.loads(path.read_text())
         ranks.setdefault(result["rank"], []).append(result)
@@ -198,7 +199,7 @@ def _run(
     return res.stderr, ranks, out
 
 
-def _one(ranks: dict[int, list[dict]]) -> dict[int, dict]:
+def _one(ranks: dict[int, list[dict[str, Any]]]) -> dict[int, dict[str, Any]]:
     """Each rank's one process that finished."""
     return {rank: r for rank, (r,) in ranks.items()}
 

@@ -157,7 +157,9 @@ def test_local_agent_runs_an_executable(tmp_path: Path) -> None:
     assert (tmp_path / "out0").exists() and (tmp_path / "out1").exists()
 
 
-def test_worker_side_init_process_group_explains_a_missing_launcher(monkeypatch) -> None:
+def test_worker_side_init_process_group_explains_a_missing_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(elastrun.ConfigError, match="not started by elastrun"):

@@ -95,7 +95,7 @@ PROMPT = 5.0
 def _interrupt_when(proc: subprocess.Popen[str], line: str, delay: float) -> str:
     """Send SIGINT ``delay`` seconds after the launcher's stderr shows ``line``."""
     assert proc.stderr is not None
-    seen = []
+    seen: list[str] = []
     while True:
         got = proc.stderr.readline()
         assert got, f"the launcher ended before logging {line!r}: {''.join(seen)}"

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "contract"))
 
 @pytest.fixture(scope="session")
 def etcd_binary() -> str:
-    binary = find_etcd()
+    binary: str | None = find_etcd()
     if binary is None:
         # In CI the setup installs etcd: its absence is a failure, never a quiet skip.
         if os.environ.get("CI"):

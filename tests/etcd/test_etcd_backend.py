@@ -45,7 +45,7 @@ UNUSED = "127.0.0.1:1"  # configuration errors are raised before etcd is asked a
 )
 def test_bad_conf_is_a_config_error_naming_the_key(conf: dict[str, str], field: str) -> None:
     with pytest.raises(ConfigError) as info:
-        create(UNUSED, **conf)
+        create(UNUSED, 1, **conf)
     assert info.value.field == field
     assert "\n" not in str(info.value)
 

@@ -34,7 +34,7 @@ def _run_module(script: str, out: Path, *extra: str, timeout: float = 240) -> di
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = script.removeprefix("bench_").removesuffix(".py")
-    data = json.loads((out / f"{name}.json").read_text())
+    data: dict[str, object] = json.loads((out / f"{name}.json").read_text())
     assert data["failures"] == [], data["failures"]
     assert (out / f"{name}.md").read_text().startswith("# ")
     return data

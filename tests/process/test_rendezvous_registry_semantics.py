@@ -12,6 +12,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import pytest
 
@@ -43,8 +44,10 @@ def make() -> Iterator[Make]:
     def _make(min_nodes: int = 2, max_nodes: int = 2, **conf: object) -> RendezvousHandler:
         conf.setdefault("is_host", "false" if made else "true")
         conf.setdefault("close_timeout", 2)
+        # Values as torch's users pass them, ints too: the get_as_* readers convert them.
+        options = cast("dict[str, str]", conf)
         params = RendezvousParameters(
-            "c10d", f"127.0.0.1:{port}", "semantics", min_nodes, max_nodes, "127.0.0.1", **conf
+            "c10d", f"127.0.0.1:{port}", "semantics", min_nodes, max_nodes, "127.0.0.1", **options
         )
         handler = rendezvous_handler_registry.create_handler(params)
         made.append(handler)

@@ -283,7 +283,7 @@ def test_a_forked_worker_shows_the_command_line_and_name_of_a_fresh_one(
     assert fresh["psutil"] == list(_argv(str(script), str(ready), "--lr", "0.1"))
     assert forked == fresh
     assert forked["comm"] == os.path.basename(PY)[:15]
-    assert forked["own view"]["cmdline"] == " ".join(fresh["psutil"])  # type: ignore[index]
+    assert forked["own view"]["cmdline"] == " ".join(fresh["psutil"])
 
 
 def test_without_setproctitle_a_forked_worker_keeps_the_templates_title(
@@ -444,6 +444,7 @@ def test_exit_status_streams_and_error_file_match_a_fresh_start(
     assert fresh.err.startswith("err line\n")
     assert (fresh_file is None) == (forked_file is None) == (mode != "raise")
     if forked_file is not None:
+        assert fresh_file is not None
         message = forked_file["message"]
         assert message["message"] == fresh_file["message"]["message"] == "ValueError: boom"
         stack = message["extraInfo"]["py_callstack"]

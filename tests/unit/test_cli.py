@@ -19,6 +19,7 @@ from elastrun.launch.cli import Launch, ScriptKind, parse_launch
 from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, parse_rdzv_conf
 from elastrun.launch.probe import count_nvidia_gpus
 from elastrun.supervise.processes.logs import DefaultLogsSpecs, Std
+from elastrun.supervise.processes.numa.policy import NumaOptions
 
 HAS_NVIDIA = Path("/proc/driver/nvidia/gpus").exists()
 CPUS = len(os.sched_getaffinity(0))
@@ -896,7 +897,8 @@ def test_numa_events_metrics_and_template_options(run: Callable[..., Launch]) ->
     launch = run("--numa-binding=exclusive", "--event-log-handler=file:/tmp/ev.jsonl",
                  "--metrics-port=9100", "--preload=numpy, torch", "--no-template")  # fmt: skip
     cfg = launch.config
-    assert cfg.numa_options.affinity_mode.value == "exclusive"  # type: ignore[attr-defined]
+    assert isinstance(cfg.numa_options, NumaOptions)
+    assert cfg.numa_options.affinity_mode.value == "exclusive"
     assert cfg.event_log_handler == "file:/tmp/ev.jsonl"
     assert cfg.metrics_port == 9100
     assert cfg.preload == ("numpy", "torch")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -13,10 +14,13 @@ from elastrun.inprocess import State
 from elastrun.inprocess.state import StateMismatchError
 from elastrun.inprocess.transfer import CHUNK, CommitLostError, chunks, decide
 
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 
 
-def _model(width: int = 32) -> torch.nn.Module:
+def _model(width: int = 32) -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(
         torch.nn.Linear(8, width), torch.nn.BatchNorm1d(width), torch.nn.Dropout(0.5),
@@ -24,9 +28,15 @@ def _model(width: int = 32) -> torch.nn.Module:
     )  # fmt: skip
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+def _first_layer(model: torch.nn.Sequential) -> torch.nn.Linear:
+    layer = model[0]
+    assert isinstance(layer, torch.nn.Linear)
+    return layer
+
+
+def _step(model: torch.nn.Sequential, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
-    inputs = model[0].in_features
+    inputs = _first_layer(model).in_features
     model(torch.randn(4, inputs)).sum().backward()
     opt.step()
 
@@ -113,12 +123,12 @@ def test_a_replacement_takes_a_commit_into_its_own_tensors_and_allocates_adams_s
     fresh = State(model=fresh_model, optimizer=fresh_opt, step=0)
     desc = pickle.loads(pickle.dumps(ahead.describe()))
     targets = fresh.targets(desc)
-    weight = fresh_model[0].weight
+    weight = _first_layer(fresh_model).weight
     assert any(t.data_ptr() == weight.data_ptr() for t in targets)  # in place
     for target, source in zip(targets, ahead.commit_tensors(), strict=True):
         target.copy_(source)  # what the broadcast does
     fresh.adopt(desc, targets)
-    assert fresh_model[0].weight is weight
+    assert _first_layer(fresh_model).weight is weight
     assert _everything(fresh_model, fresh_opt) == _everything(model, opt)
     assert (fresh.step, fresh.commit_id, fresh.held_commit()) == (3, 3, 3)
     torch.manual_seed(1)

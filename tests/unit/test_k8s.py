@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import kubernetes_validate  # the Kubernetes JSON schemas, offline
 import pytest
@@ -15,6 +16,7 @@ from elastrun.core.errors import ConfigError
 from elastrun.launch.cli import parse_launch
 from elastrun.launch.commands.k8s import k8s_main, parse_manifest_args
 from elastrun.launch.k8s import ManifestSpec, agent_args, build_manifests, dump_yaml
+from elastrun.launch.k8s.manifest import Doc
 
 BASE = ["--name", "train", "--image", "registry.example/train:1.0", "--nnodes", "2:4"]
 COMMAND = ["--", "train.py", "--epochs", "10"]
@@ -29,6 +31,11 @@ MIN_VERSION_WITH_POLICY = "1.29.0"
 def spec_of(*extra: str) -> ManifestSpec:
     spec, _ = parse_manifest_args([*BASE, *extra, *COMMAND])
     return spec
+
+
+def manifests(spec: ManifestSpec) -> list[dict[str, Any]]:
+    """The manifests as the tests read them: JSON trees walked by paths the test knows."""
+    return cast("list[dict[str, Any]]", build_manifests(spec))
 
 
 VARIANTS = {
@@ -54,8 +61,8 @@ def test_every_manifest_is_valid_against_the_kubernetes_schemas(variant: str, ve
 
 
 def test_the_schema_check_can_fail() -> None:
-    job = build_manifests(spec_of())[-1]
-    job["spec"]["completionMode"] = 4  # type: ignore[index]
+    job = manifests(spec_of())[-1]
+    job["spec"]["completionMode"] = 4
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, K8S_VERSIONS[-1], strict=True)
 
@@ -65,30 +72,30 @@ def _kinds(docs: list[dict[str, object]]) -> list[str]:
 
 
 def test_the_elastrun_store_gets_a_deployment_and_a_service_etcd_none() -> None:
-    assert _kinds(build_manifests(spec_of())) == ["Service", "Deployment", "Service", "Job"]
-    etcd = build_manifests(spec_of(*VARIANTS["etcd"]))
+    assert _kinds(manifests(spec_of())) == ["Service", "Deployment", "Service", "Job"]
+    etcd = manifests(spec_of(*VARIANTS["etcd"]))
     assert _kinds(etcd) == ["Service", "Job"]
 
 
 def test_the_job_runs_max_pods_indexed_with_the_headless_service_as_subdomain() -> None:
-    svc, job = build_manifests(spec_of())[-2:]
-    assert svc["spec"]["clusterIP"] == "None"  # type: ignore[index]
+    svc, job = manifests(spec_of())[-2:]
+    assert svc["spec"]["clusterIP"] == "None"
     spec = job["spec"]
-    assert spec["completionMode"] == "Indexed"  # type: ignore[index]
-    assert spec["completions"] == spec["parallelism"] == 4  # type: ignore[index]
-    pod = spec["template"]  # type: ignore[index]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == 4
+    pod = spec["template"]
     assert pod["spec"]["subdomain"] == svc["metadata"]["name"] == "train"
     labels = pod["metadata"]["labels"]
-    assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())  # type: ignore[index]
+    assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
 
 
 def test_selectors_match_their_pods_and_label_values_fit() -> None:
-    for doc in build_manifests(spec_of(*VARIANTS["elastrun store, token, resources, Never"])):
+    for doc in manifests(spec_of(*VARIANTS["elastrun store, token, resources, Never"])):
         text = json.dumps(doc)
         assert all(len(v) <= 63 for v in _label_values(doc))
         if doc["kind"] == "Deployment":
             d = doc["spec"]
-            assert d["selector"]["matchLabels"] == d["template"]["metadata"]["labels"]  # type: ignore[index]
+            assert d["selector"]["matchLabels"] == d["template"]["metadata"]["labels"]
         assert "namespace" in text
 
 
@@ -107,12 +114,12 @@ def _label_values(doc: object) -> list[str]:
 
 def test_a_pod_failure_policy_only_with_restart_policy_never() -> None:
     # Kubernetes refuses podFailurePolicy unless the pods' restartPolicy is Never.
-    on_failure = build_manifests(spec_of())[-1]["spec"]
-    never = build_manifests(spec_of("--restart-policy", "Never"))[-1]["spec"]
-    assert "podFailurePolicy" not in on_failure  # type: ignore[operator]
-    assert on_failure["template"]["spec"]["restartPolicy"] == "OnFailure"  # type: ignore[index]
-    assert never["template"]["spec"]["restartPolicy"] == "Never"  # type: ignore[index]
-    rules = never["podFailurePolicy"]["rules"]  # type: ignore[index]
+    on_failure = manifests(spec_of())[-1]["spec"]
+    never = manifests(spec_of("--restart-policy", "Never"))[-1]["spec"]
+    assert "podFailurePolicy" not in on_failure
+    assert on_failure["template"]["spec"]["restartPolicy"] == "OnFailure"
+    assert never["template"]["spec"]["restartPolicy"] == "Never"
+    rules = never["podFailurePolicy"]["rules"]
     by_code = {
         code: rule["action"] for rule in rules if "onExitCodes" in rule
         for code in rule["onExitCodes"]["values"]
@@ -154,14 +161,12 @@ def test_the_worker_command_is_an_elastrun_launch_that_parses(tmp_path: Path) ->
 
 
 def test_the_store_pod_runs_elastrun_store_on_the_service_port() -> None:
-    service, deployment = build_manifests(spec_of("--store-port", "29555", "--token-secret", "t"))[
-        :2
-    ]
-    container = deployment["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    service, deployment = manifests(spec_of("--store-port", "29555", "--token-secret", "t"))[:2]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"][:2] == ["elastrun", "store"]
     assert container["command"][container["command"].index("--port") + 1] == "29555"
     assert "--token-file" in container["command"]
-    assert service["spec"]["ports"][0]["port"] == 29555  # type: ignore[index]
+    assert service["spec"]["ports"][0]["port"] == 29555
 
 
 def test_etcd_workers_point_at_the_etcd_cluster() -> None:
@@ -172,8 +177,8 @@ def test_etcd_workers_point_at_the_etcd_cluster() -> None:
 
 
 def test_resources_become_requests_and_limits() -> None:
-    job = build_manifests(spec_of("--cpu", "500m", "--memory", "2Gi", "--gpus", "1"))[-1]
-    res = job["spec"]["template"]["spec"]["containers"][0]["resources"]  # type: ignore[index]
+    job = manifests(spec_of("--cpu", "500m", "--memory", "2Gi", "--gpus", "1"))[-1]
+    res = job["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert res == {
         "requests": {"cpu": "500m", "memory": "2Gi"},
         "limits": {"cpu": "500m", "memory": "2Gi", "nvidia.com/gpu": 1},
@@ -194,7 +199,7 @@ def test_the_yaml_reads_back_as_the_same_documents() -> None:
                "*ref", "&a"]
 )  # fmt: skip
 def test_strings_that_yaml_could_misread_stay_strings(tricky: str) -> None:
-    doc = {"k": tricky, "l": [tricky], tricky or "empty": 1}
+    doc: Doc = {"k": tricky, "l": [tricky], tricky or "empty": 1}
     assert list(yaml.safe_load_all(dump_yaml([doc]))) == [doc]
 
 
@@ -209,8 +214,8 @@ _json = st.recursive(
 
 @settings(max_examples=80, deadline=None)
 @given(st.dictionaries(st.text(max_size=6), _json, max_size=5))
-def test_any_json_document_round_trips(doc: dict[str, object]) -> None:
-    assert list(yaml.safe_load_all(dump_yaml([doc]))) == [doc]  # type: ignore[list-item]
+def test_any_json_document_round_trips(doc: Doc) -> None:
+    assert list(yaml.safe_load_all(dump_yaml([doc]))) == [doc]
 
 
 # --- the command line -------------------------------------------------------------------

@@ -46,10 +46,8 @@ def test_a_rank_silent_for_the_timeout_is_hung_and_not_a_moment_before() -> None
     verdict = detector.check(snapshot)
     assert verdict is not None
     assert verdict.hung == (0,)
-    assert [(r.local_rank, r.step, r.silent_for) for r in verdict.ranks] == [
-        (0, 7, pytest.approx(60.0)),
-        (1, 8, pytest.approx(30.0)),
-    ]
+    assert [(r.local_rank, r.step) for r in verdict.ranks] == [(0, 7), (1, 8)]
+    assert [r.silent_for for r in verdict.ranks] == pytest.approx([60.0, 30.0])
     assert verdict.at == 160.0
 
 

@@ -123,8 +123,13 @@ def test_every_store_agrees_with_a_dict_under_random_operations(
         port = request.getfixturevalue("tcp_server").port
         new_store = lambda: TcpStore("127.0.0.1", port, connect_timeout=5.0)  # noqa: E731
         examples = 60
+
+    class OnThisStore(StoreMatchesDict):  # hypothesis takes the machine's class
+        def __init__(self) -> None:
+            super().__init__(new_store())
+
     run_state_machine_as_test(
-        lambda: StoreMatchesDict(new_store()),
+        OnThisStore,
         settings=settings(
             max_examples=examples,
             stateful_step_count=25,

@@ -167,13 +167,14 @@ def test_wait_releases_when_the_last_missing_key_is_written() -> None:
 
 
 def test_every_kind_of_write_releases_all_waiters_of_a_key() -> None:
-    for write in (
+    writes: tuple[Callable[[TorchStoreState], object], ...] = (
         lambda s: s.set(b"k", b"v"),
         lambda s: s.append(b"k", b"v"),
         lambda s: s.add(b"k", 1),
         lambda s: s.multi_set([b"x", b"k"], [b"1", b"2"]),
         lambda s: s.compare_set(b"k", b"", b"v"),
-    ):
+    )
+    for write in writes:
         s, woken = TorchStoreState(), Woken()
         for name in "abc":
             blocked(s.wait([b"k"], woken.cb(name)))

@@ -29,6 +29,13 @@ from elastrun.timer.api import (
 from elastrun.timer.file import FileTimerClient, FileTimerRequest
 from elastrun.timer.local import LocalTimerClient, LocalTimerServer, MultiprocessingRequestQueue
 
+# As in elastrun/__init__.py: not typing.TYPE_CHECKING, so that workers skip typing.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    # For type checkers only, so that `timer.FileTimerServer` is a class to them; at run
+    # time __getattr__ loads it (pyproject's worker-side contract ignores this one edge).
+    from elastrun.supervise.timers.file_server import FileTimerServer
+
 __all__ = [
     "FileTimerClient",
     "FileTimerRequest",
