@@ -277,7 +277,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._liveness.callback = callback
 
     def restarts_used(self) -> int:
-        return self._outcome.restarts_used()
+        with self._agent_call():
+            return self._outcome.restarts_used()
 
     def report_failure(self, max_restarts: int, what: str = "") -> bool:
         """A local worker failed in the current round: take one restart from the job's
@@ -347,11 +348,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def exit_barrier(self, timeout: float) -> BarrierResult:
         """This node's workers finished: wait (up to ``timeout``) for the round's
         outcome (``Outcome.exit_barrier``)."""
-        try:
-            with self._agent_call():
-                return self._outcome.exit_barrier(timeout)
-        except StoreUnavailableError as exc:
-            raise RendezvousConnectionError(self._liveness.store_gone(exc)) from exc
+        with self._agent_call():
+            return self._outcome.exit_barrier(timeout)
 
     # -- joining -------------------------------------------------------------------------
 
@@ -366,8 +364,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 raise RendezvousConnectionError(self._liveness.gone)
             with self._agent_call():
                 return self._next_rendezvous()
-        except StoreUnavailableError as exc:
-            raise RendezvousConnectionError(self._liveness.store_gone(exc)) from exc
         except StoreError as exc:
             raise RendezvousConnectionError(f"rendezvous store failed: {exc}") from exc
         finally:
@@ -449,6 +445,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._calls.add(calls)
             try:
                 yield
+            except StoreUnavailableError as exc:  # given up for good: say so once
+                raise RendezvousConnectionError(self._liveness.store_gone(exc)) from exc
             except Cancelled:
                 if self._stop.is_set():
                     raise RendezvousClosedError(
