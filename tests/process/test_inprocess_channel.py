@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -30,6 +31,16 @@ def hub() -> object:
     yield made
     made.close()
     assert not os.path.exists(made.path)
+
+
+@pytest.fixture
+def channel(hub: InprocessHub, monkeypatch: pytest.MonkeyPatch) -> Iterator[Channel]:
+    """A worker's channel to ``hub`` (local rank 0), closed at the end."""
+    monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", hub.path)
+    made = Channel.from_env()
+    assert made is not None
+    yield made
+    made.close()  # (a second close, after a test's own, is harmless)
 
 
 def test_a_worker_opts_in_learns_rounds_and_reports_it_synced(
@@ -61,11 +72,8 @@ def test_a_worker_opts_in_learns_rounds_and_reports_it_synced(
 
 
 def test_a_round_for_another_process_of_the_rank_is_not_sent(
-    hub: InprocessHub, monkeypatch: pytest.MonkeyPatch
+    hub: InprocessHub, channel: Channel
 ) -> None:
-    monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", hub.path)
-    channel = Channel.from_env()
-    assert channel is not None
     try:
         channel.send("hello", pid=1, round=0)
         assert _until(lambda: hub.opted_in(0, 1))
@@ -76,11 +84,8 @@ def test_a_round_for_another_process_of_the_rank_is_not_sent(
 
 
 def test_a_hello_of_another_channel_version_is_refused_and_the_channel_ends(
-    hub: InprocessHub, monkeypatch: pytest.MonkeyPatch
+    hub: InprocessHub, channel: Channel
 ) -> None:
-    monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", hub.path)
-    channel = Channel.from_env()
-    assert channel is not None
     try:
         channel.send("hello", version=wire.VERSION + 1, pid=7, round=0)
         # The agent closes the connection: the worker's channel ends at once (its own
@@ -102,11 +107,8 @@ def test_without_the_agent_there_is_no_channel(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_reading_thread_acts_on_each_newer_round_while_the_worker_is_busy(
-    hub: InprocessHub, monkeypatch: pytest.MonkeyPatch
+    hub: InprocessHub, channel: Channel
 ) -> None:
-    monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", hub.path)
-    channel = Channel.from_env()
-    assert channel is not None
     seen: list[tuple[int, list[str]]] = []
     channel.on_round = lambda m: seen.append((m["round"], m["cut"]))
     channel.start()
@@ -127,11 +129,8 @@ def test_the_reading_thread_acts_on_each_newer_round_while_the_worker_is_busy(
 
 
 def test_a_workers_question_is_answered_by_the_agent_or_by_a_newer_round(
-    hub: InprocessHub, monkeypatch: pytest.MonkeyPatch
+    hub: InprocessHub, channel: Channel
 ) -> None:
-    monkeypatch.setenv("ELASTRUN_INPROCESS_SOCKET", hub.path)
-    channel = Channel.from_env()
-    assert channel is not None
     try:
         channel.send("hello", pid=7, round=0)
         assert _until(lambda: hub.opted_in(0, 7))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from elastrun.core import cancel
 from elastrun.core.clock import Clock
 from elastrun.core.errors import StoreTimeoutError
+from elastrun.rendezvous.exclusion import versioned_doc
 from elastrun.store.api import Store
 
 __all__ = ["WINDOW", "CheckBoard", "LinkResult", "Wave"]
@@ -69,13 +70,7 @@ def _dump(doc: Mapping[str, object]) -> bytes:
 
 
 def _load(raw: bytes | None) -> dict[str, object] | None:
-    if raw is None:
-        return None
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) and doc.get("v") == VERSION else None
+    return versioned_doc(raw, VERSION)
 
 
 def _number(value: object) -> float | None:

@@ -146,7 +146,7 @@ class Exclusion:
 
 def load_exclusion(node: str, raw: bytes | None) -> Exclusion | None:
     """The exclusion record of ``node`` (None: absent or unreadable)."""
-    doc = _doc(raw)
+    doc = versioned_doc(raw)
     until = doc.get("until") if doc is not None else None
     if doc is None or not isinstance(until, (int, float)):
         return None
@@ -159,18 +159,20 @@ def dump_strikes(times: Iterable[float]) -> bytes:
 
 def load_strikes(raw: bytes | None) -> tuple[float, ...]:
     """The strike times of a ``strikes/<node>`` record (none when absent or unreadable)."""
-    doc = _doc(raw)
+    doc = versioned_doc(raw)
     at = doc.get("at") if doc is not None else None
     if not isinstance(at, list):
         return ()
     return tuple(float(t) for t in at if isinstance(t, (int, float)) and not isinstance(t, bool))
 
 
-def _doc(raw: bytes | None) -> dict[str, object] | None:
+def versioned_doc(raw: bytes | None, version: int = VERSION) -> dict[str, object] | None:
+    """A JSON object the rendezvous keeps in its store, when it is one of ``version``
+    (its ``"v"``); None for a missing key, another version or anything unreadable."""
     if raw is None:
         return None
     try:
         doc = json.loads(raw)
     except ValueError:
         return None
-    return doc if isinstance(doc, dict) and doc.get("v") == VERSION else None
+    return doc if isinstance(doc, dict) and doc.get("v") == version else None
