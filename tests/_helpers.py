@@ -15,7 +15,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ELASTRUN = [sys.executable, "-m", "elastrun"]
+# faulthandler in the launcher only (workers start without -X): a launcher a test gives
+# up on is sent SIGABRT first, so its threads' stacks land in the failure message.
+ELASTRUN = [sys.executable, "-X", "faulthandler", "-m", "elastrun"]
 
 
 def write_script(path: Path, body: str) -> Path:
@@ -46,12 +48,23 @@ def finish(proc: subprocess.Popen[str], timeout: float = 60) -> subprocess.Compl
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        os.killpg(proc.pid, signal.SIGKILL)
+        dump_stacks_and_kill(proc)
         out, err = proc.communicate()
         raise AssertionError(
             f"elastrun did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
         ) from exc
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def dump_stacks_and_kill(proc: subprocess.Popen[str]) -> None:
+    """End a launcher a test gave up on, and its session: SIGABRT first, which
+    faulthandler answers with every thread's stack on stderr, then SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGABRT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run(

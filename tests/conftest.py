@@ -80,6 +80,41 @@ def no_leaks(
     assert not fds_leaked, f"descriptors left open by this test: {sorted(fds_leaked)}"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell starts a background job (``bash scripts/test.sh &``, some CI runners) with
+    # SIGINT ignored, and every launcher a test starts would inherit that: a SIGINT in
+    # the launcher's first milliseconds, before its first line holds it back, would then
+    # vanish instead of ending the launcher, as the tests that interrupt a starting
+    # launcher expect. Tests start from the disposition an interactive shell gives.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+#: What a test must leave as it found it in the test process: children inherit both.
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD)
+
+
+def _signal_state() -> tuple[frozenset[int], tuple[object, ...]]:
+    mask = frozenset(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    return mask, tuple(signal.getsignal(s) for s in _WATCHED_SIGNALS)
+
+
+@pytest.fixture(autouse=True)
+def signals_restored() -> Iterator[None]:
+    """A test that runs code in this process which blocks or handles signals (the
+    launcher's ``main()``, a fork) must undo it: every process a later test starts
+    inherits the blocked mask and the ignored signals, and a launcher started with
+    SIGINT blocked would never see a Ctrl-C."""
+    before = _signal_state()
+    yield
+    after = _signal_state()
+    if after != before:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before[0])
+        for sig, handler in zip(_WATCHED_SIGNALS, before[1], strict=True):
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+    assert after == before, f"this test changed the test process's signals: {before} -> {after}"
+
+
 @pytest.fixture(autouse=True)
 def elastrun_logging_restored() -> Iterator[None]:
     """A test that runs the launcher in-process (``main()``) configures the ``elastrun``

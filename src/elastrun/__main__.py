@@ -2,6 +2,6 @@
 
 import sys
 
-from elastrun.launch.main import main
+from elastrun.launch.entry import main
 
 sys.exit(main())

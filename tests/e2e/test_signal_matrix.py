@@ -7,6 +7,7 @@ signal), exits 128+N, and leaves no process behind (the suite's leak check).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -67,9 +68,10 @@ def _stop_and_time(proc: subprocess.Popen[str], sig: int) -> tuple[float, int, s
     return time.monotonic() - t0, res.returncode, res.stderr
 
 
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
 @pytest.mark.parametrize("sig", SIGNALS)
 def test_a_signal_while_the_launcher_checks_its_options_waits_for_its_handlers(
-    tmp_path: Path, sig: int
+    tmp_path: Path, sig: int, inherited: str
 ) -> None:
     # Before its handlers are installed the launcher parses and checks its options, which
     # can take a second on a loaded machine; here longer: PYTHON_EXEC is an interpreter
@@ -81,9 +83,17 @@ def test_a_signal_while_the_launcher_checks_its_options_waits_for_its_handlers(
     slow_python.chmod(0o755)
     started = tmp_path / "started"
     script = write_script(tmp_path / "w.py", f"open({str(started)!r}, 'w').close()\n")
-    proc = start(
-        ["--nproc-per-node", "1", str(script)], cwd=tmp_path, env={"PYTHON_EXEC": str(slow_python)}
-    )
+    # "ignored": started as a shell starts a background job (SIGINT ignored), or under
+    # nohup (SIGHUP): the launcher handles the signal all the same, from its first line.
+    previous = signal.signal(sig, signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL)
+    try:
+        proc = start(
+            ["--nproc-per-node", "1", str(script)],
+            cwd=tmp_path,
+            env={"PYTHON_EXEC": str(slow_python)},
+        )
+    finally:
+        signal.signal(sig, previous)
     time.sleep(0.8)  # checking PYTHON_EXEC
     took, code, err = _stop_and_time(proc, sig)
     assert code == 128 + sig, err
@@ -91,6 +101,65 @@ def test_a_signal_while_the_launcher_checks_its_options_waits_for_its_handlers(
     assert f"stopped by {signal.Signals(sig).name}" in err, err
     assert not started.exists()  # nothing ran
     assert took < SLACK + 1.5, err
+
+
+# What the launcher's own code finds, the moment it starts loading: the signal mask.
+MASK_AT_LOAD = """
+import signal, sys
+
+class Spy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "elastrun.launch.cli":
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+            print("MASK", sorted(int(s) for s in blocked), flush=True)
+        return None
+
+sys.meta_path.insert(0, Spy())
+sys.argv = ["elastrun", "--dry-run", "--nproc-per-node", "1", "train.py"]
+from elastrun.launch.entry import main
+code = main()
+print("AFTER", sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+sys.exit(code)
+"""
+
+
+def test_the_stop_signals_are_held_back_before_the_launcher_loads(tmp_path: Path) -> None:
+    # Loading the launcher takes a tenth of a second (more on a loaded machine): a signal
+    # in that time must wait for the handlers, whatever the disposition it inherited.
+    write_script(tmp_path / "train.py", "pass\n")
+    res = subprocess.run(
+        [sys.executable, "-c", MASK_AT_LOAD], cwd=tmp_path, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    lines = dict(line.split(" ", 1) for line in res.stdout.splitlines() if " " in line)
+    held = set(json.loads(lines["MASK"]))
+    assert {int(s) for s in (*SIGNALS, signal.SIGQUIT)} <= held, res.stdout
+    assert json.loads(lines["AFTER"]) == [], res.stdout  # and let through again at the end
+
+
+# Runs elastrun with SIGTERM blocked, as a parent that blocked it and forgot would.
+BLOCKED_PARENT = """
+import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+os.execv(sys.executable, [sys.executable, "-m", "elastrun", *sys.argv[1:]])
+"""
+
+
+@pytest.mark.torch
+def test_a_stop_signal_the_parent_left_blocked_is_still_answered(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "w.py", WORKER)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BLOCKED_PARENT, "--nproc-per-node", "2", str(script),
+         str(tmp_path)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    wait_for(lambda: len(list(tmp_path.glob("started_*"))) == 2, 30, "the workers")
+    took, code, err = _stop_and_time(proc, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err
+    assert took < SLACK, err
+    assert "unblocking ['SIGTERM']" in err, err
 
 
 @pytest.mark.torch

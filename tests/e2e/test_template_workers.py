@@ -113,8 +113,9 @@ def _assert_stops_promptly(
     result = finish(proc, 60)
     took = time.monotonic() - sent_at
     if early and result.returncode == -signal.SIGINT:
-        # Sent before the launcher had installed its handlers (still importing): it
-        # dies of the interrupt, as any python program does, before starting anything.
+        # Sent before the launcher's first line held it back (the interpreter was still
+        # starting): it dies of the interrupt, as any python program does, before
+        # starting anything.
         assert "started" not in result.stderr, (what, result.stderr)
     else:
         assert result.returncode == 128 + signal.SIGINT, (what, result.stderr)

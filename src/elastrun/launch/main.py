@@ -27,6 +27,7 @@ from elastrun.core.errors import (
 from elastrun.core.exitcodes import ExitStatus, signal_status
 from elastrun.core.values import parse_int
 from elastrun.launch.cli import Launch, ScriptKind, parse_launch
+from elastrun.launch.entry import EARLY_SIGNALS
 
 if TYPE_CHECKING:  # not loaded at run time: a bad option must not pay for the agent
     from elastrun.agent.spec import Entrypoint
@@ -118,9 +119,11 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
-def _subcommand(args: list[str]) -> int | None:
-    if not args or args[0] not in SUBCOMMANDS or os.path.exists(args[0]):
-        return None
+def _is_subcommand(args: list[str]) -> bool:
+    return bool(args) and args[0] in SUBCOMMANDS and not os.path.exists(args[0])
+
+
+def _subcommand(args: list[str]) -> int:
     import importlib
 
     module, _, func = SUBCOMMANDS[args[0]].partition(":")
@@ -129,32 +132,36 @@ def _subcommand(args: list[str]) -> int | None:
     return code
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the launcher; returns the exit status (see the module docstring)."""
-    try:
-        configure_logging(os.environ)
-    except ConfigError as exc:
-        print(f"elastrun: error: {exc}", file=sys.stderr)
-        return ExitStatus.BAD_CONFIG
-    args = list(sys.argv[1:] if argv is None else argv)
-    code = _subcommand(args)
-    if code is not None:
-        return code
+def main(
+    argv: Sequence[str] | None = None, *, held_mask: set[int | signal.Signals] | None = None
+) -> int:
+    """Run the launcher; returns the exit status (see the module docstring).
+
+    ``held_mask``: the signal mask the process had before the entry point blocked the
+    early signals (``launch.entry``); None blocks them here.
+    """
     # From here until the handlers are installed (_run), a stop signal waits, blocked,
-    # instead of killing the launcher by its default action half-way through parsing
-    # (exit -N, or a KeyboardInterrupt traceback): on a loaded machine the imports and
-    # checks before the handlers take a second or more. Nothing is started meanwhile
-    # that could inherit the mask: the handlers are in place, and the signals
-    # unblocked, before the first child (the worker template) is.
-    early = signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_SIGNALS)
+    # instead of acting by its inherited disposition half-way through parsing (exit -N,
+    # a KeyboardInterrupt traceback, or nothing at all where it was ignored): on a
+    # loaded machine the imports and checks before the handlers take a second or more.
+    # Nothing is started meanwhile that could inherit the mask: the handlers are in
+    # place, and the signals unblocked, before the first child (the worker template) is.
+    if held_mask is None:
+        held_mask = signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_SIGNALS)
     try:
-        return _launch(args, early)
+        try:
+            configure_logging(os.environ)
+        except ConfigError as exc:
+            print(f"elastrun: error: {exc}", file=sys.stderr)
+            return ExitStatus.BAD_CONFIG
+        args = list(sys.argv[1:] if argv is None else argv)
+        if _is_subcommand(args):
+            # A tool (``elastrun store``) installs its own handlers, if any.
+            signal.pthread_sigmask(signal.SIG_SETMASK, held_mask)
+            return _subcommand(args)
+        return _launch(args, held_mask)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, early)
-
-
-#: The default ``--signals-to-handle``: held back from the start until handled.
-EARLY_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
+        signal.pthread_sigmask(signal.SIG_SETMASK, held_mask)
 
 
 def _launch(args: list[str], mask: set[int | signal.Signals]) -> int:
@@ -201,9 +208,15 @@ def _run(launch: Launch, mask: set[int | signal.Signals] | None = None) -> int:
     # signals held back since the start let through (one that came meanwhile is now a
     # stop request, which the launch answers before it starts anything).
     shutdown = ShutdownRequest()
-    restore = install_signal_handlers(parse_signals(launch.config.signals_to_handle), shutdown)
+    handled = parse_signals(launch.config.signals_to_handle)
+    restore = install_signal_handlers(handled, shutdown)
     if mask is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        # A handled signal the parent left blocked is let through too: the launcher
+        # answers it, and forwards it to workers, which inherit this mask.
+        inherited = sorted(s.name for s in handled if s in mask)
+        if inherited:
+            log.info("unblocking %s (blocked by the parent process) to handle it", inherited)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set(mask) - set(handled))
     try:
         # The CLI owns this process's stdout and stderr: tee'd lines go straight to the
         # descriptors (faster, and nothing waits in a Python buffer at exit), not
