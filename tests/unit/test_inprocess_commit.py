@@ -79,6 +79,62 @@ def test_a_forward_pass_after_a_commit_is_rolled_back_and_the_commit_stays_intac
     assert torch.equal(torch.rand(3), draw)  # the generator as at the commit
 
 
+def _broadcast_in_place(model: torch.nn.Module) -> None:
+    """What DDP's construction does to every rank: rank 0's values copied in place (the
+    same values here), each parameter's version counter bumped."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.clone())
+
+
+@pytest.mark.parametrize("failure", ["in-the-first-step", "in-the-setup"])
+def test_the_setup_after_a_recovery_rewriting_the_commit_in_place_keeps_it_intact(
+    failure: str,
+) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = State(model=model, optimizer=opt, step=0)
+    _step(model, opt)
+    state.commit()
+    committed = _everything(model, opt)
+    state.rollback()  # a peer failed; the state synchronisation follows, then the setup
+    state._after_sync()
+    _broadcast_in_place(model)
+    if failure == "in-the-first-step":
+        model(torch.randn(4, 8)).sum().backward()  # ... and the all-reduce fails
+    state.rollback()
+    assert state.held_commit() == 1
+    assert _everything(model, opt) == committed
+
+
+@pytest.mark.parametrize("when", ["after-a-commit", "after-the-first-forward"])
+def test_an_in_place_write_outside_the_setup_still_means_the_rank_no_longer_holds_it(
+    when: str,
+) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = State(model=model, optimizer=opt, step=0)
+    _step(model, opt)
+    state.commit()
+    if when == "after-the-first-forward":
+        state._after_sync()
+        model(torch.randn(4, 8))
+    _broadcast_in_place(model)  # (user code writing parameters in place)
+    model(torch.randn(4, 8)).sum().backward()
+    state.rollback()
+    assert state.held_commit() is None
+
+
+def test_an_optimizer_step_in_the_setup_is_not_taken_as_the_commit() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = State(model=model, optimizer=opt, step=0)
+    state._after_sync()
+    _step(model, opt)
+    state.rollback()
+    assert state.held_commit() is None
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam-foreach", "adam-fused"])
 def test_an_optimizer_step_after_the_commit_means_the_rank_no_longer_holds_it(kind: str) -> None:
     model = _model()

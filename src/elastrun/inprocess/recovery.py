@@ -124,6 +124,7 @@ def _synchronised(channel: Channel, state: State, round_no: int, wait: float) ->
             raise
         failure = _first_line(exc)
     else:
+        state._after_sync()
         channel.send("synced", round=round_no, commit=state.commit_id)
         return None
     log.warning("the state synchronisation failed (%s); waiting for the next round", failure)

@@ -83,6 +83,7 @@ class State:
         object.__setattr__(self, "_commit", 0)
         object.__setattr__(self, "_stepped", False)  # an optimizer stepped since the commit
         object.__setattr__(self, "_hooks", {})
+        object.__setattr__(self, "_rebase", False)  # re-read versions at the next forward
         object.__setattr__(self, "_snap", {})
         object.__setattr__(self, "_plain", {})
         object.__setattr__(self, "_rng", None)
@@ -90,6 +91,7 @@ class State:
         for name, value in items.items():
             setattr(self, name, value)
         self._take()
+        self._after_sync()
 
     # -- attributes -----------------------------------------------------------------------
 
@@ -118,9 +120,34 @@ class State:
         register = getattr(value, "register_step_pre_hook", None)
         if callable(register):
             self._hooks[name] = register(self._mark_stepped)
+            return
+        forward = getattr(value, "register_forward_pre_hook", None)
+        if callable(forward):
+            self._hooks[name] = forward(self._before_forward)
 
     def _mark_stepped(self, *_: object) -> None:
         object.__setattr__(self, "_stepped", True)
+
+    def _after_sync(self) -> None:
+        """The training function is about to run (again) on this commit: its setup may
+        rewrite the commit's own values in place before the first forward pass.
+        DDP's construction broadcasts rank 0's parameters into every rank's, bumping
+        every version counter (rank 0's too) while every value stays the commit's; a
+        failure in the first step would otherwise find no rank holding the commit."""
+        object.__setattr__(self, "_rebase", True)
+
+    def _before_forward(self, *_: object) -> None:
+        """At the first forward pass after ``_after_sync``: the tensors kept by
+        reference are the commit's as they are now, unless an optimizer stepped."""
+        if not self._rebase:
+            return
+        object.__setattr__(self, "_rebase", False)
+        if self._stepped:
+            return
+        for snap in self._snap.values():
+            for leaf in snap.leaves:
+                if leaf.saved is None:
+                    leaf.version = leaf.live._version
 
     # -- commits --------------------------------------------------------------------------
 
@@ -159,6 +186,7 @@ class State:
         """Put every item back as it was at the last commit, as far as the commit holds
         it: a tensor kept by reference that moved on stays as it is, and the rank then
         no longer holds its commit (``held_commit``): it takes a peer's."""
+        self._before_forward()  # a failure before the first forward pass (in DDP's setup)
         object.__setattr__(self, "_intact", self.intact())
         for name, snap in self._snap.items():
             for leaf in snap.leaves:
@@ -190,6 +218,7 @@ class State:
         object.__setattr__(self, "_rng", rng.capture() if self._rng_on else None)
         object.__setattr__(self, "_stepped", False)
         object.__setattr__(self, "_intact", True)
+        object.__setattr__(self, "_rebase", False)
 
     # -- moving a commit between ranks ------------------------------------------------------
 
