@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -64,6 +65,11 @@ class Complaints:
             self.suppressed = 0
         log.warning(message, *args)
 
+
+#: Linux gives an accepted socket its listener's options (TCP_NODELAY and the keep-alive
+#: settings): the server sets them once on its listening sockets, rather than with five
+#: system calls per connection -- in a burst, thousands of them. Elsewhere, per connection.
+LISTENER_OPTIONS_INHERITED = sys.platform == "linux"
 
 #: Every worker of a large job connects; the process's descriptor limit is the real cap.
 DEFAULT_MAX_CONNECTIONS = 65536
@@ -118,7 +124,7 @@ class Connection(asyncio.Protocol):
         self._paused = False  # the peer is not reading its answers: stop reading
         self._closed = False
         self._waiter: Waiter | None = None
-        self.peer = "?"
+        self._peer: str | None = None
         # Answers of the requests served in one read, sent in one write (see _serve).
         self._out: list[bytes] = []
         self._out_size = 0
@@ -131,10 +137,17 @@ class Connection(asyncio.Protocol):
 
     # -- transport events ----------------------------------------------------------------
 
+    @property
+    def peer(self) -> str:
+        """The client's address, for messages (looked up on first use: a system call
+        that thousands of connections need not make while nothing goes wrong)."""
+        if self._peer is None:
+            peer = self._transport.get_extra_info("peername") if self._transport else None
+            self._peer = format_addr(str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else "?"
+        return self._peer
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream server's
-        peer = transport.get_extra_info("peername")
-        self.peer = format_addr(str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else "?"
         if len(self._hub.conns) >= self._hub.limits.max_connections:
             # Accepted only to be closed: a refused client (torch's) retries with
             # back-off until its timeout, by when others may have left.
@@ -146,12 +159,13 @@ class Connection(asyncio.Protocol):
             self._closed = True
             transport.close()
             return
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                tune_socket(sock)
-            except OSError as exc:  # the peer may already be gone; the read will tell
-                log.debug("socket options for %s: %r", self.peer, exc)
+        if not LISTENER_OPTIONS_INHERITED:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    tune_socket(sock)
+                except OSError as exc:  # the peer may already be gone; the read will tell
+                    log.debug("socket options for %s: %r", self.peer, exc)
         self._hub.conns.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -180,7 +194,8 @@ class Connection(asyncio.Protocol):
         self._closed = True
         self._drop_waiter()
         self._hub.conns.discard(self)
-        log.debug("connection from %s closed (%r)", self.peer, exc)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("connection from %s closed (%r)", self.peer, exc)
 
     def close(self) -> None:
         """Close at once, dropping unsent answers (used on protocol errors and on stop)."""
