@@ -28,6 +28,8 @@ root::
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import select
@@ -447,6 +449,10 @@ def _summary(section: Section, opts: Options) -> None:
         "retrieved. err=-3' (EAI_AGAIN) -- the ~10 s bursts measured earlier with torch's "
         "own clients on both servers. The asyncio clients here make no lookup.",
         f"Listening sockets (ss: queued, backlog): {section.raw.get('listen_queue')}.",
+        f"Event loops: elastrun's server and the load processes on {_loop_name()} "
+        "(uvloop when installed: elastrun's `scale` extra). The load processes are the "
+        "same for both servers; on asyncio's loop they spent about twice the CPU and "
+        "bounded the bursts on this 2-core machine.",
     ]
     section.commands.update(
         {
@@ -456,6 +462,12 @@ def _summary(section: Section, opts: Options) -> None:
             "clients": "python benchmarks/_bootstrap_load.py PORT  # _torchwire_client.py",
         }
     )
+
+
+def _loop_name() -> str:
+    if importlib.util.find_spec("uvloop") is None:
+        return "asyncio's loop"
+    return f"uvloop {importlib.metadata.version('uvloop')}"
 
 
 def run(profile: str, impls: list[str] | None = None) -> Section:
