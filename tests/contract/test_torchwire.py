@@ -35,9 +35,11 @@ from typing import Any, TypedDict, TypeVar
 import pytest
 
 from elastrun.core.errors import ConfigError, StoreError
+from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.torchwire import TorchWireServer
 from elastrun.store.torchwire import codec as c
 from elastrun.store.torchwire.codec import Op, Request
+from elastrun.store.torchwire.connection import LISTENER_OPTIONS_INHERITED
 
 TIMEOUT = timedelta(seconds=5)
 
@@ -684,6 +686,24 @@ def test_bad_arguments_are_config_errors_naming_the_field(kwargs: _ServerArgs, f
     with pytest.raises(ConfigError) as info:
         TorchWireServer("127.0.0.1", **kwargs)
     assert info.value.field == field
+
+
+@pytest.mark.skipif(not LISTENER_OPTIONS_INHERITED, reason="options set per connection")
+def test_accepted_connections_get_the_listeners_nodelay_and_keep_alive_settings() -> None:
+    # What the server relies on to set them once, on its listening sockets.
+    with socket.socket() as listener:
+        tune_socket(listener)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with socket.create_connection(listener.getsockname()), listener.accept()[0] as conn:
+            options = [
+                (socket.IPPROTO_TCP, socket.TCP_NODELAY),
+                (socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+            ]
+            assert [conn.getsockopt(*o) for o in options] == [1, 1, 10, 5, 3]
 
 
 def test_an_empty_host_listens_on_every_interface_ipv4_and_ipv6() -> None:
