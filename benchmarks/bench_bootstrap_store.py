@@ -28,6 +28,8 @@ root::
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import select
@@ -420,13 +422,7 @@ def _summary(section: Section, opts: Options) -> None:
     for clients in opts.bursts:
         row = burst.rows.get(f"barrier{clients}")
         if row is not None:
-            section.headlines.append(
-                Headline(
-                    f"burst of {clients} (elastrun / torch, s)",
-                    ratio_text(row, "elastrun", "torch"),
-                    "1,024 in <= 1 s, 10,000 in <= 5 s (issue 26)",
-                )
-            )
+            section.headlines.append(_burst_headline(row, clients))
     section.notes += [
         "A set has no answer in torch's protocol (its client does not wait): each set is "
         "followed by a ping to close the loop, so the server serves two requests per set.",
@@ -447,6 +443,10 @@ def _summary(section: Section, opts: Options) -> None:
         "retrieved. err=-3' (EAI_AGAIN) -- the ~10 s bursts measured earlier with torch's "
         "own clients on both servers. The asyncio clients here make no lookup.",
         f"Listening sockets (ss: queued, backlog): {section.raw.get('listen_queue')}.",
+        f"Event loops: elastrun's server and the load processes on {_loop_name()} "
+        "(uvloop when installed: elastrun's `scale` extra). The load processes are the "
+        "same for both servers; on asyncio's loop they spent about twice the CPU and "
+        "bounded the bursts on this 2-core machine.",
     ]
     section.commands.update(
         {
@@ -456,6 +456,34 @@ def _summary(section: Section, opts: Options) -> None:
             "clients": "python benchmarks/_bootstrap_load.py PORT  # _torchwire_client.py",
         }
     )
+
+
+#: Issue 26's targets for the burst, in seconds, by number of clients.
+BURST_TARGETS_S = {1024: 1.0, 10000: 5.0}
+
+
+def _burst_headline(row: Row, clients: int) -> Headline:
+    """elastrun's time for the burst, with torch's beside it when its server finished
+    one (it is not given the largest, and fails 1,024 here: see the notes)."""
+    m = row.medians()
+    mine = m.get("elastrun")
+    if mine is None:
+        return Headline(f"burst of {clients} (elastrun, s)", "not measured")
+    theirs = m.get("torch")
+    versus = f"torch {theirs:.3f} s" if theirs is not None else "torch: no finished burst"
+    target = BURST_TARGETS_S.get(clients)
+    return Headline(
+        f"burst of {clients}: every rank passed the barrier (elastrun, s)",
+        f"{mine:.3f} s ({versus})",
+        f"<= {target:g} s (issue 26)" if target is not None else "",
+        None if target is None else mine <= target,
+    )
+
+
+def _loop_name() -> str:
+    if importlib.util.find_spec("uvloop") is None:
+        return "asyncio's loop"
+    return f"uvloop {importlib.metadata.version('uvloop')}"
 
 
 def run(profile: str, impls: list[str] | None = None) -> Section:

@@ -54,6 +54,18 @@ def _our_fds() -> set[tuple[int, str]]:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def uvloop_warmed() -> None:
+    """uvloop keeps a pipe open for the life of the process from its first loop on
+    (libuv's signal wake-up), and the workers' store runs on uvloop when it is
+    installed: open that pipe before any test's descriptor accounting starts."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    uvloop.new_event_loop().close()
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(
     monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory

@@ -14,8 +14,10 @@ clients) use raw sockets and run it in this process.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import select
@@ -33,9 +35,11 @@ from typing import Any, TypedDict, TypeVar
 import pytest
 
 from elastrun.core.errors import ConfigError, StoreError
+from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.torchwire import TorchWireServer
 from elastrun.store.torchwire import codec as c
 from elastrun.store.torchwire.codec import Op, Request
+from elastrun.store.torchwire.connection import LISTENER_OPTIONS_INHERITED
 
 TIMEOUT = timedelta(seconds=5)
 
@@ -46,9 +50,15 @@ def _u64(number: int) -> bytes:
 
 _SERVER = textwrap.dedent(
     """
-    import json, sys
+    import asyncio, json, sys
     from elastrun.store.torchwire import TorchWireServer
-    server = TorchWireServer("127.0.0.1", 0, **json.loads(sys.argv[1]))
+    options = json.loads(sys.argv[1])
+    if options.pop("loop") == "uvloop":
+        import uvloop
+        factory = uvloop.new_event_loop
+    else:
+        factory = asyncio.new_event_loop
+    server = TorchWireServer("127.0.0.1", 0, loop_factory=factory, **options)
     print(server.start(), flush=True)
     for line in sys.stdin:
         print(server.num_connections, flush=True)
@@ -60,9 +70,9 @@ _SERVER = textwrap.dedent(
 class WireProcess:
     """TorchWireServer in a child process; a line on its stdin asks for its connections."""
 
-    def __init__(self, **options: int) -> None:
+    def __init__(self, loop: str, **options: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _SERVER, json.dumps(options)],
+            [sys.executable, "-c", _SERVER, json.dumps({"loop": loop, **options})],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -113,12 +123,32 @@ def dist() -> Any:
     return module
 
 
+_UVLOOP = pytest.mark.skipif(
+    importlib.util.find_spec("uvloop") is None, reason="uvloop is not installed"
+)
+
+
+@pytest.fixture(params=["asyncio", pytest.param("uvloop", marks=_UVLOOP)])
+def loop_name(request: pytest.FixtureRequest) -> str:
+    """The event loop our server runs on: both of those it may be given."""
+    name: str = request.param
+    return name
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    if name == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
 @pytest.fixture
-def wire_factory() -> Iterator[Callable[..., WireProcess]]:
+def wire_factory(loop_name: str) -> Iterator[Callable[..., WireProcess]]:
     started: list[WireProcess] = []
 
     def start(**options: int) -> WireProcess:
-        started.append(WireProcess(**options))
+        started.append(WireProcess(loop_name, **options))
         return started[-1]
 
     yield start
@@ -573,8 +603,8 @@ def test_a_value_over_the_configured_limit_drops_that_client_only(
 
 
 @pytest.fixture
-def server() -> Iterator[TorchWireServer]:
-    s = TorchWireServer("127.0.0.1", 0)
+def server(loop_name: str) -> Iterator[TorchWireServer]:
+    s = TorchWireServer("127.0.0.1", 0, loop_factory=loop_factory(loop_name))
     yield s
     s.close()
 
@@ -656,6 +686,24 @@ def test_bad_arguments_are_config_errors_naming_the_field(kwargs: _ServerArgs, f
     with pytest.raises(ConfigError) as info:
         TorchWireServer("127.0.0.1", **kwargs)
     assert info.value.field == field
+
+
+@pytest.mark.skipif(not LISTENER_OPTIONS_INHERITED, reason="options set per connection")
+def test_accepted_connections_get_the_listeners_nodelay_and_keep_alive_settings() -> None:
+    # What the server relies on to set them once, on its listening sockets.
+    with socket.socket() as listener:
+        tune_socket(listener)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with socket.create_connection(listener.getsockname()), listener.accept()[0] as conn:
+            options = [
+                (socket.IPPROTO_TCP, socket.TCP_NODELAY),
+                (socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+            ]
+            assert [conn.getsockopt(*o) for o in options] == [1, 1, 10, 5, 3]
 
 
 def test_an_empty_host_listens_on_every_interface_ipv4_and_ipv6() -> None:

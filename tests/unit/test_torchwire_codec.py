@@ -189,3 +189,22 @@ def test_answers_have_torchs_widths_and_byte_order() -> None:
     assert c.encode_queue_pop(1, b"item") == bytes.fromhex(
         "0100000000000000 0400000000000000 6974656d"
     )
+
+
+def test_command_bytes_are_numbered_without_gaps() -> None:
+    # The parser looks commands up by byte in a table.
+    assert sorted(Op) == list(range(len(Op)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(requests(), min_size=1, max_size=8))
+def test_requests_read_whole_or_byte_by_byte_are_the_same(reqs: list[Request]) -> None:
+    # Whole requests take the parser's fast path; a byte at a time, its general reader.
+    wire = c.encode_requests(reqs)
+    parser = RequestParser()
+    by_byte: list[Request] = []
+    for i in range(len(wire)):
+        parser.feed(wire[i : i + 1])
+        while (request := parser.next()) is not None:
+            by_byte.append(request)
+    assert parse_all(wire) == by_byte == reqs

@@ -68,15 +68,37 @@ def connect(hub: Hub, full_after: int | None = None) -> tuple[Connection, FakeTr
 
 
 def test_answers_stop_while_the_peer_is_not_reading_and_resume_in_order(hub: Hub) -> None:
-    hub.state.set(b"/v", b"value")
+    big = b"v" * (64 * 1024)  # each answer fills what a connection gathers before writing
+    hub.state.set(b"/v", big)
     conn, t = connect(hub, full_after=1)
     get = Request(Op.GET, (b"/v",))
     conn.data_received(c.encode_requests([VALIDATE, get, get, get]))
-    assert t.written == [c.encode_bytes(b"value")]
+    assert t.written == [c.encode_bytes(big)]
     assert not t.reading  # later requests stay unread in the kernel, not in our memory
     conn.resume_writing()
-    assert t.written == [c.encode_bytes(b"value")] * 3
+    assert t.written == [c.encode_bytes(big)] * 3
     assert t.reading
+
+
+def test_the_answers_to_one_read_go_out_in_one_write_in_order(hub: Hub) -> None:
+    hub.state.set(b"/v", b"value")
+    conn, t = connect(hub)
+    reqs = [VALIDATE, Request(Op.GET, (b"/v",)), Request(Op.ADD, (b"/n",), number=2)]
+    reqs += [Request(Op.WAIT, (b"/late",)), Request(Op.SET, (b"/late",), (b"x",))]
+    reqs += [Request(Op.PING, number=9)]
+    conn.data_received(c.encode_requests(reqs))
+    # The wait is released by the set after it, so its answer comes before the ping's.
+    expected = [c.encode_bytes(b"value"), c.encode_i64(2), b"\x00", c.encode_u32(9)]
+    assert t.written == [b"".join(expected)]
+
+
+def test_a_client_released_by_another_is_answered_at_once(hub: Hub) -> None:
+    waiting, tw = connect(hub)
+    waiting.data_received(c.encode_requests([VALIDATE, Request(Op.WAIT, (b"/k",))]))
+    setter, ts = connect(hub)
+    setter.data_received(c.encode_requests([VALIDATE, Request(Op.SET, (b"/k",), (b"1",))]))
+    assert tw.written == [b"\x00"]
+    assert ts.written == []
 
 
 def test_nothing_is_served_before_validation(hub: Hub) -> None:

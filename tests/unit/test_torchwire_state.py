@@ -11,6 +11,7 @@ from elastrun.store.torchwire.state import (
     TorchStoreState,
     Waiter,
     parse_counter,
+    read_counter,
 )
 
 
@@ -79,16 +80,33 @@ def test_compare_set_that_creates_a_key_releases_its_waiters() -> None:
 
 @pytest.mark.parametrize(
     ("stored", "number"),
-    [(b"12", 12), (b" 12abc", 12), (b"+5", 5), (b"-0x5", 0), (b"\t\n-5", -5), (b"007", 7)],
+    [
+        (b"12", 12),
+        (b" 12abc", 12),
+        (b"+5", 5),
+        (b"-0x5", 0),
+        (b"\t\n-5", -5),
+        (b"007", 7),
+        (b"1_0", 1),
+        (b"9223372036854775807", 2**63 - 1),
+    ],
 )
-def test_counters_are_read_as_stoll_reads_them(stored: bytes, number: int) -> None:
-    assert parse_counter(stored) == number
+@pytest.mark.parametrize("read", [parse_counter, read_counter])
+def test_counters_are_read_as_stoll_reads_them(
+    read: Callable[[bytes], int], stored: bytes, number: int
+) -> None:
+    assert read(stored) == number
 
 
-@pytest.mark.parametrize("stored", [b"", b"abc", b" ", b"-", b"99999999999999999999"])
-def test_values_that_are_not_64_bit_numbers_are_refused(stored: bytes) -> None:
+@pytest.mark.parametrize(
+    "stored", [b"", b"abc", b" ", b"-", b"99999999999999999999", b"9223372036854775808"]
+)
+@pytest.mark.parametrize("read", [parse_counter, read_counter])
+def test_values_that_are_not_64_bit_numbers_are_refused(
+    read: Callable[[bytes], int], stored: bytes
+) -> None:
     with pytest.raises(NotANumberError):
-        parse_counter(stored)
+        read(stored)
 
 
 def test_add_starts_from_zero_and_stores_decimal() -> None:

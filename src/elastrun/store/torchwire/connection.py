@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -64,6 +65,11 @@ class Complaints:
             self.suppressed = 0
         log.warning(message, *args)
 
+
+#: Linux gives an accepted socket its listener's options (TCP_NODELAY and the keep-alive
+#: settings): the server sets them once on its listening sockets, rather than with five
+#: system calls per connection -- in a burst, thousands of them. Elsewhere, per connection.
+LISTENER_OPTIONS_INHERITED = sys.platform == "linux"
 
 #: Every worker of a large job connects; the process's descriptor limit is the real cap.
 DEFAULT_MAX_CONNECTIONS = 65536
@@ -118,27 +124,11 @@ class Connection(asyncio.Protocol):
         self._paused = False  # the peer is not reading its answers: stop reading
         self._closed = False
         self._waiter: Waiter | None = None
-        self.peer = "?"
-        self._handlers: dict[c.Op, Callable[[c.Request], None]] = {
-            c.Op.PING: self._ping,
-            c.Op.SET: self._set,
-            c.Op.COMPARE_SET: self._compare_set,
-            c.Op.GET: self._get,
-            c.Op.ADD: self._add,
-            c.Op.CHECK: self._check,
-            c.Op.WAIT: self._wait,
-            c.Op.GETNUMKEYS: self._num_keys,
-            c.Op.DELETE_KEY: self._delete,
-            c.Op.APPEND: self._append,
-            c.Op.MULTI_GET: self._multi_get,
-            c.Op.MULTI_SET: self._multi_set,
-            c.Op.CANCEL_WAIT: self._cancel_wait,
-            c.Op.QUEUE_PUSH: self._queue_push,
-            c.Op.QUEUE_POP: self._queue_pop,
-            c.Op.QUEUE_LEN: self._queue_len,
-            c.Op.LIST_KEYS: self._list_keys,
-            c.Op.BARRIER: self._barrier,
-        }
+        self._peer: str | None = None
+        # Answers of the requests served in one read, sent in one write (see _serve).
+        self._out: list[bytes] = []
+        self._out_size = 0
+        self._serving = False
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "ready" if self._validated else "new"
@@ -147,10 +137,17 @@ class Connection(asyncio.Protocol):
 
     # -- transport events ----------------------------------------------------------------
 
+    @property
+    def peer(self) -> str:
+        """The client's address, for messages (looked up on first use: a system call
+        that thousands of connections need not make while nothing goes wrong)."""
+        if self._peer is None:
+            peer = self._transport.get_extra_info("peername") if self._transport else None
+            self._peer = format_addr(str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else "?"
+        return self._peer
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream server's
-        peer = transport.get_extra_info("peername")
-        self.peer = format_addr(str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else "?"
         if len(self._hub.conns) >= self._hub.limits.max_connections:
             # Accepted only to be closed: a refused client (torch's) retries with
             # back-off until its timeout, by when others may have left.
@@ -162,12 +159,13 @@ class Connection(asyncio.Protocol):
             self._closed = True
             transport.close()
             return
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                tune_socket(sock)
-            except OSError as exc:  # the peer may already be gone; the read will tell
-                log.debug("socket options for %s: %r", self.peer, exc)
+        if not LISTENER_OPTIONS_INHERITED:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    tune_socket(sock)
+                except OSError as exc:  # the peer may already be gone; the read will tell
+                    log.debug("socket options for %s: %r", self.peer, exc)
         self._hub.conns.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -196,7 +194,8 @@ class Connection(asyncio.Protocol):
         self._closed = True
         self._drop_waiter()
         self._hub.conns.discard(self)
-        log.debug("connection from %s closed (%r)", self.peer, exc)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("connection from %s closed (%r)", self.peer, exc)
 
     def close(self) -> None:
         """Close at once, dropping unsent answers (used on protocol errors and on stop)."""
@@ -208,36 +207,55 @@ class Connection(asyncio.Protocol):
     # -- requests ------------------------------------------------------------------------
 
     def _serve_buffered(self) -> None:
+        # Every request already received is served before anything is written, and the
+        # answers go out in one write: one send() for a client's pipelined requests
+        # instead of one each. What waits unsent is bounded by _FLUSH_AT (plus one
+        # answer): past it the answers are written, and a paused peer stops the loop.
+        self._serving = True
         try:
+            parser, handlers = self._parser, _HANDLERS
             while not self._closed and not self._paused:
-                request = self._parser.next()
+                request = parser.next()
                 if request is None:
-                    return
-                self._handle(request)
+                    break
+                if not self._validated:
+                    self._validate(request)
+                    continue
+                handler = handlers.get(request.op)
+                if handler is None:  # VALIDATE again: torch's server closes too
+                    raise c.ProtocolError(f"unexpected {request.op.name} request")
+                handler(self, request)
+                if self._out_size >= _FLUSH_AT:
+                    self._flush()
         except StoreError as exc:  # ProtocolError, NotANumberError: this client's fault
             self._hub.complain("closing the connection from %s: %s", self.peer, exc)
             self.close()
         except Exception as exc:  # a bug of ours: it costs this client, not every client
             self._hub.complain("internal error serving %s, closing it: %r", self.peer, exc)
             self.close()
+        finally:
+            self._serving = False
+            self._flush()
 
-    def _handle(self, request: c.Request) -> None:
-        if not self._validated:
-            if request.op is not c.Op.VALIDATE or request.number != c.MAGIC:
-                raise c.ProtocolError(
-                    f"its first request is {request.op.name} {request.number:#x}, not the "
-                    "validation a torch client sends (another protocol, or not torch?)"
-                )
-            self._validated = True
-            return
-        handler = self._handlers.get(request.op)
-        if handler is None:  # VALIDATE again: torch's server closes too
-            raise c.ProtocolError(f"unexpected {request.op.name} request")
-        handler(request)
+    def _validate(self, request: c.Request) -> None:
+        if request.op is not c.Op.VALIDATE or request.number != c.MAGIC:
+            raise c.ProtocolError(
+                f"its first request is {request.op.name} {request.number:#x}, not the "
+                "validation a torch client sends (another protocol, or not torch?)"
+            )
+        self._validated = True
 
     def _send(self, data: bytes) -> None:
+        self._out.append(data)
+        self._out_size += len(data)
+
+    def _flush(self) -> None:
+        out = self._out
+        if not out:
+            return
+        self._out, self._out_size = [], 0
         if self._transport is not None and not self._closed:
-            self._transport.write(data)
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def _ping(self, r: c.Request) -> None:
         self._send(c.encode_u32(r.number))
@@ -269,9 +287,10 @@ class Connection(asyncio.Protocol):
         self._state.append(r.key, r.values[0])
 
     def _multi_get(self, r: c.Request) -> None:
-        # Several writes, not one joined buffer: the values may be large.
         for value in self._state.multi_get(r.keys):
             self._send(c.encode_bytes(value))
+            if self._out_size >= _FLUSH_AT:  # the values may be large
+                self._flush()
 
     def _multi_set(self, r: c.Request) -> None:
         self._state.multi_set(r.keys, r.values)
@@ -294,21 +313,25 @@ class Connection(asyncio.Protocol):
         self._check_not_waiting(r)
         self._waiter = self._state.wait(r.keys, self._wake)
         if self._waiter is None:
-            self._send(c.encode_byte(c.WaitReply.STOP_WAITING))
+            self._send(_STOP_WAITING)
 
     def _barrier(self, r: c.Request) -> None:
         self._check_not_waiting(r)
         self._waiter = self._state.barrier(r.key, r.number, self._wake)
         if self._waiter is None:
-            self._send(c.encode_byte(c.WaitReply.STOP_WAITING))
+            self._send(_STOP_WAITING)
 
     def _check_not_waiting(self, r: c.Request) -> None:
         if self._waiter is not None:
             raise c.ProtocolError(f"{r.op.name} while its previous wait is still blocked")
 
     def _wake(self) -> None:
+        # Called while serving another client (whose write released this one), or this
+        # one: then the answer joins this read's others, in order.
         self._waiter = None
-        self._send(c.encode_byte(c.WaitReply.STOP_WAITING))
+        self._send(_STOP_WAITING)
+        if not self._serving:
+            self._flush()
 
     def _cancel_wait(self, r: c.Request) -> None:
         # The client's wait timed out. If it was released meanwhile, the client
@@ -320,3 +343,31 @@ class Connection(asyncio.Protocol):
         if self._waiter is not None:
             self._state.cancel(self._waiter)
             self._waiter = None
+
+
+#: Unsent answers a connection gathers before writing them: a read of small requests
+#: is answered in one write, a large answer is written at once.
+_FLUSH_AT = 64 * 1024
+_STOP_WAITING = c.encode_byte(c.WaitReply.STOP_WAITING)
+
+#: Each request's handler, by command (all but VALIDATE, which only comes first).
+_HANDLERS: dict[c.Op, Callable[[Connection, c.Request], None]] = {
+    c.Op.PING: Connection._ping,
+    c.Op.SET: Connection._set,
+    c.Op.COMPARE_SET: Connection._compare_set,
+    c.Op.GET: Connection._get,
+    c.Op.ADD: Connection._add,
+    c.Op.CHECK: Connection._check,
+    c.Op.WAIT: Connection._wait,
+    c.Op.GETNUMKEYS: Connection._num_keys,
+    c.Op.DELETE_KEY: Connection._delete,
+    c.Op.APPEND: Connection._append,
+    c.Op.MULTI_GET: Connection._multi_get,
+    c.Op.MULTI_SET: Connection._multi_set,
+    c.Op.CANCEL_WAIT: Connection._cancel_wait,
+    c.Op.QUEUE_PUSH: Connection._queue_push,
+    c.Op.QUEUE_POP: Connection._queue_pop,
+    c.Op.QUEUE_LEN: Connection._queue_len,
+    c.Op.LIST_KEYS: Connection._list_keys,
+    c.Op.BARRIER: Connection._barrier,
+}

@@ -12,11 +12,14 @@ import asyncio
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
 from elastrun.core.errors import ConfigError, StoreError
+from elastrun.core.eventloop import new_event_loop
 
 # The tcp store's listening helpers: one address or all of a name's, one port for all,
 # IPv6 sockets that leave the IPv4 port alone, and a re-pick when port 0 collides.
+from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.tcp.server import bind_listeners
 from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec
@@ -46,6 +49,8 @@ class TorchWireServer:
         max_frame: largest request in bytes -- in practice, the largest value a client
             may store (torch's own server stops at 8 MiB).
         max_key: longest key in bytes.
+        loop_factory: makes the event loop the server runs on; by default uvloop's
+            when it is installed (``elastrun.core.eventloop``), else asyncio's.
 
     A client that exceeds a limit or breaks the protocol has its own connection
     closed; no other client notices. The constructor does no I/O; it raises
@@ -69,12 +74,14 @@ class TorchWireServer:
         max_key: int = codec.DEFAULT_MAX_KEY,
         *,
         sockets: list[socket.socket] | None = None,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] = new_event_loop,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError("port", port, "must be in 0..65535")
         self._limits = Limits(max_connections, max_frame, max_key)
         # Listening sockets bound by the caller (see ``lazy``); the server then owns them.
         self._given = sockets
+        self._loop_factory = loop_factory
         self._host = host
         self._requested_port = port
         self._port: int | None = None
@@ -127,7 +134,7 @@ class TorchWireServer:
             if self._started or self._closed:
                 raise StoreError("this torch store server was already started or closed")
             self._started = True
-        loop = asyncio.new_event_loop()
+        loop = self._loop_factory()
         hub = Hub(loop, self._limits)
         try:
             servers = loop.run_until_complete(self._listen(loop, hub))
@@ -189,13 +196,20 @@ class TorchWireServer:
         except RuntimeError:  # the loop closed in between: nothing left to stop
             pass
 
-    async def _listen(self, loop: asyncio.AbstractEventLoop, hub: Hub) -> list[asyncio.Server]:
+    async def _listen(
+        self, loop: asyncio.AbstractEventLoop, hub: Hub
+    ) -> list[asyncio.AbstractServer]:
         socks = self._given or await bind_listeners(self._host, self._requested_port)
+        for sock in socks:  # accepted sockets inherit these (see LISTENER_OPTIONS_INHERITED)
+            tune_socket(sock)
         made = await asyncio.gather(
             *(loop.create_server(lambda: Connection(hub), sock=s, backlog=BACKLOG) for s in socks),
             return_exceptions=True,
         )
-        servers = [m for m in made if isinstance(m, asyncio.Server)]
+        # Not isinstance(asyncio.Server): uvloop's server is an AbstractServer only.
+        servers: list[asyncio.AbstractServer] = [
+            m for m in made if not isinstance(m, BaseException)
+        ]
         failures = [m for m in made if isinstance(m, BaseException)]
         if failures:  # all or nothing: close what did start, and every socket
             for server in servers:
@@ -209,7 +223,7 @@ class TorchWireServer:
     def _run(
         self,
         loop: asyncio.AbstractEventLoop,
-        servers: list[asyncio.Server],
+        servers: list[asyncio.AbstractServer],
         hub: Hub,
         stop: asyncio.Event,
     ) -> None:
@@ -224,7 +238,9 @@ class TorchWireServer:
             finally:
                 loop.close()
 
-    async def _serve(self, servers: list[asyncio.Server], hub: Hub, stop: asyncio.Event) -> None:
+    async def _serve(
+        self, servers: list[asyncio.AbstractServer], hub: Hub, stop: asyncio.Event
+    ) -> None:
         try:
             await stop.wait()
         finally:

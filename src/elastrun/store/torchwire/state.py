@@ -61,6 +61,21 @@ def parse_counter(value: bytes) -> int:
     return number
 
 
+def read_counter(value: bytes | None) -> int:
+    """:func:`parse_counter`, 0 for a missing key, and quick for plain digits.
+
+    A counter's value is nearly always what ``add`` itself stored: digits, which
+    ``int`` reads as ``std::stoll`` does, in a fifth of the regular expression's time.
+    """
+    if value is None:
+        return 0
+    if value.isdigit():  # ASCII digits only (no sign, space or underscore)
+        number = int(value)
+        if number <= _INT64_MAX:
+            return number
+    return parse_counter(value)
+
+
 def _wrap64(number: int) -> int:
     number %= _INT64
     return number - _INT64 if number > _INT64_MAX else number
@@ -128,9 +143,10 @@ class TorchStoreState:
 
         Raises ``NotANumberError`` when the stored value is not a number.
         """
-        old = self._values.get(key)
-        total = _wrap64(amount + (parse_counter(old) if old is not None else 0))
-        self._values[key] = str(total).encode()
+        total = amount + read_counter(self._values.get(key))
+        if not _INT64_MIN <= total <= _INT64_MAX:
+            total = _wrap64(total)
+        self._values[key] = b"%d" % total
         self._written(key)
         return total
 
@@ -170,9 +186,8 @@ class TorchStoreState:
 
         Raises ``NotANumberError`` when ``key`` holds something else than a count.
         """
-        old = self._values.get(key)
-        count = _wrap64((parse_counter(old) if old is not None else 0) + 1)
-        self._values[key] = str(count).encode()
+        count = _wrap64(read_counter(self._values.get(key)) + 1)
+        self._values[key] = b"%d" % count
         if count >= world_size:
             self._written(key)
             return None
