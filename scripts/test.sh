@@ -25,17 +25,14 @@ mypy_log="$(mktemp)"
 trap 'rm -f "$mypy_log"' EXIT
 "$py/mypy" >"$mypy_log" 2>&1 &
 mypy_pid=$!
-# Two workers on CI's two cores. Three kept both cores busier (pytest 468-505 s in fresh
-# clones against about 550 s for two), but under that load a SIGINT to a launcher whose
-# workers had just started went unanswered for 60 s in 2 of 3 fresh runs
-# (test_an_interrupt_at_any_moment_of_the_launch_stops_it_at_once; not reproduced in 240
-# launches beside four CPU hogs): two, until that is understood. Work stealing evens out
-# the long end-to-end tests at the end. Each worker runs the conftest's leak checks on its
-# own tests (the process tag is per test, the descriptor check per worker process). `-n 0`
-# after it runs serially.
+# Three workers on CI's two cores: most tests wait (a timeout, a peer, a sleeping worker),
+# and a third keeps both cores busy (fresh clones: pytest 468-505 s against about 550 s
+# for two). Work stealing evens out the long end-to-end tests at the end. Each worker runs
+# the conftest's leak checks on its own tests (the process tag is per test, the
+# descriptor check per worker process). `-n 0` after it runs serially.
 echo "== pytest"
 status=0
-"$py/python" -m pytest -n 2 --dist worksteal "$@" || status=$?
+"$py/python" -m pytest -n 3 --dist worksteal "$@" || status=$?
 echo "== mypy (strict)"
 wait "$mypy_pid" || status=1
 cat "$mypy_log"
