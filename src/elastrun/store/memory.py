@@ -28,6 +28,11 @@ from elastrun.store.api import EventKind, WatchEvent, WatchResult
 HISTORY = 65_536
 
 
+def _folder(key: str) -> str:
+    """``key`` up to and with its last "/" ("" when it has none)."""
+    return key[: key.rfind("/") + 1]
+
+
 class _Lease:
     __slots__ = ("deadline", "keys", "ttl")
 
@@ -43,6 +48,11 @@ class MemoryStore:
     def __init__(self, clock: Clock = SYSTEM_CLOCK, history: int = HISTORY) -> None:
         self._clock = clock
         self._data: dict[str, bytes] = {}
+        # The keys by folder (a key up to its last "/"): a prefix read looks at the
+        # folders, then at the keys of the ones it can match. Scanning every key made
+        # each read of a small folder cost the whole store (a rendezvous of N nodes reads
+        # small folders N times: O(N^2)); a sorted key list costs O(N) per new key.
+        self._folders: dict[str, dict[str, None]] = {}
         self._key_lease: dict[str, int] = {}
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(1)
@@ -70,6 +80,8 @@ class MemoryStore:
                 raise LeaseExpiredError(f"lease {lease} has expired or was revoked")
             held.keys.add(key)
             self._key_lease[key] = lease
+        if key not in self._data:
+            self._folders.setdefault(_folder(key), {})[key] = None
         self._data[key] = bytes(value)
         return self._record(EventKind.PUT, key, self._data[key])
 
@@ -77,6 +89,11 @@ class MemoryStore:
         if key not in self._data:
             return False
         del self._data[key]
+        folder = _folder(key)
+        keys = self._folders[folder]
+        del keys[key]
+        if not keys:
+            del self._folders[folder]
         lease = self._key_lease.pop(key, None)
         if lease is not None and lease in self._leases:
             self._leases[lease].keys.discard(key)
@@ -155,7 +172,13 @@ class MemoryStore:
     def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
         with self._cond:
             self._expire()
-            found = {k: v for k, v in self._data.items() if k.startswith(prefix)}
+            data = self._data
+            found: dict[str, bytes] = {}
+            for folder, keys in self._folders.items():
+                if folder.startswith(prefix):  # the whole folder is under the prefix
+                    found.update((k, data[k]) for k in keys)
+                elif prefix.startswith(folder):  # the prefix ends inside this folder
+                    found.update((k, data[k]) for k in keys if k.startswith(prefix))
             return found, self._revision
 
     def grant_lease(self, ttl: float) -> int:
