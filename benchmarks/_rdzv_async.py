@@ -31,8 +31,9 @@ from elastrun.core.errors import (
     StoreError,
 )
 from elastrun.rendezvous import joining
-from elastrun.rendezvous.decide import RoundWatch, RunKeys
+from elastrun.rendezvous.decide import RoundWatch, RunKeys, page_count, page_entries, page_of
 from elastrun.rendezvous.dynamic import NodeDesc, RendezvousSettings
+from elastrun.rendezvous.liveness import WATCH_SPAN
 from elastrun.rendezvous.local import free_port
 from elastrun.store.api import EventKind
 
@@ -146,10 +147,12 @@ class AsyncNode:
         if known is not None or self._round is None:
             return bool(known)
         n = self._round
-        found = await self._store.get(self._keys.rank(n, self._decision, node)) is not None
+        key = self._keys.members(n, self._decision, page_of(node, page_count(self._size)))
+        entries = page_entries(await self._store.get(key))
         if self._round == n:
-            self._membership[node] = found
-        return found
+            self._membership.update(dict.fromkeys(entries, True))
+            self._membership.setdefault(node, False)
+        return node in entries
 
     def _enter_round(self, joined: joining.Joined) -> tuple[int, int, int]:
         n, rank, result = joined.n, joined.rank, joined.result
@@ -222,7 +225,7 @@ class AsyncNode:
                     watching = (n, self._round_watch(n, size), since)
                 _, view, rev = watching
                 try:
-                    res = await self._store.watch(self._keys.ctl, rev, 1.0)
+                    res = await self._store.watch(self._keys.ctl, rev, WATCH_SPAN)
                 except StoreCompactedError:
                     view = self._round_watch(n, size)
                     watching = (n, view, await self._reload(view, n))
@@ -300,7 +303,7 @@ class AsyncNode:
 Trace = list[tuple[str, str, str]]
 
 
-_DECISION_ID = re.compile(r'(/decided/|/rank/|"id": ")[0-9a-f]{12}')
+_DECISION_ID = re.compile(r'(/members/|"id": ")[0-9a-f]{12}')
 
 
 def _norm(text: str) -> str:

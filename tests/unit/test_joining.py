@@ -110,10 +110,9 @@ def test_a_follower_takes_over_when_the_closers_claim_vanishes_and_closes_the_ro
     run.expect(j.Get, None)  # the run is not closed
     assert run.expect(j.Seen) == j.Seen(0, 1)
     # One node of 1..1: the round closes at once, with "b" at rank 0.
-    decided = run.expect(j.Put, 10)
-    assert json.loads(decided.value)["members"][0][0] == "b"
-    rank = run.expect(j.Put, 11)
-    assert rank.value == b"0" and rank.key.endswith("/b")
+    page = run.expect(j.Put, 10)  # one page: "b" at rank 0, with its address
+    assert page.key.startswith(KEYS.prefix + "rounds/0/members/") and page.key.endswith("/0")
+    assert json.loads(page.value) == {"members": {"b": [0, "10.0.0.2", "default", 2]}}
     result = run.expect(j.CompareSet, (True, None))
     assert result.key == KEYS.result(0)
     assert run.expect(j.Put, 12).key == KEYS.current

@@ -29,7 +29,17 @@ from elastrun.core.errors import (
     RendezvousTimeoutError,
     StoreCompactedError,
 )
-from elastrun.rendezvous.decide import Bounds, RoundView, RunKeys, Verdict, apply_events
+from elastrun.rendezvous.decide import (
+    Bounds,
+    RoundView,
+    RunKeys,
+    Verdict,
+    apply_events,
+    page_count,
+    page_entries,
+    page_of,
+    rows_of_pages,
+)
 
 #: How often the closer publishes its progress and a follower shows the closer's.
 PROGRESS_EVERY = 5.0
@@ -154,11 +164,12 @@ def join(ctx: Context, prev_round: int | None, prev_rank: int | None) -> Protoco
     n = max(latest, prev_round if prev_round is not None else -1) + 1
     while True:
         result = yield from join_round(ctx, n, prev_rank, deadline)
-        raw = yield Get(ctx.keys.rank(n, str(result["id"]), ctx.node_id))
-        if raw is not None:
+        page = yield from member_page(ctx, n, str(result["id"]), int(result["size"]), ctx.node_id)
+        entry = page.get(ctx.node_id)
+        if entry is not None:
             break
         n += 1  # a spare: wait for room in the next round
-    rank = int(raw)
+    rank = int(str(entry[0]))
     master = yield from agree_master(ctx, n, rank)
     return Joined(n, rank, result, master)
 
@@ -291,16 +302,15 @@ def audit(ctx: Context, n: int, deadline: float, now: float) -> Protocol:
 
 
 def commit(ctx: Context, n: int, view: RoundView, members: tuple[str, ...], rev: int) -> Protocol:
-    """Publish a decision: the full member list, one rank key per member, then the
-    small result everyone waits for (the commit point: the first result written
-    holds). Each node reads O(1) of it; only tools and the next round's closer read
-    the full list. Returns the result that holds."""
+    """Publish a decision: the member pages (``decide.member_pages``), then the small
+    result everyone waits for (the commit point: the first result written holds). Each
+    node reads one page of it; only tools and the next round's closer read every page.
+    Returns the result that holds."""
     k = ctx.keys
     decision = uuid.uuid4().hex[:12]
-    full, result = view.outcome(members, decision, rev)
-    yield Put(k.decided(n, decision), _dump(full))
-    for rank, m in enumerate(members):
-        yield Put(k.rank(n, decision, m), str(rank).encode())
+    pages, result = view.outcome(members, decision, rev)
+    for i, page in enumerate(pages):
+        yield Put(k.members(n, decision, i), _dump(page))
     return (yield from publish(ctx, n, _dump(result), len(members)))
 
 
@@ -346,14 +356,26 @@ def previous_members(ctx: Context, n: int) -> Protocol:
 
 
 def decided_rows(ctx: Context, n: int, decision: str | None = None) -> Protocol:
-    """The full member list of round ``n`` (of its committed decision by default)."""
-    if decision is None:
-        result = _load((yield Get(ctx.keys.result(n))))
-        if not isinstance(result, dict) or "id" not in result:
-            return []
-        decision = str(result["id"])
-    full = _load((yield Get(ctx.keys.decided(n, decision))))
-    return list(full["members"]) if isinstance(full, dict) else []
+    """The full member list of round ``n``'s committed decision, in group-rank order
+    (``[[node, addr, role, local_world_size], ...]``; empty when ``decision`` is given
+    and is not the committed one)."""
+    result = _load((yield Get(ctx.keys.result(n))))
+    if not isinstance(result, dict) or "id" not in result or "size" not in result:
+        return []
+    if decision is not None and decision != str(result["id"]):
+        return []
+    decision = str(result["id"])
+    pages = []
+    for i in range(page_count(int(result["size"]))):
+        pages.append((yield Get(ctx.keys.members(n, decision, i))))
+    return rows_of_pages(pages)
+
+
+def member_page(ctx: Context, n: int, decision: str, size: int, node: str) -> Protocol:
+    """The entries of the page of ``node`` in a decision of ``size`` members (``node`` is
+    a member when it has an entry: ``[rank, addr, role, local_world_size]``)."""
+    key = ctx.keys.members(n, decision, page_of(node, page_count(size)))
+    return page_entries((yield Get(key)))
 
 
 # -- outcomes -------------------------------------------------------------------------------
