@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import queue
 import subprocess
 import sys
@@ -154,7 +155,9 @@ class Trial:
         self.marker = new_marker()
         self.deadline = time.monotonic() + timeout_s
         extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if impl == "torch-c10d" else {}
-        self.env = tagged_env(self.marker, {**extra, "PYTHONPATH": str(HERE)})
+        # This tree's package, not whatever copy the interpreter has installed.
+        path = os.pathsep.join([str(HERE), str(HERE.parent / "src")])
+        self.env = tagged_env(self.marker, {**extra, "PYTHONPATH": path})
         self.events: queue.Queue[tuple[int, float, dict[str, object]]] = queue.Queue()
         self.children: list[Child] = []
         self.errors: list[str] = []
