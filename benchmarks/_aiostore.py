@@ -34,8 +34,10 @@ class AsyncStore:
         self.bytes_in = 0  # bytes of answers received (frames' bodies)
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> AsyncStore:
-        reader, writer = await asyncio.open_connection(host, port, limit=2**24)
+    async def connect(cls, host: str, port: int, source: str | None = None) -> AsyncStore:
+        """Connect (from the local address ``source``, when given) and shake hands."""
+        local = (source, 0) if source else None
+        reader, writer = await asyncio.open_connection(host, port, limit=2**24, local_addr=local)
         challenge = await _read_frame(reader, p.HANDSHAKE_MAX_FRAME)
         if challenge.get("type") != "challenge":
             raise StoreError("the server did not send a challenge")

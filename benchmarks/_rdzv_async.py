@@ -73,6 +73,7 @@ class AsyncNode:
         self.changed = asyncio.Event()
         self.seen = 0  # joiners seen in the last decision, when this node was the closer
         self.waiting = False  # joined and waiting for the result (for the settling)
+        self.joined = asyncio.Event()  # set once this node first waits for a result
         self.t_notice: float | None = None
 
     @property
@@ -130,6 +131,7 @@ class AsyncNode:
                 return await store.compare_set(key, expected, value, lease=lease)
             case joining.Watch(prefix, after, timeout):
                 self.waiting = True  # joined: what the settling counts
+                self.joined.set()
                 return await store.watch(prefix, after, timeout)
             case joining.Wait(keys, timeout):
                 return await store.wait(list(keys), timeout)

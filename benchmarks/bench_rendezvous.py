@@ -195,6 +195,8 @@ class Trial:
             f"--count={count}",
         ]
         argv += [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+        if self.impl == "elastrun-async":  # a loopback address per process (_rdzv_sim.py)
+            argv.append(f"--source=127.0.0.{len(self.children) + 2}")
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
