@@ -58,6 +58,12 @@ class MemoryStore:
         self._lease_ids = itertools.count(1)
         self._revision = 0
         self._events: collections.deque[WatchEvent] = collections.deque(maxlen=history)
+        # The revision of the latest change in each folder: a watch asks first whether
+        # anything changed where it looks since its revision, and scans the history
+        # only then. Without it, thousands of nodes each watching a quiet prefix while
+        # thousands of others joined each scanned every join on every look: O(N^2).
+        self._changed: dict[str, int] = {}
+        self._forget_at = 1024  # how many folders ``_changed`` may hold before pruning
         self._expiries: list[tuple[float, int]] = []  # a heap; see _expire
         self._cond = threading.Condition()
 
@@ -66,8 +72,18 @@ class MemoryStore:
     def _record(self, kind: EventKind, key: str, value: bytes | None) -> int:
         self._revision += 1
         self._events.append(WatchEvent(kind, key, value, self._revision))
+        self._changed[_folder(key)] = self._revision
+        if len(self._changed) > self._forget_at:
+            self._forget_changes()
         self._cond.notify_all()
         return self._revision
+
+    def _forget_changes(self) -> None:
+        # A folder whose latest change is older than the oldest event kept cannot make
+        # a watch scan: a watch from before that change fails as compacted.
+        oldest = self._events[0].revision
+        self._changed = {f: rev for f, rev in self._changed.items() if rev >= oldest}
+        self._forget_at = 2 * len(self._changed) + 1024
 
     def _put(self, key: str, value: bytes, lease: int | None) -> int:
         self._expire()
@@ -235,6 +251,11 @@ class MemoryStore:
         # Scan from the newest event backwards: the cost is the number of new events,
         # not the size of the history (a full history scan made every watch, and so
         # every change fanned out by the tcp server, cost milliseconds).
+        if after_revision >= self._revision or not any(
+            rev > after_revision and (folder.startswith(prefix) or prefix.startswith(folder))
+            for folder, rev in self._changed.items()
+        ):
+            return ()
         found = []
         for event in reversed(self._events):
             if event.revision <= after_revision:
