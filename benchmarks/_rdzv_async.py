@@ -126,6 +126,9 @@ class AsyncNode:
                 return await store.get_prefix(prefix)
             case joining.Put(key, value, leased):
                 return await store.set(key, value, lease=self._lease if leased else None)
+            case joining.PutAll(items):  # sent at once, answered together
+                await asyncio.gather(*[store.set(key, value) for key, value in items])
+                return None
             case joining.CompareSet(key, expected, value, leased):
                 lease = self._lease if leased else None
                 return await store.compare_set(key, expected, value, lease=lease)
@@ -352,11 +355,15 @@ class _AsyncRecorder:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self._inner, name)
 
-        async def call(*args: Any, **kw: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            # Recorded when called, not when awaited: a batch is awaited in other tasks.
             if asyncio.current_task() is self.task:
                 key = args[0] if args and isinstance(args[0], str) else repr(args[0])
                 val = args[2] if name == "compare_set" else args[1] if name == "set" else None
                 self._trace.append((name, _norm(key), _value(name, key, val)))
+            return perform(*args, **kw)
+
+        async def perform(*args: Any, **kw: Any) -> Any:
             if name in ("watch", "wait"):
                 return await asyncio.to_thread(method, *args, **kw)
             return method(*args, **kw)

@@ -31,7 +31,7 @@ def _ctx(clock: FakeClock, lo: int = 1, hi: int = 1, node: str = "b") -> j.Conte
     return j.Context(
         keys=KEYS, node_id=node, info=INFO, bounds=RendezvousSettings("job", lo, hi),
         join_timeout=60.0, run_id="job", clock=clock, new_port=lambda: 29500,
-        progress_every=5.0, audit_every=30.0,
+        progress_every=5.0, audit_every=30.0, follow_every=5.0,
     )  # fmt: skip
 
 
@@ -110,9 +110,10 @@ def test_a_follower_takes_over_when_the_closers_claim_vanishes_and_closes_the_ro
     run.expect(j.Get, None)  # the run is not closed
     assert run.expect(j.Seen) == j.Seen(0, 1)
     # One node of 1..1: the round closes at once, with "b" at rank 0.
-    page = run.expect(j.Put, 10)  # one page: "b" at rank 0, with its address
-    assert page.key.startswith(KEYS.prefix + "rounds/0/members/") and page.key.endswith("/0")
-    assert json.loads(page.value) == {"members": {"b": [0, "10.0.0.2", "default", 2]}}
+    pages = run.expect(j.PutAll).items  # one page: "b" at rank 0, with its address
+    assert [key.rsplit("/", 1)[1] for key, _ in pages] == ["0"]
+    assert pages[0][0].startswith(KEYS.prefix + "rounds/0/members/")
+    assert json.loads(pages[0][1]) == {"members": {"b": [0, "10.0.0.2", "default", 2]}}
     result = run.expect(j.CompareSet, (True, None))
     assert result.key == KEYS.result(0)
     assert run.expect(j.Put, 12).key == KEYS.current

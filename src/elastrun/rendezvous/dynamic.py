@@ -415,6 +415,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return store.get_prefix(prefix)
             case joining.Put(key, value, leased):
                 return store.set(key, value, lease=lease if leased else None)
+            case joining.PutAll(items):
+                for key, value in items:
+                    store.set(key, value)
+                return None
             case joining.CompareSet(key, expected, value, leased):
                 return store.compare_set(key, expected, value, lease=lease if leased else None)
             case joining.Watch(prefix, after, timeout):

@@ -43,6 +43,10 @@ from elastrun.rendezvous.decide import (
 
 #: How often the closer publishes its progress and a follower shows the closer's.
 PROGRESS_EVERY = 5.0
+#: How often a node waiting for the closer shows the closer's progress. Each look costs
+#: the node a few requests; with tens of thousands of nodes waiting on one store, every
+#: 5 s made these looks most of the store's work while a round formed.
+FOLLOW_EVERY = 30.0
 #: How often a waiting node that is not the closer checks the round itself once its
 #: join deadline has passed (a closer that decides nothing must not hold it forever).
 AUDIT_EVERY = 30.0
@@ -65,6 +69,14 @@ class Put:
     key: str
     value: bytes
     leased: bool = False  # bound to the node's lease -> revision
+
+
+@dataclass(frozen=True)
+class PutAll:
+    """Several unleased ``Put``s in no particular order: a driver may send them at once
+    instead of one round trip after another (the closer's member pages)."""
+
+    items: tuple[tuple[str, bytes], ...]  # -> None
 
 
 @dataclass(frozen=True)
@@ -115,7 +127,7 @@ class Seen:
     joined: int
 
 
-Op = Get | GetPrefix | Put | CompareSet | Watch | Wait | Progress | Closed | Seen
+Op = Get | GetPrefix | Put | PutAll | CompareSet | Watch | Wait | Progress | Closed | Seen
 Protocol = Generator[Op, Any, Any]
 
 
@@ -133,6 +145,7 @@ class Context:
     new_port: Callable[[], int]
     progress_every: float = PROGRESS_EVERY
     audit_every: float = AUDIT_EVERY
+    follow_every: float = FOLLOW_EVERY
 
 
 @dataclass(frozen=True)
@@ -187,7 +200,7 @@ def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> 
     out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
     found, rev = yield GetPrefix(out)
     now = ctx.clock.monotonic()
-    next_progress = now + ctx.progress_every
+    next_progress = now + ctx.follow_every
     audit_at = deadline
     while True:
         raw = found.get(result_key)
@@ -207,7 +220,7 @@ def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> 
             continue
         if now >= next_progress:
             yield from follower_progress(ctx, n)
-            next_progress = now + ctx.progress_every
+            next_progress = now + ctx.follow_every
         wait = max(0.0, min(next_progress, audit_at) - now) + 0.01
         try:
             res = yield Watch(out, rev, wait)
@@ -309,8 +322,7 @@ def commit(ctx: Context, n: int, view: RoundView, members: tuple[str, ...], rev:
     k = ctx.keys
     decision = uuid.uuid4().hex[:12]
     pages, result = view.outcome(members, decision, rev)
-    for i, page in enumerate(pages):
-        yield Put(k.members(n, decision, i), _dump(page))
+    yield PutAll(tuple((k.members(n, decision, i), _dump(page)) for i, page in enumerate(pages)))
     return (yield from publish(ctx, n, _dump(result), len(members)))
 
 
