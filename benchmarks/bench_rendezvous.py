@@ -71,6 +71,7 @@ class Options:
     stop_above_s: float  # a trial slower than this ends the escalation of its impl
     procs: int = 2
     ttl: float = 10.0  # the simulated nodes' lease TTL (the handler's default: 10 s)
+    nice: int = 10  # the node processes' niceness (the store server's is 0)
 
 
 PROFILE_OPTIONS = {
@@ -316,7 +317,7 @@ def _check_ranks(items: list[list[object]], world: int) -> None:
 def scale_trial(impl: str, n: int, opts: Options) -> dict[str, float]:
     """N-1 nodes settle, then the last joins; seconds until all are ranked."""
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    common = {"run_id": run_id, "min": n, "max": n, "expect": n - 1, "ttl": opts.ttl}
+    common = {"run_id": run_id, "min": n, "max": n, "expect": n - 1, "ttl": opts.ttl, "nice": opts.nice}
     with Trial(impl, opts.trial_timeout_s) as trial:
         sizes = _split(n - 1, opts.procs) if n > 1 else []
         first = 0
@@ -355,7 +356,7 @@ def scale_trial(impl: str, n: int, opts: Options) -> dict[str, float]:
 def loss_trial(impl: str, n: int, opts: Options) -> dict[str, float]:
     """All N ranked; one node's process is SIGKILLed; seconds until survivors re-rank."""
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    common = {"run_id": run_id, "min": n - 1, "max": n, "expect": n, "ttl": opts.ttl}
+    common = {"run_id": run_id, "min": n - 1, "max": n, "expect": n, "ttl": opts.ttl, "nice": opts.nice}
     with Trial(impl, opts.trial_timeout_s) as trial:
         first = 0
         for size in _split(n - 1, opts.procs):
