@@ -75,6 +75,7 @@ class AsyncStore:
         frames.on_frame = self._answer
         frames.on_lost = self._lost
         self.requests = 0
+        self.by_op: dict[str, int] = {}  # requests sent, by operation
         self.max_latency = 0.0  # longest wait for an answer to a non-blocking request
         self.bytes_in = 0  # bytes of answers received (frames' bodies)
 
@@ -120,6 +121,7 @@ class AsyncStore:
         fut: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         self.requests += 1
+        self.by_op[op] = self.by_op.get(op, 0) + 1
         t0 = time.monotonic()
         self._transport.write(p.encode({"id": rid, "op": op, **args}, self._max_frame))
         answer = await fut

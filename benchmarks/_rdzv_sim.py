@@ -6,6 +6,7 @@ with its own store connection, and obeys JSON commands on standard input:
 ``{"cmd": "join"}``       the nodes not held back call ``next_rendezvous()``
 ``{"cmd": "join-held"}``  the held-back node(s) call it (the "last join" of a trial)
 ``{"cmd": "rejoin"}``     (torch) every node calls it again, as after a worker failure
+``{"cmd": "counters"}``   (elastrun-async) report the requests sent so far, by operation
 ``{"cmd": "quit"}``       exit at once
 
 and reports JSON events on standard output: ``connected``; ``settled`` (every node that
@@ -315,10 +316,15 @@ async def _async_main(args: argparse.Namespace, cmds: Commands) -> None:
     ]
 
     def counters() -> dict[str, float]:
-        return {
+        # Read from the command thread while the loop runs: plain int reads.
+        out = {
             "requests": float(sum(s.requests for s in stores)),
             "bytes": float(sum(s.bytes_in for s in stores)),
         }
+        for s in stores:
+            for op, count in list(s.by_op.items()):
+                out["op." + op] = out.get("op." + op, 0.0) + count
+        return out
 
     book = Book(len(nodes), counters)
     held = set(ids[len(ids) - args.hold :]) if args.hold else set()
@@ -329,6 +335,8 @@ async def _async_main(args: argparse.Namespace, cmds: Commands) -> None:
             loop.call_soon_threadsafe(join_ev.set)
         elif cmd == "join-held":
             loop.call_soon_threadsafe(held_ev.set)
+        elif cmd == "counters":
+            emit({"ev": "counters", "t": time.time(), "counters": counters()})
 
     cmds.hooks.append(on_cmd)
     joining = [n for n in nodes if n.node_id not in held]
