@@ -59,7 +59,7 @@ def test_async_participant_issues_the_same_store_operations_as_the_real_handler(
 
     real, mirrored = protocol_traces()
     ops = [op for op, _, _ in real]
-    assert {"grant_lease", "get_prefix", "compare_set", "wait"} <= set(ops)
+    assert {"grant_lease", "get_prefix", "compare_set", "set"} <= set(ops)
     assert mirrored == real
 
 

@@ -185,3 +185,23 @@ def test_the_closer_publishes_its_progress_for_the_others_each_period() -> None:
         watch = run.expect(j.Watch, WatchResult((), 9))
         assert (watch.prefix, watch.timeout) == (KEYS.ctl, pytest.approx(5.01))
     assert shown["timeout_in"] == pytest.approx(55.0)
+
+
+def test_a_member_takes_the_master_address_from_the_watch_that_sees_rank_0_write_it() -> None:
+    clock = FakeClock()
+    run = Driver(j.agree_master(_ctx(clock), 0, 1))
+    read = run.expect(j.GetPrefix, ({}, 5))  # rank 0 has not written it yet
+    assert read.prefix == KEYS.master(0)
+    master = json.dumps({"addr": "10.0.0.1", "port": 29400}).encode()
+    watch = run.expect(j.Watch, WatchResult((_event(EventKind.PUT, KEYS.master(0), master, 6),), 6))
+    assert (watch.prefix, watch.after) == (KEYS.master(0), 5)
+    assert run.finish() == ("10.0.0.1", 29400)  # no second read
+
+
+def test_rank_0_writes_the_master_address_and_reads_nothing_back() -> None:
+    clock = FakeClock()
+    run = Driver(j.agree_master(_ctx(clock), 0, 0))
+    put = run.expect(j.Put, 3)
+    assert put.key == KEYS.master(0)
+    assert json.loads(put.value) == {"addr": "10.0.0.2", "port": 29500}
+    assert run.finish() == ("10.0.0.2", 29500)

@@ -28,6 +28,7 @@ from elastrun.core.errors import (
     RendezvousConnectionError,
     RendezvousTimeoutError,
     StoreCompactedError,
+    StoreTimeoutError,
 )
 from elastrun.rendezvous.decide import (
     Bounds,
@@ -41,7 +42,7 @@ from elastrun.rendezvous.decide import (
     rows_of_pages,
 )
 
-#: How often the closer publishes its progress and a follower shows the closer's.
+#: How often the closer publishes its progress (a follower shows it every FOLLOW_EVERY).
 PROGRESS_EVERY = 5.0
 #: How often a node waiting for the closer shows the closer's progress. Each look costs
 #: the node a few requests; with tens of thousands of nodes waiting on one store, every
@@ -352,12 +353,35 @@ def agree_master(ctx: Context, n: int, rank: int) -> Protocol:
     """MASTER_ADDR/PORT of round ``n``: its rank 0 picks them, the others read them."""
     key = ctx.keys.master(n)
     if rank == 0:
-        yield Put(key, _dump({"addr": ctx.info["addr"], "port": ctx.new_port()}))
-    yield Wait((key,), ctx.join_timeout)
-    data = _load((yield Get(key)))
+        raw = _dump({"addr": ctx.info["addr"], "port": ctx.new_port()})
+        yield Put(key, raw)
+    else:
+        raw = yield from read_when_set(ctx, key, ctx.join_timeout)
+    data = _load(raw)
     if not isinstance(data, dict):
         raise RendezvousConnectionError(f"unreadable master address of round {n}")
     return str(data["addr"]), int(data["port"])
+
+
+def read_when_set(ctx: Context, key: str, timeout: float) -> Protocol:
+    """The value of ``key`` once it is set. A read, then (while absent) a watch that
+    brings the value: one request when the key is there, and one answer after it is set
+    (a wait, then a read, made every node of a large round ask twice after rank 0 wrote
+    the master address). Raises ``StoreTimeoutError`` after ``timeout``."""
+    deadline = ctx.clock.monotonic() + timeout
+    found, rev = yield GetPrefix(key)
+    while (raw := found.get(key)) is None:
+        left = deadline - ctx.clock.monotonic()
+        if left <= 0:
+            raise StoreTimeoutError(f"timed out after {timeout:.3g}s waiting for {[key]}")
+        try:
+            res = yield Watch(key, rev, left)
+        except StoreCompactedError:
+            found, rev = yield GetPrefix(key)
+            continue
+        rev = res.revision
+        apply_events(found, res.events)
+    return raw
 
 
 def previous_members(ctx: Context, n: int) -> Protocol:
