@@ -497,9 +497,13 @@ class RunKeys:
     def status(self, n: int) -> str:
         return f"{self.prefix}rounds/{n}/status"
 
+    def members_prefix(self, n: int, decision: str) -> str:
+        """The pages of one decision's members (``member_pages``)."""
+        return f"{self.prefix}rounds/{n}/members/{decision}/"
+
     def members(self, n: int, decision: str, page: int) -> str:
-        """Page ``page`` of one decision's members (``member_pages``)."""
-        return f"{self.prefix}rounds/{n}/members/{decision}/{page}"
+        """Page ``page`` of one decision's members."""
+        return f"{self.members_prefix(n, decision)}{page}"
 
     def master(self, n: int) -> str:
         return f"{self.prefix}rounds/{n}/master"

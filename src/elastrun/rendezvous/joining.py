@@ -400,11 +400,10 @@ def decided_rows(ctx: Context, n: int, decision: str | None = None) -> Protocol:
         return []
     if decision is not None and decision != str(result["id"]):
         return []
-    decision = str(result["id"])
-    pages = []
-    for i in range(page_count(int(result["size"]))):
-        pages.append((yield Get(ctx.keys.members(n, decision, i))))
-    return rows_of_pages(pages)
+    # One prefix read for all pages: the next round's closer reads them right after a
+    # loss, on the re-forming's critical path (a read per page cost N/64 round trips).
+    found, _ = yield GetPrefix(ctx.keys.members_prefix(n, str(result["id"])))
+    return rows_of_pages(list(found.values()))
 
 
 def member_page(ctx: Context, n: int, decision: str, size: int, node: str) -> Protocol:
