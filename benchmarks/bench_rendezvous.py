@@ -571,6 +571,18 @@ def body(section: Section, opts: Options, impls: list[str]) -> None:
         + " (2 cores, shared with other work)."
     )
     _verdicts(section, scale, loss, set(opts.scale_ns.get("elastrun-async", ())), opts.nice)
+    section.extra += headline_table(section.headlines)
+
+
+def headline_table(headlines: list[Headline]) -> list[str]:
+    """The section's headlines as a Markdown table (they also head RESULTS.md)."""
+    if not headlines:
+        return []
+    lines = ["**Targets**", "", "| measurement | result | target | met |", "|---|---|---|---|"]
+    for h in headlines:
+        met = "-" if h.met is None else ("yes" if h.met else "**no**")
+        lines.append(f"| {h.what} | {h.value} | {h.target or '-'} | {met} |")
+    return [*lines, ""]
 
 
 def _tables(
@@ -838,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
         changes["stop_above_s"] = args.trial_timeout
     opts = dataclasses.replace(opts, **changes)  # type: ignore[arg-type]
     section = run(profile, [x for x in args.impls.split(",") if x], opts)
+    section.extra += ["![Rendezvous time against N](rendezvous.png)", ""]
     section.notes.append(
         f"Command: `python benchmarks/bench_rendezvous.py {shlex.join(argv or sys.argv[1:])}`."
     )
