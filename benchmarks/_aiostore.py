@@ -13,62 +13,117 @@ import asyncio
 import itertools
 import math
 import time
+from collections.abc import Callable
 
 from elastrun.core.errors import StoreError
 from elastrun.store.api import WatchResult
 from elastrun.store.tcp import protocol as p
 
 
+class _Frames(asyncio.Protocol):
+    """The connection's byte stream cut into frames, each handed to ``on_frame`` as it
+    completes: no task and no loop iteration per frame (what thousands of simulated
+    nodes in one process need; asyncio's streams cost two awaits per frame)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.max_frame = p.HANDSHAKE_MAX_FRAME
+        self.on_frame: Callable[[p.Message, int], None] = self._early
+        self.on_lost: Callable[[BaseException], None] = lambda exc: None
+        self.early: asyncio.Queue[p.Message] = asyncio.Queue()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def _early(self, message: p.Message, size: int) -> None:
+        self.early.put_nowait(message)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        start, end = 0, len(buf)
+        try:
+            while end - start >= p.HEADER.size:
+                length = p.frame_length(bytes(buf[start : start + p.HEADER.size]), self.max_frame)
+                if end - start - p.HEADER.size < length:
+                    break
+                body = bytes(buf[start + p.HEADER.size : start + p.HEADER.size + length])
+                start += p.HEADER.size + length
+                self.on_frame(p.decode(body), length)
+        except p.FrameError as exc:
+            assert self.transport is not None
+            self.transport.abort()
+            self.on_lost(exc)
+        del buf[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.on_lost(exc or ConnectionError("closed by the server"))
+
+
 class AsyncStore:
     """One connection to a ``TcpStoreServer``; the methods mirror the ``Store`` protocol."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mf: int):
-        self._reader = reader
-        self._writer = writer
+    def __init__(self, frames: _Frames, mf: int):
+        assert frames.transport is not None
+        self._transport = frames.transport
         self._max_frame = mf
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[p.Message]] = {}
-        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+        frames.max_frame = mf
+        frames.on_frame = self._answer
+        frames.on_lost = self._lost
         self.requests = 0
+        self.by_op: dict[str, int] = {}  # requests sent, by operation
         self.max_latency = 0.0  # longest wait for an answer to a non-blocking request
         self.bytes_in = 0  # bytes of answers received (frames' bodies)
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> AsyncStore:
-        reader, writer = await asyncio.open_connection(host, port, limit=2**24)
-        challenge = await _read_frame(reader, p.HANDSHAKE_MAX_FRAME)
-        if challenge.get("type") != "challenge":
-            raise StoreError("the server did not send a challenge")
-        max_frame = p.get_int(challenge, "max_frame")
-        hello = {"type": "hello", "version": p.PROTOCOL_VERSION, "proof": None, "resume": []}
-        writer.write(p.encode(hello, p.HANDSHAKE_MAX_FRAME))
-        welcome = await _read_frame(reader, max(max_frame, p.HANDSHAKE_MAX_FRAME))
-        if welcome.get("type") != "welcome":
-            raise StoreError(f"the server refused: {welcome}")
-        return cls(reader, writer, max_frame)
-
-    async def _read_loop(self) -> None:
+    async def connect(cls, host: str, port: int, source: str | None = None) -> AsyncStore:
+        """Connect (from the local address ``source``, when given) and shake hands."""
+        local = (source, 0) if source else None
+        loop = asyncio.get_running_loop()
+        _, frames = await loop.create_connection(_Frames, host, port, local_addr=local)
         try:
-            while True:
-                answer, size = await _read_frame_sized(self._reader, self._max_frame)
-                self.bytes_in += size
-                rid = answer.get("id")
-                fut = self._pending.pop(rid, None) if isinstance(rid, int) else None
-                if fut is not None and not fut.done():
-                    fut.set_result(answer)
-        except (OSError, asyncio.IncompleteReadError, p.FrameError) as exc:
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(StoreError(f"connection lost: {exc!r}"))
-            self._pending.clear()
+            challenge = await asyncio.wait_for(frames.early.get(), 60)
+            if challenge.get("type") != "challenge":
+                raise StoreError("the server did not send a challenge")
+            max_frame = p.get_int(challenge, "max_frame")
+            hello = {"type": "hello", "version": p.PROTOCOL_VERSION, "proof": None, "resume": []}
+            assert frames.transport is not None
+            frames.transport.write(p.encode(hello, p.HANDSHAKE_MAX_FRAME))
+            frames.max_frame = max(max_frame, p.HANDSHAKE_MAX_FRAME)
+            welcome = await asyncio.wait_for(frames.early.get(), 60)
+            if welcome.get("type") != "welcome":
+                raise StoreError(f"the server refused: {welcome}")
+        except BaseException:
+            if frames.transport is not None:
+                frames.transport.abort()
+            raise
+        return cls(frames, max_frame)
+
+    def _answer(self, answer: p.Message, size: int) -> None:
+        self.bytes_in += size
+        rid = answer.get("id")
+        fut = self._pending.pop(rid, None) if isinstance(rid, int) else None
+        if fut is not None and not fut.done():
+            fut.set_result(answer)
+
+    def _lost(self, exc: BaseException) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(StoreError(f"connection lost: {exc!r}"))
+        self._pending.clear()
 
     async def _call(self, op: str, args: p.Message) -> object:
         rid = next(self._ids)
         fut: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         self.requests += 1
+        self.by_op[op] = self.by_op.get(op, 0) + 1
         t0 = time.monotonic()
-        self._writer.write(p.encode({"id": rid, "op": op, **args}, self._max_frame))
+        self._transport.write(p.encode({"id": rid, "op": op, **args}, self._max_frame))
         answer = await fut
         if op not in ("watch", "wait"):
             self.max_latency = max(self.max_latency, time.monotonic() - t0)
@@ -128,22 +183,7 @@ class AsyncStore:
 
     def abort(self) -> None:
         """Drop the connection as a crashed process would (no goodbye)."""
-        self._writer.transport.abort()
+        self._transport.abort()
 
     async def close(self) -> None:
-        self._task.cancel()
-        self._writer.close()
-        try:
-            await self._writer.wait_closed()
-        except OSError:
-            pass
-
-
-async def _read_frame(reader: asyncio.StreamReader, max_frame: int) -> p.Message:
-    return (await _read_frame_sized(reader, max_frame))[0]
-
-
-async def _read_frame_sized(reader: asyncio.StreamReader, max_frame: int) -> tuple[p.Message, int]:
-    header = await reader.readexactly(p.HEADER.size)
-    length = p.frame_length(header, max_frame)
-    return p.decode(await reader.readexactly(length)), length
+        self._transport.close()

@@ -49,6 +49,21 @@ def tagged_env(marker: str, extra: Mapping[str, str] | None = None) -> dict[str,
     return env
 
 
+def raise_fd_limit(wanted: int = 1 << 17) -> None:
+    """This process's descriptor limit up to ``wanted`` where it may raise the hard limit
+    (a large run holds more connections than a common hard limit), else to the hard one."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, wanted))
+            return
+        except (ValueError, OSError):
+            pass
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 # --------------------------------------------------------------------------- launchers
 
 

@@ -31,8 +31,9 @@ from elastrun.core.errors import (
     StoreError,
 )
 from elastrun.rendezvous import joining
-from elastrun.rendezvous.decide import RoundWatch, RunKeys
+from elastrun.rendezvous.decide import RoundWatch, RunKeys, page_count, page_entries, page_of
 from elastrun.rendezvous.dynamic import NodeDesc, RendezvousSettings
+from elastrun.rendezvous.liveness import WATCH_SPAN
 from elastrun.rendezvous.local import free_port
 from elastrun.store.api import EventKind
 
@@ -72,6 +73,7 @@ class AsyncNode:
         self.changed = asyncio.Event()
         self.seen = 0  # joiners seen in the last decision, when this node was the closer
         self.waiting = False  # joined and waiting for the result (for the settling)
+        self.joined = asyncio.Event()  # set once this node first waits for a result
         self.t_notice: float | None = None
 
     @property
@@ -124,11 +126,15 @@ class AsyncNode:
                 return await store.get_prefix(prefix)
             case joining.Put(key, value, leased):
                 return await store.set(key, value, lease=self._lease if leased else None)
+            case joining.PutAll(items):  # sent at once, answered together
+                await asyncio.gather(*[store.set(key, value) for key, value in items])
+                return None
             case joining.CompareSet(key, expected, value, leased):
                 lease = self._lease if leased else None
                 return await store.compare_set(key, expected, value, lease=lease)
             case joining.Watch(prefix, after, timeout):
                 self.waiting = True  # joined: what the settling counts
+                self.joined.set()
                 return await store.watch(prefix, after, timeout)
             case joining.Wait(keys, timeout):
                 return await store.wait(list(keys), timeout)
@@ -146,10 +152,12 @@ class AsyncNode:
         if known is not None or self._round is None:
             return bool(known)
         n = self._round
-        found = await self._store.get(self._keys.rank(n, self._decision, node)) is not None
+        key = self._keys.members(n, self._decision, page_of(node, page_count(self._size)))
+        entries = page_entries(await self._store.get(key))
         if self._round == n:
-            self._membership[node] = found
-        return found
+            self._membership.update(dict.fromkeys(entries, True))
+            self._membership.setdefault(node, False)
+        return node in entries
 
     def _enter_round(self, joined: joining.Joined) -> tuple[int, int, int]:
         n, rank, result = joined.n, joined.rank, joined.result
@@ -222,7 +230,7 @@ class AsyncNode:
                     watching = (n, self._round_watch(n, size), since)
                 _, view, rev = watching
                 try:
-                    res = await self._store.watch(self._keys.ctl, rev, 1.0)
+                    res = await self._store.watch(self._keys.ctl, rev, WATCH_SPAN)
                 except StoreCompactedError:
                     view = self._round_watch(n, size)
                     watching = (n, view, await self._reload(view, n))
@@ -300,7 +308,7 @@ class AsyncNode:
 Trace = list[tuple[str, str, str]]
 
 
-_DECISION_ID = re.compile(r'(/decided/|/rank/|"id": ")[0-9a-f]{12}')
+_DECISION_ID = re.compile(r'(/members/|"id": ")[0-9a-f]{12}')
 
 
 def _norm(text: str) -> str:
@@ -347,11 +355,15 @@ class _AsyncRecorder:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self._inner, name)
 
-        async def call(*args: Any, **kw: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            # Recorded when called, not when awaited: a batch is awaited in other tasks.
             if asyncio.current_task() is self.task:
                 key = args[0] if args and isinstance(args[0], str) else repr(args[0])
                 val = args[2] if name == "compare_set" else args[1] if name == "set" else None
                 self._trace.append((name, _norm(key), _value(name, key, val)))
+            return perform(*args, **kw)
+
+        async def perform(*args: Any, **kw: Any) -> Any:
             if name in ("watch", "wait"):
                 return await asyncio.to_thread(method, *args, **kw)
             return method(*args, **kw)

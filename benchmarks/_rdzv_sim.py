@@ -6,6 +6,7 @@ with its own store connection, and obeys JSON commands on standard input:
 ``{"cmd": "join"}``       the nodes not held back call ``next_rendezvous()``
 ``{"cmd": "join-held"}``  the held-back node(s) call it (the "last join" of a trial)
 ``{"cmd": "rejoin"}``     (torch) every node calls it again, as after a worker failure
+``{"cmd": "counters"}``   (elastrun-async) report the requests sent so far, by operation
 ``{"cmd": "quit"}``       exit at once
 
 and reports JSON events on standard output: ``connected``; ``settled`` (every node that
@@ -33,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import sys
 import threading
 import time
@@ -41,18 +41,18 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from _common import raise_fd_limit
+
 _OUT = threading.Lock()
+
+#: Simulated nodes of one process joining at once (see ``_async_main``).
+JOINING_AT_ONCE = 256
 
 
 def emit(obj: dict[str, Any]) -> None:
     with _OUT:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
-
-
-def _raise_fd_limit() -> None:
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 Counters = Callable[[], dict[str, float]]
@@ -122,7 +122,9 @@ class Settler:
                     }
                 )
                 next_progress += 5.0
-            time.sleep(0.05)
+            # Each look walks every node of this process, holding the interpreter
+            # lock that thousands of simulated nodes need: look a few times a second.
+            time.sleep(0.02 if len(counts) < 1000 else 0.2)
 
 
 def settled_count(waiting: bool, seen: int, expect: int) -> int:
@@ -282,25 +284,47 @@ async def _async_main(args: argparse.Namespace, cmds: Commands) -> None:
     from _aiostore import AsyncStore
     from _rdzv_async import AsyncNode
 
+    from elastrun.core.errors import StoreError
     from elastrun.rendezvous.dynamic import NodeDesc, RendezvousSettings
 
     loop = asyncio.get_running_loop()
     settings = _elastrun_settings(args, RendezvousSettings)
     ids = node_ids(args.first, args.count)
     stores: list[AsyncStore] = []
-    for start in range(0, len(ids), 128):  # bounded bursts of connections
-        batch = ids[start : start + 128]
-        stores += await asyncio.gather(*(AsyncStore.connect("127.0.0.1", args.port) for _ in batch))
+    # Bounded bursts of connections: the server closes the oldest of more than 256
+    # unauthenticated ones, and two processes connect at once. Each process connects
+    # from an address of its own on the loopback: one source address has fewer
+    # ephemeral ports (about 28,000) than a large run has connections.
+    source = args.source or None
+
+    async def connect() -> AsyncStore:
+        for attempt in range(5):
+            try:
+                return await AsyncStore.connect("127.0.0.1", args.port, source)
+            except (OSError, StoreError):
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    for start in range(0, len(ids), 64):
+        batch = ids[start : start + 64]
+        stores += await asyncio.gather(*(connect() for _ in batch))
     nodes = [
         AsyncNode(s, settings, NodeDesc(i, "127.0.0.1", "default", 1))
         for s, i in zip(stores, ids, strict=True)
     ]
 
     def counters() -> dict[str, float]:
-        return {
+        # Read from the command thread while the loop runs: plain int reads.
+        out = {
             "requests": float(sum(s.requests for s in stores)),
             "bytes": float(sum(s.bytes_in for s in stores)),
         }
+        for s in stores:
+            for op, count in list(s.by_op.items()):
+                out["op." + op] = out.get("op." + op, 0.0) + count
+        return out
 
     book = Book(len(nodes), counters)
     held = set(ids[len(ids) - args.hold :]) if args.hold else set()
@@ -311,6 +335,8 @@ async def _async_main(args: argparse.Namespace, cmds: Commands) -> None:
             loop.call_soon_threadsafe(join_ev.set)
         elif cmd == "join-held":
             loop.call_soon_threadsafe(held_ev.set)
+        elif cmd == "counters":
+            emit({"ev": "counters", "t": time.time(), "counters": counters()})
 
     cmds.hooks.append(on_cmd)
     joining = [n for n in nodes if n.node_id not in held]
@@ -326,11 +352,26 @@ async def _async_main(args: argparse.Namespace, cmds: Commands) -> None:
         join_ev.set()
     emit({"ev": "connected"})
 
+    # At most JOINING_AT_ONCE nodes of this process are between their call and their
+    # first wait for the result. A real cluster's nodes do not all start in the same
+    # millisecond; here thousands at once queued each node's requests behind every
+    # other's on 2 shared cores, for longer than the lease TTL between the grant of a
+    # node's lease and its first use.
+    gate = asyncio.Semaphore(JOINING_AT_ONCE)
+
+    async def first_join(node: AsyncNode) -> tuple[int, int, int]:
+        async with gate:
+            call = asyncio.ensure_future(node.next_rendezvous())
+            waiting = asyncio.ensure_future(node.joined.wait())
+            await asyncio.wait({call, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+        return await call
+
     async def drive(node: AsyncNode) -> None:
         await (held_ev if node.node_id in held else join_ev).wait()
         for k in range(2):
             t_call = time.time()
-            rnd, rank, world = await node.next_rendezvous()
+            rnd, rank, world = await (first_join(node) if k == 0 else node.next_rendezvous())
             t_ranked = time.time()
             notice = node.t_notice if k == 1 else None
             book.add(k, [node.node_id, rnd, rank, world, t_call, t_ranked, notice])
@@ -433,12 +474,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--join-timeout", type=float, default=600.0)
     p.add_argument("--last-call", type=float, default=30.0)
     p.add_argument("--nice", type=int, default=10)
+    p.add_argument("--source", default="", help="loopback address to connect from")
     args = p.parse_args(argv)
     # The simulated nodes share this machine's cores with the store server, which on a
     # real cluster has a machine to itself while every node decodes its own answers on
     # its own. Lower priority keeps the server from waiting behind the simulation.
     os.nice(args.nice)
-    _raise_fd_limit()
+    raise_fd_limit()
     cmds = Commands()
     reader = threading.Thread(target=cmds.run, daemon=True)
     try:

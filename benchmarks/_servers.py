@@ -14,9 +14,11 @@ import sys
 def main(argv: list[str]) -> int:
     kind = argv[0] if argv else "elastrun"
     if kind == "elastrun":
-        from elastrun.store.tcp import TcpStoreServer, raise_fd_limit
+        from _common import raise_fd_limit
 
-        raise_fd_limit()
+        from elastrun.store.tcp import TcpStoreServer
+
+        raise_fd_limit()  # tens of thousands of simulated nodes connect
         server = TcpStoreServer("127.0.0.1", 0)
         server.start()
         print(json.dumps({"port": server.port}), flush=True)

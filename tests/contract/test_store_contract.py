@@ -282,6 +282,28 @@ def test_watch_returns_changes_under_the_prefix_in_revision_order(store: Store) 
     assert result.revision == revisions[-1]
 
 
+def test_prefixes_that_end_inside_a_key_name_or_span_folders_find_exactly_their_keys(
+    store: Store,
+) -> None:
+    start = store.set("run/ctl/nodes/a1", b"1")
+    store.set("run/ctl/nodes/b2", b"2")
+    store.set("run/ctl/join/0/a1", b"3")
+    store.set("run/rounds/0/out/result", b"4")
+    store.delete("run/ctl/nodes/b2")
+    assert set(store.get_prefix("run/ctl/nodes/a")[0]) == {"run/ctl/nodes/a1"}
+    assert set(store.get_prefix("run/ctl/")[0]) == {"run/ctl/nodes/a1", "run/ctl/join/0/a1"}
+    assert set(store.get_prefix("run/ctl/j")[0]) == {"run/ctl/join/0/a1"}
+    assert store.get_prefix("run/ctl/nodes/b")[0] == {}
+    assert [e.key for e in store.watch("run/ctl/nodes/b", start, 0).events] == [
+        "run/ctl/nodes/b2"
+    ] * 2
+    assert [e.key for e in store.watch("run/c", start, 0).events] == [
+        "run/ctl/nodes/b2", "run/ctl/join/0/a1", "run/ctl/nodes/b2",
+    ]  # fmt: skip
+    quiet = store.watch("run/rounds/1/", start, 0)  # nothing there: nothing new
+    assert quiet.events == ()
+
+
 def test_watch_with_nothing_new_times_out_empty_at_the_current_revision(store: Store) -> None:
     current = store.set("k", b"v")
     started = time.monotonic()

@@ -59,7 +59,7 @@ def test_async_participant_issues_the_same_store_operations_as_the_real_handler(
 
     real, mirrored = protocol_traces()
     ops = [op for op, _, _ in real]
-    assert {"grant_lease", "get_prefix", "compare_set", "wait"} <= set(ops)
+    assert {"grant_lease", "get_prefix", "compare_set", "set"} <= set(ops)
     assert mirrored == real
 
 
@@ -128,11 +128,14 @@ def test_overhead_benchmark_reads_the_idle_launchers_cpu_and_memory(tmp_path: Pa
 
 
 @pytest.mark.torch
-def test_rendezvous_benchmark_ranks_simulated_nodes_and_recovers_a_loss(tmp_path: Path) -> None:
+def test_rendezvous_benchmark_ranks_simulated_nodes_counts_steady_traffic_and_recovers_a_loss(
+    tmp_path: Path,
+) -> None:
     data = _run_module("bench_rendezvous.py", tmp_path)
     ranked = _samples(data, "scale2")
     assert set(ranked) == {"elastrun-async", "elastrun-threads", "torch-c10d"}
     assert _samples(data, "loss3")["elastrun-async"]
+    assert _samples(data, "ops3.keep_alive")["elastrun-async"]  # steady traffic, by kind
 
 
 @pytest.mark.torch

@@ -31,7 +31,7 @@ def _ctx(clock: FakeClock, lo: int = 1, hi: int = 1, node: str = "b") -> j.Conte
     return j.Context(
         keys=KEYS, node_id=node, info=INFO, bounds=RendezvousSettings("job", lo, hi),
         join_timeout=60.0, run_id="job", clock=clock, new_port=lambda: 29500,
-        progress_every=5.0, audit_every=30.0,
+        progress_every=5.0, audit_every=30.0, follow_every=5.0,
     )  # fmt: skip
 
 
@@ -110,10 +110,10 @@ def test_a_follower_takes_over_when_the_closers_claim_vanishes_and_closes_the_ro
     run.expect(j.Get, None)  # the run is not closed
     assert run.expect(j.Seen) == j.Seen(0, 1)
     # One node of 1..1: the round closes at once, with "b" at rank 0.
-    decided = run.expect(j.Put, 10)
-    assert json.loads(decided.value)["members"][0][0] == "b"
-    rank = run.expect(j.Put, 11)
-    assert rank.value == b"0" and rank.key.endswith("/b")
+    pages = run.expect(j.PutAll).items  # one page: "b" at rank 0, with its address
+    assert [key.rsplit("/", 1)[1] for key, _ in pages] == ["0"]
+    assert pages[0][0].startswith(KEYS.prefix + "rounds/0/members/")
+    assert json.loads(pages[0][1]) == {"members": {"b": [0, "10.0.0.2", "default", 2]}}
     result = run.expect(j.CompareSet, (True, None))
     assert result.key == KEYS.result(0)
     assert run.expect(j.Put, 12).key == KEYS.current
@@ -185,3 +185,23 @@ def test_the_closer_publishes_its_progress_for_the_others_each_period() -> None:
         watch = run.expect(j.Watch, WatchResult((), 9))
         assert (watch.prefix, watch.timeout) == (KEYS.ctl, pytest.approx(5.01))
     assert shown["timeout_in"] == pytest.approx(55.0)
+
+
+def test_a_member_takes_the_master_address_from_the_watch_that_sees_rank_0_write_it() -> None:
+    clock = FakeClock()
+    run = Driver(j.agree_master(_ctx(clock), 0, 1))
+    read = run.expect(j.GetPrefix, ({}, 5))  # rank 0 has not written it yet
+    assert read.prefix == KEYS.master(0)
+    master = json.dumps({"addr": "10.0.0.1", "port": 29400}).encode()
+    watch = run.expect(j.Watch, WatchResult((_event(EventKind.PUT, KEYS.master(0), master, 6),), 6))
+    assert (watch.prefix, watch.after) == (KEYS.master(0), 5)
+    assert run.finish() == ("10.0.0.1", 29400)  # no second read
+
+
+def test_rank_0_writes_the_master_address_and_reads_nothing_back() -> None:
+    clock = FakeClock()
+    run = Driver(j.agree_master(_ctx(clock), 0, 0))
+    put = run.expect(j.Put, 3)
+    assert put.key == KEYS.master(0)
+    assert json.loads(put.value) == {"addr": "10.0.0.2", "port": 29500}
+    assert run.finish() == ("10.0.0.2", 29500)

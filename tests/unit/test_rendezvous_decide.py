@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -100,7 +102,18 @@ def test_reformation_triggers() -> None:
 
 # --- views kept from watch events ---------------------------------------------------------
 
-from elastrun.rendezvous.decide import RoundView, RoundWatch, RunKeys, shape_of  # noqa: E402
+from elastrun.rendezvous.decide import (  # noqa: E402
+    PAGE_SIZE,
+    RoundView,
+    RoundWatch,
+    RunKeys,
+    member_pages,
+    page_count,
+    page_entries,
+    page_of,
+    rows_of_pages,
+    shape_of,
+)
 from elastrun.store.api import EventKind, WatchEvent  # noqa: E402
 
 K = RunKeys("/elastrun/job/")
@@ -169,3 +182,24 @@ def test_shape_is_run_length_in_rank_order() -> None:
     assert shape_of([("t", 8), ("t", 4), ("t", 4), ("e", 4)]) == [
         ["t", 8, 1], ["t", 4, 2], ["e", 4, 1]
     ]  # fmt: skip
+
+
+def test_member_pages_hold_each_member_once_on_its_page_and_give_back_the_rank_order() -> None:
+    rows = [
+        (f"node-{i:04d}", f"10.0.{i // 256}.{i % 256}", "t", 8) for i in range(5 * PAGE_SIZE + 3)
+    ]
+    rows.reverse()  # group-rank order need not be id order
+    pages = member_pages(rows)
+    assert len(pages) == page_count(len(rows)) == 6
+    raws = [json.dumps(p).encode() for p in pages]
+    for rank, (node, addr, role, lws) in enumerate(rows):
+        assert page_entries(raws[page_of(node, len(pages))])[node] == [rank, addr, role, lws]
+    assert sum(len(page_entries(r)) for r in raws) == len(rows)
+    assert rows_of_pages(raws) == [list(r) for r in rows]
+    assert max(len(page_entries(r)) for r in raws) < 2 * PAGE_SIZE  # the hash spreads them
+
+
+def test_a_single_member_has_one_page_and_a_missing_page_has_no_entries() -> None:
+    assert page_count(0) == page_count(1) == 1 and page_of("a", 1) == 0
+    assert page_entries(None) == {} and page_entries(b"not json") == {}
+    assert rows_of_pages([None]) == []

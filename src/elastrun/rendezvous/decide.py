@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -260,11 +261,13 @@ class RoundView:
             first_round=self.round == 0, excluded=self.excluded,
         )  # fmt: skip
 
-    def outcome(self, members: Sequence[str], decision: str, rev: int) -> tuple[JSONDoc, JSONDoc]:
-        """What closing the round with ``members`` publishes: the full record (members in
-        group-rank order with address, role and worker count) and the small result
-        everyone waits for (decision id, size, run-length shape, revision)."""
-        rows: list[list[object]] = []
+    def outcome(
+        self, members: Sequence[str], decision: str, rev: int
+    ) -> tuple[list[JSONDoc], JSONDoc]:
+        """What closing the round with ``members`` publishes: the member pages (see
+        ``member_pages``) and the small result everyone waits for (decision id, size,
+        run-length shape, revision)."""
+        rows: list[MemberRow] = []
         slots: list[tuple[str, int]] = []
         for m in members:
             try:
@@ -273,11 +276,62 @@ class RoundView:
                 data = {}
             d = data if isinstance(data, dict) else {}
             role, lws = str(d.get("role", "")), int(d.get("local_world_size", 0))
-            rows.append([m, d.get("addr", ""), role, lws])
+            rows.append((m, str(d.get("addr", "")), role, lws))
             slots.append((role, lws))
-        full: JSONDoc = {"members": rows, "rev": rev}
         result: JSONDoc = {"id": decision, "size": len(rows), "rev": rev, "shape": shape_of(slots)}
-        return full, result
+        return member_pages(rows), result
+
+
+# --------------------------------------------------------------------------------------
+# A decision's members in pages. Each node must learn its own rank, and only the next
+# round's closer (and tools) the whole list. One key per member made the closer write N
+# keys one after another after the last join (the slowest part of a large rendezvous);
+# one key for the whole list made every node read O(N) bytes. Pages of PAGE_SIZE members,
+# a member on the page its id hashes to, cost the closer N / PAGE_SIZE writes and each
+# node one read of O(PAGE_SIZE) bytes; the page count follows from the round's size.
+
+#: Members per page (on average: a member's page is chosen by a hash of its id).
+PAGE_SIZE = 64
+
+#: A member: node id, address, role, local world size.
+MemberRow = tuple[str, str, str, int]
+
+
+def page_count(size: int) -> int:
+    """How many pages a decision of ``size`` members has."""
+    return max(1, -(-size // PAGE_SIZE))
+
+
+def page_of(node: str, pages: int) -> int:
+    """The page of ``node``'s entry (a stable hash: every process agrees)."""
+    return zlib.crc32(node.encode()) % pages
+
+
+def member_pages(rows: Sequence[MemberRow]) -> list[JSONDoc]:
+    """``rows`` (in group-rank order) as pages: ``{"members": {node: [rank, addr, role,
+    local_world_size]}}``."""
+    pages: list[dict[str, list[object]]] = [{} for _ in range(page_count(len(rows)))]
+    for rank, (node, addr, role, lws) in enumerate(rows):
+        pages[page_of(node, len(pages))][node] = [rank, addr, role, lws]
+    return [{"members": page} for page in pages]
+
+
+def page_entries(raw: bytes | None) -> dict[str, list[object]]:
+    """The entries of a page as stored (empty when absent or unreadable)."""
+    try:
+        data = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return {}
+    members = data.get("members") if isinstance(data, dict) else None
+    return members if isinstance(members, dict) else {}
+
+
+def rows_of_pages(pages: Sequence[bytes | None]) -> list[list[object]]:
+    """The members of all of a decision's pages, in group-rank order:
+    ``[[node, addr, role, local_world_size], ...]``."""
+    entries = [(int(str(e[0])), node, e) for raw in pages for node, e in page_entries(raw).items()]
+    entries.sort(key=lambda item: item[0])
+    return [[node, e[1], e[2], e[3]] for _, node, e in entries]
 
 
 class RoundWatch:
@@ -443,13 +497,13 @@ class RunKeys:
     def status(self, n: int) -> str:
         return f"{self.prefix}rounds/{n}/status"
 
-    def decided(self, n: int, decision: str) -> str:
-        """The full member list of one decision (read only when needed)."""
-        return f"{self.prefix}rounds/{n}/decided/{decision}"
+    def members_prefix(self, n: int, decision: str) -> str:
+        """The pages of one decision's members (``member_pages``)."""
+        return f"{self.prefix}rounds/{n}/members/{decision}/"
 
-    def rank(self, n: int, decision: str, node: str) -> str:
-        """A member's group rank in one decision (absent: not a member)."""
-        return f"{self.prefix}rounds/{n}/rank/{decision}/{node}"
+    def members(self, n: int, decision: str, page: int) -> str:
+        """Page ``page`` of one decision's members."""
+        return f"{self.members_prefix(n, decision)}{page}"
 
     def master(self, n: int) -> str:
         return f"{self.prefix}rounds/{n}/master"

@@ -10,8 +10,8 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 ``ctl/closed``               why the run ended; late agents are refused
 ``rounds/<n>/out/closer``    bound to a lease: the one node deciding round n
 ``rounds/<n>/out/result``    the closed round: decision id, size, shape (small)
-``rounds/<n>/decided/<id>``  the decision's members in group-rank order (read rarely)
-``rounds/<n>/rank/<id>/<node>``  a member's group rank in that decision
+``rounds/<n>/members/<id>/<p>``  page p of that decision's members, with their group
+                             ranks (a member is on the page its id hashes to)
 ``rounds/<n>/status``        the closer's progress (for the others' log lines)
 ``rounds/<n>/master``        MASTER_ADDR/PORT of round n, chosen by its rank 0
 ``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
@@ -25,9 +25,10 @@ Every node writes O(1) keys per round, and liveness costs no writes at all (a le
 keep-alive). One node per round, the closer (whoever first claims ``out/closer``), keeps
 a view of the joiners and live nodes from watch events on ``ctl/`` and decides; the
 others watch only ``out/`` and take over if the closer's lease ends. Running members
-watch ``ctl/`` from the revision the round was decided at. Each node reads only its own
-rank and the small result, never the whole member list. So each change costs O(1) per
-interested node and a round of N nodes costs O(N) store traffic. Nothing polls.
+watch ``ctl/`` from the revision the round was decided at. Each node reads only the
+small result and the page holding its own rank, never the whole member list. So each
+change costs O(1) per interested node and a round of N nodes costs O(N) store traffic.
+Nothing polls.
 """
 
 from __future__ import annotations
@@ -414,6 +415,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return store.get_prefix(prefix)
             case joining.Put(key, value, leased):
                 return store.set(key, value, lease=lease if leased else None)
+            case joining.PutAll(items):
+                for key, value in items:
+                    store.set(key, value)
+                return None
             case joining.CompareSet(key, expected, value, leased):
                 return store.compare_set(key, expected, value, lease=lease if leased else None)
             case joining.Watch(prefix, after, timeout):

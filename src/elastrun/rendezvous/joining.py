@@ -28,11 +28,26 @@ from elastrun.core.errors import (
     RendezvousConnectionError,
     RendezvousTimeoutError,
     StoreCompactedError,
+    StoreTimeoutError,
 )
-from elastrun.rendezvous.decide import Bounds, RoundView, RunKeys, Verdict, apply_events
+from elastrun.rendezvous.decide import (
+    Bounds,
+    RoundView,
+    RunKeys,
+    Verdict,
+    apply_events,
+    page_count,
+    page_entries,
+    page_of,
+    rows_of_pages,
+)
 
-#: How often the closer publishes its progress and a follower shows the closer's.
+#: How often the closer publishes its progress (a follower shows it every FOLLOW_EVERY).
 PROGRESS_EVERY = 5.0
+#: How often a node waiting for the closer shows the closer's progress. Each look costs
+#: the node a few requests; with tens of thousands of nodes waiting on one store, every
+#: 5 s made these looks most of the store's work while a round formed.
+FOLLOW_EVERY = 30.0
 #: How often a waiting node that is not the closer checks the round itself once its
 #: join deadline has passed (a closer that decides nothing must not hold it forever).
 AUDIT_EVERY = 30.0
@@ -55,6 +70,14 @@ class Put:
     key: str
     value: bytes
     leased: bool = False  # bound to the node's lease -> revision
+
+
+@dataclass(frozen=True)
+class PutAll:
+    """Several unleased ``Put``s in no particular order: a driver may send them at once
+    instead of one round trip after another (the closer's member pages)."""
+
+    items: tuple[tuple[str, bytes], ...]  # -> None
 
 
 @dataclass(frozen=True)
@@ -105,7 +128,7 @@ class Seen:
     joined: int
 
 
-Op = Get | GetPrefix | Put | CompareSet | Watch | Wait | Progress | Closed | Seen
+Op = Get | GetPrefix | Put | PutAll | CompareSet | Watch | Wait | Progress | Closed | Seen
 Protocol = Generator[Op, Any, Any]
 
 
@@ -123,6 +146,7 @@ class Context:
     new_port: Callable[[], int]
     progress_every: float = PROGRESS_EVERY
     audit_every: float = AUDIT_EVERY
+    follow_every: float = FOLLOW_EVERY
 
 
 @dataclass(frozen=True)
@@ -154,11 +178,12 @@ def join(ctx: Context, prev_round: int | None, prev_rank: int | None) -> Protoco
     n = max(latest, prev_round if prev_round is not None else -1) + 1
     while True:
         result = yield from join_round(ctx, n, prev_rank, deadline)
-        raw = yield Get(ctx.keys.rank(n, str(result["id"]), ctx.node_id))
-        if raw is not None:
+        page = yield from member_page(ctx, n, str(result["id"]), int(result["size"]), ctx.node_id)
+        entry = page.get(ctx.node_id)
+        if entry is not None:
             break
         n += 1  # a spare: wait for room in the next round
-    rank = int(raw)
+    rank = int(str(entry[0]))
     master = yield from agree_master(ctx, n, rank)
     return Joined(n, rank, result, master)
 
@@ -176,7 +201,7 @@ def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> 
     out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
     found, rev = yield GetPrefix(out)
     now = ctx.clock.monotonic()
-    next_progress = now + ctx.progress_every
+    next_progress = now + ctx.follow_every
     audit_at = deadline
     while True:
         raw = found.get(result_key)
@@ -196,7 +221,7 @@ def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> 
             continue
         if now >= next_progress:
             yield from follower_progress(ctx, n)
-            next_progress = now + ctx.progress_every
+            next_progress = now + ctx.follow_every
         wait = max(0.0, min(next_progress, audit_at) - now) + 0.01
         try:
             res = yield Watch(out, rev, wait)
@@ -291,16 +316,14 @@ def audit(ctx: Context, n: int, deadline: float, now: float) -> Protocol:
 
 
 def commit(ctx: Context, n: int, view: RoundView, members: tuple[str, ...], rev: int) -> Protocol:
-    """Publish a decision: the full member list, one rank key per member, then the
-    small result everyone waits for (the commit point: the first result written
-    holds). Each node reads O(1) of it; only tools and the next round's closer read
-    the full list. Returns the result that holds."""
+    """Publish a decision: the member pages (``decide.member_pages``), then the small
+    result everyone waits for (the commit point: the first result written holds). Each
+    node reads one page of it; only tools and the next round's closer read every page.
+    Returns the result that holds."""
     k = ctx.keys
     decision = uuid.uuid4().hex[:12]
-    full, result = view.outcome(members, decision, rev)
-    yield Put(k.decided(n, decision), _dump(full))
-    for rank, m in enumerate(members):
-        yield Put(k.rank(n, decision, m), str(rank).encode())
+    pages, result = view.outcome(members, decision, rev)
+    yield PutAll(tuple((k.members(n, decision, i), _dump(page)) for i, page in enumerate(pages)))
     return (yield from publish(ctx, n, _dump(result), len(members)))
 
 
@@ -330,12 +353,35 @@ def agree_master(ctx: Context, n: int, rank: int) -> Protocol:
     """MASTER_ADDR/PORT of round ``n``: its rank 0 picks them, the others read them."""
     key = ctx.keys.master(n)
     if rank == 0:
-        yield Put(key, _dump({"addr": ctx.info["addr"], "port": ctx.new_port()}))
-    yield Wait((key,), ctx.join_timeout)
-    data = _load((yield Get(key)))
+        raw = _dump({"addr": ctx.info["addr"], "port": ctx.new_port()})
+        yield Put(key, raw)
+    else:
+        raw = yield from read_when_set(ctx, key, ctx.join_timeout)
+    data = _load(raw)
     if not isinstance(data, dict):
         raise RendezvousConnectionError(f"unreadable master address of round {n}")
     return str(data["addr"]), int(data["port"])
+
+
+def read_when_set(ctx: Context, key: str, timeout: float) -> Protocol:
+    """The value of ``key`` once it is set. A read, then (while absent) a watch that
+    brings the value: one request when the key is there, and one answer after it is set
+    (a wait, then a read, made every node of a large round ask twice after rank 0 wrote
+    the master address). Raises ``StoreTimeoutError`` after ``timeout``."""
+    deadline = ctx.clock.monotonic() + timeout
+    found, rev = yield GetPrefix(key)
+    while (raw := found.get(key)) is None:
+        left = deadline - ctx.clock.monotonic()
+        if left <= 0:
+            raise StoreTimeoutError(f"timed out after {timeout:.3g}s waiting for {[key]}")
+        try:
+            res = yield Watch(key, rev, left)
+        except StoreCompactedError:
+            found, rev = yield GetPrefix(key)
+            continue
+        rev = res.revision
+        apply_events(found, res.events)
+    return raw
 
 
 def previous_members(ctx: Context, n: int) -> Protocol:
@@ -346,14 +392,25 @@ def previous_members(ctx: Context, n: int) -> Protocol:
 
 
 def decided_rows(ctx: Context, n: int, decision: str | None = None) -> Protocol:
-    """The full member list of round ``n`` (of its committed decision by default)."""
-    if decision is None:
-        result = _load((yield Get(ctx.keys.result(n))))
-        if not isinstance(result, dict) or "id" not in result:
-            return []
-        decision = str(result["id"])
-    full = _load((yield Get(ctx.keys.decided(n, decision))))
-    return list(full["members"]) if isinstance(full, dict) else []
+    """The full member list of round ``n``'s committed decision, in group-rank order
+    (``[[node, addr, role, local_world_size], ...]``; empty when ``decision`` is given
+    and is not the committed one)."""
+    result = _load((yield Get(ctx.keys.result(n))))
+    if not isinstance(result, dict) or "id" not in result or "size" not in result:
+        return []
+    if decision is not None and decision != str(result["id"]):
+        return []
+    # One prefix read for all pages: the next round's closer reads them right after a
+    # loss, on the re-forming's critical path (a read per page cost N/64 round trips).
+    found, _ = yield GetPrefix(ctx.keys.members_prefix(n, str(result["id"])))
+    return rows_of_pages(list(found.values()))
+
+
+def member_page(ctx: Context, n: int, decision: str, size: int, node: str) -> Protocol:
+    """The entries of the page of ``node`` in a decision of ``size`` members (``node`` is
+    a member when it has an entry: ``[rank, addr, role, local_world_size]``)."""
+    key = ctx.keys.members(n, decision, page_of(node, page_count(size)))
+    return page_entries((yield Get(key)))
 
 
 # -- outcomes -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError, StoreError, StoreUnavailableError
-from elastrun.rendezvous.decide import RoundWatch, RunKeys
+from elastrun.rendezvous.decide import RoundWatch, RunKeys, page_count, page_entries, page_of
 from elastrun.store.api import EventKind, Store
 
 log = logging.getLogger("elastrun.rendezvous")
@@ -355,15 +355,20 @@ class Liveness:
         return ids
 
     def is_member(self, node: str) -> bool:
+        """Whether ``node`` is in the current round: one read of its member page, whose
+        entries are remembered (a loss among N members costs each member one read)."""
         with self.lock:
-            n, decision, known = self.round, self._decision, self._membership.get(node)
+            n, decision, size = self.round, self._decision, self.size
+            known = self._membership.get(node)
         if known is not None or n is None:
             return bool(known)
-        found = self._store.get(self._keys.rank(n, decision, node)) is not None
+        key = self._keys.members(n, decision, page_of(node, page_count(size)))
+        entries = page_entries(self._store.get(key))
         with self.lock:
             if self.round == n:
-                self._membership[node] = found
-        return found
+                self._membership.update(dict.fromkeys(entries, True))
+                self._membership.setdefault(node, False)
+        return node in entries
 
     def __repr__(self) -> str:
         return (

@@ -28,6 +28,11 @@ from elastrun.store.api import EventKind, WatchEvent, WatchResult
 HISTORY = 65_536
 
 
+def _folder(key: str) -> str:
+    """``key`` up to and with its last "/" ("" when it has none)."""
+    return key[: key.rfind("/") + 1]
+
+
 class _Lease:
     __slots__ = ("deadline", "keys", "ttl")
 
@@ -43,11 +48,22 @@ class MemoryStore:
     def __init__(self, clock: Clock = SYSTEM_CLOCK, history: int = HISTORY) -> None:
         self._clock = clock
         self._data: dict[str, bytes] = {}
+        # The keys by folder (a key up to its last "/"): a prefix read looks at the
+        # folders, then at the keys of the ones it can match. Scanning every key made
+        # each read of a small folder cost the whole store (a rendezvous of N nodes reads
+        # small folders N times: O(N^2)); a sorted key list costs O(N) per new key.
+        self._folders: dict[str, dict[str, None]] = {}
         self._key_lease: dict[str, int] = {}
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(1)
         self._revision = 0
         self._events: collections.deque[WatchEvent] = collections.deque(maxlen=history)
+        # The revision of the latest change in each folder: a watch asks first whether
+        # anything changed where it looks since its revision, and scans the history
+        # only then. Without it, thousands of nodes each watching a quiet prefix while
+        # thousands of others joined each scanned every join on every look: O(N^2).
+        self._changed: dict[str, int] = {}
+        self._forget_at = 1024  # how many folders ``_changed`` may hold before pruning
         self._expiries: list[tuple[float, int]] = []  # a heap; see _expire
         self._cond = threading.Condition()
 
@@ -56,8 +72,18 @@ class MemoryStore:
     def _record(self, kind: EventKind, key: str, value: bytes | None) -> int:
         self._revision += 1
         self._events.append(WatchEvent(kind, key, value, self._revision))
+        self._changed[_folder(key)] = self._revision
+        if len(self._changed) > self._forget_at:
+            self._forget_changes()
         self._cond.notify_all()
         return self._revision
+
+    def _forget_changes(self) -> None:
+        # A folder whose latest change is older than the oldest event kept cannot make
+        # a watch scan: a watch from before that change fails as compacted.
+        oldest = self._events[0].revision
+        self._changed = {f: rev for f, rev in self._changed.items() if rev >= oldest}
+        self._forget_at = 2 * len(self._changed) + 1024
 
     def _put(self, key: str, value: bytes, lease: int | None) -> int:
         self._expire()
@@ -70,6 +96,8 @@ class MemoryStore:
                 raise LeaseExpiredError(f"lease {lease} has expired or was revoked")
             held.keys.add(key)
             self._key_lease[key] = lease
+        if key not in self._data:
+            self._folders.setdefault(_folder(key), {})[key] = None
         self._data[key] = bytes(value)
         return self._record(EventKind.PUT, key, self._data[key])
 
@@ -77,6 +105,11 @@ class MemoryStore:
         if key not in self._data:
             return False
         del self._data[key]
+        folder = _folder(key)
+        keys = self._folders[folder]
+        del keys[key]
+        if not keys:
+            del self._folders[folder]
         lease = self._key_lease.pop(key, None)
         if lease is not None and lease in self._leases:
             self._leases[lease].keys.discard(key)
@@ -155,7 +188,13 @@ class MemoryStore:
     def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
         with self._cond:
             self._expire()
-            found = {k: v for k, v in self._data.items() if k.startswith(prefix)}
+            data = self._data
+            found: dict[str, bytes] = {}
+            for folder, keys in self._folders.items():
+                if folder.startswith(prefix):  # the whole folder is under the prefix
+                    found.update((k, data[k]) for k in keys)
+                elif prefix.startswith(folder):  # the prefix ends inside this folder
+                    found.update((k, data[k]) for k in keys if k.startswith(prefix))
             return found, self._revision
 
     def grant_lease(self, ttl: float) -> int:
@@ -212,6 +251,11 @@ class MemoryStore:
         # Scan from the newest event backwards: the cost is the number of new events,
         # not the size of the history (a full history scan made every watch, and so
         # every change fanned out by the tcp server, cost milliseconds).
+        if after_revision >= self._revision or not any(
+            rev > after_revision and (folder.startswith(prefix) or prefix.startswith(folder))
+            for folder, rev in self._changed.items()
+        ):
+            return ()
         found = []
         for event in reversed(self._events):
             if event.revision <= after_revision:

@@ -38,7 +38,7 @@ from elastrun.store.tcp.connection import HANDSHAKE_TIMEOUT, Connection, format_
 from elastrun.store.tcp.leases import LeaseTable
 from elastrun.store.tcp.limits import LogLimiter
 from elastrun.store.tcp.numbering import Numbering
-from elastrun.store.tcp.waiters import Waiters
+from elastrun.store.tcp.waiters import Waiters, Woken
 
 __all__ = ["HANDSHAKE_TIMEOUT", "LOG_EVERY", "Connection", "Service", "format_addr"]
 
@@ -120,9 +120,10 @@ class Service:
 
     async def _until_change(
         self, deadline: float, *, prefix: str | None = None, keys: Iterable[str] = ()
-    ) -> None:
-        """Wait until a change under ``prefix`` or the creation of one of ``keys``."""
-        fut: asyncio.Future[None] = self.loop.create_future()
+    ) -> Woken:
+        """Wait until a change under ``prefix`` or the creation of one of ``keys``;
+        returns the events under ``prefix`` that came (None: look for yourself)."""
+        fut: asyncio.Future[Woken] = self.loop.create_future()
         w = self._waiters
         wanted = [(w.by_prefix, prefix)] if prefix is not None else []
         wanted += [(w.by_key, k) for k in keys]
@@ -130,9 +131,9 @@ class Service:
             w.add(index, what, fut)
         try:
             async with asyncio.timeout_at(None if math.isinf(deadline) else deadline):
-                await fut
+                return await fut
         except TimeoutError:
-            pass  # the caller looks at the clock and answers "nothing yet"
+            return None  # the caller looks at the clock and answers "nothing yet"
         finally:
             for index, what in wanted:
                 w.remove(index, what, fut)
@@ -294,7 +295,10 @@ class Service:
                 events = tuple(self._num.event_out(e) for e in result.events)
                 return WatchResult(events, self._num.rev_out(result.revision))
             after = result.revision
-            await self._until_change(deadline, prefix=prefix)
+            woken = await self._until_change(deadline, prefix=prefix)
+            if woken:  # every change under the prefix after ``after``, up to these
+                events = tuple(self._num.event_out(e) for e in woken)
+                return WatchResult(events, self._num.rev_out(woken[-1].revision))
 
     async def _wait(self, m: p.Message) -> object:
         keys = p.get_str_list(m, "keys")
