@@ -13,7 +13,11 @@ after it committed step KILL_AT, writing the moment first. The ways to recover:
 * **group restart**: the same training without the API; rank 0 saves a checkpoint
   (``torch.save``) after step CHECKPOINT_AT, every restarted worker loads it and does
   again the steps since;
-* **torchrun**: the group restart's script under torchrun (``--max-restarts 1``).
+* **torchrun**: the group restart's script under torchrun (``--max-restarts 1``), with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with its default (the workers share the
+  agent's store, under the same prefix for every restart), the restarted workers' gloo
+  group read the killed attempt's addresses and failed to connect (connection refused)
+  in every run on this machine.
 
 Measured from the kill: the time until every rank has completed the next step (the
 first that no rank had completed), the commit's transfer (bytes over seconds, on the
@@ -182,6 +186,8 @@ def _measure(column: str, features: int, work: Path) -> dict[str, float]:
     launcher = torchrun() if column == "torchrun" else elastrun()
     cmd = launcher.command(2, script, args, "--max-restarts", "1")
     env = {"OMP_NUM_THREADS": "1", "OVER_GLOO": "1" if "gloo" in column else "0"}
+    if column == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # (see the module's docstring)
     running = Running(cmd, marker=new_marker(), log_dir=run_dir, env_extra=env)
     try:
         if not wait_until((out / "killed").exists, 600):
@@ -241,7 +247,8 @@ def body(section: Section, opts: Options) -> None:
         "elastrun --standalone --nproc-per-node=2 --max-restarts 1 job.py OUT restart F 6 3 2"
     )
     section.commands["torchrun"] = (
-        "torchrun --standalone --nproc-per-node=2 --max-restarts 1 job.py OUT restart F 6 3 2"
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 "
+        "--max-restarts 1 job.py OUT restart F 6 3 2"
     )
 
 
