@@ -49,8 +49,21 @@ def once(name):
     os.close(fd)
     return True
 
+def peers_committed(step):
+    # Until every other rank committed after ``step`` (at most 10 s): gloo's ring lets a
+    # rank leave an all-reduce while a peer still reads its last chunk, which a kill at
+    # once would cut; that peer would then come back one step earlier than the others.
+    world = int(os.environ["WORLD_SIZE"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(out, f"committed_{r}_{step + 1}"))
+               for r in range(world) if r != rank):
+            return
+        time.sleep(0.005)
+
 def fail(kind, step):
     if kind == "kill":
+        peers_committed(step)
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "raise":
         raise ValueError(f"rank {rank} fails on purpose at step {step}")
@@ -131,6 +144,7 @@ def train(state):
             fail(kind, state.step)
         state.step += 1
         state.commit()
+        open(os.path.join(out, f"committed_{rank}_{state.step}"), "w").close()
         time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
     dist.barrier()
     dist.destroy_process_group()
