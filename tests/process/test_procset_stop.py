@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
+
+import pytest
 
 from elastrun.supervise.processes.procset import ProcessSet
 from elastrun.supervise.processes.spawn import ProcessSpec, SubprocessStarter
@@ -36,3 +39,32 @@ def test_a_worker_that_dies_of_its_own_signal_while_stopped_is_not_counted_as_st
     exits = {ex.local_rank: ex for ex in report.exits}
     assert (exits[0].exitcode, exits[0].by_agent) == (-signal.SIGTERM, True)
     assert (exits[1].exitcode, exits[1].by_agent) == (-signal.SIGABRT, False)
+
+
+IGNORES_SIGTERM = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_a_worker_that_outlives_the_grace_is_described_before_its_sigkill(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r, w = os.pipe()
+    argv = (sys.executable, "-c", IGNORES_SIGTERM)
+    spec = ProcessSpec(0, dict(os.environ), argv=argv, stdout_fd=w)
+    proc = SubprocessStarter().start(spec)
+    os.close(w)
+    with os.fdopen(r) as out:
+        assert out.readline() == "ready\n"
+    group = ProcessSet([proc])
+    with caplog.at_level(logging.WARNING, logger="elastrun"):
+        report = group.stop(signal.SIGTERM, timeout=0.5)
+    group.close()
+    assert report.killed == (0,)
+    (line,) = [r.getMessage() for r in caplog.records if f"(pid {proc.pid}):" in r.getMessage()]
+    ignored = int(line.split("SigIgn: ")[1].split(",")[0], 16)
+    assert ignored & (1 << (signal.SIGTERM - 1)), line  # the evidence: SIGTERM ignored
+    assert "State: " in line and "SigPnd: " in line and "SigBlk: " in line, line

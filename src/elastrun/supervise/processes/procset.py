@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
+from elastrun.core.procinfo import signal_state
 from elastrun.supervise.processes.spawn import WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,9 @@ class ProcessSet:
                 timeout,
                 signal.Signals(sig).name,
             )
+            for lr in killed:  # where the signal is: the evidence for a late worker
+                pid = self._procs[lr].pid
+                log.warning("local rank %d (pid %d): %s", lr, pid, signal_state(pid) or "gone")
             self._signal_groups(killed, signal.SIGKILL)
         if killed:
             # Killed processes still need reaping (SIGKILL takes effect, not at once).
