@@ -103,16 +103,18 @@ def test_reformation_triggers() -> None:
 # --- views kept from watch events ---------------------------------------------------------
 
 from elastrun.rendezvous.decide import (  # noqa: E402
-    PAGE_SIZE,
     RoundView,
     RoundWatch,
     RunKeys,
+    shape_of,
+)
+from elastrun.rendezvous.members import (  # noqa: E402
+    PAGE_SIZE,
     member_pages,
     page_count,
     page_entries,
     page_of,
     rows_of_pages,
-    shape_of,
 )
 from elastrun.store.api import EventKind, WatchEvent  # noqa: E402
 

@@ -36,11 +36,8 @@ from elastrun.rendezvous.decide import (
     RunKeys,
     Verdict,
     apply_events,
-    page_count,
-    page_entries,
-    page_of,
-    rows_of_pages,
 )
+from elastrun.rendezvous.members import page_count, page_entries, page_of, rows_of_pages
 
 #: How often the closer publishes its progress (a follower shows it every FOLLOW_EVERY).
 PROGRESS_EVERY = 5.0
