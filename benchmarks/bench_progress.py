@@ -42,7 +42,7 @@ from _report import (
     alternate,
 )
 
-from elastrun.supervise.progress import ProgressBoard
+from elastrun.pace import ProgressBoard
 
 WORKER = textwrap.dedent(
     """\
@@ -50,7 +50,7 @@ WORKER = textwrap.dedent(
     import torch
     import torch.optim.optimizer as torch_optimizer
     import elastrun
-    from elastrun.worker import progress as wp
+    from elastrun.pace import worker as wp
 
     steps, long_steps, calls = (int(a) for a in sys.argv[1:4])
     torch.set_num_threads(1)

@@ -36,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     "ChildFailedError": "elastrun.supervise.failures.report",
     "ProcessFailure": "elastrun.supervise.failures.failure",
     "record": "elastrun.worker.record",
-    "progress": "elastrun.worker.progress",
+    "progress": "elastrun.pace.worker",
     "init_process_group": "elastrun.worker.dist",
     "ElastrunError": "elastrun.core.errors",
     "ConfigError": "elastrun.core.errors",
@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from elastrun.core.errors import ConfigError, ElastrunError
     from elastrun.launch.api import elastic_launch, launch_agent
     from elastrun.launch.config import LaunchConfig
+    from elastrun.pace.worker import progress
     from elastrun.rendezvous.api import (
         RendezvousHandler,
         RendezvousInfo,
@@ -88,7 +89,6 @@ if TYPE_CHECKING:
     from elastrun.supervise.failures.report import ChildFailedError
     from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsSpecs, Std
     from elastrun.worker.dist import init_process_group
-    from elastrun.worker.progress import progress
     from elastrun.worker.record import record
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from _helpers import REPO
 from elastrun import DefaultLogsSpecs, LocalElasticAgent, WorkerSpec
-from elastrun.supervise.processes.template import TemplateStarter
+from elastrun.template.starter import TemplateStarter
 
 pytestmark = pytest.mark.torch
 

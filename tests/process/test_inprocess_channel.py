@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastrun.agent.inprocess_hub import InprocessHub
+from elastrun.inprocess.agent.hub import InprocessHub
 from elastrun.inprocess.channel import Channel
 from elastrun.wire import inprocess as wire
 

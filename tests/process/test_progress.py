@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from elastrun.pace import ProgressBoard, ProgressRecord
 from elastrun.supervise.processes.spawn import ProcessSpec, ProcessStarter
-from elastrun.supervise.processes.template import TemplateStarter
-from elastrun.supervise.progress import ProgressBoard, ProgressRecord
+from elastrun.template.starter import TemplateStarter
 from elastrun.wire.progress import PROGRESS_FILE_ENV, REPORTS, SLOT_WORDS, STEP, slot_offset
 
 PY = sys.executable
@@ -281,9 +281,9 @@ def test_outside_elastrun_progress_does_nothing_and_the_bootstrap_imports_nothin
         tmp_path / "plain.py",
         """\
         import json, sys, time
-        loaded = "elastrun.worker.progress" in sys.modules
+        loaded = "elastrun.pace.worker" in sys.modules
         import elastrun
-        from elastrun.worker import progress as wp
+        from elastrun.pace import worker as wp
         for _ in range(3):
             elastrun.progress()
         elastrun.progress(7)

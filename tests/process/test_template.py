@@ -34,19 +34,19 @@ from elastrun.supervise.processes.spawn import (
     WorkerProcess,
     start_each,
 )
-from elastrun.supervise.processes.template import (
+from elastrun.template.process import Template
+from elastrun.template.starter import (
     BootstrapCommand,
     TemplateStarter,
     default_preload,
     parse_bootstrap_command,
 )
-from elastrun.supervise.processes.template_process import Template
 from elastrun.wire.zygote import BATCH_MAX
 
 PY = sys.executable
 BOOT = "elastrun.worker.bootstrap"
 TIMEOUT = 30.0
-LOGGER = "elastrun.supervise.processes.template"
+LOGGER = "elastrun.template.starter"
 
 # Everything a script can observe about how it was started, except what is unique to
 # each process (pids) -- those are compared separately.
@@ -305,7 +305,7 @@ def test_without_setproctitle_a_forked_worker_keeps_the_templates_title(
         _wait(proc)
     assert template.forked == 1
     view = json.loads((tmp_path / "out").read_text())
-    assert "-m elastrun.worker.zygote" in view["cmdline"]
+    assert "-m elastrun.template.zygote" in view["cmdline"]
     assert view["comm"] == os.path.basename(PY)[:15]
 
 
@@ -460,7 +460,7 @@ def test_output_to_inherited_streams_goes_to_the_agents_stdout(tmp_path: Path) -
         f"""\
         import os, select, sys
         from elastrun.supervise.processes.spawn import ProcessSpec
-        from elastrun.supervise.processes.template import TemplateStarter
+        from elastrun.template.starter import TemplateStarter
         with TemplateStarter() as starter:
             proc = starter.start(ProcessSpec(0, dict(os.environ),
                 argv=({PY!r}, "-u", "-m", {BOOT!r}, {str(script)!r})))
@@ -587,7 +587,7 @@ def test_killing_the_group_reaches_the_workers_children(
 AGENT = """\
 import json, os, sys, time
 from elastrun.supervise.processes.spawn import ProcessSpec, SubprocessStarter
-from elastrun.supervise.processes.template import TemplateStarter
+from elastrun.template.starter import TemplateStarter
 starter = TemplateStarter() if sys.argv[1] == "template" else SubprocessStarter()
 proc = starter.start(ProcessSpec(0, dict(os.environ), argv=tuple(sys.argv[2:])))
 print(json.dumps({"worker": proc.pid, "template": getattr(starter, "template_pid", None)}),
@@ -1186,7 +1186,7 @@ def test_a_signal_before_the_start_starts_no_worker(
 # intermediates, before it reaps them or answers.
 STALL_BEFORE_ANSWER = """
 import os, signal
-from elastrun.worker import zygote_fork
+from elastrun.template import zygote_fork
 
 _fork = zygote_fork._fork_intermediates
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from elastrun.supervise.processes.spawn import ProcessSpec, ProcessStarter, SubprocessStarter
-from elastrun.supervise.processes.template import TemplateStarter
+from elastrun.template.starter import TemplateStarter
 from elastrun.worker import threadpools
 
 pytestmark = pytest.mark.torch

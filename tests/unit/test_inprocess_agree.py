@@ -7,7 +7,6 @@ import threading
 
 import pytest
 
-from elastrun.agent.inprocess_agree import Agreement, Offer, agree
 from elastrun.agent.options import (
     DEFAULT_INPROCESS_TIMEOUT,
     INPROCESS_TIMEOUT_ENV,
@@ -15,8 +14,9 @@ from elastrun.agent.options import (
 )
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import ConfigError
+from elastrun.inprocess.agent.agree import Agreement, Offer, agree
+from elastrun.pace import AutoTimeout
 from elastrun.store.memory import MemoryStore
-from elastrun.supervise.progress import AutoTimeout
 
 PREFIX = "/elastrun/r/rounds/3/inprocess/"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastrun.agent.inprocess_answer import (
+from elastrun.inprocess.agent.answer import (
     ANY_TIME,
     Answer,
     Known,

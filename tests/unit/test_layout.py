@@ -87,3 +87,34 @@ def test_the_private_import_check_sees_absolute_relative_and_module_imports() ->
     ]
     in_package = private_imports("from .spawn import _Handle\n", "elastrun.supervise", True)
     assert in_package == ["1: elastrun.supervise.spawn._Handle"]
+
+
+#: Concepts whose two sides run in different processes, each one folder: no module
+#: outside it is named after it. The wire formats are the one exception by design
+#: (``elastrun.wire``: every format in one place, versioned).
+CONCEPT_FOLDERS = {
+    "template": ("template", "zygote"),
+    "pace": ("pace", "progress", "straggler", "hang"),
+    "inprocess": ("inprocess",),
+    "nodecheck": ("nodecheck", "checkboard"),
+}
+#: Modules named like a concept that are another thing.
+NOT_THE_CONCEPT = {
+    "elastrun.rendezvous.progress": "the rendezvous's waiting line, not the workers' progress",
+}
+
+
+def test_each_cross_process_concept_lives_in_one_folder() -> None:
+    strays = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        module, _ = _module_name(path)
+        parts = module.split(".")[1:]
+        if not parts or parts[0] == "wire" or module in NOT_THE_CONCEPT:
+            continue
+        for folder, words in CONCEPT_FOLDERS.items():
+            named = [p for p in parts if any(p.startswith(w) for w in words)]
+            if named and parts[0] != folder:
+                strays.append(f"{module} (belongs in elastrun.{folder})")
+    assert strays == []
+    for folder in CONCEPT_FOLDERS:
+        assert (PACKAGE_DIR / folder / "__init__.py").is_file()

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from elastrun.core.errors import ConfigError
-from elastrun.rendezvous.nodecheck import (
+from elastrun.nodecheck.verdicts import (
     Isolation,
     NodeCheckRule,
     Pair,

@@ -7,18 +7,18 @@ import time
 
 import pytest
 
-from elastrun.agent.pace_exchange import NodeExchange
-from elastrun.agent.pace_watch import PaceWatch
 from elastrun.core.errors import ConfigError
 from elastrun.observe.sinks import MemoryEventSink
-from elastrun.store.memory import MemoryStore
-from elastrun.supervise.progress import (
+from elastrun.pace import (
     NodeSummary,
     ProgressRecord,
     StragglerSettings,
     pace_times,
     parse_straggler_factor,
 )
+from elastrun.pace.exchange import NodeExchange
+from elastrun.pace.pace_watch import PaceWatch
+from elastrun.store.memory import MemoryStore
 from elastrun.testing import FakeClock
 
 

@@ -201,7 +201,7 @@ def test_the_executor_can_fill_in_only_the_run_time_variables_the_plan_names() -
 
 def test_the_plan_spells_the_progress_variables_as_the_worker_reads_them() -> None:
     from elastrun.agent import plan
-    from elastrun.worker import progress
+    from elastrun.pace import worker as progress
 
     assert plan.PROGRESS_FILE_ENV == progress.PROGRESS_FILE_ENV
     assert plan.PROGRESS_SLOT_ENV == progress.PROGRESS_SLOT_ENV

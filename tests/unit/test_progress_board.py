@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastrun.core.errors import ConfigError, ElastrunError
-from elastrun.supervise.progress import FILE_NAME, ProgressBoard, read_record
+from elastrun.pace import FILE_NAME, ProgressBoard, read_record
+from elastrun.pace import worker as wp
+from elastrun.pace.worker import Reporter
 from elastrun.wire.progress import (
     CHECK,
     MAX_STEP,
@@ -24,8 +26,6 @@ from elastrun.wire.progress import (
     record_check,
     slot_offset,
 )
-from elastrun.worker import progress as wp
-from elastrun.worker.progress import Reporter
 
 
 @pytest.fixture

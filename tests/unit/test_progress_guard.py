@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastrun.core.errors import ConfigError
-from elastrun.supervise.progress import NoProgressGuard, ProgressRecord, steps_of
+from elastrun.pace import NoProgressGuard, ProgressRecord, steps_of
 
 
 def test_the_same_crash_at_the_same_step_three_times_stops() -> None:

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastrun.core.errors import ConfigError
-from elastrun.supervise.progress import (
+from elastrun.pace import (
     AutoTimeout,
     HangDetector,
     ProgressRecord,

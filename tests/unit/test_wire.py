@@ -11,8 +11,8 @@ import pytest
 
 import elastrun.wire
 from elastrun.launch.commands.stacks import stacks_main
+from elastrun.pace.worker import Reporter
 from elastrun.wire import inprocess, progress, timer, workers, zygote
-from elastrun.worker.progress import Reporter
 
 WIRE_MODULES = sorted(m.name for m in pkgutil.iter_modules(elastrun.wire.__path__))
 

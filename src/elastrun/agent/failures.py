@@ -14,10 +14,10 @@ from elastrun.agent.attempt import Attempt
 from elastrun.agent.policy import RestartBudget
 from elastrun.core.errorfile import ErrorFileContents, read_error_file
 from elastrun.observe.sinks import EventSink
+from elastrun.pace import Snapshot
 from elastrun.supervise.failures.crashloop import FailureSignature, signature_of
 from elastrun.supervise.failures.failure import ProcessFailure, signal_name
 from elastrun.supervise.processes.procset import Exit
-from elastrun.supervise.progress import Snapshot
 
 
 def describe_exit(code: int) -> str:

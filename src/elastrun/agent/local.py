@@ -24,12 +24,12 @@ from elastrun.agent.workers import Guard
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import EventSink, MetricSink
+from elastrun.pace import AutoTimeout, StragglerSettings
 from elastrun.rendezvous.api import RendezvousHandler
 from elastrun.supervise.processes.dstate import UninterruptibleWatch
 from elastrun.supervise.processes.logs import LogsSpecs
 from elastrun.supervise.processes.relay import PYTHON_CONSOLE, Console
 from elastrun.supervise.processes.spawn import ProcessStarter
-from elastrun.supervise.progress import AutoTimeout, StragglerSettings
 
 __all__ = ["STUCK_EXIT_TIMEOUT", "FileTimer", "Guard", "LocalElasticAgent"]
 

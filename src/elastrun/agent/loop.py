@@ -22,7 +22,6 @@ import signal
 from elastrun.agent import failures
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.finish import BarrierAction, barrier_action, return_values
-from elastrun.agent.inprocess_steps import GroupAction, GroupDecision
 from elastrun.agent.phases import AgentPhase
 from elastrun.agent.plan import LaunchPlan
 from elastrun.agent.policy import Decision
@@ -30,6 +29,7 @@ from elastrun.agent.spec import RunResult, WorkerState
 from elastrun.agent.wiring import AgentParts
 from elastrun.core.clock import Deadline
 from elastrun.core.errors import ShutdownRequested
+from elastrun.inprocess.agent.steps import GroupAction, GroupDecision
 from elastrun.supervise.failures.crashloop import CrashLoopGuard
 from elastrun.supervise.processes.procset import Exit
 

@@ -25,9 +25,9 @@ from elastrun.agent.plan import INPROCESS_ENV, SIGNALS_TO_HANDLE_ENV
 from elastrun.agent.watches import STUCK_EXIT_TIMEOUT
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import parse_seconds
+from elastrun.nodecheck.verdicts import NodeCheckRule
+from elastrun.pace import AutoTimeout, StragglerSettings
 from elastrun.rendezvous.exclusion import ExclusionRule
-from elastrun.rendezvous.nodecheck import NodeCheckRule
-from elastrun.supervise.progress import AutoTimeout, StragglerSettings
 
 __all__ = [
     "DEFAULT_INPROCESS_JOIN_TIMEOUT",

@@ -12,12 +12,12 @@ from collections.abc import Mapping
 
 from elastrun.agent.bootstrap_store import BootstrapStore
 from elastrun.agent.interrupt import Interruptible
-from elastrun.agent.pace_watch import PaceWatch
 from elastrun.agent.plan import LaunchPlan, RoundFacts, WorkerServices, round_plan
 from elastrun.agent.policy import RestartBudget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.core.clock import Clock
+from elastrun.pace.pace_watch import PaceWatch
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
 from elastrun.rendezvous.elastic import ElasticRendezvous
 

@@ -14,9 +14,9 @@ import signal
 from typing import Protocol
 
 from elastrun.agent.attempt import Attempt
-from elastrun.agent.progress_watch import ProgressWatch, hang_reasons
 from elastrun.core.clock import Clock
 from elastrun.observe.sinks import EventSink
+from elastrun.pace.progress_watch import ProgressWatch, hang_reasons
 from elastrun.supervise.processes.dstate import UninterruptibleWatch
 from elastrun.supervise.processes.stacks import request_stacks
 

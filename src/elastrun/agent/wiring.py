@@ -3,10 +3,10 @@
 ``assemble`` builds the parts the loop (agent.loop) works with, once, from the frozen
 ``AgentOptions`` (agent.options) and the injected ``World`` (clock, process starter,
 sinks...; production defaults where a field is None): the worker processes
-(agent.workers), the rounds (agent.rounds), the in-process recovery (agent.inprocess,
-agent.inprocess_steps), the watches (agent.watches, progress and pace), the report and
-the one state machine (agent.phases). The parts know nothing of the loop: none is
-handed it, and none calls back into it.
+(agent.workers), the rounds (agent.rounds), the in-process recovery
+(inprocess.agent.recovery and .steps), the watches (agent.watches, pace.progress_watch,
+pace.pace_watch), the report and the one state machine (agent.phases). The parts know
+nothing of the loop: none is handed it, and none calls back into it.
 """
 
 from __future__ import annotations
@@ -16,16 +16,11 @@ import uuid
 from dataclasses import dataclass
 
 from elastrun.agent.cooldown import CoolDown
-from elastrun.agent.inprocess import InprocessRecovery
-from elastrun.agent.inprocess_steps import InprocessSteps
 from elastrun.agent.interrupt import Interruptible
-from elastrun.agent.nodecheck import NodeCheck
 from elastrun.agent.options import AgentOptions
-from elastrun.agent.pace_watch import PaceWatch
 from elastrun.agent.phases import Lifecycle
 from elastrun.agent.plan import WorkerServices
 from elastrun.agent.policy import RestartAll, RestartBudget, RestartPolicy, default_budget
-from elastrun.agent.progress_watch import ProgressWatch
 from elastrun.agent.report import AgentReport
 from elastrun.agent.rounds import Rounds
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
@@ -33,7 +28,12 @@ from elastrun.agent.watches import AttemptWatches, FileTimer
 from elastrun.agent.workers import Guard, WorkerProcesses
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.shutdown import ShutdownRequest
+from elastrun.inprocess.agent.recovery import InprocessRecovery
+from elastrun.inprocess.agent.steps import InprocessSteps
+from elastrun.nodecheck.check import NodeCheck
 from elastrun.observe.sinks import EventSink, MetricSink, NullEventSink, NullMetricSink
+from elastrun.pace.pace_watch import PaceWatch
+from elastrun.pace.progress_watch import ProgressWatch
 from elastrun.rendezvous.api import RendezvousHandler
 from elastrun.rendezvous.elastic import ElasticRendezvous, as_elastic
 from elastrun.rendezvous.local import LocalRendezvousHandler

@@ -21,12 +21,32 @@ commit to every rank that is behind (the replacement included), tensor by tensor
 its own tensors, and calls the function again. A commit copies no tensor of the model or
 optimizer on CPU (see ``inprocess.snapshot``).
 Outside elastrun the decorator just calls the function. See docs/inprocess.md.
+
+This package holds both sides of in-process recovery: the modules here are the
+workers' side; ``elastrun.inprocess.agent`` is the agent's. The agent imports its own
+side only, so the names below load when first read (importing the package itself
+loads nothing of the workers').
 """
 
 from __future__ import annotations
 
-from elastrun.inprocess.recovery import run
-from elastrun.inprocess.state import State, StateMismatchError
-from elastrun.inprocess.transfer import CommitLostError
+from typing import TYPE_CHECKING
+
+from elastrun.core.lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from elastrun.inprocess.recovery import run
+    from elastrun.inprocess.state import State, StateMismatchError
+    from elastrun.inprocess.transfer import CommitLostError
+
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "run": "elastrun.inprocess.recovery",
+        "State": "elastrun.inprocess.state",
+        "StateMismatchError": "elastrun.inprocess.state",
+        "CommitLostError": "elastrun.inprocess.transfer",
+    },
+)
 
 __all__ = ["CommitLostError", "State", "StateMismatchError", "run"]

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from elastrun.observe.health import HealthCheckServer
     from elastrun.observe.prometheus import MetricsServer
     from elastrun.supervise.processes.relay import Console
-    from elastrun.supervise.processes.template import TemplateStarter
+    from elastrun.template.starter import TemplateStarter
 
 log = logging.getLogger("elastrun.launch")
 
@@ -180,7 +180,7 @@ class _Extras:
         self.health: HealthCheckServer | None = None
         self.starter: TemplateStarter | None = None
         if config.use_template and isinstance(entrypoint, str):
-            from elastrun.supervise.processes.template import TemplateStarter
+            from elastrun.template.starter import TemplateStarter
 
             # One template per agent, kept across restarts: that is where the speed is.
             self.starter = TemplateStarter(

@@ -23,10 +23,10 @@ from elastrun.core.values import (
     parse_port,
     parse_seconds,
 )
+from elastrun.nodecheck.verdicts import NodeCheckRule
+from elastrun.pace.hang import AutoTimeout, parse_hang_timeout
+from elastrun.pace.straggler import StragglerSettings
 from elastrun.rendezvous.exclusion import ExclusionRule
-from elastrun.rendezvous.nodecheck import NodeCheckRule
-from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
-from elastrun.supervise.progress.straggler import StragglerSettings
 
 if TYPE_CHECKING:
     from elastrun.rendezvous.api import RendezvousParameters

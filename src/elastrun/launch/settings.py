@@ -18,10 +18,10 @@ from elastrun.launch.config import START_METHODS, parse_signals
 from elastrun.launch.options import NUMA_BINDINGS
 from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, to_choice
 from elastrun.launch.paths import check_writable_file
+from elastrun.nodecheck.verdicts import NodeCheckRule
+from elastrun.pace.hang import AutoTimeout, parse_hang_timeout
+from elastrun.pace.straggler import StragglerSettings, parse_straggler_factor
 from elastrun.rendezvous.exclusion import ExclusionRule
-from elastrun.rendezvous.nodecheck import NodeCheckRule
-from elastrun.supervise.progress.hang import AutoTimeout, parse_hang_timeout
-from elastrun.supervise.progress.straggler import StragglerSettings, parse_straggler_factor
 
 if TYPE_CHECKING:
     from elastrun.supervise.processes.numa import NumaOptions

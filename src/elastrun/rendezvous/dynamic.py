@@ -17,7 +17,7 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 ``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
 ``ctl/excluded/<node>``      bound to the lease: the node sits out a cool-down
 ``strikes/<node>``           the times of the node's recent failures (``exclusion``)
-``check/...``                node checks: waves, ports, results (``checkboard``)
+``check/...``                node checks: waves, ports, results (``nodecheck.board``)
 ``current``                  the newest closed round
 ``budget``                   failure restarts used by the whole job
 
@@ -52,6 +52,7 @@ from elastrun.core.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from elastrun.nodecheck.board import CheckBoard
 from elastrun.rendezvous import joining
 from elastrun.rendezvous.api import (
     BarrierResult,
@@ -60,7 +61,6 @@ from elastrun.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
-from elastrun.rendezvous.checkboard import CheckBoard
 from elastrun.rendezvous.decide import RunKeys
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 from elastrun.rendezvous.liveness import Liveness, bounded

@@ -28,8 +28,8 @@ from typing import Protocol, runtime_checkable
 from elastrun.core import cancel
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import RendezvousTimeoutError
+from elastrun.nodecheck.board import CheckBoard
 from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo, RoundOutcome
-from elastrun.rendezvous.checkboard import CheckBoard
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 
 
@@ -106,7 +106,7 @@ class ElasticRendezvous(Protocol):
         ...
 
     def check_board(self) -> CheckBoard | None:
-        """Where node checks meet in the store (``checkboard``), with this node's lease
+        """Where node checks meet in the store (``nodecheck.board``), with this node's lease
         taken first; None: no store to meet in (the node is checked alone)."""
         ...
 

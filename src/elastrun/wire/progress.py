@@ -1,8 +1,8 @@
 """The progress file: the workers' records, in shared memory, and its header.
 
-The agent creates the file (``elastrun.supervise.progress.ProgressBoard``) and names it
+The agent creates the file (``elastrun.pace.ProgressBoard``) and names it
 to each worker in :data:`PROGRESS_FILE_ENV`, with the worker's record in
-:data:`PROGRESS_SLOT_ENV`; the worker (:mod:`elastrun.worker.progress`) maps it and
+:data:`PROGRESS_SLOT_ENV`; the worker (:mod:`elastrun.pace.worker`) maps it and
 writes its record on every report; the agent reads every record. This module is what
 both ends agree on: the layout, the check word, the variables.
 

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             pass
     _arm_stack_dumps()
     if _PROGRESS_ENV in os.environ:  # the agent asked for progress reports
-        from elastrun.worker import progress
+        from elastrun.pace import worker as progress
 
         progress.install()
     _rewrite_orig_argv(args)

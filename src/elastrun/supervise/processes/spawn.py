@@ -13,7 +13,7 @@ Starters implement the ``ProcessStarter`` protocol (one worker, or a group all o
 * ``ForkStarter`` forks the agent and calls the function in the child
   (``--start-method fork``).
 
-The template ("zygote") starter, ``supervise.processes.template``, is a third: it forks
+The template ("zygote") starter, ``elastrun.template``, is a third: it forks
 a group's workers in one batch.
 """
 

@@ -23,16 +23,11 @@ import tempfile
 from collections.abc import Iterable, Mapping
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
+from elastrun.pace.board import ProgressBoard, steps_of
+from elastrun.pace.guard import NoProgressGuard
+from elastrun.pace.hang import AutoTimeout, HangDetector, HangVerdict
+from elastrun.pace.record import Snapshot
 from elastrun.supervise.processes.stacks import StackDump
-from elastrun.supervise.progress import (
-    AutoTimeout,
-    HangDetector,
-    HangVerdict,
-    NoProgressGuard,
-    ProgressBoard,
-    Snapshot,
-    steps_of,
-)
 
 log = logging.getLogger("elastrun.agent")
 

@@ -2,11 +2,11 @@
 
 The agent starts it once as::
 
-    python [OPTS] -m elastrun.worker.zygote N
+    python [OPTS] -m elastrun.template.zygote N
 
 with the interpreter options (``OPTS``) and the environment its workers will have, minus
 the per-worker variables, plus ``TITLE_ROOM`` first (see ``retitle`` in
-:mod:`elastrun.worker.zygote_worker`). The first message on the control socket (fd
+:mod:`elastrun.template.zygote_worker`). The first message on the control socket (fd
 ``N``) names the modules to preload: it imports them (the optional ones are skipped
 quietly when they are not installed), checks that forking is still safe (no thread
 started, CUDA not initialised), says hello and then serves spawn requests until the
@@ -24,7 +24,7 @@ Both forks happen with every signal blocked, and the worker unblocks them only o
 dispositions are reset: from the moment the agent knows the pid it may signal the
 worker (a Ctrl-C during a start or a restart), and such a signal must neither vanish into
 the template's ignored SIGINT nor interrupt the set-up half-way; held pending, it acts
-when unblocked, as on a fresh process. (The forks: :mod:`elastrun.worker.zygote_fork`.)
+when unblocked, as on a fresh process. (The forks: :mod:`elastrun.template.zygote_fork`.)
 
 The worker then becomes what ``python [OPTS] -m elastrun.worker.bootstrap ARGS`` would
 have been: its own session, the given stdin/stdout/stderr (new ``sys.std*`` objects built
@@ -37,7 +37,7 @@ random seeds (every generator that a fresh interpreter seeds from the OS when im
 what the template imported: ``random``, torch's CPU generator, numpy's global
 ``RandomState``, sympy's, the ``multiprocessing`` auth key; see ``reseed``) -- and
 runs :func:`elastrun.worker.bootstrap.main`, whose exceptions reach the interpreter's top
-level exactly as from a fresh start. (The set-up: :mod:`elastrun.worker.zygote_worker`.)
+level exactly as from a fresh start. (The set-up: :mod:`elastrun.template.zygote_worker`.)
 
 What cannot be made identical, and is documented as such:
 
@@ -80,6 +80,8 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
+from elastrun.template.zygote_fork import Job, close_quietly, open_fds, spawn_many, thread_count
+from elastrun.template.zygote_worker import Stdio, become_worker, import_titles
 from elastrun.wire.zygote import (
     BATCH_MAX,
     STDIO_FDS,
@@ -91,8 +93,6 @@ from elastrun.wire.zygote import (
     version_problem,
 )
 from elastrun.worker import bootstrap, threadpools
-from elastrun.worker.zygote_fork import Job, close_quietly, open_fds, spawn_many, thread_count
-from elastrun.worker.zygote_worker import Stdio, become_worker, import_titles
 
 
 def _parse_args(argv: list[str]) -> int:

@@ -2,7 +2,7 @@
 
 A fresh Python worker that imports torch spends seconds importing it, on the first start
 and on every restart. ``TemplateStarter`` pays that once per agent: it starts one
-template interpreter (:mod:`elastrun.worker.zygote`) that imports the modules the
+template interpreter (:mod:`elastrun.template.zygote`) that imports the modules the
 workers need and then waits; every worker is forked from it in milliseconds and then runs
 exactly as ``python -m elastrun.worker.bootstrap`` would have run it.
 
@@ -24,12 +24,12 @@ variables: modules imported in the template read the environment at import time,
 template serves only workers whose shared environment is the one it was started with.
 The template's environment has one variable more, first: ``TITLE_ROOM``, room in its
 memory for the command lines its workers show (see ``retitle`` in
-:mod:`elastrun.worker.zygote_worker`), sized for the workers it is started for.
+:mod:`elastrun.template.zygote_worker`), sized for the workers it is started for.
 
 The pieces: which argvs go through a template and what it preloads
-(:mod:`~elastrun.supervise.processes.template_preload`), what one template serves
-(:mod:`~elastrun.supervise.processes.template_key`), one running template and its
-channel (:mod:`~elastrun.supervise.processes.template_process`); this module holds the
+(:mod:`~elastrun.template.preload`), what one template serves
+(:mod:`~elastrun.template.key`), one running template and its
+channel (:mod:`~elastrun.template.process`); this module holds the
 starter, which decides per worker and falls back.
 """
 
@@ -51,13 +51,13 @@ from elastrun.supervise.processes.spawn import (
     adopt_child,
     kill_started,
 )
-from elastrun.supervise.processes.template_key import (
+from elastrun.template.key import (
     PER_WORKER_VARIABLES,
     TemplateKey,
     describe_change,
     is_per_worker_variable,
 )
-from elastrun.supervise.processes.template_preload import (
+from elastrun.template.preload import (
     AUTO_PRELOAD_ROOTS,
     BOOTSTRAP_MODULE,
     LAZY_TORCH_IMPORTS,
@@ -65,7 +65,7 @@ from elastrun.supervise.processes.template_preload import (
     default_preload,
     parse_bootstrap_command,
 )
-from elastrun.supervise.processes.template_process import (
+from elastrun.template.process import (
     Template,
     TemplateBroken,
     TemplateUnavailable,

@@ -1,6 +1,6 @@
 """Progress reports from a worker to its agent: a shared-memory record per worker.
 
-The agent creates one small file (``elastrun.supervise.progress.ProgressBoard``) and
+The agent creates one small file (``elastrun.pace.ProgressBoard``) and
 gives each worker two variables: :data:`PROGRESS_FILE_ENV` (the file) and
 :data:`PROGRESS_SLOT_ENV` (its record in it). The worker maps the file and each report
 is a handful of stores into its record -- no store round trip, no system call, no lock

@@ -1,7 +1,7 @@
 """Turning a fresh fork of the worker template into the worker a spawn request describes.
 
 The worker becomes what ``python [OPTS] -m elastrun.worker.bootstrap ARGS`` would have
-been: its own session (made by the intermediate, see :mod:`elastrun.worker.zygote_fork`),
+been: its own session (made by the intermediate, see :mod:`elastrun.template.zygote_fork`),
 the given stdin/stdout/stderr (new ``sys.std*`` objects built as the interpreter builds
 them, ``-u`` included), default signal dispositions (plus the agent's ignored signals
 and mask, as ``exec`` would pass them on), no inherited descriptors, the given working
@@ -26,9 +26,9 @@ import time
 from types import ModuleType
 
 from elastrun.core.linux import die_with_parent
+from elastrun.template.zygote_fork import Job, close_quietly, open_fds
 from elastrun.wire.zygote import STDIO_FDS, TITLE_ROOM, int_list
 from elastrun.worker import bootstrap, threadpools
-from elastrun.worker.zygote_fork import Job, close_quietly, open_fds
 
 # Longest a new worker waits to be handed to the agent. The intermediate exits right
 # after forking, so this is only reached when the system is wedged.
@@ -147,7 +147,7 @@ def reset_signals(request: dict[str, object]) -> None:
     its SIGINT handler (:func:`handle_interrupts` does that last).
 
     Runs with every signal blocked since the fork (see
-    :func:`elastrun.worker.zygote_fork.spawn_many`). A signal sent meanwhile is pending; the
+    :func:`elastrun.template.zygote_fork.spawn_many`). A signal sent meanwhile is pending; the
     new mask delivers it with a default disposition, so it acts as on a fresh process
     that has not yet set up its handlers: SIGINT and SIGTERM end the worker at once
     (setting SIG_IGN, or SIG_DFL for a signal whose default is to be ignored, discards a

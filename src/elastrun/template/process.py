@@ -1,6 +1,6 @@
 """One running worker template and the agent's end of its control channel.
 
-:meth:`Template.launch` starts ``python [OPTS] -m elastrun.worker.zygote N`` with the
+:meth:`Template.launch` starts ``python [OPTS] -m elastrun.template.zygote N`` with the
 template's environment, ``TITLE_ROOM`` first (room in its memory for the command lines
 its workers show, sized for the workers it is started for), and sends it the modules to
 preload; :meth:`Template.await_ready` waits for its hello; :meth:`Template.spawn_batch` asks
@@ -25,7 +25,7 @@ from typing import IO
 from elastrun.core.errors import ElastrunError, ShutdownRequested
 from elastrun.core.linux import child_subreaper, die_with_parent
 from elastrun.core.shutdown import ShutdownRequest
-from elastrun.supervise.processes.template_key import TemplateKey
+from elastrun.template.key import TemplateKey
 from elastrun.wire.zygote import (
     BATCH_MAX,
     TITLE_ROOM,
@@ -141,7 +141,7 @@ class Template:
 
         ``worker_argv`` is the command line of the workers it is started for: their
         title needs room in the template's environment (see ``retitle`` in
-        :mod:`elastrun.worker.zygote_worker`).
+        :mod:`elastrun.template.zygote_worker`).
 
         Raises:
             TemplateUnavailable: the interpreter could not be started.

@@ -2,12 +2,12 @@
 
 When: before the node's first round, and before it rejoins after a failure of its own
 workers (``due``); a failure elsewhere, or a re-formation, does not check it again.
-What: ``worker.nodecheck`` in processes of its own, with the workers' interpreter and
+What: ``nodecheck.runner`` in processes of its own, with the workers' interpreter and
 base environment (the agent never imports torch, and never initialises CUDA): the
 compute part, started first so that its imports overlap the wave's window; then the
 user's script if any (it extends the built-in check: both must pass); then the link
-rounds that ``rendezvous.nodecheck.Isolation`` pairs, met through the rendezvous store
-(``rendezvous.checkboard``).
+rounds that ``nodecheck.verdicts.Isolation`` pairs, met through the rendezvous store
+(``nodecheck.board``).
 
 Deadlines: the whole check has ``--node-check-timeout``. A part of this node's own that
 overruns it fails the node. Waiting for peers does not: a peer that never reports is
@@ -39,17 +39,17 @@ from elastrun.agent.interrupt import Interruptible
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
 from elastrun.core.errors import StoreTimeoutError
+from elastrun.nodecheck.board import CheckBoard, LinkResult, Wave
+from elastrun.nodecheck.verdicts import Isolation, NodeCheckRule
 from elastrun.observe.sinks import EventSink, MetricSink
-from elastrun.rendezvous.checkboard import CheckBoard, LinkResult, Wave
 from elastrun.rendezvous.elastic import ElasticRendezvous
-from elastrun.rendezvous.nodecheck import Isolation, NodeCheckRule
 from elastrun.supervise.processes.helper import Helper
 
 __all__ = ["CheckOutcome", "NodeCheck"]
 
 log = logging.getLogger("elastrun.agent")
 
-MODULE = "elastrun.worker.nodecheck"
+MODULE = "elastrun.nodecheck.runner"
 
 
 @dataclass(frozen=True)

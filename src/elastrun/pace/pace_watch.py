@@ -5,7 +5,7 @@ One ``PaceWatch`` per agent samples the progress board about once a second
 and step time go to the metric sink, and the pure :class:`StragglerDetector` compares
 the workers of this node. Across nodes, each agent publishes a summary of its own
 workers through the rendezvous store and the agent of group rank 0 compares the nodes
-(:mod:`elastrun.agent.pace_exchange`); without a store of that kind (a single node, a
+(:mod:`elastrun.pace.exchange`); without a store of that kind (a single node, a
 handler of another kind) detection stays node-local.
 
 A straggler is reported -- one warning, an ``agent.straggler`` event, the
@@ -19,19 +19,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from elastrun.agent.pace_exchange import NodeExchange
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.observe.sinks import EventSink, EventValue, MetricSink, labelled
-from elastrun.rendezvous.decide import RunKeys
-from elastrun.store.api import Store
-from elastrun.supervise.progress.record import Snapshot
-from elastrun.supervise.progress.straggler import (
+from elastrun.pace.exchange import NodeExchange
+from elastrun.pace.record import Snapshot
+from elastrun.pace.straggler import (
     NodeSummary,
     Straggler,
     StragglerDetector,
     StragglerSettings,
     pace_times,
 )
+from elastrun.rendezvous.decide import RunKeys
+from elastrun.store.api import Store
 
 log = logging.getLogger("elastrun.agent")
 

@@ -8,7 +8,7 @@ and only then sends the worker its go-ahead (``g``) on another pipe, so no worke
 that the agent does not know of. Each new process notes its pid on the batch's ledger
 first (see :mod:`elastrun.wire.zygote`), so that an agent that gives up on the
 batch can reap whatever it was handed. Both forks happen with every signal blocked (see
-:func:`spawn_many`). What the worker does next is :mod:`elastrun.worker.zygote_worker`'s.
+:func:`spawn_many`). What the worker does next is :mod:`elastrun.template.zygote_worker`'s.
 """
 
 from __future__ import annotations

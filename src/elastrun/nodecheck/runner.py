@@ -157,7 +157,7 @@ def connect(host: str, port: int, deadline: float, extra: float) -> dict[str, An
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; print its result as the last line of stdout; 0 when healthy."""
-    parser = argparse.ArgumentParser(prog="python -m elastrun.worker.nodecheck")
+    parser = argparse.ArgumentParser(prog="python -m elastrun.nodecheck.runner")
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds from now")
     parser.add_argument("--parent", type=int, default=None, help="die with this process")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -21,8 +21,8 @@ import logging
 import threading
 
 from elastrun.core.errors import StoreError
+from elastrun.pace.straggler import NodeSummary
 from elastrun.store.api import Store
-from elastrun.supervise.progress.straggler import NodeSummary
 
 log = logging.getLogger("elastrun.agent")
 

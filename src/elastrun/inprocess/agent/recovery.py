@@ -5,7 +5,7 @@ When every worker of the attempt uses ``elastrun.inprocess.run`` (each said hell
 the hub), a failure does not stop the survivors. Alone in its round, the node serves a
 fresh workers' store itself (``recover``). With other nodes, every node keeps its
 workers running through the rendezvous and, once the new round has formed, they agree
-on it through the rendezvous store (``agent.inprocess_agree``): when all kept theirs,
+on it through the rendezvous store (``inprocess.agent.agree``): when all kept theirs,
 each node leads its workers into the round with the round's ranks (``recover_round``);
 the world shrinks in place when a node was lost. Either way the agent starts a
 replacement for each failed local rank with the round's environment and announces the
@@ -28,8 +28,13 @@ from dataclasses import dataclass
 
 from elastrun.agent.attempt import Attempt, AttemptSetup
 from elastrun.agent.bootstrap_store import BootstrapStore
-from elastrun.agent.inprocess_agree import Agreement, Offer
-from elastrun.agent.inprocess_answer import (
+from elastrun.agent.options import DEFAULT_INPROCESS_JOIN_TIMEOUT, DEFAULT_INPROCESS_TIMEOUT
+from elastrun.agent.plan import LaunchPlan
+from elastrun.agent.workers import WorkerProcesses
+from elastrun.core.clock import Clock
+from elastrun.core.tcp_sockets import listening_endpoints
+from elastrun.inprocess.agent.agree import Agreement, Offer
+from elastrun.inprocess.agent.answer import (
     ANY_TIME,
     Answer,
     Known,
@@ -38,12 +43,7 @@ from elastrun.agent.inprocess_answer import (
     hold,
     hold_ends_in,
 )
-from elastrun.agent.inprocess_hub import InprocessHub
-from elastrun.agent.options import DEFAULT_INPROCESS_JOIN_TIMEOUT, DEFAULT_INPROCESS_TIMEOUT
-from elastrun.agent.plan import LaunchPlan
-from elastrun.agent.workers import WorkerProcesses
-from elastrun.core.clock import Clock
-from elastrun.core.tcp_sockets import listening_endpoints
+from elastrun.inprocess.agent.hub import InprocessHub
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.procset import Exit
 from elastrun.supervise.processes.stacks import request_stacks
@@ -81,7 +81,7 @@ class InprocessRecovery:
         timeout: the bound on a round's synchronisation.
         join_timeout: the bound on a kept worker's reaching a round (then it is stuck).
         answer_hold: the longest "no peer failed" is held back for news of a failure
-            in flight (see ``agent.inprocess_answer``), alone in the round.
+            in flight (see ``inprocess.agent.answer``), alone in the round.
         loss_bound: the rendezvous' ``loss_bound`` (with other nodes, the hold covers it).
     """
 
@@ -224,7 +224,7 @@ class InprocessRecovery:
 
     def answer(self, attempt: Attempt, reforming: Callable[[], bool]) -> None:
         """Answer the workers' questions that can be answered now (see
-        ``agent.inprocess_answer``); ``reforming``: whether the rendezvous says the
+        ``inprocess.agent.answer``); ``reforming``: whether the rendezvous says the
         group re-forms (asked only while a question waits)."""
         questions = self._questions(attempt)
         if not questions:

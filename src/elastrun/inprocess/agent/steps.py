@@ -4,7 +4,7 @@
 kept (``InprocessRecovery`` judges the workers, this module the round) and carries the
 recovery through the loop's phases: alone in its round the node leads its workers into
 the next in-process round at once; with other nodes it keeps them through the
-rendezvous and agrees on the round with the others (``agent.inprocess_agree``). Each
+rendezvous and agrees on the round with the others (``inprocess.agent.agree``). Each
 step returns a ``GroupDecision`` -- the workers were kept, or the loop restarts them in
 the round just joined, or in a new round -- and the loop acts on it: nothing here calls
 back into the loop.
@@ -17,14 +17,14 @@ import logging
 from dataclasses import dataclass
 
 from elastrun.agent.attempt import Attempt
-from elastrun.agent.inprocess import InprocessRecovery
-from elastrun.agent.inprocess_agree import Agreement, Offer, agree
 from elastrun.agent.interrupt import Interruptible
-from elastrun.agent.pace_watch import PaceWatch
 from elastrun.agent.plan import LaunchPlan
 from elastrun.agent.policy import RestartBudget
 from elastrun.agent.rounds import Rounds
 from elastrun.agent.spec import WorkerGroup
+from elastrun.inprocess.agent.agree import Agreement, Offer, agree
+from elastrun.inprocess.agent.recovery import InprocessRecovery
+from elastrun.pace.pace_watch import PaceWatch
 from elastrun.rendezvous.decide import RunKeys
 from elastrun.store.api import Store
 from elastrun.supervise.processes.procset import Exit

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from elastrun.supervise.processes.template_preload import BootstrapCommand
+from elastrun.template.preload import BootstrapCommand
 
 #: Variables that differ between the workers of one node or between restarts (and every
 #: ``TORCHELASTIC_*`` one). They are not part of the template's own environment (a worker
