@@ -113,6 +113,60 @@ def pid_alive(pid: int) -> bool:
     return state != b"Z"
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+#: Ports handed out by ``free_ports`` in this process, and where the next search starts.
+_GIVEN: set[int] = set()
+_NEXT: list[int] = []
+
+
+def free_ports(count: int = 1) -> list[int]:
+    """``count`` loopback ports, free now, for servers a test starts and binds itself.
+
+    Not port 0's pick: that is an ephemeral port, which any outgoing connection on the
+    machine may take as its source port between the probe and the server's bind (with
+    the parallel suite's many connections, a store or a Slurm daemon then failed with
+    "Address already in use"). These come from below the kernel's ephemeral range, which
+    only explicit binds use, and each xdist worker searches its own slice of it, so two
+    workers never hand out the same port. A port that cannot be bound (in use, or in
+    TIME_WAIT) is skipped.
+    """
+    low, high = 10000, _ephemeral_low()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = max((high - low) // 16, 64)
+    first = low + (index % 16) * width
+    if not _NEXT:
+        _NEXT.append(first + os.getpid() % width)
+    found: list[int] = []
+    for _ in range(width):
+        port = first + (_NEXT[0] - first) % width
+        _NEXT[0] = port + 1
+        if port in _GIVEN:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise RuntimeError(f"no {count} free loopback ports in {first}-{first + width - 1}")
+
+
+def free_port() -> int:
+    """One port of :func:`free_ports`."""
+    return free_ports(1)[0]
+
+
 @contextlib.contextmanager
 def elastrun_store(directory: Path) -> Iterator[tuple[str, Path]]:
     """A standalone ``elastrun store`` on a free loopback port, stopped on exit.
@@ -120,9 +174,7 @@ def elastrun_store(directory: Path) -> Iterator[tuple[str, Path]]:
     Yields its endpoint (``127.0.0.1:PORT``) and the token file agents pass as
     ``--rdzv-conf is_host=false,token_file=...``.
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     token = directory / "token"
     token.write_text("s3cret\n")
     proc = subprocess.Popen(

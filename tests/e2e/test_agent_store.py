@@ -9,13 +9,12 @@ that stays alive after every peer exited successfully is named, with its stacks.
 from __future__ import annotations
 
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from _helpers import finish, run, start, wait_for, write_script
+from _helpers import finish, free_port, run, start, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -88,16 +87,10 @@ def test_rank_0_leaving_first_after_a_sigkilled_rank_and_a_restart(tmp_path: Pat
     assert sorted(p.name for p in tmp_path.glob("ok_*")) == ["ok_1_1", "ok_2_1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.torch
 def test_rank_0_leaving_first_on_two_nodes(tmp_path: Path) -> None:
     script = write_script(tmp_path / "early.py", EARLY_EXIT)
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     procs = [
         start(
             [

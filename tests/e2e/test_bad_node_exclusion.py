@@ -5,11 +5,10 @@ nothing heavy (no torch): each attempt costs little."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
-from _helpers import finish, start, wait_for, write_script
+from _helpers import finish, free_port, start, wait_for, write_script
 
 # Each worker leaves a mark (its node's tag and pid). On the bad node it fails, with
 # another message each time (a flaky node, not a crash loop): the first time at once (no
@@ -47,9 +46,7 @@ def _runs(directory: Path) -> dict[str, int]:
 
 def test_a_failing_node_is_excluded_a_spare_replaces_it_and_it_rejoins(tmp_path: Path) -> None:
     script = write_script(tmp_path / "work.py", SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"127.0.0.1:{free_port()}"
     good = _node(tmp_path, endpoint, "good", script, "5")  # serves the rendezvous store
     time.sleep(0.3)
     bad = _node(tmp_path, endpoint, "bad", script, "5")
@@ -82,9 +79,7 @@ def test_a_failing_node_is_excluded_a_spare_replaces_it_and_it_rejoins(tmp_path:
 def test_with_exclude_exit_an_excluded_node_leaves_with_replace_this_node(tmp_path: Path) -> None:
     script = write_script(tmp_path / "work.py", SCRIPT)
     (tmp_path / "go").touch()  # the bad node fails at once, every time
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"127.0.0.1:{free_port()}"
     # One strike is enough; the good node alone still makes the minimum of 1.
     extra = ("--exclude-exit", "--exclude-after", "1")
     good = _node(tmp_path, endpoint, "good", script, "3", "1:2", extra)

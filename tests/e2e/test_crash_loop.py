@@ -4,10 +4,9 @@ its restarts. The scripts import nothing heavy (no torch): each attempt costs li
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
-from _helpers import finish, run, start_nodes, write_script
+from _helpers import finish, free_port, run, start_nodes, write_script
 
 SCRIPT = """
 import os, sys
@@ -54,9 +53,7 @@ time.sleep(60)  # stopped when the other node's worker fails
 
 def test_a_crash_loop_on_one_node_ends_the_job_on_every_node(tmp_path: Path) -> None:
     script = write_script(tmp_path / "crash.py", ONE_NODE_CRASHES)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"127.0.0.1:{free_port()}"
     args = ["--max-restarts", "5", "--no-template", str(script), str(tmp_path)]
     procs = start_nodes(2, "2", endpoint, "crashloop", args, cwd=tmp_path)
     results = [finish(p, 90) for p in procs]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +67,13 @@ def _run_torchrun(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
 
+def _lost_its_own_port_race(out: str) -> bool:
+    """Whether torchrun's first attempt failed because the workers' store could not
+    bind the port torchrun had probed for it (another process took it meanwhile)."""
+    first_attempt = out.split("injected crash", 1)[0]
+    return "EADDRINUSE" in first_attempt or "address already in use" in first_attempt.lower()
+
+
 @pytest.mark.parametrize("crash_mode", ["raise", "kill"])
 def test_demo_resumes_from_last_checkpoint_after_injected_crash_and_ends_identical(
     tmp_path: Path, crash_mode: str
@@ -93,11 +101,17 @@ def test_demo_resumes_from_last_checkpoint_after_injected_crash_and_ends_identic
         str(result_file),
     ]
     done = _run_torchrun(args)
+    if _lost_its_own_port_race(done.stdout):
+        # torchrun's first attempt failed before the injected crash, on its own racy
+        # choice of MASTER_PORT (bind, close, reuse: torchrun-behaviour.md section 5,
+        # defect 20); the run shows nothing about the demo. Once more, from scratch.
+        shutil.rmtree(ckpt, ignore_errors=True)
+        done = _run_torchrun(args)
 
     assert done.returncode == 0, done.stdout
     result = json.loads(result_file.read_text())
     assert result["steps"] == 30
-    assert result["resumed_from"] == 10, result
+    assert result["resumed_from"] == 10, (result, done.stdout[-6000:])
     assert result["restart_count"] == 1, result
     assert result["identical"] is True, result
     assert result["world_size"] == 2

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 from pathlib import Path
 
-from _helpers import run
+from _helpers import free_port, run
 
 PLACEHOLDER = "<run time: "
 #: What the shell that dumps the environment sets for itself.
@@ -37,9 +36,7 @@ def test_a_dry_run_lists_every_variable_elastrun_sets_for_a_worker(tmp_path: Pat
     dump = "env -0 > env_$LOCAL_RANK"
     # A fixed port (static rendezvous): standalone mode would pick a port and make up a
     # run id at each launch, so the two launches would differ there by design.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     args = [
         "--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(port),
         "--rdzv-id", "planned", "--log-dir", str(tmp_path / "logs"),

@@ -7,13 +7,12 @@ The progress comes from torch's optimizer steps (no code change in the script) o
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, finish, read_json_lines, run, start_nodes, write_script
+from _helpers import REPO, finish, free_port, read_json_lines, run, start_nodes, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -150,9 +149,7 @@ def test_a_hang_on_two_nodes_restarts_each_node_once(tmp_path: Path, hung: str) 
             time.sleep(0.05)
         """,
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"127.0.0.1:{free_port()}"
     args = ["--hang-timeout", "2", "--max-restarts", "1", "--no-template", str(script)]
     procs = start_nodes(2, "2", endpoint, "hang2", args, cwd=tmp_path)
     results = [finish(p, 90) for p in procs]

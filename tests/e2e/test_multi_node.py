@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO, finish, pid_alive, start, wait_for, write_script
+from _helpers import REPO, finish, free_port, pid_alive, start, wait_for, write_script
 
 DEMO = REPO / "examples" / "ddp_demo.py"
 
@@ -25,12 +24,6 @@ with open(os.path.join(sys.argv[1], "env_" + os.environ["RANK"] + ".json"), "w")
     json.dump({k: os.environ[k] for k in keys}, fh)
 time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def agent(

@@ -5,11 +5,10 @@ four and finishes. The workers import nothing heavy; each check imports torch on
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
-from _helpers import finish, start, write_script
+from _helpers import finish, free_port, start, write_script
 
 SCRIPT = """
 import os, sys
@@ -32,9 +31,7 @@ def test_a_node_that_fails_its_check_is_named_and_kept_out_and_the_job_finishes(
     tmp_path: Path,
 ) -> None:
     script = write_script(tmp_path / "work.py", SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = {"a": _node(tmp_path, endpoint, "a", script)}  # serves the rendezvous store
     time.sleep(0.3)
     nodes["bad"] = _node(tmp_path, endpoint, "bad", script, fault="fail")

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
-from _helpers import finish, run, start, wait_for, write_script
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from _helpers import finish, free_port, run, start, wait_for, write_script
 
 TIMED = """
 import os, sys, time

@@ -12,7 +12,6 @@ working.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import finish, start, start_nodes, write_script
+from _helpers import finish, free_port, start, start_nodes, write_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "etcd"))
 from etcd_cluster import EtcdCluster, find_etcd
@@ -50,17 +49,11 @@ time.sleep(float(action))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(params=BACKENDS)
 def rdzv(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
     """(backend, endpoint): c10d on a free port, or a one-member etcd of its own."""
     if request.param == "c10d":
-        yield "c10d", f"127.0.0.1:{_free_port()}"
+        yield "c10d", f"127.0.0.1:{free_port()}"
         return
     binary = find_etcd()
     assert binary is not None
@@ -80,7 +73,7 @@ def _agents(
     conf: str = "",
     rdzv: tuple[str, str] | None = None,
 ) -> list[subprocess.Popen[str]]:
-    backend, endpoint = rdzv or ("c10d", f"127.0.0.1:{_free_port()}")
+    backend, endpoint = rdzv or ("c10d", f"127.0.0.1:{free_port()}")
     script = write_script(tmp_path / "job.py", SCRIPT)
     args = ["--max-restarts", str(restarts), "--rdzv-conf",
             "join_timeout=60,last_call_timeout=1" + conf, "--no-template",

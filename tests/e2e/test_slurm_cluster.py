@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import ELASTRUN, REPO, wait_for, write_script
+from _helpers import ELASTRUN, REPO, free_ports, wait_for, write_script
 from elastrun.launch.slurm import expand_hostlist
 
 pytestmark = pytest.mark.slow
@@ -45,19 +44,6 @@ def _require_slurm() -> None:
     if os.environ.get("CI"):
         pytest.fail(reason)
     pytest.skip(reason)
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 CONF = """\
@@ -136,7 +122,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("slurm")
     for sub in ("state", "spool", "log"):
         (root / sub).mkdir()
-    ctld, slurmd, node1, node2 = _free_ports(4)
+    ctld, slurmd, node1, node2 = free_ports(4)
     conf = root / "slurm.conf"
     conf.write_text(
         CONF.format(

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import ELASTRUN, finish, pid_alive, start, wait_for, write_script
+from _helpers import ELASTRUN, finish, free_port, pid_alive, start, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -40,12 +40,6 @@ if os.path.exists(os.path.join(here, "go_on")):
 open(os.path.join(here, f"started_{os.environ['GROUP_RANK']}_{os.getpid()}"), "w").close()
 time.sleep(120)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class StoreProcess:

@@ -7,14 +7,22 @@ sleeps. ``--straggler-window 1`` makes the three windows before a report last 3 
 
 from __future__ import annotations
 
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from _helpers import finish, read_json_lines, run, start, start_nodes, wait_for, write_script
+from _helpers import (
+    finish,
+    free_port,
+    read_json_lines,
+    run,
+    start,
+    start_nodes,
+    wait_for,
+    write_script,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +39,6 @@ while time.monotonic() - t0 < float(sys.argv[2]):
     step += 1
     elastrun.progress(step)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(url: str) -> str:

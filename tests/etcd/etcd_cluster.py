@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from _helpers import free_ports
 
 TAG = "ELASTRUN_TEST_TAG"
 
@@ -92,20 +93,7 @@ def find_etcd() -> str | None:
 
 def closed_port() -> int:
     """A loopback port nothing listens on (for "unreachable" tests)."""
-    return _free_ports(1)[0]
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return free_ports(1)[0]
 
 
 def _post(
@@ -163,7 +151,7 @@ class EtcdCluster:
         self.extra_args = list(extra_args)
         self.tls = tls
         self.scheme = "https" if tls else "http"
-        ports = _free_ports(2 * size)
+        ports = free_ports(2 * size)
         self.members = [
             Member(f"m{i}", ports[2 * i], ports[2 * i + 1], root / f"m{i}") for i in range(size)
         ]

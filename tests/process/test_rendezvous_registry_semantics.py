@@ -8,7 +8,6 @@ size, closing, shutdown, the "nodes waiting" signal, and torch's store-sharing s
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,19 +15,12 @@ from typing import cast
 
 import pytest
 
-from _helpers import wait_for
+from _helpers import free_port, wait_for
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from elastrun.rendezvous.registry import rendezvous_handler_registry
 
 #: Bounds a test that would otherwise hang; no test asserts on speed.
 WAIT = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 Make = Callable[..., RendezvousHandler]
@@ -38,7 +30,7 @@ Make = Callable[..., RendezvousHandler]
 def make() -> Iterator[Make]:
     """``make(min, max, is_host=..., **conf)``: a c10d handler from the registry; every
     handler made is shut down (and its store stopped) after the test."""
-    port = _free_port()
+    port = free_port()
     made: list[RendezvousHandler] = []
 
     def _make(min_nodes: int = 2, max_nodes: int = 2, **conf: object) -> RendezvousHandler:
