@@ -17,16 +17,23 @@ def process_start_time(pid: int) -> int | None:
 
 
 #: The lines of /proc/<pid>/status that say where a signal sent to the process is.
-SIGNAL_FIELDS = ("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+SIGNAL_FIELDS = ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
 
 
 def signal_state(pid: int) -> str | None:
-    """``pid``'s state and signal masks, as /proc shows them ("State: S (sleeping),
-    SigPnd: 0000000000000000, ..."), None if it is gone: the evidence for a process that
-    did not end on a signal (was the signal pending, blocked or ignored?)."""
+    """``pid``'s state, signal masks and the kernel function it sleeps in, as /proc
+    shows them ("State: S (sleeping), ..., SigPnd: 0000000000000000, ..., wchan:
+    pipe_read"), None if it is gone: the evidence for a process that did not end on a
+    signal (was the signal pending, blocked or ignored, and where did it wait?)."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
             fields = dict(line.rstrip("\n").split(":\t", 1) for line in fh if ":\t" in line)
     except OSError:
         return None
-    return ", ".join(f"{name}: {fields[name].strip()}" for name in SIGNAL_FIELDS if name in fields)
+    shown = [f"{name}: {fields[name].strip()}" for name in SIGNAL_FIELDS if name in fields]
+    try:
+        with open(f"/proc/{pid}/wchan", encoding="ascii", errors="replace") as fh:
+            shown.append(f"wchan: {fh.read().strip() or '-'}")
+    except OSError:
+        pass
+    return ", ".join(shown)
