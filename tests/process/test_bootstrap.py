@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -390,3 +391,64 @@ def test_unwritable_error_file_is_reported_without_hiding_the_exception(tmp_path
     assert result.returncode == 1
     assert "elastrun bootstrap: could not write error file" in result.stderr
     assert result.stderr.rstrip().endswith("ValueError: the real error")
+
+
+# --- a SIGINT while the bootstrap sets itself up -----------------------------------------
+
+SHOWS_ITS_SIGINT_HANDLER = """\
+import signal
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+"""
+
+
+def _caught_signals(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        line = next(ln for ln in fh if ln.startswith("SigCgt:"))
+    return int(line.split()[1], 16)
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_a_sigint_during_the_setup_ends_the_worker_and_the_script_gets_pythons_handler(
+    tmp_path: Path, interrupt: bool
+) -> None:
+    # The setup opens the stacks file; a FIFO holds it there (an open for writing waits
+    # for a reader). Meanwhile SIGINT must have its default disposition: python's
+    # handler would raise KeyboardInterrupt wherever the setup is, and raised in the
+    # import system's cleanup callbacks it was printed as "ignored" and lost, the worker
+    # running on until its agent killed it.
+    script = _script(tmp_path, "shows.py", SHOWS_ITS_SIGINT_HANDLER)
+    fifo = tmp_path / "stacks"
+    os.mkfifo(fifo)
+    env = {**_env(), "ELASTRUN_STACKS_FILE": str(fifo)}
+    proc = subprocess.Popen(
+        [*BOOTSTRAP, str(script)], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not _opening_a_fifo(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _opening_a_fifo(proc.pid), "the bootstrap never reached the stacks file"
+        assert not _caught_signals(proc.pid) & (1 << (signal.SIGINT - 1))
+        if interrupt:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(10) == -signal.SIGINT
+        else:
+            with open(fifo):  # the reader: the setup goes on, then the script runs
+                out, err = proc.communicate(timeout=30)
+            assert (proc.returncode, out) == (0, "True\n"), err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _opening_a_fifo(pid: int) -> bool:
+    """Whether ``pid`` sleeps in the kernel's open of a FIFO, waiting for the other end
+    (``wait_for_partner``; older kernels name the FIFO's own function)."""
+    try:
+        with open(f"/proc/{pid}/wchan") as fh:
+            wchan = fh.read()
+    except OSError:
+        return False
+    return wchan == "wait_for_partner" or "fifo" in wchan

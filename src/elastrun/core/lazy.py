@@ -9,7 +9,12 @@ read (PEP 562).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+
+# Worker-side packages use this on their import path: not typing's TYPE_CHECKING, and
+# the annotations' types only for type checkers.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
 
 
 def lazy_getattr(module: str, owners: Mapping[str, str]) -> Callable[[str], object]:

@@ -30,10 +30,10 @@ loads nothing of the workers').
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from elastrun.core.lazy import lazy_getattr
 
+# As in elastrun/__init__.py: not typing.TYPE_CHECKING, so that workers skip typing.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from elastrun.inprocess.recovery import run
     from elastrun.inprocess.state import State, StateMismatchError

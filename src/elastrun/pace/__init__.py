@@ -14,10 +14,10 @@ package. The rest is the agent's side, which never imports the worker's:
   small store key per node).
 """
 
-from typing import TYPE_CHECKING
-
 from elastrun.core.lazy import lazy_getattr
 
+# As in elastrun/__init__.py: not typing.TYPE_CHECKING, so that workers skip typing.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from elastrun.pace.board import FILE_NAME, ProgressBoard, read_record, steps_of
     from elastrun.pace.guard import NoProgressGuard

@@ -144,7 +144,8 @@ def _reset_stdio(stdio: Stdio) -> None:
 
 def reset_signals(request: dict[str, object]) -> None:
     """Dispositions and mask as a freshly exec'd interpreter has them before it installs
-    its SIGINT handler (:func:`handle_interrupts` does that last).
+    its SIGINT handler (the bootstrap installs python's, once it is set up:
+    ``elastrun.worker.bootstrap``).
 
     Runs with every signal blocked since the fork (see
     :func:`elastrun.template.zygote_fork.spawn_many`). A signal sent meanwhile is pending; the
@@ -165,17 +166,6 @@ def reset_signals(request: dict[str, object]) -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, int_list(request, "blocked_signals"))
-
-
-def handle_interrupts(request: dict[str, object]) -> None:
-    """Install python's SIGINT handler, as the interpreter does unless SIGINT is ignored.
-
-    The last step before the worker's code runs: a KeyboardInterrupt raised any earlier
-    would end in the setup's error path (exit status 1) instead of an interrupted
-    worker's death by SIGINT.
-    """
-    if signal.SIGINT not in int_list(request, "ignored_signals"):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def reseed() -> None:
@@ -302,7 +292,6 @@ def become_worker(job: Job, stdio: Stdio, keep: set[int], titles: ModuleType | N
 
         if faulthandler.is_enabled():
             faulthandler.enable(file=sys.stderr, all_threads=True)
-        handle_interrupts(job.request)
     except BaseException as exc:
         try:
             os.write(

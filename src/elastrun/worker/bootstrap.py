@@ -25,6 +25,7 @@ only when there is an error to write.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # C module: `signal` loads enum (25 ms)
 import faulthandler
 import os
 import sys
@@ -69,6 +70,23 @@ def _arm_stack_dumps() -> None:
     _stacks_file = fh
 
 
+def _hold_interrupts() -> bool:
+    """Let a SIGINT that comes while the bootstrap sets itself up end the worker at once;
+    returns whether python's handler is to be installed before the worker's code runs.
+
+    Python's handler only raises ``KeyboardInterrupt`` where the interpreter happens to
+    be, and the setup imports modules: raised inside the import system's cleanup
+    callbacks, the exception is printed as "ignored" and lost, and the worker goes on
+    (its agent then waited out the whole shutdown grace and killed it). With the default
+    disposition meanwhile, the worker dies of the signal, as a process does before it
+    installs handlers. A SIGINT the parent left ignored stays ignored, as in python.
+    """
+    if _signal.getsignal(_signal.SIGINT) == _signal.SIG_IGN:
+        return False
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the worker named by ``argv`` (default ``sys.argv[1:]``) as ``__main__``.
 
@@ -80,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args[0] in ("-h", "--help") or args == ["-m"]:
         sys.stderr.write(_USAGE)
         raise SystemExit(2)
+    held = _hold_interrupts()
     if not faulthandler.is_enabled():
         try:
             faulthandler.enable(all_threads=True)
@@ -93,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
 
         progress.install()
     _rewrite_orig_argv(args)
+    if held:
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
     try:
         if args[0] == "-m":
             _run_module(args[1], args[2:])
