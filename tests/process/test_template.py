@@ -1127,7 +1127,7 @@ def shutdown() -> Iterator[ShutdownRequest]:
     try:
         yield request
     finally:
-        request.waker.close()
+        request.close()
 
 
 def test_a_signal_ends_the_wait_for_a_wedged_template_and_the_template_is_killed(

@@ -96,7 +96,7 @@ def test_a_shutdown_request_stops_workers_with_that_signal(tmp_path: Path) -> No
         _agent(tmp_path, starter, 3, shutdown=request).run()
     assert info.value.signum == signal.SIGINT
     assert all(p.signals[0] == signal.SIGINT for p in starter.started)
-    request.waker.close()
+    request.close()
 
 
 def test_each_attempt_gets_a_new_log_directory(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Cancel scopes: the stop request, deadlines, nesting and the signal relay."""
+"""Cancel scopes: the stop request, deadlines, nesting; the shutdown request's scopes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from elastrun.core.cancel import Cancelled, CancelScope, SignalRelay, scope_or_default
+from elastrun.core.cancel import Cancelled, CancelScope, scope_or_default
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.testing import FakeClock
 
@@ -111,42 +111,17 @@ def test_the_default_scope_cannot_be_cancelled() -> None:
     assert scope_or_default(given) is given
 
 
-def test_the_relay_cancels_from_its_own_thread_with_the_reason_asked_then() -> None:
-    scope = CancelScope()
-    reasons = [None, "received SIGTERM"]
-    relay = SignalRelay(scope, lambda: reasons.pop(0) if reasons else None)
-    try:
-        relay.wake()  # nothing requested yet: no cancellation
-        time.sleep(0.05)
-        assert not scope.cancelled
-        woke = threading.Event()
-        scope.on_cancel(woke.set)
-        relay.wake()
-        assert woke.wait(2.0)
-        assert scope.reason == "received SIGTERM"
-    finally:
-        relay.close()
-
-
-def test_a_shutdown_request_cancels_its_scope_through_the_relay() -> None:
+def test_a_shutdown_request_cancels_its_scope_at_once_and_a_second_its_grace() -> None:
     request = ShutdownRequest()
-    request.start_relay()
     try:
         woke = threading.Event()
         request.scope.on_cancel(woke.set)
-        request.request(15)
+        threading.Thread(target=request.request, args=(15,)).start()
         assert woke.wait(2.0)
         assert request.scope.reason == "received SIGTERM"
+        assert request.grace.reason is None  # one request: the stop keeps its grace
+        request.request(2)
+        assert request.grace.cancelled and request.count == 2
+        assert request.signum == 15  # the first signal is the one answered
     finally:
-        request.stop_relay()
-        request.waker.close()
-
-
-def test_a_request_made_before_the_relay_starts_cancels_when_it_starts() -> None:
-    request = ShutdownRequest()
-    request.request(2)
-    assert not request.scope.cancelled
-    request.start_relay()
-    request.stop_relay()
-    request.waker.close()
-    assert request.scope.reason == "received SIGINT"
+        request.close()

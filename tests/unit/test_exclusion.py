@@ -224,7 +224,7 @@ class _Ticking(FakeClock):
 def shutdown() -> Iterator[ShutdownRequest]:
     request = ShutdownRequest()
     yield request
-    request.waker.close()
+    request.close()
 
 
 def _cooldown(

@@ -116,4 +116,4 @@ def test_a_signal_ends_the_check_at_once_and_its_process_with_it(tmp_path: Path)
     assert calls.read_text().count("compute") == 1 and starter.started == []
     with pytest.raises(ProcessLookupError):  # killed and reaped on the way out
         os.kill(int(pid_file.read_text()), 0)
-    request.waker.close()
+    request.close()

@@ -1,15 +1,17 @@
 """Blocking calls that a signal ends at once: every wait of the agent runs in the
 shutdown request's cancel scope.
 
-A signal cancels that scope (``ShutdownRequest``: through its relay thread); each wait
-the agent makes -- the rendezvous (``ElasticRendezvous.next_round``), the exit barrier,
-the job-wide budget's store calls, the nodes' in-process agreement -- is handed the
-scope, and the store waits deep inside code that takes no scope argument observe it as
-the thread's current scope. A cancelled wait raises ``Cancelled``; here that becomes
-``ShutdownRequested``, which the loop answers in one place by stopping the workers with
-the signal. No thread is started to make a wait end: a wait that cannot take the scope
-is a defect, except inside the adapter of a torch-style rendezvous handler
-(``rendezvous.elastic``), which owns the one thread that foreign code needs.
+A signal cancels that scope (the launcher's relay thread makes the ``ShutdownRequest``);
+each wait the agent makes -- the wait for worker exits, the template's start-up and
+forks, the rendezvous (``ElasticRendezvous.next_round``), the exit barrier, the job-wide
+budget's store calls, the nodes' in-process agreement -- is handed the scope, and the
+store waits deep inside code that takes no scope argument observe it as the thread's
+current scope (the whole loop runs with it current). A cancelled wait raises
+``Cancelled``; here that becomes ``ShutdownRequested``, which the loop answers in one
+place by stopping the workers with the signal. No thread is started to make a wait end:
+a wait that cannot take the scope is a defect, except inside the adapter of a
+torch-style rendezvous handler (``rendezvous.elastic``), which owns the one thread that
+foreign code needs.
 """
 
 from __future__ import annotations

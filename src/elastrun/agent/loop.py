@@ -1,8 +1,10 @@
 """The elastic loop of one node: rendezvous -> plan -> start -> watch -> restart / finish.
 
-The loop blocks on events (a worker exit through its pidfd, a signal through the
-shutdown waker) and checks the rendezvous for waiting nodes at most every
-``monitor_interval``; nothing sleeps a fixed time on the recovery path.
+The loop blocks on events -- a worker exit through its pidfd, a stop request through
+the shutdown scope (cancelled: ``ShutdownRequested``), a notice that something changed
+(``Notices``: a node waits in the rendezvous, a worker's message to the in-process hub)
+-- and checks the rendezvous for waiting nodes at most every ``monitor_interval``;
+nothing sleeps a fixed time on the recovery path.
 
 The work is done by the parts ``assemble`` built (agent.wiring); they return what they
 found or decided (a round's plan, a restart decision, the barrier's action) and the loop
@@ -80,52 +82,70 @@ class ElasticLoop:
         with contextlib.ExitStack() as exits:
             self._start_services(exits)
             try:
-                self._check_shutdown()
-                self._start_round()
-                return self._watch()
+                # The shutdown scope is the thread's current one while the loop runs, so
+                # that every wait in it observes the scope, also the store calls deep in
+                # the rendezvous that name no scope; the teardown runs outside it.
+                return self._p.interruptible(lambda _scope: self._run(), "agent's next step")
             except ShutdownRequested as stop:
                 self._stopped_by(stop.signum)
                 raise
+
+    def _run(self) -> RunResult:
+        self._check_shutdown()
+        self._start_round()
+        return self._watch()
 
     def _start_services(self, exits: contextlib.ExitStack) -> None:
         """Start what runs for the whole loop; push each one's undoing on ``exits``."""
         p = self._p
         exits.callback(p.workers.close)
         if p.owns_shutdown:
-            exits.callback(p.shutdown.waker.close)
+            exits.callback(p.shutdown.close)
+        exits.callback(p.notices.close)
         if p.file_timer is not None:
             exits.callback(p.file_timer.stop)
         exits.callback(p.guard.close)
         exits.callback(p.progress.close)
         exits.callback(p.pace.close)
-        exits.callback(p.shutdown.stop_relay)
-        p.shutdown.start_relay()
         exits.callback(p.inprocess.close)
         exits.callback(p.rounds.end)
         exits.callback(self._finish_attempt, signal.SIGTERM)
         p.rdzv.set_node_info(p.spec.role, p.spec.local_world_size)
         p.cooldown.start()
         # Membership news from the rendezvous' watch thread wakes the loop at once; its
-        # threads may outlive the waker, so the callback is taken back first.
+        # threads may outlive the notices, so the callback is taken back first.
         exits.callback(p.rdzv.set_change_callback, _ignore)
-        p.rdzv.set_change_callback(p.shutdown.waker.wake)
+        p.rdzv.set_change_callback(p.notices.post)
         exits.callback(p.lifecycle.enter, AgentPhase.DONE)
         p.guard.start()
         if p.options.inprocess:
             p.workers.provide(p.inprocess.open())  # the workers' socket path
 
     def _watch(self) -> RunResult:
-        """Pass after pass, each after a wake-up or ``monitor_interval`` (sooner when a
-        worker's question is due an answer): the result."""
-        interval = self._p.spec.monitor_interval
+        """Pass after pass, each after a worker exit, a notice or ``monitor_interval``
+        (sooner when a worker's question is due an answer): the result.
+
+        Raises:
+            ShutdownRequested: a stop request ended the wait.
+        """
         while True:
             attempt = self._current()
-            due = self._p.inprocess.next_answer_in()
-            wait = interval if due is None else min(interval, due)
-            attempt.procs.wait_for_exits(Deadline.after(wait, self._p.clock))
+            self._wait(attempt)
             result = self._pass(attempt)
             if result is not None:
                 return result
+
+    def _wait(self, attempt: Attempt) -> None:
+        """Until a worker exits, a notice comes or ``monitor_interval`` passes (sooner
+        when a worker's question is due an answer), in the shutdown scope."""
+        p = self._p
+        interval = p.spec.monitor_interval
+        due = p.inprocess.next_answer_in()
+        deadline = Deadline.after(interval if due is None else min(interval, due), p.clock)
+        p.interruptible(
+            lambda scope: attempt.procs.wait_for_exits(deadline, scope, p.notices.fileno()),
+            "workers",
+        )
 
     def _current(self) -> Attempt:
         attempt = self._attempt
@@ -167,7 +187,7 @@ class ElasticLoop:
     def _pass(self, attempt: Attempt) -> RunResult | None:
         """One pass of the loop after a wake-up: the result when the run is over."""
         p = self._p
-        p.shutdown.waker.drain()
+        p.notices.take()  # before looking: a notice from now on ends the next wait
         self.last_progress = p.clock.time()
         self._check_shutdown()
         p.watches.note_expired_timers()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from elastrun.agent.cooldown import CoolDown
 from elastrun.agent.interrupt import Interruptible
+from elastrun.agent.notices import Notices
 from elastrun.agent.options import AgentOptions
 from elastrun.agent.phases import Lifecycle
 from elastrun.agent.plan import WorkerServices
@@ -82,7 +83,8 @@ class AgentParts:
     handler: RendezvousHandler
     rdzv: ElasticRendezvous
     shutdown: ShutdownRequest
-    owns_shutdown: bool  # the agent made ``shutdown`` (and closes its waker)
+    owns_shutdown: bool  # the agent made ``shutdown`` (and closes it)
+    notices: Notices  # "look again" for the loop's wait (rendezvous news, hub messages)
     policy: RestartPolicy
     budget: RestartBudget
     clock: Clock
@@ -125,8 +127,9 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     rounds = _rounds(
         handler, rdzv, spec, group, options, world, budget, pace, report, interruptible
     )
+    notices = Notices()
     inprocess = _inprocess(
-        workers, rounds, options, world.clock, events, metrics, shutdown, rdzv.loss_bound
+        workers, rounds, options, world.clock, events, metrics, notices, rdzv.loss_bound
     )
     return AgentParts(
         spec=spec,
@@ -137,6 +140,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         rdzv=rdzv,
         shutdown=shutdown,
         owns_shutdown=world.shutdown is None,
+        notices=notices,
         policy=world.policy if world.policy is not None else RestartAll(),
         budget=budget,
         clock=world.clock,
@@ -275,7 +279,7 @@ def _inprocess(
     clock: Clock,
     events: EventSink,
     metrics: MetricSink,
-    shutdown: ShutdownRequest,
+    notices: Notices,
     loss_bound: float,
 ) -> InprocessRecovery:
     """The in-process recovery: replacements started by ``workers``, the workers' store
@@ -286,7 +290,7 @@ def _inprocess(
         events=events,
         metrics=metrics,
         clock=clock,
-        wake=shutdown.waker.wake,  # (the hub wakes the loop on every worker message)
+        wake=notices.post,  # (the hub wakes the loop on every worker message)
         timeout=options.inprocess_timeout,
         join_timeout=options.inprocess_join_timeout,
         loss_bound=loss_bound,

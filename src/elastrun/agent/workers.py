@@ -81,8 +81,8 @@ class WorkerProcesses:
         guard: told of every worker's process group.
         file_timer: the expiration-timer watchdog, if on (its variables go to workers).
         progress: the progress board (its variables go to workers).
-        shutdown: the agent's shutdown request (its waker wakes an attempt's wait; a
-            second signal cuts a stop's grace short).
+        shutdown: the agent's stop request (a second one cuts a stop's grace short:
+            its ``grace`` scope).
         shutdown_timeout: grace between the stop signal and SIGKILL.
         clock, metrics: the agent's.
     """
@@ -146,7 +146,7 @@ class WorkerProcesses:
             self._group.workers[proc.local_rank].id = proc.pid
         attempt = Attempt(
             setup=setup,
-            procs=ProcessSet(procs, wake_fd=self._shutdown.waker.fileno(), clock=self._clock),
+            procs=ProcessSet(procs, clock=self._clock),
             started_at=self._clock.time(),
         )
         self.update_ranks(plan)
@@ -270,9 +270,7 @@ class WorkerProcesses:
         and drain its output."""
         t0 = self._clock.monotonic()
         running = attempt.procs.running()
-        report = attempt.procs.stop(
-            sig, self._shutdown_timeout, abort_wait=lambda: self._shutdown.count > 1
-        )
+        report = attempt.procs.stop(sig, self._shutdown_timeout, grace=self._shutdown.grace)
         for pid in attempt.procs.pids().values():
             self._guard.forget(pid)
         attempt.relay.close()

@@ -13,8 +13,7 @@ observes the current one, so a caller cancels waits deep inside code (a rendezvo
 handler) that never mentions scopes. Threads start with no current scope.
 
 ``cancel`` is thread-safe but not async-signal-safe (it takes locks and runs
-callbacks); signal handlers go through ``SignalRelay``, which cancels from a thread of
-its own.
+callbacks); signals reach it through the launcher's relay thread (``launch.signals``).
 """
 
 from __future__ import annotations
@@ -243,44 +242,3 @@ class _NeverCancelled(CancelScope):
 
 
 _NEVER = _NeverCancelled()
-
-
-class SignalRelay:
-    """Turns wake-ups written from signal handlers into ``scope.cancel(reason())``.
-
-    A signal handler may only write a byte (``wake``); this relay's thread reads it and
-    cancels the scope from ordinary thread context, where taking locks is safe.
-    """
-
-    def __init__(self, scope: CancelScope, reason: Callable[[], str | None]) -> None:
-        self._scope = scope
-        self._reason = reason
-        self._waker = Waker()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="elastrun-signal-relay", daemon=True)
-        self._thread.start()
-
-    def wake(self) -> None:
-        """Async-signal-safe: one write to a pipe."""
-        self._waker.wake()
-
-    def _run(self) -> None:
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._waker.fileno(), selectors.EVENT_READ)
-            while True:
-                sel.select()
-                self._waker.drain()
-                if self._stop:
-                    return
-                why = self._reason()
-                if why is not None:
-                    self._scope.cancel(why)
-
-    def close(self) -> None:
-        self._stop = True
-        self._waker.wake()
-        self._thread.join(timeout=5)
-        self._waker.close()
-
-    def __repr__(self) -> str:
-        return f"SignalRelay({self._scope!r})"

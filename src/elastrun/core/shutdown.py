@@ -1,57 +1,55 @@
-"""A shutdown request: what signal handlers record, and how they wake the agent."""
+"""A shutdown request: the root cancel scope of every wait of the agent.
+
+The first request cancels ``scope``, which every blocking wait of the agent is handed
+(or runs with as the thread's current scope): the rendezvous, the exit barrier, the
+store calls of the restart budget, the wait for worker exits, the template's start-up
+and spawn. So a stop request ends whatever the agent waits for at once, by the one
+mechanism, with no separate wake-up pipe to poll. A further request also cancels
+``grace``: the shutdown ladder's wait for the workers to stop takes that scope, so a
+second Ctrl-C sends SIGKILL at once.
+
+``request`` cancels, so it takes locks and runs callbacks: it must not be called from a
+signal handler, which could interrupt a thread holding those locks. Signals reach it
+through the launcher's relay thread (``launch.signals``).
+"""
 
 from __future__ import annotations
 
 import signal
 import threading
 
-from elastrun.core.cancel import CancelScope, SignalRelay
-from elastrun.core.waker import Waker
+from elastrun.core.cancel import CancelScope
 
 
 class ShutdownRequest:
-    """Set by signal handlers (or any thread); read by the agent at safe points.
+    """A stop request (from a signal, or any thread) that the agent answers at a safe point.
 
-    The first signal is remembered; each further one increments ``count`` so the agent
-    can escalate (a second Ctrl-C skips the grace period).
-
-    ``scope`` is cancelled by the first request, so every wait handed that scope (the
-    rendezvous, the exit barrier, the store calls of the restart budget) ends at once.
-    From a signal handler the cancellation goes through a relay thread (see
-    ``SignalRelay``), running between ``start_relay()`` and ``close()``.
+    The first signal is remembered; each further one increments ``count``. ``scope`` is
+    cancelled by the first request, ``grace`` by the second.
     """
 
-    def __init__(self, waker: Waker | None = None) -> None:
-        self.waker = waker if waker is not None else Waker()
+    def __init__(self) -> None:
         self.scope = CancelScope()
+        #: Cancelled by the second request: a stop under way skips the rest of its grace.
+        self.grace = CancelScope()
         self._signum: int | None = None
         self._count = 0
         self._lock = threading.Lock()
-        self._relay: SignalRelay | None = None
 
     def request(self, signum: int) -> None:
-        # Called from a signal handler: only record and wake, never raise.
-        if self._signum is None:
-            self._signum = signum
-        self._count += 1
-        self.waker.wake()
-        relay = self._relay
-        if relay is not None:
-            relay.wake()
+        """Record a stop request for ``signum`` and cancel the scopes it ends.
 
-    def start_relay(self) -> None:
-        """Start cancelling ``scope`` on requests (idempotent)."""
+        Thread-safe; not async-signal-safe (see the module docstring).
+        """
         with self._lock:
-            if self._relay is None:
-                self._relay = SignalRelay(self.scope, self._reason)
-        if self._signum is not None:
-            self.scope.cancel(self._reason() or "stopped")
-
-    def stop_relay(self) -> None:
-        with self._lock:
-            relay, self._relay = self._relay, None
-        if relay is not None:
-            relay.close()
+            if self._signum is None:
+                self._signum = signum
+            self._count += 1
+            count = self._count
+        reason = self._reason() or "stopped"
+        self.scope.cancel(reason)
+        if count > 1:
+            self.grace.cancel(f"{reason} again")
 
     def _reason(self) -> str | None:
         signum = self._signum
@@ -69,6 +67,11 @@ class ShutdownRequest:
     @property
     def count(self) -> int:
         return self._count
+
+    def close(self) -> None:
+        """Release the scopes' descriptors (they stay usable as flags)."""
+        self.scope.close()
+        self.grace.close()
 
     def __bool__(self) -> bool:
         return self._signum is not None

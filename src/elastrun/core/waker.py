@@ -28,13 +28,16 @@ class Waker:
         except (BlockingIOError, OSError):
             pass  # full (already woken) or closed during shutdown: nothing to add
 
-    def drain(self) -> None:
-        """Consume pending wake-ups."""
+    def drain(self) -> bytes:
+        """Consume pending wake-ups; returns their bytes (the numbers of the signals
+        received, when the pipe is the interpreter's wake-up descriptor)."""
+        got = b""
         try:
-            while os.read(self._r, 4096):
-                pass
+            while chunk := os.read(self._r, 4096):
+                got += chunk
         except (BlockingIOError, OSError):
             pass
+        return got
 
     def install_as_signal_wakeup(self) -> int:
         """Make signal delivery wake this pipe; returns the previous wakeup fd."""

@@ -301,7 +301,7 @@ def launch_agent(
         launch.close()
         restore()
         if owned:
-            shutdown.waker.close()
+            shutdown.close()
         launch.leave()
 
 

@@ -244,7 +244,7 @@ def _run(launch: Launch, mask: set[int | signal.Signals] | None = None) -> int:
         return ExitStatus.WORKER_FAILED
     finally:
         restore()
-        shutdown.waker.close()
+        shutdown.close()
     _cleanup_temporary_logs(specs)
     return ExitStatus.SUCCESS
 

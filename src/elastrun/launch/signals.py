@@ -1,47 +1,106 @@
-"""Installing and restoring the launcher's signal handlers (the only place that does)."""
+"""Installing and restoring the launcher's signal handlers (the only place that does).
+
+A signal becomes a ``ShutdownRequest.request`` in a thread of our own, the relay, not in
+the handler. Python runs a handler only on the main thread, between two bytecodes: a
+main thread blocked in a wait (a lock, or a ``select`` on descriptors the signal does not
+touch) runs it only when that wait ends by itself, and when the kernel delivers the
+signal to another thread the wait is not even interrupted. Nor may a handler cancel a
+scope: cancelling takes locks that the code it interrupted may hold.
+
+So the interpreter's wake-up descriptor (``signal.set_wakeup_fd``), to which its C-level
+handler writes each signal's number from whichever thread receives it, is the relay's
+pipe; the relay reads the numbers and makes the requests, which cancel the shutdown
+scope and so end every wait of the agent, on any thread, at once. The Python handlers
+installed do nothing: they replace the default action (and only a Python handler makes
+the interpreter write the descriptor).
+"""
 
 from __future__ import annotations
 
 import logging
+import selectors
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from types import FrameType
 
 from elastrun.core.shutdown import ShutdownRequest
+from elastrun.core.waker import Waker
 
 log = logging.getLogger("elastrun.launch")
 
 Handler = Callable[[int, FrameType | None], object] | int | None
 
+# How long closing waits for the relay thread (it only reads a pipe).
+_RELAY_JOIN = 5.0
+
 
 def install_signal_handlers(
     signals: Sequence[signal.Signals], request: ShutdownRequest
 ) -> Callable[[], None]:
-    """Route ``signals`` to ``request`` and wake the agent; returns a restore function.
+    """Route ``signals`` to ``request`` through a relay thread; returns a restore function.
 
-    The handlers only record the request: the agent acts on it at a safe point. Outside
-    the main thread Python cannot install handlers; a warning says so and the launcher
-    relies on the parent-death guarantees instead.
+    Outside the main thread Python cannot install handlers; a warning says so and the
+    launcher relies on the parent-death guarantees instead.
     """
     if threading.current_thread() is not threading.main_thread():
         log.warning("not on the main thread: signals will not be forwarded to workers")
         return lambda: None
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        request.request(signum)
-
+    relay = _SignalRelay(signals, request.request)
     previous: dict[signal.Signals, Handler] = {}
     for sig in signals:
         try:
-            previous[sig] = signal.signal(sig, handler)
+            previous[sig] = signal.signal(sig, _relayed)
         except (OSError, ValueError) as exc:
             log.warning("cannot handle %s: %s", sig.name, exc)
-    old_wakeup = request.waker.install_as_signal_wakeup()
+    old_wakeup = relay.install()
 
     def restore() -> None:
         for sig, old in previous.items():
             signal.signal(sig, old)
         signal.set_wakeup_fd(old_wakeup)
+        relay.close()
 
     return restore
+
+
+def _relayed(signum: int, frame: FrameType | None) -> None:
+    """The Python handler of a relayed signal: nothing to do (see the module docstring)."""
+
+
+class _SignalRelay:
+    """A thread that reads the signal numbers written to the wake-up pipe and calls
+    ``request`` with each one of ``signals`` (other handlers' signals are skipped)."""
+
+    def __init__(self, signals: Collection[int], request: Callable[[int], None]) -> None:
+        self._signals = frozenset(int(s) for s in signals)
+        self._request = request
+        self._pipe = Waker()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="elastrun-signal-relay", daemon=True)
+        self._thread.start()
+
+    def install(self) -> int:
+        """Make the pipe the interpreter's wake-up descriptor; returns the previous one."""
+        return self._pipe.install_as_signal_wakeup()
+
+    def _run(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._pipe.fileno(), selectors.EVENT_READ)
+            while True:
+                sel.select()
+                for signum in self._pipe.drain():  # 0: ``close`` woke it
+                    if signum in self._signals:
+                        self._request(signum)
+                if self._closing:
+                    return
+
+    def close(self) -> None:
+        """Stop the thread (after the wake-up descriptor was restored) and close the pipe."""
+        self._closing = True
+        self._pipe.wake()
+        self._thread.join(_RELAY_JOIN)
+        self._pipe.close()
+
+    def __repr__(self) -> str:
+        return f"_SignalRelay(signals={sorted(self._signals)}, pipe={self._pipe!r})"

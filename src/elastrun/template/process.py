@@ -22,9 +22,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO
 
-from elastrun.core.errors import ElastrunError, ShutdownRequested
+from elastrun.core.cancel import Cancelled, CancelScope, is_default, scope_or_default
+from elastrun.core.errors import ElastrunError
 from elastrun.core.linux import child_subreaper, die_with_parent
-from elastrun.core.shutdown import ShutdownRequest
 from elastrun.template.key import TemplateKey
 from elastrun.wire.zygote import (
     BATCH_MAX,
@@ -190,18 +190,19 @@ class Template:
         """Whether the hello was received (the modules are imported)."""
         return self._ready
 
-    def await_ready(self, timeout: float, shutdown: ShutdownRequest | None = None) -> None:
-        """Wait for the template's hello (once); a signal in ``shutdown`` ends the wait.
+    def await_ready(self, timeout: float, scope: CancelScope | None = None) -> None:
+        """Wait for the template's hello (once), in ``scope`` (default: the thread's
+        current one): starting the template imports torch, seconds that a Ctrl-C must
+        not wait for.
 
         Raises:
             TemplateUnavailable: it died, did not answer in time, or reports that
                 forking is unsafe.
-            ShutdownRequested: a signal arrived while the template was starting.
+            Cancelled: ``scope`` was cancelled while the template was starting.
         """
         if self._ready:
             return
-        if shutdown is not None:
-            self._wait_readable(timeout, shutdown)
+        self._wait_readable(timeout, scope_or_default(scope))
         self._sock.settimeout(timeout)
         try:
             got = recv_message(self._sock)
@@ -225,34 +226,22 @@ class Template:
         self.ready_seconds = time.monotonic() - self._started
         self._ready = True
 
-    def _wait_readable(self, timeout: float, shutdown: ShutdownRequest) -> None:
-        """Block until the template writes (or the timeout), unless a signal comes first:
-        starting the template imports torch, seconds that a Ctrl-C must not wait for."""
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._sock, selectors.EVENT_READ, "template")
-            sel.register(shutdown.waker.fileno(), selectors.EVENT_READ, "wake")
-            while True:
-                if shutdown.signum is not None:
-                    raise ShutdownRequested(shutdown.signum)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return  # the read below times out and says so
-                events = sel.select(remaining)
-                if any(key.data == "template" for key, _ in events):
-                    return
-                # Other wake-ups (rendezvous news) are for the agent loop, which looks
-                # at what changed on its next pass; only a signal matters here.
-                shutdown.waker.drain()
+    def _wait_readable(self, timeout: float, scope: CancelScope) -> None:
+        """Block until the template writes or the timeout passes (the read that follows
+        says which).
 
-    def _await_answer(self, timeout: float, shutdown: ShutdownRequest | None) -> bool:
-        """Wait until the answer can be read (or the timeout); False when a signal in
-        ``shutdown`` came first."""
-        if shutdown is None:
-            return True
+        Raises:
+            Cancelled: ``scope`` was cancelled first.
+        """
+        if not is_default(scope):  # (nothing can end the default scope's wait early)
+            scope.wait_readable(self._sock.fileno(), timeout)
+
+    def _await_answer(self, timeout: float, scope: CancelScope) -> bool:
+        """Wait until the answer can be read (or the timeout); False when ``scope`` was
+        cancelled first."""
         try:
-            self._wait_readable(timeout, shutdown)
-        except ShutdownRequested:
+            self._wait_readable(timeout, scope)
+        except Cancelled:
             return False
         return True
 
@@ -315,37 +304,39 @@ class Template:
         batch: Sequence[dict[str, object]],
         fds: Sequence[Sequence[int]],
         timeout: float,
-        shutdown: ShutdownRequest | None = None,
+        scope: CancelScope | None = None,
     ) -> list[int | str]:
         """Ask for one worker per request (``fds[i]``: request ``i``'s descriptors; at
         most ``BATCH_MAX`` requests); returns each one's pid (a child of this process by
         now) or why the template could not start it.
 
-        A signal in ``shutdown`` while waiting ends the wait at once: the template is
-        killed (a stop is under way), and the workers its answer already named, if it
-        had sent one, are returned for the agent to stop with the others.
+        The answer is waited for in ``scope`` (default: the thread's current one); its
+        cancellation ends the wait at once: the template is killed (a stop is under way),
+        and the workers its answer already named, if it had sent one, are returned for
+        the agent to stop with the others.
 
         Raises:
             TemplateBroken: the channel failed; the template should be discarded.
             TemplateUnavailable: forking from the template has become unsafe.
-            ShutdownRequested: a signal arrived before the template answered; it was
+            Cancelled: ``scope`` was cancelled before the template answered; it was
                 killed and none of the batch's workers runs.
         """
         if not 0 < len(batch) <= BATCH_MAX or len(fds) != len(batch):
             raise ValueError(f"a batch holds 1 to {BATCH_MAX} requests, each with its fds")
-        if shutdown is not None and shutdown.signum is not None:
+        scope = scope_or_default(scope)
+        if scope.cancelled:
             # A stop is under way already: fork nothing, and end the template as a
-            # signal during the start would.
+            # cancellation during the start would.
             self.proc.kill()
             self.proc.wait()
-            raise ShutdownRequested(shutdown.signum)
+            scope.raise_if_cancelled()
         attached = [fd for own in fds for fd in own]
         message = {"version": VERSION, "batch": list(batch)}
         self._sock.settimeout(timeout)
         ledger_r, ledger_w = os.pipe()
         try:
             with adopting_orphans():
-                got = self._exchange(message, [*attached, ledger_w], ledger_r, timeout, shutdown)
+                got = self._exchange(message, [*attached, ledger_w], ledger_r, timeout, scope)
         finally:
             os.close(ledger_r)
         if got is None:
@@ -365,7 +356,7 @@ class Template:
         fds: list[int],
         ledger: int,
         timeout: float,
-        shutdown: ShutdownRequest | None,
+        scope: CancelScope,
     ) -> tuple[dict[str, object], list[int]] | None:
         """Send one batch and receive its answer (None: the channel closed), while this
         process is a subreaper. Without an answer, the template is killed and whatever
@@ -375,14 +366,13 @@ class Template:
                 send_message(self._sock, message, fds)
             finally:
                 os.close(fds[-1])  # the ledger's write end: only the batch's processes hold it
-            if self._await_answer(timeout, shutdown):
+            if self._await_answer(timeout, scope):
                 got = recv_message(self._sock)
             else:
                 got = self._answer_left_by_killed()
                 if got is None:
-                    assert shutdown is not None and shutdown.signum is not None
                     self._reap_batch(ledger)
-                    raise ShutdownRequested(shutdown.signum)
+                    raise Cancelled(scope.reason or "cancelled")
         except (OSError, ConnectionError) as exc:
             self.proc.kill()
             self.proc.wait()

@@ -41,6 +41,7 @@ import signal
 import sys
 from collections.abc import Iterable, Sequence
 
+from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.errors import ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.supervise.processes.spawn import (
@@ -208,8 +209,9 @@ class TemplateStarter:
             differ between workers or restarts and must not start a new template.
         ready_timeout: how long the template may take to start and preload.
         spawn_timeout: how long one fork may take before the template counts as wedged.
-        shutdown: the launcher's signal requests: a signal ends the wait for the
-            template's start-up at once (``ShutdownRequested``).
+        shutdown: the launcher's stop request: its scope ends the waits for the
+            template's start-up and answers at once (``ShutdownRequested``). Without
+            one they end with the calling thread's current scope (``Cancelled``).
 
     The template is started by the first ``start`` that needs it (constructing the
     starter does nothing) and stopped by ``close``.
@@ -340,10 +342,10 @@ class TemplateStarter:
         wire = [_spawn_request(spec, cmd, cwd) for _, spec, cmd, cwd in part]
         requests, fds = [r for r, _ in wire], [f for _, f in wire]
         try:
-            answers = tpl.spawn_batch(requests, fds, self._spawn_timeout, self._shutdown)
-        except ShutdownRequested:
+            answers = tpl.spawn_batch(requests, fds, self._spawn_timeout, self._scope())
+        except Cancelled as exc:
             self._discard()  # killed by spawn_batch
-            raise
+            raise self._stopped(exc) from None
         except TemplateBroken as exc:
             log.warning(
                 "worker template (pid %d) failed while starting local rank(s) %s (%s; %s); "
@@ -404,7 +406,9 @@ class TemplateStarter:
         if tpl is None or tpl.ready:
             return tpl
         try:
-            tpl.await_ready(self._ready_timeout, self._shutdown)
+            tpl.await_ready(self._ready_timeout, self._scope())
+        except Cancelled as exc:
+            raise self._stopped(exc) from None
         except TemplateUnavailable as exc:
             self._disable(key, str(exc))
             self._discard()
@@ -416,6 +420,16 @@ class TemplateStarter:
             ", ".join(tpl.preloaded) or "nothing",
         )
         return tpl
+
+    def _scope(self) -> CancelScope | None:
+        """The scope of the waits for the template (None: the thread's current one)."""
+        return self._shutdown.scope if self._shutdown is not None else None
+
+    def _stopped(self, exc: Cancelled) -> Exception:
+        """What a start ended by ``exc`` raises: ``ShutdownRequested`` for the stop
+        request's signal, else the cancellation itself."""
+        signum = self._shutdown.signum if self._shutdown is not None else None
+        return exc if signum is None else ShutdownRequested(signum)
 
     def _disable(self, key: TemplateKey, reason: str) -> None:
         self._unusable[key] = reason

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import selectors
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from elastrun.core.cancel import CancelScope, is_default, scope_or_default
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
 from elastrun.core.procinfo import signal_state
 from elastrun.supervise.processes.spawn import WorkerProcess
@@ -50,27 +51,23 @@ class StopReport:
     unreaped: tuple[int, ...]  # local ranks still alive after the reap bound
 
 
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except OSError:
-        pass  # non-blocking pipe emptied (EAGAIN) or closed
+# The selector's data for a descriptor that only wakes a wait (a scope's, a notice's);
+# a worker's exit descriptor carries its local rank.
+_WAKE = "wake"
 
 
 class ProcessSet:
     """Watches a group of worker processes.
 
-    ``wait_for_exits`` blocks until a worker exits, ``wake_fd`` becomes readable (signals,
-    rendezvous news) or the deadline passes -- no sleeping loop. ``stop`` is the one
-    shutdown ladder used for restarts and for the final stop alike.
+    ``wait_for_exits`` blocks until a worker exits, a notice arrives, the deadline passes
+    or its cancel scope is cancelled -- no sleeping loop. ``stop`` is the one shutdown
+    ladder used for restarts and for the final stop alike.
     """
 
     def __init__(
         self,
         processes: Iterable[WorkerProcess],
         *,
-        wake_fd: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._procs = {p.local_rank: p for p in processes}
@@ -81,9 +78,6 @@ class ProcessSet:
         self._sel = selectors.DefaultSelector()
         for proc in self._procs.values():
             self._sel.register(proc.exit_fd(), selectors.EVENT_READ, proc.local_rank)
-        self._wake_fd = wake_fd
-        if wake_fd is not None:
-            self._sel.register(wake_fd, selectors.EVENT_READ, None)
 
     @property
     def processes(self) -> dict[int, WorkerProcess]:
@@ -126,21 +120,52 @@ class ProcessSet:
         """Collect exits that already happened, without blocking."""
         return [ex for lr in list(self._live) if (ex := self._collect(lr, False)) is not None]
 
-    def wait_for_exits(self, deadline: Deadline) -> list[Exit]:
-        """Block until at least one worker exits, a wake-up arrives or ``deadline``.
+    def wait_for_exits(
+        self,
+        deadline: Deadline,
+        scope: CancelScope | None = None,
+        notices: int | None = None,
+    ) -> list[Exit]:
+        """Block until at least one worker exits, ``notices`` (a descriptor, for news
+        that is no cancellation: the caller drains it) becomes readable, or ``deadline``.
 
-        Returns the exits observed (possibly empty after a wake-up or timeout).
+        Returns the exits observed (possibly empty after a notice or the deadline).
+
+        Raises:
+            Cancelled: ``scope`` (default: the thread's current one) was cancelled
+                first; the exits seen meanwhile are kept in ``exits``.
         """
+        scope = scope_or_default(scope)
+        scope.raise_if_cancelled()
         found = self.poll()
-        if found or (not self._live and self._wake_fd is None):
+        if found or (not self._live and notices is None and is_default(scope)):
             return found
-        events = self._sel.select(deadline.timeout())
+        with self._also_watching(scope, notices):
+            events = self._sel.select(deadline.timeout(cap=scope.remaining()))
+        scope.raise_if_cancelled()
         for key, _ in events:
-            if key.data is not None:
+            if isinstance(key.data, int):
                 ex = self._collect(key.data, False)
                 if ex is not None:
                     found.append(ex)
         return found + self.poll()
+
+    @contextmanager
+    def _also_watching(
+        self, scope: CancelScope | None, notices: int | None = None
+    ) -> Iterator[None]:
+        """The selector watches ``scope`` (unless None or the default, never cancelled)
+        and ``notices`` too for the block."""
+        extra = [] if scope is None or is_default(scope) else [scope.fileno()]
+        if notices is not None:
+            extra.append(notices)
+        for fd in extra:
+            self._sel.register(fd, selectors.EVENT_READ, _WAKE)
+        try:
+            yield
+        finally:
+            for fd in extra:
+                self._sel.unregister(fd)
 
     def replace(self, proc: WorkerProcess) -> None:
         """Put ``proc`` in the place of its local rank's worker, which has exited (its
@@ -161,37 +186,39 @@ class ProcessSet:
             self._procs[lr].signal_group(sig)
 
     def _wait_all(
-        self, deadline: Deadline, by_agent: bool, abort_wait: Callable[[], bool] | None = None
+        self, deadline: Deadline, by_agent: bool, scope: CancelScope | None = None
     ) -> None:
-        while self._live:
-            for lr in list(self._live):
-                self._collect(lr, by_agent)
-            if not self._live or deadline.expired():
-                return
-            for key, _ in self._sel.select(deadline.timeout()):
-                if key.data is not None:
-                    self._collect(key.data, by_agent)
-                else:
-                    _drain(key.fd)
-                    if abort_wait is not None and abort_wait():
-                        return
+        """Collect exits until none runs, ``deadline`` passes or ``scope`` is cancelled."""
+        if not self._live:
+            return  # (the selector may be closed: a stop after ``close``)
+        with self._also_watching(scope):
+            while self._live:
+                for lr in list(self._live):
+                    self._collect(lr, by_agent)
+                cut = scope is not None and scope.cancelled
+                if not self._live or deadline.expired() or cut:
+                    return
+                for key, _ in self._sel.select(deadline.timeout()):
+                    if isinstance(key.data, int):
+                        self._collect(key.data, by_agent)
 
     def stop(
         self,
         sig: int = signal.SIGTERM,
         timeout: float = 30.0,
-        abort_wait: Callable[[], bool] | None = None,
+        grace: CancelScope | None = None,
     ) -> StopReport:
         """Stop every worker: ``sig`` to each process group, one shared deadline, SIGKILL,
         then reap with a bound. Idempotent; never raises; reports what it could not reap.
 
-        ``abort_wait`` is asked on every wake-up; True cuts the grace period short
-        (a second Ctrl-C).
+        The wait for the workers to stop ends early when ``grace`` is cancelled (a
+        second Ctrl-C: SIGKILL at once). The reaping after SIGKILL takes no scope: it is
+        bounded (``REAP_BOUND``), and skipping it would leave processes unreported.
         """
         before = set(self._exits)
         self._sent = frozenset({sig, signal.SIGKILL})
         self._signal_groups(list(self._live), sig)
-        self._wait_all(Deadline.after(timeout, self._clock), by_agent=True, abort_wait=abort_wait)
+        self._wait_all(Deadline.after(timeout, self._clock), by_agent=True, scope=grace)
         killed = tuple(sorted(self._live))
         if killed and sig != signal.SIGKILL:
             log.warning(
