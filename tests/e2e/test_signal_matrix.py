@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import elastrun_store, finish, start, wait_for, write_script
+from _helpers import elastrun_store, finish, free_port, start, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -238,3 +238,21 @@ def test_a_signal_ends_the_rendezvous_wait_through_an_elastrun_store(
         took, code, err = _stop_and_time(proc, sig)
         assert code == 128 + sig, err
         assert took < SLACK, err
+
+
+def test_a_signal_ends_the_wait_for_an_unreachable_rendezvous_store(tmp_path: Path) -> None:
+    # The c10d handler reaches its store while the agent is built (before any round):
+    # nothing listens, and it would retry for read_timeout (60 s).
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    script = write_script(tmp_path / "w.py", "pass\n")
+    proc = start(
+        ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", endpoint, "--rdzv-id", "gone",
+         "--rdzv-conf", "is_host=false,read_timeout=60", "--local-addr", "127.0.0.1",
+         str(script)],
+        cwd=tmp_path,
+    )  # fmt: skip
+    time.sleep(2.0)  # connecting, and reconnecting
+    took, code, err = _stop_and_time(proc, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err
+    assert took < SLACK, err

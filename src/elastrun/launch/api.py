@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from elastrun.agent.spec import Entrypoint, RunResult, WorkerSpec
+from elastrun.core.cancel import Cancelled
 from elastrun.core.errors import ConfigError, ShutdownRequested, WorkerFailure
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.launch.config import LaunchConfig, parse_signals
@@ -299,10 +301,14 @@ def launch_agent(
         raise
     finally:
         launch.close()
-        restore()
-        if owned:
-            shutdown.close()
-        launch.leave()
+        try:
+            # A signal ends the wait of a node that serves the store for the others.
+            with shutdown.scope.active():
+                launch.leave()
+        finally:
+            restore()
+            if owned:
+                shutdown.close()
 
 
 class _Launch:
@@ -337,16 +343,21 @@ class _Launch:
         """Wire the agent, run it, and raise what a failed run ends with."""
         self.extras = extras = _Extras(self.config, self.run_id, self.entrypoint, self.shutdown)
         extras.prepare_template(self.config, self.entrypoint, self.args, environ)
-        self.agent = agent = build_agent(
-            self.config,
-            self.entrypoint,
-            self.args,
-            run_id=self.run_id,
-            shutdown=self.shutdown,
-            environ=environ,
-            extras=extras,
-            console=self.console,
-        )
+        try:
+            # The c10d handler reaches its store now: a signal ends that wait too.
+            with self.shutdown.scope.active():
+                self.agent = agent = build_agent(
+                    self.config,
+                    self.entrypoint,
+                    self.args,
+                    run_id=self.run_id,
+                    shutdown=self.shutdown,
+                    environ=environ,
+                    extras=extras,
+                    console=self.console,
+                )
+        except Cancelled:
+            raise ShutdownRequested(self.shutdown.signum or signal.SIGTERM) from None
         extras.start_health(agent, os.environ if environ is None else environ)
         if on_agent is not None:
             on_agent(agent)

@@ -140,8 +140,9 @@ class Liveness:
         return lease
 
     def wait_for_others_to_leave(self, timeout: float | None) -> None:
-        """Wait until no other node holds a lease (None: for as long as it takes; a
-        signal ends the launcher's wait, see the agent)."""
+        """Wait until no other node holds a lease (None: for as long as it takes), in the
+        calling thread's current scope: its cancellation (the launcher's stop request)
+        ends only this wait, and leaving goes on."""
         deadline = Deadline.after(timeout if timeout is not None else 1e9, self._clock)
         nodes = self._keys.nodes
         try:
@@ -162,6 +163,8 @@ class Liveness:
                 log.warning("%d node(s) still attached to the store; closing it", len(others))
         except StoreError as exc:
             log.debug("while waiting for the other nodes to leave: %s", exc)
+        except Cancelled as exc:
+            log.warning("stopped waiting for the other nodes to leave (%s)", exc.reason)
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=target, name=f"elastrun-rdzv-{name}", daemon=True)
