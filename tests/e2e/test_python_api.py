@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from tests._helpers import wait_for
 
 import elastrun
 from elastrun import (
@@ -164,3 +167,65 @@ def test_worker_side_init_process_group_explains_a_missing_launcher(
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(elastrun.ConfigError, match="not started by elastrun"):
         elastrun.init_process_group(backend="gloo")
+
+
+_OVERLAP_WORK = """
+import os
+import time
+from pathlib import Path
+
+
+def work(ready: str, go: str) -> int:
+    Path(ready + os.environ["RANK"]).touch()
+    while not Path(go).exists():
+        time.sleep(0.05)
+    return int(os.environ["RANK"])
+"""
+
+_OVERLAP_JOB = """
+import sys
+
+from elastrun import LaunchConfig, elastic_launch
+from overlap_work import work
+
+config = LaunchConfig(
+    min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=0,
+    rdzv_configs={"read_timeout": "5"},
+)
+print(elastic_launch(config, work)(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_two_one_node_jobs_with_the_default_endpoint_do_not_share_a_store(
+    tmp_path: Path,
+) -> None:
+    """With no endpoint, a one-node job serves no store: a second such job on the machine
+    must not become a client of the first's store, and fail once the first ends."""
+    (tmp_path / "overlap_work.py").write_text(_OVERLAP_WORK)
+    (tmp_path / "overlap_job.py").write_text(_OVERLAP_JOB)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        for name in ("first", "second"):
+            ready, go = tmp_path / f"{name}-ready", tmp_path / f"{name}-go"
+            jobs.append(
+                subprocess.Popen(
+                    [sys.executable, "overlap_job.py", str(ready), str(go)],
+                    cwd=tmp_path,
+                    env={**os.environ, "PYTHONPATH": path},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+            wait_for(lambda r=ready: Path(f"{r}1").exists(), 60, f"the {name} job's workers")
+        for job, name in zip(jobs, ("first", "second"), strict=True):
+            (tmp_path / f"{name}-go").touch()
+            out, err = job.communicate(timeout=60)
+            assert job.returncode == 0, err
+            assert out.strip().splitlines()[-1] == "{0: 0, 1: 1}", out
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.communicate()

@@ -81,6 +81,13 @@ def test_a_malformed_endpoint_is_refused_naming_the_option(endpoint: str) -> Non
     assert (info.value.field, info.value.value) == ("--rdzv-endpoint", endpoint)
 
 
+def test_no_endpoint_is_a_local_single_node_and_the_default_port_for_several() -> None:
+    # One node with no endpoint serves nothing: two such jobs on a machine stay apart.
+    assert parse_c10d_conf(RendezvousParameters("c10d", "", "job", 1, 1)).local
+    several = parse_c10d_conf(RendezvousParameters("c10d", "", "job", 1, 2))
+    assert (several.local, several.host, several.port) == (False, "localhost", 29400)
+
+
 def test_port_0_is_a_local_single_node_and_refused_for_several() -> None:
     assert parse_c10d_conf(RendezvousParameters("c10d", "127.0.0.1:0", "job", 1, 1)).local
     assert isinstance(

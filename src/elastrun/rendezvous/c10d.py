@@ -165,7 +165,9 @@ def parse_c10d_conf(params: RendezvousParameters) -> C10dConf:
     settings = settings_from(params)
     read_timeout = conf_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT)
     is_host, token = _conf_common(params)
-    if params.max_nodes == 1 and port == 0:
+    if params.max_nodes == 1 and (port == 0 or not params.endpoint.strip()):
+        # No endpoint: nothing to serve to anyone, and binding the default port would
+        # make a second one-node job on this machine a client of the first's store.
         return C10dConf(host, port, local=True, is_host=is_host, fixed_rank=None)
     if port == 0:
         raise ConfigError(
