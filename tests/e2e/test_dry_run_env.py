@@ -78,3 +78,17 @@ def test_a_dry_run_lists_every_variable_elastrun_sets_for_a_worker(tmp_path: Pat
         }
         assert got["TORCHELASTIC_ERROR_FILE"].startswith(str(tmp_path / "logs"))
         assert got["MASTER_PORT"] == str(port) and got["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_dry_run_says_where_the_rendezvous_is(tmp_path: Path) -> None:
+    script = tmp_path / "noop.py"
+    script.write_text("")
+    lines = {
+        "(standalone, one node)": ["--nproc-per-node", "1"],
+        "(one node, no endpoint: no store is served)": ["--rdzv-backend", "c10d"],
+        "at 127.0.0.1:29400": ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400"],
+    }
+    for where, args in lines.items():
+        shown = run([*args, "--dry-run", str(script)], cwd=tmp_path)
+        assert shown.returncode == 0, shown.stderr
+        assert f"  rendezvous  : c10d {where}\n" in shown.stdout, shown.stdout

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from elastrun.agent.plan import NodeSlot, RoundFacts, WorkerServices, build_plan
 from elastrun.launch.cli import Launch
+from elastrun.launch.config import LaunchConfig
 from elastrun.supervise.processes.logs import Std, to_map
 
 _PORT_PLACEHOLDER = 0
@@ -93,8 +94,7 @@ def render_plan(
     out = [
         "elastrun launch plan (dry run: nothing was started)",
         f"  run id      : {run_id}",
-        f"  rendezvous  : {cfg.rdzv_backend}"
-        + (" (standalone, one node)" if launch.standalone else f" at {cfg.rdzv_endpoint}"),
+        f"  rendezvous  : {cfg.rdzv_backend}{_where(launch.standalone, cfg)}",
         f"  nodes       : {cfg.min_nodes}:{cfg.max_nodes}, {cfg.nproc_per_node} worker(s) per node",
         f"  restarts    : up to {cfg.max_restarts}; shutdown grace {cfg.shutdown_timeout:g}s",
     ]
@@ -116,3 +116,11 @@ def render_plan(
         for line in _log_lines(launch, w.local_rank, cfg.nproc_per_node):
             out.append(f"  {line}")
     return "\n".join(out)
+
+
+def _where(standalone: bool, cfg: LaunchConfig) -> str:
+    if standalone:
+        return " (standalone, one node)"
+    if not cfg.rdzv_endpoint.strip() and cfg.max_nodes == 1 and cfg.rdzv_backend == "c10d":
+        return " (one node, no endpoint: no store is served)"
+    return f" at {cfg.rdzv_endpoint}"
