@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,3 +214,21 @@ def start_nodes(
         procs.append(start([*common, *args], cwd=cwd))
         time.sleep(0.3)
     return procs
+
+
+def once_per_run(shared: Path, name: str, make: Callable[[], str]) -> str:
+    """``make()``'s text, made by the first pytest worker that asks and read by the others.
+
+    ``shared``: a folder every worker of this pytest run sees and no other run does (the
+    parent of ``tmp_path_factory.getbasetemp()`` under xdist). The first caller holds a
+    lock while it makes the value; a failed ``make`` records nothing, so the next caller
+    tries again (and fails the same way, in its own test).
+    """
+    done = shared / f"{name}.value"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return done.read_text()
+        value = make()
+        done.write_text(value)
+        return value

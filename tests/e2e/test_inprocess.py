@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from _helpers import elastrun_store, finish, start, wait_for, write_script
+from _helpers import elastrun_store, finish, once_per_run, start, wait_for, write_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "etcd"))
 from etcd_cluster import EtcdCluster, find_etcd
@@ -197,12 +197,19 @@ def _run(
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> str:
-    code, err, results = _run(tmp_path_factory.mktemp("clean"), "out", [])
-    assert code == 0, err
-    shas: set[str] = {r["sha"] for r in results}
-    assert len(results) == 4 and len(shas) == 1, results
-    return shas.pop()
+def fault_free(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> str:
+    """The parameters' SHA-256 after a run without failures (one run for all workers)."""
+
+    def make() -> str:
+        code, err, results = _run(tmp_path_factory.mktemp("clean"), "out", [])
+        assert code == 0, err
+        shas: set[str] = {r["sha"] for r in results}
+        assert len(results) == 4 and len(shas) == 1, results
+        return shas.pop()
+
+    if worker_id == "master":  # not under xdist: the temp root's parent is not this run's
+        return make()
+    return once_per_run(tmp_path_factory.getbasetemp().parent, "inprocess-fault-free", make)
 
 
 def _by_rank(results: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
