@@ -846,6 +846,13 @@ def test_default_preload_adds_what_an_optimizer_imports_lazily(tmp_path: Path) -
     # torch._dynamo, imported there, costs it seconds.
     adam = _write(tmp_path / "adam.py", "import torch\nopt = torch.optim.Adam([])\n")
     assert default_preload(_argv(str(adam))) == ["torch", "torch._dynamo"]
+    both = _write(
+        tmp_path / "both.py",
+        "import torch\nfrom torch.nn.parallel import DistributedDataParallel\n"
+        "opt = torch.optim.SGD([])\n",
+    )
+    # Named once, though both uses import it (the start-up line listed it twice).
+    assert default_preload(_argv(str(both))) == ["torch", "torch.nn.parallel", "torch._dynamo"]
 
 
 def test_default_preload_reads_a_module_relative_to_the_cwd(tmp_path: Path) -> None:

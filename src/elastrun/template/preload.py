@@ -141,7 +141,7 @@ def _scan_imports(path: str) -> list[str]:
     visit(tree.body)
     if any(name.split(".")[0] == "torch" for name in found):
         used = {_name_of(n) for n in ast.walk(tree)}
-        found += [
-            mod for name, mod in LAZY_TORCH_IMPORTS.items() if name in used and mod not in found
-        ]
+        for name, mod in LAZY_TORCH_IMPORTS.items():
+            if name in used and mod not in found:
+                found.append(mod)
     return found
