@@ -1,5 +1,5 @@
-"""PNG charts of the results (matplotlib, headless): launch time and rendezvous time
-against N, every launcher or implementation on the same axes."""
+"""PNG charts of the results (matplotlib, headless): launch, rendezvous and the workers'
+bootstrap store against N, every launcher, implementation or server on the same axes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ STYLE = {
     "elastrun-threads": ("tab:cyan", "^"),
     "elastrun --no-template": ("tab:cyan", "^"),
     "bare spawn": ("tab:gray", "D"),
+    "torch libuv": ("tab:red", "s"),
 }
 
 
@@ -85,6 +86,58 @@ def plot_rendezvous(data: Mapping[str, Series], path: Path) -> bool:
         ax.set_title(titles.get(key, key))
         ax.set_xlabel("simulated nodes (N)")
         ax.set_ylabel("seconds (median, min-max)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def bootstrap_series(
+    tables: list[dict[str, object]],
+) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """From the bootstrap store section's tables (their JSON form): "burst" (seconds
+    until every client passed the barrier) and "get" (operations per second), each
+    server -> clients (as text) -> samples."""
+    wanted = {"burst": ("Bootstrap burst: seconds", "barrier"), "get": ("Throughput", "get")}
+    out: dict[str, dict[str, dict[str, list[float]]]] = {"burst": {}, "get": {}}
+    for table in tables:
+        rows, title = table.get("rows"), str(table.get("title", ""))
+        for kind, (title_start, prefix) in wanted.items():
+            if not (isinstance(rows, dict) and title.startswith(title_start)):
+                continue
+            for key, row in rows.items():
+                n = key.removeprefix(prefix)
+                if key.startswith(prefix) and n.isdigit():
+                    for server, samples in row["samples"].items():
+                        out[kind].setdefault(server, {})[n] = list(samples)
+    return out
+
+
+def plot_bootstrap(data: Mapping[str, Series], path: Path) -> bool:
+    """`data`: "burst" / "get" -> server -> clients -> seconds / operations per second."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(k, s) for k, s in data.items() if any(s.values())]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    titles = {
+        "burst": "burst: all connect → id read → barrier passed",
+        "get": "throughput: get",
+    }
+    units = {"burst": "seconds (median, min-max)", "get": "operations per second"}
+    for ax, (key, series) in zip(axes[0], panels, strict=True):
+        _draw(ax, {("torch libuv" if s == "torch" else s): v for s, v in series.items()})
+        ax.set_title(titles.get(key, key))
+        ax.set_xlabel("clients (N)")
+        ax.set_ylabel(units.get(key, key))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)

@@ -43,7 +43,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _common import CLK_TCK, PYTHON, ScenarioFailure, kill_marked, new_marker, tagged_env
-from _report import Headline, Row, Section, alternate, impls_main, ratio_text, run_section
+from _report import (
+    Headline,
+    Row,
+    Section,
+    alternate,
+    common_parser,
+    profile_of,
+    ratio_text,
+    run_section,
+    write_section,
+)
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -495,7 +505,23 @@ def run(profile: str, impls: list[str] | None = None) -> Section:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return impls_main(__doc__ or "", run, IMPLS, argv)
+    p = common_parser(__doc__ or "")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma list")
+    args = p.parse_args(argv)
+    section = run(profile_of(args), [x for x in args.impls.split(",") if x])
+    section.extra += ["![Bootstrap store against N](bootstrap_store.png)", ""]
+    print(section.render())
+    write_section(section, args.output_dir)
+    try:
+        from _plots import bootstrap_series, plot_bootstrap
+
+        tables = [t.to_json() for t in section.tables]
+        png = args.output_dir / "bootstrap_store.png"
+        if plot_bootstrap(bootstrap_series(tables), png):
+            print(f"[bench] wrote {png}", flush=True)
+    except ImportError as exc:
+        print(f"[bench] no chart: {exc} (pip install matplotlib)", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

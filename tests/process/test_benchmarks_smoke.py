@@ -159,6 +159,7 @@ def test_bootstrap_store_benchmark_speaks_torchs_wire_to_both_servers(tmp_path: 
     burst = _samples(data, "barrier16")
     assert set(burst) == {"elastrun", "torch"}
     assert all(0 < v < 60 for vs in burst.values() for v in vs)
+    assert (tmp_path / "bootstrap_store.png").stat().st_size > 0  # the chart against N
 
 
 def test_progress_benchmark_measures_the_report_against_a_10_ms_step(tmp_path: Path) -> None:
