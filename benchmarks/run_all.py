@@ -7,7 +7,7 @@
 Writes ``benchmarks/RESULTS.md`` (machine, date, exact commands, tables with medians,
 min-max and ratios, targets met or not, where the time goes when one is missed), the
 raw samples as ``benchmarks/results/<section>.json`` and the charts
-``benchmarks/results/launch.png`` and ``benchmarks/results/rendezvous.png``.
+``benchmarks/results/launch.png``, ``rendezvous.png`` and ``bootstrap_store.png``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import bench_bootstrap_store
 import bench_gpu_recovery
 import bench_hang
 import bench_inprocess
@@ -33,7 +34,7 @@ import bench_recovery
 import bench_rendezvous
 import bench_store
 from _common import REPO, machine_info
-from _plots import plot_launch, plot_rendezvous
+from _plots import bootstrap_series, plot_bootstrap, plot_launch, plot_rendezvous
 from _report import RESULTS_DIR, Section
 
 SECTIONS: dict[str, Callable[[str], Section]] = {
@@ -43,6 +44,7 @@ SECTIONS: dict[str, Callable[[str], Section]] = {
     "overhead": bench_overhead.run,
     "rendezvous": bench_rendezvous.run,
     "store": bench_store.run,
+    "bootstrap_store": bench_bootstrap_store.run,
     "progress": bench_progress.run,
     "hang": bench_hang.run,
     "node_check": bench_node_check.run,
@@ -161,6 +163,12 @@ def _charts(sections: list[Section], results_dir: Path, md_dir: Path) -> list[tu
             charts.append(
                 ("Rendezvous time against N", _rel(results_dir / "rendezvous.png", md_dir))
             )
+        boot = by_name.get("bootstrap_store")
+        png = results_dir / "bootstrap_store.png"
+        if boot is not None and plot_bootstrap(
+            bootstrap_series([t.to_json() for t in boot.tables]), png
+        ):
+            charts.append(("Bootstrap store against N", _rel(png, md_dir)))
     except ImportError as exc:
         print(f"[bench] no charts: {exc} (pip install matplotlib)", flush=True)
     return charts
