@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 import time
 
 from elastrun.core.cancel import Cancelled, CancelScope, is_default, scope_or_default
@@ -237,27 +236,39 @@ class TcpStore:
     ) -> None:
         """Wait for ``pending`` to be answered or lost; raise ``Cancelled`` when ``scope``
         is, ``StoreTimeoutError`` at its deadline, and ``StoreUnavailableError`` (cutting
-        the connection) past ``patience`` or when the server is silent."""
-        wait = min(patience, scope.remaining())
+        the connection) once an answer the server owes on it -- this one after
+        ``patience``, or another caller's -- is ``request_timeout`` overdue."""
         with scope.wakes(pending.interrupt):
-            pending.wait(None if wait > threading.TIMEOUT_MAX else wait)
+            while True:
+                overdue = conn.overdue_since()
+                silent_at = math.inf if overdue is None else overdue + self._request_timeout
+                # Looked at again at least every half request timeout: answers that other
+                # callers stopped waiting for become owed while this call waits (a long
+                # watch notices a silence that the keep-alives' deadlines cut short).
+                wait = min(
+                    silent_at - time.monotonic(), scope.remaining(), self._request_timeout / 2
+                )
+                if pending.wait(max(0.0, wait)):
+                    break
+                now = time.monotonic()
+                if scope.expired() or (now >= silent_at and overdue == conn.overdue_since()):
+                    break  # else the owed answer came meanwhile, or a slice ended: wait on
         if pending.answer is not None or pending.lost:
             return
         if scope.cancelled:
             conn.forget(rid)
             raise Cancelled(scope.reason or "cancelled")
-        if wait < patience:
+        overdue = conn.overdue_since()
+        now = time.monotonic()
+        if overdue is None or now - overdue < self._request_timeout:
             # The caller's deadline, not the server's silence: the request stays owed
-            # (the reader drops its late answer), unless answers are long overdue.
-            overdue = conn.overdue_since()
-            if overdue is None or time.monotonic() - overdue < self._request_timeout:
-                raise past_deadline(what, self._where, unknown=not retry)
-            silence = f"has not answered for {time.monotonic() - overdue:.1f}s"
-            message = f"{what}: the store at {self._where} {silence}"
-            raise self._silent(conn, overdue, message, retry)
-        conn.forget(rid)
-        message = f"{what}: the store at {self._where} did not answer within {patience:.1f}s"
-        raise self._silent(conn, pending.due, message, retry)
+            # (the reader drops its late answer).
+            raise past_deadline(what, self._where, unknown=not retry)
+        if overdue >= pending.due:
+            message = f"did not answer within {patience:.1f}s"
+        else:
+            message = f"has not answered for {now - overdue:.1f}s"
+        raise self._silent(conn, overdue, f"{what}: the store at {self._where} {message}", retry)
 
     def _silent(
         self, conn: Connection, since: float, message: str, retry: bool
