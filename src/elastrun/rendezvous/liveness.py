@@ -215,9 +215,10 @@ class Liveness:
         partition leaves the connection open and silent) must not hold this loop for
         its timeout. The deadline is the call's own scope's, which the store honours;
         the call is over when this returns (no thread is left behind to finish it). A
-        store that stays silent is still found out: its client gives the connection up
-        once an answer is ``read_timeout`` overdue, and this loop's next calls then meet
-        the reconnect window running out (``StoreUnavailableError``)."""
+        store that stays silent is still found out: the client leaves the unanswered
+        request owed, and once an owed answer is ``read_timeout`` overdue the next call
+        that notices -- a keep-alive here, the watch thread's watch, the agent's next
+        call -- gives the store up with ``StoreUnavailableError`` (``store_gone``)."""
         with self._life.child(interval) as scope, scope.active():
             try:
                 alive = self._store.keep_alive(lease)
@@ -245,7 +246,7 @@ class Liveness:
             gone = self.gone
         self.change_reason = gone
         self.lost = True
-        if not self._stop.is_set():  # a late keep-alive thread: nobody to wake any more
+        if not self._stop.is_set():  # after ``leave``: nobody to wake any more
             self._notify()
         return gone
 

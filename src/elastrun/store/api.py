@@ -16,12 +16,12 @@ store's answer, a connection, a change) at once with ``Cancelled``. When its dea
 passes first, the call ends with ``StoreTimeoutError`` -- a ``watch`` too, although its
 own ``timeout`` ends it with an empty result: a deadline is the caller's bound on the
 whole call, which then has no answer to give. A call whose scope's deadline has already
-passed raises at once without waiting. Calls that never wait (the memory store's reads
-and writes) are unaffected. A networked client that gives up at a deadline forgets the
-request (a late answer is dropped) and keeps its connection for the other callers; only
-a server that has not answered *any* request for the client's request timeout is taken
-as gone (``StoreUnavailableError``), however short the deadlines of the calls that
-noticed it.
+passed does not wait (a networked client raises before it sends anything). Calls that
+never wait (the memory store's reads and writes) complete as usual. The tcp client,
+giving up at a deadline, keeps its connection for the other callers and drops the late
+answer; it takes the server as gone (``StoreUnavailableError``) only once an answer the
+server owes is the client's request timeout overdue, however short the deadlines of the
+calls that stopped waiting for it.
 
 Every implementation passes the same contract suite (``tests/contract``).
 """
