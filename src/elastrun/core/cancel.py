@@ -12,6 +12,15 @@ scope.active():``): every store wait in that thread which is handed no scope of 
 observes the current one, so a caller cancels waits deep inside code (a rendezvous
 handler) that never mentions scopes. Threads start with no current scope.
 
+A deadline bounds every wait in the scope. The scope's own waits (``sleep``,
+``wait_readable``) return at it as at their timeout. A store call (``store.api``) made in
+a scope whose deadline passes before the call completes raises ``StoreTimeoutError``, not
+``Cancelled``: nobody asked it to stop, it ran out of time, and the callers that bound a
+store call (a keep-alive by its interval, closing a run by ``close_timeout``) handle it
+with the store's other errors. Such a deadline is how a wait is bounded without a helper
+thread: running the call in a throw-away thread and no longer waiting for it left the
+call running, and each silent interval added another such thread.
+
 ``cancel`` is thread-safe but not async-signal-safe (it takes locks and runs
 callbacks); signals reach it through the launcher's relay thread (``launch.signals``).
 """
@@ -110,6 +119,10 @@ class CancelScope:
     @property
     def deadline(self) -> Deadline:
         return self._deadline
+
+    def expired(self) -> bool:
+        """Whether the deadline has passed (a scope without one never expires)."""
+        return self._deadline.expired()
 
     def remaining(self, timeout: float = math.inf) -> float:
         """The time a wait of ``timeout`` may take in this scope (never negative)."""

@@ -63,7 +63,7 @@ from elastrun.rendezvous.api import (
 )
 from elastrun.rendezvous.decide import RunKeys
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
-from elastrun.rendezvous.liveness import Liveness, bounded
+from elastrun.rendezvous.liveness import Liveness
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.outcome import Outcome
 from elastrun.rendezvous.progress import ProgressLine, round_status
@@ -241,7 +241,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._liveness.wait_for_others_to_leave(None)
             self.leave()
             return False
-        closed = bounded(lambda: self.set_closed("finished"), self._settings.close_timeout)
+        closed = self._outcome.close_within("finished", self._life, self._settings.close_timeout)
         if not closed:
             log.warning("could not close the rendezvous (the store is unreachable)")
         if self._hosting and closed:
@@ -258,11 +258,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             calls = list(self._calls)
         for scope in calls:
             scope.cancel("this node left the rendezvous")
-        lease = self._liveness.release()
-        if lease is not None and self._liveness.gone is None:
-            # Bounded: a store that is already gone must not hold the exit for its whole
-            # reconnect window; the lease then expires by itself.
-            bounded(lambda: self._store.revoke_lease(lease), 2.0)
+        self._liveness.revoke()
         self._liveness.join()
         if self._on_shutdown is not None:
             self._on_shutdown()

@@ -10,7 +10,7 @@ round must re-form, the node was lost or the store is gone; ``lock`` guards the 
 
 from __future__ import annotations
 
-import functools
+import enum
 import json
 import logging
 import threading
@@ -30,27 +30,21 @@ log = logging.getLogger("elastrun.rendezvous")
 #: at once; renewing costs one request).
 WATCH_SPAN = 60.0
 
+#: How long ``revoke`` may take.
+REVOKE_BOUND = 2.0
+
 #: The full member list of round ``n`` (of its given decision, else the committed one),
 #: as the joining protocol reads it.
 DecidedRows = Callable[[int, str | None], list[list[Any]]]
 
 
-def bounded(action: Callable[[], object], timeout: float) -> bool:
-    """Run ``action`` for at most ``timeout`` seconds; True when it completed."""
-    done = threading.Event()
-    ok: list[bool] = []
+class _Ack(enum.Enum):
+    """What one keep-alive learnt."""
 
-    def run() -> None:
-        try:
-            action()
-            ok.append(True)
-        except StoreError as exc:
-            log.debug("store call failed during shutdown: %s", exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="elastrun-rdzv-bounded", daemon=True).start()
-    return done.wait(timeout) and bool(ok)
+    ALIVE = "acknowledged"
+    EXPIRED = "the lease had expired"
+    NONE = "no answer"
+    GONE = "the store was given up, or this node left"
 
 
 class Liveness:
@@ -134,10 +128,22 @@ class Liveness:
         if not self._threads:
             self._spawn(self._keep_alive_loop, "keepalive")
 
-    def release(self) -> int | None:
-        """Forget the lease (``leave`` revokes it) and return it."""
+    def revoke(self) -> None:
+        """Forget the lease and revoke it (``leave``: this node's keys vanish at once).
+
+        In a scope of its own: leaving goes on after a stop request (the caller's scope
+        may be cancelled already). Bounded by ``REVOKE_BOUND``, a deadline the store
+        honours: a store that is already gone must not hold the exit for its whole
+        reconnect window (the lease then expires by itself).
+        """
         lease, self.lease = self.lease, None
-        return lease
+        if lease is None or self.gone is not None:
+            return
+        with CancelScope(deadline=Deadline.after(REVOKE_BOUND)) as scope, scope.active():
+            try:
+                self._store.revoke_lease(lease)
+            except StoreError as exc:
+                log.debug("could not revoke lease %d (it expires by itself): %s", lease, exc)
 
     def wait_for_others_to_leave(self, timeout: float | None) -> None:
         """Wait until no other node holds a lease (None: for as long as it takes), in the
@@ -190,16 +196,13 @@ class Liveness:
             if lease is None or self.lost:
                 last_ack = self._clock.monotonic()
                 continue
-            answer: list[bool] = []
-            # Bounded by the interval: a store that does not answer (a partition leaves
-            # the connection open and silent) must not hold this loop for its timeout.
-            bounded(functools.partial(self._ask_keep_alive, lease, answer), interval)
+            answer = self._ask_keep_alive(lease, interval)
             now = self._clock.monotonic()
-            if answer and answer[0]:
+            if answer is _Ack.ALIVE:
                 last_ack = now
-            elif answer:
+            elif answer is _Ack.EXPIRED:
                 self.mark_lost("this node's lease expired: the others consider it gone")
-            elif now - last_ack >= ttl - interval:
+            elif answer is _Ack.NONE and now - last_ack >= ttl - interval:
                 # The others drop us when the TTL passes; stop our workers before that,
                 # so a cut-off node never trains beside the re-formed group.
                 self.mark_lost(
@@ -207,14 +210,27 @@ class Liveness:
                     "node was dropped (network partition or store down)"
                 )
 
-    def _ask_keep_alive(self, lease: int, answer: list[bool]) -> None:
-        try:
-            answer.append(self._store.keep_alive(lease))
-        except StoreUnavailableError as exc:
-            # Also from a call the loop stopped waiting for: the store's window ends
-            # when it ends, not at this loop's next tick.
-            self.store_gone(exc)
-            raise
+    def _ask_keep_alive(self, lease: int, interval: float) -> _Ack:
+        """One keep-alive, ended by the interval: a store that does not answer (a
+        partition leaves the connection open and silent) must not hold this loop for
+        its timeout. The deadline is the call's own scope's, which the store honours;
+        the call is over when this returns (no thread is left behind to finish it). A
+        store that stays silent is still found out: the client leaves the unanswered
+        request owed, and once an owed answer is ``read_timeout`` overdue the next call
+        that notices -- a keep-alive here, the watch thread's watch, the agent's next
+        call -- gives the store up with ``StoreUnavailableError`` (``store_gone``)."""
+        with self._life.child(interval) as scope, scope.active():
+            try:
+                alive = self._store.keep_alive(lease)
+            except StoreUnavailableError as exc:
+                self.store_gone(exc)
+                return _Ack.GONE
+            except StoreError as exc:  # StoreTimeoutError: no answer within the interval
+                log.debug("keep-alive of lease %d not acknowledged: %s", lease, exc)
+                return _Ack.NONE
+            except Cancelled:  # ``leave``: the loop sees the stop
+                return _Ack.GONE
+        return _Ack.ALIVE if alive else _Ack.EXPIRED
 
     def store_gone(self, exc: StoreUnavailableError) -> str:
         """The store stopped answering for its whole reconnect window (``read_timeout``
@@ -230,7 +246,7 @@ class Liveness:
             gone = self.gone
         self.change_reason = gone
         self.lost = True
-        if not self._stop.is_set():  # a late keep-alive thread: nobody to wake any more
+        if not self._stop.is_set():  # after ``leave``: nobody to wake any more
             self._notify()
         return gone
 

@@ -12,9 +12,11 @@ itself for a cool-down (``exclusion``: the rule, and why the claim makes it job-
 from __future__ import annotations
 
 import json
+import logging
 
+from elastrun.core.cancel import Cancelled, CancelScope, current
 from elastrun.core.clock import Clock, Deadline
-from elastrun.core.errors import StoreCompactedError
+from elastrun.core.errors import StoreCompactedError, StoreError
 from elastrun.rendezvous.api import BarrierResult, RoundOutcome
 from elastrun.rendezvous.decide import RoundWatch, RunKeys
 from elastrun.rendezvous.exclusion import (
@@ -30,6 +32,8 @@ from elastrun.rendezvous.exclusion import (
 )
 from elastrun.rendezvous.liveness import Liveness
 from elastrun.store.api import Store
+
+log = logging.getLogger("elastrun.rendezvous")
 
 
 def _dump(obj: object) -> bytes:
@@ -85,6 +89,23 @@ class Outcome:
     def close(self, reason: str) -> None:
         """Close the run with ``reason`` (the first reason stays)."""
         self._store.compare_set(self._keys.closed, None, reason.encode())
+
+    def close_within(self, reason: str, life: CancelScope, timeout: float) -> bool:
+        """Close the run, bounded by ``timeout`` (a deadline the store honours) and ended
+        by cancelling ``life`` or the calling thread's current scope (a stop request);
+        whether the store confirmed it."""
+        outer = current()
+        with (
+            life.child(timeout) as scope,
+            outer.wakes(lambda: scope.cancel(outer.reason or "cancelled")),
+            scope.active(),
+        ):
+            try:
+                self.close(reason)
+            except (StoreError, Cancelled) as exc:
+                log.debug("could not close the rendezvous: %s", exc)
+                return False
+        return True
 
     def restarts_used(self) -> int:
         raw = self._store.get(self._keys.budget)

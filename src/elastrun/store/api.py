@@ -10,6 +10,19 @@ A store holds byte values under string keys. Every change bumps one global revis
   ``watch(prefix, after_revision, timeout)`` blocks until at least one change exists
   (or the timeout passes) and returns the changes in revision order.
 
+Calls run in a cancel scope (``core.cancel``): the one a ``watch`` or ``wait`` is handed,
+else the calling thread's current one. Cancelling it ends a call that waits (for the
+store's answer, a connection, a change) at once with ``Cancelled``. When its deadline
+passes first, the call ends with ``StoreTimeoutError`` -- a ``watch`` too, although its
+own ``timeout`` ends it with an empty result: a deadline is the caller's bound on the
+whole call, which then has no answer to give. A call whose scope's deadline has already
+passed does not wait (a networked client raises before it sends anything). Calls that
+never wait (the memory store's reads and writes) complete as usual. The tcp client,
+giving up at a deadline, keeps its connection for the other callers and drops the late
+answer; it takes the server as gone (``StoreUnavailableError``) only once an answer the
+server owes is the client's request timeout overdue, however short the deadlines of the
+calls that stopped waiting for it.
+
 Every implementation passes the same contract suite (``tests/contract``).
 """
 
@@ -109,13 +122,14 @@ class Store(Protocol):
 
         Blocks until there is at least one, or ``timeout`` passes (then the result is
         empty and ``revision`` is the current one). Cancelling ``scope`` ends the wait
-        at once with ``Cancelled``.
+        at once with ``Cancelled``; its deadline, when it comes first, with
+        ``StoreTimeoutError``.
         """
         ...
 
     def wait(self, keys: list[str], timeout: float, *, scope: CancelScope | None = None) -> None:
         """Block until every key exists; raises ``StoreTimeoutError`` after ``timeout``
-        and ``Cancelled`` when ``scope`` is cancelled."""
+        or at ``scope``'s deadline, and ``Cancelled`` when ``scope`` is cancelled."""
         ...
 
     def close(self) -> None:

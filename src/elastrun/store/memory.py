@@ -245,7 +245,8 @@ class MemoryStore:
                     return WatchResult(found, found[-1].revision)
                 if deadline.expired():
                     return WatchResult((), self._revision)
-                self._cond.wait(self._wait_time(deadline))
+                _check_deadline(live, f"watch({prefix!r})")
+                self._cond.wait(self._wait_time(deadline, live))
 
     def _since(self, prefix: str, after_revision: int) -> tuple[WatchEvent, ...]:
         # Scan from the newest event backwards: the cost is the number of new events,
@@ -279,8 +280,13 @@ class MemoryStore:
         with scope.wakes(wake):
             yield scope
 
-    def _wait_time(self, deadline: Deadline) -> float | None:
+    def _wait_time(self, deadline: Deadline, scope: CancelScope) -> float | None:
+        """Until the first of the call's timeout, its scope's deadline and the next
+        lease expiry (None: until woken)."""
         wait = deadline.timeout()
+        cut = scope.deadline.timeout()
+        if cut is not None:
+            wait = cut if wait is None else min(wait, cut)
         expiry = self._next_expiry()
         if expiry is not None:
             until = max(0.0, expiry - self._clock.monotonic()) + 0.001
@@ -298,7 +304,8 @@ class MemoryStore:
                     return
                 if deadline.expired():
                     raise StoreTimeoutError(f"timed out after {timeout}s waiting for {missing}")
-                self._cond.wait(self._wait_time(deadline))
+                _check_deadline(live, f"wait({missing!r})")
+                self._cond.wait(self._wait_time(deadline, live))
 
     @property
     def revision(self) -> int:
@@ -313,3 +320,9 @@ class MemoryStore:
             f"MemoryStore(keys={len(self._data)}, leases={len(self._leases)}, "
             f"revision={self._revision})"
         )
+
+
+def _check_deadline(scope: CancelScope, what: str) -> None:
+    """A wait still unanswered at its scope's deadline ends (see ``store.api``)."""
+    if scope.expired():
+        raise StoreTimeoutError(f"{what}: the caller's deadline passed first")

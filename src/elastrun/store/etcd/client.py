@@ -38,7 +38,7 @@ from elastrun.store.etcd.gateway import (
     to_int,
     unb64,
 )
-from elastrun.store.etcd.transport import Transport
+from elastrun.store.etcd.transport import Transport, past_deadline
 
 if TYPE_CHECKING:
     import httpx
@@ -223,10 +223,13 @@ class EtcdStore:
         lose an event it had not yet sent.
 
         Cancelling ``scope`` shuts the stream's connection down, which ends the read at
-        once (the connect itself is bounded by ``connect_timeout``).
+        once (the connect itself is bounded by ``connect_timeout``); its deadline ends
+        the watch with ``StoreTimeoutError``.
         """
         live = scope_or_default(scope)
         live.raise_if_cancelled()
+        if live.expired():
+            raise past_deadline("watch", "", unknown=False)
         deadline = Deadline.after(timeout)
         body = {
             "create_request": {
@@ -239,18 +242,20 @@ class EtcdStore:
             return self._watch_stream(url, body, after_revision, deadline, live)
 
         # Connection trouble gets the usual failover window even for a short watch.
-        return self._transport.with_failover(
+        result = self._transport.with_failover(
             attempt, safe=True, what="watch", window=max(timeout, 0), scope=live
         )
+        if not result.events and live.deadline.expired() and not deadline.expired():
+            raise past_deadline("watch", "", unknown=False)  # cut short by the scope
+        return result
 
     def wait(self, keys: list[str], timeout: float, *, scope: CancelScope | None = None) -> None:
         deadline = Deadline.after(timeout)
         while True:
             missing, revision = [], math.inf
             for key in keys:
-                answer = self._call(
-                    "/v3/kv/range", {"key": b64(self._k(key)), "count_only": True}, safe=True
-                )
+                body = {"key": b64(self._k(key)), "count_only": True}
+                answer = self._call("/v3/kv/range", body, safe=True, scope=scope)
                 revision = min(revision, to_int(answer["header"].get("revision")))
                 if not to_int(answer.get("count")):
                     missing.append(key)
@@ -280,8 +285,8 @@ class EtcdStore:
         }
         return self._call("/v3/kv/txn", body, safe=False)
 
-    def _call(self, path: str, body: Json, *, safe: bool) -> Json:
-        return self._transport.call(path, body, safe=safe)
+    def _call(self, path: str, body: Json, *, safe: bool, scope: CancelScope | None = None) -> Json:
+        return self._transport.call(path, body, safe=safe, scope=scope)
 
     @staticmethod
     def _first_kv(answer: Json) -> Json | None:
@@ -306,8 +311,9 @@ class EtcdStore:
     ) -> WatchResult:
         import httpx
 
-        # A read waits at least one history-delivery period (see HISTORY_GRACE).
-        wait = max(deadline.remaining(), HISTORY_GRACE)
+        # A read waits at least one history-delivery period (see HISTORY_GRACE), and
+        # never past the scope's deadline.
+        wait = scope.remaining(max(deadline.remaining(), HISTORY_GRACE))
         created = synced = False
         try:
             with (
@@ -328,7 +334,7 @@ class EtcdStore:
                     events = tuple(self._event(e) for e in result.get("events", ()))
                     if events:
                         return WatchResult(events, events[-1].revision)
-                    if synced and deadline.expired():
+                    if synced and (deadline.expired() or scope.expired()):
                         break
         except httpx.ReadTimeout:
             # Nothing happened in time -- unless the member never even opened the watch:

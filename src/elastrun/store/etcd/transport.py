@@ -9,6 +9,13 @@ consensus -- is retried only when repeating it is harmless (the caller says so w
 ``StoreError`` saying its outcome is unknown, because blindly repeating a put would
 repeat its watch event and repeating a transaction could apply it twice.
 
+A call ends by the deadline of its cancel scope (the one handed to it, else the thread's
+current one) with ``StoreTimeoutError``: each answer is waited for no longer than the
+time left, and no member is tried after it. httpx bounds each step of a request (the
+connect, a write, a read) rather than the whole, so a call may overrun its deadline by
+the time one step of an answer trickling in takes; a member that is silent does not
+make it overrun.
+
 The store model (keys, transactions, watches) is ``client``'s; this module only moves
 JSON to and from whichever member answers.
 """
@@ -26,7 +33,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from elastrun.core.cancel import CancelScope, scope_or_default
 from elastrun.core.clock import Deadline
-from elastrun.core.errors import StoreAuthError, StoreError
+from elastrun.core.errors import StoreAuthError, StoreError, StoreTimeoutError
 from elastrun.store.etcd.gateway import (
     REQUIRE_LEADER,
     BadToken,
@@ -50,6 +57,14 @@ _SAFE_WAIT = 2.0
 _BACKOFF_FIRST = 0.05
 _BACKOFF_CAP = 1.0
 T = TypeVar("T")
+
+
+def past_deadline(what: str, last: str, *, unknown: bool) -> StoreTimeoutError:
+    """A call that its scope's deadline ended; ``last``: the latest failure, if any
+    (``unknown``: a write that may have been applied)."""
+    note = "; it may or may not have been applied" if unknown else ""
+    cause = f" (last: {last})" if last else ""
+    return StoreTimeoutError(f"etcd {what}: no answer before the caller's deadline{cause}{note}")
 
 
 class Transport:
@@ -99,19 +114,22 @@ class Transport:
         """The base URL of the member that answered last."""
         return self.urls[self._current]
 
-    def call(self, path: str, body: Json, *, safe: bool) -> Json:
+    def call(self, path: str, body: Json, *, safe: bool, scope: CancelScope | None = None) -> Json:
         """POST ``body`` to ``path`` on a member that answers; its answer as JSON.
 
         Raises:
             StoreError: no member answered within the request timeout, or (``safe``
                 false) the request may have been applied and is not repeated; or the
                 store model's error that etcd's answer means (see ``gateway.decode``).
+            StoreTimeoutError: ``scope``'s deadline (default: the current scope's)
+                passed first.
         """
 
         def attempt(url: str, wait: float) -> Json:
             return self._post(url, path, body, wait)
 
-        return self.with_failover(attempt, safe=safe, what=path.rsplit("/", 1)[-1])
+        what = path.rsplit("/", 1)[-1]
+        return self.with_failover(attempt, safe=safe, what=what, scope=scope)
 
     def with_failover(
         self,
@@ -127,18 +145,21 @@ class Transport:
         docstring. ``wait`` bounds one answer, so that a member that hangs (a machine
         gone without a word) leaves time to ask another: half the request timeout, and
         at most ``_SAFE_WAIT`` for a call that may be repeated (a keep-alive must get
-        through well within its lease's TTL)."""
+        through well within its lease's TTL), and never past ``scope``'s deadline."""
         if self.closed:
             raise StoreError("the etcd store is closed")
+        live = scope_or_default(scope)
         deadline = Deadline.after(max(self._request_timeout, window))
         delay, last = _BACKOFF_FIRST, ""
         while True:
             for index in self._rotation():
                 url = self.urls[index]
+                if live.expired():
+                    raise past_deadline(what, last, unknown=False)
                 wait = min(deadline.remaining(), self._request_timeout / 2)
                 if safe:
                     wait = min(wait, _SAFE_WAIT)
-                wait = max(_MIN_WAIT, wait)
+                wait = live.remaining(max(_MIN_WAIT, wait))
                 try:
                     result = attempt(url, wait)
                 except RuntimeError:  # httpx refuses to work once the client is closed
@@ -148,6 +169,9 @@ class Transport:
                 except NotSent as exc:
                     last = f"{exc} ({host_of(url)})"
                 except MaybeApplied as exc:
+                    if not safe and live.expired():
+                        last = f"{exc} ({host_of(url)})"
+                        raise past_deadline(what, last, unknown=True) from None
                     if not safe:
                         raise StoreError(
                             f"etcd {what}: outcome unknown ({host_of(url)}: {exc}); the request "
@@ -165,7 +189,7 @@ class Transport:
             if deadline.remaining() <= delay:
                 hosts = ", ".join(host_of(u) for u in self.urls)
                 raise StoreError(f"cannot reach etcd at {hosts}: {last}")
-            scope_or_default(scope).sleep(delay * random.uniform(0.5, 1.0))
+            live.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, _BACKOFF_CAP)
 
     def stream(

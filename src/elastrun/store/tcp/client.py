@@ -24,6 +24,14 @@ in a caller that makes a few calls in a row). After the deadline a call makes on
 attempt of its own -- a server that came back is found -- and otherwise fails at once
 with ``StoreUnavailableError``.
 
+A call in a cancel scope with a deadline (``store.api``) ends by it with
+``StoreTimeoutError``, wherever it waits: for the dialer, a connection, the backoff or
+the answer. Giving up at a deadline leaves a healthy connection alone: the request
+stays owed, its late answer is dropped, and only when some owed answer is
+``request_timeout`` overdue is the server taken as silent -- by whichever call notices,
+so that callers with short deadlines (a keep-alive bounded by its interval) still find
+a partitioned server out. A window that ran out is reported even past a deadline.
+
 One connection, its reader thread and its handshake are in :mod:`.link`; keeping it up
 across outages (dialling, backoff, the outage window, the leases to resume) is the
 :class:`~elastrun.store.tcp.dialer.Dialer`'s; this module has the requests and the
@@ -34,14 +42,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 import time
 
 from elastrun.core.cancel import Cancelled, CancelScope, is_default, scope_or_default
 from elastrun.core.errors import ConfigError, StoreError, StoreUnavailableError
 from elastrun.store.api import WatchResult
 from elastrun.store.tcp import protocol as p
-from elastrun.store.tcp.dialer import Dialer
+from elastrun.store.tcp.dialer import Dialer, past_deadline
 from elastrun.store.tcp.link import Connection, NotSent, Pending
 
 #: How often a call cut off by a dropped connection is re-sent (when that is harmless).
@@ -122,14 +129,14 @@ class TcpStore:
         each attempt sends the time left as its timeout.
         ``scope`` (default: the thread's current scope): cancelling it ends the call at
         once with ``Cancelled`` (while it connects, queues for the connection, or waits
-        for the answer).
+        for the answer); its deadline ends it with ``StoreTimeoutError``.
         """
         scope = scope_or_default(scope)
         if is_default(scope):
             return self._attempt(op, args, retry, what, wait_until, self._dialer.life)
         outer = scope
         with (
-            self._dialer.life.child() as both,
+            CancelScope(deadline=outer.deadline, parent=self._dialer.life) as both,
             outer.wakes(lambda: both.cancel(outer.reason or "")),
         ):
             try:
@@ -170,12 +177,18 @@ class TcpStore:
         while True:
             if self._dialer.closed:
                 raise StoreError(f"{what}: the client of the store at {self._where} is closed")
+            scope.raise_if_cancelled()
+            if scope.expired():
+                raise past_deadline(what, self._where, unknown=False)
             conn = self._dialer.connection(scope)
             patience = self._request_timeout
+            server_wait = 0.0
             if wait_until is not None:
-                left = max(0.0, wait_until - time.monotonic())
-                args["timeout"] = p.put_timeout(left)
-                patience = math.inf if math.isinf(left) else left + self._request_timeout
+                # The server ends the wait by the caller's deadline too: it holds no
+                # waiter for a call nobody waits for any more.
+                server_wait = scope.remaining(max(0.0, wait_until - time.monotonic()))
+                args["timeout"] = p.put_timeout(server_wait)
+                patience = server_wait + self._request_timeout
             rid = next(self._ids)
             try:
                 frame = p.encode({"id": rid, "op": op, **args}, conn.max_frame)
@@ -183,7 +196,7 @@ class TcpStore:
                 raise StoreError(f"{what}: {exc}") from None
             sent_at = time.monotonic()
             try:
-                pending = conn.send(rid, frame)
+                pending = conn.send(rid, frame, due=sent_at + server_wait)
             except NotSent:
                 attempts += 1
                 if attempts > _RETRIES:
@@ -191,7 +204,7 @@ class TcpStore:
                         f"{what}: the connection to the store at {self._where} keeps dropping"
                     ) from None
                 continue
-            self._await(conn, rid, pending, patience, sent_at, retry, what, scope)
+            self._await(conn, rid, pending, patience, retry, what, scope)
             if pending.lost:
                 attempts += 1
                 if self._dialer.closed:
@@ -217,30 +230,59 @@ class TcpStore:
         rid: int,
         pending: Pending,
         patience: float,
-        sent_at: float,
         retry: bool,
         what: str,
         scope: CancelScope,
     ) -> None:
         """Wait for ``pending`` to be answered or lost; raise ``Cancelled`` when ``scope``
-        is, and ``StoreUnavailableError`` (cutting the connection) past ``patience``."""
+        is, ``StoreTimeoutError`` at its deadline, and ``StoreUnavailableError`` (cutting
+        the connection) once an answer the server owes on it -- this one after
+        ``patience``, or another caller's -- is ``request_timeout`` overdue."""
         with scope.wakes(pending.interrupt):
-            pending.wait(None if patience > threading.TIMEOUT_MAX else patience)
-        if pending.answer is None and not pending.lost and scope.cancelled:
+            while True:
+                overdue = conn.overdue_since()
+                silent_at = math.inf if overdue is None else overdue + self._request_timeout
+                # Looked at again at least every half request timeout: answers that other
+                # callers stopped waiting for become owed while this call waits (a long
+                # watch notices a silence that the keep-alives' deadlines cut short).
+                wait = min(
+                    silent_at - time.monotonic(), scope.remaining(), self._request_timeout / 2
+                )
+                if pending.wait(max(0.0, wait)):
+                    break
+                now = time.monotonic()
+                if scope.expired() or (now >= silent_at and overdue == conn.overdue_since()):
+                    break  # else the owed answer came meanwhile, or a slice ended: wait on
+        if pending.answer is not None or pending.lost:
+            return
+        if scope.cancelled:
             conn.forget(rid)
             raise Cancelled(scope.reason or "cancelled")
-        if pending.answer is None and not pending.lost:
-            conn.forget(rid)
-            # The server has been silent since this request left: the outage
-            # (and every caller's reconnect window) counts from then.
-            self._dialer.went_silent(conn, sent_at)
-            conn.abort()
-            raise StoreUnavailableError(
-                f"{what}: the store at {self._where} did not answer within "
-                f"{patience:.1f}s" + ("" if retry else "; it may or may not have been applied"),
-                address=self._where,
-                silent_for=time.monotonic() - sent_at,
-            )
+        overdue = conn.overdue_since()
+        now = time.monotonic()
+        if overdue is None or now - overdue < self._request_timeout:
+            # The caller's deadline, not the server's silence: the request stays owed
+            # (the reader drops its late answer).
+            raise past_deadline(what, self._where, unknown=not retry)
+        if overdue >= pending.due:
+            message = f"did not answer within {patience:.1f}s"
+        else:
+            message = f"has not answered for {now - overdue:.1f}s"
+        raise self._silent(conn, overdue, f"{what}: the store at {self._where} {message}", retry)
+
+    def _silent(
+        self, conn: Connection, since: float, message: str, retry: bool
+    ) -> StoreUnavailableError:
+        """The server owes an answer that was due at ``since``, ``request_timeout`` ago or
+        more: the outage (every caller's reconnect window) counts from then, and the
+        connection is given up."""
+        self._dialer.went_silent(conn, since)
+        conn.abort()
+        return StoreUnavailableError(
+            message + ("" if retry else "; it may or may not have been applied"),
+            address=self._where,
+            silent_for=time.monotonic() - since,
+        )
 
     # -- the store model -----------------------------------------------------------------
 
@@ -325,15 +367,23 @@ class TcpStore:
         scope: CancelScope | None = None,
     ) -> WatchResult:
         until = time.monotonic() + timeout if timeout != math.inf else math.inf
-        result = self._call(
-            "watch",
-            {"prefix": prefix, "after": after_revision},
-            retry=True,
-            what=f"watch({prefix!r})",
-            wait_until=until,
-            scope=scope,
+        live = scope_or_default(scope)
+        what = f"watch({prefix!r})"
+        result = p.watch_from_wire(
+            self._call(
+                "watch",
+                {"prefix": prefix, "after": after_revision},
+                retry=True,
+                what=what,
+                wait_until=until,
+                scope=live,
+            )
         )
-        return p.watch_from_wire(result)
+        if not result.events and live.expired() and time.monotonic() < until:
+            # The server ended the wait at the caller's deadline, a moment before this
+            # client did: a deadline ends a watch with an error (``store.api``).
+            raise past_deadline(what, self._where, unknown=False)
+        return result
 
     def wait(self, keys: list[str], timeout: float, *, scope: CancelScope | None = None) -> None:
         until = time.monotonic() + timeout if timeout != math.inf else math.inf

@@ -4,7 +4,9 @@ The :class:`Dialer` owns the client's connection and its leases: it dials on dem
 one dialer at a time, with exponential backoff and full jitter -- names the leases in
 the hello so that the server re-attaches them, and reconnects at once in the background
 when a connection that held leases drops. Giving up is one window per outage, shared by
-every caller (see :mod:`elastrun.store.tcp.client`).
+every caller (see :mod:`elastrun.store.tcp.client`). A caller's deadline ends its own
+wait (``StoreTimeoutError``), never the window: a dial it cuts short is the next
+caller's to make.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ import threading
 import time
 
 from elastrun.core.cancel import Cancelled, CancelScope
-from elastrun.core.errors import StoreAuthError, StoreError, StoreUnavailableError
+from elastrun.core.errors import (
+    StoreAuthError,
+    StoreError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
 from elastrun.store.tcp import protocol as p
 from elastrun.store.tcp.link import Connection, Refused, connect, handshake
 
@@ -32,6 +39,15 @@ _ATTEMPT_CAP = 5.0
 #: Shortest one: the last attempt of a window, or a call's one attempt after it, gets
 #: this long for the connection and the handshake even when less of the window is left.
 _ATTEMPT_MIN = 0.5
+
+
+def past_deadline(what: str, where: str, *, unknown: bool) -> StoreTimeoutError:
+    """A call that its scope's deadline ended (``unknown``: a write that may have been
+    applied)."""
+    note = "; it may or may not have been applied" if unknown else ""
+    return StoreTimeoutError(
+        f"{what}: no answer from the store at {where} before the caller's deadline{note}"
+    )
 
 
 class Dialer:
@@ -106,7 +122,7 @@ class Dialer:
         if conn is not None and conn.alive:
             return conn
         asked = time.monotonic()
-        self._take_dialer(scope)
+        self._take_dialer(scope, asked)
         try:
             if self._closed.is_set():
                 raise StoreError(f"the client of the store at {self._where} is closed")
@@ -134,8 +150,9 @@ class Dialer:
                 self._dial_busy = False
                 self._dialer.notify_all()
 
-    def _take_dialer(self, scope: CancelScope) -> None:
-        """Become the one dialer; a cancelled scope stops queueing behind another."""
+    def _take_dialer(self, scope: CancelScope, asked: float) -> None:
+        """Become the one dialer; a cancelled scope, or its deadline, stops queueing
+        behind another."""
 
         def wake() -> None:
             with self._dialer:
@@ -144,7 +161,9 @@ class Dialer:
         with self._dialer, scope.wakes(wake):
             while self._dial_busy:
                 scope.raise_if_cancelled()
-                self._dialer.wait()
+                if scope.expired():
+                    raise self._past_deadline(asked)
+                self._dialer.wait(scope.deadline.timeout())
             scope.raise_if_cancelled()
             self._dial_busy = True
 
@@ -155,9 +174,11 @@ class Dialer:
             deadline = self._down_since + self._connect_timeout
         delay = _BACKOFF_FIRST
         while True:
+            if scope.expired():  # the window is still open: only this caller gives up
+                raise past_deadline("connecting", self._where, unknown=False)
             try:
                 attempt = max(_ATTEMPT_MIN, min(_ATTEMPT_CAP, deadline - time.monotonic()))
-                conn = self._open(attempt, scope)
+                conn = self._open(scope.remaining(attempt), scope)
             except StoreAuthError:
                 raise  # retrying cannot fix a wrong token
             except Refused as exc:
@@ -168,7 +189,7 @@ class Dialer:
                     raise StoreError(f"the client of the store at {self._where} is closed") from exc
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._give_up(reason) from exc
+                    raise self._give_up(reason) from exc  # also past the caller's deadline
             else:
                 with self._lock:
                     self._down_since = self._failed = None
@@ -178,6 +199,15 @@ class Dialer:
             # coming back in lockstep.
             scope.sleep(min(left, random.uniform(delay / 2, delay)))
             delay = min(_BACKOFF_CAP, delay * 2)
+
+    def _past_deadline(self, asked: float) -> StoreError:
+        """The caller's deadline came while it waited for a connection: unless a window
+        ran out since it ``asked`` (then that is the news), it alone gives up."""
+        with self._lock:
+            failed = self._failed
+        if failed is not None and failed[0] >= asked:
+            return self._unavailable(failed[1])
+        return past_deadline("connecting", self._where, unknown=False)
 
     def _give_up(self, reason: str) -> StoreUnavailableError:
         """The window ran out: remember its outcome for the calls queued behind it."""

@@ -29,17 +29,19 @@ log = logging.getLogger("elastrun.store.tcp.client")
 
 
 class Pending:
-    """One request waiting for its answer."""
+    """One request waiting for its answer, which is due at ``due`` (monotonic: when it
+    was sent, plus the time a ``watch`` or ``wait`` may take on the server)."""
 
-    __slots__ = ("_done", "answer", "lost")
+    __slots__ = ("_done", "answer", "due", "lost")
 
     # ``interrupt`` wakes the waiter with neither an answer nor a loss: its scope was
     # cancelled (the caller stops waiting; a late answer is dropped).
 
-    def __init__(self) -> None:
+    def __init__(self, due: float) -> None:
         self._done = threading.Event()
         self.answer: p.Message | None = None
         self.lost = False
+        self.due = due
 
     def resolve(self, answer: p.Message) -> None:
         self.answer = answer
@@ -91,8 +93,8 @@ class Connection:
         state = "alive" if self.alive else "closed"
         return f"Connection({state}, pending={len(self._pending)})"
 
-    def send(self, rid: int, frame: bytes) -> Pending:
-        pending = Pending()
+    def send(self, rid: int, frame: bytes, due: float) -> Pending:
+        pending = Pending(due)
         with self._lock:
             if not self.alive:
                 raise NotSent
@@ -112,6 +114,13 @@ class Connection:
     def forget(self, rid: int) -> None:
         with self._lock:
             self._pending.pop(rid, None)
+
+    def overdue_since(self) -> float | None:
+        """When the earliest answer still owed was due (None: none is owed). A request
+        whose caller stopped waiting at its deadline stays owed until its answer comes
+        (and is dropped): the server's silence is measured across callers."""
+        with self._lock:
+            return min((q.due for q in self._pending.values()), default=None)
 
     def abort(self) -> None:
         """Cut the connection; the reader thread notices, fails pending calls, cleans up."""
