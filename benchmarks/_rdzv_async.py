@@ -66,6 +66,7 @@ class AsyncNode:
         self._decision = ""
         self._membership: dict[str, bool] = {}
         self._since = 0
+        self._all_live = False
         self._reform = False
         self._lost = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -168,6 +169,7 @@ class AsyncNode:
         self._round, self._rank, self._size, self._decision = n, rank, size, decision
         self._membership = {self._node.node_id: True}
         self._since = int(result.get("rev", 0))
+        self._all_live = bool(result.get("all_live"))
         self._reform = False
         self._entered.set()
         self._start_watch()
@@ -236,10 +238,10 @@ class AsyncNode:
                     view = self._round_watch(n, size)
                     watching = (n, view, await self._reload(view, n))
                     continue
-                await self._learn_members(res.events, n)
+                await self._learn_members(res.events, n, view)
                 view.apply(res.events)
                 watching = (n, view, res.revision)
-                await self._learn_members((), n, view.next_joiners)
+                await self._learn_members((), n, view, view.next_joiners)
                 if view.reason() is not None and self._round == n and not self._reform:
                     self._reform = True
                     self._notify()
@@ -252,17 +254,25 @@ class AsyncNode:
         # reads happen first (``_learn_members``), so the view finds them remembered.
         return RoundWatch(
             self._keys, n, size, self._settings.max_nodes,
-            lambda node: bool(self._membership.get(node)),
+            lambda node: bool(self._membership.get(node)), all_live=self._all_live,
         )  # fmt: skip
 
-    async def _learn_members(self, events: Any, n: int, nodes: Any = ()) -> None:
-        wanted = [
-            e.key[len(self._keys.nodes) :]
-            for e in events
-            if e.key.startswith(self._keys.nodes) and e.kind is EventKind.DELETE
-        ]
+    async def _learn_members(
+        self, events: Any, n: int, view: RoundWatch, nodes: Any = ()
+    ) -> None:
+        # The pages the view will ask about: none for a node ``all_live`` answers for.
+        arrived = set(view.arrived)
+        wanted = []
+        for e in events:
+            if not e.key.startswith(self._keys.nodes):
+                continue
+            node = e.key[len(self._keys.nodes) :]
+            if e.kind is EventKind.PUT:
+                arrived.add(node)
+            elif not (view.all_live and node not in arrived):
+                wanted.append(node)
         for node in [*wanted, *nodes]:
-            if self._round == n:
+            if self._round == n and not (view.all_live and node not in arrived):
                 await self._is_member(node)
 
     async def _reload(self, view: RoundWatch, n: int) -> int:

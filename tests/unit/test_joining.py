@@ -71,10 +71,10 @@ def _result(size: int = 1) -> bytes:
 def test_a_follower_shows_the_closers_progress_each_period_and_takes_the_result() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock), 0, None, clock.monotonic() + 60))
+    run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))  # "a" decides the round
     put = run.expect(j.Put, 1)
     assert put.key == KEYS.join_prefix(0) + "b" and put.leased
     assert json.loads(put.value) == {**INFO, "prev_rank": None}
-    run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))  # "a" decides the round
     clock.advance(5.0)  # the watch ends after its timeout, with nothing new
     watch = run.expect(j.Watch, WatchResult((), 8))
     assert (watch.prefix, watch.after) == (KEYS.out(0), 7)
@@ -88,14 +88,14 @@ def test_a_follower_shows_the_closers_progress_each_period_and_takes_the_result(
         j.Watch, WatchResult((_event(EventKind.PUT, KEYS.result(0), _result(), 9),), 9)
     )
     assert watch.after == 8
-    assert run.finish()["id"] == "d1"
+    assert run.finish()[0]["id"] == "d1"
 
 
 def test_a_follower_takes_over_when_the_closers_claim_vanishes_and_closes_the_round() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock), 0, 4, clock.monotonic() + 60))
-    run.expect(j.Put, 1)
     run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))
+    run.expect(j.Put, 1)
     gone = _event(EventKind.DELETE, KEYS.closer(0), None, 8)  # "a"'s lease ended
     run.expect(j.Watch, WatchResult((gone,), 8))
     claim = run.expect(j.CompareSet, (True, None))
@@ -118,14 +118,14 @@ def test_a_follower_takes_over_when_the_closers_claim_vanishes_and_closes_the_ro
     assert result.key == KEYS.result(0)
     assert run.expect(j.Put, 12).key == KEYS.current
     assert run.expect(j.Closed) == j.Closed(0, 1)
-    assert run.finish()["size"] == 1
+    assert run.finish()[0]["size"] == 1
 
 
 def test_a_follower_past_its_deadline_audits_the_round_and_times_out_below_the_minimum() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock, lo=2, hi=3), 0, None, clock.monotonic() + 8))
-    run.expect(j.Put, 1)
     run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))
+    run.expect(j.Put, 1)
     clock.advance(5.0)
     run.expect(j.Watch, WatchResult((), 7))
     run.expect(j.Get, None)
@@ -145,8 +145,8 @@ def test_a_follower_past_its_deadline_audits_the_round_and_times_out_below_the_m
 def test_a_follower_stops_waiting_when_the_run_is_closed() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock), 0, None, clock.monotonic() + 60))
-    run.expect(j.Put, 1)
     run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))
+    run.expect(j.Put, 1)
     clock.advance(5.0)
     run.expect(j.Watch, WatchResult((), 7))
     with pytest.raises(RendezvousClosedError, match="finished"):
@@ -156,18 +156,18 @@ def test_a_follower_stops_waiting_when_the_run_is_closed() -> None:
 def test_a_compacted_history_is_read_again_in_full() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock), 0, None, clock.monotonic() + 60))
-    run.expect(j.Put, 1)
     run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))
+    run.expect(j.Put, 1)
     run.fail(j.Watch, StoreCompactedError("compacted"))
     run.expect(j.GetPrefix, ({KEYS.closer(0): b"a", KEYS.result(0): _result()}, 20))
-    assert run.finish()["id"] == "d1"
+    assert run.finish()[0]["id"] == "d1"
 
 
 def test_the_closer_publishes_its_progress_for_the_others_each_period() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock, lo=2, hi=3), 0, None, clock.monotonic() + 60))
-    run.expect(j.Put, 1)
     run.expect(j.GetPrefix, ({}, 7))  # nobody decides round 0 yet
+    run.expect(j.Put, 1)
     run.expect(j.CompareSet, (True, None))
     run.expect(j.GetPrefix, ({KEYS.join_prefix(0) + "b": b"{}"}, 9))
     run.expect(j.GetPrefix, ({KEYS.nodes + "b": b"{}"}, 9))

@@ -13,7 +13,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol
 
-from elastrun.rendezvous.members import MemberRow, member_pages
+from elastrun.rendezvous.members import MemberRow, changes_from, member_pages
 from elastrun.store.api import EventKind, WatchEvent
 
 
@@ -77,13 +77,16 @@ def decide_round(
     join_deadline: float,
     first_round: bool,
     excluded: AbstractSet[str] = frozenset(),
+    previous: Sequence[str] = (),
 ) -> RoundDecision:
     """Whether a forming round should close now.
 
     ``previous_live`` are the members of the previous round that are still alive.
     ``excluded`` are nodes kept out for a cool-down (``exclusion``): as joiners they
     wait like spares, and a round waits for none of them, so a spare takes an excluded
-    member's place at once.
+    member's place at once. ``previous`` is the previous round's members in group-rank
+    order: given, a re-formation that has begun counts its live members that have not
+    joined yet as joined, with their previous ranks (``presume``).
 
     * The job's first round closes at once with ``max_nodes`` joiners, or with at least
       ``min_nodes`` when the last call (started when the minimum was reached) ends;
@@ -92,16 +95,20 @@ def decide_round(
       spares waiting for room: it stays open, with no deadline. Once re-formation has
       begun it closes as soon as every live previous member has joined (a restart after
       a failure or the loss of a node waits for no one), or at ``max_nodes``, or with at
-      least the minimum when the last call ends; below the minimum it times out.
+      least the minimum when the last call ends; below the minimum it times out. With
+      ``previous`` given, every live previous member counts as joined from the start.
     """
     if excluded:
         joiners = [j for j in joiners if j.node_id not in excluded]
         previous_live = previous_live - excluded
     joined = {j.node_id for j in joiners}
-    count = len(joiners)
     pending = previous_live - joined
     if not first_round and pending and not previous_live & joined:
         return RoundDecision(Verdict.WAIT)
+    if not first_round and pending and previous:
+        joiners = presume(joiners, pending, previous)
+        pending = set()
+    count = len(joiners)
     if count >= max_nodes:
         return RoundDecision(Verdict.CLOSE, order_members(joiners, max_nodes))
     if count >= min_nodes:
@@ -112,6 +119,26 @@ def decide_round(
     if now >= join_deadline:
         return RoundDecision(Verdict.TIMEOUT)
     return RoundDecision(Verdict.WAIT, wake_at=join_deadline)
+
+
+def presume(
+    joiners: Sequence[Joiner], pending: AbstractSet[str], previous: Sequence[str]
+) -> list[Joiner]:
+    """``joiners`` and the ``pending`` previous members, each with its rank in
+    ``previous`` (the previous round's members in group-rank order), as if they had joined.
+
+    Why a re-formation need not wait for them: once one member of a running round joins
+    the next round, every other live member re-forms too (its watch sees that join, the
+    loss or the failure that started it) and joins with its current rank as
+    ``prev_rank``. Waiting for thousands of joins to arrive only delays the answer those
+    joins would give: ``order_members`` over the presumed joiners gives every member the
+    rank the full joins would give. A presumed member that dies meanwhile is seen by the
+    new round's members (they watch from the decision's revision) and the group re-forms
+    once more; one that joins late finds itself in the round already decided.
+    """
+    rank = {node: i for i, node in enumerate(previous)}
+    presumed = [Joiner(node, 0, rank.get(node)) for node in sorted(pending)]
+    return [*joiners, *presumed]
 
 
 def needs_reformation(
@@ -258,7 +285,7 @@ class RoundView:
             self.joiners(), self.previous_live(), min_nodes=bounds.min_nodes,
             max_nodes=bounds.max_nodes, now=now, call_started_at=call_started_at,
             last_call=bounds.last_call_timeout, join_deadline=join_deadline,
-            first_round=self.round == 0, excluded=self.excluded,
+            first_round=self.round == 0, excluded=self.excluded, previous=self.previous,
         )  # fmt: skip
 
     def outcome(
@@ -266,7 +293,10 @@ class RoundView:
     ) -> tuple[list[JSONDoc], JSONDoc]:
         """What closing the round with ``members`` publishes: the member pages (see
         ``member_pages``) and the small result everyone waits for (decision id, size,
-        run-length shape, revision)."""
+        run-length shape, revision). The result also lists the few changes from the
+        previous round's ranks when they are few (``from``: see ``changes_from``), and
+        says ``all_live`` when every node alive at ``rev`` is a member (then a member
+        that sees a node's lease end need not read a page to know it was a member)."""
         rows: list[MemberRow] = []
         slots: list[tuple[str, int]] = []
         for m in members:
@@ -279,6 +309,11 @@ class RoundView:
             rows.append((m, str(d.get("addr", "")), role, lws))
             slots.append((role, lws))
         result: JSONDoc = {"id": decision, "size": len(rows), "rev": rev, "shape": shape_of(slots)}
+        changes = changes_from(self.previous, members) if self.round > 0 else None
+        if changes is not None:
+            result["from"] = {"round": self.round - 1, **changes}
+        if self.live <= set(members):
+            result["all_live"] = True
         return member_pages(rows), result
 
 
@@ -287,7 +322,10 @@ class RoundWatch:
 
     Members do not hold the whole member list (with N nodes that would be O(N^2) bytes
     through the store): ``is_member`` answers for one node when an event needs it (the
-    handler looks up that node's rank key, then remembers).
+    handler reads that node's member page, then remembers). With ``all_live`` (the
+    round's result says every node alive at its revision is a member) the view answers
+    itself for every node it has not seen register since: thousands of members that see
+    one lease end then read nothing.
     """
 
     def __init__(
@@ -297,6 +335,8 @@ class RoundWatch:
         size: int,
         max_nodes: int,
         is_member: Callable[[str], bool],
+        *,
+        all_live: bool = False,
     ) -> None:
         self._keys = keys
         self._next = keys.join_prefix(n + 1)
@@ -311,6 +351,15 @@ class RoundWatch:
         self.next_joiners: set[str] = set()
         self.failed = False
         self.closed = False
+        self.all_live = all_live
+        #: Nodes that registered after the round's revision (``all_live`` says nothing
+        #: of them).
+        self.arrived: set[str] = set()
+
+    def member(self, node: str) -> bool:
+        """Whether ``node`` is a member: known at once under ``all_live`` for a node alive
+        at the round's revision, else asked of ``is_member``."""
+        return (self.all_live and node not in self.arrived) or self._is_member(node)
 
     def load(
         self,
@@ -323,6 +372,7 @@ class RoundWatch:
     ) -> None:
         """Start from full reads (full keys), e.g. after the store compacted history."""
         cut = len(self._keys.nodes)
+        self.all_live = False  # the live nodes now are not those at the round's revision
         self.finished = {k[len(self._done) :] for k in done}
         self.lost = set(members) - {k[cut:] for k in nodes} - self.finished
         self.next_joiners = {k[len(self._next) :] for k in next_joins}
@@ -343,7 +393,8 @@ class RoundWatch:
                 node = e.key[len(self._keys.nodes) :]
                 if put:
                     self.lost.discard(node)
-                elif node not in self.finished and self._is_member(node):
+                    self.arrived.add(node)
+                elif node not in self.finished and self.member(node):
                     self.lost.add(node)
             elif e.key == self._failed and put:
                 self.failed = True
@@ -367,7 +418,7 @@ class RoundWatch:
             return f"lost {len(self.lost)} node(s): {', '.join(sorted(self.lost))}"
         if not self.next_joiners:
             return None
-        if any(self._is_member(j) for j in self.next_joiners):
+        if any(self.member(j) for j in self.next_joiners):
             return "node(s) of this round are joining the next one"
         if self._size < self._max:
             return "new node(s) are waiting to join"
@@ -454,7 +505,9 @@ class RunKeys:
         return f"{self.members_prefix(n, decision)}{page}"
 
     def master(self, n: int) -> str:
-        return f"{self.prefix}rounds/{n}/master"
+        """MASTER_ADDR/PORT of round n. Under ``out/``: a node that reads or watches the
+        result there gets the address with it once rank 0 wrote it."""
+        return self.out(n) + "master"
 
     def pace(self, n: int) -> str:
         """Each node's step-time summary in round n, one key per node (stragglers).

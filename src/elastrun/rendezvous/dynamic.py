@@ -13,7 +13,7 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 ``rounds/<n>/members/<id>/<p>``  page p of that decision's members, with their group
                              ranks (a member is on the page its id hashes to)
 ``rounds/<n>/status``        the closer's progress (for the others' log lines)
-``rounds/<n>/master``        MASTER_ADDR/PORT of round n, chosen by its rank 0
+``rounds/<n>/out/master``    MASTER_ADDR/PORT of round n, chosen by its rank 0
 ``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
 ``ctl/excluded/<node>``      bound to the lease: the node sits out a cool-down
 ``strikes/<node>``           the times of the node's recent failures (``exclusion``)
@@ -29,6 +29,15 @@ watch ``ctl/`` from the revision the round was decided at. Each node reads only 
 small result and the page holding its own rank, never the whole member list. So each
 change costs O(1) per interested node and a round of N nodes costs O(N) store traffic.
 Nothing polls.
+
+A re-formation (a member lost, a worker failed, a newcomer with room) does not wait for
+every member to join again: once one member of the running round joins the next one,
+the closer counts every other live member as joined, with its rank
+(``decide.presume``), and decides at once. Its result lists the few rank changes from
+the previous round, so a member that comes later computes its rank from the result (one
+read of ``out/``, which soon also holds the master address) and writes nothing. After a
+loss among N nodes each survivor is woken once, reads ``out/`` and enters; the closer
+(any survivor: the first to claim) reads the previous round once and decides.
 """
 
 from __future__ import annotations
@@ -372,11 +381,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _next_rendezvous(self) -> RendezvousInfo:
         self._register()
-        prev_round, prev_rank = self._liveness.round, self._liveness.rank
+        prev_round, held = self._liveness.round, self._liveness.rank
+        prev_rank = held
         if self._fixed_rank is not None:
             prev_rank = self._fixed_rank  # static: the node's rank never changes
         self._liveness.reform = False
-        joined = joining.drive(joining.join(self._context(), prev_round, prev_rank), self._perform)
+        protocol = joining.join(self._context(), prev_round, prev_rank, held)
+        joined = joining.drive(protocol, self._perform)
         assert isinstance(joined, joining.Joined)
         return self._enter_round(joined)
 
@@ -477,7 +488,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         n, rank, result = joined.n, joined.rank, joined.result
         decision, size = str(result["id"]), int(result["size"])
         shape = tuple((str(r), int(lws), int(c)) for r, lws, c in result.get("shape", ()))
-        self._liveness.enter(n, rank, size, decision, int(result.get("rev", 0)))
+        self._liveness.enter(
+            n, rank, size, decision, int(result.get("rev", 0)), all_live=bool(result.get("all_live"))
+        )
         return RendezvousInfo(
             self._store, rank, size, RendezvousStoreInfo(*joined.master), round=n,
             members=functools.partial(self._member_infos, n, decision), shape=shape,

@@ -37,7 +37,13 @@ from elastrun.rendezvous.decide import (
     Verdict,
     apply_events,
 )
-from elastrun.rendezvous.members import page_count, page_entries, page_of, rows_of_pages
+from elastrun.rendezvous.members import (
+    page_count,
+    page_entries,
+    page_of,
+    place_in,
+    rows_of_pages,
+)
 
 #: How often the closer publishes its progress (a follower shows it every FOLLOW_EVERY).
 PROGRESS_EVERY = 5.0
@@ -167,48 +173,80 @@ def _load(raw: bytes | None) -> object:
 # -- the protocol -------------------------------------------------------------------------
 
 
-def join(ctx: Context, prev_round: int | None, prev_rank: int | None) -> Protocol:
-    """Join the next round (a spare moves on to the one after) and enter it."""
+def join(
+    ctx: Context, prev_round: int | None, prev_rank: int | None, held: int | None = None
+) -> Protocol:
+    """Join the next round (a spare moves on to the one after) and enter it.
+
+    ``prev_round`` and ``prev_rank``: the round this node was last in and the group rank
+    it asks to keep; ``held`` its actual rank in that round when it differs (a static
+    node asks for its fixed rank). A node that was in a round joins the one right after
+    it first, without asking which round is the newest: a re-formation may have been
+    decided with this node in it already (``decide.presume``), and it must enter that
+    round, not the one after the newest.
+    """
+    held = prev_rank if held is None else held
     deadline = ctx.clock.monotonic() + ctx.join_timeout
-    current = yield Get(ctx.keys.current)
-    latest = int(current) if current is not None else -1
-    n = max(latest, prev_round if prev_round is not None else -1) + 1
+    if prev_round is None:
+        n = (yield from newest_round(ctx)) + 1
+    else:
+        n = prev_round + 1
     while True:
-        result = yield from join_round(ctx, n, prev_rank, deadline)
-        page = yield from member_page(ctx, n, str(result["id"]), int(result["size"]), ctx.node_id)
-        entry = page.get(ctx.node_id)
-        if entry is not None:
+        result, out, rev = yield from join_round(ctx, n, prev_rank, deadline)
+        place = place_in(result, ctx.node_id, prev_round, held)
+        if place.known:
+            rank = place.rank
+        else:
+            page = yield from member_page(ctx, n, str(result["id"]), int(result["size"]), ctx.node_id)
+            entry = page.get(ctx.node_id)
+            rank = None if entry is None else int(str(entry[0]))
+        if rank is not None:
             break
-        n += 1  # a spare: wait for room in the next round
-    rank = int(str(entry[0]))
-    master = yield from agree_master(ctx, n, rank)
+        # Not a member: a spare waits for room in the round after this one (or after the
+        # newest, when rounds formed without this node meanwhile).
+        n = max(n, (yield from newest_round(ctx))) + 1
+    master = yield from agree_master(ctx, n, rank, out, rev)
     return Joined(n, rank, result, master)
 
 
-def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> Protocol:
-    """Join round ``n`` and return its result.
+def newest_round(ctx: Context) -> Protocol:
+    """The newest closed round (-1: none yet)."""
+    current = yield Get(ctx.keys.current)
+    return int(current) if current is not None else -1
 
-    The first node to claim ``out/closer`` decides the round (``decide``); the others
+
+def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> Protocol:
+    """Join round ``n``; return its result, what this node last saw of ``out/`` (which
+    may hold the master address already) and the revision it saw it at.
+
+    A round already decided is entered with one read: its result (and, once rank 0 has
+    written it, the master address) under ``out/``. Otherwise the node writes its join,
+    and the first node to claim ``out/closer`` decides the round (``decide``); the others
     watch only ``out/`` for the result, and one of them takes over when the closer's
     claim vanishes with its lease.
     """
     k = ctx.keys
-    join_value = _dump({**ctx.info, "prev_rank": prev_rank})
-    yield Put(k.join_prefix(n) + ctx.node_id, join_value, leased=True)
     out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
     found, rev = yield GetPrefix(out)
+    raw = found.get(result_key)
+    if raw is not None:
+        # Decided: a node in it (presumed) needs no join, and a spare's join would come
+        # too late for it anyway (it joins the round after).
+        return parse_result(ctx, raw), found, rev
+    join_value = _dump({**ctx.info, "prev_rank": prev_rank})
+    yield Put(k.join_prefix(n) + ctx.node_id, join_value, leased=True)
     now = ctx.clock.monotonic()
     next_progress = now + ctx.follow_every
     audit_at = deadline
     while True:
         raw = found.get(result_key)
         if raw is not None:
-            return parse_result(ctx, raw)
+            return parse_result(ctx, raw), found, rev
         if closer_key not in found:
             won, _ = yield CompareSet(closer_key, None, ctx.node_id.encode(), leased=True)
             if won:
                 decided = yield from decide(ctx, n, deadline)
-                return parse_result(ctx, decided)
+                return parse_result(ctx, decided), {result_key: decided}, None
             found, rev = yield GetPrefix(out)
             continue
         now = ctx.clock.monotonic()
@@ -346,12 +384,22 @@ def follower_progress(ctx: Context, n: int) -> Protocol:
     yield Progress(n, status if isinstance(status, dict) else None)
 
 
-def agree_master(ctx: Context, n: int, rank: int) -> Protocol:
-    """MASTER_ADDR/PORT of round ``n``: its rank 0 picks them, the others read them."""
+def agree_master(
+    ctx: Context, n: int, rank: int, out: dict[str, bytes] | None = None, rev: int | None = None
+) -> Protocol:
+    """MASTER_ADDR/PORT of round ``n``: its rank 0 picks them, the others read them.
+
+    The address lives under ``out/`` beside the result: a node that read ``out/`` (``out``,
+    at revision ``rev``) after rank 0 wrote it has it already, and one that read it before
+    watches on from there (one request instead of a read and a watch)."""
     key = ctx.keys.master(n)
     if rank == 0:
         raw = _dump({"addr": ctx.info["addr"], "port": ctx.new_port()})
         yield Put(key, raw)
+    elif out is not None and (known := out.get(key)) is not None:
+        raw = known
+    elif out is not None and rev is not None:
+        raw = yield from read_when_set(ctx, key, ctx.join_timeout, ({}, rev))
     else:
         raw = yield from read_when_set(ctx, key, ctx.join_timeout)
     data = _load(raw)
@@ -360,13 +408,16 @@ def agree_master(ctx: Context, n: int, rank: int) -> Protocol:
     return str(data["addr"]), int(data["port"])
 
 
-def read_when_set(ctx: Context, key: str, timeout: float) -> Protocol:
+def read_when_set(
+    ctx: Context, key: str, timeout: float, seen: tuple[dict[str, bytes], int] | None = None
+) -> Protocol:
     """The value of ``key`` once it is set. A read, then (while absent) a watch that
     brings the value: one request when the key is there, and one answer after it is set
     (a wait, then a read, made every node of a large round ask twice after rank 0 wrote
-    the master address). Raises ``StoreTimeoutError`` after ``timeout``."""
+    the master address). ``seen``: a read already made (what it found, its revision).
+    Raises ``StoreTimeoutError`` after ``timeout``."""
     deadline = ctx.clock.monotonic() + timeout
-    found, rev = yield GetPrefix(key)
+    found, rev = seen if seen is not None else (yield GetPrefix(key))
     while (raw := found.get(key)) is None:
         left = deadline - ctx.clock.monotonic()
         if left <= 0:

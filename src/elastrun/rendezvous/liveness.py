@@ -99,6 +99,7 @@ class Liveness:
         self._membership: dict[str, bool] = {}  # nodes known to be in it, or not
         self._member_list: tuple[str, ...] | None = None  # read only when needed
         self._since = 0  # the store revision the current round was decided at
+        self._all_live = False  # every node alive at ``_since`` is a member
         self._entered = threading.Event()  # set while a round runs and has not re-formed
         self._threads: list[threading.Thread] = []
         self.callback: Callable[[], None] | None = None
@@ -242,13 +243,17 @@ class Liveness:
 
     # -- the running round ---------------------------------------------------------------
 
-    def enter(self, n: int, rank: int, size: int, decision: str, since: int) -> None:
-        """This node entered round ``n`` (decided at store revision ``since``): watch it."""
+    def enter(
+        self, n: int, rank: int, size: int, decision: str, since: int, *, all_live: bool = False
+    ) -> None:
+        """This node entered round ``n`` (decided at store revision ``since``; with
+        ``all_live``, every node alive then is a member): watch it."""
         with self.lock:
             self.round, self.rank, self.size, self._decision = n, rank, size, decision
             self._membership = {self._node_id: True}
             self._member_list = None
             self._since = since
+            self._all_live = all_live
             self.reform = False
             self._entered.set()
         if not any(t.name.endswith("watch") for t in self._threads):
@@ -298,7 +303,9 @@ class Liveness:
                     self._stop.wait(1.0)
 
     def round_watch(self, n: int, size: int) -> RoundWatch:
-        return RoundWatch(self._keys, n, size, self._max_nodes, self.is_member)
+        return RoundWatch(
+            self._keys, n, size, self._max_nodes, self.is_member, all_live=self._all_live
+        )
 
     def reload(self, view: RoundWatch, n: int) -> int:
         """Load ``view`` of round ``n`` from full reads; the revision to watch from."""

@@ -269,7 +269,7 @@ class Outcome:
             return BarrierResult(
                 RoundOutcome.RESTART, f"lost node(s): {', '.join(sorted(view.lost))}"
             )
-        if any(self._live.is_member(j) for j in view.next_joiners):
+        if any(view.member(j) for j in view.next_joiners):
             return BarrierResult(RoundOutcome.RESTART, "the other nodes re-form the group")
         return None
 
