@@ -257,9 +257,7 @@ class AsyncNode:
             lambda node: bool(self._membership.get(node)), all_live=self._all_live,
         )  # fmt: skip
 
-    async def _learn_members(
-        self, events: Any, n: int, view: RoundWatch, nodes: Any = ()
-    ) -> None:
+    async def _learn_members(self, events: Any, n: int, view: RoundWatch, nodes: Any = ()) -> None:
         # The pages the view will ask about: none for a node ``all_live`` answers for.
         arrived = set(view.arrived)
         wanted = []

@@ -212,11 +212,25 @@ class RoundView:
     ``RunKeys``); events under other keys are ignored.
     """
 
-    def __init__(self, keys: RunKeys, n: int, previous: Sequence[str]) -> None:
+    def __init__(
+        self,
+        keys: RunKeys,
+        n: int,
+        previous: Sequence[str],
+        *,
+        rows: Sequence[Sequence[object]] = (),
+    ) -> None:
         self._keys = keys
         self._join = keys.join_prefix(n)
         self.round = n
         self.previous = tuple(previous)
+        #: What the previous round's members brought (address, role, local world size),
+        #: by node: a member presumed to re-join (``presume``) has written nothing yet.
+        self._brought: dict[str, JSONDoc] = {
+            str(r[0]): {"addr": r[1], "role": r[2], "local_world_size": r[3]}
+            for r in rows
+            if len(r) >= 4
+        }
         self.joins: dict[str, bytes] = {}
         self._joiners: dict[str, Joiner] = {}
         self.live: set[str] = set()
@@ -300,12 +314,13 @@ class RoundView:
         rows: list[MemberRow] = []
         slots: list[tuple[str, int]] = []
         for m in members:
+            raw = self.joins.get(m)
             try:
-                data = json.loads(self.joins.get(m) or b"{}")
+                data = json.loads(raw) if raw is not None else self._brought.get(m, {})
             except ValueError:
                 data = {}
             d = data if isinstance(data, dict) else {}
-            role, lws = str(d.get("role", "")), int(d.get("local_world_size", 0))
+            role, lws = str(d.get("role", "")), int(str(d.get("local_world_size", 0)))
             rows.append((m, str(d.get("addr", "")), role, lws))
             slots.append((role, lws))
         result: JSONDoc = {"id": decision, "size": len(rows), "rev": rev, "shape": shape_of(slots)}

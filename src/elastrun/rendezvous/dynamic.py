@@ -489,7 +489,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         decision, size = str(result["id"]), int(result["size"])
         shape = tuple((str(r), int(lws), int(c)) for r, lws, c in result.get("shape", ()))
         self._liveness.enter(
-            n, rank, size, decision, int(result.get("rev", 0)), all_live=bool(result.get("all_live"))
+            n,
+            rank,
+            size,
+            decision,
+            int(result.get("rev", 0)),
+            all_live=bool(result.get("all_live")),
         )
         return RendezvousInfo(
             self._store, rank, size, RendezvousStoreInfo(*joined.master), round=n,

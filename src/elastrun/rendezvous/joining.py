@@ -187,17 +187,16 @@ def join(
     """
     held = prev_rank if held is None else held
     deadline = ctx.clock.monotonic() + ctx.join_timeout
-    if prev_round is None:
-        n = (yield from newest_round(ctx)) + 1
-    else:
-        n = prev_round + 1
+    n = (yield from newest_round(ctx)) + 1 if prev_round is None else prev_round + 1
     while True:
         result, out, rev = yield from join_round(ctx, n, prev_rank, deadline)
         place = place_in(result, ctx.node_id, prev_round, held)
         if place.known:
             rank = place.rank
         else:
-            page = yield from member_page(ctx, n, str(result["id"]), int(result["size"]), ctx.node_id)
+            page = yield from member_page(
+                ctx, n, str(result["id"]), int(result["size"]), ctx.node_id
+            )
             entry = page.get(ctx.node_id)
             rank = None if entry is None else int(str(entry[0]))
         if rank is not None:
@@ -243,10 +242,17 @@ def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> 
         if raw is not None:
             return parse_result(ctx, raw), found, rev
         if closer_key not in found:
-            won, _ = yield CompareSet(closer_key, None, ctx.node_id.encode(), leased=True)
+            won, claim = yield CompareSet(closer_key, None, ctx.node_id.encode(), leased=True)
             if won:
                 decided = yield from decide(ctx, n, deadline)
                 return parse_result(ctx, decided), {result_key: decided}, None
+            if claim is not None:
+                # Another node claimed it first: watch on from ``rev`` (its claim, and
+                # whatever followed, come as events). After a loss thousands of
+                # survivors race for the claim; a read after each lost race doubled
+                # their requests.
+                found[closer_key] = claim
+                continue
             found, rev = yield GetPrefix(out)
             continue
         now = ctx.clock.monotonic()
@@ -326,8 +332,8 @@ def load_view(ctx: Context, n: int) -> Protocol:
     from (replaying changes made between the reads is harmless: each event sets or
     removes one key)."""
     k = ctx.keys
-    previous = yield from previous_members(ctx, n)
-    view = RoundView(k, n, previous)
+    rows = (yield from decided_rows(ctx, n - 1)) if n > 0 else []
+    view = RoundView(k, n, [str(row[0]) for row in rows], rows=rows)
     joins, rev = yield GetPrefix(k.join_prefix(n))
     nodes, _ = yield GetPrefix(k.nodes)
     excluded, _ = yield GetPrefix(k.excluded_prefix)
@@ -430,13 +436,6 @@ def read_when_set(
         rev = res.revision
         apply_events(found, res.events)
     return raw
-
-
-def previous_members(ctx: Context, n: int) -> Protocol:
-    if n == 0:
-        return ()
-    rows = yield from decided_rows(ctx, n - 1)
-    return tuple(str(row[0]) for row in rows)
 
 
 def decided_rows(ctx: Context, n: int, decision: str | None = None) -> Protocol:
