@@ -126,9 +126,8 @@ def test_three_nodes_lose_one_and_finish_at_two(tmp_path: Path, store_server) ->
 
 
 @pytest.mark.torch
-def test_four_nodes_lose_one_then_another_while_re_forming_and_train_on_at_two(
-    tmp_path: Path,
-    store_server,  # type: ignore[no-untyped-def]
+def test_four_nodes_lose_one_then_another_while_re_forming_and_train_on_at_two(  # type: ignore[no-untyped-def]
+    tmp_path: Path, store_server
 ) -> None:
     # A loss re-forms at once: the first survivor to re-join decides for all the live
     # members (presumed joined). A second node killed half a second later dies while
