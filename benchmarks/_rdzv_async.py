@@ -60,6 +60,7 @@ class AsyncNode:
         self._node = node
         self._keys = RunKeys(f"/elastrun/{settings.run_id}/")
         self._lease: int | None = None
+        self._acked_at: float | None = None
         self._round: int | None = None
         self._rank: int | None = None
         self._size = 0
@@ -182,13 +183,22 @@ class AsyncNode:
 
     async def _register(self) -> None:
         if self._lease is not None and not self._lost:
+            # As the handler's ``Liveness.renew``: a recent acknowledgement suffices.
+            acked = self._acked_at
+            if (
+                acked is not None
+                and time.monotonic() - acked < self._settings.heartbeat_timeout / 3
+            ):
+                return
             if await self._store.keep_alive(self._lease):
+                self._acked_at = time.monotonic()
                 return
             self._lost = True
         if await self.is_closed():
             raise RendezvousClosedError(f"run {self._settings.run_id!r} has ended")
         self._lost = False
         self._lease = await self._store.grant_lease(self._settings.heartbeat_timeout)
+        self._acked_at = time.monotonic()
         me = self._node
         await self._store.set(
             self._keys.nodes + me.node_id,
@@ -212,7 +222,9 @@ class AsyncNode:
                 alive = await self._store.keep_alive(lease)
             except StoreError:
                 continue
-            if not alive:
+            if alive:
+                self._acked_at = time.monotonic()
+            else:
                 self._lost = True
                 self._notify()
 

@@ -398,3 +398,18 @@ def test_a_loss_of_one_of_many_is_decided_by_one_survivor_and_the_rest_only_read
         for h in hs:
             if h is not lost:
                 h.leave()
+
+
+def test_a_lease_that_ended_behind_a_recent_acknowledgement_is_replaced_when_joining() -> None:
+    store = MemoryStore()
+    h = _node(store, "a", 1, 1)
+    try:
+        first = _all([h])
+        lease = h._liveness.lease
+        assert lease is not None
+        store.revoke_lease(lease)  # ended since the last acknowledgement, moments ago
+        second = _all([h])
+        assert second["a"].round == first["a"].round + 1 and second["a"].rank == 0
+        assert h._liveness.lease not in (None, lease)
+    finally:
+        h.leave()

@@ -55,6 +55,7 @@ from elastrun.core import cancel
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import (
+    LeaseExpiredError,
     RendezvousClosedError,
     RendezvousConnectionError,
     StoreError,
@@ -387,7 +388,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             prev_rank = self._fixed_rank  # static: the node's rank never changes
         self._liveness.reform = False
         protocol = joining.join(self._context(), prev_round, prev_rank, held)
-        joined = joining.drive(protocol, self._perform)
+        try:
+            joined = joining.drive(protocol, self._perform)
+        except LeaseExpiredError:
+            # The lease ended since the store last acknowledged it (``renew`` trusts a
+            # recent acknowledgement); the join wrote nothing under it. Take a fresh one.
+            self._liveness.lost = True
+            self._register()
+            protocol = joining.join(self._context(), prev_round, prev_rank, held)
+            joined = joining.drive(protocol, self._perform)
         assert isinstance(joined, joining.Joined)
         return self._enter_round(joined)
 
