@@ -129,6 +129,13 @@ class AsyncNode:
                 return await store.get_prefix(prefix)
             case joining.Put(key, value, leased):
                 return await store.set(key, value, lease=self._lease if leased else None)
+            case joining.ReadAll(reads):  # sent at once, answered together
+                # Called here, in this task, so that the recording store sees the reads.
+                calls = [
+                    store.get(r.key) if isinstance(r, joining.Get) else store.get_prefix(r.prefix)
+                    for r in reads
+                ]
+                return list(await asyncio.gather(*calls))
             case joining.PutAll(items):  # sent at once, answered together
                 await asyncio.gather(*[store.set(key, value) for key, value in items])
                 return None

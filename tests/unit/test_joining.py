@@ -64,6 +64,11 @@ def _event(kind: EventKind, key: str, value: bytes | None, rev: int) -> WatchEve
     return WatchEvent(kind, key, value, rev)
 
 
+def _view_reads() -> list[object]:
+    """The answers to a closer's reads of round 0 where only "b" joined and lives."""
+    return [({KEYS.join_prefix(0) + "b": b"{}"}, 9), ({KEYS.nodes + "b": b"{}"}, 9), ({}, 9), None]
+
+
 def _result(size: int = 1) -> bytes:
     return json.dumps({"id": "d1", "size": size, "shape": [], "rev": 3}).encode()
 
@@ -104,10 +109,14 @@ def test_a_follower_takes_over_when_the_closers_claim_vanishes_and_closes_the_ro
     )  # fmt: skip
     # As the closer: the view of round 0 from full reads.
     joined = json.dumps({**INFO, "prev_rank": 4}).encode()
-    run.expect(j.GetPrefix, ({KEYS.join_prefix(0) + "b": joined}, 9))
-    run.expect(j.GetPrefix, ({KEYS.nodes + "b": b"{}"}, 9))
-    run.expect(j.GetPrefix, ({}, 9))  # nobody sits out a cool-down
-    run.expect(j.Get, None)  # the run is not closed
+    # (joins, live nodes, nobody sits out a cool-down, the run is not closed: at once)
+    reads = run.expect(
+        j.ReadAll, [({KEYS.join_prefix(0) + "b": joined}, 9), ({KEYS.nodes + "b": b"{}"}, 9),
+                    ({}, 9), None],
+    ).reads  # fmt: skip
+    assert [r.prefix if isinstance(r, j.GetPrefix) else r.key for r in reads] == [
+        KEYS.join_prefix(0), KEYS.nodes, KEYS.excluded_prefix, KEYS.closed,
+    ]  # fmt: skip
     assert run.expect(j.Seen) == j.Seen(0, 1)
     # One node of 1..1: the round closes at once, with "b" at rank 0.
     pages = run.expect(j.PutAll).items  # one page: "b" at rank 0, with its address
@@ -135,11 +144,8 @@ def test_a_follower_past_its_deadline_audits_the_round_and_times_out_below_the_m
     watch = run.expect(j.Watch, WatchResult((), 7))
     assert watch.timeout == pytest.approx(3.01)  # until the deadline, not a period
     # The closer decided nothing by the deadline: this node looks for itself.
-    run.expect(j.GetPrefix, ({KEYS.join_prefix(0) + "b": b"{}"}, 9))
-    run.expect(j.GetPrefix, ({KEYS.nodes + "b": b"{}"}, 9))
-    run.expect(j.GetPrefix, ({}, 9))
     with pytest.raises(RendezvousTimeoutError, match="1 node"):
-        run.expect(j.Get, None)
+        run.expect(j.ReadAll, _view_reads())
 
 
 def test_a_follower_stops_waiting_when_the_run_is_closed() -> None:
@@ -169,10 +175,7 @@ def test_the_closer_publishes_its_progress_for_the_others_each_period() -> None:
     run.expect(j.GetPrefix, ({}, 7))  # nobody decides round 0 yet
     run.expect(j.Put, 1)
     run.expect(j.CompareSet, (True, None))
-    run.expect(j.GetPrefix, ({KEYS.join_prefix(0) + "b": b"{}"}, 9))
-    run.expect(j.GetPrefix, ({KEYS.nodes + "b": b"{}"}, 9))
-    run.expect(j.GetPrefix, ({}, 9))
-    run.expect(j.Get, None)
+    run.expect(j.ReadAll, _view_reads())
     assert run.expect(j.Seen) == j.Seen(0, 1)
     for _ in range(2):  # at once, then a period later
         assert run.expect(j.Get, None).key == KEYS.result(0)  # not closed by an audit

@@ -253,15 +253,18 @@ def test_the_first_survivor_to_join_decides_at_once_for_all_and_publishes_the_ch
     run.expect(j.Put, 61)  # its join
     run.expect(j.CompareSet, (True, None))  # it claims the closer
     # Its view: round 6's members from their pages, its own join, the live nodes.
-    assert run.expect(j.Get, _round6()).key == K.result(6)
-    pages = {K.members(6, "r6", 0): json.dumps({"members": _rows6()}).encode()}
-    run.expect(j.GetPrefix, (pages, 61))
     own = json.dumps({"prev_rank": 2, "addr": "h", "role": "t", "local_world_size": 1})
-    run.expect(j.GetPrefix, ({K.join_prefix(7) + "c": own.encode()}, 61))
     live = {K.nodes + n: b"{}" for n in ("a", "c", "d")}  # "b" was lost
-    run.expect(j.GetPrefix, (live, 61))
-    run.expect(j.GetPrefix, ({}, 61))  # nobody excluded
-    run.expect(j.Get, None)  # not closed
+    reads = run.expect(
+        j.ReadAll,
+        [({K.join_prefix(7) + "c": own.encode()}, 61), (live, 62), ({}, 61), None, _round6()],
+    ).reads
+    assert reads[-1] == j.Get(K.result(6))
+    pages = {K.members(6, "r6", 0): json.dumps({"members": _rows6()}).encode()}
+    run.expect(j.GetPrefix, (pages, 62))
+    # The reads answered at revisions 61 and 62: what changed in between is applied.
+    catch_up = run.expect(j.Watch, WatchResult((), 62))
+    assert (catch_up.prefix, catch_up.after, catch_up.timeout) == (K.ctl, 61, 0.0)
     assert run.expect(j.Seen) == j.Seen(7, 1)
     put_all = run.expect(j.PutAll)  # no wait for "a" and "d": they are presumed
     entries = json.loads(put_all.items[0][1])["members"]
@@ -272,8 +275,8 @@ def test_the_first_survivor_to_join_decides_at_once_for_all_and_publishes_the_ch
     result = json.loads(publish.value)
     assert result["shape"] == [["t", 1, 3]]
     assert result["from"] == {"round": 6, "moved": {"d": 1}, "dropped": ["b"]}
-    assert result["all_live"] is True and result["rev"] == 61
-    run.expect(j.Put, 62)  # current
+    assert result["all_live"] is True and result["rev"] == 62
+    run.expect(j.Put, 63)  # current
     run.expect(j.Closed)
     # Not rank 0: it watches out/ for the master address.
     watch = run.expect(j.GetPrefix, ({K.master(7): MASTER}, 63))
@@ -298,15 +301,12 @@ def test_a_waiting_survivor_takes_over_when_the_deciding_node_dies_mid_publicati
     gone = WatchEvent(EventKind.DELETE, K.closer(7), None, 70)
     run.expect(j.Watch, WatchResult((gone,), 70))
     run.expect(j.CompareSet, (True, None))  # "d" takes over
-    run.expect(j.Get, _round6())
+    joins = {K.join_prefix(7) + n: json.dumps({"prev_rank": r}).encode() for n, r in (("d", 3),)}
+    live = {K.nodes + n: b"{}" for n in ("a", "d")}  # b, c gone
+    run.expect(j.ReadAll, [(joins, 71), (live, 71), ({}, 71), None, _round6()])
     run.expect(
         j.GetPrefix, ({K.members(6, "r6", 0): json.dumps({"members": _rows6()}).encode()}, 71)
     )
-    joins = {K.join_prefix(7) + n: json.dumps({"prev_rank": r}).encode() for n, r in (("d", 3),)}
-    run.expect(j.GetPrefix, (joins, 71))
-    run.expect(j.GetPrefix, ({K.nodes + n: b"{}" for n in ("a", "d")}, 71))  # b, c gone
-    run.expect(j.GetPrefix, ({}, 71))
-    run.expect(j.Get, None)
     run.expect(j.Seen)
     entries = json.loads(run.expect(j.PutAll).items[0][1])["members"]
     assert {n: e[0] for n, e in entries.items()} == {"a": 0, "d": 1}
@@ -324,3 +324,30 @@ def test_a_survivor_that_loses_the_race_for_the_claim_watches_on_without_reading
     assert (watch.prefix, watch.after) == (K.out(7), 60)
     run.expect(j.Watch, WatchResult((WatchEvent(EventKind.PUT, K.master(7), MASTER, 65),), 65))
     assert run.finish().rank == 1
+
+
+def test_a_node_that_dies_between_the_closers_reads_is_neither_presumed_nor_counted_live() -> None:
+    # The reads answer at revisions 61 and 62; "d" died at 62, after the join read. The
+    # view takes the change in before deciding, so "d" is not presumed, and ``all_live``
+    # holds for the live nodes at the result's revision.
+    run = Driver(j.join(_ctx(FakeClock(), "c"), 6, 2))
+    run.expect(j.GetPrefix, ({}, 60))
+    run.expect(j.Put, 61)
+    run.expect(j.CompareSet, (True, None))
+    own = json.dumps({"prev_rank": 2, "addr": "h", "role": "t", "local_world_size": 1})
+    live_at_61 = {K.nodes + n: b"{}" for n in ("a", "c", "d")}
+    run.expect(
+        j.ReadAll,
+        [({K.join_prefix(7) + "c": own.encode()}, 61), (live_at_61, 61), ({}, 60), None, _round6()],
+    )
+    run.expect(
+        j.GetPrefix, ({K.members(6, "r6", 0): json.dumps({"members": _rows6()}).encode()}, 61)
+    )
+    died = WatchEvent(EventKind.DELETE, K.nodes + "d", None, 61)
+    run.expect(j.Watch, WatchResult((died,), 61))  # from 60, the oldest read
+    run.expect(j.Seen)
+    entries = json.loads(run.expect(j.PutAll).items[0][1])["members"]
+    assert {n: e[0] for n, e in entries.items()} == {"a": 0, "c": 1}
+    result = json.loads(run.expect(j.CompareSet, (True, None)).value)
+    assert result["rev"] == 61 and result["all_live"] is True
+    assert result["from"]["dropped"] == ["b", "d"]

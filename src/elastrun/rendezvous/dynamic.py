@@ -435,6 +435,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return store.get_prefix(prefix)
             case joining.Put(key, value, leased):
                 return store.set(key, value, lease=lease if leased else None)
+            case joining.ReadAll(reads):
+                return [self._perform(read) for read in reads]
             case joining.PutAll(items):
                 for key, value in items:
                     store.set(key, value)

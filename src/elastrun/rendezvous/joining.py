@@ -84,6 +84,15 @@ class PutAll:
 
 
 @dataclass(frozen=True)
+class ReadAll:
+    """Several reads (``Get``, ``GetPrefix``) in no particular order: a driver may send
+    them at once instead of one round trip after another (the closer's view, read while
+    thousands of survivors' requests queue before each of its round trips)."""
+
+    reads: tuple[Get | GetPrefix, ...]  # -> [each read's result, in order]
+
+
+@dataclass(frozen=True)
 class CompareSet:
     key: str
     expected: bytes | None
@@ -131,7 +140,7 @@ class Seen:
     joined: int
 
 
-Op = Get | GetPrefix | Put | PutAll | CompareSet | Watch | Wait | Progress | Closed | Seen
+Op = Get | GetPrefix | ReadAll | Put | PutAll | CompareSet | Watch | Wait | Progress | Closed | Seen
 Protocol = Generator[Op, Any, Any]
 
 
@@ -328,17 +337,33 @@ def decide(ctx: Context, n: int, deadline: float) -> Protocol:
 
 
 def load_view(ctx: Context, n: int) -> Protocol:
-    """The closer's view of round ``n`` from full reads, and the revision to watch
-    from (replaying changes made between the reads is harmless: each event sets or
-    removes one key)."""
+    """The closer's view of round ``n`` from full reads, and the revision it holds at.
+
+    The reads go out at once (``ReadAll``), so each may answer at another revision; the
+    changes under ``ctl/`` since the oldest of them are then applied up to the newest
+    (replaying a change a read already saw is harmless: each event sets or removes one
+    key), so that the view holds at one revision: the result's ``all_live`` says who was
+    alive at exactly that revision."""
     k = ctx.keys
-    rows = (yield from decided_rows(ctx, n - 1)) if n > 0 else []
+    reads: tuple[Get | GetPrefix, ...] = (
+        GetPrefix(k.join_prefix(n)), GetPrefix(k.nodes), GetPrefix(k.excluded_prefix),
+        Get(k.closed), Get(k.result(n - 1)),
+    )  # fmt: skip
+    answers = yield ReadAll(reads if n > 0 else reads[:4])
+    (joins, r1), (nodes, r2), (excluded, r3), closed = answers[:4]
+    rows = (yield from rows_of(ctx, n - 1, answers[4])) if n > 0 else []
     view = RoundView(k, n, [str(row[0]) for row in rows], rows=rows)
-    joins, rev = yield GetPrefix(k.join_prefix(n))
-    nodes, _ = yield GetPrefix(k.nodes)
-    excluded, _ = yield GetPrefix(k.excluded_prefix)
-    closed = yield Get(k.closed)
     view.load(joins, list(nodes), closed, list(excluded))
+    rev, newest = min(r1, r2, r3), max(r1, r2, r3)
+    while rev < newest:
+        try:
+            res = yield Watch(k.ctl, rev, 0.0)
+        except StoreCompactedError:
+            return (yield from load_view(ctx, n))
+        view.apply(res.events)
+        if res.revision <= rev:
+            break
+        rev = res.revision
     return view, rev
 
 
@@ -442,7 +467,12 @@ def decided_rows(ctx: Context, n: int, decision: str | None = None) -> Protocol:
     """The full member list of round ``n``'s committed decision, in group-rank order
     (``[[node, addr, role, local_world_size], ...]``; empty when ``decision`` is given
     and is not the committed one)."""
-    result = _load((yield Get(ctx.keys.result(n))))
+    return (yield from rows_of(ctx, n, (yield Get(ctx.keys.result(n))), decision))
+
+
+def rows_of(ctx: Context, n: int, raw: bytes | None, decision: str | None = None) -> Protocol:
+    """``decided_rows`` of round ``n`` whose result (as read) is ``raw``."""
+    result = _load(raw)
     if not isinstance(result, dict) or "id" not in result or "size" not in result:
         return []
     if decision is not None and decision != str(result["id"]):
