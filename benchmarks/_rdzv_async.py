@@ -26,6 +26,7 @@ from typing import Any
 
 from elastrun.core.clock import SYSTEM_CLOCK
 from elastrun.core.errors import (
+    LeaseExpiredError,
     RendezvousClosedError,
     StoreCompactedError,
     StoreError,
@@ -91,7 +92,12 @@ class AsyncNode:
         self._reform = False
         self.changed.clear()
         try:
-            joined = await self._drive(joining.join(self._context(), prev_round, prev_rank))
+            try:
+                joined = await self._drive(joining.join(self._context(), prev_round, prev_rank))
+            except LeaseExpiredError:  # as the handler: a fresh lease, and join again
+                self._lost = True
+                await self._register()
+                joined = await self._drive(joining.join(self._context(), prev_round, prev_rank))
         finally:
             self.waiting = False
         return self._enter_round(joined)
