@@ -351,7 +351,7 @@ def test_survivors_reform_at_once_keeping_ranks_and_take_over_from_a_closer_that
         assert store.get(keys.closer(1)) == b"a"
         started = time.monotonic()
         second = _all([b, c])
-        assert time.monotonic() - started < 5  # no last call: decided at once
+        assert time.monotonic() - started < 20  # decided at once, not after the 30 s last call
         ta.join(5)
         assert dying.died.is_set() and dead
         assert {i.world_size for i in second.values()} == {2}
