@@ -16,7 +16,7 @@ from elastrun.core import cancel
 from elastrun.core.errors import ConfigError, NodeExcludedError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MemoryEventSink, NullMetricSink
-from elastrun.rendezvous.decide import Joiner, RoundView, RunKeys, Verdict, decide_round
+from elastrun.rendezvous.decide import Joiner, RoundView, Verdict, decide_round
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
 from elastrun.rendezvous.exclusion import (
     Exclusion,
@@ -28,6 +28,7 @@ from elastrun.rendezvous.exclusion import (
     load_strikes,
     strikes_within,
 )
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.store.api import EventKind, WatchEvent
 from elastrun.store.memory import MemoryStore
 from elastrun.testing import FakeClock

@@ -105,9 +105,9 @@ def test_reformation_triggers() -> None:
 from elastrun.rendezvous.decide import (  # noqa: E402
     RoundView,
     RoundWatch,
-    RunKeys,
     shape_of,
 )
+from elastrun.rendezvous.keys import RunKeys  # noqa: E402
 from elastrun.rendezvous.members import (  # noqa: E402
     PAGE_SIZE,
     member_pages,

@@ -17,13 +17,13 @@ from elastrun.rendezvous.decide import (
     Joiner,
     RoundView,
     RoundWatch,
-    RunKeys,
     Verdict,
     decide_round,
     order_members,
     presume,
 )
 from elastrun.rendezvous.dynamic import RendezvousSettings
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import CHANGES_MAX, Place, changes_from, place_in
 from elastrun.store.api import EventKind, WatchEvent, WatchResult
 from elastrun.testing import FakeClock

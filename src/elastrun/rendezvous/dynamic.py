@@ -1,6 +1,6 @@
 """The dynamic rendezvous, written once against the store model (DESIGN.md section 4).
 
-Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
+Keys of a run, under ``/elastrun/<run_id>/`` (``keys.RunKeys``):
 
 ``ctl/nodes/<node>``         bound to the node's lease: the node is alive
 ``ctl/join/<n>/<node>``      bound to the lease: the node asks to be in round n
@@ -71,8 +71,8 @@ from elastrun.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
-from elastrun.rendezvous.decide import RunKeys
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness, bounded
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.outcome import Outcome

@@ -33,10 +33,10 @@ from elastrun.core.errors import (
 from elastrun.rendezvous.decide import (
     Bounds,
     RoundView,
-    RunKeys,
     Verdict,
     apply_events,
 )
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import (
     page_count,
     page_entries,

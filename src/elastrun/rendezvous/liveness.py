@@ -20,7 +20,8 @@ from typing import Any
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError, StoreError, StoreUnavailableError
-from elastrun.rendezvous.decide import RoundWatch, RunKeys
+from elastrun.rendezvous.decide import RoundWatch
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import page_count, page_entries, page_of
 from elastrun.store.api import EventKind, Store
 

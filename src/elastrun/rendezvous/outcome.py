@@ -16,7 +16,7 @@ import json
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError
 from elastrun.rendezvous.api import BarrierResult, RoundOutcome
-from elastrun.rendezvous.decide import RoundWatch, RunKeys
+from elastrun.rendezvous.decide import RoundWatch
 from elastrun.rendezvous.exclusion import (
     Exclusion,
     ExclusionRule,
@@ -28,6 +28,7 @@ from elastrun.rendezvous.exclusion import (
     load_strikes,
     strikes_within,
 )
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
 from elastrun.store.api import Store
 
