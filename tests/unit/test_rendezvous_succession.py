@@ -16,7 +16,6 @@ from elastrun.rendezvous import joining as j
 from elastrun.rendezvous.decide import (
     Joiner,
     RoundView,
-    RoundWatch,
     Verdict,
     decide_round,
     order_members,
@@ -25,6 +24,7 @@ from elastrun.rendezvous.decide import (
 from elastrun.rendezvous.dynamic import RendezvousSettings
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import CHANGES_MAX, Place, changes_from, place_in
+from elastrun.rendezvous.running import RoundWatch
 from elastrun.store.api import EventKind, WatchEvent, WatchResult
 from elastrun.testing import FakeClock
 

@@ -3,7 +3,7 @@
 A node is alive while its lease is: ``ctl/nodes/<node>`` is bound to it and a keep-alive
 thread renews it (no writes at all). While a round runs, a watch thread follows ``ctl/``
 from the revision the round was decided at and flags a re-formation when one is due
-(``decide.RoundWatch`` says why). ``Liveness`` holds what both threads share: the lease,
+(``running.RoundWatch`` says why). ``Liveness`` holds what both threads share: the lease,
 the round this node is in, which nodes are known to be its members, and whether the
 round must re-form, the node was lost or the store is gone; ``lock`` guards the round.
 """
@@ -20,9 +20,9 @@ from typing import Any
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError, StoreError, StoreUnavailableError
-from elastrun.rendezvous.decide import RoundWatch
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import page_count, page_entries, page_of
+from elastrun.rendezvous.running import RoundWatch
 from elastrun.store.api import EventKind, Store
 
 log = logging.getLogger("elastrun.rendezvous")

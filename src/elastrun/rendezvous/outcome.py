@@ -16,7 +16,6 @@ import json
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError
 from elastrun.rendezvous.api import BarrierResult, RoundOutcome
-from elastrun.rendezvous.decide import RoundWatch
 from elastrun.rendezvous.exclusion import (
     Exclusion,
     ExclusionRule,
@@ -30,6 +29,7 @@ from elastrun.rendezvous.exclusion import (
 )
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
+from elastrun.rendezvous.running import RoundWatch
 from elastrun.store.api import Store
 
 
