@@ -80,6 +80,7 @@ def decide_round(
     first_round: bool,
     excluded: AbstractSet[str] = frozenset(),
     previous: Sequence[str] = (),
+    must_join: AbstractSet[str] = frozenset(),
 ) -> RoundDecision:
     """Whether a forming round should close now.
 
@@ -88,7 +89,10 @@ def decide_round(
     wait like spares, and a round waits for none of them, so a spare takes an excluded
     member's place at once. ``previous`` is the previous round's members in group-rank
     order: given, a re-formation that has begun counts its live members that have not
-    joined yet as joined, with their previous ranks (``presume``).
+    joined yet as joined, with their previous ranks (``presume``), except those in
+    ``must_join``: members that a full re-join would not have yet, or ever (the node
+    that claimed the previous round's failure, members that finished it, members that
+    gave notice: ``RoundView.must_join``); they count once they join themselves.
 
     * The job's first round closes at once with ``max_nodes`` joiners, or with at least
       ``min_nodes`` when the last call (started when the minimum was reached) ends;
@@ -98,7 +102,8 @@ def decide_round(
       begun it closes as soon as every live previous member has joined (a restart after
       a failure or the loss of a node waits for no one), or at ``max_nodes``, or with at
       least the minimum when the last call ends; below the minimum it times out. With
-      ``previous`` given, every live previous member counts as joined from the start.
+      ``previous`` given, every live previous member not in ``must_join`` counts as
+      joined from the start.
     """
     if excluded:
         joiners = [j for j in joiners if j.node_id not in excluded]
@@ -108,8 +113,8 @@ def decide_round(
     if not first_round and pending and not previous_live & joined:
         return RoundDecision(Verdict.WAIT)
     if not first_round and pending and previous:
-        joiners = presume(joiners, pending, previous)
-        pending = set()
+        joiners = presume(joiners, pending - must_join, previous)
+        pending &= must_join
     count = len(joiners)
     if count >= max_nodes:
         return RoundDecision(Verdict.CLOSE, order_members(joiners, max_nodes))
@@ -185,6 +190,50 @@ def _prev_rank(raw: bytes | None) -> int | None:
 JSONDoc = dict[str, object]
 
 
+def _toggle(nodes: set[str], node: str, present: bool) -> None:
+    (nodes.add if present else nodes.discard)(node)
+
+
+def failure_claimer(raw: bytes | None) -> str | None:
+    """The node named in a round's failure claim (``ctl/failed/<n>``), if readable."""
+    try:
+        data = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    node = data.get("node") if isinstance(data, dict) else None
+    return node if isinstance(node, str) else None
+
+
+@dataclass(frozen=True)
+class Away:
+    """A member's notice that it does not re-join the round after ``round`` at once
+    (``ctl/away/<node>``, bound to its lease): the next round's closer must not presume
+    it (``RoundView.must_join``). Written before the member does what would make the
+    others re-form (stop its workers), so that the closer always sees it first.
+
+    Why a notice and not the lease alone: the lease of a node that is going lives on
+    while its workers stop (up to the shutdown timeout); a full re-join would wait for
+    that node's join, which never comes, and close without it once its lease ends. A
+    presumed node would instead be a member of a round that must re-form once more.
+    """
+
+    round: int
+    why: str
+
+    def dump(self) -> bytes:
+        return json.dumps({"v": 1, "round": self.round, "why": self.why}).encode()
+
+    @staticmethod
+    def load(raw: bytes | None) -> int | None:
+        """The round a notice is about (None: absent or unreadable)."""
+        try:
+            data = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        n = data.get("round") if isinstance(data, dict) and data.get("v") == 1 else None
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 class Bounds(Protocol):
     """What a decision needs of the rendezvous settings."""
 
@@ -239,6 +288,12 @@ class RoundView:
         #: Nodes kept out for a cool-down (``exclusion``).
         self.excluded: set[str] = set()
         self.closed: bytes | None = None
+        #: What says that a member of round n-1 must join this round itself
+        #: (``must_join``): who claimed that round's failure, who finished it, and who
+        #: gave notice (``Away``) in it.
+        self.failed_by: str | None = None
+        self.finished: set[str] = set()
+        self.away: set[str] = set()
 
     def load(
         self,
@@ -246,38 +301,51 @@ class RoundView:
         nodes: Sequence[str],
         closed: bytes | None,
         excluded: Sequence[str] = (),
+        more: Mapping[str, bytes] | None = None,
     ) -> None:
-        """Start from full reads (``joins``, ``nodes`` and ``excluded`` as full keys)."""
+        """Start from full reads (``joins``, ``nodes`` and ``excluded`` as full keys;
+        ``more``: other keys under ``ctl/`` as read, with their values)."""
         self.joins.clear()
         self._joiners.clear()
+        self.failed_by, self.finished, self.away = None, set(), set()
         for key, value in joins.items():
             self._put_join(key[len(self._join) :], value)
         cut = len(self._keys.nodes)
         self.live = {k[cut:] for k in nodes}
         self.excluded = {k[len(self._keys.excluded_prefix) :] for k in excluded}
         self.closed = closed
+        for key, value in (more or {}).items():
+            self._take(key, value)
 
     def apply(self, events: Sequence[WatchEvent]) -> None:
         for e in events:
-            put = e.kind is EventKind.PUT
-            if e.key.startswith(self._join):
-                node = e.key[len(self._join) :]
-                if put:
-                    self._put_join(node, e.value or b"")
-                else:
-                    self.joins.pop(node, None)
-                    self._joiners.pop(node, None)
-            elif e.key.startswith(self._keys.nodes):
-                node = e.key[len(self._keys.nodes) :]
-                if put:
-                    self.live.add(node)
-                else:
-                    self.live.discard(node)
-            elif e.key.startswith(self._keys.excluded_prefix):
-                node = e.key[len(self._keys.excluded_prefix) :]
-                (self.excluded.add if put else self.excluded.discard)(node)
-            elif e.key == self._keys.closed:
-                self.closed = e.value if put else None
+            self._take(e.key, (e.value or b"") if e.kind is EventKind.PUT else None)
+
+    def _take(self, key: str, value: bytes | None) -> None:
+        """One key under ``ctl/`` as it now is (``value`` None: deleted)."""
+        k = self._keys
+        if key.startswith(self._join):
+            node = key[len(self._join) :]
+            if value is not None:
+                self._put_join(node, value)
+            else:
+                self.joins.pop(node, None)
+                self._joiners.pop(node, None)
+        elif key.startswith(k.nodes):
+            _toggle(self.live, key[len(k.nodes) :], value is not None)
+        elif key.startswith(k.excluded_prefix):
+            _toggle(self.excluded, key[len(k.excluded_prefix) :], value is not None)
+        elif key == k.closed:
+            self.closed = value
+        elif self.round == 0:
+            return
+        elif key == k.failed(self.round - 1):
+            self.failed_by = failure_claimer(value)
+        elif key.startswith(k.done(self.round - 1)):
+            _toggle(self.finished, key[len(k.done(self.round - 1)) :], value is not None)
+        elif key.startswith(k.away_prefix):
+            away = Away.load(value) == self.round - 1
+            _toggle(self.away, key[len(k.away_prefix) :], away)
 
     def _put_join(self, node: str, value: bytes) -> None:
         self.joins[node] = value
@@ -288,6 +356,24 @@ class RoundView:
 
     def previous_live(self) -> set[str]:
         return set(self.previous) & self.live
+
+    def must_join(self) -> set[str]:
+        """The members of round n-1 that are in this round only once they join it
+        themselves: a full re-join would not have them yet, or ever.
+
+        * The node that claimed round n-1's failure: it counts a strike against itself
+          next, and may be excluded, sit out a cool-down and be readmitted, all before
+          it joins (presumed, it would take the place of the spare that replaces it), or
+          find the job's budget spent and close the run.
+        * Members that finished round n-1 (its exit barrier): each re-forms only when
+          its barrier says so, and leaves when the barrier times out.
+        * Members that gave notice (``Away``): a signal stops their agent, their agent
+          gave up, or they check themselves before they re-join.
+        """
+        nodes = self.finished | self.away
+        if self.failed_by is not None:
+            nodes.add(self.failed_by)
+        return nodes
 
     def started(self) -> bool:
         """Whether this round is forming (not only spares waiting for room)."""
@@ -302,6 +388,7 @@ class RoundView:
             max_nodes=bounds.max_nodes, now=now, call_started_at=call_started_at,
             last_call=bounds.last_call_timeout, join_deadline=join_deadline,
             first_round=self.round == 0, excluded=self.excluded, previous=self.previous,
+            must_join=self.must_join(),
         )  # fmt: skip
 
     def outcome(

@@ -348,13 +348,20 @@ def load_view(ctx: Context, n: int) -> Protocol:
     reads: tuple[Get | GetPrefix, ...] = (
         GetPrefix(k.join_prefix(n)), GetPrefix(k.nodes), GetPrefix(k.excluded_prefix),
         Get(k.closed), Get(k.result(n - 1)),
+        # What makes a member of round n-1 join this round itself (``must_join``).
+        GetPrefix(k.failed(n - 1)), GetPrefix(k.done(n - 1)), GetPrefix(k.away_prefix),
     )  # fmt: skip
     answers = yield ReadAll(reads if n > 0 else reads[:4])
     (joins, r1), (nodes, r2), (excluded, r3), closed = answers[:4]
+    more: dict[str, bytes] = {}
+    revs = [r1, r2, r3]
+    for found, r in answers[5:]:
+        more.update(found)
+        revs.append(r)
     rows = (yield from rows_of(ctx, n - 1, answers[4])) if n > 0 else []
     view = RoundView(k, n, [str(row[0]) for row in rows], rows=rows)
-    view.load(joins, list(nodes), closed, list(excluded))
-    rev, newest = min(r1, r2, r3), max(r1, r2, r3)
+    view.load(joins, list(nodes), closed, list(excluded), more)
+    rev, newest = min(revs), max(revs)
     while rev < newest:
         try:
             res = yield Watch(k.ctl, rev, 0.0)

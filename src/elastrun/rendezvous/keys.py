@@ -49,6 +49,15 @@ class RunKeys:
         """``node``'s exclusion: bound to its lease, deleted when its cool-down ends."""
         return self.excluded_prefix + node
 
+    @property
+    def away_prefix(self) -> str:
+        """Members that do not re-join the round after theirs at once (``decide.Away``)."""
+        return self.prefix + "ctl/away/"
+
+    def away(self, node: str) -> str:
+        """``node``'s notice that it re-joins late or never: bound to its lease."""
+        return self.away_prefix + node
+
     def strikes(self, node: str) -> str:
         """The times of ``node``'s recent failures. Not under ``ctl/``: no one watches it."""
         return f"{self.prefix}strikes/{node}"

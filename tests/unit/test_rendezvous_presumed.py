@@ -1,0 +1,203 @@
+"""Who a re-formation decided at once may presume joined: exactly the members a full
+re-join would have admitted (``decide_round``'s ``must_join``, read by ``RoundView``).
+
+Each case is a way a live member of the previous round may not re-join at once: it
+claimed that round's failure (and may be excluded, sit out a cool-down and be readmitted
+before it joins, or close the run), it finished that round (its exit barrier decides
+whether it re-forms or leaves), or it gave notice (``Away``: a signal, an agent that gave
+up, a node check before it re-joins). Pure functions fed inputs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elastrun.rendezvous.decide import Away, Joiner, RoundView, Verdict, decide_round
+from elastrun.rendezvous.keys import RunKeys
+from elastrun.store.api import EventKind, WatchEvent
+
+K = RunKeys("/elastrun/job/")
+KW: dict[str, Any] = dict(now=0.0, call_started_at=None, last_call=30.0, join_deadline=600.0)
+
+
+def _j(node: str, prev: int | None = None) -> Joiner:
+    return Joiner(node, 0, prev)
+
+
+def _put(key: str, value: bytes = b"{}") -> WatchEvent:
+    return WatchEvent(EventKind.PUT, key, value, 0)
+
+
+def _delete(key: str) -> WatchEvent:
+    return WatchEvent(EventKind.DELETE, key, None, 0)
+
+
+def _claim(node: str) -> bytes:
+    return json.dumps({"node": node, "addr": "h", "what": "rank 1 exited 1"}).encode()
+
+
+def _spare_view(n: int = 2, more: dict[str, bytes] | None = None) -> RoundView:
+    """Round ``n`` forming after ``good`` and ``bad``'s round: ``spare`` waits at the
+    maximum of two, and ``good`` has just joined (``more``: other keys read)."""
+    view = RoundView(K, n, previous=("good", "bad"))
+    joins = {K.join_prefix(n) + "spare": b"{}", K.join_prefix(n) + "good": b'{"prev_rank": 0}'}
+    view.load(joins, [K.nodes + node for node in ("good", "bad", "spare")], None, (), more)
+    return view
+
+
+def _decide(view: RoundView, max_nodes: int = 2) -> tuple[Verdict, tuple[str, ...]]:
+    class Bounds:
+        min_nodes, max_nodes, last_call_timeout = 1, 0, 30.0
+
+    bounds = Bounds()
+    bounds.max_nodes = max_nodes
+    d = view.decide(bounds, now=0.0, call_started_at=None, join_deadline=600.0)
+    return d.verdict, d.members
+
+
+# -- the node that claimed the previous round's failure ------------------------------------
+
+
+def test_the_claimer_of_the_failure_is_not_presumed_and_the_spare_takes_its_place() -> None:
+    previous = ("good", "bad")
+    joiners = [_j("good", 0), _j("spare")]
+    d = decide_round(
+        joiners, {"good", "bad"}, min_nodes=2, max_nodes=2, first_round=False,
+        previous=previous, must_join={"bad"}, **KW,
+    )  # fmt: skip
+    assert (d.verdict, d.members) == (Verdict.CLOSE, ("good", "spare"))
+    # Without the claim "bad" would have been presumed, ahead of the spare.
+    d = decide_round(
+        joiners, {"good", "bad"}, min_nodes=2, max_nodes=2, first_round=False,
+        previous=previous, **KW,
+    )  # fmt: skip
+    assert d.members == ("good", "bad")
+
+
+def test_a_node_back_from_its_cool_down_is_not_presumed_ahead_of_the_spare() -> None:
+    # "bad" claimed round 1's failure, was excluded, sat out its cool-down and was
+    # readmitted (its exclusion deleted) before round 2 was decided; it has not joined.
+    view = _spare_view()
+    view.apply([_put(K.failed(1), _claim("bad")), _put(K.excluded("bad"))])
+    assert _decide(view) == (Verdict.CLOSE, ("good", "spare"))
+    view.apply([_delete(K.excluded("bad"))])
+    assert view.must_join() == {"bad"}
+    assert _decide(view) == (Verdict.CLOSE, ("good", "spare"))
+
+
+def test_a_closer_that_reads_the_claim_in_its_first_reads_does_not_presume_the_claimer() -> None:
+    view = _spare_view(more={K.failed(1): _claim("bad"), K.failed(10): _claim("good")})
+    assert view.failed_by == "bad"  # (round 10's claim is no other round's)
+    assert _decide(view) == (Verdict.CLOSE, ("good", "spare"))
+
+
+def test_with_room_the_round_waits_for_the_claimer_to_join_itself_as_a_full_rejoin_would() -> None:
+    view = _spare_view()
+    view.apply([_put(K.failed(1), _claim("bad"))])
+    verdict, _ = _decide(view, max_nodes=3)
+    assert verdict is Verdict.WAIT  # the last call: "bad" may still come
+    view.apply([_put(K.join_prefix(2) + "bad", b'{"prev_rank": 1}')])
+    assert _decide(view, max_nodes=3) == (Verdict.CLOSE, ("good", "bad", "spare"))
+
+
+def test_a_claim_of_an_older_round_does_not_keep_a_member_from_being_presumed() -> None:
+    view = _spare_view(n=3)
+    view.apply([_put(K.failed(1), _claim("bad"))])
+    assert view.failed_by is None
+    assert _decide(view) == (Verdict.CLOSE, ("good", "bad"))
+
+
+def test_in_the_first_round_nothing_of_a_previous_round_is_read() -> None:
+    view = RoundView(K, 0, previous=())
+    view.apply([_put(K.failed(0), _claim("a")), _put(K.away("a"), Away(-1, "x").dump())])
+    assert view.must_join() == set()
+
+
+# -- members that finished the previous round ---------------------------------------------
+
+
+def test_a_member_in_the_exit_barrier_is_not_presumed_it_re_forms_only_when_told() -> None:
+    view = _spare_view()
+    view.apply([_delete(K.join_prefix(2) + "spare"), _put(K.done(1) + "bad", b"1")])
+    verdict, _ = _decide(view, max_nodes=3)
+    assert verdict is Verdict.WAIT
+    # Its barrier timed out and it left: the round closes without it.
+    view.apply([_delete(K.nodes + "bad")])
+    assert _decide(view, max_nodes=3) == (Verdict.CLOSE, ("good",))
+
+
+# -- members that gave notice ---------------------------------------------------------------
+
+
+def test_a_member_stopping_on_a_signal_is_not_presumed_while_its_lease_lives_on() -> None:
+    view = _spare_view()
+    view.apply([_put(K.away("bad"), Away(1, "received SIGTERM").dump())])
+    assert view.away == {"bad"}
+    assert _decide(view) == (Verdict.CLOSE, ("good", "spare"))
+
+
+def test_a_member_whose_agent_gave_up_is_waited_for_until_its_lease_ends() -> None:
+    view = _spare_view()
+    view.apply([_delete(K.join_prefix(2) + "spare")])
+    view.apply([_put(K.away("bad"), Away(1, "no progress since the last restarts").dump())])
+    assert _decide(view, max_nodes=3)[0] is Verdict.WAIT
+    view.apply([_delete(K.nodes + "bad"), _delete(K.away("bad"))])
+    assert _decide(view, max_nodes=3) == (Verdict.CLOSE, ("good",))
+
+
+def test_a_notice_about_another_round_or_unreadable_does_not_count() -> None:
+    view = _spare_view()
+    view.apply([_put(K.away("bad"), Away(0, "old").dump()), _put(K.away("good"), b"junk")])
+    assert view.away == set()
+    assert _decide(view) == (Verdict.CLOSE, ("good", "bad"))
+    assert Away.load(json.dumps({"v": 2, "round": 1}).encode()) is None
+    assert Away.load(json.dumps({"v": 1, "round": True}).encode()) is None
+
+
+# -- the property ---------------------------------------------------------------------------
+
+_NODES = [f"n{i}" for i in range(8)]
+
+
+@given(
+    st.lists(st.sampled_from(_NODES), min_size=1, max_size=8, unique=True),
+    st.sets(st.sampled_from(_NODES)),  # lost
+    st.sets(st.sampled_from(_NODES)),  # must join themselves
+    st.sets(st.sampled_from(_NODES)),  # excluded
+    st.sets(st.sampled_from(_NODES)),  # joined (of the previous members)
+    st.integers(0, 3),  # spares
+    st.integers(1, 10),  # max nodes
+)
+def test_a_decision_at_once_is_the_decision_of_the_full_rejoin_of_every_presumable_member(
+    previous: list[str],
+    lost: set[str],
+    must_join: set[str],
+    excluded: set[str],
+    joined: set[str],
+    spares: int,
+    max_nodes: int,
+) -> None:
+    live = set(previous) - lost
+    rank = {node: i for i, node in enumerate(previous)}
+    joiners = [_j(n, rank[n]) for n in previous if n in live & joined]
+    joiners += [_j(f"s{i}") for i in range(spares)]
+    args: dict[str, Any] = dict(
+        min_nodes=1, max_nodes=max_nodes, first_round=False, excluded=excluded, **KW
+    )
+    at_once = decide_round(joiners, live, previous=previous, must_join=must_join, **args)
+    if (live - excluded) and not (live - excluded) & joined:
+        assert at_once.verdict is Verdict.WAIT  # spares alone start nothing
+        return
+    # The full re-join: every live member that may be presumed has joined; the others
+    # (must join themselves, or excluded) have not.
+    came = [
+        _j(n, rank[n])
+        for n in previous
+        if n in live and n not in joined and n not in must_join and n not in excluded
+    ]
+    full = decide_round([*joiners, *came], live, **args)
+    assert (at_once.verdict, at_once.members) == (full.verdict, full.members)
+    assert not set(at_once.members) & ((must_join - joined) | excluded)
