@@ -32,12 +32,12 @@ from elastrun.core.errors import (
     StoreError,
 )
 from elastrun.rendezvous import joining
-from elastrun.rendezvous.dynamic import NodeDesc, RendezvousSettings
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import WATCH_SPAN
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.members import page_count, page_entries, page_of
 from elastrun.rendezvous.running import RoundWatch
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.api import EventKind
 
 

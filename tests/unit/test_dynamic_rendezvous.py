@@ -13,8 +13,9 @@ from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.decide import Joiner, order_members
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.memory import MemoryStore
 
 NAMES: dict[int, str] = {}  # id(handler) -> its node's name

@@ -17,7 +17,7 @@ from elastrun.core.errors import ConfigError, NodeExcludedError, ShutdownRequest
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MemoryEventSink, NullMetricSink
 from elastrun.rendezvous.decide import Joiner, RoundView, Verdict, decide_round
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.exclusion import (
     Exclusion,
     ExclusionRule,
@@ -29,6 +29,7 @@ from elastrun.rendezvous.exclusion import (
     strikes_within,
 )
 from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.api import EventKind, WatchEvent
 from elastrun.store.memory import MemoryStore
 from elastrun.testing import FakeClock

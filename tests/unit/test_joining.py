@@ -18,8 +18,8 @@ from elastrun.core.errors import (
     StoreCompactedError,
 )
 from elastrun.rendezvous import joining as j
-from elastrun.rendezvous.dynamic import RendezvousSettings
 from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.settings import RendezvousSettings
 from elastrun.store.api import EventKind, WatchEvent, WatchResult
 from elastrun.testing import FakeClock
 

@@ -21,10 +21,10 @@ from elastrun.rendezvous.decide import (
     order_members,
     presume,
 )
-from elastrun.rendezvous.dynamic import RendezvousSettings
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import CHANGES_MAX, Place, changes_from, place_in
 from elastrun.rendezvous.running import RoundWatch
+from elastrun.rendezvous.settings import RendezvousSettings
 from elastrun.store.api import EventKind, WatchEvent, WatchResult
 from elastrun.testing import FakeClock
 
