@@ -10,14 +10,30 @@ up, a node check before it re-joins). Pure functions fed inputs."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from elastrun.agent.local import LocalElasticAgent
+from elastrun.agent.spec import WorkerSpec
+from elastrun.core.errors import ShutdownRequested
+from elastrun.core.shutdown import ShutdownRequest
+from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.decide import Away, Joiner, RoundView, Verdict, decide_round
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.running import RoundWatch
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.api import EventKind, WatchEvent
+from elastrun.store.memory import MemoryStore
+from elastrun.supervise.processes.logs import DefaultLogsSpecs
+from elastrun.testing import FakeClock, FakeStarter, NullGuard
 
 K = RunKeys("/elastrun/job/")
 KW: dict[str, Any] = dict(now=0.0, call_started_at=None, last_call=30.0, join_deadline=600.0)
@@ -155,6 +171,109 @@ def test_a_notice_about_another_round_or_unreadable_does_not_count() -> None:
     assert _decide(view) == (Verdict.CLOSE, ("good", "bad"))
     assert Away.load(json.dumps({"v": 2, "round": 1}).encode()) is None
     assert Away.load(json.dumps({"v": 1, "round": True}).encode()) is None
+
+
+def test_a_member_counted_in_that_is_then_excluded_makes_its_round_re_form() -> None:
+    # Counted in before it joined, it ran its check first, failed it and sits out a
+    # cool-down: it never comes, and the others must not wait for it.
+    w = RoundWatch(K, 2, 2, 2, is_member=lambda node: node in ("good", "bad"))
+    w.apply([_put(K.excluded("spare"))])  # a spare kept out: no one's business
+    assert w.reason() is None
+    w.apply([_put(K.excluded("bad"))])
+    assert w.reason() == "member(s) kept out for a cool-down: bad"
+
+
+# -- the handler: a notice written, and heeded ---------------------------------------------
+
+
+def _node(store: MemoryStore, name: str, most: int = 3) -> DynamicRendezvousHandler:
+    settings = RendezvousSettings("job", 1, most, last_call_timeout=30.0)
+    return DynamicRendezvousHandler(store, settings, NodeDesc(name, "127.0.0.1", "default", 1))
+
+
+def _join_all(nodes: dict[str, DynamicRendezvousHandler]) -> dict[str, RendezvousInfo]:
+    out: dict[str, RendezvousInfo] = {}
+
+    def go(name: str) -> None:
+        out[name] = nodes[name].next_rendezvous()
+
+    threads = [threading.Thread(target=go, args=(n,), daemon=True) for n in nodes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert set(out) == set(nodes)
+    return out
+
+
+def test_a_member_that_steps_away_is_waited_for_not_counted_in_until_its_lease_ends() -> None:
+    store = MemoryStore()
+    nodes = {n: _node(store, n) for n in ("a", "b", "c")}
+    try:
+        _join_all(nodes)
+        nodes["c"].step_away("received SIGTERM")  # its workers stop next
+        assert Away.load(store.get(K.away("c"))) == 0
+        nodes["b"].leave()  # lost: "a" re-forms and decides round 1
+        started = time.monotonic()
+        second: list[RendezvousInfo] = []
+        joining = threading.Thread(target=lambda: second.append(nodes["a"].next_rendezvous()))
+        joining.start()
+        joining.join(0.5)
+        assert not second  # "c" is not counted in: the round waits for its join
+        nodes["c"].leave()  # its lease ends: the round closes without it, at once
+        joining.join(10)
+        assert second[0].world_size == 1 and second[0].round == 1
+        assert time.monotonic() - started < 20  # not after the 30 s last call
+    finally:
+        for node in nodes.values():
+            node.leave()
+
+
+def test_a_node_outside_any_round_gives_no_notice() -> None:
+    store = MemoryStore()
+    node = _node(store, "a")
+    try:
+        node.step_away("received SIGTERM")
+        assert store.get(K.away("a")) is None
+    finally:
+        node.leave()
+
+
+def test_an_agent_stopped_by_a_signal_gives_notice_before_its_workers_stop(
+    tmp_path: Path,
+) -> None:
+    store = MemoryStore()
+    handler = _node(store, "a", most=1)
+    request = ShutdownRequest()
+    notice_at_stop: list[bytes | None] = []
+    starter = FakeStarter(script=lambda a, r: None)
+    original = starter.start
+
+    def start_then_signal(spec):  # type: ignore[no-untyped-def]
+        proc = original(spec)
+        stop = proc.signal_group
+
+        def signal_group(sig: int) -> None:
+            notice_at_stop.append(store.get(K.away("a")))
+            stop(sig)
+
+        proc.signal_group = signal_group  # type: ignore[method-assign]
+        request.request(signal.SIGTERM)
+        return proc
+
+    starter.start = start_then_signal  # type: ignore[method-assign]
+    spec = WorkerSpec(local_world_size=1, entrypoint="/bin/prog", rdzv_handler=handler)
+    agent = LocalElasticAgent(
+        spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), starter=starter,
+        guard=NullGuard(), clock=FakeClock(), environ={}, run_id="job", shutdown=request,
+    )  # fmt: skip
+    try:
+        with pytest.raises(ShutdownRequested):
+            agent.run()
+        assert notice_at_stop and Away.load(notice_at_stop[0]) == 0
+    finally:
+        request.close()
+        handler.leave()
 
 
 # -- the property ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``keys.RunKeys``):
 ``rounds/<n>/out/master``    MASTER_ADDR/PORT of round n, chosen by its rank 0
 ``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
 ``ctl/excluded/<node>``      bound to the lease: the node sits out a cool-down
+``ctl/away/<node>``          bound to the lease: the node re-joins late or never
 ``strikes/<node>``           the times of the node's recent failures (``exclusion``)
 ``check/...``                node checks: waves, ports, results (``nodecheck.board``)
 ``current``                  the newest closed round
@@ -269,6 +270,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         close the run and claim the round's failure with no restart, as a spent budget."""
         with self._agent_call():
             self._outcome.report_final_failure(what, why)
+
+    def step_away(self, why: str) -> None:
+        """This node does not re-join at once (``decide.Away``); bounded, never raises."""
+        if self._liveness.gone is None:
+            bounded(lambda: self._outcome.step_away(why), 2.0)
 
     # -- exclusion with a cool-down (``exclusion``) ----------------------------------------
     def set_exclusion(self, rule: ExclusionRule) -> None:

@@ -29,6 +29,7 @@ from elastrun.rendezvous.exclusion import (
 )
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
+from elastrun.rendezvous.decide import Away
 from elastrun.rendezvous.running import RoundWatch
 from elastrun.store.api import Store
 
@@ -86,6 +87,13 @@ class Outcome:
     def close(self, reason: str) -> None:
         """Close the run with ``reason`` (the first reason stays)."""
         self._store.compare_set(self._keys.closed, None, reason.encode())
+
+    def step_away(self, why: str) -> None:
+        """This node does not re-join the round after its current one at once, for ``why``:
+        the closer of that round must not presume it (``decide.Away``)."""
+        n, lease = self._live.round, self._live.lease
+        if n is not None and lease is not None:
+            self._store.set(self._keys.away(self._node_id), Away(n, why).dump(), lease=lease)
 
     def restarts_used(self) -> int:
         raw = self._store.get(self._keys.budget)

@@ -47,6 +47,9 @@ class RoundWatch:
         #: Nodes that registered after the round's revision (``all_live`` says nothing
         #: of them).
         self.arrived: set[str] = set()
+        #: Members kept out for a cool-down since (a member counted in before it joined,
+        #: ``decide.presume``, that failed the check it ran first: it never comes).
+        self.excluded: set[str] = set()
 
     def member(self, node: str) -> bool:
         """Whether ``node`` is a member: known at once under ``all_live`` for a node alive
@@ -88,6 +91,10 @@ class RoundWatch:
                     self.arrived.add(node)
                 elif node not in self.finished and self.member(node):
                     self.lost.add(node)
+            elif e.key.startswith(self._keys.excluded_prefix):
+                node = e.key[len(self._keys.excluded_prefix) :]
+                if put and node not in self.finished and self.member(node):
+                    self.excluded.add(node)
             elif e.key == self._failed and put:
                 self.failed = True
             elif e.key == self._keys.closed and put:
@@ -97,7 +104,8 @@ class RoundWatch:
         """Why the round must re-form now, or None.
 
         Yes when the run was closed, a worker failed somewhere, a member is gone (its
-        lease ended) before its workers finished, a member already asks for the next
+        lease ended) before its workers finished or was excluded (``self.excluded``; not
+        seen again after a re-read, ``load``), a member already asks for the next
         round, or a newcomer waits and there is room for it. A newcomer at full size is
         a spare and disturbs no one, and so is a member that finished and left (its
         exit barrier timed out): the others' workers run on to their own end.
@@ -108,6 +116,8 @@ class RoundWatch:
             return "a worker failed on another node"
         if self.lost:
             return f"lost {len(self.lost)} node(s): {', '.join(sorted(self.lost))}"
+        if self.excluded:
+            return f"member(s) kept out for a cool-down: {', '.join(sorted(self.excluded))}"
         if not self.next_joiners:
             return None
         if any(self.member(j) for j in self.next_joiners):
