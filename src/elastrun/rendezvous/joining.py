@@ -1,7 +1,7 @@
 """Joining a rendezvous round, sans I/O: the protocol as a generator of store operations.
 
 ``join(ctx, prev_round, prev_rank)`` is the whole of a node's side of forming a round:
-it yields operations (``Get``, ``Put``, ``Watch`` ...) and is sent their results; it
+it yields operations (``ops``: ``Get``, ``Put``, ``Watch`` ...) and is sent their results; it
 yields notes (``Progress``, ``Closed``) for the driver to show; it raises the
 rendezvous errors; it returns the round it entered as a ``Joined``. It never touches a
 store, a socket, a thread or a logger, so one copy of the protocol serves every driver:
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,66 @@ from elastrun.rendezvous.members import (
     place_in,
     rows_of_pages,
 )
+from elastrun.rendezvous.ops import (
+    Closed,
+    CompareSet,
+    Finished,
+    Get,
+    GetPrefix,
+    Op,
+    Progress,
+    Protocol,
+    Put,
+    PutAll,
+    ReadAll,
+    Seen,
+    Wait,
+    Watch,
+    advance,
+    drive,
+)
+
+# The operations and the drivers' step are ``ops``'s, re-exported here.
+__all__ = [
+    "AUDIT_EVERY",
+    "FOLLOW_EVERY",
+    "PROGRESS_EVERY",
+    "Closed",
+    "CompareSet",
+    "Context",
+    "Finished",
+    "Get",
+    "GetPrefix",
+    "Joined",
+    "Op",
+    "Progress",
+    "Protocol",
+    "Put",
+    "PutAll",
+    "ReadAll",
+    "Seen",
+    "Wait",
+    "Watch",
+    "advance",
+    "agree_master",
+    "audit",
+    "closed_error",
+    "commit",
+    "decide",
+    "decided_rows",
+    "drive",
+    "follower_progress",
+    "join",
+    "join_round",
+    "load_view",
+    "member_page",
+    "newest_round",
+    "parse_result",
+    "publish",
+    "read_when_set",
+    "rows_of",
+    "timeout_error",
+]
 
 #: How often the closer publishes its progress (a follower shows it every FOLLOW_EVERY).
 PROGRESS_EVERY = 5.0
@@ -54,94 +114,6 @@ FOLLOW_EVERY = 30.0
 #: How often a waiting node that is not the closer checks the round itself once its
 #: join deadline has passed (a closer that decides nothing must not hold it forever).
 AUDIT_EVERY = 30.0
-
-# -- operations (the driver performs them) ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Get:
-    key: str  # -> bytes | None
-
-
-@dataclass(frozen=True)
-class GetPrefix:
-    prefix: str  # -> (dict[str, bytes], revision)
-
-
-@dataclass(frozen=True)
-class Put:
-    key: str
-    value: bytes
-    leased: bool = False  # bound to the node's lease -> revision
-
-
-@dataclass(frozen=True)
-class PutAll:
-    """Several unleased ``Put``s in no particular order: a driver may send them at once
-    instead of one round trip after another (the closer's member pages)."""
-
-    items: tuple[tuple[str, bytes], ...]  # -> None
-
-
-@dataclass(frozen=True)
-class ReadAll:
-    """Several reads (``Get``, ``GetPrefix``) in no particular order: a driver may send
-    them at once instead of one round trip after another (the closer's view, read while
-    thousands of survivors' requests queue before each of its round trips)."""
-
-    reads: tuple[Get | GetPrefix, ...]  # -> [each read's result, in order]
-
-
-@dataclass(frozen=True)
-class CompareSet:
-    key: str
-    expected: bytes | None
-    value: bytes
-    leased: bool = False  # -> (won, current)
-
-
-@dataclass(frozen=True)
-class Watch:
-    prefix: str
-    after: int
-    timeout: float  # -> WatchResult; may raise StoreCompactedError
-
-
-@dataclass(frozen=True)
-class Wait:
-    keys: tuple[str, ...]
-    timeout: float  # -> None
-
-
-# -- notes (the driver shows them, and sends back None) -------------------------------------
-
-
-@dataclass(frozen=True)
-class Progress:
-    """How round ``n`` is going: the closer's status dict (None: nothing known yet)."""
-
-    n: int
-    status: dict[str, Any] | None
-
-
-@dataclass(frozen=True)
-class Closed:
-    """This node closed round ``n`` with ``size`` members."""
-
-    n: int
-    size: int
-
-
-@dataclass(frozen=True)
-class Seen:
-    """As the closer of round ``n``: how many nodes have joined it so far."""
-
-    n: int
-    joined: int
-
-
-Op = Get | GetPrefix | ReadAll | Put | PutAll | CompareSet | Watch | Wait | Progress | Closed | Seen
-Protocol = Generator[Op, Any, Any]
 
 
 @dataclass(frozen=True)
@@ -521,35 +493,3 @@ def closed_error(ctx: Context, reason: bytes) -> RendezvousClosedError:
         f"run {ctx.run_id!r} has ended ({reason.decode('utf-8', 'replace')}); "
         "it accepts no more nodes"
     )
-
-
-# -- the synchronous driver -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The protocol ended with ``value``."""
-
-    value: Any
-
-
-def advance(protocol: Protocol, value: Any, error: BaseException | None) -> Op | Finished:
-    """Hand the protocol the last operation's result (or its exception); returns the
-    next operation, or ``Finished``. Every driver's one step, blocking or not."""
-    try:
-        return protocol.throw(error) if error is not None else protocol.send(value)
-    except StopIteration as stop:
-        return Finished(stop.value)
-
-
-def drive(protocol: Protocol, perform: Callable[[Op], Any]) -> Any:
-    """Run ``protocol`` to its end, performing each operation with ``perform`` (which
-    may raise: the exception is thrown into the protocol at that point)."""
-    value: Any = None
-    error: BaseException | None = None
-    while not isinstance(op := advance(protocol, value, error), Finished):
-        try:
-            value, error = perform(op), None
-        except Exception as exc:  # handed to the protocol, which re-raises what it cannot use
-            value, error = None, exc
-    return op.value

@@ -16,6 +16,7 @@ import json
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError
 from elastrun.rendezvous.api import BarrierResult, RoundOutcome
+from elastrun.rendezvous.decide import Away
 from elastrun.rendezvous.exclusion import (
     Exclusion,
     ExclusionRule,
@@ -29,7 +30,6 @@ from elastrun.rendezvous.exclusion import (
 )
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
-from elastrun.rendezvous.decide import Away
 from elastrun.rendezvous.running import RoundWatch
 from elastrun.store.api import Store
 
