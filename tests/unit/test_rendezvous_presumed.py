@@ -9,10 +9,12 @@ up, a node check before it re-joins). Pure functions fed inputs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 
 from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.spec import WorkerSpec
-from elastrun.core.errors import ShutdownRequested
+from elastrun.core.errors import RendezvousClosedError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.decide import Away, Joiner, RoundView, Verdict, decide_round
@@ -132,6 +134,16 @@ def test_in_the_first_round_nothing_of_a_previous_round_is_read() -> None:
     assert view.must_join() == set()
 
 
+def test_newcomers_are_ordered_by_when_they_joined_not_by_their_ids() -> None:
+    view = _spare_view()  # "spare" joined before this view was read
+    late = WatchEvent(EventKind.PUT, K.join_prefix(2) + "a-newcomer", b"{}", 50)
+    view.apply([_put(K.excluded("bad")), late])
+    assert _decide(view, max_nodes=2) == (Verdict.CLOSE, ("good", "spare"))
+    later = WatchEvent(EventKind.PUT, K.join_prefix(2) + "0-newcomer", b"{}", 51)
+    view.apply([later])
+    assert _decide(view, max_nodes=3)[1] == ("good", "spare", "a-newcomer")
+
+
 # -- members that finished the previous round ---------------------------------------------
 
 
@@ -227,6 +239,51 @@ def test_a_member_that_steps_away_is_waited_for_not_counted_in_until_its_lease_e
     finally:
         for node in nodes.values():
             node.leave()
+
+
+def _wait_for(check: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_node_readmitted_before_the_next_round_is_decided_joins_behind_the_spare() -> None:
+    store = MemoryStore()
+    nodes = {n: _node(store, n, most=2) for n in ("a", "b", "spare")}
+    out: dict[str, RendezvousInfo] = {}
+    threads: list[threading.Thread] = []
+
+    def join(name: str) -> threading.Thread:
+        def go() -> None:
+            with contextlib.suppress(RendezvousClosedError):  # (left while a spare)
+                out[name] = nodes[name].next_rendezvous()
+
+        thread = threading.Thread(target=go, daemon=True)
+        thread.start()
+        threads.append(thread)
+        return thread
+
+    try:
+        first = _join_all({n: nodes[n] for n in ("a", "b")})  # round 0, at its maximum
+        join("spare")  # waits for room in round 1, and decides it
+        _wait_for(lambda: store.get(K.closer(1)) == b"spare", "the spare's claim")
+        assert nodes["b"].exclude("its node check failed") is not None
+        nodes["b"].readmit()  # its cool-down is over before "a" re-forms
+        join("b")
+        _wait_for(lambda: store.get(K.result(1)) is not None, "round 1 decided")
+        joined = json.loads(store.get(K.join_prefix(1) + "b") or b"{}")
+        assert joined["prev_rank"] is None  # a newcomer, not round 0's rank 1
+        join("a").join(10)
+        _wait_for(lambda: "spare" in out, "the spare's rank")
+        # "a" keeps its rank, the spare takes "b"'s.
+        assert (out["a"].rank, out["spare"].rank) == (first["a"].rank, first["b"].rank)
+        assert "b" not in out  # a spare now, waiting for room in round 2
+    finally:
+        for node in nodes.values():
+            node.leave()
+        for thread in threads:
+            thread.join(10)
 
 
 def test_a_node_outside_any_round_gives_no_notice() -> None:

@@ -319,15 +319,17 @@ class RoundView:
 
     def apply(self, events: Sequence[WatchEvent]) -> None:
         for e in events:
-            self._take(e.key, (e.value or b"") if e.kind is EventKind.PUT else None)
+            put = e.kind is EventKind.PUT
+            self._take(e.key, (e.value or b"") if put else None, e.revision)
 
-    def _take(self, key: str, value: bytes | None) -> None:
-        """One key under ``ctl/`` as it now is (``value`` None: deleted)."""
+    def _take(self, key: str, value: bytes | None, revision: int = 0) -> None:
+        """One key under ``ctl/`` as it now is (``value`` None: deleted), changed at
+        ``revision`` (0: as first read, before any change this view saw)."""
         k = self._keys
         if key.startswith(self._join):
             node = key[len(self._join) :]
             if value is not None:
-                self._put_join(node, value)
+                self._put_join(node, value, revision)
             else:
                 self.joins.pop(node, None)
                 self._joiners.pop(node, None)
@@ -347,9 +349,13 @@ class RoundView:
             away = Away.load(value) == self.round - 1
             _toggle(self.away, key[len(k.away_prefix) :], away)
 
-    def _put_join(self, node: str, value: bytes) -> None:
+    def _put_join(self, node: str, value: bytes, revision: int = 0) -> None:
+        # The join order among newcomers: the revision of a join this view saw made;
+        # those first read come before them, in node order (a read has no per-key
+        # revisions). Without it a spare that waited longest lost its place to any
+        # newcomer whose id sorts first.
         self.joins[node] = value
-        self._joiners[node] = Joiner(node, 0, _prev_rank(value))
+        self._joiners[node] = Joiner(node, revision, _prev_rank(value))
 
     def joiners(self) -> list[Joiner]:
         return list(self._joiners.values())

@@ -273,6 +273,13 @@ class Liveness:
         if not any(t.name.endswith("watch") for t in self._threads):
             self._spawn(self._watch_loop, "watch")
 
+    def forget_round(self) -> None:
+        """This node sat out rounds (a cool-down): it joins the next as a newcomer, not
+        as a member of its last round asking for its rank back."""
+        with self.lock:
+            self.round = self.rank = None
+            self._entered.clear()
+
     def _watch_loop(self) -> None:
         """Follow ``ctl/`` while a round runs; flag a re-formation when one is due.
 

@@ -198,8 +198,11 @@ class Outcome:
         return load_exclusion(self._node_id, self._store.get(self._keys.excluded(self._node_id)))
 
     def readmit(self) -> None:
-        """This node's cool-down is over: it may join rounds again."""
+        """This node's cool-down is over: it may join rounds again, as a newcomer (its
+        rank went to the node that replaced it; asking for it back with its last round's
+        rank, it would be ordered ahead of spares that waited longer)."""
         self._store.delete(self._keys.excluded(self._node_id))
+        self._live.forget_round()
 
     def excluded_nodes(self) -> list[Exclusion]:
         """The job's excluded nodes, by node id."""
