@@ -26,16 +26,18 @@ from typing import Any
 
 from elastrun.core.clock import SYSTEM_CLOCK
 from elastrun.core.errors import (
+    LeaseExpiredError,
     RendezvousClosedError,
     StoreCompactedError,
     StoreError,
 )
 from elastrun.rendezvous import joining
-from elastrun.rendezvous.decide import RoundWatch, RunKeys
-from elastrun.rendezvous.dynamic import NodeDesc, RendezvousSettings
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import WATCH_SPAN
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.members import page_count, page_entries, page_of
+from elastrun.rendezvous.running import RoundWatch
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.api import EventKind
 
 
@@ -60,12 +62,14 @@ class AsyncNode:
         self._node = node
         self._keys = RunKeys(f"/elastrun/{settings.run_id}/")
         self._lease: int | None = None
+        self._acked_at: float | None = None
         self._round: int | None = None
         self._rank: int | None = None
         self._size = 0
         self._decision = ""
         self._membership: dict[str, bool] = {}
         self._since = 0
+        self._all_live = False
         self._reform = False
         self._lost = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -89,7 +93,12 @@ class AsyncNode:
         self._reform = False
         self.changed.clear()
         try:
-            joined = await self._drive(joining.join(self._context(), prev_round, prev_rank))
+            try:
+                joined = await self._drive(joining.join(self._context(), prev_round, prev_rank))
+            except LeaseExpiredError:  # as the handler: a fresh lease, and join again
+                self._lost = True
+                await self._register()
+                joined = await self._drive(joining.join(self._context(), prev_round, prev_rank))
         finally:
             self.waiting = False
         return self._enter_round(joined)
@@ -127,6 +136,13 @@ class AsyncNode:
                 return await store.get_prefix(prefix)
             case joining.Put(key, value, leased):
                 return await store.set(key, value, lease=self._lease if leased else None)
+            case joining.ReadAll(reads):  # sent at once, answered together
+                # Called here, in this task, so that the recording store sees the reads.
+                calls = [
+                    store.get(r.key) if isinstance(r, joining.Get) else store.get_prefix(r.prefix)
+                    for r in reads
+                ]
+                return list(await asyncio.gather(*calls))
             case joining.PutAll(items):  # sent at once, answered together
                 await asyncio.gather(*[store.set(key, value) for key, value in items])
                 return None
@@ -168,6 +184,7 @@ class AsyncNode:
         self._round, self._rank, self._size, self._decision = n, rank, size, decision
         self._membership = {self._node.node_id: True}
         self._since = int(result.get("rev", 0))
+        self._all_live = bool(result.get("all_live"))
         self._reform = False
         self._entered.set()
         self._start_watch()
@@ -180,13 +197,22 @@ class AsyncNode:
 
     async def _register(self) -> None:
         if self._lease is not None and not self._lost:
+            # As the handler's ``Liveness.renew``: a recent acknowledgement suffices.
+            acked = self._acked_at
+            if (
+                acked is not None
+                and time.monotonic() - acked < self._settings.heartbeat_timeout / 3
+            ):
+                return
             if await self._store.keep_alive(self._lease):
+                self._acked_at = time.monotonic()
                 return
             self._lost = True
         if await self.is_closed():
             raise RendezvousClosedError(f"run {self._settings.run_id!r} has ended")
         self._lost = False
         self._lease = await self._store.grant_lease(self._settings.heartbeat_timeout)
+        self._acked_at = time.monotonic()
         me = self._node
         await self._store.set(
             self._keys.nodes + me.node_id,
@@ -210,7 +236,9 @@ class AsyncNode:
                 alive = await self._store.keep_alive(lease)
             except StoreError:
                 continue
-            if not alive:
+            if alive:
+                self._acked_at = time.monotonic()
+            else:
                 self._lost = True
                 self._notify()
 
@@ -236,10 +264,10 @@ class AsyncNode:
                     view = self._round_watch(n, size)
                     watching = (n, view, await self._reload(view, n))
                     continue
-                await self._learn_members(res.events, n)
+                await self._learn_members(res.events, n, view)
                 view.apply(res.events)
                 watching = (n, view, res.revision)
-                await self._learn_members((), n, view.next_joiners)
+                await self._learn_members((), n, view, view.next_joiners)
                 if view.reason() is not None and self._round == n and not self._reform:
                     self._reform = True
                     self._notify()
@@ -252,17 +280,23 @@ class AsyncNode:
         # reads happen first (``_learn_members``), so the view finds them remembered.
         return RoundWatch(
             self._keys, n, size, self._settings.max_nodes,
-            lambda node: bool(self._membership.get(node)),
+            lambda node: bool(self._membership.get(node)), all_live=self._all_live,
         )  # fmt: skip
 
-    async def _learn_members(self, events: Any, n: int, nodes: Any = ()) -> None:
-        wanted = [
-            e.key[len(self._keys.nodes) :]
-            for e in events
-            if e.key.startswith(self._keys.nodes) and e.kind is EventKind.DELETE
-        ]
+    async def _learn_members(self, events: Any, n: int, view: RoundWatch, nodes: Any = ()) -> None:
+        # The pages the view will ask about: none for a node ``all_live`` answers for.
+        arrived = set(view.arrived)
+        wanted = []
+        for e in events:
+            if not e.key.startswith(self._keys.nodes):
+                continue
+            node = e.key[len(self._keys.nodes) :]
+            if e.kind is EventKind.PUT:
+                arrived.add(node)
+            elif not (view.all_live and node not in arrived):
+                wanted.append(node)
         for node in [*wanted, *nodes]:
-            if self._round == n:
+            if self._round == n and not (view.all_live and node not in arrived):
                 await self._is_member(node)
 
     async def _reload(self, view: RoundWatch, n: int) -> int:

@@ -285,7 +285,7 @@ async def _async_main(args: argparse.Namespace, cmds: Commands) -> None:
     from _rdzv_async import AsyncNode
 
     from elastrun.core.errors import StoreError
-    from elastrun.rendezvous.dynamic import NodeDesc, RendezvousSettings
+    from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 
     loop = asyncio.get_running_loop()
     settings = _elastrun_settings(args, RendezvousSettings)

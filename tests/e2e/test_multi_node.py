@@ -126,6 +126,36 @@ def test_three_nodes_lose_one_and_finish_at_two(tmp_path: Path, store_server) ->
 
 
 @pytest.mark.torch
+def test_four_nodes_lose_one_then_another_while_re_forming_and_train_on_at_two(  # type: ignore[no-untyped-def]
+    tmp_path: Path, store_server
+) -> None:
+    # A loss re-forms at once: the first survivor to re-join decides for all the live
+    # members (presumed joined). A second node killed half a second later dies while
+    # that round is decided, published or entered; the survivors re-form once more. (A
+    # worker that sees its peer's connection close before the store revoked the dead
+    # node's lease reports a failure: the budget of 2 covers that race, as above.)
+    endpoint, token = store_server
+    conf = f"is_host=false,token_file={token}"
+    procs = [
+        agent(tmp_path, "2:4", endpoint, _demo(tmp_path, 80), nproc=1, conf=conf,
+              extra=["--max-restarts", "2"])
+        for _ in range(4)
+    ]  # fmt: skip
+    ckpt = tmp_path / "ckpt"
+    wait_for(lambda: ckpt.exists() and any(ckpt.iterdir()), 120, "a first checkpoint")
+    for victim in (procs[3], procs[2]):
+        os.killpg(victim.pid, signal.SIGKILL)  # the agent and its workers, at once
+        time.sleep(0.5)
+    for victim in procs[2:]:
+        victim.communicate(timeout=10)
+    results = [finish(p, 180) for p in procs[:2]]
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    outcome = json.loads((tmp_path / "result.json").read_text())
+    assert outcome["identical"] is True and outcome["world_size"] == 2
+
+
+@pytest.mark.torch
 def test_one_node_grows_to_two_without_spending_restarts(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     first = agent(tmp_path, "1:2", endpoint, _demo(tmp_path, 80), nproc=1,

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests._helpers import wait_for
 
 import elastrun
+from _helpers import wait_for
 from elastrun import (
     ChildFailedError,
     LaunchConfig,

@@ -27,7 +27,9 @@ from elastrun.core.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
+from elastrun.rendezvous.outcome import STEP_AWAY_BOUND
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.tcp import TcpStore
 
 #: Seconds a call may end past its bound on a loaded 2-core machine.
@@ -232,6 +234,26 @@ def test_closing_and_leaving_end_within_their_bounds_on_a_silent_store(
         assert 1.0 + 2.0 <= took < 1.0 + 2.0 + 0.5 + SLACK, took
         assert threads.names == set()
         assert not [t for t in threading.enumerate() if t.name.startswith("elastrun-rdzv")]
+    finally:
+        server.thaw()
+        handler.leave()
+        store.close()
+
+
+def test_giving_notice_of_stepping_away_ends_within_its_bound_on_a_silent_store(
+    server: FrozenStore,
+) -> None:
+    # On a signal the agent gives notice before it stops its workers: a store that does
+    # not answer must not hold that stop, nor leave a thread behind to finish the write.
+    handler, store = _handler(server.port, request_timeout=30.0)
+    try:
+        handler.next_rendezvous()
+        server.freeze()
+        with ThreadWatch() as threads:
+            took, exc = _timed(lambda: handler.step_away("received SIGTERM"))
+        assert exc is None, exc  # never raises
+        assert STEP_AWAY_BOUND <= took < STEP_AWAY_BOUND + SLACK, took
+        assert threads.names == set()
     finally:
         server.thaw()
         handler.leave()

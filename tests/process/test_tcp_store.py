@@ -285,6 +285,45 @@ def test_answers_larger_than_a_frame_are_split_or_refused_without_harm() -> None
         server.stop()
 
 
+def test_watchers_woken_by_one_change_share_one_answer_split_when_it_is_too_large() -> None:
+    # The server encodes the answer for all the watchers one change wakes once; an
+    # answer larger than a frame (here: a lease's 2,000 keys deleted at once) is still
+    # split for each of them, and resuming gets the rest.
+    server = TcpStoreServer("127.0.0.1", 0, max_frame=p.HANDSHAKE_MAX_FRAME)
+    server.start()
+    got: dict[int, list[str]] = {}
+    clients = [TcpStore("127.0.0.1", server.port) for _ in range(3)]
+    try:
+        lease = clients[0].grant_lease(60)
+        names = [f"k/{i:04d}-" + "n" * 40 for i in range(2000)]
+        for name in names:
+            clients[0].set(name, b"v", lease=lease)
+        start = clients[0].set("marker", b"1")  # the revision after the writes
+
+        def watch(i: int) -> None:
+            keys: list[str] = []
+            revision = start
+            while len(keys) < len(names):
+                result = clients[i].watch("k/", revision, 10.0)
+                assert all(e.kind is EventKind.DELETE for e in result.events)
+                keys.extend(e.key for e in result.events)
+                revision = result.revision
+            got[i] = keys
+
+        threads = [threading.Thread(target=watch, args=(i,)) for i in (1, 2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # both wait
+        clients[0].revoke_lease(lease)
+        for t in threads:
+            t.join(10)
+        assert got == {1: sorted(names), 2: sorted(names)}
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+
+
 # -- scale -------------------------------------------------------------------------------
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from elastrun.core.errors import RendezvousClosedError
 from elastrun.rendezvous.api import RoundOutcome
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.memory import MemoryStore
 from elastrun.supervise.failures.crashloop import (
     CrashLoopGuard,

@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 
 from elastrun.core.cancel import Cancelled, CancelScope
-from elastrun.core.errors import RendezvousClosedError, RendezvousTimeoutError
+from elastrun.core.errors import RendezvousClosedError, RendezvousTimeoutError, StoreError
 from elastrun.rendezvous.api import RendezvousInfo
-from elastrun.rendezvous.decide import RunKeys
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.decide import Joiner, order_members
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
+from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.memory import MemoryStore
 
 NAMES: dict[int, str] = {}  # id(handler) -> its node's name
@@ -275,3 +277,141 @@ def test_leave_from_another_thread_ends_a_join_as_left() -> None:
     with pytest.raises(RendezvousClosedError, match="left"):
         h.next_rendezvous()
     assert time.monotonic() - t0 < 1.3
+
+
+# -- a re-formation decided at once (``decide.presume``) ----------------------------------------
+
+
+class _DiesWhilePublishing:
+    """A node's store that kills the node (revokes its lease and fails) at its first
+    member page of ``round_``, once ``waiting`` have joined that round."""
+
+    def __init__(self, inner: MemoryStore, round_: int, waiting: list[str]) -> None:
+        self._inner = inner
+        self._pages = f"/rounds/{round_}/members/"
+        self._joins = RunKeys.of_run("job").join_prefix(round_)
+        self._waiting = waiting
+        self.lease: int | None = None
+        self.died = threading.Event()
+
+    def set(self, key: str, value: bytes, *, lease: int | None = None) -> int:
+        if self._pages in key and not self.died.is_set():
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                found, _ = self._inner.get_prefix(self._joins)
+                if all(self._joins + n in found for n in self._waiting):
+                    break
+                time.sleep(0.01)
+            assert self.lease is not None
+            self._inner.revoke_lease(self.lease)
+            self.died.set()
+            raise StoreError("this node died while publishing")
+        return self._inner.set(key, value, lease=lease)
+
+    def grant_lease(self, ttl: float) -> int:
+        self.lease = self._inner.grant_lease(ttl)
+        return self.lease
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_survivors_reform_at_once_keeping_ranks_and_take_over_from_a_closer_that_dies() -> None:
+    store = MemoryStore()
+    dying = _DiesWhilePublishing(store, 1, ["b", "c"])
+    settings = RendezvousSettings("job", 2, 4, last_call_timeout=30.0)
+    a = DynamicRendezvousHandler(dying, settings, NodeDesc("a", "127.0.0.1", "default", 2))
+    NAMES[id(a)] = "a"
+    b, c, d = (_node(store, n, 2, 4, last_call_timeout=30.0) for n in "bcd")
+    keys = RunKeys.of_run("job")
+    try:
+        first = _all([a, b, c, d])
+        flags = []
+        for h in (a, b, c):
+            flag, cb = _flag()
+            h.set_change_callback(cb)
+            flags.append(flag)
+        d.leave()  # d is lost
+        assert all(f.wait(5) for f in flags)
+        # a re-forms first: it claims round 1 and decides at once (a 30 s last call
+        # would otherwise hold the round), then dies at its first page, with b and c
+        # waiting for the result.
+        dead: list[BaseException] = []
+
+        def go_a() -> None:
+            try:
+                a.next_rendezvous()
+            except Exception as exc:  # the simulated death
+                dead.append(exc)
+
+        ta = threading.Thread(target=go_a, daemon=True)
+        ta.start()
+        for _ in range(500):
+            if store.get(keys.closer(1)) == b"a":
+                break
+            time.sleep(0.01)
+        assert store.get(keys.closer(1)) == b"a"
+        started = time.monotonic()
+        second = _all([b, c])
+        assert time.monotonic() - started < 20  # decided at once, not after the 30 s last call
+        ta.join(5)
+        assert dying.died.is_set() and dead
+        assert {i.world_size for i in second.values()} == {2}
+        assert {i.round for i in second.values()} == {1}
+        # The ranks a full re-join of b and c would give.
+        full = order_members([Joiner(n, 0, first[n].rank) for n in ("b", "c")], 4)
+        assert {n: second[n].rank for n in ("b", "c")} == {n: r for r, n in enumerate(full)}
+        assert second["b"].bootstrap_store_info == second["c"].bootstrap_store_info
+    finally:
+        for h in (a, b, c):
+            h.leave()
+
+
+def test_a_loss_of_one_of_many_is_decided_by_one_survivor_and_the_rest_only_read() -> None:
+    """Six nodes, one lost: every survivor keeps its rank, the last rank moves into the
+    hole, and only the survivor that decides writes a join; the others read ``out/``."""
+    store = MemoryStore()
+    hs = [_node(store, n, 2, 6, last_call_timeout=30.0) for n in "abcdef"]
+    keys = RunKeys.of_run("job")
+    try:
+        first = _all(hs)
+        by_rank = sorted(hs, key=lambda h: first[NAMES[id(h)]].rank)
+        lost = by_rank[1]
+        survivors = [h for h in hs if h is not lost]
+        flags = []
+        for h in survivors:
+            flag, cb = _flag()
+            h.set_change_callback(cb)
+            flags.append(flag)
+        lost.leave()
+        assert all(f.wait(5) for f in flags)
+        decider = by_rank[0]
+        one = _all([decider])  # decides alone, at once: the others are presumed
+        rest = _all([h for h in survivors if h is not decider])
+        second = {**one, **rest}
+        moved = NAMES[id(by_rank[5])]
+        for h in survivors:
+            name = NAMES[id(h)]
+            want = 1 if name == moved else first[name].rank
+            assert second[name].rank == want and second[name].world_size == 5
+        joins, _ = store.get_prefix(keys.join_prefix(1))
+        assert list(joins) == [keys.join_prefix(1) + NAMES[id(decider)]]
+    finally:
+        for h in hs:
+            if h is not lost:
+                h.leave()
+
+
+def test_a_lease_that_ended_behind_a_recent_acknowledgement_is_replaced_when_joining() -> None:
+    store = MemoryStore()
+    h = _node(store, "a", 1, 1)
+    try:
+        first = _all([h])
+        lease = h._liveness.lease
+        assert lease is not None
+        store.revoke_lease(lease)  # ended since the last acknowledgement, moments ago
+        second = _all([h])
+        assert second["a"].round == first["a"].round + 1 and second["a"].rank == 0
+        assert h._liveness.lease not in (None, lease)
+    finally:
+        h.leave()

@@ -10,9 +10,10 @@ import pytest
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.errors import RendezvousClosedError
 from elastrun.rendezvous.api import RendezvousInfo, RoundOutcome
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.elastic import ElasticRendezvous, PlainRendezvous, as_elastic
 from elastrun.rendezvous.local import LocalRendezvousHandler
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.memory import MemoryStore
 
 

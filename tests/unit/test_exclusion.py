@@ -16,8 +16,8 @@ from elastrun.core import cancel
 from elastrun.core.errors import ConfigError, NodeExcludedError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MemoryEventSink, NullMetricSink
-from elastrun.rendezvous.decide import Joiner, RoundView, RunKeys, Verdict, decide_round
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.decide import Joiner, RoundView, Verdict, decide_round
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.exclusion import (
     Exclusion,
     ExclusionRule,
@@ -28,6 +28,8 @@ from elastrun.rendezvous.exclusion import (
     load_strikes,
     strikes_within,
 )
+from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.api import EventKind, WatchEvent
 from elastrun.store.memory import MemoryStore
 from elastrun.testing import FakeClock

@@ -18,8 +18,8 @@ from elastrun.core.errors import (
     StoreCompactedError,
 )
 from elastrun.rendezvous import joining as j
-from elastrun.rendezvous.decide import RunKeys
-from elastrun.rendezvous.dynamic import RendezvousSettings
+from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.settings import RendezvousSettings
 from elastrun.store.api import EventKind, WatchEvent, WatchResult
 from elastrun.testing import FakeClock
 
@@ -64,6 +64,11 @@ def _event(kind: EventKind, key: str, value: bytes | None, rev: int) -> WatchEve
     return WatchEvent(kind, key, value, rev)
 
 
+def _view_reads() -> list[object]:
+    """The answers to a closer's reads of round 0 where only "b" joined and lives."""
+    return [({KEYS.join_prefix(0) + "b": b"{}"}, 9), ({KEYS.nodes + "b": b"{}"}, 9), ({}, 9), None]
+
+
 def _result(size: int = 1) -> bytes:
     return json.dumps({"id": "d1", "size": size, "shape": [], "rev": 3}).encode()
 
@@ -71,10 +76,10 @@ def _result(size: int = 1) -> bytes:
 def test_a_follower_shows_the_closers_progress_each_period_and_takes_the_result() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock), 0, None, clock.monotonic() + 60))
+    run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))  # "a" decides the round
     put = run.expect(j.Put, 1)
     assert put.key == KEYS.join_prefix(0) + "b" and put.leased
     assert json.loads(put.value) == {**INFO, "prev_rank": None}
-    run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))  # "a" decides the round
     clock.advance(5.0)  # the watch ends after its timeout, with nothing new
     watch = run.expect(j.Watch, WatchResult((), 8))
     assert (watch.prefix, watch.after) == (KEYS.out(0), 7)
@@ -88,14 +93,14 @@ def test_a_follower_shows_the_closers_progress_each_period_and_takes_the_result(
         j.Watch, WatchResult((_event(EventKind.PUT, KEYS.result(0), _result(), 9),), 9)
     )
     assert watch.after == 8
-    assert run.finish()["id"] == "d1"
+    assert run.finish()[0]["id"] == "d1"
 
 
 def test_a_follower_takes_over_when_the_closers_claim_vanishes_and_closes_the_round() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock), 0, 4, clock.monotonic() + 60))
-    run.expect(j.Put, 1)
     run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))
+    run.expect(j.Put, 1)
     gone = _event(EventKind.DELETE, KEYS.closer(0), None, 8)  # "a"'s lease ended
     run.expect(j.Watch, WatchResult((gone,), 8))
     claim = run.expect(j.CompareSet, (True, None))
@@ -104,10 +109,14 @@ def test_a_follower_takes_over_when_the_closers_claim_vanishes_and_closes_the_ro
     )  # fmt: skip
     # As the closer: the view of round 0 from full reads.
     joined = json.dumps({**INFO, "prev_rank": 4}).encode()
-    run.expect(j.GetPrefix, ({KEYS.join_prefix(0) + "b": joined}, 9))
-    run.expect(j.GetPrefix, ({KEYS.nodes + "b": b"{}"}, 9))
-    run.expect(j.GetPrefix, ({}, 9))  # nobody sits out a cool-down
-    run.expect(j.Get, None)  # the run is not closed
+    # (joins, live nodes, nobody sits out a cool-down, the run is not closed: at once)
+    reads = run.expect(
+        j.ReadAll, [({KEYS.join_prefix(0) + "b": joined}, 9), ({KEYS.nodes + "b": b"{}"}, 9),
+                    ({}, 9), None],
+    ).reads  # fmt: skip
+    assert [r.prefix if isinstance(r, j.GetPrefix) else r.key for r in reads] == [
+        KEYS.join_prefix(0), KEYS.nodes, KEYS.excluded_prefix, KEYS.closed,
+    ]  # fmt: skip
     assert run.expect(j.Seen) == j.Seen(0, 1)
     # One node of 1..1: the round closes at once, with "b" at rank 0.
     pages = run.expect(j.PutAll).items  # one page: "b" at rank 0, with its address
@@ -118,14 +127,14 @@ def test_a_follower_takes_over_when_the_closers_claim_vanishes_and_closes_the_ro
     assert result.key == KEYS.result(0)
     assert run.expect(j.Put, 12).key == KEYS.current
     assert run.expect(j.Closed) == j.Closed(0, 1)
-    assert run.finish()["size"] == 1
+    assert run.finish()[0]["size"] == 1
 
 
 def test_a_follower_past_its_deadline_audits_the_round_and_times_out_below_the_minimum() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock, lo=2, hi=3), 0, None, clock.monotonic() + 8))
-    run.expect(j.Put, 1)
     run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))
+    run.expect(j.Put, 1)
     clock.advance(5.0)
     run.expect(j.Watch, WatchResult((), 7))
     run.expect(j.Get, None)
@@ -135,18 +144,15 @@ def test_a_follower_past_its_deadline_audits_the_round_and_times_out_below_the_m
     watch = run.expect(j.Watch, WatchResult((), 7))
     assert watch.timeout == pytest.approx(3.01)  # until the deadline, not a period
     # The closer decided nothing by the deadline: this node looks for itself.
-    run.expect(j.GetPrefix, ({KEYS.join_prefix(0) + "b": b"{}"}, 9))
-    run.expect(j.GetPrefix, ({KEYS.nodes + "b": b"{}"}, 9))
-    run.expect(j.GetPrefix, ({}, 9))
     with pytest.raises(RendezvousTimeoutError, match="1 node"):
-        run.expect(j.Get, None)
+        run.expect(j.ReadAll, _view_reads())
 
 
 def test_a_follower_stops_waiting_when_the_run_is_closed() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock), 0, None, clock.monotonic() + 60))
-    run.expect(j.Put, 1)
     run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))
+    run.expect(j.Put, 1)
     clock.advance(5.0)
     run.expect(j.Watch, WatchResult((), 7))
     with pytest.raises(RendezvousClosedError, match="finished"):
@@ -156,23 +162,20 @@ def test_a_follower_stops_waiting_when_the_run_is_closed() -> None:
 def test_a_compacted_history_is_read_again_in_full() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock), 0, None, clock.monotonic() + 60))
-    run.expect(j.Put, 1)
     run.expect(j.GetPrefix, ({KEYS.closer(0): b"a"}, 7))
+    run.expect(j.Put, 1)
     run.fail(j.Watch, StoreCompactedError("compacted"))
     run.expect(j.GetPrefix, ({KEYS.closer(0): b"a", KEYS.result(0): _result()}, 20))
-    assert run.finish()["id"] == "d1"
+    assert run.finish()[0]["id"] == "d1"
 
 
 def test_the_closer_publishes_its_progress_for_the_others_each_period() -> None:
     clock = FakeClock()
     run = Driver(j.join_round(_ctx(clock, lo=2, hi=3), 0, None, clock.monotonic() + 60))
-    run.expect(j.Put, 1)
     run.expect(j.GetPrefix, ({}, 7))  # nobody decides round 0 yet
+    run.expect(j.Put, 1)
     run.expect(j.CompareSet, (True, None))
-    run.expect(j.GetPrefix, ({KEYS.join_prefix(0) + "b": b"{}"}, 9))
-    run.expect(j.GetPrefix, ({KEYS.nodes + "b": b"{}"}, 9))
-    run.expect(j.GetPrefix, ({}, 9))
-    run.expect(j.Get, None)
+    run.expect(j.ReadAll, _view_reads())
     assert run.expect(j.Seen) == j.Seen(0, 1)
     for _ in range(2):  # at once, then a period later
         assert run.expect(j.Get, None).key == KEYS.result(0)  # not closed by an audit

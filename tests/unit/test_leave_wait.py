@@ -8,7 +8,7 @@ import time
 
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK
-from elastrun.rendezvous.decide import RunKeys
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
 from elastrun.store.memory import MemoryStore
 

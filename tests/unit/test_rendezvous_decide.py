@@ -104,10 +104,9 @@ def test_reformation_triggers() -> None:
 
 from elastrun.rendezvous.decide import (  # noqa: E402
     RoundView,
-    RoundWatch,
-    RunKeys,
     shape_of,
 )
+from elastrun.rendezvous.keys import RunKeys  # noqa: E402
 from elastrun.rendezvous.members import (  # noqa: E402
     PAGE_SIZE,
     member_pages,
@@ -116,6 +115,7 @@ from elastrun.rendezvous.members import (  # noqa: E402
     page_of,
     rows_of_pages,
 )
+from elastrun.rendezvous.running import RoundWatch  # noqa: E402
 from elastrun.store.api import EventKind, WatchEvent  # noqa: E402
 
 K = RunKeys("/elastrun/job/")

@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from elastrun.core.errors import RendezvousConnectionError, StoreUnavailableError
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.memory import MemoryStore
 
 LINE = "the rendezvous store at 127.0.0.1:29400 stopped answering 60s ago; stopping"

@@ -169,6 +169,9 @@ class ElasticLoop:
         if self._attempt is not None:
             grace = self._p.options.shutdown_timeout
             log.warning("received %s: stopping workers (grace %.0fs)", name, grace)
+            # Before the workers stop and their peers elsewhere re-form: no one may count
+            # this node in the next round before it joins (it never will).
+            self._p.rdzv.step_away(f"received {name}")
             self._finish_attempt(signum)
         self._p.events.record("agent.signal", {"signal": name})
 
@@ -408,6 +411,7 @@ class ElasticLoop:
         in uninterruptible sleep (``stuck``: its local rank; restarting cannot help)."""
         p = self._p
         attempt = self._current()
+        p.rdzv.step_away("its agent gave up")  # (before its workers stop: see _stopped_by)
         self._finish_attempt(signal.SIGTERM)
         p.watches.note_expired_timers()
         reasons = p.watches.reasons

@@ -109,8 +109,11 @@ class NodeCheck:
         self.last: CheckOutcome | None = None
 
     def own_failure(self) -> None:
-        """This node's workers failed: check it before it rejoins."""
+        """This node's workers failed: check it before it rejoins (meanwhile no one may
+        count it in the next round: it may fail its check and be kept out)."""
         self.due = self._rule.enabled
+        if self.due:
+            self._rdzv.step_away("it checks itself before it re-joins")
 
     def before_round(self) -> None:
         """Check this node if due; keep it out of the rounds if it fails.

@@ -30,7 +30,7 @@ from elastrun.pace.straggler import (
     StragglerSettings,
     pace_times,
 )
-from elastrun.rendezvous.decide import RunKeys
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.store.api import Store
 
 log = logging.getLogger("elastrun.agent")

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from elastrun.core.errors import ConfigError, RendezvousConnectionError, StoreError
 from elastrun.core.values import parse_host_port, parse_int, parse_seconds
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.local import LOOPBACK, LocalRendezvousHandler
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 
 log = logging.getLogger("elastrun.rendezvous")
 

@@ -1,5 +1,6 @@
 """Rendezvous decisions as pure functions of (state, now): when a round closes, who is in
-it and with which group rank; and the views of a run kept from watch events. The
+it and with which group rank; and the closer's view of a forming round, kept from watch
+events (a running member's is ``running.RoundWatch``). The
 handler (``dynamic.py``, with ``liveness.py`` and ``outcome.py``) feeds them what the store
 said and applies the decision; nothing here touches the store or the clock.
 """
@@ -8,12 +9,13 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol
 
-from elastrun.rendezvous.members import MemberRow, member_pages
+from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.members import MemberRow, changes_from, member_pages
 from elastrun.store.api import EventKind, WatchEvent
 
 
@@ -77,13 +79,20 @@ def decide_round(
     join_deadline: float,
     first_round: bool,
     excluded: AbstractSet[str] = frozenset(),
+    previous: Sequence[str] = (),
+    must_join: AbstractSet[str] = frozenset(),
 ) -> RoundDecision:
     """Whether a forming round should close now.
 
     ``previous_live`` are the members of the previous round that are still alive.
     ``excluded`` are nodes kept out for a cool-down (``exclusion``): as joiners they
     wait like spares, and a round waits for none of them, so a spare takes an excluded
-    member's place at once.
+    member's place at once. ``previous`` is the previous round's members in group-rank
+    order: given, a re-formation that has begun counts its live members that have not
+    joined yet as joined, with their previous ranks (``presume``), except those in
+    ``must_join``: members that a full re-join would not have yet, or ever (the node
+    that claimed the previous round's failure, members that finished it, members that
+    gave notice: ``RoundView.must_join``); they count once they join themselves.
 
     * The job's first round closes at once with ``max_nodes`` joiners, or with at least
       ``min_nodes`` when the last call (started when the minimum was reached) ends;
@@ -92,16 +101,21 @@ def decide_round(
       spares waiting for room: it stays open, with no deadline. Once re-formation has
       begun it closes as soon as every live previous member has joined (a restart after
       a failure or the loss of a node waits for no one), or at ``max_nodes``, or with at
-      least the minimum when the last call ends; below the minimum it times out.
+      least the minimum when the last call ends; below the minimum it times out. With
+      ``previous`` given, every live previous member not in ``must_join`` counts as
+      joined from the start.
     """
     if excluded:
         joiners = [j for j in joiners if j.node_id not in excluded]
         previous_live = previous_live - excluded
     joined = {j.node_id for j in joiners}
-    count = len(joiners)
     pending = previous_live - joined
     if not first_round and pending and not previous_live & joined:
         return RoundDecision(Verdict.WAIT)
+    if not first_round and pending and previous:
+        joiners = presume(joiners, pending - must_join, previous)
+        pending &= must_join
+    count = len(joiners)
     if count >= max_nodes:
         return RoundDecision(Verdict.CLOSE, order_members(joiners, max_nodes))
     if count >= min_nodes:
@@ -112,6 +126,26 @@ def decide_round(
     if now >= join_deadline:
         return RoundDecision(Verdict.TIMEOUT)
     return RoundDecision(Verdict.WAIT, wake_at=join_deadline)
+
+
+def presume(
+    joiners: Sequence[Joiner], pending: AbstractSet[str], previous: Sequence[str]
+) -> list[Joiner]:
+    """``joiners`` and the ``pending`` previous members, each with its rank in
+    ``previous`` (the previous round's members in group-rank order), as if they had joined.
+
+    Why a re-formation need not wait for them: once one member of a running round joins
+    the next round, every other live member re-forms too (its watch sees that join, the
+    loss or the failure that started it) and joins with its current rank as
+    ``prev_rank``. Waiting for thousands of joins to arrive only delays the answer those
+    joins would give: ``order_members`` over the presumed joiners gives every member the
+    rank the full joins would give. A presumed member that dies meanwhile is seen by the
+    new round's members (they watch from the decision's revision) and the group re-forms
+    once more; one that joins late finds itself in the round already decided.
+    """
+    rank = {node: i for i, node in enumerate(previous)}
+    presumed = [Joiner(node, 0, rank.get(node)) for node in sorted(pending)]
+    return [*joiners, *presumed]
 
 
 def needs_reformation(
@@ -156,6 +190,50 @@ def _prev_rank(raw: bytes | None) -> int | None:
 JSONDoc = dict[str, object]
 
 
+def _toggle(nodes: set[str], node: str, present: bool) -> None:
+    (nodes.add if present else nodes.discard)(node)
+
+
+def failure_claimer(raw: bytes | None) -> str | None:
+    """The node named in a round's failure claim (``ctl/failed/<n>``), if readable."""
+    try:
+        data = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    node = data.get("node") if isinstance(data, dict) else None
+    return node if isinstance(node, str) else None
+
+
+@dataclass(frozen=True)
+class Away:
+    """A member's notice that it does not re-join the round after ``round`` at once
+    (``ctl/away/<node>``, bound to its lease): the next round's closer must not presume
+    it (``RoundView.must_join``). Written before the member does what would make the
+    others re-form (stop its workers), so that the closer always sees it first.
+
+    Why a notice and not the lease alone: the lease of a node that is going lives on
+    while its workers stop (up to the shutdown timeout); a full re-join would wait for
+    that node's join, which never comes, and close without it once its lease ends. A
+    presumed node would instead be a member of a round that must re-form once more.
+    """
+
+    round: int
+    why: str
+
+    def dump(self) -> bytes:
+        return json.dumps({"v": 1, "round": self.round, "why": self.why}).encode()
+
+    @staticmethod
+    def load(raw: bytes | None) -> int | None:
+        """The round a notice is about (None: absent or unreadable)."""
+        try:
+            data = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        n = data.get("round") if isinstance(data, dict) and data.get("v") == 1 else None
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 class Bounds(Protocol):
     """What a decision needs of the rendezvous settings."""
 
@@ -185,17 +263,37 @@ class RoundView:
     ``RunKeys``); events under other keys are ignored.
     """
 
-    def __init__(self, keys: RunKeys, n: int, previous: Sequence[str]) -> None:
+    def __init__(
+        self,
+        keys: RunKeys,
+        n: int,
+        previous: Sequence[str],
+        *,
+        rows: Sequence[Sequence[object]] = (),
+    ) -> None:
         self._keys = keys
         self._join = keys.join_prefix(n)
         self.round = n
         self.previous = tuple(previous)
+        #: What the previous round's members brought (address, role, local world size),
+        #: by node: a member presumed to re-join (``presume``) has written nothing yet.
+        self._brought: dict[str, JSONDoc] = {
+            str(r[0]): {"addr": r[1], "role": r[2], "local_world_size": r[3]}
+            for r in rows
+            if len(r) >= 4
+        }
         self.joins: dict[str, bytes] = {}
         self._joiners: dict[str, Joiner] = {}
         self.live: set[str] = set()
         #: Nodes kept out for a cool-down (``exclusion``).
         self.excluded: set[str] = set()
         self.closed: bytes | None = None
+        #: What says that a member of round n-1 must join this round itself
+        #: (``must_join``): who claimed that round's failure, who finished it, and who
+        #: gave notice (``Away``) in it.
+        self.failed_by: str | None = None
+        self.finished: set[str] = set()
+        self.away: set[str] = set()
 
     def load(
         self,
@@ -203,48 +301,85 @@ class RoundView:
         nodes: Sequence[str],
         closed: bytes | None,
         excluded: Sequence[str] = (),
+        more: Mapping[str, bytes] | None = None,
     ) -> None:
-        """Start from full reads (``joins``, ``nodes`` and ``excluded`` as full keys)."""
+        """Start from full reads (``joins``, ``nodes`` and ``excluded`` as full keys;
+        ``more``: other keys under ``ctl/`` as read, with their values)."""
         self.joins.clear()
         self._joiners.clear()
+        self.failed_by, self.finished, self.away = None, set(), set()
         for key, value in joins.items():
             self._put_join(key[len(self._join) :], value)
         cut = len(self._keys.nodes)
         self.live = {k[cut:] for k in nodes}
         self.excluded = {k[len(self._keys.excluded_prefix) :] for k in excluded}
         self.closed = closed
+        for key, value in (more or {}).items():
+            self._take(key, value)
 
     def apply(self, events: Sequence[WatchEvent]) -> None:
         for e in events:
             put = e.kind is EventKind.PUT
-            if e.key.startswith(self._join):
-                node = e.key[len(self._join) :]
-                if put:
-                    self._put_join(node, e.value or b"")
-                else:
-                    self.joins.pop(node, None)
-                    self._joiners.pop(node, None)
-            elif e.key.startswith(self._keys.nodes):
-                node = e.key[len(self._keys.nodes) :]
-                if put:
-                    self.live.add(node)
-                else:
-                    self.live.discard(node)
-            elif e.key.startswith(self._keys.excluded_prefix):
-                node = e.key[len(self._keys.excluded_prefix) :]
-                (self.excluded.add if put else self.excluded.discard)(node)
-            elif e.key == self._keys.closed:
-                self.closed = e.value if put else None
+            self._take(e.key, (e.value or b"") if put else None, e.revision)
 
-    def _put_join(self, node: str, value: bytes) -> None:
+    def _take(self, key: str, value: bytes | None, revision: int = 0) -> None:
+        """One key under ``ctl/`` as it now is (``value`` None: deleted), changed at
+        ``revision`` (0: as first read, before any change this view saw)."""
+        k = self._keys
+        if key.startswith(self._join):
+            node = key[len(self._join) :]
+            if value is not None:
+                self._put_join(node, value, revision)
+            else:
+                self.joins.pop(node, None)
+                self._joiners.pop(node, None)
+        elif key.startswith(k.nodes):
+            _toggle(self.live, key[len(k.nodes) :], value is not None)
+        elif key.startswith(k.excluded_prefix):
+            _toggle(self.excluded, key[len(k.excluded_prefix) :], value is not None)
+        elif key == k.closed:
+            self.closed = value
+        elif self.round == 0:
+            return
+        elif key == k.failed(self.round - 1):
+            self.failed_by = failure_claimer(value)
+        elif key.startswith(k.done(self.round - 1)):
+            _toggle(self.finished, key[len(k.done(self.round - 1)) :], value is not None)
+        elif key.startswith(k.away_prefix):
+            away = Away.load(value) == self.round - 1
+            _toggle(self.away, key[len(k.away_prefix) :], away)
+
+    def _put_join(self, node: str, value: bytes, revision: int = 0) -> None:
+        # The join order among newcomers: the revision of a join this view saw made;
+        # those first read come before them, in node order (a read has no per-key
+        # revisions). Without it a spare that waited longest lost its place to any
+        # newcomer whose id sorts first.
         self.joins[node] = value
-        self._joiners[node] = Joiner(node, 0, _prev_rank(value))
+        self._joiners[node] = Joiner(node, revision, _prev_rank(value))
 
     def joiners(self) -> list[Joiner]:
         return list(self._joiners.values())
 
     def previous_live(self) -> set[str]:
         return set(self.previous) & self.live
+
+    def must_join(self) -> set[str]:
+        """The members of round n-1 that are in this round only once they join it
+        themselves: a full re-join would not have them yet, or ever.
+
+        * The node that claimed round n-1's failure: it counts a strike against itself
+          next, and may be excluded, sit out a cool-down and be readmitted, all before
+          it joins (presumed, it would take the place of the spare that replaces it), or
+          find the job's budget spent and close the run.
+        * Members that finished round n-1 (its exit barrier): each re-forms only when
+          its barrier says so, and leaves when the barrier times out.
+        * Members that gave notice (``Away``): a signal stops their agent, their agent
+          gave up, or they check themselves before they re-join.
+        """
+        nodes = self.finished | self.away
+        if self.failed_by is not None:
+            nodes.add(self.failed_by)
+        return nodes
 
     def started(self) -> bool:
         """Whether this round is forming (not only spares waiting for room)."""
@@ -258,7 +393,8 @@ class RoundView:
             self.joiners(), self.previous_live(), min_nodes=bounds.min_nodes,
             max_nodes=bounds.max_nodes, now=now, call_started_at=call_started_at,
             last_call=bounds.last_call_timeout, join_deadline=join_deadline,
-            first_round=self.round == 0, excluded=self.excluded,
+            first_round=self.round == 0, excluded=self.excluded, previous=self.previous,
+            must_join=self.must_join(),
         )  # fmt: skip
 
     def outcome(
@@ -266,112 +402,29 @@ class RoundView:
     ) -> tuple[list[JSONDoc], JSONDoc]:
         """What closing the round with ``members`` publishes: the member pages (see
         ``member_pages``) and the small result everyone waits for (decision id, size,
-        run-length shape, revision)."""
+        run-length shape, revision). The result also lists the few changes from the
+        previous round's ranks when they are few (``from``: see ``changes_from``), and
+        says ``all_live`` when every node alive at ``rev`` is a member (then a member
+        that sees a node's lease end need not read a page to know it was a member)."""
         rows: list[MemberRow] = []
         slots: list[tuple[str, int]] = []
         for m in members:
+            raw = self.joins.get(m)
             try:
-                data = json.loads(self.joins.get(m) or b"{}")
+                data = json.loads(raw) if raw is not None else self._brought.get(m, {})
             except ValueError:
                 data = {}
             d = data if isinstance(data, dict) else {}
-            role, lws = str(d.get("role", "")), int(d.get("local_world_size", 0))
+            role, lws = str(d.get("role", "")), int(str(d.get("local_world_size", 0)))
             rows.append((m, str(d.get("addr", "")), role, lws))
             slots.append((role, lws))
         result: JSONDoc = {"id": decision, "size": len(rows), "rev": rev, "shape": shape_of(slots)}
+        changes = changes_from(self.previous, members) if self.round > 0 else None
+        if changes is not None:
+            result["from"] = {"round": self.round - 1, **changes}
+        if self.live <= set(members):
+            result["all_live"] = True
         return member_pages(rows), result
-
-
-class RoundWatch:
-    """What a member of running round ``n`` watches for: the reasons to re-form.
-
-    Members do not hold the whole member list (with N nodes that would be O(N^2) bytes
-    through the store): ``is_member`` answers for one node when an event needs it (the
-    handler looks up that node's rank key, then remembers).
-    """
-
-    def __init__(
-        self,
-        keys: RunKeys,
-        n: int,
-        size: int,
-        max_nodes: int,
-        is_member: Callable[[str], bool],
-    ) -> None:
-        self._keys = keys
-        self._next = keys.join_prefix(n + 1)
-        self._failed = keys.failed(n)
-        self._done = keys.done(n)
-        self._size = size
-        self._max = max_nodes
-        self._is_member = is_member
-        self.lost: set[str] = set()
-        #: Members whose workers finished this round (their leaving is no loss).
-        self.finished: set[str] = set()
-        self.next_joiners: set[str] = set()
-        self.failed = False
-        self.closed = False
-
-    def load(
-        self,
-        members: Sequence[str],
-        nodes: Sequence[str],
-        next_joins: Sequence[str],
-        failed: bool,
-        closed: bool,
-        done: Sequence[str] = (),
-    ) -> None:
-        """Start from full reads (full keys), e.g. after the store compacted history."""
-        cut = len(self._keys.nodes)
-        self.finished = {k[len(self._done) :] for k in done}
-        self.lost = set(members) - {k[cut:] for k in nodes} - self.finished
-        self.next_joiners = {k[len(self._next) :] for k in next_joins}
-        self.failed, self.closed = failed, closed
-
-    def apply(self, events: Sequence[WatchEvent]) -> None:
-        for e in events:
-            put = e.kind is EventKind.PUT
-            if e.key.startswith(self._next):
-                node = e.key[len(self._next) :]
-                (self.next_joiners.add if put else self.next_joiners.discard)(node)
-            elif e.key.startswith(self._done):
-                if put:
-                    node = e.key[len(self._done) :]
-                    self.finished.add(node)
-                    self.lost.discard(node)
-            elif e.key.startswith(self._keys.nodes):
-                node = e.key[len(self._keys.nodes) :]
-                if put:
-                    self.lost.discard(node)
-                elif node not in self.finished and self._is_member(node):
-                    self.lost.add(node)
-            elif e.key == self._failed and put:
-                self.failed = True
-            elif e.key == self._keys.closed and put:
-                self.closed = True
-
-    def reason(self) -> str | None:
-        """Why the round must re-form now, or None.
-
-        Yes when the run was closed, a worker failed somewhere, a member is gone (its
-        lease ended) before its workers finished, a member already asks for the next
-        round, or a newcomer waits and there is room for it. A newcomer at full size is
-        a spare and disturbs no one, and so is a member that finished and left (its
-        exit barrier timed out): the others' workers run on to their own end.
-        """
-        if self.closed:
-            return "the run was closed by another node"
-        if self.failed:
-            return "a worker failed on another node"
-        if self.lost:
-            return f"lost {len(self.lost)} node(s): {', '.join(sorted(self.lost))}"
-        if not self.next_joiners:
-            return None
-        if any(self._is_member(j) for j in self.next_joiners):
-            return "node(s) of this round are joining the next one"
-        if self._size < self._max:
-            return "new node(s) are waiting to join"
-        return None
 
 
 def shape_of(slots: Sequence[tuple[str, int]]) -> list[list[object]]:
@@ -384,98 +437,3 @@ def shape_of(slots: Sequence[tuple[str, int]]) -> list[list[object]]:
         else:
             runs.append((role, size, 1))
     return [list(run) for run in runs]
-
-
-@dataclass(frozen=True)
-class RunKeys:
-    """The store keys of one run (DESIGN.md section 4), under ``prefix``.
-
-    What running members and closers watch lives under ``ctl``; bulky or chatty keys
-    (results, exit barriers) live elsewhere, so that watching costs O(1) per change that
-    matters.
-    """
-
-    prefix: str
-
-    @classmethod
-    def of_run(cls, run_id: str) -> RunKeys:
-        """The keys of the run ``run_id`` (its prefix in the rendezvous store)."""
-        return cls(f"/elastrun/{run_id}/")
-
-    @property
-    def ctl(self) -> str:
-        return self.prefix + "ctl/"
-
-    @property
-    def nodes(self) -> str:
-        return self.prefix + "ctl/nodes/"
-
-    @property
-    def closed(self) -> str:
-        return self.prefix + "ctl/closed"
-
-    def join_prefix(self, n: int) -> str:
-        return f"{self.prefix}ctl/join/{n}/"
-
-    def failed(self, n: int) -> str:
-        return f"{self.prefix}ctl/failed/{n}"
-
-    @property
-    def excluded_prefix(self) -> str:
-        """Nodes kept out of the rounds for a cool-down (``exclusion``)."""
-        return self.prefix + "ctl/excluded/"
-
-    def excluded(self, node: str) -> str:
-        """``node``'s exclusion: bound to its lease, deleted when its cool-down ends."""
-        return self.excluded_prefix + node
-
-    def strikes(self, node: str) -> str:
-        """The times of ``node``'s recent failures. Not under ``ctl/``: no one watches it."""
-        return f"{self.prefix}strikes/{node}"
-
-    def out(self, n: int) -> str:
-        return f"{self.prefix}rounds/{n}/out/"
-
-    def result(self, n: int) -> str:
-        return self.out(n) + "result"
-
-    def closer(self, n: int) -> str:
-        return self.out(n) + "closer"
-
-    def status(self, n: int) -> str:
-        return f"{self.prefix}rounds/{n}/status"
-
-    def members_prefix(self, n: int, decision: str) -> str:
-        """The pages of one decision's members (``member_pages``)."""
-        return f"{self.prefix}rounds/{n}/members/{decision}/"
-
-    def members(self, n: int, decision: str, page: int) -> str:
-        """Page ``page`` of one decision's members."""
-        return f"{self.members_prefix(n, decision)}{page}"
-
-    def master(self, n: int) -> str:
-        return f"{self.prefix}rounds/{n}/master"
-
-    def pace(self, n: int) -> str:
-        """Each node's step-time summary in round n, one key per node (stragglers).
-        Not under ``ctl/``: rewritten every few seconds, it must wake no watcher."""
-        return f"{self.prefix}rounds/{n}/pace/"
-
-    def inprocess(self, n: int) -> str:
-        """What each node of round n offers for an in-process recovery (one key per
-        group rank): whether it kept its workers, their round and their listeners."""
-        return f"{self.prefix}rounds/{n}/inprocess/"
-
-    def done(self, n: int) -> str:
-        """The exit barrier of round n. Under ``ctl/`` so that running members see a
-        member finish before its lease goes (and do not take it for lost); not bound to
-        a lease, so a node finishing later still counts a member that already left."""
-        return f"{self.prefix}ctl/done/{n}/"
-
-    @property
-    def current(self) -> str:
-        return self.prefix + "current"
-
-    @property
-    def budget(self) -> str:
-        return self.prefix + "budget"

@@ -1,6 +1,6 @@
 """The dynamic rendezvous, written once against the store model (DESIGN.md section 4).
 
-Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
+Keys of a run, under ``/elastrun/<run_id>/`` (``keys.RunKeys``):
 
 ``ctl/nodes/<node>``         bound to the node's lease: the node is alive
 ``ctl/join/<n>/<node>``      bound to the lease: the node asks to be in round n
@@ -13,9 +13,10 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``decide.RunKeys``):
 ``rounds/<n>/members/<id>/<p>``  page p of that decision's members, with their group
                              ranks (a member is on the page its id hashes to)
 ``rounds/<n>/status``        the closer's progress (for the others' log lines)
-``rounds/<n>/master``        MASTER_ADDR/PORT of round n, chosen by its rank 0
+``rounds/<n>/out/master``    MASTER_ADDR/PORT of round n, chosen by its rank 0
 ``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
 ``ctl/excluded/<node>``      bound to the lease: the node sits out a cool-down
+``ctl/away/<node>``          bound to the lease: the node re-joins late or never
 ``strikes/<node>``           the times of the node's recent failures (``exclusion``)
 ``check/...``                node checks: waves, ports, results (``nodecheck.board``)
 ``current``                  the newest closed round
@@ -29,6 +30,15 @@ watch ``ctl/`` from the revision the round was decided at. Each node reads only 
 small result and the page holding its own rank, never the whole member list. So each
 change costs O(1) per interested node and a round of N nodes costs O(N) store traffic.
 Nothing polls.
+
+A re-formation (a member lost, a worker failed, a newcomer with room) does not wait for
+every member to join again: once one member of the running round joins the next one,
+the closer counts every other live member as joined, with its rank
+(``decide.presume``), and decides at once. Its result lists the few rank changes from
+the previous round, so a member that comes later computes its rank from the result (one
+read of ``out/``, which soon also holds the master address) and writes nothing. After a
+loss among N nodes each survivor is woken once, reads ``out/`` and enters; the closer
+(any survivor: the first to claim) reads the previous round once and decides.
 """
 
 from __future__ import annotations
@@ -37,15 +47,14 @@ import contextlib
 import functools
 import logging
 import threading
-import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.core import cancel
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import (
+    LeaseExpiredError,
     RendezvousClosedError,
     RendezvousConnectionError,
     StoreError,
@@ -61,52 +70,16 @@ from elastrun.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
-from elastrun.rendezvous.decide import RunKeys
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.outcome import Outcome
 from elastrun.rendezvous.progress import ProgressLine, round_status
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.api import Store
 
 log = logging.getLogger("elastrun.rendezvous")
-
-
-@dataclass(frozen=True)
-class RendezvousSettings:
-    """Timeouts (seconds) and bounds of a dynamic rendezvous."""
-
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    join_timeout: float = 600.0
-    last_call_timeout: float = 30.0
-    close_timeout: float = 30.0
-    heartbeat_timeout: float = 10.0  # lease TTL: a silent node is dropped after this
-
-    def __post_init__(self) -> None:
-        # Validated data: the backends' parsers check --rdzv-conf first, naming the key;
-        # this catches a Python caller's NaN, infinite or negative value.
-        from elastrun.core.values import parse_int, parse_seconds
-
-        parse_int(self.min_nodes, "min_nodes", low=1)
-        parse_int(self.max_nodes, "max_nodes", low=self.min_nodes)
-        for name in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout"):
-            parse_seconds(getattr(self, name), name, low_open=True)
-
-
-@dataclass(frozen=True)
-class NodeDesc:
-    node_id: str
-    addr: str
-    role: str
-    local_world_size: int
-
-    @classmethod
-    def create(cls, addr: str, role: str, local_world_size: int) -> NodeDesc:
-        import os
-
-        return cls(f"{addr}_{os.getpid()}_{uuid.uuid4().hex[:6]}", addr, role, local_world_size)
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -294,6 +267,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._agent_call():
             self._outcome.report_final_failure(what, why)
 
+    def step_away(self, why: str) -> None:
+        """This node does not re-join at once (``decide.Away``); bounded, never raises."""
+        self._outcome.step_away(why)
+
     # -- exclusion with a cool-down (``exclusion``) ----------------------------------------
     def set_exclusion(self, rule: ExclusionRule) -> None:
         """When a failing node is kept out of the rounds (the agent tells it once)."""
@@ -368,11 +345,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _next_rendezvous(self) -> RendezvousInfo:
         self._register()
-        prev_round, prev_rank = self._liveness.round, self._liveness.rank
+        prev_round, held = self._liveness.round, self._liveness.rank
+        prev_rank = held
         if self._fixed_rank is not None:
             prev_rank = self._fixed_rank  # static: the node's rank never changes
         self._liveness.reform = False
-        joined = joining.drive(joining.join(self._context(), prev_round, prev_rank), self._perform)
+        protocol = joining.join(self._context(), prev_round, prev_rank, held)
+        try:
+            joined = joining.drive(protocol, self._perform)
+        except LeaseExpiredError:
+            # The lease ended since the store last acknowledged it (``renew`` trusts a
+            # recent acknowledgement); the join wrote nothing under it. Take a fresh one.
+            self._liveness.lost = True
+            self._register()
+            protocol = joining.join(self._context(), prev_round, prev_rank, held)
+            joined = joining.drive(protocol, self._perform)
         assert isinstance(joined, joining.Joined)
         return self._enter_round(joined)
 
@@ -411,6 +398,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return store.get_prefix(prefix)
             case joining.Put(key, value, leased):
                 return store.set(key, value, lease=lease if leased else None)
+            case joining.ReadAll(reads):
+                return [self._perform(read) for read in reads]
             case joining.PutAll(items):
                 for key, value in items:
                     store.set(key, value)
@@ -473,7 +462,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         n, rank, result = joined.n, joined.rank, joined.result
         decision, size = str(result["id"]), int(result["size"])
         shape = tuple((str(r), int(lws), int(c)) for r, lws, c in result.get("shape", ()))
-        self._liveness.enter(n, rank, size, decision, int(result.get("rev", 0)))
+        self._liveness.enter(
+            n,
+            rank,
+            size,
+            decision,
+            int(result.get("rev", 0)),
+            all_live=bool(result.get("all_live")),
+        )
         return RendezvousInfo(
             self._store, rank, size, RendezvousStoreInfo(*joined.master), round=n,
             members=functools.partial(self._member_infos, n, decision), shape=shape,

@@ -73,6 +73,12 @@ class ElasticRendezvous(Protocol):
 
     def restarts_used(self) -> int: ...
 
+    def step_away(self, why: str) -> None:
+        """This node will not re-join the round after its current one at once (``why``: a
+        signal stops it, its agent gave up, it checks itself first): no one may count it
+        in that round before it joins. Bounded; never raises."""
+        ...
+
     def exit_barrier(self, timeout: float) -> BarrierResult: ...
 
     def set_exclusion(self, rule: ExclusionRule) -> None:
@@ -148,6 +154,9 @@ class PlainRendezvous:
 
     def restarts_used(self) -> int:
         raise NotImplementedError("a torch-style rendezvous keeps no job-wide budget")
+
+    def step_away(self, why: str) -> None:
+        pass  # (torch's handlers count no one in a round before it joins)
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
         return BarrierResult(RoundOutcome.SUCCEEDED)  # none: each node ends on its own

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from elastrun.core.errors import ConfigError, RendezvousConnectionError, StoreError
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
 from elastrun.rendezvous.c10d import conf_seconds, settings_from, validate_conf
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler, NodeDesc, RendezvousSettings
+from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
+from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.etcd import EtcdStore, parse_endpoints, tls_context
 
 ETCD_V2_REASON = "speaks etcd's v2 API, which etcd 3.6 removed; use --rdzv-backend etcd"

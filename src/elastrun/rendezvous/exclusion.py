@@ -17,7 +17,7 @@ Why the clock is the wall clock: the records are read on other machines, whose m
 clocks share no origin. A cool-down lasts minutes; clock skew between NTP-synchronised
 hosts is milliseconds.
 
-Keys (``decide.RunKeys``): ``strikes/<node>`` keeps the times of a node's failures
+Keys (``keys.RunKeys``): ``strikes/<node>`` keeps the times of a node's failures
 within the window (not under ``ctl/``: it must wake no watcher); ``ctl/excluded/<node>``
 is the exclusion itself, bound to the excluded node's lease (it vanishes with the node)
 and deleted by that node when its cool-down is over. Every node of a round sees it from

@@ -1,7 +1,7 @@
 """Joining a rendezvous round, sans I/O: the protocol as a generator of store operations.
 
 ``join(ctx, prev_round, prev_rank)`` is the whole of a node's side of forming a round:
-it yields operations (``Get``, ``Put``, ``Watch`` ...) and is sent their results; it
+it yields operations (``ops``: ``Get``, ``Put``, ``Watch`` ...) and is sent their results; it
 yields notes (``Progress``, ``Closed``) for the driver to show; it raises the
 rendezvous errors; it returns the round it entered as a ``Joined``. It never touches a
 store, a socket, a thread or a logger, so one copy of the protocol serves every driver:
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +33,77 @@ from elastrun.core.errors import (
 from elastrun.rendezvous.decide import (
     Bounds,
     RoundView,
-    RunKeys,
     Verdict,
     apply_events,
 )
-from elastrun.rendezvous.members import page_count, page_entries, page_of, rows_of_pages
+from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.members import (
+    page_count,
+    page_entries,
+    page_of,
+    place_in,
+    rows_of_pages,
+)
+from elastrun.rendezvous.ops import (
+    Closed,
+    CompareSet,
+    Finished,
+    Get,
+    GetPrefix,
+    Op,
+    Progress,
+    Protocol,
+    Put,
+    PutAll,
+    ReadAll,
+    Seen,
+    Wait,
+    Watch,
+    advance,
+    drive,
+)
+
+# The operations and the drivers' step are ``ops``'s, re-exported here.
+__all__ = [
+    "AUDIT_EVERY",
+    "FOLLOW_EVERY",
+    "PROGRESS_EVERY",
+    "Closed",
+    "CompareSet",
+    "Context",
+    "Finished",
+    "Get",
+    "GetPrefix",
+    "Joined",
+    "Op",
+    "Progress",
+    "Protocol",
+    "Put",
+    "PutAll",
+    "ReadAll",
+    "Seen",
+    "Wait",
+    "Watch",
+    "advance",
+    "agree_master",
+    "audit",
+    "closed_error",
+    "commit",
+    "decide",
+    "decided_rows",
+    "drive",
+    "follower_progress",
+    "join",
+    "join_round",
+    "load_view",
+    "member_page",
+    "newest_round",
+    "parse_result",
+    "publish",
+    "read_when_set",
+    "rows_of",
+    "timeout_error",
+]
 
 #: How often the closer publishes its progress (a follower shows it every FOLLOW_EVERY).
 PROGRESS_EVERY = 5.0
@@ -48,85 +114,6 @@ FOLLOW_EVERY = 30.0
 #: How often a waiting node that is not the closer checks the round itself once its
 #: join deadline has passed (a closer that decides nothing must not hold it forever).
 AUDIT_EVERY = 30.0
-
-# -- operations (the driver performs them) ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Get:
-    key: str  # -> bytes | None
-
-
-@dataclass(frozen=True)
-class GetPrefix:
-    prefix: str  # -> (dict[str, bytes], revision)
-
-
-@dataclass(frozen=True)
-class Put:
-    key: str
-    value: bytes
-    leased: bool = False  # bound to the node's lease -> revision
-
-
-@dataclass(frozen=True)
-class PutAll:
-    """Several unleased ``Put``s in no particular order: a driver may send them at once
-    instead of one round trip after another (the closer's member pages)."""
-
-    items: tuple[tuple[str, bytes], ...]  # -> None
-
-
-@dataclass(frozen=True)
-class CompareSet:
-    key: str
-    expected: bytes | None
-    value: bytes
-    leased: bool = False  # -> (won, current)
-
-
-@dataclass(frozen=True)
-class Watch:
-    prefix: str
-    after: int
-    timeout: float  # -> WatchResult; may raise StoreCompactedError
-
-
-@dataclass(frozen=True)
-class Wait:
-    keys: tuple[str, ...]
-    timeout: float  # -> None
-
-
-# -- notes (the driver shows them, and sends back None) -------------------------------------
-
-
-@dataclass(frozen=True)
-class Progress:
-    """How round ``n`` is going: the closer's status dict (None: nothing known yet)."""
-
-    n: int
-    status: dict[str, Any] | None
-
-
-@dataclass(frozen=True)
-class Closed:
-    """This node closed round ``n`` with ``size`` members."""
-
-    n: int
-    size: int
-
-
-@dataclass(frozen=True)
-class Seen:
-    """As the closer of round ``n``: how many nodes have joined it so far."""
-
-    n: int
-    joined: int
-
-
-Op = Get | GetPrefix | Put | PutAll | CompareSet | Watch | Wait | Progress | Closed | Seen
-Protocol = Generator[Op, Any, Any]
 
 
 @dataclass(frozen=True)
@@ -167,48 +154,86 @@ def _load(raw: bytes | None) -> object:
 # -- the protocol -------------------------------------------------------------------------
 
 
-def join(ctx: Context, prev_round: int | None, prev_rank: int | None) -> Protocol:
-    """Join the next round (a spare moves on to the one after) and enter it."""
+def join(
+    ctx: Context, prev_round: int | None, prev_rank: int | None, held: int | None = None
+) -> Protocol:
+    """Join the next round (a spare moves on to the one after) and enter it.
+
+    ``prev_round`` and ``prev_rank``: the round this node was last in and the group rank
+    it asks to keep; ``held`` its actual rank in that round when it differs (a static
+    node asks for its fixed rank). A node that was in a round joins the one right after
+    it first, without asking which round is the newest: a re-formation may have been
+    decided with this node in it already (``decide.presume``), and it must enter that
+    round, not the one after the newest.
+    """
+    held = prev_rank if held is None else held
     deadline = ctx.clock.monotonic() + ctx.join_timeout
-    current = yield Get(ctx.keys.current)
-    latest = int(current) if current is not None else -1
-    n = max(latest, prev_round if prev_round is not None else -1) + 1
+    n = (yield from newest_round(ctx)) + 1 if prev_round is None else prev_round + 1
     while True:
-        result = yield from join_round(ctx, n, prev_rank, deadline)
-        page = yield from member_page(ctx, n, str(result["id"]), int(result["size"]), ctx.node_id)
-        entry = page.get(ctx.node_id)
-        if entry is not None:
+        result, out, rev = yield from join_round(ctx, n, prev_rank, deadline)
+        place = place_in(result, ctx.node_id, prev_round, held)
+        if place.known:
+            rank = place.rank
+        else:
+            page = yield from member_page(
+                ctx, n, str(result["id"]), int(result["size"]), ctx.node_id
+            )
+            entry = page.get(ctx.node_id)
+            rank = None if entry is None else int(str(entry[0]))
+        if rank is not None:
             break
-        n += 1  # a spare: wait for room in the next round
-    rank = int(str(entry[0]))
-    master = yield from agree_master(ctx, n, rank)
+        # Not a member: a spare waits for room in the round after this one (or after the
+        # newest, when rounds formed without this node meanwhile).
+        n = max(n, (yield from newest_round(ctx))) + 1
+    master = yield from agree_master(ctx, n, rank, out, rev)
     return Joined(n, rank, result, master)
 
 
-def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> Protocol:
-    """Join round ``n`` and return its result.
+def newest_round(ctx: Context) -> Protocol:
+    """The newest closed round (-1: none yet)."""
+    current = yield Get(ctx.keys.current)
+    return int(current) if current is not None else -1
 
-    The first node to claim ``out/closer`` decides the round (``decide``); the others
+
+def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> Protocol:
+    """Join round ``n``; return its result, what this node last saw of ``out/`` (which
+    may hold the master address already) and the revision it saw it at.
+
+    A round already decided is entered with one read: its result (and, once rank 0 has
+    written it, the master address) under ``out/``. Otherwise the node writes its join,
+    and the first node to claim ``out/closer`` decides the round (``decide``); the others
     watch only ``out/`` for the result, and one of them takes over when the closer's
     claim vanishes with its lease.
     """
     k = ctx.keys
-    join_value = _dump({**ctx.info, "prev_rank": prev_rank})
-    yield Put(k.join_prefix(n) + ctx.node_id, join_value, leased=True)
     out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
     found, rev = yield GetPrefix(out)
+    raw = found.get(result_key)
+    if raw is not None:
+        # Decided: a node in it (presumed) needs no join, and a spare's join would come
+        # too late for it anyway (it joins the round after).
+        return parse_result(ctx, raw), found, rev
+    join_value = _dump({**ctx.info, "prev_rank": prev_rank})
+    yield Put(k.join_prefix(n) + ctx.node_id, join_value, leased=True)
     now = ctx.clock.monotonic()
     next_progress = now + ctx.follow_every
     audit_at = deadline
     while True:
         raw = found.get(result_key)
         if raw is not None:
-            return parse_result(ctx, raw)
+            return parse_result(ctx, raw), found, rev
         if closer_key not in found:
-            won, _ = yield CompareSet(closer_key, None, ctx.node_id.encode(), leased=True)
+            won, claim = yield CompareSet(closer_key, None, ctx.node_id.encode(), leased=True)
             if won:
                 decided = yield from decide(ctx, n, deadline)
-                return parse_result(ctx, decided)
+                return parse_result(ctx, decided), {result_key: decided}, None
+            if claim is not None:
+                # Another node claimed it first: watch on from ``rev`` (its claim, and
+                # whatever followed, come as events). After a loss thousands of
+                # survivors race for the claim; a read after each lost race doubled
+                # their requests.
+                found[closer_key] = claim
+                continue
             found, rev = yield GetPrefix(out)
             continue
         now = ctx.clock.monotonic()
@@ -284,17 +309,40 @@ def decide(ctx: Context, n: int, deadline: float) -> Protocol:
 
 
 def load_view(ctx: Context, n: int) -> Protocol:
-    """The closer's view of round ``n`` from full reads, and the revision to watch
-    from (replaying changes made between the reads is harmless: each event sets or
-    removes one key)."""
+    """The closer's view of round ``n`` from full reads, and the revision it holds at.
+
+    The reads go out at once (``ReadAll``), so each may answer at another revision; the
+    changes under ``ctl/`` since the oldest of them are then applied up to the newest
+    (replaying a change a read already saw is harmless: each event sets or removes one
+    key), so that the view holds at one revision: the result's ``all_live`` says who was
+    alive at exactly that revision."""
     k = ctx.keys
-    previous = yield from previous_members(ctx, n)
-    view = RoundView(k, n, previous)
-    joins, rev = yield GetPrefix(k.join_prefix(n))
-    nodes, _ = yield GetPrefix(k.nodes)
-    excluded, _ = yield GetPrefix(k.excluded_prefix)
-    closed = yield Get(k.closed)
-    view.load(joins, list(nodes), closed, list(excluded))
+    reads: tuple[Get | GetPrefix, ...] = (
+        GetPrefix(k.join_prefix(n)), GetPrefix(k.nodes), GetPrefix(k.excluded_prefix),
+        Get(k.closed), Get(k.result(n - 1)),
+        # What makes a member of round n-1 join this round itself (``must_join``).
+        GetPrefix(k.failed(n - 1)), GetPrefix(k.done(n - 1)), GetPrefix(k.away_prefix),
+    )  # fmt: skip
+    answers = yield ReadAll(reads if n > 0 else reads[:4])
+    (joins, r1), (nodes, r2), (excluded, r3), closed = answers[:4]
+    more: dict[str, bytes] = {}
+    revs = [r1, r2, r3]
+    for found, r in answers[5:]:
+        more.update(found)
+        revs.append(r)
+    rows = (yield from rows_of(ctx, n - 1, answers[4])) if n > 0 else []
+    view = RoundView(k, n, [str(row[0]) for row in rows], rows=rows)
+    view.load(joins, list(nodes), closed, list(excluded), more)
+    rev, newest = min(revs), max(revs)
+    while rev < newest:
+        try:
+            res = yield Watch(k.ctl, rev, 0.0)
+        except StoreCompactedError:
+            return (yield from load_view(ctx, n))
+        view.apply(res.events)
+        if res.revision <= rev:
+            break
+        rev = res.revision
     return view, rev
 
 
@@ -346,12 +394,22 @@ def follower_progress(ctx: Context, n: int) -> Protocol:
     yield Progress(n, status if isinstance(status, dict) else None)
 
 
-def agree_master(ctx: Context, n: int, rank: int) -> Protocol:
-    """MASTER_ADDR/PORT of round ``n``: its rank 0 picks them, the others read them."""
+def agree_master(
+    ctx: Context, n: int, rank: int, out: dict[str, bytes] | None = None, rev: int | None = None
+) -> Protocol:
+    """MASTER_ADDR/PORT of round ``n``: its rank 0 picks them, the others read them.
+
+    The address lives under ``out/`` beside the result: a node that read ``out/`` (``out``,
+    at revision ``rev``) after rank 0 wrote it has it already, and one that read it before
+    watches on from there (one request instead of a read and a watch)."""
     key = ctx.keys.master(n)
     if rank == 0:
         raw = _dump({"addr": ctx.info["addr"], "port": ctx.new_port()})
         yield Put(key, raw)
+    elif out is not None and (known := out.get(key)) is not None:
+        raw = known
+    elif out is not None and rev is not None:
+        raw = yield from read_when_set(ctx, key, ctx.join_timeout, ({}, rev))
     else:
         raw = yield from read_when_set(ctx, key, ctx.join_timeout)
     data = _load(raw)
@@ -360,13 +418,16 @@ def agree_master(ctx: Context, n: int, rank: int) -> Protocol:
     return str(data["addr"]), int(data["port"])
 
 
-def read_when_set(ctx: Context, key: str, timeout: float) -> Protocol:
+def read_when_set(
+    ctx: Context, key: str, timeout: float, seen: tuple[dict[str, bytes], int] | None = None
+) -> Protocol:
     """The value of ``key`` once it is set. A read, then (while absent) a watch that
     brings the value: one request when the key is there, and one answer after it is set
     (a wait, then a read, made every node of a large round ask twice after rank 0 wrote
-    the master address). Raises ``StoreTimeoutError`` after ``timeout``."""
+    the master address). ``seen``: a read already made (what it found, its revision).
+    Raises ``StoreTimeoutError`` after ``timeout``."""
     deadline = ctx.clock.monotonic() + timeout
-    found, rev = yield GetPrefix(key)
+    found, rev = seen if seen is not None else (yield GetPrefix(key))
     while (raw := found.get(key)) is None:
         left = deadline - ctx.clock.monotonic()
         if left <= 0:
@@ -381,18 +442,16 @@ def read_when_set(ctx: Context, key: str, timeout: float) -> Protocol:
     return raw
 
 
-def previous_members(ctx: Context, n: int) -> Protocol:
-    if n == 0:
-        return ()
-    rows = yield from decided_rows(ctx, n - 1)
-    return tuple(str(row[0]) for row in rows)
-
-
 def decided_rows(ctx: Context, n: int, decision: str | None = None) -> Protocol:
     """The full member list of round ``n``'s committed decision, in group-rank order
     (``[[node, addr, role, local_world_size], ...]``; empty when ``decision`` is given
     and is not the committed one)."""
-    result = _load((yield Get(ctx.keys.result(n))))
+    return (yield from rows_of(ctx, n, (yield Get(ctx.keys.result(n))), decision))
+
+
+def rows_of(ctx: Context, n: int, raw: bytes | None, decision: str | None = None) -> Protocol:
+    """``decided_rows`` of round ``n`` whose result (as read) is ``raw``."""
+    result = _load(raw)
     if not isinstance(result, dict) or "id" not in result or "size" not in result:
         return []
     if decision is not None and decision != str(result["id"]):
@@ -434,35 +493,3 @@ def closed_error(ctx: Context, reason: bytes) -> RendezvousClosedError:
         f"run {ctx.run_id!r} has ended ({reason.decode('utf-8', 'replace')}); "
         "it accepts no more nodes"
     )
-
-
-# -- the synchronous driver -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The protocol ended with ``value``."""
-
-    value: Any
-
-
-def advance(protocol: Protocol, value: Any, error: BaseException | None) -> Op | Finished:
-    """Hand the protocol the last operation's result (or its exception); returns the
-    next operation, or ``Finished``. Every driver's one step, blocking or not."""
-    try:
-        return protocol.throw(error) if error is not None else protocol.send(value)
-    except StopIteration as stop:
-        return Finished(stop.value)
-
-
-def drive(protocol: Protocol, perform: Callable[[Op], Any]) -> Any:
-    """Run ``protocol`` to its end, performing each operation with ``perform`` (which
-    may raise: the exception is thrown into the protocol at that point)."""
-    value: Any = None
-    error: BaseException | None = None
-    while not isinstance(op := advance(protocol, value, error), Finished):
-        try:
-            value, error = perform(op), None
-        except Exception as exc:  # handed to the protocol, which re-raises what it cannot use
-            value, error = None, exc
-    return op.value

@@ -3,7 +3,7 @@
 A node is alive while its lease is: ``ctl/nodes/<node>`` is bound to it and a keep-alive
 thread renews it (no writes at all). While a round runs, a watch thread follows ``ctl/``
 from the revision the round was decided at and flags a re-formation when one is due
-(``decide.RoundWatch`` says why). ``Liveness`` holds what both threads share: the lease,
+(``running.RoundWatch`` says why). ``Liveness`` holds what both threads share: the lease,
 the round this node is in, which nodes are known to be its members, and whether the
 round must re-form, the node was lost or the store is gone; ``lock`` guards the round.
 """
@@ -20,8 +20,9 @@ from typing import Any
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError, StoreError, StoreUnavailableError
-from elastrun.rendezvous.decide import RoundWatch, RunKeys
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import page_count, page_entries, page_of
+from elastrun.rendezvous.running import RoundWatch
 from elastrun.store.api import EventKind, Store
 
 log = logging.getLogger("elastrun.rendezvous")
@@ -86,6 +87,8 @@ class Liveness:
         self._decided_rows = decided_rows
         self.lock = threading.Lock()
         self.lease: int | None = None
+        #: When the store last acknowledged the lease (monotonic; None: never).
+        self.acked_at: float | None = None
         self.round: int | None = None
         self.rank: int | None = None
         self.size = 0  # nodes in the current round
@@ -93,6 +96,7 @@ class Liveness:
         self._membership: dict[str, bool] = {}  # nodes known to be in it, or not
         self._member_list: tuple[str, ...] | None = None  # read only when needed
         self._since = 0  # the store revision the current round was decided at
+        self._all_live = False  # every node alive at ``_since`` is a member
         self._entered = threading.Event()  # set while a round runs and has not re-formed
         self._threads: list[threading.Thread] = []
         self.callback: Callable[[], None] | None = None
@@ -109,9 +113,18 @@ class Liveness:
     def renew(self) -> bool:
         """Whether this node still holds its lease (a joining node asks first)."""
         if self.lease is not None and not self.lost:
+            # The store acknowledged it moments ago (the keep-alive thread asks every
+            # TTL/3): no need to ask again. After a loss among N nodes, N survivors
+            # asking at once was a tenth of the re-formation's requests. A lease that
+            # ended since shows when the join writes under it (the handler then takes
+            # a fresh one), or at the keep-alive thread's next ask.
+            acked = self.acked_at
+            if acked is not None and self._clock.monotonic() - acked < self._ttl / 3:
+                return True
             # A node thawed after SIGSTOP (or back from a partition) may re-form before
             # its keep-alive thread noticed that the lease ended: ask the store.
             if self._store.keep_alive(self.lease):
+                self.acked_at = self._clock.monotonic()
                 return True
             self.mark_lost("this node's lease expired: the others consider it gone")
         return False
@@ -120,6 +133,7 @@ class Liveness:
         """Take a fresh lease and announce this node (``info``) under it."""
         self.lost = False
         self.lease = self._store.grant_lease(self._ttl)
+        self.acked_at = self._clock.monotonic()
         self._store.set(
             self._keys.nodes + self._node_id,
             json.dumps(info, sort_keys=True).encode(),
@@ -200,6 +214,7 @@ class Liveness:
             now = self._clock.monotonic()
             if answer is _Ack.ALIVE:
                 last_ack = now
+                self.acked_at = now
             elif answer is _Ack.EXPIRED:
                 self.mark_lost("this node's lease expired: the others consider it gone")
             elif answer is _Ack.NONE and now - last_ack >= ttl - interval:
@@ -258,17 +273,28 @@ class Liveness:
 
     # -- the running round ---------------------------------------------------------------
 
-    def enter(self, n: int, rank: int, size: int, decision: str, since: int) -> None:
-        """This node entered round ``n`` (decided at store revision ``since``): watch it."""
+    def enter(
+        self, n: int, rank: int, size: int, decision: str, since: int, *, all_live: bool = False
+    ) -> None:
+        """This node entered round ``n`` (decided at store revision ``since``; with
+        ``all_live``, every node alive then is a member): watch it."""
         with self.lock:
             self.round, self.rank, self.size, self._decision = n, rank, size, decision
             self._membership = {self._node_id: True}
             self._member_list = None
             self._since = since
+            self._all_live = all_live
             self.reform = False
             self._entered.set()
         if not any(t.name.endswith("watch") for t in self._threads):
             self._spawn(self._watch_loop, "watch")
+
+    def forget_round(self) -> None:
+        """This node sat out rounds (a cool-down): it joins the next as a newcomer, not
+        as a member of its last round asking for its rank back."""
+        with self.lock:
+            self.round = self.rank = None
+            self._entered.clear()
 
     def _watch_loop(self) -> None:
         """Follow ``ctl/`` while a round runs; flag a re-formation when one is due.
@@ -314,7 +340,9 @@ class Liveness:
                     self._stop.wait(1.0)
 
     def round_watch(self, n: int, size: int) -> RoundWatch:
-        return RoundWatch(self._keys, n, size, self._max_nodes, self.is_member)
+        return RoundWatch(
+            self._keys, n, size, self._max_nodes, self.is_member, all_live=self._all_live
+        )
 
     def reload(self, view: RoundWatch, n: int) -> int:
         """Load ``view`` of round ``n`` from full reads; the revision to watch from."""

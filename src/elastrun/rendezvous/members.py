@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 #: Members per page (on average: a member's page is chosen by a hash of its id).
 PAGE_SIZE = 64
@@ -56,3 +57,67 @@ def rows_of_pages(pages: Sequence[bytes | None]) -> list[list[object]]:
     entries = [(int(str(e[0])), node, e) for raw in pages for node, e in page_entries(raw).items()]
     entries.sort(key=lambda item: item[0])
     return [[node, e[1], e[2], e[3]] for _, node, e in entries]
+
+
+# -- a decision's changes from the previous round ---------------------------------------
+#
+# After a loss, the next round is mostly the previous one: every survivor keeps its group
+# rank, and a few nodes move into the lost ranks. A result that lists those few changes
+# lets each survivor compute its own rank from the result it already reads, instead of
+# reading its page too (at 10,000 nodes the pages were most of the bytes a re-formation
+# moved through the store). The pages are still written: the next round's closer and
+# tools read them, and a node the changes do not answer for reads its page as before.
+
+#: The most changes (moved plus dropped nodes) a result lists; beyond, nodes read pages.
+CHANGES_MAX = 64
+
+
+def changes_from(previous: Sequence[str], members: Sequence[str]) -> dict[str, object] | None:
+    """What a decision ``members`` (group-rank order) changed from ``previous`` (the
+    previous round's members, in its group-rank order): ``{"moved": {node: rank},
+    "dropped": [node]}``. ``moved``: each member whose rank is not its previous one (a
+    newcomer too); ``dropped``: each previous member left out. None when they are more
+    than ``CHANGES_MAX`` (or there is no previous round)."""
+    if not previous:
+        return None
+    before = {node: rank for rank, node in enumerate(previous)}
+    moved = {node: rank for rank, node in enumerate(members) if before.get(node) != rank}
+    if len(moved) > CHANGES_MAX:
+        return None
+    chosen = set(members)
+    dropped = [node for node in previous if node not in chosen]
+    if len(moved) + len(dropped) > CHANGES_MAX:
+        return None
+    return {"moved": moved, "dropped": dropped}
+
+
+@dataclass(frozen=True)
+class Place:
+    """What a result says of one node's place: ``known`` False when it cannot tell (the
+    node reads its page); else ``rank`` (None: the node is not a member)."""
+
+    known: bool
+    rank: int | None = None
+
+
+def place_in(
+    result: Mapping[str, object], node: str, prev_round: int | None, held: int | None
+) -> Place:
+    """``node``'s place in a decision, from its ``result`` alone: answered when the result
+    lists its changes from round ``prev_round``, in which ``node`` held group rank
+    ``held``."""
+    since = result.get("from")
+    if not isinstance(since, dict) or prev_round is None or held is None:
+        return Place(False)
+    moved, dropped = since.get("moved"), since.get("dropped")
+    size = result.get("size")
+    if since.get("round") != prev_round or not isinstance(moved, dict):
+        return Place(False)
+    if not isinstance(dropped, list) or not isinstance(size, int):
+        return Place(False)
+    rank = moved.get(node)
+    if isinstance(rank, int) and not isinstance(rank, bool):
+        return Place(True, rank)
+    if node in dropped:
+        return Place(True, None)
+    return Place(True, held) if 0 <= held < size else Place(False)

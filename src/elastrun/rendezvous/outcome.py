@@ -18,7 +18,7 @@ from elastrun.core.cancel import Cancelled, CancelScope, current
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError, StoreError
 from elastrun.rendezvous.api import BarrierResult, RoundOutcome
-from elastrun.rendezvous.decide import RoundWatch, RunKeys
+from elastrun.rendezvous.decide import Away
 from elastrun.rendezvous.exclusion import (
     Exclusion,
     ExclusionRule,
@@ -30,10 +30,15 @@ from elastrun.rendezvous.exclusion import (
     load_strikes,
     strikes_within,
 )
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
+from elastrun.rendezvous.running import RoundWatch
 from elastrun.store.api import Store
 
 log = logging.getLogger("elastrun.rendezvous")
+
+#: How long giving notice of stepping away (``step_away``) may take.
+STEP_AWAY_BOUND = 2.0
 
 
 def _dump(obj: object) -> bytes:
@@ -106,6 +111,24 @@ class Outcome:
                 log.debug("could not close the rendezvous: %s", exc)
                 return False
         return True
+
+    def step_away(self, why: str) -> None:
+        """This node does not re-join the round after its current one at once, for ``why``:
+        the closer of that round must not presume it (``decide.Away``). Never raises.
+
+        In a scope of its own (a signal, the usual reason, has cancelled the caller's),
+        bounded by ``STEP_AWAY_BOUND``, a deadline the store honours: the notice only
+        spares the others a re-formation, and a store that does not answer must not hold
+        the stop of this node's workers.
+        """
+        n, lease = self._live.round, self._live.lease
+        if n is None or lease is None or self._live.gone is not None:
+            return
+        with CancelScope(deadline=Deadline.after(STEP_AWAY_BOUND)) as scope, scope.active():
+            try:
+                self._store.set(self._keys.away(self._node_id), Away(n, why).dump(), lease=lease)
+            except StoreError as exc:
+                log.debug("could not give notice of stepping away: %s", exc)
 
     def restarts_used(self) -> int:
         raw = self._store.get(self._keys.budget)
@@ -210,8 +233,11 @@ class Outcome:
         return load_exclusion(self._node_id, self._store.get(self._keys.excluded(self._node_id)))
 
     def readmit(self) -> None:
-        """This node's cool-down is over: it may join rounds again."""
+        """This node's cool-down is over: it may join rounds again, as a newcomer (its
+        rank went to the node that replaced it; asking for it back with its last round's
+        rank, it would be ordered ahead of spares that waited longer)."""
         self._store.delete(self._keys.excluded(self._node_id))
+        self._live.forget_round()
 
     def excluded_nodes(self) -> list[Exclusion]:
         """The job's excluded nodes, by node id."""
@@ -290,7 +316,7 @@ class Outcome:
             return BarrierResult(
                 RoundOutcome.RESTART, f"lost node(s): {', '.join(sorted(view.lost))}"
             )
-        if any(self._live.is_member(j) for j in view.next_joiners):
+        if any(view.member(j) for j in view.next_joiners):
             return BarrierResult(RoundOutcome.RESTART, "the other nodes re-form the group")
         return None
 

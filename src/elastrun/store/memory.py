@@ -63,6 +63,12 @@ class MemoryStore:
         # only then. Without it, thousands of nodes each watching a quiet prefix while
         # thousands of others joined each scanned every join on every look: O(N^2).
         self._changed: dict[str, int] = {}
+        # The same history by folder: a watch scans only the changes in the folders it
+        # looks at. Scanning the whole history since a watch's revision made thousands
+        # of nodes that watch a quiet folder (a round's ``out/``) from before thousands
+        # of joins elsewhere each walk every join: O(N^2) for one re-formation.
+        self._folder_events: dict[str, collections.deque[WatchEvent]] = {}
+        self._history = history
         self._forget_at = 1024  # how many folders ``_changed`` may hold before pruning
         self._expiries: list[tuple[float, int]] = []  # a heap; see _expire
         self._cond = threading.Condition()
@@ -71,8 +77,14 @@ class MemoryStore:
 
     def _record(self, kind: EventKind, key: str, value: bytes | None) -> int:
         self._revision += 1
-        self._events.append(WatchEvent(kind, key, value, self._revision))
-        self._changed[_folder(key)] = self._revision
+        event = WatchEvent(kind, key, value, self._revision)
+        self._events.append(event)
+        folder = _folder(key)
+        self._changed[folder] = self._revision
+        events = self._folder_events.get(folder)
+        if events is None:
+            events = self._folder_events[folder] = collections.deque(maxlen=self._history)
+        events.append(event)
         if len(self._changed) > self._forget_at:
             self._forget_changes()
         self._cond.notify_all()
@@ -83,6 +95,7 @@ class MemoryStore:
         # a watch scan: a watch from before that change fails as compacted.
         oldest = self._events[0].revision
         self._changed = {f: rev for f, rev in self._changed.items() if rev >= oldest}
+        self._folder_events = {f: e for f, e in self._folder_events.items() if f in self._changed}
         self._forget_at = 2 * len(self._changed) + 1024
 
     def _put(self, key: str, value: bytes, lease: int | None) -> int:
@@ -249,21 +262,32 @@ class MemoryStore:
                 self._cond.wait(self._wait_time(deadline, live))
 
     def _since(self, prefix: str, after_revision: int) -> tuple[WatchEvent, ...]:
-        # Scan from the newest event backwards: the cost is the number of new events,
-        # not the size of the history (a full history scan made every watch, and so
-        # every change fanned out by the tcp server, cost milliseconds).
-        if after_revision >= self._revision or not any(
-            rev > after_revision and (folder.startswith(prefix) or prefix.startswith(folder))
-            for folder, rev in self._changed.items()
-        ):
+        # Only the folders under (or holding) the prefix that changed since the
+        # revision, each scanned from its newest event backwards: the cost is the
+        # number of new events where the watch looks, not the size of the history nor
+        # the changes elsewhere (a full history scan made every watch, and so every
+        # change fanned out by the tcp server, cost milliseconds).
+        if after_revision >= self._revision:
             return ()
+        folders = [
+            folder
+            for folder, rev in self._changed.items()
+            if rev > after_revision and (folder.startswith(prefix) or prefix.startswith(folder))
+        ]
+        if not folders:
+            return ()
+        oldest = self._events[0].revision
         found = []
-        for event in reversed(self._events):
-            if event.revision <= after_revision:
-                break
-            if event.key.startswith(prefix):
-                found.append(event)
-        found.reverse()
+        for folder in folders:
+            for event in reversed(self._folder_events[folder]):
+                if event.revision <= after_revision or event.revision < oldest:
+                    break
+                if event.key.startswith(prefix):
+                    found.append(event)
+        if len(folders) > 1:
+            found.sort(key=lambda e: e.revision)
+        else:
+            found.reverse()
         return tuple(found)
 
     @contextlib.contextmanager

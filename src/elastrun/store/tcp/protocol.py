@@ -112,6 +112,21 @@ def encode(message: Mapping[str, object], max_frame: int) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
+def encode_ok(rid: int, result_json: bytes, max_frame: int) -> bytes:
+    """The frame of a successful answer whose result is already encoded as JSON: what
+    ``encode({"id": rid, "ok": True, "result": ...})`` makes, without encoding the result
+    again (many watchers woken by one change share one result)."""
+    body = b'{"id":%d,"ok":true,"result":%s}' % (rid, result_json)
+    if len(body) > max_frame:
+        raise FrameError(f"message of {len(body)} bytes exceeds the {max_frame}-byte frame limit")
+    return HEADER.pack(len(body)) + body
+
+
+def encode_json(value: object) -> bytes:
+    """``value`` as the JSON that ``encode`` writes inside a frame."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
 def frame_length(header: bytes, max_frame: int) -> int:
     """The body length announced by a header; raises ``FrameError`` when oversized."""
     (length,) = HEADER.unpack(header)

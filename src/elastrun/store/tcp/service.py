@@ -47,6 +47,22 @@ log = logging.getLogger("elastrun.store.tcp.server")
 #: Lines a stranger can cause once per connection: at most one per kind this often.
 LOG_EVERY = 10.0
 
+#: How many shared watch answers (``_Shared``) are kept for the watchers still to wake.
+SHARED_KEPT = 8
+
+
+class _Shared:
+    """A watch answer shared by every watcher that one change woke under one prefix: its
+    result, encoded once. When a member of 10,000 is lost, 10,000 watchers of the run's
+    ``ctl/`` wake with the same event; encoding it for each one was most of the server's
+    work for that notice."""
+
+    __slots__ = ("body", "result")
+
+    def __init__(self, result: WatchResult, body: bytes) -> None:
+        self.result = result
+        self.body = body
+
 
 class Service:
     """The store, its lease bookkeeping, its waiters and the request handlers."""
@@ -67,6 +83,9 @@ class Service:
         self.max_frame = max_frame
         self._seen = store.revision
         self._waiters = Waiters()
+        # The latest shared answers, by the identity of the events that woke their
+        # watchers (the tuple is kept with it, so its identity cannot be reused).
+        self._shared: dict[int, tuple[Woken, _Shared]] = {}
         self._leases = LeaseTable(loop, store, grace, self._num, self.publish)
         self.conns: set[Connection] = set()
         #: Connections that have not authenticated yet, oldest first, with when each
@@ -193,6 +212,11 @@ class Service:
         conn.send(frame)
 
     def _ok(self, rid: int, result: object) -> bytes:
+        if isinstance(result, _Shared):
+            try:
+                return p.encode_ok(rid, result.body, self.max_frame)
+            except p.FrameError:
+                return self._fit_watch(rid, result.result)
         if isinstance(result, WatchResult):
             return self._fit_watch(rid, result)
         try:
@@ -297,8 +321,20 @@ class Service:
             after = result.revision
             woken = await self._until_change(deadline, prefix=prefix)
             if woken:  # every change under the prefix after ``after``, up to these
-                events = tuple(self._num.event_out(e) for e in woken)
-                return WatchResult(events, self._num.rev_out(woken[-1].revision))
+                return self._shared_answer(woken)
+
+    def _shared_answer(self, woken: tuple[WatchEvent, ...]) -> _Shared:
+        """The answer for watchers woken by ``woken``, made once for all of them."""
+        kept = self._shared.get(id(woken))
+        if kept is not None and kept[0] is woken:
+            return kept[1]
+        events = tuple(self._num.event_out(e) for e in woken)
+        result = WatchResult(events, self._num.rev_out(woken[-1].revision))
+        shared = _Shared(result, p.encode_json(p.watch_to_wire(result)))
+        if len(self._shared) >= SHARED_KEPT:
+            del self._shared[next(iter(self._shared))]
+        self._shared[id(woken)] = (woken, shared)
+        return shared
 
     async def _wait(self, m: p.Message) -> object:
         keys = p.get_str_list(m, "keys")

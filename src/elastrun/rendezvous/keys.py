@@ -1,0 +1,112 @@
+"""The store keys of one run of the dynamic rendezvous (DESIGN.md section 4): where each
+record lives, and why it lives there (what is under ``ctl/`` wakes every watcher)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The store keys of one run (DESIGN.md section 4), under ``prefix``.
+
+    What running members and closers watch lives under ``ctl``; bulky or chatty keys
+    (results, exit barriers) live elsewhere, so that watching costs O(1) per change that
+    matters.
+    """
+
+    prefix: str
+
+    @classmethod
+    def of_run(cls, run_id: str) -> RunKeys:
+        """The keys of the run ``run_id`` (its prefix in the rendezvous store)."""
+        return cls(f"/elastrun/{run_id}/")
+
+    @property
+    def ctl(self) -> str:
+        return self.prefix + "ctl/"
+
+    @property
+    def nodes(self) -> str:
+        return self.prefix + "ctl/nodes/"
+
+    @property
+    def closed(self) -> str:
+        return self.prefix + "ctl/closed"
+
+    def join_prefix(self, n: int) -> str:
+        return f"{self.prefix}ctl/join/{n}/"
+
+    def failed(self, n: int) -> str:
+        return f"{self.prefix}ctl/failed/{n}"
+
+    @property
+    def excluded_prefix(self) -> str:
+        """Nodes kept out of the rounds for a cool-down (``exclusion``)."""
+        return self.prefix + "ctl/excluded/"
+
+    def excluded(self, node: str) -> str:
+        """``node``'s exclusion: bound to its lease, deleted when its cool-down ends."""
+        return self.excluded_prefix + node
+
+    @property
+    def away_prefix(self) -> str:
+        """Members that do not re-join the round after theirs at once (``decide.Away``)."""
+        return self.prefix + "ctl/away/"
+
+    def away(self, node: str) -> str:
+        """``node``'s notice that it re-joins late or never: bound to its lease."""
+        return self.away_prefix + node
+
+    def strikes(self, node: str) -> str:
+        """The times of ``node``'s recent failures. Not under ``ctl/``: no one watches it."""
+        return f"{self.prefix}strikes/{node}"
+
+    def out(self, n: int) -> str:
+        return f"{self.prefix}rounds/{n}/out/"
+
+    def result(self, n: int) -> str:
+        return self.out(n) + "result"
+
+    def closer(self, n: int) -> str:
+        return self.out(n) + "closer"
+
+    def status(self, n: int) -> str:
+        return f"{self.prefix}rounds/{n}/status"
+
+    def members_prefix(self, n: int, decision: str) -> str:
+        """The pages of one decision's members (``member_pages``)."""
+        return f"{self.prefix}rounds/{n}/members/{decision}/"
+
+    def members(self, n: int, decision: str, page: int) -> str:
+        """Page ``page`` of one decision's members."""
+        return f"{self.members_prefix(n, decision)}{page}"
+
+    def master(self, n: int) -> str:
+        """MASTER_ADDR/PORT of round n. Under ``out/``: a node that reads or watches the
+        result there gets the address with it once rank 0 wrote it."""
+        return self.out(n) + "master"
+
+    def pace(self, n: int) -> str:
+        """Each node's step-time summary in round n, one key per node (stragglers).
+        Not under ``ctl/``: rewritten every few seconds, it must wake no watcher."""
+        return f"{self.prefix}rounds/{n}/pace/"
+
+    def inprocess(self, n: int) -> str:
+        """What each node of round n offers for an in-process recovery (one key per
+        group rank): whether it kept its workers, their round and their listeners."""
+        return f"{self.prefix}rounds/{n}/inprocess/"
+
+    def done(self, n: int) -> str:
+        """The exit barrier of round n. Under ``ctl/`` so that running members see a
+        member finish before its lease goes (and do not take it for lost); not bound to
+        a lease, so a node finishing later still counts a member that already left."""
+        return f"{self.prefix}ctl/done/{n}/"
+
+    @property
+    def current(self) -> str:
+        return self.prefix + "current"
+
+    @property
+    def budget(self) -> str:
+        return self.prefix + "budget"
