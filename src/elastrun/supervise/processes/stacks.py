@@ -9,11 +9,16 @@ does not exit: a hang, or a rank stuck at exit after its peers finished.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from elastrun.core.cancel import Cancelled, CancelScope, scope_or_default
+
+log = logging.getLogger("elastrun.agent")
 
 #: How long a dump may take to appear; faulthandler writes within milliseconds unless
 #: the process is stopped or not a Python worker at all.
@@ -39,14 +44,19 @@ def _size(path: str) -> int:
 
 
 def request_stacks(
-    workers: Mapping[int, tuple[int, str]], timeout: float = DUMP_TIMEOUT
+    workers: Mapping[int, tuple[int, str]],
+    timeout: float = DUMP_TIMEOUT,
+    scope: CancelScope | None = None,
 ) -> dict[int, StackDump]:
     """Signal each worker (``{local_rank: (pid, stacks_path)}``) and wait, at most
     ``timeout`` seconds, until each has appended to its file.
 
-    The pids must be the caller's own unreaped children (a pid cannot be reused while
-    its zombie is not reaped), so no stranger is ever signalled. Never raises.
+    The wait ends early when ``scope`` (default: the thread's current one, the agent's
+    shutdown scope) is cancelled: a stop request keeps what was written so far. The pids
+    must be the caller's own unreaped children (a pid cannot be reused while its zombie
+    is not reaped), so no stranger is ever signalled. Never raises.
     """
+    live = scope_or_default(scope)
     before = {lr: _size(path) for lr, (_, path) in workers.items()}
     pending = set()
     for lr, (pid, _) in workers.items():
@@ -58,11 +68,14 @@ def request_stacks(
     # The dump is written by the worker asynchronously; waiting on the file's growth
     # is the only signal there is (a bounded wait, off the recovery path).
     deadline = time.monotonic() + timeout
-    while pending and time.monotonic() < deadline:
-        pending = {lr for lr in pending if _size(workers[lr][1]) <= before[lr]}
-        if pending:
-            time.sleep(_POLL)
-    time.sleep(_POLL)  # a dump that has begun gets to finish its last lines
+    try:
+        while pending and time.monotonic() < deadline:
+            pending = {lr for lr in pending if _size(workers[lr][1]) <= before[lr]}
+            if pending:
+                live.sleep(_POLL)
+        live.sleep(_POLL)  # a dump that has begun gets to finish its last lines
+    except Cancelled:
+        log.info("stopped waiting for the workers' stacks (%s)", live.reason)
     out = {}
     for lr, (pid, path) in workers.items():
         text = ""
