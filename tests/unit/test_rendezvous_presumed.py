@@ -102,8 +102,26 @@ def test_a_node_back_from_its_cool_down_is_not_presumed_ahead_of_the_spare() -> 
     view.apply([_put(K.failed(1), _claim("bad")), _put(K.excluded("bad"))])
     assert _decide(view) == (Verdict.CLOSE, ("good", "spare"))
     view.apply([_delete(K.excluded("bad"))])
-    assert view.must_join() == {"bad"}
+    assert view.must_join() == {"good", "bad"}  # the round failed: every member joins
     assert _decide(view) == (Verdict.CLOSE, ("good", "spare"))
+
+
+def test_after_a_failed_round_a_member_that_died_whole_is_not_presumed_into_rank_0() -> None:
+    # "dead" (rank 0) was killed with its workers: "good"'s workers failed at once, and
+    # "good" claimed the failure and re-joined while "dead"'s lease still lived (the
+    # store's disconnect grace). Presumed, "dead" would keep rank 0 and the round would
+    # wait for a master address that never comes.
+    view = RoundView(K, 2, previous=("dead", "good"))
+    joins = {K.join_prefix(2) + "good": b'{"prev_rank": 1}'}
+    failed = {K.failed(1): _claim("good")}
+    view.load(joins, [K.nodes + node for node in ("dead", "good")], None, (), failed)
+    assert _decide(view)[0] is Verdict.WAIT  # "dead" may still come, as a full re-join
+    view.apply([_delete(K.nodes + "dead")])  # its lease ends
+    assert _decide(view) == (Verdict.CLOSE, ("good",))
+    # A lost lease with no failed round still decides at once, presuming the others.
+    view = RoundView(K, 2, previous=("a", "good", "b"))
+    view.load(joins, [K.nodes + node for node in ("a", "good", "b")], None, ())
+    assert _decide(view, max_nodes=3) == (Verdict.CLOSE, ("a", "good", "b"))
 
 
 def test_a_closer_that_reads_the_claim_in_its_first_reads_does_not_presume_the_claimer() -> None:

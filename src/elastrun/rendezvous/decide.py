@@ -375,11 +375,17 @@ class RoundView:
           its barrier says so, and leaves when the barrier times out.
         * Members that gave notice (``Away``): a signal stops their agent, their agent
           gave up, or they check themselves before they re-join.
+        * Every member, when round n-1 failed (a worker died somewhere): a node that died
+          whole fails its peers' workers at once, and they re-join before its lease ends
+          (the store's disconnect grace; a silent node's TTL). Presumed, the dead node
+          would keep its place -- rank 0 among them, whose master address then never
+          comes. So a failed round re-forms from the members that join, as it did before
+          re-formations were decided at once; a lost lease or a newcomer still decides
+          at once.
         """
-        nodes = self.finished | self.away
         if self.failed_by is not None:
-            nodes.add(self.failed_by)
-        return nodes
+            return set(self.previous)
+        return self.finished | self.away
 
     def started(self) -> bool:
         """Whether this round is forming (not only spares waiting for room)."""
