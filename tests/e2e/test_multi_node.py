@@ -129,11 +129,12 @@ def test_three_nodes_lose_one_and_finish_at_two(tmp_path: Path, store_server) ->
 def test_four_nodes_lose_one_then_another_while_re_forming_and_train_on_at_two(  # type: ignore[no-untyped-def]
     tmp_path: Path, store_server
 ) -> None:
-    # A loss re-forms at once: the first survivor to re-join decides for all the live
-    # members (presumed joined). A second node killed half a second later dies while
-    # that round is decided, published or entered; the survivors re-form once more. (A
-    # worker that sees its peer's connection close before the store revoked the dead
-    # node's lease reports a failure: the budget of 2 covers that race, as above.)
+    # A second node killed half a second after the first dies while the survivors
+    # re-form, and they re-form once more. A loss the survivors see first as a lost
+    # lease re-forms at once (the first to re-join decides for all the live members,
+    # presumed joined); one a worker sees first (its peer's connection closed before
+    # the store revoked the dead node's lease) fails the round, which re-forms from the
+    # members that join (``RoundView.must_join``). The budget of 2 covers that race.
     endpoint, token = store_server
     conf = f"is_host=false,token_file={token}"
     procs = [
