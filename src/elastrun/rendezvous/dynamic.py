@@ -31,10 +31,12 @@ small result and the page holding its own rank, never the whole member list. So 
 change costs O(1) per interested node and a round of N nodes costs O(N) store traffic.
 Nothing polls.
 
-A re-formation (a member lost, a worker failed, a newcomer with room) does not wait for
-every member to join again: once one member of the running round joins the next one,
-the closer counts every other live member as joined, with its rank
-(``decide.presume``), and decides at once. Its result lists the few rank changes from
+A re-formation after a lost member or for a newcomer with room does not wait for every
+member to join again: once one member of the running round joins the next one, the
+closer counts every other live member as joined, with its rank (``decide.presume``),
+and decides at once. After a failed round (a worker died somewhere) every member joins
+itself: a node that died whole still holds its lease while its peers re-join
+(``RoundView.must_join``). Its result lists the few rank changes from
 the previous round, so a member that comes later computes its rank from the result (one
 read of ``out/``, which soon also holds the master address) and writes nothing. After a
 loss among N nodes each survivor is woken once, reads ``out/`` and enters; the closer
