@@ -36,38 +36,17 @@ def _draw(ax: object, series: Series) -> None:
         )
 
 
-def plot_launch(data: Mapping[str, Series], path: Path) -> bool:
-    """`data`: workload ("trivial", "torch") -> launcher -> N -> seconds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(w, s) for w, s in data.items() if any(s.values())]
-    if not panels:
-        return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    titles = {
-        "trivial": "trivial workers: invoke → all running",
-        "torch": "torch workers: invoke → all in the gloo group",
-    }
-    for ax, (workload, series) in zip(axes[0], panels, strict=True):
-        _draw(ax, series)
-        ax.set_title(titles.get(workload, workload))
-        ax.set_xlabel("workers (N)")
-        ax.set_ylabel("seconds (median, min-max)")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def plot_rendezvous(data: Mapping[str, Series], path: Path) -> bool:
-    """`data`: "ranked" / "settle" -> implementation -> N -> seconds."""
+def _panels(
+    data: Mapping[str, Series],
+    path: Path,
+    *,
+    titles: Mapping[str, str],
+    xlabel: str,
+    ylabels: Mapping[str, str],
+    log_y: bool,
+) -> bool:
+    """One panel per key of ``data`` that has samples, side by side, N on a log axis;
+    False (and no file) when there is nothing to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,23 +56,41 @@ def plot_rendezvous(data: Mapping[str, Series], path: Path) -> bool:
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    titles = {
-        "ranked": "last join → all ranked",
-        "settle": "joining phase: N-1 nodes at once → all seen",
-    }
     for ax, (key, series) in zip(axes[0], panels, strict=True):
         _draw(ax, series)
         ax.set_title(titles.get(key, key))
-        ax.set_xlabel("simulated nodes (N)")
-        ax.set_ylabel("seconds (median, min-max)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabels.get(key, "seconds (median, min-max)"))
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.grid(True, which="both", alpha=0.3)
+        if log_y:
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+        else:
+            ax.set_ylim(bottom=0)
+            ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_launch(data: Mapping[str, Series], path: Path) -> bool:
+    """`data`: workload ("trivial", "torch") -> launcher -> N -> seconds."""
+    titles = {
+        "trivial": "trivial workers: invoke → all running",
+        "torch": "torch workers: invoke → all in the gloo group",
+    }
+    return _panels(data, path, titles=titles, xlabel="workers (N)", ylabels={}, log_y=False)
+
+
+def plot_rendezvous(data: Mapping[str, Series], path: Path) -> bool:
+    """`data`: "ranked" / "settle" -> implementation -> N -> seconds."""
+    titles = {
+        "ranked": "last join → all ranked",
+        "settle": "joining phase: N-1 nodes at once → all seen",
+    }
+    return _panels(data, path, titles=titles, xlabel="simulated nodes (N)", ylabels={}, log_y=True)
 
 
 def bootstrap_series(
@@ -119,30 +116,13 @@ def bootstrap_series(
 
 def plot_bootstrap(data: Mapping[str, Series], path: Path) -> bool:
     """`data`: "burst" / "get" -> server -> clients -> seconds / operations per second."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(k, s) for k, s in data.items() if any(s.values())]
-    if not panels:
-        return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     titles = {
         "burst": "burst: all connect → id read → barrier passed",
         "get": "throughput: get",
     }
-    units = {"burst": "seconds (median, min-max)", "get": "operations per second"}
-    for ax, (key, series) in zip(axes[0], panels, strict=True):
-        _draw(ax, {("torch libuv" if s == "torch" else s): v for s, v in series.items()})
-        ax.set_title(titles.get(key, key))
-        ax.set_xlabel("clients (N)")
-        ax.set_ylabel(units.get(key, key))
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    named = {
+        key: {("torch libuv" if s == "torch" else s): v for s, v in series.items()}
+        for key, series in data.items()
+    }
+    ylabels = {"get": "operations per second"}
+    return _panels(named, path, titles=titles, xlabel="clients (N)", ylabels=ylabels, log_y=True)
