@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import py_compile
+import select
 import signal
 import subprocess
 import sys
@@ -452,3 +453,43 @@ def _opening_a_fifo(pid: int) -> bool:
     except OSError:
         return False
     return wchan == "wait_for_partner" or "fifo" in wchan
+
+
+# Prints whether SIGINT is blocked and whether the starter's variable is set.
+SIGINT_STATE = """\
+import os, signal
+print(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []),
+      "ELASTRUN_SIGINT_HELD" in os.environ, flush=True)
+"""
+
+
+def _start_and_read(argv: list[str], tmp_path: Path) -> str:
+    from elastrun.supervise.processes.spawn import ProcessSpec, SubprocessStarter
+
+    r, w = os.pipe()
+    proc = SubprocessStarter().start(
+        ProcessSpec(0, dict(os.environ), argv=tuple(argv), stdout_fd=w)
+    )
+    os.close(w)
+    with os.fdopen(r) as out:
+        line = out.read().strip()
+    select.select([proc.exit_fd()], [], [], 30)
+    assert proc.poll() == 0, line
+    proc.release()
+    return line
+
+
+def test_a_fresh_worker_starts_with_sigint_held_until_its_bootstrap_can_take_it(
+    tmp_path: Path,
+) -> None:
+    # A SIGINT between the interpreter's start and the bootstrap's set-up must not be
+    # lost in an import: the starter blocks it across exec; the bootstrap unblocks it
+    # once the default disposition is in place, and the script sees neither the block
+    # nor the starter's variable.
+    script = _script(tmp_path, "state.py", SIGINT_STATE)
+    assert _start_and_read([*BOOTSTRAP, str(script)], tmp_path) == "False False"
+    # Before the bootstrap runs (a command that names it but runs other code first):
+    held = [sys.executable, "-c", SIGINT_STATE, "-m", "elastrun.worker.bootstrap"]
+    assert _start_and_read(held, tmp_path) == "True True"
+    # Any other command starts as it would anyway.
+    assert _start_and_read([*PLAIN, str(script)], tmp_path) == "False False"

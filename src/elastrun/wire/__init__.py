@@ -6,6 +6,7 @@
 :mod:`.zygote`          the worker template's control channel (spawn batches, ledger)
 :mod:`.progress`        the shared-memory file of the workers' progress records
 :mod:`.workers`         ``<attempt>/workers.json``, the pids ``elastrun stacks`` signals
+:mod:`.bootstrap`       what a starter tells the worker bootstrap (SIGINT held at exec)
 ======================  ============================================================
 
 Both ends of each format import the module and nothing of each other: the agent side

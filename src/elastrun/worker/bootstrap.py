@@ -32,6 +32,8 @@ import sys
 from collections.abc import Callable
 from types import ModuleType, TracebackType
 
+from elastrun.wire import bootstrap as _held
+
 _USAGE = "usage: python -m elastrun.worker.bootstrap (SCRIPT | -m MODULE) [ARGS...]\n"
 
 # This module's name when imported normally, for rewriting sys.orig_argv.
@@ -81,10 +83,13 @@ def _hold_interrupts() -> bool:
     disposition meanwhile, the worker dies of the signal, as a process does before it
     installs handlers. A SIGINT the parent left ignored stays ignored, as in python.
     """
-    if _signal.getsignal(_signal.SIGINT) == _signal.SIG_IGN:
-        return False
-    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
-    return True
+    held = os.environ.pop(_held.SIGINT_HELD_ENV, None) == str(_held.VERSION)
+    ignored = _signal.getsignal(_signal.SIGINT) == _signal.SIG_IGN
+    if not ignored:
+        _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    if held:  # a SIGINT that came meanwhile ends the worker here
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, [_signal.SIGINT])
+    return not ignored
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ a group's workers in one batch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -31,16 +32,32 @@ from typing import Protocol
 
 from elastrun.core.errors import ExecutableNotFoundError, ProcessStartError
 from elastrun.core.linux import die_with_parent
+from elastrun.wire import bootstrap as _bootstrap
 
 log = logging.getLogger(__name__)
 
 
-def prepare_child(sig: int, expected_parent: int, cpus: frozenset[int] | None) -> None:
+def prepare_child(
+    sig: int, expected_parent: int, cpus: frozenset[int] | None, hold_sigint: bool = False
+) -> None:
     """In a freshly forked child: bind its CPUs, then arm the parent-death signal (see
-    :func:`elastrun.core.linux.die_with_parent`: it exits if the parent is gone)."""
+    :func:`elastrun.core.linux.die_with_parent`: it exits if the parent is gone).
+    ``hold_sigint``: block SIGINT across exec (the worker bootstrap unblocks it)."""
+    if hold_sigint:
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT,))
     if cpus:
         os.sched_setaffinity(0, cpus)  # inherited across exec, and by its children
     die_with_parent(sig, expected_parent)
+
+
+def _holds_sigint(argv: Sequence[str]) -> bool:
+    """Whether to start ``argv`` with SIGINT blocked: a worker bootstrap, which unblocks
+    it once a SIGINT can no longer be lost (``wire.bootstrap``), started by
+    an agent that does not block SIGINT itself (a mask the worker inherits stays)."""
+    runs_bootstrap = any(
+        a == "-m" and b == _bootstrap.BOOTSTRAP_MODULE for a, b in itertools.pairwise(argv)
+    )
+    return runs_bootstrap and signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
 @dataclass(frozen=True)
@@ -263,17 +280,21 @@ class SubprocessStarter:
         parent = os.getpid()
         death = spec.death_signal
         cpus = spec.cpus
+        env = dict(spec.env)
+        hold = _holds_sigint(argv)
+        if hold:
+            env[_bootstrap.SIGINT_HELD_ENV] = str(_bootstrap.VERSION)
         try:
             proc = subprocess.Popen(
                 argv,
-                env=dict(spec.env),
+                env=env,
                 stdout=spec.stdout_fd,
                 stderr=spec.stderr_fd,
                 cwd=spec.cwd,
                 start_new_session=True,
                 # Only syscalls (affinity, prctl, getppid) run between fork and exec: no locks, no
                 # allocation, so the relay thread cannot deadlock the child.
-                preexec_fn=lambda: prepare_child(death, parent, cpus),  # noqa: PLW1509
+                preexec_fn=lambda: prepare_child(death, parent, cpus, hold),  # noqa: PLW1509
             )
         except OSError as exc:
             message = (
