@@ -17,8 +17,8 @@ from elastrun.wire import inprocess, progress, timer, workers, zygote
 WIRE_MODULES = sorted(m.name for m in pkgutil.iter_modules(elastrun.wire.__path__))
 
 
-def test_the_wire_package_holds_the_five_formats() -> None:
-    assert WIRE_MODULES == ["inprocess", "progress", "timer", "workers", "zygote"]
+def test_the_wire_package_holds_the_six_formats() -> None:
+    assert WIRE_MODULES == ["bootstrap", "inprocess", "progress", "timer", "workers", "zygote"]
 
 
 @pytest.mark.parametrize("name", WIRE_MODULES)
