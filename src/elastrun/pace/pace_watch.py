@@ -171,8 +171,9 @@ class PaceWatch:
             "windows of %gs (--straggler-factor %g); it is not stopped",
             who, s.step_time, s.ratio, s.peer_median, s.windows, self._window, self._factor,
         )  # fmt: skip
-        self._metrics.put(gauge, 1)
+        # The count first: a scrape that shows the gauge then shows the report too.
         self._metrics.put("agent.stragglers", 1)
+        self._metrics.put(gauge, 1)
         self._events.record("agent.straggler", meta)
 
     def _cleared(
