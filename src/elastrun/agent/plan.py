@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
+from elastrun.wire.bootstrap import BOOTSTRAP_MODULE
 from elastrun.wire.inprocess import SOCKET_ENV as INPROCESS_SOCKET_ENV
 from elastrun.wire.timer import file_timer_enabled
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:  # annotations only: ``--dry-run`` plans without a rendezvous
     from elastrun.rendezvous.api import RendezvousInfo
 
 LOCAL_RANK_MACRO = "${local_rank}"
-BOOTSTRAP_MODULE = "elastrun.worker.bootstrap"
 # Interpreter options that take a separate value (``-W error``, ``-X dev``).
 _PY_OPTS_WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}
 

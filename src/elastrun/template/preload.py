@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-BOOTSTRAP_MODULE = "elastrun.worker.bootstrap"
+from elastrun.wire.bootstrap import BOOTSTRAP_MODULE
 
 #: Modules preloaded automatically when a worker script imports them at top level.
 #: Both are known to import without starting threads or touching a GPU.

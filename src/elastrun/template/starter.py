@@ -60,7 +60,6 @@ from elastrun.template.key import (
 )
 from elastrun.template.preload import (
     AUTO_PRELOAD_ROOTS,
-    BOOTSTRAP_MODULE,
     LAZY_TORCH_IMPORTS,
     BootstrapCommand,
     default_preload,
@@ -71,6 +70,7 @@ from elastrun.template.process import (
     TemplateBroken,
     TemplateUnavailable,
 )
+from elastrun.wire.bootstrap import BOOTSTRAP_MODULE
 from elastrun.wire.zygote import BATCH_MAX, VERSION
 
 __all__ = [

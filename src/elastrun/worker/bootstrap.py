@@ -37,7 +37,7 @@ from elastrun.wire import bootstrap as _held
 _USAGE = "usage: python -m elastrun.worker.bootstrap (SCRIPT | -m MODULE) [ARGS...]\n"
 
 # This module's name when imported normally, for rewriting sys.orig_argv.
-_SELF_MODULE = "elastrun.worker.bootstrap"
+_SELF_MODULE = _held.BOOTSTRAP_MODULE
 
 _Excepthook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 

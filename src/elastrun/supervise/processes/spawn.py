@@ -292,8 +292,8 @@ class SubprocessStarter:
                 stderr=spec.stderr_fd,
                 cwd=spec.cwd,
                 start_new_session=True,
-                # Only syscalls (affinity, prctl, getppid) run between fork and exec: no locks, no
-                # allocation, so the relay thread cannot deadlock the child.
+                # Only syscalls (sigmask, affinity, prctl, getppid) run between fork and
+                # exec: no locks, no allocation, so the relay thread cannot deadlock it.
                 preexec_fn=lambda: prepare_child(death, parent, cpus, hold),  # noqa: PLW1509
             )
         except OSError as exc:
