@@ -102,8 +102,8 @@ SCRIPT = textwrap.dedent(
             allocated.append(time.perf_counter())
             return real_targets(self, desc)
 
-        def move(tensors, plan, me, world):
-            real_move(tensors, plan, me, world)
+        def move(tensors, plan, me, world, *rest):
+            real_move(tensors, plan, me, world, *rest)
             if me in plan.receivers:
                 size = sum(t.numel() * t.element_size() for t in tensors)
                 with open(os.path.join(out, f"transfer_{me}.json"), "w") as fh:

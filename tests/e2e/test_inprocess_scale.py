@@ -90,15 +90,20 @@ big_x, small_x = torch.randn(48, features, generator=gen), torch.randn(48, 16, g
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 sampler = Sampler(len(small_x), 8)
 
+import elastrun.inprocess.sync as sync
 import elastrun.inprocess.transfer as transfer
-real_move, real_local = transfer._move_bytes, transfer._read_locally
+real_commit, real_move, real_local = sync.move_commit, transfer._move_bytes, transfer._read_locally
 
-def move(tensors, moving, me, world):
+def move_commit(*args):
+    # Round 1 over gloo, as between machines.
+    transfer.LOCAL = int(os.environ["ELASTRUN_INPROCESS_ROUND"]) != 1
+    return real_commit(*args)
+
+def move(tensors, moving, me, world, *rest):
     round_no = int(os.environ["ELASTRUN_INPROCESS_ROUND"])
     if planned("movedie", round_no):
         os.kill(os.getpid(), signal.SIGKILL)
-    transfer.LOCAL = round_no != 1  # the first round over gloo, as between machines
-    real_move(tensors, moving, me, world)
+    real_move(tensors, moving, me, world, *rest)
     with open(os.path.join(out, f"moved_{round_no}_{me}.json"), "w") as fh:
         json.dump({"sources": list(moving.sources), "receivers": list(moving.receivers),
                    "local": transfer.LOCAL and read[-1:] == [True]}, fh)
@@ -109,7 +114,7 @@ def read_locally(*args):
     read.append(real_local(*args))
     return read[-1]
 
-transfer._move_bytes, transfer._read_locally = move, read_locally
+sync.move_commit, transfer._move_bytes, transfer._read_locally = move_commit, move, read_locally
 
 def one_step():
     idx = sampler.next_batch()

@@ -1,4 +1,5 @@
-"""The Linux process controls elastrun uses, in one place: ``prctl`` through libc.
+"""The Linux process controls elastrun uses, in one place: ``prctl`` through libc, and
+libc itself for the few other calls Python's ``os`` lacks.
 
 Python's ``os`` module has ``pidfd_open`` and ``waitid`` but no ``prctl``, and two of its
 options hold up the supervision: the parent-death signal (a worker dies with the agent,
@@ -22,18 +23,39 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 #: ``prctl`` options (``<linux/prctl.h>``).
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 PR_GET_CHILD_SUBREAPER = 37
+#: Yama's option: name the one process (with its descendants) allowed to ptrace this one.
+PR_SET_PTRACER = 0x59616D61
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    # The symbols already loaded into this process (libc's among them): no search, unlike
+    # ``ctypes.util.find_library``, which runs ``ldconfig`` in a subprocess on every call.
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # pragma: no cover - a statically linked interpreter
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def libc() -> ctypes.CDLL | None:
+    """The C library this process runs on (None where it cannot be opened)."""
+    return _LIBC
 
 
 def _load_prctl() -> Callable[..., int] | None:
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # pragma: no cover - every Linux libc has prctl
+        prctl = _LIBC.prctl if _LIBC is not None else None
+    except AttributeError:  # pragma: no cover - every Linux libc has prctl
+        return None
+    if prctl is None:  # pragma: no cover
         return None
     prctl.restype = ctypes.c_int
     result: Callable[..., int] = prctl
@@ -82,6 +104,13 @@ def die_with_parent(sig: int, parent: int) -> None:
     set_parent_death_signal(sig)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def set_ptracer(pid: int) -> None:
+    """Let ``pid`` and its descendants read this process's memory where Yama restricts
+    ptrace to descendants (0: only descendants again); a no-op without Yama."""
+    with suppress(OSError):  # EINVAL: no Yama, nothing to allow
+        _call(PR_SET_PTRACER, ctypes.c_ulong(pid))
 
 
 def is_child_subreaper() -> bool:

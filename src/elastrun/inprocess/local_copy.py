@@ -19,22 +19,21 @@ over gloo again.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import ctypes
-import ctypes.util
+import functools
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from elastrun.core import linux
+
 if TYPE_CHECKING:
     import torch
 
 #: Threads a receiver reads with (each ``process_vm_readv`` call is one memcpy).
 THREADS = 4
-
-_PR_SET_PTRACER = 0x59616D61
 
 
 class _IoVec(ctypes.Structure):
@@ -63,11 +62,11 @@ def whereabouts(tensors: Sequence[torch.Tensor] | None) -> Whereabouts:
 def allow_readers() -> None:
     """Let the other workers (the agent's descendants) read this process's memory where
     Yama restricts it (a no-op elsewhere)."""
-    _prctl(_PR_SET_PTRACER, os.getppid())
+    linux.set_ptracer(os.getppid())
 
 
 def forbid_readers() -> None:
-    _prctl(_PR_SET_PTRACER, 0)
+    linux.set_ptracer(0)
 
 
 def read_chunks(
@@ -118,27 +117,18 @@ def _machine_key() -> str:
         return f"unknown/{os.getpid()}"  # matches no other process
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """libc with ``process_vm_readv`` typed, or None where there is none."""
     if not sys.platform.startswith("linux"):
         return None
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)
-    func = getattr(libc, "process_vm_readv", None)
-    if func is None:
+    lib = linux.libc()
+    func = getattr(lib, "process_vm_readv", None)
+    if lib is None or func is None:
         return None
     func.restype = ctypes.c_ssize_t
     func.argtypes = [
         ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
         ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong,
     ]  # fmt: skip
-    return libc
-
-
-def _prctl(option: int, arg: int) -> None:
-    libc = _libc()
-    if libc is None:
-        return
-    with contextlib.suppress(AttributeError):
-        libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0)  # EINVAL without Yama: fine
+    return lib

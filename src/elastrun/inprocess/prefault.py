@@ -8,10 +8,10 @@ transfer's time (``inprocess.local_copy``).
 
 That work cannot be skipped, but it need not wait for the bytes: as soon as the tensors
 exist, a thread asks the kernel to populate them (``madvise(MADV_POPULATE_WRITE)``,
-Linux 5.14+; ctypes releases the GIL) while the main thread goes on with the exchange
-(the other ranks' reports, the senders' whereabouts) and then the copy. It walks the
-tensors from the last page back, so that it meets the readers, who go forward, instead
-of faulting the same pages beside them.
+Linux 5.14+; ctypes releases the GIL) while the readers copy (or, over gloo, while
+the ranks report and the streams start). It walks the tensors from the last page back,
+so that it meets the readers, who go forward, instead of faulting the same pages beside
+them.
 
 Rejected: populating in ``State.targets`` before the exchange (the same work, just
 moved in front of the timer); transparent huge pages (512 times fewer faults, but a
@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import mmap
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
+
+from elastrun.core import linux
 
 if TYPE_CHECKING:
     import torch
@@ -97,13 +99,11 @@ def _populate(madvise: _Madvise, work: list[tuple[int, int]], stop: threading.Ev
             return
 
 
+@functools.cache
 def _madvise() -> _Madvise | None:
     if not sys.platform.startswith("linux"):
         return None
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    func = getattr(ctypes.CDLL(name, use_errno=True), "madvise", None)
+    func = getattr(linux.libc(), "madvise", None)
     if func is None:
         return None
     func.restype = ctypes.c_int

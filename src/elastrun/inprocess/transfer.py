@@ -15,8 +15,11 @@ pickle in memory on both sides. Here:
    chunks split across the sources and across a few groups, several in flight, so that
    the transfer streams over every link it can use. Ranks of one machine skip the
    network: each receiver reads the chunks from its sources' memory
-   (``inprocess.local_copy``), falling back to gloo where any cannot. Meanwhile a
-   thread faults in the receiver's new tensors (``inprocess.prefault``).
+   (``inprocess.local_copy``; the sources said where their tensors lie in step 1), and
+   the whole commit goes over gloo when any receiver cannot. Meanwhile a thread faults
+   in the receiver's new tensors (``inprocess.prefault``);
+4. every rank reports (a receiver: whether it could take the commit); until then the
+   sources' tensors stay as they are.
 
 The groups are gloo for CPU tensors and NCCL for CUDA ones where the machine has GPUs
 (torch picks by the tensor's device).
@@ -118,32 +121,38 @@ def chunks(sizes: Sequence[tuple[int, int]], sources: Sequence[int]) -> list[Chu
 
 def move_commit(state: State, rank: int, world: int) -> Plan:
     """Hand the newest commit of the round to every rank that lacks it (run by every
-    rank of the round's synchronisation group, the default group)."""
+    rank of the round's synchronisation group, the default group).
+
+    Three exchanges: every rank's commit (with, where it is intact, where its tensors lie
+    for a reader on the same machine), the commit's description, and every receiver's
+    report once it has read the bytes or could not. Only a receiver that could not read
+    them all from memory brings the gloo streams in."""
     import torch.distributed as dist
 
-    held: list[Any] = [None] * world
-    dist.all_gather_object(held, (state.commit_id, state.held_commit() is not None))
-    plan = decide([(int(c), bool(ok)) for c, ok in held])
-    if not plan.receivers:
-        return plan
-    box: list[Any] = [state.describe() if rank == plan.sources[0] else None]
-    dist.broadcast_object_list(box, src=plan.sources[0])
-    desc: CommitDescription = box[0]
-    targets, error = _prepare(state, desc) if rank in plan.receivers else ([], None)
-    with prefault.populating(targets):  # new tensors' pages, while the rest goes on
-        errors: list[Any] = [None] * world
-        dist.all_gather_object(errors, "" if error is None else str(error))
-        failed = [(r, e) for r, e in enumerate(errors) if e]
-        if failed:
-            if error is not None:
-                raise error  # this rank's own: it ends with it, and is replaced
-            r, e = failed[0]
-            raise TransferAborted(
-                f"processgroup: rank {r} could not take commit {plan.commit}: {e}"
-            )
-        tensors = state.commit_tensors() if rank in plan.sources else targets
-        _move_bytes(tensors, plan, rank, world)
-    if rank in plan.receivers:
+    intact = state.held_commit() is not None
+    offer = local_copy.whereabouts(state.commit_tensors()) if LOCAL and intact else None
+    offered = offer is not None and offer.spans is not None
+    if offered:
+        local_copy.allow_readers()
+    try:
+        held: list[Any] = [None] * world
+        dist.all_gather_object(held, (state.commit_id, intact, offer))
+        plan = decide([(int(c), bool(ok)) for c, ok, _ in held])
+        if not plan.receivers:
+            return plan
+        box: list[Any] = [state.describe() if rank == plan.sources[0] else None]
+        dist.broadcast_object_list(box, src=plan.sources[0])
+        desc: CommitDescription = box[0]
+        receiving = rank in plan.receivers
+        targets, error = _prepare(state, desc) if receiving else ([], None)
+        offers = {s: held[s][2] for s in plan.sources}
+        with prefault.populating(targets):  # new tensors' pages, while the rest goes on
+            tensors = targets if receiving else state.commit_tensors()
+            _move_bytes(tensors, plan, rank, world, offers, error)
+    finally:
+        if offered:
+            local_copy.forbid_readers()
+    if receiving:
         state.adopt(desc, targets)
     return plan
 
@@ -157,37 +166,51 @@ def _prepare(
         return [], exc
 
 
-def _move_bytes(tensors: list[torch.Tensor], plan: Plan, rank: int, world: int) -> None:
-    """The commit's bytes, from the sources' ``tensors`` into the receivers'."""
-    if not (LOCAL and _read_locally(tensors, plan, rank, world)):
+def _move_bytes(
+    tensors: list[torch.Tensor],
+    plan: Plan,
+    rank: int,
+    world: int,
+    offers: dict[int, local_copy.Whereabouts | None],
+    error: ElastrunError | None,
+) -> None:
+    """The commit's bytes, from the sources' ``tensors`` into the receivers'.
+
+    A receiver reads them from its sources' memory where it can, then every rank reports
+    (the sources' tensors stay as they are until then); if any receiver could not
+    prepare its tensors the round ends, else if any could not read them all, the whole
+    commit goes over gloo."""
+    import torch.distributed as dist
+
+    read = False
+    if rank in plan.receivers and error is None and LOCAL:
+        read = _read_locally(tensors, plan, offers)
+    reports: list[Any] = [None] * world
+    dist.all_gather_object(reports, str(error) if error is not None else read)
+    failed = [(r, e) for r, e in enumerate(reports) if isinstance(e, str)]
+    if failed:
+        if error is not None:
+            raise error  # this rank's own: it ends with it, and is replaced
+        r, e = failed[0]
+        raise TransferAborted(f"processgroup: rank {r} could not take commit {plan.commit}: {e}")
+    if not all(reports[r] is True for r in plan.receivers):
         _stream(tensors, plan, rank)
 
 
-def _read_locally(tensors: list[torch.Tensor], plan: Plan, rank: int, world: int) -> bool:
-    """Every receiver reads the chunks from its sources' memory (``inprocess.local_copy``);
-    whether all could (the sources' tensors stay as they are until all said so)."""
-    import torch.distributed as dist
-
-    sending = rank in plan.sources
-    if sending:
-        local_copy.allow_readers()
-    try:
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, local_copy.whereabouts(tensors if sending else None))
-        ok = True
-        if rank in plan.receivers:
-            sizes = [(t.numel(), t.element_size()) for t in tensors]
-            parts = [
-                (c.tensor, c.start * sizes[c.tensor][1], c.stop * sizes[c.tensor][1], c.source)
-                for c in chunks(sizes, plan.sources)
-            ]
-            ok = local_copy.read_chunks(tensors, parts, {s: every[s] for s in plan.sources})
-        oks: list[Any] = [None] * world
-        dist.all_gather_object(oks, ok)
-        return all(oks)
-    finally:
-        if sending:
-            local_copy.forbid_readers()
+def _read_locally(
+    tensors: list[torch.Tensor], plan: Plan, offers: dict[int, local_copy.Whereabouts | None]
+) -> bool:
+    """This receiver reads every chunk from its sources' memory
+    (``inprocess.local_copy``); whether it could."""
+    if any(offers[s] is None for s in plan.sources):
+        return False
+    sizes = [(t.numel(), t.element_size()) for t in tensors]
+    parts = [
+        (c.tensor, c.start * sizes[c.tensor][1], c.stop * sizes[c.tensor][1], c.source)
+        for c in chunks(sizes, plan.sources)
+    ]
+    sources = {s: w for s, w in offers.items() if w is not None}
+    return local_copy.read_chunks(tensors, parts, sources)
 
 
 def _stream(tensors: list[torch.Tensor], plan: Plan, rank: int) -> None:
