@@ -98,9 +98,9 @@ SCRIPT = textwrap.dedent(
         real_move, real_targets, allocated = transfer._move_bytes, ip.State.targets, []
         transfer.LOCAL = os.environ.get("OVER_GLOO") != "1"
 
-        def targets(self, desc):  # the receiver's tensors: from here on it is timed
+        def targets(self, desc, *rest):  # the description is in: from here on it is timed
             allocated.append(time.perf_counter())
-            return real_targets(self, desc)
+            return real_targets(self, desc, *rest)
 
         def move(tensors, plan, me, world, *rest):
             real_move(tensors, plan, me, world, *rest)

@@ -194,6 +194,33 @@ def test_a_replacement_takes_a_commit_into_its_own_tensors_and_allocates_adams_s
     assert _everything(fresh_model, fresh_opt) == _everything(model, opt)
 
 
+def test_a_replacement_allocates_adams_state_ahead_and_takes_what_the_commit_agrees_on() -> None:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    ahead = State(model=model, optimizer=opt, step=0)
+    _step(model, opt)
+    ahead.commit()
+    published = pickle.loads(pickle.dumps(ahead.lacking_specs()))
+    assert set(published) == {"optimizer"}  # a module's tensors exist once it is built
+    fresh_model = _model()
+    fresh_opt = torch.optim.Adam(fresh_model.parameters())
+    fresh = State(model=fresh_model, optimizer=fresh_opt, step=0)
+    pool = fresh.allocate(published)
+    # Adam's two moments and its step counter for each of the six parameters.
+    assert len(pool) == 3 * 6 and all(key[0] == "optimizer" for key in pool)
+    wrong_key = next(key for key, t in pool.items() if t.dim() == 2)
+    pool[wrong_key] = torch.empty(1, 1)  # a guess the description does not agree on
+    early = {id(t) for t in pool.values()}
+    targets = fresh.targets(ahead.describe(), pool)
+    assert sum(id(t) in early for t in targets) == 3 * 6 - 1 and not pool
+    for target, source in zip(targets, ahead.commit_tensors(), strict=True):
+        target.copy_(source)
+    fresh.adopt(ahead.describe(), targets)
+    assert _everything(fresh_model, fresh_opt) == _everything(model, opt)
+    # A rank that has the state already allocates nothing.
+    assert ahead.allocate(published) == {}
+
+
 def test_a_replacement_built_differently_is_told_which_tensor_does_not_fit() -> None:
     ahead = State(model=_model(32))
     other = State(model=_model(16))

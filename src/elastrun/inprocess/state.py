@@ -238,10 +238,35 @@ class State:
         ``rollback``, when the live tensors are the commit's)."""
         return [t for snap in self._snap.values() for t in snap.tensors()]
 
-    def targets(self, desc: CommitDescription) -> list[torch.Tensor]:
+    def lacking_specs(self) -> dict[str, list[TensorSpec]]:
+        """The specs of the last commit's tensors that a fresh rank has none of: those of
+        the items that are not modules (an optimizer's state is created at its first
+        step; a module's tensors exist once it is built)."""
+        return {name: specs(snap) for name, snap in self._snap.items() if not snap.is_module}
+
+    def allocate(self, published: dict[str, list[TensorSpec]]) -> dict[tuple[str, Any], Any]:
+        """New CPU tensors for the entries of ``published`` (``lacking_specs`` of another
+        rank) that this rank's items lack, by (item name, place); nothing is written."""
+        import torch
+
+        out: dict[tuple[str, Any], torch.Tensor] = {}
+        for name, item_specs in published.items():
+            value = self._items.get(name)
+            if not _stateful(value) or _is_module(value):
+                continue
+            own = dict(walk(value.state_dict()))
+            for spec in item_specs:
+                if spec.path not in own and spec.device_type == "cpu":
+                    out[(name, spec.path)] = torch.empty(spec.shape, dtype=_dtype(spec.dtype))
+        return out
+
+    def targets(
+        self, desc: CommitDescription, pool: dict[tuple[str, Any], Any] | None = None
+    ) -> list[torch.Tensor]:
         """Where this rank receives each tensor of ``desc``: its own tensor at the same
         place of the same item, written in place, or a new one where it has none yet
-        (an optimizer's state, created at its first step).
+        (an optimizer's state, created at its first step): taken from ``pool``
+        (``allocate``) where one of the same shape and dtype is there.
 
         Raises:
             StateMismatchError: an item is missing, or a tensor has another shape or
@@ -273,7 +298,15 @@ class State:
                             f"{list(spec.shape)}; this rank's module has no such entry"
                         )
                     device = home if spec.device_type != "cpu" else torch.device("cpu")
-                    out.append(torch.empty(spec.shape, dtype=dtype, device=device))
+                    early = (pool or {}).pop((name, spec.path), None)
+                    if not (
+                        early is not None
+                        and tuple(early.shape) == spec.shape
+                        and early.dtype == dtype
+                        and early.device == device
+                    ):
+                        early = torch.empty(spec.shape, dtype=dtype, device=device)
+                    out.append(early)
                     continue
                 if tuple(mine.shape) != spec.shape or mine.dtype != dtype:
                     raise StateMismatchError(

@@ -5,16 +5,20 @@ whose commit is older (a replacement's is 0) or whose state moved on since its c
 It runs on a process group of its own (gloo, on the round's bootstrap store under a
 prefix of its own), made and destroyed around the exchange, so the training function's
 ``init_process_group`` finds the default group free and the store's keys untouched.
+Before joining that group, the ranks that hold their commit publish its shapes, and a
+rank about to receive allocates from them ahead (``inprocess.early``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import time
 from collections.abc import Callable
 
+from elastrun.inprocess import early
 from elastrun.inprocess.parking import keep_parked, park_process_groups
 from elastrun.inprocess.state import State
 from elastrun.inprocess.transfer import move_commit
@@ -53,17 +57,23 @@ def synchronise(state: State, round_no: int, superseded: Callable[[], bool]) -> 
     store = TCPStore(addr, port, world, is_master=False, timeout=CONNECT_TIMEOUT)
     store.set_timeout(SYNC_TIMEOUT)  # the store's waits end when it stops
     prefixed = PrefixStore(f"elastrun/inprocess/{round_no}/", store)
-    dist.init_process_group(
-        _backend(), store=prefixed, rank=rank, world_size=world, timeout=SYNC_TIMEOUT
-    )
-    park_process_groups()  # see inprocess.parking
-    try:
-        move_commit(state, rank, world)
-    finally:
-        dist.destroy_process_group()
-        # Kept: releasing it now would need a pause (see inprocess.parking) on the
-        # recovery's critical path; the next recovery releases it, idle by then.
-        keep_parked()
+    fresh = state.commit_id == 0 or state.held_commit() is None  # about to receive
+    if not fresh:
+        early.publish(state, prefixed)
+    ahead: contextlib.AbstractContextManager[early.Pool]
+    ahead = early.ahead(state, prefixed) if fresh else contextlib.nullcontext({})
+    with ahead as pool:
+        dist.init_process_group(
+            _backend(), store=prefixed, rank=rank, world_size=world, timeout=SYNC_TIMEOUT
+        )
+        park_process_groups()  # see inprocess.parking
+        try:
+            move_commit(state, rank, world, pool)
+        finally:
+            dist.destroy_process_group()
+            # Kept: releasing it now would need a pause (see inprocess.parking) on the
+            # recovery's critical path; the next recovery releases it, idle by then.
+            keep_parked()
 
 
 def _backend() -> str:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastrun.core.errors import ElastrunError
-from elastrun.inprocess import local_copy, prefault
+from elastrun.inprocess import early, local_copy, prefault
 from elastrun.inprocess.parking import park_process_groups
 from elastrun.inprocess.state import CommitDescription, State
 
@@ -119,14 +119,15 @@ def chunks(sizes: Sequence[tuple[int, int]], sources: Sequence[int]) -> list[Chu
     return out
 
 
-def move_commit(state: State, rank: int, world: int) -> Plan:
+def move_commit(state: State, rank: int, world: int, pool: early.Pool | None = None) -> Plan:
     """Hand the newest commit of the round to every rank that lacks it (run by every
     rank of the round's synchronisation group, the default group).
 
     Three exchanges: every rank's commit (with, where it is intact, where its tensors lie
     for a reader on the same machine), the commit's description, and every receiver's
     report once it has read the bytes or could not. Only a receiver that could not read
-    them all from memory brings the gloo streams in."""
+    them all from memory brings the gloo streams in. ``pool``: tensors this rank
+    allocated ahead (``inprocess.early``), taken where the description agrees."""
     import torch.distributed as dist
 
     intact = state.held_commit() is not None
@@ -144,9 +145,11 @@ def move_commit(state: State, rank: int, world: int) -> Plan:
         dist.broadcast_object_list(box, src=plan.sources[0])
         desc: CommitDescription = box[0]
         receiving = rank in plan.receivers
-        targets, error = _prepare(state, desc) if receiving else ([], None)
+        ahead = {id(t) for t in (pool or {}).values()}  # already being faulted in
+        targets, error = _prepare(state, desc, pool) if receiving else ([], None)
         offers = {s: held[s][2] for s in plan.sources}
-        with prefault.populating(targets):  # new tensors' pages, while the rest goes on
+        new = [t for t in targets if id(t) not in ahead]
+        with prefault.populating(new):  # new tensors' pages, while the rest goes on
             tensors = targets if receiving else state.commit_tensors()
             _move_bytes(tensors, plan, rank, world, offers, error)
     finally:
@@ -158,10 +161,10 @@ def move_commit(state: State, rank: int, world: int) -> Plan:
 
 
 def _prepare(
-    state: State, desc: CommitDescription
+    state: State, desc: CommitDescription, pool: early.Pool | None
 ) -> tuple[list[torch.Tensor], ElastrunError | None]:
     try:
-        return state.targets(desc), None
+        return state.targets(desc, pool), None
     except ElastrunError as exc:
         return [], exc
 

@@ -1,0 +1,93 @@
+"""Allocating a receiver's tensors ahead (``inprocess.early``) through a real round
+store: elastrun's torch-wire server, torch's own clients, as the ranks use them."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from _helpers import wait_for
+from elastrun.inprocess import State, early
+from elastrun.store.torchwire.server import TorchWireServer
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture
+def port() -> Iterator[int]:
+    server = TorchWireServer("127.0.0.1", 0)
+    try:
+        yield server.start()
+    finally:
+        server.close()
+
+
+def _client(port: int) -> Any:
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+    timeout = datetime.timedelta(seconds=5)
+    return PrefixStore("round/1/", TCPStore("127.0.0.1", port, is_master=False, timeout=timeout))
+
+
+def _trained(width: int) -> State:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(width, width)
+    opt = torch.optim.Adam(model.parameters())
+    opt.zero_grad()
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    state = State(model=model, optimizer=opt)
+    state.commit()
+    return state
+
+
+def _fresh(width: int) -> State:
+    model = torch.nn.Linear(width, width)
+    return State(model=model, optimizer=torch.optim.Adam(model.parameters()))
+
+
+def test_the_first_holder_publishes_and_a_fresh_rank_allocates_and_faults_in_ahead(
+    port: int,
+) -> None:
+    width = 1024  # 4 MiB moments: worth a populating thread
+    early.publish(_trained(width), _client(port))
+    early.publish(_trained(8), _client(port))  # a second holder: the first one's claim stands
+    fresh = _fresh(width)
+    before = _resident()
+    with early.ahead(fresh, _client(port)) as pool:
+        shapes = sorted(tuple(t.shape) for t in pool.values())
+        assert shapes == [(), (), (width,), (width,), (width, width), (width, width)]
+        moments = 2 * width * width * 4
+        # Nothing writes them: their pages come in from the populating thread.
+        wait_for(lambda: _resident() - before >= moments, 10, "the moments' pages")
+    assert "elastrun-prefault" not in [t.name for t in threading.enumerate()]
+
+
+def _resident() -> int:
+    with open("/proc/self/statm", encoding="ascii") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_nothing_is_allocated_before_a_holder_publishes_or_when_the_store_fails(
+    port: int,
+) -> None:
+    fresh = _fresh(64)
+    with early.ahead(fresh, _client(port)) as pool:
+        assert pool == {}
+
+    class Broken:
+        def check(self, keys: list[str]) -> bool:
+            raise RuntimeError("the store went away")
+
+    with early.ahead(fresh, Broken()) as pool:
+        assert pool == {}
