@@ -307,12 +307,16 @@ async def _async_main(args: argparse.Namespace, cmds: Commands) -> None:
                 await asyncio.sleep(0.5 * (attempt + 1))
         raise AssertionError("unreachable")
 
-    for start in range(0, len(ids), 64):
-        batch = ids[start : start + 64]
+    # --per-connection K: K simulated nodes share one connection (each with a lease of
+    # its own), for more nodes than the server's descriptor limit allows connections.
+    share = max(1, args.per_connection)
+    wanted = -(-len(ids) // share)
+    for start in range(0, wanted, 64):
+        batch = range(start, min(wanted, start + 64))
         stores += await asyncio.gather(*(connect() for _ in batch))
     nodes = [
-        AsyncNode(s, settings, NodeDesc(i, "127.0.0.1", "default", 1))
-        for s, i in zip(stores, ids, strict=True)
+        AsyncNode(stores[k // share], settings, NodeDesc(i, "127.0.0.1", "default", 1))
+        for k, i in enumerate(ids)
     ]
 
     def counters() -> dict[str, float]:
@@ -475,6 +479,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--last-call", type=float, default=30.0)
     p.add_argument("--nice", type=int, default=10)
     p.add_argument("--source", default="", help="loopback address to connect from")
+    p.add_argument("--per-connection", type=int, default=1, help="nodes sharing a connection")
     args = p.parse_args(argv)
     # The simulated nodes share this machine's cores with the store server, which on a
     # real cluster has a machine to itself while every node decodes its own answers on

@@ -83,6 +83,9 @@ class Options:
     # window (after ``ops_settle_s``), before the kill. 0: not measured.
     ops_window_s: float = 0.0
     ops_settle_s: float = 3.0
+    # Simulated nodes sharing one store connection (elastrun-async; each keeps a lease
+    # of its own): more nodes than the server's descriptor limit allows connections.
+    per_connection: int = 1
 
 
 PROFILE_OPTIONS = {
@@ -339,6 +342,7 @@ def scale_trial(impl: str, n: int, opts: Options) -> dict[str, float]:
         "expect": n - 1,
         "ttl": opts.ttl,
         "nice": opts.nice,
+        "per_connection": opts.per_connection,
     }
     with Trial(impl, opts.trial_timeout_s) as trial:
         sizes = _split(n - 1, opts.procs) if n > 1 else []
@@ -541,8 +545,14 @@ def _median(values: list[float]) -> float:
 
 
 def body(section: Section, opts: Options, impls: list[str]) -> None:
+    conn = (
+        "its own store connection"
+        if opts.per_connection == 1
+        else f"a store connection shared by {opts.per_connection} nodes in the scale trial "
+        "(a lease each; one each in the loss trial)"
+    )
     section.intro = (
-        "Simulated nodes, each a full participant with its own store connection; the store "
+        f"Simulated nodes, each a full participant with {conn}; the store "
         "server in a process of its own, the nodes spread over "
         f"{opts.procs} processes (+1 for the held-back or the killed node). "
         "**scale**: `min = max = N`; N-1 nodes join and settle, then the last one joins: "
@@ -834,6 +844,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttl", type=float, help="the simulated nodes' lease TTL (s)")
     p.add_argument("--nice", type=int, help="the node processes' niceness")
     p.add_argument("--trial-timeout", type=float, help="seconds one trial may take")
+    p.add_argument(
+        "--nodes-per-connection", type=int, help="simulated nodes sharing a store connection"
+    )
     args = p.parse_args(argv)
     profile = profile_of(args)
     opts = PROFILE_OPTIONS[profile]
@@ -847,6 +860,7 @@ def main(argv: list[str] | None = None) -> int:
         ("ttl", args.ttl),
         ("nice", args.nice),
         ("trial_timeout_s", args.trial_timeout),
+        ("per_connection", args.nodes_per_connection),
     ):
         if value is not None:
             changes[field_name] = value
