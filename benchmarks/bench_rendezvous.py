@@ -98,6 +98,7 @@ PROFILE_OPTIONS = {
         stop_above_s=60,
         ops_window_s=1.0,
         ops_settle_s=0.2,
+        per_connection=2,  # the scale trial shares connections; the loss trial does not
     ),
     "quick": Options(
         scale_ns={
