@@ -62,6 +62,8 @@ from _report import (
     write_section,
 )
 
+from elastrun.rendezvous.members import PAGE_SIZE
+
 HERE = Path(__file__).resolve().parent
 IMPLS = ("elastrun-async", "elastrun-threads", "torch-c10d")
 SIM_IMPL = {"elastrun-async": "elastrun-async", "elastrun-threads": "elastrun-threads"}
@@ -815,7 +817,8 @@ def _where_rdzv(scale: dict[str, dict[int, list[dict[str, float]]]], n: int, val
     return (
         f"At N={n}, {value:.2f} s from the last join to all ranked{volume}; the store server "
         f"spent {cpu:.2f} s of CPU and the node processes {ncpu:.2f} s. After the last join "
-        "the closer writes N/64 member pages at once and the small result; then every node "
+        f"the closer writes N/{PAGE_SIZE} member pages at once and the small result; then every "
+        "node "
         "gets the result from its watch (one encoded answer for all), reads its page, and "
         "watches `out/` on for the master address: about four requests per node, O(1) "
         "bytes each. On this machine the 2 "

@@ -457,7 +457,7 @@ def rows_of(ctx: Context, n: int, raw: bytes | None, decision: str | None = None
     if decision is not None and decision != str(result["id"]):
         return []
     # One prefix read for all pages: the next round's closer reads them right after a
-    # loss, on the re-forming's critical path (a read per page cost N/64 round trips).
+    # loss, on the re-forming's critical path (a read per page cost N/PAGE_SIZE round trips).
     found, _ = yield GetPrefix(ctx.keys.members_prefix(n, str(result["id"])))
     return rows_of_pages(list(found.values()))
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 #: Members per page (on average: a member's page is chosen by a hash of its id).
-PAGE_SIZE = 64
+PAGE_SIZE = 16
 
 #: A member: node id, address, role, local world size.
 MemberRow = tuple[str, str, str, int]
