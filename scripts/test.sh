@@ -25,16 +25,14 @@ mypy_log="$(mktemp)"
 trap 'rm -f "$mypy_log"' EXIT
 "$py/mypy" >"$mypy_log" 2>&1 &
 mypy_pid=$!
-# Four workers on CI's two cores: most tests wait (a timeout, a peer, a sleeping worker),
-# and the extra workers keep both cores busy. With the bytecode compiled (above), a full
-# run here took 492 s with four against 523-547 s with three (fresh clones, 2 cores);
-# without bytecode the suite was CPU-bound and four gained nothing. Work stealing evens out
-# the long end-to-end tests at the end. Each worker runs the conftest's leak checks on its
-# own tests (the process tag is per test, the descriptor check per worker process). `-n 0`
-# after it runs serially.
+# Three workers on CI's two cores: most tests wait (a timeout, a peer, a sleeping worker),
+# and a third keeps both cores busy (fresh clones: pytest 468-505 s against about 550 s
+# for two). Work stealing evens out the long end-to-end tests at the end. Each worker runs
+# the conftest's leak checks on its own tests (the process tag is per test, the
+# descriptor check per worker process). `-n 0` after it runs serially.
 echo "== pytest"
 status=0
-"$py/python" -m pytest -n 4 --dist worksteal "$@" || status=$?
+"$py/python" -m pytest -n 3 --dist worksteal "$@" || status=$?
 echo "== mypy (strict)"
 wait "$mypy_pid" || status=1
 cat "$mypy_log"
