@@ -26,6 +26,7 @@ from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.spec import WorkerSpec
 from elastrun.core.errors import RendezvousClosedError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
+from elastrun.rendezvous import joining
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.decide import Away, Joiner, RoundView, Verdict, decide_round
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
@@ -264,6 +265,41 @@ def _wait_for(check: Callable[[], object], what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
+
+
+def test_a_rank_0_counted_in_alive_that_dies_before_its_address_moves_the_others_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two nodes lost at once (a rack): the first lease ends and the survivors re-form at
+    # once, counting in rank 0, whose lease still lives (the store's disconnect grace);
+    # then it ends too. Rank 0 never writes the master address: the others must not wait
+    # for it until the join timeout (600 s by default), but move on to the next round.
+    monkeypatch.setattr(joining, "MASTER_CHECK_EVERY", 0.2)
+    store = MemoryStore()
+    nodes = {n: _node(store, n) for n in ("a", "b", "c")}
+    try:
+        first = _join_all(nodes)
+        by_rank = sorted(nodes, key=lambda n: first[n].rank)
+        head, other, survivor = by_rank[0], by_rank[1], by_rank[2]
+        nodes[other].leave()  # lost: the survivor decides round 1, counting the head in
+        second: list[RendezvousInfo] = []
+        joining_thread = threading.Thread(
+            target=lambda: second.append(nodes[survivor].next_rendezvous()), daemon=True
+        )
+        joining_thread.start()
+        _wait_for(lambda: store.get(K.result(1)) is not None, "round 1 decided")
+        result = json.loads(store.get(K.result(1)) or b"{}")
+        assert result["head"] == head and result["size"] == 2  # the head counted in
+        started = time.monotonic()
+        nodes[head].leave()  # its lease ends before it gave its address
+        joining_thread.join(10)
+        assert second, "the survivor still waits for the dead head's address"
+        assert (second[0].round, second[0].rank, second[0].world_size) == (2, 0, 1)
+        assert time.monotonic() - started < 5
+        assert store.get(K.master(1)) is None
+    finally:
+        for node in nodes.values():
+            node.leave()
 
 
 def test_a_node_readmitted_before_the_next_round_is_decided_joins_behind_the_spare() -> None:

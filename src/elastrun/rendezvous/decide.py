@@ -411,7 +411,8 @@ class RoundView:
         run-length shape, revision). The result also lists the few changes from the
         previous round's ranks when they are few (``from``: see ``changes_from``), and
         says ``all_live`` when every node alive at ``rev`` is a member (then a member
-        that sees a node's lease end need not read a page to know it was a member)."""
+        that sees a node's lease end need not read a page to know it was a member), and
+        names rank 0's node (``head``)."""
         rows: list[MemberRow] = []
         slots: list[tuple[str, int]] = []
         for m in members:
@@ -425,6 +426,8 @@ class RoundView:
             rows.append((m, str(d.get("addr", "")), role, lws))
             slots.append((role, lws))
         result: JSONDoc = {"id": decision, "size": len(rows), "rev": rev, "shape": shape_of(slots)}
+        if members:  # rank 0's node: the others wait for its address while it lives
+            result["head"] = members[0]
         changes = changes_from(self.previous, members) if self.round > 0 else None
         if changes is not None:
             result["from"] = {"round": self.round - 1, **changes}

@@ -181,12 +181,21 @@ def join(
             entry = page.get(ctx.node_id)
             rank = None if entry is None else int(str(entry[0]))
         if rank is not None:
-            break
+            head = result.get("head")
+            master = yield from agree_master(
+                ctx, n, rank, out, rev, head if isinstance(head, str) else None
+            )
+            if master is not None:
+                return Joined(n, rank, result, master)
+            # Rank 0 died before it gave its address (it was counted in alive, and its
+            # lease ended since): this round never starts. Join the next, as a member
+            # of this one (its decider counts in the live members of this round).
+            prev_round, prev_rank, held = n, rank, rank
+            n += 1
+            continue
         # Not a member: a spare waits for room in the round after this one (or after the
         # newest, when rounds formed without this node meanwhile).
         n = max(n, (yield from newest_round(ctx))) + 1
-    master = yield from agree_master(ctx, n, rank, out, rev)
-    return Joined(n, rank, result, master)
 
 
 def newest_round(ctx: Context) -> Protocol:
@@ -395,37 +404,57 @@ def follower_progress(ctx: Context, n: int) -> Protocol:
 
 
 def agree_master(
-    ctx: Context, n: int, rank: int, out: dict[str, bytes] | None = None, rev: int | None = None
+    ctx: Context,
+    n: int,
+    rank: int,
+    out: dict[str, bytes] | None = None,
+    rev: int | None = None,
+    head: str | None = None,
 ) -> Protocol:
     """MASTER_ADDR/PORT of round ``n``: its rank 0 picks them, the others read them.
 
     The address lives under ``out/`` beside the result: a node that read ``out/`` (``out``,
     at revision ``rev``) after rank 0 wrote it has it already, and one that read it before
-    watches on from there (one request instead of a read and a watch)."""
+    watches on from there (one request instead of a read and a watch). ``head``: rank 0's
+    node; while waiting, a member checks every ``MASTER_CHECK_EVERY`` seconds that it still
+    lives, and gets None when it is gone (see ``read_when_set``)."""
     key = ctx.keys.master(n)
     if rank == 0:
         raw = _dump({"addr": ctx.info["addr"], "port": ctx.new_port()})
         yield Put(key, raw)
     elif out is not None and (known := out.get(key)) is not None:
         raw = known
-    elif out is not None and rev is not None:
-        raw = yield from read_when_set(ctx, key, ctx.join_timeout, ({}, rev))
     else:
-        raw = yield from read_when_set(ctx, key, ctx.join_timeout)
+        seen = (out, rev) if out is not None and rev is not None else None
+        alive = None if head is None else ctx.keys.nodes + head
+        found = yield from read_when_set(ctx, key, ctx.join_timeout, seen, alive)
+        if found is None:
+            return None
+        raw = found
     data = _load(raw)
     if not isinstance(data, dict):
         raise RendezvousConnectionError(f"unreadable master address of round {n}")
     return str(data["addr"]), int(data["port"])
 
 
+#: How often a member waiting for rank 0's address checks that rank 0's node lives: a
+#: node counted into a re-formation alive can die before it writes the address.
+MASTER_CHECK_EVERY = 5.0
+
+
 def read_when_set(
-    ctx: Context, key: str, timeout: float, seen: tuple[dict[str, bytes], int] | None = None
+    ctx: Context,
+    key: str,
+    timeout: float,
+    seen: tuple[dict[str, bytes], int] | None = None,
+    alive: str | None = None,
 ) -> Protocol:
     """The value of ``key`` once it is set. A read, then (while absent) a watch that
     brings the value: one request when the key is there, and one answer after it is set
     (a wait, then a read, made every node of a large round ask twice after rank 0 wrote
     the master address). ``seen``: a read already made (what it found, its revision).
-    Raises ``StoreTimeoutError`` after ``timeout``."""
+    ``alive``: a key that must exist meanwhile, read every ``MASTER_CHECK_EVERY`` seconds
+    of waiting; None once it is gone. Raises ``StoreTimeoutError`` after ``timeout``."""
     deadline = ctx.clock.monotonic() + timeout
     found, rev = seen if seen is not None else (yield GetPrefix(key))
     while (raw := found.get(key)) is None:
@@ -433,12 +462,14 @@ def read_when_set(
         if left <= 0:
             raise StoreTimeoutError(f"timed out after {timeout:.3g}s waiting for {[key]}")
         try:
-            res = yield Watch(key, rev, left)
+            res = yield Watch(key, rev, left if alive is None else min(left, MASTER_CHECK_EVERY))
         except StoreCompactedError:
             found, rev = yield GetPrefix(key)
             continue
         rev = res.revision
         apply_events(found, res.events)
+        if key not in found and alive is not None and (yield Get(alive)) is None:
+            return None
     return raw
 
 
