@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -23,7 +24,16 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import ELASTRUN, finish, free_port, pid_alive, start, wait_for, write_script
+from _helpers import (
+    ELASTRUN,
+    dump_stacks_and_kill,
+    finish,
+    free_port,
+    pid_alive,
+    start,
+    wait_for,
+    write_script,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -166,7 +176,14 @@ def test_a_signal_while_waiting_for_a_dead_store_is_honoured_at_once(
     [worker] = workers(tmp_path)
     store.kill()
     # Past the heartbeat: the agent has stopped its worker and waits for the store.
-    wait_for(lambda: not pid_alive(worker), HEARTBEAT + 5, "the worker to be stopped")
+    try:
+        wait_for(lambda: not pid_alive(worker), HEARTBEAT + 5, "the worker to be stopped")
+    except AssertionError as exc:  # (seen once, unexplained): where the agent was
+        dump_stacks_and_kill(survivor)
+        _, err = survivor.communicate()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+        raise AssertionError(f"{exc}; the agent's stacks and log:\n{err[-6000:]}") from None
     time.sleep(0.5)
     sent = time.monotonic()
     survivor.send_signal(sig)
