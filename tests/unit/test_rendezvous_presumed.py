@@ -26,7 +26,7 @@ from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.spec import WorkerSpec
 from elastrun.core.errors import RendezvousClosedError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
-from elastrun.rendezvous import joining
+from elastrun.rendezvous import entering
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.decide import Away, Joiner, RoundView, Verdict, decide_round
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
@@ -274,7 +274,7 @@ def test_a_rank_0_counted_in_alive_that_dies_before_its_address_moves_the_others
     # once, counting in rank 0, whose lease still lives (the store's disconnect grace);
     # then it ends too. Rank 0 never writes the master address: the others must not wait
     # for it until the join timeout (600 s by default), but move on to the next round.
-    monkeypatch.setattr(joining, "MASTER_CHECK_EVERY", 0.2)
+    monkeypatch.setattr(entering, "MASTER_CHECK_EVERY", 0.2)
     store = MemoryStore()
     nodes = {n: _node(store, n) for n in ("a", "b", "c")}
     try:

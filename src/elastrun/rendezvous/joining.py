@@ -16,7 +16,6 @@ fake one). The keys and the decisions are ``decide.py``'s.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ from elastrun.core.errors import (
     RendezvousConnectionError,
     RendezvousTimeoutError,
     StoreCompactedError,
-    StoreTimeoutError,
 )
 from elastrun.rendezvous.decide import (
     Bounds,
@@ -36,14 +34,15 @@ from elastrun.rendezvous.decide import (
     Verdict,
     apply_events,
 )
-from elastrun.rendezvous.keys import RunKeys
-from elastrun.rendezvous.members import (
-    page_count,
-    page_entries,
-    page_of,
-    place_in,
-    rows_of_pages,
+from elastrun.rendezvous.entering import (
+    agree_master,
+    decided_rows,
+    member_page,
+    read_when_set,
+    rows_of,
 )
+from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.members import place_in
 from elastrun.rendezvous.ops import (
     Closed,
     CompareSet,
@@ -61,9 +60,12 @@ from elastrun.rendezvous.ops import (
     Watch,
     advance,
     drive,
+    dump,
+    load,
 )
 
-# The operations and the drivers' step are ``ops``'s, re-exported here.
+# The operations and the drivers' step are ``ops``'s, and what a node reads of a decided
+# round ``entering``'s, re-exported here.
 __all__ = [
     "AUDIT_EVERY",
     "FOLLOW_EVERY",
@@ -143,14 +145,6 @@ class Joined:
     master: tuple[str, int]
 
 
-def _dump(obj: object) -> bytes:
-    return json.dumps(obj, sort_keys=True).encode()
-
-
-def _load(raw: bytes | None) -> object:
-    return None if raw is None else json.loads(raw)
-
-
 # -- the protocol -------------------------------------------------------------------------
 
 
@@ -222,7 +216,7 @@ def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> 
         # Decided: a node in it (presumed) needs no join, and a spare's join would come
         # too late for it anyway (it joins the round after).
         return parse_result(ctx, raw), found, rev
-    join_value = _dump({**ctx.info, "prev_rank": prev_rank})
+    join_value = dump({**ctx.info, "prev_rank": prev_rank})
     yield Put(k.join_prefix(n) + ctx.node_id, join_value, leased=True)
     now = ctx.clock.monotonic()
     next_progress = now + ctx.follow_every
@@ -274,7 +268,7 @@ def decide(ctx: Context, n: int, deadline: float) -> Protocol:
     while True:
         if view.closed is not None:
             closed = {"closed": view.closed.decode("utf-8", "replace")}
-            return (yield from publish(ctx, n, _dump(closed)))
+            return (yield from publish(ctx, n, dump(closed)))
         joined = len(view.joins)
         if joined != seen:
             yield Seen(n, joined)
@@ -302,7 +296,7 @@ def decide(ctx: Context, n: int, deadline: float) -> Protocol:
                 ),
                 "timeout_in": deadline - now,
             }
-            yield Put(k.status(n), _dump(status))
+            yield Put(k.status(n), dump(status))
             yield Progress(n, status)
             next_progress = now + ctx.progress_every
         wait = max(0.0, next_progress - now) + 0.01
@@ -377,8 +371,8 @@ def commit(ctx: Context, n: int, view: RoundView, members: tuple[str, ...], rev:
     k = ctx.keys
     decision = uuid.uuid4().hex[:12]
     pages, result = view.outcome(members, decision, rev)
-    yield PutAll(tuple((k.members(n, decision, i), _dump(page)) for i, page in enumerate(pages)))
-    return (yield from publish(ctx, n, _dump(result), len(members)))
+    yield PutAll(tuple((k.members(n, decision, i), dump(page)) for i, page in enumerate(pages)))
+    return (yield from publish(ctx, n, dump(result), len(members)))
 
 
 def publish(ctx: Context, n: int, value: bytes, size: int | None = None) -> Protocol:
@@ -399,112 +393,15 @@ def follower_progress(ctx: Context, n: int) -> Protocol:
     closed = yield Get(ctx.keys.closed)
     if closed is not None:
         raise closed_error(ctx, closed)
-    status = _load((yield Get(ctx.keys.status(n))))
+    status = load((yield Get(ctx.keys.status(n))))
     yield Progress(n, status if isinstance(status, dict) else None)
-
-
-def agree_master(
-    ctx: Context,
-    n: int,
-    rank: int,
-    out: dict[str, bytes] | None = None,
-    rev: int | None = None,
-    head: str | None = None,
-) -> Protocol:
-    """MASTER_ADDR/PORT of round ``n``: its rank 0 picks them, the others read them.
-
-    The address lives under ``out/`` beside the result: a node that read ``out/`` (``out``,
-    at revision ``rev``) after rank 0 wrote it has it already, and one that read it before
-    watches on from there (one request instead of a read and a watch). ``head``: rank 0's
-    node; while waiting, a member checks every ``MASTER_CHECK_EVERY`` seconds that it still
-    lives, and gets None when it is gone (see ``read_when_set``)."""
-    key = ctx.keys.master(n)
-    if rank == 0:
-        raw = _dump({"addr": ctx.info["addr"], "port": ctx.new_port()})
-        yield Put(key, raw)
-    elif out is not None and (known := out.get(key)) is not None:
-        raw = known
-    else:
-        seen = (out, rev) if out is not None and rev is not None else None
-        alive = None if head is None else ctx.keys.nodes + head
-        found = yield from read_when_set(ctx, key, ctx.join_timeout, seen, alive)
-        if found is None:
-            return None
-        raw = found
-    data = _load(raw)
-    if not isinstance(data, dict):
-        raise RendezvousConnectionError(f"unreadable master address of round {n}")
-    return str(data["addr"]), int(data["port"])
-
-
-#: How often a member waiting for rank 0's address checks that rank 0's node lives: a
-#: node counted into a re-formation alive can die before it writes the address.
-MASTER_CHECK_EVERY = 5.0
-
-
-def read_when_set(
-    ctx: Context,
-    key: str,
-    timeout: float,
-    seen: tuple[dict[str, bytes], int] | None = None,
-    alive: str | None = None,
-) -> Protocol:
-    """The value of ``key`` once it is set. A read, then (while absent) a watch that
-    brings the value: one request when the key is there, and one answer after it is set
-    (a wait, then a read, made every node of a large round ask twice after rank 0 wrote
-    the master address). ``seen``: a read already made (what it found, its revision).
-    ``alive``: a key that must exist meanwhile, read every ``MASTER_CHECK_EVERY`` seconds
-    of waiting; None once it is gone. Raises ``StoreTimeoutError`` after ``timeout``."""
-    deadline = ctx.clock.monotonic() + timeout
-    found, rev = seen if seen is not None else (yield GetPrefix(key))
-    while (raw := found.get(key)) is None:
-        left = deadline - ctx.clock.monotonic()
-        if left <= 0:
-            raise StoreTimeoutError(f"timed out after {timeout:.3g}s waiting for {[key]}")
-        try:
-            res = yield Watch(key, rev, left if alive is None else min(left, MASTER_CHECK_EVERY))
-        except StoreCompactedError:
-            found, rev = yield GetPrefix(key)
-            continue
-        rev = res.revision
-        apply_events(found, res.events)
-        if key not in found and alive is not None and (yield Get(alive)) is None:
-            return None
-    return raw
-
-
-def decided_rows(ctx: Context, n: int, decision: str | None = None) -> Protocol:
-    """The full member list of round ``n``'s committed decision, in group-rank order
-    (``[[node, addr, role, local_world_size], ...]``; empty when ``decision`` is given
-    and is not the committed one)."""
-    return (yield from rows_of(ctx, n, (yield Get(ctx.keys.result(n))), decision))
-
-
-def rows_of(ctx: Context, n: int, raw: bytes | None, decision: str | None = None) -> Protocol:
-    """``decided_rows`` of round ``n`` whose result (as read) is ``raw``."""
-    result = _load(raw)
-    if not isinstance(result, dict) or "id" not in result or "size" not in result:
-        return []
-    if decision is not None and decision != str(result["id"]):
-        return []
-    # One prefix read for all pages: the next round's closer reads them right after a
-    # loss, on the re-forming's critical path (a read per page cost N/PAGE_SIZE round trips).
-    found, _ = yield GetPrefix(ctx.keys.members_prefix(n, str(result["id"])))
-    return rows_of_pages(list(found.values()))
-
-
-def member_page(ctx: Context, n: int, decision: str, size: int, node: str) -> Protocol:
-    """The entries of the page of ``node`` in a decision of ``size`` members (``node`` is
-    a member when it has an entry: ``[rank, addr, role, local_world_size]``)."""
-    key = ctx.keys.members(n, decision, page_of(node, page_count(size)))
-    return page_entries((yield Get(key)))
 
 
 # -- outcomes -------------------------------------------------------------------------------
 
 
 def parse_result(ctx: Context, raw: bytes) -> dict[str, Any]:
-    result = _load(raw)
+    result = load(raw)
     if not isinstance(result, dict):
         raise RendezvousConnectionError(f"unreadable rendezvous result: {raw[:80]!r}")
     if "closed" in result:

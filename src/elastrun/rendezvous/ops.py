@@ -5,14 +5,28 @@ its result) and notes (a driver shows each and sends back None), and returns its
 outcome. ``advance`` is every driver's one step; ``drive`` runs a protocol to its end
 with a blocking ``perform`` (the threaded handler), while the benchmarks' asyncio
 participant awaits each operation instead. ``joining`` re-exports these names: its
-readers and drivers speak of ``joining.Get``.
+readers and drivers speak of ``joining.Get``. The records the protocol reads and writes
+are JSON with sorted keys (``dump``, ``load``), as the handler's other records are.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
+
+# -- values (a record on the store is JSON, keys sorted) ------------------------------------
+
+
+def dump(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode()
+
+
+def load(raw: bytes | None) -> object:
+    """A record as read (None: no record)."""
+    return None if raw is None else json.loads(raw)
+
 
 # -- operations (the driver performs them) ------------------------------------------------
 

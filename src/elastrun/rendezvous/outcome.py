@@ -11,7 +11,6 @@ itself for a cool-down (``exclusion``: the rule, and why the claim makes it job-
 
 from __future__ import annotations
 
-import json
 import logging
 
 from elastrun.core.cancel import Cancelled, CancelScope, current
@@ -32,6 +31,7 @@ from elastrun.rendezvous.exclusion import (
 )
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
+from elastrun.rendezvous.ops import dump, load
 from elastrun.rendezvous.running import RoundWatch
 from elastrun.store.api import Store
 
@@ -39,14 +39,6 @@ log = logging.getLogger("elastrun.rendezvous")
 
 #: How long giving notice of stepping away (``step_away``) may take.
 STEP_AWAY_BOUND = 2.0
-
-
-def _dump(obj: object) -> bytes:
-    return json.dumps(obj, sort_keys=True).encode()
-
-
-def _load(raw: bytes | None) -> object:
-    return None if raw is None else json.loads(raw)
 
 
 class Outcome:
@@ -150,7 +142,7 @@ class Outcome:
             return self._open_or_refuse()
         key = self._keys.failed(live.round)
         note = {"node": self._node_id, "addr": self._addr, "what": what}
-        won, _ = self._store.compare_set(key, None, _dump(note))
+        won, _ = self._store.compare_set(key, None, dump(note))
         if not won:
             return self._open_or_refuse()
         used = self._store.add(self._keys.budget, 1)
@@ -163,7 +155,7 @@ class Outcome:
             # exclusion from its watch of ``ctl/`` and stops waiting for this node.
             self._strike()
         # The verdict, for nodes waiting in the exit barrier of this round.
-        self._store.set(key, _dump({**note, "restart": restart}))
+        self._store.set(key, dump({**note, "restart": restart}))
         return restart
 
     def report_final_failure(self, what: str, why: str) -> None:
@@ -177,7 +169,7 @@ class Outcome:
             self._store.compare_set(
                 self._keys.failed(self._live.round),
                 None,
-                _dump({**note, "restart": False, "why": why}),
+                dump({**note, "restart": False, "why": why}),
             )
 
     def _where(self, what: str) -> str:
@@ -322,7 +314,7 @@ class Outcome:
 
     def _failure_verdict(self, n: int) -> BarrierResult | None:
         """The failing node's verdict on round ``n``; None until it is written."""
-        note = _load(self._store.get(self._keys.failed(n)))
+        note = load(self._store.get(self._keys.failed(n)))
         if not (isinstance(note, dict) and "restart" in note):
             return None
         what = str(note.get("what") or "a worker failed")
