@@ -51,11 +51,8 @@ def libc() -> ctypes.CDLL | None:
 
 
 def _load_prctl() -> Callable[..., int] | None:
-    try:
-        prctl = _LIBC.prctl if _LIBC is not None else None
-    except AttributeError:  # pragma: no cover - every Linux libc has prctl
-        return None
-    if prctl is None:  # pragma: no cover
+    prctl = getattr(_LIBC, "prctl", None)
+    if prctl is None:  # pragma: no cover - every Linux libc has prctl
         return None
     prctl.restype = ctypes.c_int
     result: Callable[..., int] = prctl

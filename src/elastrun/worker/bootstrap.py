@@ -32,12 +32,12 @@ import sys
 from collections.abc import Callable
 from types import ModuleType, TracebackType
 
-from elastrun.wire import bootstrap as _held
+from elastrun.wire import bootstrap as _wire
 
 _USAGE = "usage: python -m elastrun.worker.bootstrap (SCRIPT | -m MODULE) [ARGS...]\n"
 
 # This module's name when imported normally, for rewriting sys.orig_argv.
-_SELF_MODULE = _held.BOOTSTRAP_MODULE
+_SELF_MODULE = _wire.BOOTSTRAP_MODULE
 
 _Excepthook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
@@ -83,7 +83,7 @@ def _hold_interrupts() -> bool:
     disposition meanwhile, the worker dies of the signal, as a process does before it
     installs handlers. A SIGINT the parent left ignored stays ignored, as in python.
     """
-    held = os.environ.pop(_held.SIGINT_HELD_ENV, None) == str(_held.VERSION)
+    held = os.environ.pop(_wire.SIGINT_HELD_ENV, None) == str(_wire.VERSION)
     ignored = _signal.getsignal(_signal.SIGINT) == _signal.SIG_IGN
     if not ignored:
         _signal.signal(_signal.SIGINT, _signal.SIG_DFL)

@@ -32,7 +32,7 @@ from typing import Protocol
 
 from elastrun.core.errors import ExecutableNotFoundError, ProcessStartError
 from elastrun.core.linux import die_with_parent
-from elastrun.wire import bootstrap as _bootstrap
+from elastrun.wire import bootstrap as _wire
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _holds_sigint(argv: Sequence[str]) -> bool:
     it once a SIGINT can no longer be lost (``wire.bootstrap``), started by
     an agent that does not block SIGINT itself (a mask the worker inherits stays)."""
     runs_bootstrap = any(
-        a == "-m" and b == _bootstrap.BOOTSTRAP_MODULE for a, b in itertools.pairwise(argv)
+        a == "-m" and b == _wire.BOOTSTRAP_MODULE for a, b in itertools.pairwise(argv)
     )
     return runs_bootstrap and signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
@@ -283,7 +283,7 @@ class SubprocessStarter:
         env = dict(spec.env)
         hold = _holds_sigint(argv)
         if hold:
-            env[_bootstrap.SIGINT_HELD_ENV] = str(_bootstrap.VERSION)
+            env[_wire.SIGINT_HELD_ENV] = str(_wire.VERSION)
         try:
             proc = subprocess.Popen(
                 argv,
