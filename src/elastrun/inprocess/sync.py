@@ -17,18 +17,23 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from elastrun.inprocess import early
 from elastrun.inprocess.parking import keep_parked, park_process_groups
 from elastrun.inprocess.state import State
 from elastrun.inprocess.transfer import move_commit
 
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import TCPStore
+
 #: Bounds the exchange (a rank that never comes makes the others fail, and the agent
 #: restarts the group).
 SYNC_TIMEOUT = datetime.timedelta(seconds=120)
-#: How long torch's store client may try to connect once the store answered: it retries
-#: a refused port until then, deaf to a newer round (see ``_reach``).
-CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
+#: How long one try of torch's store client may take to connect: it retries a refused
+#: port until then, deaf to a newer round, so tries are short and the round is checked
+#: between them (see ``_connect``).
+CONNECT_TIMEOUT = datetime.timedelta(seconds=1)
 #: Pause between two tries to reach a store that does not answer yet.
 _RETRY = 0.02
 
@@ -49,12 +54,11 @@ def synchronise(state: State, round_no: int, superseded: Callable[[], bool]) -> 
         RuntimeError: a collective failed (a rank of the round is gone).
     """
     import torch.distributed as dist
-    from torch._C._distributed_c10d import PrefixStore, TCPStore
+    from torch._C._distributed_c10d import PrefixStore
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    _reach(addr, port, round_no, superseded)
-    store = TCPStore(addr, port, world, is_master=False, timeout=CONNECT_TIMEOUT)
+    store = _connect(addr, port, round_no, superseded)
     store.set_timeout(SYNC_TIMEOUT)  # the store's waits end when it stops
     prefixed = PrefixStore(f"elastrun/inprocess/{round_no}/", store)
     fresh = state.commit_id == 0 or state.held_commit() is None  # about to receive
@@ -84,20 +88,24 @@ def _backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _reach(addr: str, port: int, round_no: int, superseded: Callable[[], bool]) -> None:
-    """Wait until the round's store accepts a connection, or a newer round is announced.
+def _connect(addr: str, port: int, round_no: int, superseded: Callable[[], bool]) -> TCPStore:
+    """A client of the round's store, or :class:`Superseded` once a newer round is
+    announced.
 
-    The agent stops a round's store as soon as it abandons the round; torch's client
-    would retry the dead port for its whole timeout, and nothing can interrupt it. This
-    loop asks the channel between tries instead."""
+    The agent stops a round's store as soon as it abandons the round. torch's client
+    retries a dead port for its whole timeout and nothing can interrupt it, so each try
+    is short (a plain connect first, which fails at once on a closed port, then torch's
+    own handshake under ``CONNECT_TIMEOUT``) and the channel is asked between tries."""
+    from torch._C._distributed_c10d import TCPStore
+
     deadline = time.monotonic() + SYNC_TIMEOUT.total_seconds()
     while True:
         if superseded():
             raise Superseded(f"tcpstore: in-process round {round_no} was superseded")
         try:
             socket.create_connection((addr, port), timeout=1.0).close()
-            return
-        except OSError as exc:
+            return TCPStore(addr, port, is_master=False, timeout=CONNECT_TIMEOUT)
+        except (OSError, RuntimeError) as exc:  # torch's errors derive from RuntimeError
             if time.monotonic() >= deadline:
                 raise Superseded(
                     f"tcpstore: the store of in-process round {round_no} at {addr}:{port} "
