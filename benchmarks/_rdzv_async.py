@@ -9,7 +9,10 @@ store connection and lease, so every one is a full participant as far as the ser
 the other nodes can tell.
 
 The keep-alive and the running round's watch are written here again as tasks (they are
-loops around one store call each); progress notes of the protocol are not shown.
+loops around one store call each), with the handler's split (``rendezvous.liveness``):
+the round's closer follows ``ctl/`` and decides the next round ahead
+(``joining.decide_ahead``); every other member watches only the closer's claim and the
+call under it. Progress notes of the protocol are not shown.
 ``protocol_traces()`` runs both participants side by side on a memory store and returns
 the operations each issued, so a test can pin that they agree.
 """
@@ -28,12 +31,13 @@ from elastrun.core.clock import SYSTEM_CLOCK
 from elastrun.core.errors import (
     LeaseExpiredError,
     RendezvousClosedError,
+    RendezvousError,
     StoreCompactedError,
     StoreError,
 )
 from elastrun.rendezvous import joining
 from elastrun.rendezvous.keys import RunKeys
-from elastrun.rendezvous.liveness import WATCH_SPAN
+from elastrun.rendezvous.liveness import AHEAD_DEFER, DEPUTY_GRACE, WATCH_SPAN
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.members import page_count, page_entries, page_of
 from elastrun.rendezvous.running import RoundWatch
@@ -70,6 +74,12 @@ class AsyncNode:
         self._membership: dict[str, bool] = {}
         self._since = 0
         self._all_live = False
+        self._closer: str | None = None
+        self._deputy: str | None = None
+        self._head: str | None = None
+        self._called: joining.Called | None = None
+        self._ahead_idle = asyncio.Event()
+        self._ahead_idle.set()
         self._reform = False
         self._lost = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -85,16 +95,25 @@ class AsyncNode:
     def node_id(self) -> str:
         return self._node.node_id
 
+    @property
+    def role(self) -> str:
+        """What this node is in its round: its ``closer``, its ``deputy`` or a member."""
+        me = self.node_id
+        return "closer" if self._closer == me else "deputy" if self._deputy == me else "member"
+
     # -- joining -------------------------------------------------------------------------
 
     async def next_rendezvous(self) -> tuple[int, int, int]:
+        await self._ahead_idle.wait()  # as the handler: after deciding ahead, if it does
         await self._register()
         prev_round, prev_rank = self._round, self._rank
         self._reform = False
         self.changed.clear()
+        called, self._called = self._called, None
         try:
             try:
-                joined = await self._drive(joining.join(self._context(), prev_round, prev_rank))
+                protocol = joining.join(self._context(), prev_round, prev_rank, None, called)
+                joined = await self._drive(protocol)
             except LeaseExpiredError:  # as the handler: a fresh lease, and join again
                 self._lost = True
                 await self._register()
@@ -185,6 +204,11 @@ class AsyncNode:
         self._membership = {self._node.node_id: True}
         self._since = int(result.get("rev", 0))
         self._all_live = bool(result.get("all_live"))
+        closer, deputy = result.get("closer"), result.get("deputy")
+        self._closer = closer if isinstance(closer, str) else None
+        self._deputy = deputy if isinstance(deputy, str) else None
+        head = result.get("head")
+        self._head = head if isinstance(head, str) else None
         self._reform = False
         self._entered.set()
         self._start_watch()
@@ -248,13 +272,20 @@ class AsyncNode:
 
     async def _watch_loop(self) -> None:
         watching: tuple[int, RoundWatch, int] | None = None
+        quiet: tuple[int, int] | None = None
         while not self._stopping:
-            n, size, since = self._round, self._size, self._since
+            n, size, since, closer = self._round, self._size, self._since, self._closer
+            watcher = self.node_id in (closer, self._deputy)
             if n is None or self._reform:
                 self._entered.clear()
                 await self._entered.wait()
                 continue
             try:
+                if closer is not None and not watcher:
+                    rev = quiet[1] if quiet is not None and quiet[0] == n else since
+                    deputy = self._deputy is not None
+                    quiet = (n, await self._follow_closer(n, closer, rev, deputy))
+                    continue
                 if watching is None or watching[0] != n:
                     watching = (n, self._round_watch(n, size), since)
                 _, view, rev = watching
@@ -268,12 +299,66 @@ class AsyncNode:
                 view.apply(res.events)
                 watching = (n, view, res.revision)
                 await self._learn_members((), n, view, view.next_joiners)
-                if view.reason() is not None and self._round == n and not self._reform:
+                reason = view.reason()
+                if reason is not None and self._round == n and not self._reform:
                     self._reform = True
+                    ahead = watcher
+                    if ahead:
+                        self._ahead_idle.clear()
                     self._notify()
+                    if ahead:
+                        head = self._head
+                        late = head not in (None, self.node_id, *view.lost)
+                        defer = AHEAD_DEFER if late else 0.0
+                        joins = self.node_id not in view.excluded
+                        await self._decide_ahead(n, reason, joins, defer)
             except StoreError:
                 if not self._stopping:
                     await asyncio.sleep(1.0)
+
+    async def _decide_ahead(self, n: int, why: str, joins: bool, defer: float) -> None:
+        try:
+            ctx = self._context()
+            protocol = joining.decide_ahead(ctx, n + 1, self._rank, why, joins=joins, defer=defer)
+            await self._drive(protocol)
+        except (StoreError, RendezvousError):
+            pass  # its own join goes on as usual
+        finally:
+            self._ahead_idle.set()
+
+    async def _follow_closer(self, n: int, closer: str, rev: int, deputy: bool) -> int:
+        """As ``Liveness._follow_closer``: one watch of the closer's claim and its call."""
+        k = self._keys
+        span, gone = WATCH_SPAN, False
+        while True:
+            try:
+                res = await self._store.watch(k.closer(n), rev, span)
+            except StoreCompactedError:
+                found, rev = await self._store.get_prefix(k.closer(n))
+                call = found.get(k.next_call(n))
+                gone = gone or k.closer(n) not in found
+            else:
+                rev = res.revision
+                calls = [e.value for e in res.events if e.key == k.next_call(n) and e.value]
+                call = calls[0] if calls else None
+                gone = gone or any(
+                    e.key == k.closer(n) and e.kind is EventKind.DELETE for e in res.events
+                )
+            if call is not None:
+                self._called = joining.Called.of(k, n + 1, call)
+                self._flag(n)
+                return int(rev)
+            if not gone or await self._store.get(k.done(n) + closer) is not None:
+                return int(rev)
+            if not deputy or span == DEPUTY_GRACE:
+                self._flag(n)
+                return int(rev)
+            span = DEPUTY_GRACE
+
+    def _flag(self, n: int) -> None:
+        if self._round == n and not self._reform:
+            self._reform = True
+            self._notify()
 
     def _round_watch(self, n: int, size: int) -> RoundWatch:
         # The handler's is_member reads the store from the watch thread; here the same

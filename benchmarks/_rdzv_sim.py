@@ -378,7 +378,8 @@ async def _async_main(args: argparse.Namespace, cmds: Commands) -> None:
             rnd, rank, world = await (first_join(node) if k == 0 else node.next_rendezvous())
             t_ranked = time.time()
             notice = node.t_notice if k == 1 else None
-            book.add(k, [node.node_id, rnd, rank, world, t_call, t_ranked, notice])
+            item = [node.node_id, rnd, rank, world, t_call, t_ranked, notice, node.role]
+            book.add(k, item)
             await node.changed.wait()
 
     async def guarded(node: AsyncNode) -> None:

@@ -88,6 +88,11 @@ class Options:
     # Simulated nodes sharing one store connection (elastrun-async; each keeps a lease
     # of its own): more nodes than the server's descriptor limit allows connections.
     per_connection: int = 1
+    # The node the loss trial kills (elastrun-async): "member", one that joined last
+    # (neither the round's closer nor its deputy: what N-2 of N losses are), or
+    # "closer", the node of the lone process, which claims the round first (its deputy
+    # then decides the next round).
+    lose: str = "member"
 
 
 PROFILE_OPTIONS = {
@@ -385,11 +390,14 @@ def scale_trial(impl: str, n: int, opts: Options) -> dict[str, float]:
 def loss_trial(impl: str, n: int, opts: Options) -> dict[str, float]:
     """All N ranked; one node's process is SIGKILLed; seconds until survivors re-rank."""
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    # The victim joins last (after the others settled) unless the round's closer is to
+    # be lost: alone in its process, it then claims the round first.
+    last = opts.lose == "member" and impl == "elastrun-async"
     common = {
         "run_id": run_id,
         "min": n - 1,
         "max": n,
-        "expect": n,
+        "expect": n - 1 if last else n,
         "ttl": opts.ttl,
         "nice": opts.nice,
     }
@@ -398,14 +406,18 @@ def loss_trial(impl: str, n: int, opts: Options) -> dict[str, float]:
         for size in _split(n - 1, opts.procs):
             trial.spawn(first, size, **common)
             first += size
-        victim = trial.spawn(first, 1, **common)
+        victim = trial.spawn(first, 1, **({"hold": 1} if last else {}), **common)
         kids = trial.children
         survivors = kids[:-1]
         trial.wait_all("connected", kids)
         for c in kids:
             c.send("join")
+        if last:
+            trial.wait_all("settled", survivors)
+            victim.send("join-held")
         ranked0 = trial.wait_all("ranked", kids, k=0)
         _check_ranks([it for m in ranked0.values() for it in m["items"]], n)
+        role = ranked0[victim.index]["items"][0][7:8]
         steady = _steady_ops(trial, n, opts) if impl == "elastrun-async" else {}
         t_kill = time.time()
         victim.proc.kill()
@@ -421,6 +433,9 @@ def loss_trial(impl: str, n: int, opts: Options) -> dict[str, float]:
         if notices and impl != "torch-c10d":
             result["noticed"] = min(notices) - t_kill
             result["after_notice"] = t_all - min(notices)
+        if role:  # what the victim was in the round (elastrun-async)
+            result["victim_closer"] = float(role[0] == "closer")
+            result["victim_deputy"] = float(role[0] == "deputy")
         return result
 
 
@@ -561,7 +576,14 @@ def body(section: Section, opts: Options, impls: list[str]) -> None:
         "**scale**: `min = max = N`; N-1 nodes join and settle, then the last one joins: "
         "time from its `next_rendezvous()` call until every node is ranked. "
         "**loss**: `min = N-1, max = N`, default timeouts; the process of one node is "
-        "SIGKILLed once all are ranked: time until every survivor is ranked again. Before "
+        "SIGKILLed once all are ranked: time until every survivor is ranked again. The "
+        + (
+            "victim joins last (elastrun: neither the round's closer nor its deputy). "
+            if opts.lose == "member"
+            else "victim is alone in its process and claims the round first (elastrun: the "
+            "round's closer; its deputy decides the next round). "
+        )
+        + "Before "
         f"the kill, the requests the nodes send are counted over {opts.ops_window_s:.0f} s "
         f"(steady traffic). Lease TTL of the simulated nodes: {opts.ttl:.0f} s. Load average "
         f"at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}."
@@ -644,12 +666,15 @@ def _tables(
         row = lt.row(f"loss{n}", f"N={n}: SIGKILL → all survivors re-ranked")
         nrow = lt.row(f"loss{n}.noticed", f"N={n}: SIGKILL → first survivor notices")
         arow = lt.row(f"loss{n}.after", f"N={n}: first notice → all re-ranked")
+        crow = lt.row(f"loss{n}.closer", f"N={n}: the lost node was the round's closer (1: yes)")
         for impl in impls:
             for m in loss[impl].get(n, []):
                 row.add(impl, m["reranked"])
                 if "noticed" in m:
                     nrow.add(impl, m["noticed"])
                     arow.add(impl, m["after_notice"])
+                if "victim_closer" in m:
+                    crow.add(impl, m["victim_closer"])
         for m in loss.get("elastrun-async", {}).get(n, []):
             if "ops" not in m:
                 continue
@@ -851,6 +876,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--nodes-per-connection", type=int, help="simulated nodes sharing a store connection"
     )
+    p.add_argument(
+        "--lose",
+        choices=("member", "closer"),
+        help="the loss trial's victim: a member that joined last, or the round's closer",
+    )
     args = p.parse_args(argv)
     profile = profile_of(args)
     opts = PROFILE_OPTIONS[profile]
@@ -865,6 +895,7 @@ def main(argv: list[str] | None = None) -> int:
         ("nice", args.nice),
         ("trial_timeout_s", args.trial_timeout),
         ("per_connection", args.nodes_per_connection),
+        ("lose", args.lose),
     ):
         if value is not None:
             changes[field_name] = value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -29,8 +30,12 @@ def _node(store: MemoryStore, name: str, lo: int, hi: int, **kw: float) -> Dynam
 
 
 def _all(
-    handlers: list[DynamicRendezvousHandler], timeout: float = 10
+    handlers: list[DynamicRendezvousHandler],
+    timeout: float = 10,
+    closer: tuple[DynamicRendezvousHandler, MemoryStore] | None = None,
 ) -> dict[str, RendezvousInfo]:
+    """Every handler's next rendezvous, in threads; with ``closer``, that handler joins
+    first and the others once it holds the round's claim (it decides the round)."""
     out: dict[str, RendezvousInfo] = {}
     errors: list[BaseException] = []
 
@@ -40,9 +45,16 @@ def _all(
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
+    if closer is not None:
+        handlers = sorted(handlers, key=lambda h: h is not closer[0])
     threads = [threading.Thread(target=go, args=(h,)) for h in handlers]
     for t in threads:
         t.start()
+        if closer is not None and t is threads[0]:
+            deadline = time.monotonic() + 10
+            while closer[1].get(RunKeys.of_run("job").closer(0)) is None:
+                assert time.monotonic() < deadline, "no claim"
+                time.sleep(0.01)
     for t in threads:
         t.join(timeout)
     assert not errors, errors
@@ -318,44 +330,31 @@ class _DiesWhilePublishing:
 
 def test_survivors_reform_at_once_keeping_ranks_and_take_over_from_a_closer_that_dies() -> None:
     store = MemoryStore()
-    dying = _DiesWhilePublishing(store, 1, ["b", "c"])
+    dying = _DiesWhilePublishing(store, 1, [])
     settings = RendezvousSettings("job", 2, 4, last_call_timeout=30.0)
     a = DynamicRendezvousHandler(dying, settings, NodeDesc("a", "127.0.0.1", "default", 2))
     NAMES[id(a)] = "a"
     b, c, d = (_node(store, n, 2, 4, last_call_timeout=30.0) for n in "bcd")
     keys = RunKeys.of_run("job")
     try:
-        first = _all([a, b, c, d])
+        first = _all([a, b, c, d], closer=(a, store))  # "a" decides round 0 and watches it
+        for h in (b, c):  # its deputy (b or c) would race it for round 1's claim
+            h._liveness.ahead = None
+        assert json.loads(store.get(keys.result(0)) or b"{}")["closer"] == "a"
         flags = []
         for h in (a, b, c):
             flag, cb = _flag()
             h.set_change_callback(cb)
             flags.append(flag)
         d.leave()  # d is lost
-        assert all(f.wait(5) for f in flags)
-        # a re-forms first: it claims round 1 and decides at once (a 30 s last call
-        # would otherwise hold the round), then dies at its first page, with b and c
-        # waiting for the result.
-        dead: list[BaseException] = []
-
-        def go_a() -> None:
-            try:
-                a.next_rendezvous()
-            except Exception as exc:  # the simulated death
-                dead.append(exc)
-
-        ta = threading.Thread(target=go_a, daemon=True)
-        ta.start()
-        for _ in range(500):
-            if store.get(keys.closer(1)) == b"a":
-                break
-            time.sleep(0.01)
-        assert store.get(keys.closer(1)) == b"a"
+        # "a" notices, claims round 1 to decide it at once for b and c (a 30 s last call
+        # would otherwise hold the round), and dies at its first page: its claims end
+        # with its lease. b and c re-form by joining, and one decides.
+        assert dying.died.wait(5)
+        assert all(f.wait(10) for f in flags)
         started = time.monotonic()
         second = _all([b, c])
         assert time.monotonic() - started < 20  # decided at once, not after the 30 s last call
-        ta.join(5)
-        assert dying.died.is_set() and dead
         assert {i.world_size for i in second.values()} == {2}
         assert {i.round for i in second.values()} == {1}
         # The ranks a full re-join of b and c would give.

@@ -283,10 +283,14 @@ def test_the_first_survivor_to_join_decides_at_once_for_all_and_publishes_the_ch
     assert result["shape"] == [["t", 1, 3]]
     assert result["from"] == {"round": 6, "moved": {"d": 1}, "dropped": ["b"]}
     assert result["all_live"] is True and result["rev"] == 62
-    run.expect(j.Put, 63)  # current
+    assert result["closer"] == "c"  # a member: it watches round 7 for the others
+    call = run.expect(j.Put, 63)  # the call that wakes round 6's quiet members
+    assert call.key == K.next_call(6)
+    assert json.loads(call.value) == {"join": False, "why": "lost 1 node(s): b", "result": result}
+    run.expect(j.Put, 64)  # current
     run.expect(j.Closed)
     # Not rank 0: it watches out/ for the master address.
-    watch = run.expect(j.GetPrefix, ({K.master(7): MASTER}, 63))
+    watch = run.expect(j.GetPrefix, ({K.master(7): MASTER}, 64))
     assert watch.prefix == K.master(7)
     assert run.finish().rank == 2
 
@@ -370,3 +374,33 @@ def test_a_node_that_dies_between_the_closers_reads_is_neither_presumed_nor_coun
     result = json.loads(run.expect(j.CompareSet, (True, None)).value)
     assert result["rev"] == 61 and result["all_live"] is True
     assert result["from"]["dropped"] == ["b", "d"]
+
+
+# -- a quiet member woken by the call (``joining.decide_ahead``) -------------------------
+
+
+def test_a_called_member_enters_reading_nothing_when_the_call_brings_the_address() -> None:
+    result = json.loads(_succession())
+    call = {"join": False, "why": "lost 1 node(s): b", "result": result}
+    called = j.Called.of(K, 7, json.dumps({**call, "master": json.loads(MASTER)}).encode())
+    run = Driver(j.join(_ctx(FakeClock(), "c"), 6, 2, None, called))
+    joined = run.finish()  # no operation at all
+    assert (joined.n, joined.rank, joined.master) == (7, 2, ("10.0.0.1", 29400))
+
+
+def test_a_called_member_watches_for_the_address_from_the_decision_not_from_the_call() -> None:
+    # Rank 0 may write its address after the decision and before the call: a watch from
+    # the call's revision would never see it.
+    result = {**json.loads(_succession()), "rev": 40}
+    call = json.dumps({"join": False, "why": "lost 1 node(s): b", "result": result})
+    called = j.Called.of(K, 7, call.encode())
+    assert called is not None and called.rev == 40
+    run = Driver(j.join(_ctx(FakeClock(), "c"), 6, 2, None, called))
+    put = WatchEvent(EventKind.PUT, K.master(7), MASTER, 45)
+    watch = run.expect(j.Watch, WatchResult((put,), 45))
+    assert (watch.prefix, watch.after) == (K.master(7), 40)
+    assert run.finish().master == ("10.0.0.1", 29400)
+
+
+def test_a_call_without_a_result_brings_nothing_and_the_member_reads() -> None:
+    assert j.Called.of(K, 7, json.dumps({"join": True, "why": "failed"}).encode()) is None

@@ -387,6 +387,23 @@ class RoundView:
             return set(self.previous)
         return self.finished | self.away
 
+    def why(self) -> str:
+        """Why round n-1 re-forms, as its members' watch would say (``RoundWatch.reason``):
+        what the call to its quiet members carries."""
+        if self.closed is not None:
+            return "the run was closed by another node"
+        if self.failed_by is not None:
+            return "a worker failed on another node"
+        lost = sorted(set(self.previous) - self.live - self.finished)
+        if lost:
+            return f"lost {len(lost)} node(s): {', '.join(lost[:8])}"
+        kept_out = sorted(set(self.previous) & self.excluded)
+        if kept_out:
+            return f"member(s) kept out for a cool-down: {', '.join(kept_out[:8])}"
+        if set(self._joiners) <= set(self.previous):
+            return "node(s) of this round are joining the next one"
+        return "new node(s) are waiting to join"
+
     def started(self) -> bool:
         """Whether this round is forming (not only spares waiting for room)."""
         return self.round == 0 or not self.previous_live().isdisjoint(self._joiners)
@@ -404,7 +421,7 @@ class RoundView:
         )  # fmt: skip
 
     def outcome(
-        self, members: Sequence[str], decision: str, rev: int
+        self, members: Sequence[str], decision: str, rev: int, closer: str | None = None
     ) -> tuple[list[JSONDoc], JSONDoc]:
         """What closing the round with ``members`` publishes: the member pages (see
         ``member_pages``) and the small result everyone waits for (decision id, size,
@@ -412,7 +429,8 @@ class RoundView:
         previous round's ranks when they are few (``from``: see ``changes_from``), and
         says ``all_live`` when every node alive at ``rev`` is a member (then a member
         that sees a node's lease end need not read a page to know it was a member), and
-        names rank 0's node (``head``)."""
+        names rank 0's node (``head``), and the ``closer`` when it is a member, with a
+        ``deputy``: the two watch the running round for the others (``liveness``)."""
         rows: list[MemberRow] = []
         slots: list[tuple[str, int]] = []
         for m in members:
@@ -428,6 +446,11 @@ class RoundView:
         result: JSONDoc = {"id": decision, "size": len(rows), "rev": rev, "shape": shape_of(slots)}
         if members:  # rank 0's node: the others wait for its address while it lives
             result["head"] = members[0]
+        if closer is not None and closer in members:
+            result["closer"] = closer
+            deputy = next((m for m in members[:2] if m != closer), None)
+            if deputy is not None:
+                result["deputy"] = deputy
         changes = changes_from(self.previous, members) if self.round > 0 else None
         if changes is not None:
             result["from"] = {"round": self.round - 1, **changes}

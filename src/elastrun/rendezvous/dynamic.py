@@ -83,6 +83,10 @@ from elastrun.store.api import Store
 
 log = logging.getLogger("elastrun.rendezvous")
 
+#: How long a node's join waits for its watch thread to finish deciding the next round
+#: ahead (``Liveness.ahead``); past it the join goes on beside it.
+AHEAD_BOUND = 30.0
+
 
 class DynamicRendezvousHandler(RendezvousHandler):
     """One node's side of the dynamic rendezvous over any ``Store``.
@@ -126,6 +130,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             ttl=settings.heartbeat_timeout, max_nodes=settings.max_nodes, clock=clock,
             stop=self._stop, life=self._life, decided_rows=self._decided_rows,
         )  # fmt: skip
+        self._liveness.ahead = self._decide_ahead
         self._outcome = Outcome(
             store, self._keys, self._liveness,
             node_id=node.node_id, addr=node.addr, clock=clock, min_nodes=settings.min_nodes,
@@ -346,13 +351,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._progress_line.end()
 
     def _next_rendezvous(self) -> RendezvousInfo:
+        # This node, the running round's closer, may be deciding the next round ahead
+        # (its watch thread): join once it is done (joining meanwhile would only race it).
+        self._liveness.ahead_idle.wait(AHEAD_BOUND)
         self._register()
         prev_round, held = self._liveness.round, self._liveness.rank
-        prev_rank = held
-        if self._fixed_rank is not None:
-            prev_rank = self._fixed_rank  # static: the node's rank never changes
+        prev_rank = self._prev_rank(held)
         self._liveness.reform = False
-        protocol = joining.join(self._context(), prev_round, prev_rank, held)
+        called, self._liveness.called = self._liveness.called, None
+        protocol = joining.join(self._context(), prev_round, prev_rank, held, called)
         try:
             joined = joining.drive(protocol, self._perform)
         except LeaseExpiredError:
@@ -364,6 +371,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
             joined = joining.drive(protocol, self._perform)
         assert isinstance(joined, joining.Joined)
         return self._enter_round(joined)
+
+    def _prev_rank(self, held: int | None) -> int | None:
+        """The group rank this node asks to keep (static: its rank never changes)."""
+        return self._fixed_rank if self._fixed_rank is not None else held
+
+    def _decide_ahead(self, n: int, why: str, joins: bool, defer: float) -> None:
+        """From the watch thread of round ``n``'s closer: decide round n+1 at once
+        (``joining.decide_ahead``), in the handler's own scope (``leave`` ends it)."""
+        prev_rank = self._prev_rank(self._liveness.rank)
+        protocol = joining.decide_ahead(
+            self._context(), n + 1, prev_rank, why, joins=joins, defer=defer
+        )
+        with self._life.child() as scope, scope.active():
+            joining.drive(protocol, self._perform)
 
     def _register(self) -> None:
         """Hold a lease before joining: keep a live one, else take a fresh one (a closed
@@ -471,6 +492,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             decision,
             int(result.get("rev", 0)),
             all_live=bool(result.get("all_live")),
+            closer=closer if isinstance(closer := result.get("closer"), str) else None,
+            deputy=deputy if isinstance(deputy := result.get("deputy"), str) else None,
+            head=head if isinstance(head := result.get("head"), str) else None,
         )
         return RendezvousInfo(
             self._store, rank, size, RendezvousStoreInfo(*joined.master), round=n,

@@ -43,8 +43,11 @@ def agree_master(
     node; while waiting, a member checks every ``MASTER_CHECK_EVERY`` seconds that it still
     lives, and gets None when it is gone (see ``read_when_set``)."""
     key = ctx.keys.master(n)
-    if rank == 0:
-        raw = dump({"addr": ctx.info["addr"], "port": ctx.new_port()})
+    mine = out.get(key) if rank == 0 and out is not None else None
+    if mine is not None and _written_by(mine, ctx.node_id):
+        raw = mine  # written ahead, with the decision (``joining.decide_ahead``)
+    elif rank == 0:
+        raw = master_of(ctx)
         yield Put(key, raw)
     elif out is not None and (known := out.get(key)) is not None:
         raw = known
@@ -59,6 +62,16 @@ def agree_master(
     if not isinstance(data, dict):
         raise RendezvousConnectionError(f"unreadable master address of round {n}")
     return str(data["addr"]), int(data["port"])
+
+
+def master_of(ctx: Context) -> bytes:
+    """This node's address as rank 0's, with a fresh port for the workers' store."""
+    return dump({"addr": ctx.info["addr"], "port": ctx.new_port(), "node": ctx.node_id})
+
+
+def _written_by(raw: bytes, node: str) -> bool:
+    data = load(raw)
+    return isinstance(data, dict) and data.get("node") == node
 
 
 def read_when_set(

@@ -37,6 +37,7 @@ from elastrun.rendezvous.decide import (
 from elastrun.rendezvous.entering import (
     agree_master,
     decided_rows,
+    master_of,
     member_page,
     read_when_set,
     rows_of,
@@ -70,6 +71,7 @@ __all__ = [
     "AUDIT_EVERY",
     "FOLLOW_EVERY",
     "PROGRESS_EVERY",
+    "Called",
     "Closed",
     "CompareSet",
     "Context",
@@ -92,6 +94,7 @@ __all__ = [
     "closed_error",
     "commit",
     "decide",
+    "decide_ahead",
     "decided_rows",
     "drive",
     "follower_progress",
@@ -148,8 +151,36 @@ class Joined:
 # -- the protocol -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Called:
+    """What a call to a quiet member brought of round ``n``'s ``out/`` (the result, and
+    rank 0's address when it went out with it), complete as of store revision ``rev``:
+    the decision's (rank 0 writes its address after it, perhaps before the call)."""
+
+    n: int
+    out: dict[str, bytes]
+    rev: int
+
+    @classmethod
+    def of(cls, keys: RunKeys, n: int, call: bytes) -> Called | None:
+        """From the call to round ``n-1``'s quiet members, when it carries round n's
+        result."""
+        data = load(call)
+        result = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(result, dict) or not isinstance(rev := result.get("rev"), int):
+            return None
+        out = {keys.result(n): dump(result)}
+        if isinstance(data, dict) and isinstance(data.get("master"), dict):
+            out[keys.master(n)] = dump(data["master"])
+        return cls(n, out, rev)
+
+
 def join(
-    ctx: Context, prev_round: int | None, prev_rank: int | None, held: int | None = None
+    ctx: Context,
+    prev_round: int | None,
+    prev_rank: int | None,
+    held: int | None = None,
+    called: Called | None = None,
 ) -> Protocol:
     """Join the next round (a spare moves on to the one after) and enter it.
 
@@ -158,13 +189,15 @@ def join(
     node asks for its fixed rank). A node that was in a round joins the one right after
     it first, without asking which round is the newest: a re-formation may have been
     decided with this node in it already (``decide.presume``), and it must enter that
-    round, not the one after the newest.
+    round, not the one after the newest. ``called``: what the call that woke this node
+    brought of the round after its own (then it enters with no read at all).
     """
     held = prev_rank if held is None else held
     deadline = ctx.clock.monotonic() + ctx.join_timeout
     n = (yield from newest_round(ctx)) + 1 if prev_round is None else prev_round + 1
     while True:
-        result, out, rev = yield from join_round(ctx, n, prev_rank, deadline)
+        known = called if called is not None and called.n == n else None
+        result, out, rev = yield from join_round(ctx, n, prev_rank, deadline, known)
         place = place_in(result, ctx.node_id, prev_round, held)
         if place.known:
             rank = place.rank
@@ -198,7 +231,9 @@ def newest_round(ctx: Context) -> Protocol:
     return int(current) if current is not None else -1
 
 
-def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> Protocol:
+def join_round(
+    ctx: Context, n: int, prev_rank: int | None, deadline: float, known: Called | None = None
+) -> Protocol:
     """Join round ``n``; return its result, what this node last saw of ``out/`` (which
     may hold the master address already) and the revision it saw it at.
 
@@ -206,11 +241,14 @@ def join_round(ctx: Context, n: int, prev_rank: int | None, deadline: float) -> 
     written it, the master address) under ``out/``. Otherwise the node writes its join,
     and the first node to claim ``out/closer`` decides the round (``decide``); the others
     watch only ``out/`` for the result, and one of them takes over when the closer's
-    claim vanishes with its lease.
+    claim vanishes with its lease. ``known``: what a call brought of ``out/`` (not read).
     """
     k = ctx.keys
     out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
-    found, rev = yield GetPrefix(out)
+    if known is not None:
+        found, rev = dict(known.out), known.rev
+    else:
+        found, rev = yield GetPrefix(out)
     raw = found.get(result_key)
     if raw is not None:
         # Decided: a node in it (presumed) needs no join, and a spare's join would come
@@ -265,10 +303,10 @@ def decide(ctx: Context, n: int, deadline: float) -> Protocol:
     call_started: float | None = None
     next_progress = ctx.clock.monotonic()
     seen = -1
+    called = False
     while True:
         if view.closed is not None:
-            closed = {"closed": view.closed.decode("utf-8", "replace")}
-            return (yield from publish(ctx, n, dump(closed)))
+            return (yield from publish_closed(ctx, n, view))
         joined = len(view.joins)
         if joined != seen:
             yield Seen(n, joined)
@@ -279,9 +317,14 @@ def decide(ctx: Context, n: int, deadline: float) -> Protocol:
             call_started = now
         verdict = view.decide(s, now=now, call_started_at=call_started, join_deadline=deadline)
         if verdict.verdict is Verdict.CLOSE:
-            return (yield from commit(ctx, n, view, verdict.members, rev))
+            return (yield from commit(ctx, n, view, verdict.members, rev, ctx.node_id))
         if verdict.verdict is Verdict.TIMEOUT:
             raise timeout_error(ctx, n, joined)
+        if started and n > 0 and not called:
+            # The re-formation waits for joins: call the previous round's quiet members,
+            # who would otherwise wait for a decision (see ``decide_ahead``).
+            yield Put(k.next_call(n - 1), dump({"join": True, "why": view.why()}))
+            called = True
         if now >= next_progress:
             raw = yield Get(k.result(n))  # closed by a node auditing the round
             if raw is not None:
@@ -363,26 +406,120 @@ def audit(ctx: Context, n: int, deadline: float, now: float) -> Protocol:
     return now + ctx.audit_every
 
 
-def commit(ctx: Context, n: int, view: RoundView, members: tuple[str, ...], rev: int) -> Protocol:
+def decide_ahead(
+    ctx: Context,
+    n: int,
+    prev_rank: int | None,
+    why: str,
+    *,
+    joins: bool = True,
+    defer: float = 0.0,
+) -> Protocol:
+    """As the closer of round ``n-1``, which watches it for its quiet members: join round
+    ``n`` and decide it at once, before this node's agent has stopped its workers.
+
+    A quiet member of round n-1 watches nothing but the call its closer (or whoever
+    decides round n) leaves at ``next_call(n-1)``: the round after it was decided, so it
+    enters with one read; or the round waits for joins (a failed round), so it joins as
+    everyone did before. After the loss of one node of N, the closer alone notices it and
+    the N-1 others are woken once, by the answer.
+
+    Nothing more happens when the round is decided or claimed already (its decider makes
+    the call). The claim is taken only to close the round at once: a round that must wait
+    is left to whoever joins and claims it, so that no claim waits on this node's agent.
+    Without ``joins`` (this node is kept out for a cool-down) it only calls the quiet
+    members to join, saying ``why``. With ``defer``, it first leaves that long to the
+    other watcher, rank 0, whose decision carries its address (the others then enter
+    reading nothing, instead of waiting for rank 0's agent to write it)."""
+    k = ctx.keys
+    if not joins:
+        yield Put(k.next_call(n - 1), dump({"join": True, "why": why}))
+        return
+    found, rev = yield GetPrefix(k.out(n))
+    if k.result(n) in found:
+        return
+    join_value = dump({**ctx.info, "prev_rank": prev_rank})
+    yield Put(k.join_prefix(n) + ctx.node_id, join_value, leased=True)
+    if k.closer(n) in found:
+        return
+    if defer > 0:
+        try:
+            res = yield Watch(k.out(n), rev, defer)
+        except StoreCompactedError:
+            return  # (this node's agent joins next, and decides if nobody did)
+        if res.events:
+            return  # rank 0 claimed the round
+    view, rev = yield from load_view(ctx, n)
+    now = ctx.clock.monotonic()
+    s = ctx.bounds
+    verdict = view.decide(s, now=now, call_started_at=None, join_deadline=now + ctx.join_timeout)
+    if view.closed is None and verdict.verdict is not Verdict.CLOSE:
+        yield Put(k.next_call(n - 1), dump({"join": True, "why": view.why()}))
+        return
+    won, _ = yield CompareSet(k.closer(n), None, ctx.node_id.encode(), leased=True)
+    if not won:
+        return
+    if view.closed is not None:
+        yield from publish_closed(ctx, n, view)
+        return
+    held = load((yield from commit(ctx, n, view, verdict.members, rev, ctx.node_id, call=False)))
+    if not isinstance(held, dict) or held.get("closer") != ctx.node_id:
+        return  # another decision holds: its decider made the call
+    call: dict[str, object] = {"join": False, "why": view.why(), "result": held}
+    if held.get("head") == ctx.node_id:
+        # Rank 0's address goes out with the decision and the call: the others enter
+        # with what the call brings, and read nothing.
+        master = master_of(ctx)
+        yield Put(k.master(n), master)
+        call["master"] = load(master)
+    yield Put(k.next_call(n - 1), dump(call))
+
+
+def commit(
+    ctx: Context,
+    n: int,
+    view: RoundView,
+    members: tuple[str, ...],
+    rev: int,
+    closer: str | None = None,
+    *,
+    call: bool = True,
+) -> Protocol:
     """Publish a decision: the member pages (``decide.member_pages``), then the small
     result everyone waits for (the commit point: the first result written holds). Each
     node reads one page of it; only tools and the next round's closer read every page.
-    Returns the result that holds."""
+    ``closer``: the node holding the round's claim, when it is this one (a member that
+    is will watch the round for the others). ``call``: publish calls the previous round's
+    quiet members (else the caller does). Returns the result that holds."""
     k = ctx.keys
     decision = uuid.uuid4().hex[:12]
-    pages, result = view.outcome(members, decision, rev)
+    pages, result = view.outcome(members, decision, rev, closer)
     yield PutAll(tuple((k.members(n, decision, i), dump(page)) for i, page in enumerate(pages)))
-    return (yield from publish(ctx, n, dump(result), len(members)))
+    return (yield from publish(ctx, n, dump(result), len(members), view.why() if call else None))
 
 
-def publish(ctx: Context, n: int, value: bytes, size: int | None = None) -> Protocol:
+def publish_closed(ctx: Context, n: int, view: RoundView) -> Protocol:
+    """Publish that the run was closed as round ``n``'s result."""
+    assert view.closed is not None
+    closed = {"closed": view.closed.decode("utf-8", "replace")}
+    return (yield from publish(ctx, n, dump(closed), None, view.why()))
+
+
+def publish(
+    ctx: Context, n: int, value: bytes, size: int | None = None, why: str | None = ""
+) -> Protocol:
     """Write the result of round ``n`` unless someone did; return the one that holds.
 
-    ``size`` is the number of members (None: the result says the run was closed).
+    ``size`` is the number of members (None: the result says the run was closed). The
+    writer then calls round n-1's quiet members (``decide_ahead``), saying ``why`` it
+    re-formed (None: the caller calls them).
     """
     won, current = yield CompareSet(ctx.keys.result(n), None, value)
     if not won:
         return current
+    if n > 0 and why is not None:
+        call = {"join": False, "why": why, "result": load(value)}
+        yield Put(ctx.keys.next_call(n - 1), dump(call))
     if size is not None:
         yield Put(ctx.keys.current, str(n).encode())
         yield Closed(n, size)

@@ -71,6 +71,13 @@ class RunKeys:
     def closer(self, n: int) -> str:
         return self.out(n) + "closer"
 
+    def next_call(self, n: int) -> str:
+        """The call to round ``n``'s quiet members: the round after it was decided (enter
+        it), or waits for their joins (``{"join": true}``), and why. Under the closer's
+        claim: the one watch of the claim's prefix that a quiet member keeps sees both
+        this call and the claim's end (its closer, who watches for them, is gone)."""
+        return self.closer(n) + "/next"
+
     def status(self, n: int) -> str:
         return f"{self.prefix}rounds/{n}/status"
 
