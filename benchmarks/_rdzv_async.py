@@ -310,7 +310,7 @@ class AsyncNode:
                         head = self._head
                         late = head not in (None, self.node_id, *view.lost)
                         defer = AHEAD_DEFER if late else 0.0
-                        joins = self.node_id not in view.excluded
+                        joins = self.node_id not in view.excluded | view.finished
                         await self._decide_ahead(n, reason, joins, defer)
             except StoreError:
                 if not self._stopping:

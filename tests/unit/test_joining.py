@@ -206,5 +206,5 @@ def test_rank_0_writes_the_master_address_and_reads_nothing_back() -> None:
     run = Driver(j.agree_master(_ctx(clock), 0, 0))
     put = run.expect(j.Put, 3)
     assert put.key == KEYS.master(0)
-    assert json.loads(put.value) == {"addr": "10.0.0.2", "port": 29500}
+    assert json.loads(put.value) == {"addr": "10.0.0.2", "port": 29500, "node": "b"}
     assert run.finish() == ("10.0.0.2", 29500)

@@ -11,6 +11,9 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
+from elastrun.rendezvous import liveness
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.keys import RunKeys
@@ -221,6 +224,36 @@ def test_a_closer_that_finished_leaves_no_one_re_forming() -> None:
         hs["a"].leave()
         time.sleep(0.5)
         assert not flags["b"].is_set() and not flags["c"].is_set()
+    finally:
+        for h in hs.values():
+            h.leave()
+
+
+def test_when_the_closer_and_its_deputy_are_lost_together_the_others_join_after_a_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(liveness, "DEPUTY_GRACE", 0.5)
+    store = MemoryStore()
+    hs = {n: h for n, (h, _) in _nodes(store, "abcde", 2, 5).items()}
+    try:
+        first = _join(hs, "a", store)
+        deputy = json.loads(store.get(K.result(0)) or b"{}")["deputy"]
+        quiet = {n: hs[n] for n in hs if n not in ("a", deputy)}
+        flags = _flags(quiet)
+        # Both lost at once: the deputy's process is dead (it decides nothing) before
+        # its lease ends, so nobody watches ctl/ any more, and nobody calls.
+        hs[deputy]._liveness.ahead = None
+        hs["a"].leave()
+        hs[deputy].leave()
+        started = time.monotonic()
+        assert all(f.wait(5) for f in flags.values())
+        assert time.monotonic() - started >= 0.4  # they waited for a call first
+        assert {hs[n].change_reason for n in quiet} == {"lost 1 node(s): a"}
+        second = _join(quiet)
+        assert {i.world_size for i in second.values()} == {3}
+        assert sorted(i.rank for i in second.values()) == [0, 1, 2]
+        kept = [n for n in quiet if first[n].rank < 3]
+        assert all(second[n].rank == first[n].rank for n in kept)
     finally:
         for h in hs.values():
             h.leave()

@@ -9,6 +9,9 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``keys.RunKeys``):
 ``ctl/done/<n>/<node>``      exit barrier of round n (kept when the node leaves)
 ``ctl/closed``               why the run ended; late agents are refused
 ``rounds/<n>/out/closer``    bound to a lease: the one node deciding round n
+``rounds/<n>/out/closer/next``  the call to round n's quiet members: round n+1 was
+                             decided (its result and rank 0's address), or waits for
+                             their joins
 ``rounds/<n>/out/result``    the closed round: decision id, size, shape (small)
 ``rounds/<n>/members/<id>/<p>``  page p of that decision's members, with their group
                              ranks (a member is on the page its id hashes to)
@@ -25,10 +28,12 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``keys.RunKeys``):
 Every node writes O(1) keys per round, and liveness costs no writes at all (a lease
 keep-alive). One node per round, the closer (whoever first claims ``out/closer``), keeps
 a view of the joiners and live nodes from watch events on ``ctl/`` and decides; the
-others watch only ``out/`` and take over if the closer's lease ends. Running members
-watch ``ctl/`` from the revision the round was decided at. Each node reads only the
-small result and the page holding its own rank, never the whole member list. So each
-change costs O(1) per interested node and a round of N nodes costs O(N) store traffic.
+others watch only ``out/`` and take over if the closer's lease ends. While a round runs,
+its closer and a deputy (rank 0, or rank 1 when the closer is rank 0) watch ``ctl/``
+from the revision the round was decided at; every other member watches only the
+closer's claim and the call under it (``liveness``). Each node reads only the small
+result and the page holding its own rank, never the whole member list. So each change
+costs O(1) per interested node and a round of N nodes costs O(N) store traffic.
 Nothing polls.
 
 A re-formation after a lost member or for a newcomer with room does not wait for every
@@ -39,8 +44,10 @@ itself: a node that died whole still holds its lease while its peers re-join
 (``RoundView.must_join``). Its result lists the few rank changes from
 the previous round, so a member that comes later computes its rank from the result (one
 read of ``out/``, which soon also holds the master address) and writes nothing. After a
-loss among N nodes each survivor is woken once, reads ``out/`` and enters; the closer
-(any survivor: the first to claim) reads the previous round once and decides.
+loss among N nodes the closer and its deputy notice it; one of them (rank 0 when it
+lives: ``joining.decide_ahead``) decides the next round at once, before its own agent
+stopped its workers, and calls the others: each is woken once, by a call carrying the
+result and rank 0's address, and enters reading nothing.
 """
 
 from __future__ import annotations

@@ -427,10 +427,11 @@ def decide_ahead(
     Nothing more happens when the round is decided or claimed already (its decider makes
     the call). The claim is taken only to close the round at once: a round that must wait
     is left to whoever joins and claims it, so that no claim waits on this node's agent.
-    Without ``joins`` (this node is kept out for a cool-down) it only calls the quiet
-    members to join, saying ``why``. With ``defer``, it first leaves that long to the
-    other watcher, rank 0, whose decision carries its address (the others then enter
-    reading nothing, instead of waiting for rank 0's agent to write it)."""
+    Without ``joins`` (this node is kept out for a cool-down, or its workers finished the
+    round) it only calls the quiet members to join, saying ``why``. With ``defer``, it
+    first leaves that long to the other watcher, rank 0, whose decision carries its
+    address (the others then enter reading nothing, instead of waiting for rank 0's agent
+    to write it)."""
     k = ctx.keys
     if not joins:
         yield Put(k.next_call(n - 1), dump({"join": True, "why": why}))

@@ -140,8 +140,9 @@ class Liveness:
         self.callback: Callable[[], None] | None = None
         #: Decides round n+1 at once (``joining.decide_ahead``); called by the watch
         #: thread of round n's closer once round n must re-form, with why, whether this
-        #: node takes part (not when it is kept out itself: then it only calls the quiet
-        #: members to join), and how long to leave the decision to rank 0 first.
+        #: node takes part (not when it is kept out itself or its workers finished: then
+        #: it only calls the quiet members to join), and how long to leave the decision
+        #: to rank 0 first.
         self.ahead: Callable[[int, str, bool, float], None] | None = None
         #: Clear while ``ahead`` runs: the node's own join waits for it.
         self.ahead_idle = threading.Event()
@@ -397,7 +398,9 @@ class Liveness:
                 watching = (n, view, res.revision)
                 reason = view.reason()
                 if reason is not None:
-                    joins = self._node_id not in view.excluded
+                    # Kept out, or its workers finished (it re-forms only if its exit
+                    # barrier says so): it only calls the others.
+                    joins = self._node_id not in view.excluded | view.finished
                     head = self._head
                     defer = AHEAD_DEFER if head not in (None, self._node_id, *view.lost) else 0
                     self._flag_reform(n, reason, ahead=watcher, joins=joins, defer=defer)
