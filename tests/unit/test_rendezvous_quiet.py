@@ -49,7 +49,7 @@ def _nodes(
         counting = _Counting(store)
         settings = RendezvousSettings("job", lo, hi, last_call_timeout=last_call)
         handler = DynamicRendezvousHandler(
-            counting,  # type: ignore[arg-type]
+            counting,
             settings,
             NodeDesc(name, "127.0.0.1", "default", 1),
         )

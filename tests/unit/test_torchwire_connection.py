@@ -157,3 +157,113 @@ def test_complaints_are_limited_per_period_and_count_what_was_suppressed(
         "bad client 5 (3 similar messages suppressed)",
     ]
     assert complain.total == 6
+
+
+# -- one request per read (the fast path) and the same request through the parser ------
+
+
+_ONE_BY_ONE = [
+    Request(Op.SET, (b"/k",), (b"v1",)),
+    Request(Op.GET, (b"/k",)),
+    Request(Op.GET, (b"/missing",)),
+    Request(Op.ADD, (b"/n",), number=5),
+    Request(Op.ADD, (b"/n",), number=-7),
+    Request(Op.COMPARE_SET, (b"/k",), (b"v1", b"v2")),
+    Request(Op.COMPARE_SET, (b"/k",), (b"nope", b"v3")),
+    Request(Op.COMPARE_SET, (b"/new",), (b"", b"fresh")),
+    Request(Op.PING, number=0xDEADBEEF),
+    Request(Op.SET, (b"",), (b"",)),  # an empty key and value
+    Request(Op.WAIT, (b"/k",)),  # there: answered at once
+    Request(Op.GET, (b"/k",)),
+]
+
+
+def _answers(hub: Hub, split: bool) -> tuple[list[bytes], dict[bytes, bytes]]:
+    conn, t = connect(hub)
+    conn.data_received(c.encode_requests([VALIDATE]))
+    fed: list[bytes] = []
+    feed = conn._parser.feed
+
+    def counting_feed(data: bytes) -> None:
+        fed.append(data)
+        feed(data)
+
+    conn._parser.feed = counting_feed  # type: ignore[method-assign]
+    for request in _ONE_BY_ONE:
+        data = c.encode_requests([request])
+        if split:  # cut in two reads: the parser joins them
+            conn.data_received(data[:3])
+            conn.data_received(data[3:])
+        else:
+            conn.data_received(data)
+    keys = [b"/k", b"/n", b"/new", b""]
+    assert bool(fed) == split  # whole requests never reach the parser
+    return t.written, {k: hub.state.get(k) for k in keys}
+
+
+def test_a_request_in_a_read_of_its_own_is_answered_as_through_the_parser() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        limits = Limits(max_connections=10, max_frame=1 << 16, max_key=256)
+        whole = _answers(Hub(loop, limits), split=False)
+        split = _answers(Hub(loop, limits), split=True)
+    finally:
+        loop.close()
+    assert whole == split
+    assert whole[0][0] == c.encode_bytes(b"v1")  # the first get
+    assert whole[1][b"/n"] == b"-2"
+
+
+def test_a_set_wakes_a_waiter_also_on_the_fast_path(hub: Hub) -> None:
+    waiting, tw = connect(hub)
+    waiting.data_received(c.encode_requests([VALIDATE, Request(Op.WAIT, (b"/w",))]))
+    assert tw.written == []
+    setter, _ = connect(hub)
+    setter.data_received(c.encode_requests([VALIDATE]))
+    setter.data_received(c.encode_requests([Request(Op.SET, (b"/w",), (b"x",))]))
+    assert tw.written == [c.encode_byte(c.WaitReply.STOP_WAITING)]
+
+
+def test_the_fast_path_keeps_the_limits_and_the_errors(hub: Hub) -> None:
+    conn, t = connect(hub)
+    conn.data_received(c.encode_requests([VALIDATE]))
+    # A key over the limit: left to the parser, which refuses it.
+    conn.data_received(c.encode_requests([Request(Op.GET, (b"k" * 300,))]))
+    assert t.aborted
+    conn, t = connect(hub)
+    conn.data_received(c.encode_requests([VALIDATE]))
+    hub.state.set(b"/text", b"abc")
+    conn.data_received(c.encode_requests([Request(Op.ADD, (b"/text",), number=1)]))
+    assert t.aborted and t.written == []  # not a number: this client's connection ends
+
+
+def test_pipelined_requests_mixing_fast_and_other_commands_are_answered_in_order(
+    hub: Hub,
+) -> None:
+    batch = [
+        Request(Op.SET, (b"/a",), (b"1",)),
+        Request(Op.PING, number=7),
+        Request(Op.GETNUMKEYS),  # not on the fast path: the parser takes it from here
+        Request(Op.GET, (b"/a",)),
+        Request(Op.ADD, (b"/c",), number=2),
+    ]
+    conn, t = connect(hub)
+    conn.data_received(c.encode_requests([VALIDATE]))
+    data = c.encode_requests(batch)
+    conn.data_received(data[:-3])  # the last request cut by the read
+    conn.data_received(data[-3:])
+    assert b"".join(t.written) == b"".join(
+        [c.encode_u32(7), c.encode_i64(1), c.encode_bytes(b"1"), c.encode_i64(2)]
+    )
+
+
+def test_a_wait_on_one_missing_key_blocks_on_the_fast_path_and_can_be_cancelled(hub: Hub) -> None:
+    conn, t = connect(hub)
+    conn.data_received(c.encode_requests([VALIDATE]))
+    conn.data_received(c.encode_requests([Request(Op.WAIT, (b"/later",))]))
+    assert t.written == []
+    conn.data_received(c.encode_requests([Request(Op.CANCEL_WAIT)]))
+    assert t.written == [c.encode_byte(c.WaitReply.WAIT_CANCELED)]
+    setter, _ = connect(hub)
+    setter.data_received(c.encode_requests([VALIDATE, Request(Op.SET, (b"/later",), (b"x",))]))
+    assert t.written == [c.encode_byte(c.WaitReply.WAIT_CANCELED)]  # no longer waiting

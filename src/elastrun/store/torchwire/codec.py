@@ -47,6 +47,9 @@ MAX_KEYS_PER_REQUEST = 128 * 1024
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
+#: The wire's unsigned and signed 64-bit little-endian numbers (for the connection's
+#: fast path).
+U64, I64 = _U64, _I64
 
 
 class Op(enum.IntEnum):
@@ -363,6 +366,11 @@ class RequestParser:
     def buffered(self) -> int:
         """Bytes received and not yet part of a returned request."""
         return len(self._buf) - self._pos
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing is held at all: the next read starts a request."""
+        return self._reader is None and self._broken is None and self._pos >= len(self._buf)
 
     @property
     def idle(self) -> bool:

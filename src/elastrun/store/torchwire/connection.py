@@ -171,8 +171,83 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
+        if self._validated and not self._paused and self._parser.empty:
+            try:
+                used = self._serve_fast(data)
+            except StoreError as exc:  # NotANumberError: this client's fault
+                self._hub.complain("closing the connection from %s: %s", self.peer, exc)
+                self.close()
+                return
+            if used == len(data):
+                return
+            data = data[used:]
         self._parser.feed(data)
         self._serve_buffered()
+
+    def _serve_fast(self, data: bytes) -> int:
+        """Serve the whole get, set, add, compare_set and ping requests at the start of
+        ``data`` (what torch's synchronous client sends in the steady state) without the
+        parser, and write their answers at once; returns how many bytes they took. The
+        rest (another command, a request cut by the read) goes to the parser after them.
+        The answers are the handlers'; the limits are the parser's."""
+        at, n = 0, len(data)
+        answers: list[bytes] = []
+        while at < n:
+            end = self._fast_one(data, at, n, answers)
+            if end < 0:
+                break
+            at = end
+        if answers and self._transport is not None:
+            self._transport.write(answers[0] if len(answers) == 1 else b"".join(answers))
+        return at
+
+    def _fast_one(self, data: bytes, at: int, n: int, answers: list[bytes]) -> int:
+        """One request at ``data[at]`` (see ``_serve_fast``): where it ends, or -1."""
+        op = data[at]
+        if op == _PING:
+            if at + 5 > n:
+                return -1
+            answers.append(data[at + 1 : at + 5])  # the number, sent back
+            return at + 5
+        if at + 9 > n or op not in _FAST_OPS:
+            return -1
+        wait = op == _WAIT  # of one key (torch's get is a wait, then the get)
+        if wait and (_U64_AT(data, at + 1)[0] != 1 or self._waiter is not None):
+            return -1
+        p = at + 17 if wait else at + 9  # where the key starts (its length before it)
+        if p > n:
+            return -1
+        k: int = p + _U64_AT(data, p - 8)[0]  # and ends
+        if k > n or k - p > self._hub.limits.max_key:
+            return -1
+        if wait:
+            self._waiter = self._state.wait((data[p:k],), self._wake)
+            if self._waiter is None:
+                answers.append(_STOP_WAITING)
+            return k  # (blocked: ``_wake`` answers when the key comes)
+        if op == _GET:
+            value = self._state.get(data[p:k])
+            answers.append(_U64_PACK(len(value)) + value)
+            return k
+        if k + 8 > n:
+            return -1
+        if op == _ADD:
+            answers.append(_I64_PACK(self._state.add(data[p:k], _I64_AT(data, k)[0])))
+            return k + 8
+        v: int = k + 8 + _U64_AT(data, k)[0]  # where the (first) value ends
+        if v > n or v - at > self._hub.limits.max_frame:
+            return -1
+        if op == _SET:
+            self._state.set(data[p:k], data[k + 8 : v])
+            return v
+        if v + 8 > n:  # compare_set: expected, then desired
+            return -1
+        w: int = v + 8 + _U64_AT(data, v)[0]
+        if w > n or w - at > self._hub.limits.max_frame:
+            return -1
+        current = self._state.compare_set(data[p:k], data[k + 8 : v], data[v + 8 : w])
+        answers.append(_U64_PACK(len(current)) + current)
+        return w
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -344,6 +419,19 @@ class Connection(asyncio.Protocol):
             self._state.cancel(self._waiter)
             self._waiter = None
 
+
+# The fast path's commands, as plain ints (a byte of the request compares with them).
+_PING, _GET, _SET, _ADD, _COMPARE_SET = (
+    int(c.Op.PING),
+    int(c.Op.GET),
+    int(c.Op.SET),
+    int(c.Op.ADD),
+    int(c.Op.COMPARE_SET),
+)
+_WAIT = int(c.Op.WAIT)
+_FAST_OPS = frozenset((_GET, _SET, _ADD, _COMPARE_SET, _WAIT))
+_U64_AT, _I64_AT = c.U64.unpack_from, c.I64.unpack_from
+_U64_PACK, _I64_PACK = c.U64.pack, c.I64.pack
 
 #: Unsent answers a connection gathers before writing them: a read of small requests
 #: is answered in one write, a large answer is written at once.
