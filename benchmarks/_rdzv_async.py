@@ -40,7 +40,7 @@ from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import AHEAD_DEFER, DEPUTY_GRACE, WATCH_SPAN
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.members import page_count, page_entries, page_of
-from elastrun.rendezvous.running import RoundWatch
+from elastrun.rendezvous.running import RoundWatch, closer_news, closer_state
 from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.api import EventKind
 
@@ -335,15 +335,11 @@ class AsyncNode:
                 res = await self._store.watch(k.closer(n), rev, span)
             except StoreCompactedError:
                 found, rev = await self._store.get_prefix(k.closer(n))
-                call = found.get(k.next_call(n))
-                gone = gone or k.closer(n) not in found
+                call, ended = closer_state(k, n, found)
             else:
                 rev = res.revision
-                calls = [e.value for e in res.events if e.key == k.next_call(n) and e.value]
-                call = calls[0] if calls else None
-                gone = gone or any(
-                    e.key == k.closer(n) and e.kind is EventKind.DELETE for e in res.events
-                )
+                call, ended = closer_news(k, n, res.events)
+            gone = gone or ended
             if call is not None:
                 self._called = joining.Called.of(k, n + 1, call)
                 self._flag(n)

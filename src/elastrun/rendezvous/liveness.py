@@ -47,7 +47,7 @@ from elastrun.core.errors import (
 from elastrun.rendezvous.joining import Called
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import page_count, page_entries, page_of
-from elastrun.rendezvous.running import RoundWatch
+from elastrun.rendezvous.running import RoundWatch, closer_news, closer_state
 from elastrun.store.api import EventKind, Store
 
 log = logging.getLogger("elastrun.rendezvous")
@@ -425,15 +425,11 @@ class Liveness:
             except StoreCompactedError as exc:
                 log.debug("rendezvous watch resumes after compaction: %s", exc)
                 found, rev = self._store.get_prefix(k.closer(n))
-                call = found.get(k.next_call(n))
-                gone = gone or k.closer(n) not in found
+                call, ended = closer_state(k, n, found)
             else:
                 rev = res.revision
-                calls = [e.value for e in res.events if e.key == k.next_call(n) and e.value]
-                call = calls[0] if calls else None
-                gone = gone or any(
-                    e.key == k.closer(n) and e.kind is EventKind.DELETE for e in res.events
-                )
+                call, ended = closer_news(k, n, res.events)
+            gone = gone or ended
             if call is not None:
                 self.called = Called.of(self._keys, n + 1, call)
                 self._flag_reform(n, _why(call, n))
