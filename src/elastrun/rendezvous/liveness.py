@@ -466,9 +466,10 @@ class Liveness:
     def _flag_reform(
         self, n: int, reason: str, *, ahead: bool = False, joins: bool = True, defer: float = 0
     ) -> None:
-        """Flag that round ``n`` must re-form; with ``ahead`` (this node is its closer),
-        then decide the next round at once for everyone (``self.ahead``; ``joins``: this
-        node takes part in it)."""
+        """Flag that round ``n`` must re-form; with ``ahead`` (this node watches the round
+        for the others: its closer or deputy), then decide the next round at once for
+        everyone (``self.ahead``; ``joins``: this node takes part in it; ``defer``: how
+        long it leaves the decision to rank 0 first)."""
         ahead = ahead and self.ahead is not None
         with self.lock:
             if self.round != n or self.reform:
@@ -483,7 +484,7 @@ class Liveness:
             try:
                 self.ahead(n, reason, joins, defer)
             except (StoreError, RendezvousError) as exc:
-                # The node's own join goes on as usual (and decides, if it holds the claim).
+                # The node's own join goes on as usual (and decides, if nobody did).
                 log.debug("could not decide round %d ahead: %s", n + 1, exc)
             finally:
                 self.ahead_idle.set()
