@@ -11,7 +11,7 @@ the other nodes can tell.
 The keep-alive and the running round's watch are written here again as tasks (they are
 loops around one store call each), with the handler's split (``rendezvous.liveness``):
 the round's closer follows ``ctl/`` and decides the next round ahead
-(``joining.decide_ahead``); every other member watches only the closer's claim and the
+(``closing.decide_ahead``); every other member watches only the closer's claim and the
 call under it. Progress notes of the protocol are not shown.
 ``protocol_traces()`` runs both participants side by side on a memory store and returns
 the operations each issued, so a test can pin that they agree.
@@ -37,10 +37,11 @@ from elastrun.core.errors import (
 )
 from elastrun.rendezvous import joining
 from elastrun.rendezvous.keys import RunKeys
-from elastrun.rendezvous.liveness import AHEAD_DEFER, DEPUTY_GRACE, WATCH_SPAN
+from elastrun.rendezvous.liveness import WATCH_SPAN
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.members import page_count, page_entries, page_of
-from elastrun.rendezvous.running import RoundWatch, closer_news, closer_state
+from elastrun.rendezvous.quiet import DEPUTY_GRACE, Watchers, closer_news, closer_state
+from elastrun.rendezvous.running import RoundWatch
 from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.api import EventKind
 
@@ -74,9 +75,7 @@ class AsyncNode:
         self._membership: dict[str, bool] = {}
         self._since = 0
         self._all_live = False
-        self._closer: str | None = None
-        self._deputy: str | None = None
-        self._head: str | None = None
+        self._watchers = Watchers()
         self._called: joining.Called | None = None
         self._ahead_idle = asyncio.Event()
         self._ahead_idle.set()
@@ -99,7 +98,8 @@ class AsyncNode:
     def role(self) -> str:
         """What this node is in its round: its ``closer``, its ``deputy`` or a member."""
         me = self.node_id
-        return "closer" if self._closer == me else "deputy" if self._deputy == me else "member"
+        w = self._watchers
+        return "closer" if w.closer == me else "deputy" if w.deputy == me else "member"
 
     # -- joining -------------------------------------------------------------------------
 
@@ -204,11 +204,7 @@ class AsyncNode:
         self._membership = {self._node.node_id: True}
         self._since = int(result.get("rev", 0))
         self._all_live = bool(result.get("all_live"))
-        closer, deputy = result.get("closer"), result.get("deputy")
-        self._closer = closer if isinstance(closer, str) else None
-        self._deputy = deputy if isinstance(deputy, str) else None
-        head = result.get("head")
-        self._head = head if isinstance(head, str) else None
+        self._watchers = Watchers.of(result)
         self._reform = False
         self._entered.set()
         self._start_watch()
@@ -274,17 +270,15 @@ class AsyncNode:
         watching: tuple[int, RoundWatch, int] | None = None
         quiet: tuple[int, int] | None = None
         while not self._stopping:
-            n, size, since, closer = self._round, self._size, self._since, self._closer
-            watcher = self.node_id in (closer, self._deputy)
+            n, size, since, watchers = self._round, self._size, self._since, self._watchers
             if n is None or self._reform:
                 self._entered.clear()
                 await self._entered.wait()
                 continue
             try:
-                if closer is not None and not watcher:
+                if watchers.quiet(self.node_id):
                     rev = quiet[1] if quiet is not None and quiet[0] == n else since
-                    deputy = self._deputy is not None
-                    quiet = (n, await self._follow_closer(n, closer, rev, deputy))
+                    quiet = (n, await self._follow_closer(n, watchers, rev))
                     continue
                 if watching is None or watching[0] != n:
                     watching = (n, self._round_watch(n, size), since)
@@ -302,14 +296,12 @@ class AsyncNode:
                 reason = view.reason()
                 if reason is not None and self._round == n and not self._reform:
                     self._reform = True
-                    ahead = watcher
+                    ahead = watchers.watches(self.node_id)
                     if ahead:
                         self._ahead_idle.clear()
                     self._notify()
                     if ahead:
-                        head = self._head
-                        late = head not in (None, self.node_id, *view.lost)
-                        defer = AHEAD_DEFER if late else 0.0
+                        defer = watchers.defer(self.node_id, view.lost)
                         joins = self.node_id not in view.excluded | view.finished
                         await self._decide_ahead(n, reason, joins, defer)
             except StoreError:
@@ -326,9 +318,10 @@ class AsyncNode:
         finally:
             self._ahead_idle.set()
 
-    async def _follow_closer(self, n: int, closer: str, rev: int, deputy: bool) -> int:
-        """As ``Liveness._follow_closer``: one watch of the closer's claim and its call."""
-        k = self._keys
+    async def _follow_closer(self, n: int, watchers: Watchers, rev: int) -> int:
+        """As ``quiet.follow_closer``: one watch of the closer's claim and its call."""
+        k, closer = self._keys, watchers.closer
+        assert closer is not None
         span, gone = WATCH_SPAN, False
         while True:
             try:
@@ -346,7 +339,7 @@ class AsyncNode:
                 return int(rev)
             if not gone or await self._store.get(k.done(n) + closer) is not None:
                 return int(rev)
-            if not deputy or span == DEPUTY_GRACE:
+            if watchers.deputy is None or span == DEPUTY_GRACE:
                 self._flag(n)
                 return int(rev)
             span = DEPUTY_GRACE

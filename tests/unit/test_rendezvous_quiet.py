@@ -1,4 +1,4 @@
-"""A running round's closer watches it for the others (``liveness``, ``joining.decide_ahead``).
+"""A running round's closer watches it for the others (``quiet``, ``closing.decide_ahead``).
 
 Real handlers on one memory store: the closer follows ``ctl/``; every other member
 watches only the closer's claim and the call under it, and is woken once.
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from elastrun.rendezvous import liveness
+from elastrun.rendezvous import quiet as quiet_watch
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.keys import RunKeys
@@ -232,7 +232,7 @@ def test_a_closer_that_finished_leaves_no_one_re_forming() -> None:
 def test_when_the_closer_and_its_deputy_are_lost_together_the_others_join_after_a_grace(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(liveness, "DEPUTY_GRACE", 0.5)
+    monkeypatch.setattr(quiet_watch, "DEPUTY_GRACE", 0.5)
     store = MemoryStore()
     hs = {n: h for n, (h, _) in _nodes(store, "abcde", 2, 5).items()}
     try:

@@ -376,7 +376,7 @@ def test_a_node_that_dies_between_the_closers_reads_is_neither_presumed_nor_coun
     assert result["from"]["dropped"] == ["b", "d"]
 
 
-# -- a quiet member woken by the call (``joining.decide_ahead``) -------------------------
+# -- a quiet member woken by the call (``closing.decide_ahead``) -------------------------
 
 
 def test_a_called_member_enters_reading_nothing_when_the_call_brings_the_address() -> None:

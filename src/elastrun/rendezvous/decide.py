@@ -430,7 +430,7 @@ class RoundView:
         says ``all_live`` when every node alive at ``rev`` is a member (then a member
         that sees a node's lease end need not read a page to know it was a member), and
         names rank 0's node (``head``), and the ``closer`` when it is a member, with a
-        ``deputy``: the two watch the running round for the others (``liveness``)."""
+        ``deputy``: the two watch the running round for the others (``quiet``)."""
         rows: list[MemberRow] = []
         slots: list[tuple[str, int]] = []
         for m in members:

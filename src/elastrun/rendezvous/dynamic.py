@@ -31,7 +31,7 @@ a view of the joiners and live nodes from watch events on ``ctl/`` and decides; 
 others watch only ``out/`` and take over if the closer's lease ends. While a round runs,
 its closer and a deputy (rank 0, or rank 1 when the closer is rank 0) watch ``ctl/``
 from the revision the round was decided at; every other member watches only the
-closer's claim and the call under it (``liveness``). Each node reads only the small
+closer's claim and the call under it (``quiet``). Each node reads only the small
 result and the page holding its own rank, never the whole member list. So each change
 costs O(1) per interested node and a round of N nodes costs O(N) store traffic.
 Nothing polls.
@@ -45,7 +45,7 @@ itself: a node that died whole still holds its lease while its peers re-join
 the previous round, so a member that comes later computes its rank from the result (one
 read of ``out/``, which soon also holds the master address) and writes nothing. After a
 loss among N nodes the closer and its deputy notice it; one of them (rank 0 when it
-lives: ``joining.decide_ahead``) decides the next round at once, before its own agent
+lives: ``closing.decide_ahead``) decides the next round at once, before its own agent
 stopped its workers, and calls the others: each is woken once, by a call carrying the
 result and rank 0's address, and enters reading nothing.
 """
@@ -71,7 +71,7 @@ from elastrun.core.errors import (
     StoreUnavailableError,
 )
 from elastrun.nodecheck.board import CheckBoard
-from elastrun.rendezvous import joining
+from elastrun.rendezvous import joining, quiet
 from elastrun.rendezvous.api import (
     BarrierResult,
     MemberInfo,
@@ -385,7 +385,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _decide_ahead(self, n: int, why: str, joins: bool, defer: float) -> None:
         """From the watch thread of round ``n``'s closer: decide round n+1 at once
-        (``joining.decide_ahead``), in the handler's own scope (``leave`` ends it)."""
+        (``closing.decide_ahead``), in the handler's own scope (``leave`` ends it)."""
         prev_rank = self._prev_rank(self._liveness.rank)
         protocol = joining.decide_ahead(
             self._context(), n + 1, prev_rank, why, joins=joins, defer=defer
@@ -499,9 +499,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             decision,
             int(result.get("rev", 0)),
             all_live=bool(result.get("all_live")),
-            closer=closer if isinstance(closer := result.get("closer"), str) else None,
-            deputy=deputy if isinstance(deputy := result.get("deputy"), str) else None,
-            head=head if isinstance(head := result.get("head"), str) else None,
+            watchers=quiet.Watchers.of(result),
         )
         return RendezvousInfo(
             self._store, rank, size, RendezvousStoreInfo(*joined.master), round=n,

@@ -45,7 +45,7 @@ def agree_master(
     key = ctx.keys.master(n)
     mine = out.get(key) if rank == 0 and out is not None else None
     if mine is not None and _written_by(mine, ctx.node_id):
-        raw = mine  # written ahead, with the decision (``joining.decide_ahead``)
+        raw = mine  # written ahead, with the decision (``closing.decide_ahead``)
     elif rank == 0:
         raw = master_of(ctx)
         yield Put(key, raw)

@@ -6,25 +6,8 @@ re-formation when one is due. ``Liveness`` holds what both threads share: the le
 the round this node is in, which nodes are known to be its members, and whether the
 round must re-form, the node was lost or the store is gone; ``lock`` guards the round.
 
-Who watches what while a round runs:
-
-* The round's **closer** (the member that decided it, named in its result) and its
-  **deputy** (rank 0, or rank 1 when rank 0 is the closer) follow ``ctl/`` from the
-  revision the round was decided at (``running.RoundWatch`` says why to re-form). When
-  a re-formation is due each also tries to decide the next round at once, for everyone
-  (``joining.decide_ahead``; the first to claim it does), before its own agent has
-  stopped its workers.
-* Every other member is **quiet**: it watches only the closer's claim and the call left
-  under it (``RunKeys.next_call``). The call wakes it once the next round is decided
-  (it enters with one read) or, after a failure, when the next round waits for every
-  member's join. After the loss of one of N nodes the store sends N-1 wake-ups and
-  answers N-1 reads, instead of each survivor joining, racing for the claim and
-  watching on.
-* The claim's end (the closer's lease ended) wakes the quiet members too. They then
-  wait up to ``DEPUTY_GRACE`` for the deputy's call (it saw the same loss), and re-form
-  by joining, as every member did before, when none comes (the deputy is gone too).
-* When the result names no closer (a round closed by a node auditing it, or by a
-  closer that is not a member), every member follows ``ctl/`` itself.
+Who watches the round for whom (its closer and deputy for the quiet members) is
+``quiet``'s.
 """
 
 from __future__ import annotations
@@ -44,10 +27,11 @@ from elastrun.core.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from elastrun.rendezvous.joining import Called
+from elastrun.rendezvous import quiet
+from elastrun.rendezvous.closing import Called
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import page_count, page_entries, page_of
-from elastrun.rendezvous.running import RoundWatch, closer_news, closer_state
+from elastrun.rendezvous.running import RoundWatch
 from elastrun.store.api import EventKind, Store
 
 log = logging.getLogger("elastrun.rendezvous")
@@ -55,15 +39,6 @@ log = logging.getLogger("elastrun.rendezvous")
 #: How long one watch of a running round lasts before it is renewed (``leave`` ends it
 #: at once; renewing costs one request).
 WATCH_SPAN = 60.0
-
-#: How long the watcher that is not rank 0 leaves the decision to rank 0 (the other),
-#: when rank 0 lives: rank 0's decision carries its address.
-AHEAD_DEFER = 1.0
-
-#: How long a quiet member waits for the deputy's call once the closer's claim ended
-#: (the deputy decides the next round in about a second at 10,000 nodes), before it
-#: re-forms by joining.
-DEPUTY_GRACE = 5.0
 
 #: How long ``revoke`` may take.
 REVOKE_BOUND = 2.0
@@ -134,11 +109,9 @@ class Liveness:
         self._entered = threading.Event()  # set while a round runs and has not re-formed
         self._threads: list[threading.Thread] = []
         # The current round's closer, when a member, and its deputy: they watch for it.
-        self._closer: str | None = None
-        self._deputy: str | None = None
-        self._head: str | None = None  # rank 0's node
+        self._watchers = quiet.EVERYONE
         self.callback: Callable[[], None] | None = None
-        #: Decides round n+1 at once (``joining.decide_ahead``); called by the watch
+        #: Decides round n+1 at once (``closing.decide_ahead``); called by the watch
         #: thread of round n's closer once round n must re-form, with why, whether this
         #: node takes part (not when it is kept out itself or its workers finished: then
         #: it only calls the quiet members to join), and how long to leave the decision
@@ -332,17 +305,14 @@ class Liveness:
         since: int,
         *,
         all_live: bool = False,
-        closer: str | None = None,
-        deputy: str | None = None,
-        head: str | None = None,
+        watchers: quiet.Watchers = quiet.EVERYONE,
     ) -> None:
         """This node entered round ``n`` (decided at store revision ``since``; with
-        ``all_live``, every node alive then is a member; ``closer``: the member that
-        decided it, which with its ``deputy`` watches it for the others; ``head``: rank
-        0's node): watch it."""
+        ``all_live``, every node alive then is a member; ``watchers``: who watches it for
+        the others): watch it."""
         with self.lock:
             self.round, self.rank, self.size, self._decision = n, rank, size, decision
-            self._closer, self._deputy, self._head = closer, deputy, head
+            self._watchers = watchers
             self._membership = {self._node_id: True}
             self._member_list = None
             self._since = since
@@ -367,19 +337,19 @@ class Liveness:
         cost O(N^2).
         """
         watching: tuple[int, RoundWatch, int] | None = None  # round, view, revision
-        quiet: tuple[int, int] | None = None  # round, revision
+        following: tuple[int, int] | None = None  # round, revision (a quiet member)
         while not self._stop.is_set():
             with self.lock:
                 n, size, since, idle = self.round, self.size, self._since, self.reform
-                closer, deputy = self._closer, self._deputy
+                watchers = self._watchers
             if n is None or idle:
                 self._entered.wait()  # set by the next round, and by ``leave``
                 continue
-            watcher = self._node_id in (closer, deputy)
+            me = self._node_id
             try:
-                if closer is not None and not watcher:
-                    rev = quiet[1] if quiet is not None and quiet[0] == n else since
-                    quiet = (n, self._follow_closer(n, closer, rev, deputy is not None))
+                if watchers.quiet(me):
+                    rev = following[1] if following is not None and following[0] == n else since
+                    following = (n, self._follow_closer(n, watchers, rev))
                     continue
                 if watching is None or watching[0] != n:
                     watching = (n, self.round_watch(n, size), since)
@@ -400,10 +370,11 @@ class Liveness:
                 if reason is not None:
                     # Kept out, or its workers finished (it re-forms only if its exit
                     # barrier says so): it only calls the others.
-                    joins = self._node_id not in view.excluded | view.finished
-                    head = self._head
-                    defer = AHEAD_DEFER if head not in (None, self._node_id, *view.lost) else 0
-                    self._flag_reform(n, reason, ahead=watcher, joins=joins, defer=defer)
+                    joins = me not in view.excluded | view.finished
+                    defer = watchers.defer(me, view.lost)
+                    self._flag_reform(
+                        n, reason, ahead=watchers.watches(me), joins=joins, defer=defer
+                    )
             except Cancelled:
                 return
             except StoreUnavailableError as exc:
@@ -414,37 +385,16 @@ class Liveness:
                     log.warning("rendezvous watch interrupted: %s", exc)
                     self._stop.wait(1.0)
 
-    def _follow_closer(self, n: int, closer: str, rev: int, deputy: bool) -> int:
-        """One watch of round ``n``'s closer's claim and the call under it, as a quiet
-        member (``deputy``: the round has one); returns the revision to watch on from."""
-        k = self._keys
-        span, gone = WATCH_SPAN, False
-        while True:
-            try:
-                res = self._store.watch(k.closer(n), rev, span, scope=self._life)
-            except StoreCompactedError as exc:
-                log.debug("rendezvous watch resumes after compaction: %s", exc)
-                found, rev = self._store.get_prefix(k.closer(n))
-                call, ended = closer_state(k, n, found)
-            else:
-                rev = res.revision
-                call, ended = closer_news(k, n, res.events)
-            gone = gone or ended
-            if call is not None:
-                self.called = Called.of(self._keys, n + 1, call)
-                self._flag_reform(n, _why(call, n))
-                return rev
-            if not gone or self._finished(n, closer):
-                return rev  # (a closer that finished: the job is ending)
-            if not deputy or span == DEPUTY_GRACE:
-                self._flag_reform(n, f"lost 1 node(s): {closer}")
-                return rev
-            span = DEPUTY_GRACE  # wait a while for the deputy's call
-
-    def _finished(self, n: int, node: str) -> bool:
-        """Whether ``node`` finished round ``n`` (its exit barrier): its claim then ends
-        with its lease when it leaves, and nobody watches for the others any more."""
-        return self._store.get(self._keys.done(n) + node) is not None
+    def _follow_closer(self, n: int, watchers: quiet.Watchers, rev: int) -> int:
+        """As a quiet member, one watch of round ``n``'s closer (``quiet.follow_closer``);
+        the revision to watch on from."""
+        rev, why, call = quiet.follow_closer(
+            self._store, self._keys, n, watchers, rev, scope=self._life, span=WATCH_SPAN
+        )
+        if why is not None:
+            self.called = None if call is None else Called.of(self._keys, n + 1, call)
+            self._flag_reform(n, why)
+        return rev
 
     def round_watch(self, n: int, size: int) -> RoundWatch:
         return RoundWatch(
@@ -547,12 +497,3 @@ class Liveness:
             f"Liveness(node={self._node_id!r}, lease={self.lease}, round={self.round}, "
             f"reform={self.reform}, lost={self.lost}, gone={self.gone is not None})"
         )
-
-
-def _why(call: bytes, n: int) -> str:
-    """The reason a call to round ``n``'s quiet members gives."""
-    try:
-        why = json.loads(call).get("why")
-    except (ValueError, AttributeError):
-        why = None
-    return str(why) if why else f"round {n + 1} was decided"

@@ -3,7 +3,7 @@ from watch events at O(1) per change (pure: the handler feeds it what the store 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.store.api import EventKind, WatchEvent
@@ -125,16 +125,3 @@ class RoundWatch:
         if self._size < self._max:
             return "new node(s) are waiting to join"
         return None
-
-
-def closer_news(keys: RunKeys, n: int, events: Sequence[WatchEvent]) -> tuple[bytes | None, bool]:
-    """What a quiet member's watch of round ``n``'s closer's claim brought: the call
-    under it (``RunKeys.next_call``; None: none yet), and whether the claim ended."""
-    call = next((e.value for e in events if e.key == keys.next_call(n) and e.value), None)
-    ended = any(e.key == keys.closer(n) and e.kind is EventKind.DELETE for e in events)
-    return call, ended
-
-
-def closer_state(keys: RunKeys, n: int, found: Mapping[str, bytes]) -> tuple[bytes | None, bool]:
-    """``closer_news`` from a read of the claim's prefix (after the store compacted)."""
-    return found.get(keys.next_call(n)), keys.closer(n) not in found
