@@ -250,7 +250,9 @@ def test_a_member_that_steps_away_is_waited_for_not_counted_in_until_its_lease_e
     store = MemoryStore()
     nodes = {n: _node(store, n) for n in ("a", "b", "c")}
     try:
-        _join_all(nodes)
+        # "c" decides round 0, so it watches the round: after its notice it must not
+        # join the next round ahead either.
+        _join_all(nodes, "c", store)
         nodes["c"].step_away("received SIGTERM")  # its workers stop next
         assert Away.load(store.get(K.away("c"))) == 0
         nodes["b"].leave()  # lost: "a" re-forms and decides round 1

@@ -221,8 +221,8 @@ def decide_ahead(
     Nothing more happens when the round is decided or claimed already (its decider makes
     the call). The claim is taken only to close the round at once: a round that must wait
     is left to whoever joins and claims it, so that no claim waits on this node's agent.
-    Without ``joins`` (this node is kept out for a cool-down, or its workers finished the
-    round) it only calls the quiet members to join, saying ``why``.
+    Without ``joins`` (this node is kept out for a cool-down, its workers finished the
+    round, or it gave notice) it only calls the quiet members to join, saying ``why``.
     With ``defer``, it first leaves that long to the other watcher, rank 0, whose
     decision carries its address (the others then enter reading nothing, instead of
     waiting for rank 0's agent to write it)."""

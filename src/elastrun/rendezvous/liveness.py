@@ -110,6 +110,8 @@ class Liveness:
         self._threads: list[threading.Thread] = []
         # The current round's closer, when a member, and its deputy: they watch for it.
         self._watchers = quiet.EVERYONE
+        #: The round in which this node gave notice (``Outcome.step_away``).
+        self.away: int | None = None
         self.callback: Callable[[], None] | None = None
         #: Decides round n+1 at once (``closing.decide_ahead``); called by the watch
         #: thread of round n's closer once round n must re-form, with why, whether this
@@ -368,9 +370,9 @@ class Liveness:
                 watching = (n, view, res.revision)
                 reason = view.reason()
                 if reason is not None:
-                    # Kept out, or its workers finished (it re-forms only if its exit
-                    # barrier says so): it only calls the others.
-                    joins = me not in view.excluded | view.finished
+                    # Kept out, its workers finished (it re-forms only if its exit
+                    # barrier says so), or it gave notice: it only calls the others.
+                    joins = me not in view.excluded | view.finished and self.away != n
                     defer = watchers.defer(me, view.lost)
                     self._flag_reform(
                         n, reason, ahead=watchers.watches(me), joins=joins, defer=defer

@@ -116,6 +116,7 @@ class Outcome:
         n, lease = self._live.round, self._live.lease
         if n is None or lease is None or self._live.gone is not None:
             return
+        self._live.away = n  # (as a watcher of the round, it decides nothing ahead)
         with CancelScope(deadline=Deadline.after(STEP_AWAY_BOUND)) as scope, scope.active():
             try:
                 self._store.set(self._keys.away(self._node_id), Away(n, why).dump(), lease=lease)
