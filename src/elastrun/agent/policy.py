@@ -11,6 +11,8 @@ import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from elastrun.core import cancel
+from elastrun.core.errors import StoreError
 from elastrun.supervise.processes.procset import Exit
 
 if TYPE_CHECKING:
@@ -67,6 +69,10 @@ class JobBudgetSource(Protocol):
     def restarts_used(self) -> int: ...
 
 
+#: How long reading the job's restart count may take (``JobRestartBudget.used``).
+READ_BOUND = 1.0
+
+
 class JobRestartBudget:
     """The restart budget of the whole job, kept in the rendezvous store.
 
@@ -76,6 +82,7 @@ class JobRestartBudget:
     def __init__(self, source: JobBudgetSource, limit: int) -> None:
         self._source = source
         self._limit = limit
+        self._known = 0  # the count last read
 
     @property
     def limit(self) -> int:
@@ -83,8 +90,17 @@ class JobRestartBudget:
 
     @property
     def used(self) -> int:
-        # The counter passes the limit by one when the failing node finds it exhausted.
-        return min(self._source.restarts_used(), self._limit)
+        """The count in the store, read within ``READ_BOUND`` (else the one last read: a
+        store that stopped answering must not hold the agent, which reads the count for
+        its log lines between starting its workers and watching them)."""
+        try:
+            with cancel.current().child(READ_BOUND) as scope, scope.active():
+                # The counter passes the limit by one when the failing node finds it
+                # exhausted.
+                self._known = min(self._source.restarts_used(), self._limit)
+        except StoreError:
+            pass
+        return self._known
 
     def try_consume(self, what: str = "") -> bool:
         return self._source.report_failure(self._limit, what)

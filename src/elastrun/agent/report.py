@@ -43,13 +43,14 @@ class AgentReport:
 
     def workers_started(self, attempt: Attempt, took_ms: float) -> None:
         budget = self._budget
+        used = budget.used  # (read once: a job-wide count lives in the store)
         procs = attempt.procs.processes
         pids = [procs[w.local_rank].pid for w in attempt.plan.workers]
         log.info(
             "started %d worker(s) (attempt %d, restart %d of %d) in %.0f ms; %s",
             len(pids),
             attempt.number,
-            budget.used,
+            used,
             budget.limit,
             took_ms,
             ", ".join(
@@ -59,12 +60,12 @@ class AgentReport:
         )
         self._metrics.put("agent.workers_start.duration_ms", took_ms)
         self._metrics.put("agent.world_size", attempt.plan.workers[0].ranks.world_size)
-        self._metrics.put("agent.remaining_restarts", budget.limit - budget.used)
+        self._metrics.put("agent.remaining_restarts", budget.limit - used)
         self._events.record(
             "agent.workers_started",
             {
                 "attempt": attempt.number,
-                "restart_count": budget.used,
+                "restart_count": used,
                 "duration_ms": round(took_ms, 3),
                 "pids": ",".join(str(pid) for pid in pids),
             },
