@@ -267,3 +267,21 @@ def test_a_wait_on_one_missing_key_blocks_on_the_fast_path_and_can_be_cancelled(
     setter, _ = connect(hub)
     setter.data_received(c.encode_requests([VALIDATE, Request(Op.SET, (b"/later",), (b"x",))]))
     assert t.written == [c.encode_byte(c.WaitReply.WAIT_CANCELED)]  # no longer waiting
+
+
+def test_a_peer_that_stops_reading_is_not_served_on_the_fast_path_until_it_reads(
+    hub: Hub,
+) -> None:
+    hub.state.set(b"/v", b"value")
+    conn, t = connect(hub, full_after=2)
+    conn.data_received(c.encode_requests([VALIDATE]))
+    get = c.encode_requests([Request(Op.GET, (b"/v",))])
+    conn.data_received(get)
+    conn.data_received(get)  # this answer fills the peer's window
+    assert not t.reading
+    conn.data_received(get)  # read before the pause took effect: held, not answered
+    assert len(t.written) == 2
+    conn.resume_writing()
+    assert t.written == [c.encode_bytes(b"value")] * 3 and t.reading
+    conn.data_received(get)  # and the fast path again
+    assert t.written == [c.encode_bytes(b"value")] * 4

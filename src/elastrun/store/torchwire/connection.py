@@ -123,6 +123,10 @@ class Connection(asyncio.Protocol):
         self._validated = False
         self._paused = False  # the peer is not reading its answers: stop reading
         self._closed = False
+        # Validated, open, read, nothing held by the parser: the next read starts with a
+        # request that the fast path may serve (kept up to date at each change of those).
+        self._plain = False
+        self._max_key, self._max_frame = hub.limits.max_key, hub.limits.max_frame
         self._waiter: Waiter | None = None
         self._peer: str | None = None
         # Answers of the requests served in one read, sent in one write (see _serve).
@@ -169,9 +173,7 @@ class Connection(asyncio.Protocol):
         self._hub.conns.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self._closed:
-            return
-        if self._validated and not self._paused and self._parser.empty:
+        if self._plain:
             try:
                 used = self._serve_fast(data)
             except StoreError as exc:  # NotANumberError: this client's fault
@@ -181,8 +183,16 @@ class Connection(asyncio.Protocol):
             if used == len(data):
                 return
             data = data[used:]
+        elif self._closed:
+            return
         self._parser.feed(data)
         self._serve_buffered()
+        self._replan()
+
+    def _replan(self) -> None:
+        self._plain = (
+            self._validated and not self._paused and not self._closed and self._parser.empty
+        )
 
     def _serve_fast(self, data: bytes) -> int:
         """Serve the whole get, set, add, compare_set and ping requests at the start of
@@ -190,67 +200,75 @@ class Connection(asyncio.Protocol):
         parser, and write their answers at once; returns how many bytes they took. The
         rest (another command, a request cut by the read) goes to the parser after them.
         The answers are the handlers'; the limits are the parser's."""
-        at, n = 0, len(data)
-        answers: list[bytes] = []
+        n = len(data)
+        at, answer = self._fast_one(data, 0, n)
+        if at == n:  # the usual read: one request (the client waits for its answer)
+            if answer and self._transport is not None:
+                self._transport.write(answer)
+            return n
+        if at < 0:
+            return 0
+        answers = [answer]
         while at < n:
-            end = self._fast_one(data, at, n, answers)
+            end, answer = self._fast_one(data, at, n)
             if end < 0:
                 break
+            answers.append(answer)
             at = end
-        if answers and self._transport is not None:
-            self._transport.write(answers[0] if len(answers) == 1 else b"".join(answers))
+        out = b"".join(answers)
+        if out and self._transport is not None:
+            self._transport.write(out)
         return at
 
-    def _fast_one(self, data: bytes, at: int, n: int, answers: list[bytes]) -> int:
-        """One request at ``data[at]`` (see ``_serve_fast``): where it ends, or -1."""
+    def _fast_one(self, data: bytes, at: int, n: int) -> tuple[int, bytes]:
+        """One request at ``data[at]`` (see ``_serve_fast``): where it ends and its
+        answer (empty for none), or ``_NOT_FAST``."""
         op = data[at]
         if op == _PING:
             if at + 5 > n:
-                return -1
-            answers.append(data[at + 1 : at + 5])  # the number, sent back
-            return at + 5
+                return _NOT_FAST
+            return at + 5, data[at + 1 : at + 5]  # the number, sent back
         if at + 9 > n or op not in _FAST_OPS:
-            return -1
+            return _NOT_FAST
+        if op == _GET:  # the commonest: checked first
+            k: int = at + 9 + _U64_AT(data, at + 1)[0]  # where the key ends
+            if k > n or k - at - 9 > self._max_key:
+                return _NOT_FAST
+            value = self._state.get(data[at + 9 : k])
+            return k, _U64_PACK(len(value)) + value
         wait = op == _WAIT  # of one key (torch's get is a wait, then the get)
         if wait and (_U64_AT(data, at + 1)[0] != 1 or self._waiter is not None):
-            return -1
+            return _NOT_FAST
         p = at + 17 if wait else at + 9  # where the key starts (its length before it)
         if p > n:
-            return -1
-        k: int = p + _U64_AT(data, p - 8)[0]  # and ends
-        if k > n or k - p > self._hub.limits.max_key:
-            return -1
+            return _NOT_FAST
+        k = p + _U64_AT(data, p - 8)[0]
+        if k > n or k - p > self._max_key:
+            return _NOT_FAST
         if wait:
             self._waiter = self._state.wait((data[p:k],), self._wake)
-            if self._waiter is None:
-                answers.append(_STOP_WAITING)
-            return k  # (blocked: ``_wake`` answers when the key comes)
-        if op == _GET:
-            value = self._state.get(data[p:k])
-            answers.append(_U64_PACK(len(value)) + value)
-            return k
+            # (blocked: ``_wake`` answers when the key comes)
+            return k, _STOP_WAITING if self._waiter is None else b""
         if k + 8 > n:
-            return -1
+            return _NOT_FAST
         if op == _ADD:
-            answers.append(_I64_PACK(self._state.add(data[p:k], _I64_AT(data, k)[0])))
-            return k + 8
+            return k + 8, _I64_PACK(self._state.add(data[p:k], _I64_AT(data, k)[0]))
         v: int = k + 8 + _U64_AT(data, k)[0]  # where the (first) value ends
-        if v > n or v - at > self._hub.limits.max_frame:
-            return -1
+        if v > n or v - at > self._max_frame:
+            return _NOT_FAST
         if op == _SET:
             self._state.set(data[p:k], data[k + 8 : v])
-            return v
+            return v, b""
         if v + 8 > n:  # compare_set: expected, then desired
-            return -1
+            return _NOT_FAST
         w: int = v + 8 + _U64_AT(data, v)[0]
-        if w > n or w - at > self._hub.limits.max_frame:
-            return -1
+        if w > n or w - at > self._max_frame:
+            return _NOT_FAST
         current = self._state.compare_set(data[p:k], data[k + 8 : v], data[v + 8 : w])
-        answers.append(_U64_PACK(len(current)) + current)
-        return w
+        return w, _U64_PACK(len(current)) + current
 
     def pause_writing(self) -> None:
-        self._paused = True
+        self._paused, self._plain = True, False
         if self._transport is not None:
             self._transport.pause_reading()
 
@@ -259,6 +277,7 @@ class Connection(asyncio.Protocol):
         if self._transport is not None and not self._closed:
             self._transport.resume_reading()
             self._serve_buffered()
+            self._replan()
 
     def eof_received(self) -> bool | None:
         if not self._parser.idle:
@@ -266,7 +285,7 @@ class Connection(asyncio.Protocol):
         return None  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
+        self._closed, self._plain = True, False
         self._drop_waiter()
         self._hub.conns.discard(self)
         if log.isEnabledFor(logging.DEBUG):
@@ -274,7 +293,7 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close at once, dropping unsent answers (used on protocol errors and on stop)."""
-        self._closed = True
+        self._closed, self._plain = True, False
         self._drop_waiter()
         if self._transport is not None:
             self._transport.abort()
@@ -437,6 +456,7 @@ _U64_PACK, _I64_PACK = c.U64.pack, c.I64.pack
 #: is answered in one write, a large answer is written at once.
 _FLUSH_AT = 64 * 1024
 _STOP_WAITING = c.encode_byte(c.WaitReply.STOP_WAITING)
+_NOT_FAST = (-1, b"")
 
 #: Each request's handler, by command (all but VALIDATE, which only comes first).
 _HANDLERS: dict[c.Op, Callable[[Connection, c.Request], None]] = {
