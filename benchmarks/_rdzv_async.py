@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import threading
 import time
@@ -40,7 +41,13 @@ from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import WATCH_SPAN
 from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.members import page_count, page_entries, page_of
-from elastrun.rendezvous.quiet import DEPUTY_GRACE, Watchers, closer_news, closer_state
+from elastrun.rendezvous.quiet import (
+    DEPUTY_GRACE,
+    Watchers,
+    call_spread,
+    closer_news,
+    closer_state,
+)
 from elastrun.rendezvous.running import RoundWatch
 from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.api import EventKind
@@ -278,7 +285,7 @@ class AsyncNode:
             try:
                 if watchers.quiet(self.node_id):
                     rev = quiet[1] if quiet is not None and quiet[0] == n else since
-                    quiet = (n, await self._follow_closer(n, watchers, rev))
+                    quiet = (n, await self._follow_closer(n, size, watchers, rev))
                     continue
                 if watching is None or watching[0] != n:
                     watching = (n, self._round_watch(n, size), since)
@@ -318,7 +325,7 @@ class AsyncNode:
         finally:
             self._ahead_idle.set()
 
-    async def _follow_closer(self, n: int, watchers: Watchers, rev: int) -> int:
+    async def _follow_closer(self, n: int, size: int, watchers: Watchers, rev: int) -> int:
         """As ``quiet.follow_closer``: one watch of the closer's claim and its call."""
         k, closer = self._keys, watchers.closer
         assert closer is not None
@@ -337,12 +344,15 @@ class AsyncNode:
                 self._called = joining.Called.of(k, n + 1, call)
                 self._flag(n)
                 return int(rev)
-            if not gone or await self._store.get(k.done(n) + closer) is not None:
+            if not gone:
                 return int(rev)
-            if watchers.deputy is None or span == DEPUTY_GRACE:
+            if watchers.deputy is not None and span != DEPUTY_GRACE:
+                await asyncio.sleep(random.uniform(0.0, call_spread(size)))
+                span = DEPUTY_GRACE
+                continue
+            if await self._store.get(k.done(n) + closer) is None:
                 self._flag(n)
-                return int(rev)
-            span = DEPUTY_GRACE
+            return int(rev)
 
     def _flag(self, n: int) -> None:
         if self._round == n and not self._reform:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -62,6 +63,15 @@ def _no_counters() -> dict[str, float]:
     return {}
 
 
+def settle_heap() -> None:
+    """Freeze what the process holds once its nodes are ranked: the collector then scans
+    only what is made after. One process holds thousands of simulated nodes' objects; a
+    full collection of them took 0.2-0.25 s of the re-formation's 1.4-2 s at 10,000
+    nodes, a pause no real agent (one node's objects) has."""
+    gc.collect()
+    gc.freeze()
+
+
 class Book:
     """Results per node and rendezvous; emits ``ranked`` once all nodes have one."""
 
@@ -77,6 +87,8 @@ class Book:
             items.append(item)
             done = len(items) == self._count
         if done:
+            if k == 0:
+                settle_heap()
             emit({"ev": "ranked", "k": k, "items": items, "counters": self._counters()})
 
 

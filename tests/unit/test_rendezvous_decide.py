@@ -11,6 +11,7 @@ from elastrun.rendezvous.decide import (
     Joiner,
     Verdict,
     decide_round,
+    lead,
     needs_reformation,
     order_members,
 )
@@ -205,3 +206,16 @@ def test_a_single_member_has_one_page_and_a_missing_page_has_no_entries() -> Non
     assert page_count(0) == page_count(1) == 1 and page_of("a", 1) == 0
     assert page_entries(None) == {} and page_entries(b"not json") == {}
     assert rows_of_pages([None]) == []
+
+
+def test_the_decider_takes_a_lost_rank_0_and_the_node_ordered_there_takes_its_rank() -> None:
+    previous = ("a", "b", "c", "d")
+    # "a" (rank 0) lost: order_members puts "d" (rank 3, no longer below the size) there.
+    members = order_members([Joiner(n, 0, previous.index(n)) for n in "bcd"], 4)
+    assert members == ("d", "b", "c")
+    assert lead(members, previous, "b") == ("b", "d", "c")  # two ranks change, not one
+    # Rank 0 kept, the decider at rank 0 already, or not a member: nothing moves.
+    assert lead(("a", "b", "c"), previous, "b") == ("a", "b", "c")
+    assert lead(members, previous, "d") == members
+    assert lead(members, previous, "x") == members
+    assert lead(members, (), "b") == members

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastrun.core.errors import RendezvousTimeoutError, StoreCompactedError
-from elastrun.rendezvous.decide import RoundView, Verdict
+from elastrun.rendezvous.decide import RoundView, Verdict, lead
 from elastrun.rendezvous.entering import master_of, rows_of
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.ops import (
@@ -256,7 +256,8 @@ def decide_ahead(
     if view.closed is not None:
         yield from publish_closed(ctx, n, view)
         return
-    held = load((yield from commit(ctx, n, view, verdict.members, rev, ctx.node_id, call=False)))
+    members = lead(verdict.members, view.previous, ctx.node_id)  # rank 0 lost: the decider
+    held = load((yield from commit(ctx, n, view, members, rev, ctx.node_id, call=False)))
     if not isinstance(held, dict) or held.get("closer") != ctx.node_id:
         return  # another decision holds: its decider made the call
     master = None

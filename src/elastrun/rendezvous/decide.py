@@ -67,6 +67,20 @@ def order_members(joiners: Sequence[Joiner], max_nodes: int) -> tuple[str, ...]:
     return tuple(s if s is not None else next(it).node_id for s in slots)
 
 
+def lead(members: tuple[str, ...], previous: Sequence[str], node: str) -> tuple[str, ...]:
+    """``members`` with ``node`` (the decider) at group rank 0 when the previous round's
+    rank 0 is not among them: the node ``order_members`` put there takes the decider's
+    rank instead. The decider knows its own address, which then goes out with the
+    decision: the others need not wait for a new rank 0's agent to write it (a second
+    wake-up of every member, about a second at 10,000 nodes)."""
+    if not previous or previous[0] in members or node not in members or members[0] == node:
+        return members
+    at = members.index(node)
+    swapped = list(members)
+    swapped[0], swapped[at] = node, members[0]
+    return tuple(swapped)
+
+
 def decide_round(
     joiners: Sequence[Joiner],
     previous_live: set[str],

@@ -351,7 +351,7 @@ class Liveness:
             try:
                 if watchers.quiet(me):
                     rev = following[1] if following is not None and following[0] == n else since
-                    following = (n, self._follow_closer(n, watchers, rev))
+                    following = (n, self._follow_closer(n, size, watchers, rev))
                     continue
                 if watching is None or watching[0] != n:
                     watching = (n, self.round_watch(n, size), since)
@@ -387,11 +387,11 @@ class Liveness:
                     log.warning("rendezvous watch interrupted: %s", exc)
                     self._stop.wait(1.0)
 
-    def _follow_closer(self, n: int, watchers: quiet.Watchers, rev: int) -> int:
-        """As a quiet member, one watch of round ``n``'s closer (``quiet.follow_closer``);
-        the revision to watch on from."""
+    def _follow_closer(self, n: int, size: int, watchers: quiet.Watchers, rev: int) -> int:
+        """As a quiet member, one watch of round ``n`` (of ``size``)'s closer
+        (``quiet.follow_closer``); the revision to watch on from."""
         rev, why, call = quiet.follow_closer(
-            self._store, self._keys, n, watchers, rev, scope=self._life, span=WATCH_SPAN
+            self._store, self._keys, n, watchers, rev, scope=self._life, span=WATCH_SPAN, size=size
         )
         if why is not None:
             self.called = None if call is None else Called.of(self._keys, n + 1, call)
