@@ -28,6 +28,7 @@ root::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -496,9 +497,11 @@ def _loop_name() -> str:
     return f"uvloop {importlib.metadata.version('uvloop')}"
 
 
-def run(profile: str, impls: list[str] | None = None) -> Section:
+def run(profile: str, impls: list[str] | None = None, procs: int | None = None) -> Section:
     impls = impls or list(IMPLS)
     opts = PROFILE_OPTIONS[profile]
+    if procs is not None:
+        opts = dataclasses.replace(opts, procs=procs)
     return run_section(
         "bootstrap_store", "Bootstrap store", lambda s: body(s, opts, impls), profile
     )
@@ -507,8 +510,14 @@ def run(profile: str, impls: list[str] | None = None) -> Section:
 def main(argv: list[str] | None = None) -> int:
     p = common_parser(__doc__ or "")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list")
+    p.add_argument(
+        "--procs",
+        type=int,
+        help="client processes (default 2, for 2 cores; more on a larger machine, so that "
+        "the clients do not bound the servers' throughput)",
+    )
     args = p.parse_args(argv)
-    section = run(profile_of(args), [x for x in args.impls.split(",") if x])
+    section = run(profile_of(args), [x for x in args.impls.split(",") if x], args.procs)
     section.extra += ["![Bootstrap store against N](bootstrap_store.png)", ""]
     print(section.render())
     write_section(section, args.output_dir)
