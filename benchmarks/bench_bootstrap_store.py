@@ -403,6 +403,12 @@ def _where(section: Section, opts: Options) -> None:
             if med.get("barrier") is None:
                 continue
             drops = sum(int(med.get(k) or 0) for k in NSTAT[:4])
+            retrans = med.get("TcpExtTCPSynRetrans")
+            kernel = (
+                f"listen-queue overflows and dropped SYNs {drops}, SYN retransmits {retrans:.0f}"
+                if retrans is not None
+                else "no kernel counters (nstat missing)"
+            )
             section.where_time_goes.append(
                 f"{col}, {clients} clients: {med['barrier']:.2f} s = the clients starting "
                 f"their connects {med['start']:.2f} s, + TCP connected "
@@ -410,8 +416,7 @@ def _where(section: Section, opts: Options) -> None:
                 f"{med['hello'] - med['tcp']:.2f} s, + id read {med['uid'] - med['hello']:.2f} s, "
                 f"+ barrier {med['barrier'] - med['uid']:.2f} s; server CPU "
                 f"{med['cpu']:.2f} s ({1e3 * (med['cpu'] or 0) / clients:.2f} ms a rank), "
-                f"clients' CPU {med['client cpu']:.2f} s; listen-queue overflows and "
-                f"dropped SYNs {drops}, SYN retransmits {med.get('TcpExtTCPSynRetrans', 0):.0f}"
+                f"clients' CPU {med['client cpu']:.2f} s; {kernel}"
             )
 
 
