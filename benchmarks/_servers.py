@@ -16,9 +16,11 @@ def main(argv: list[str]) -> int:
     if kind == "elastrun":
         from _common import raise_fd_limit
 
+        from elastrun.core.collector import calm_full_collections
         from elastrun.store.tcp import TcpStoreServer
 
         raise_fd_limit()  # tens of thousands of simulated nodes connect
+        calm_full_collections()  # as in `elastrun store` (``launch.entry``)
         server = TcpStoreServer("127.0.0.1", 0)
         server.start()
         print(json.dumps({"port": server.port}), flush=True)
@@ -26,10 +28,12 @@ def main(argv: list[str]) -> int:
         server.stop()
         return 0
     if kind == "torchwire":  # elastrun's server of torch's wire (the workers' store)
+        from elastrun.core.collector import calm_full_collections
         from elastrun.store.tcp import raise_fd_limit
         from elastrun.store.torchwire import TorchWireServer
 
         raise_fd_limit()
+        calm_full_collections()  # as in the agent that serves it (``launch.entry``)
         wire = TorchWireServer("127.0.0.1", 0)
         port = wire.start()
         print(json.dumps({"port": port}), flush=True)

@@ -21,8 +21,10 @@ def main() -> int:
     """The console script: block the early signals, then load and run the launcher."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_SIGNALS)
     try:
+        from elastrun.core.collector import calm_full_collections
         from elastrun.launch.main import main as run_launcher
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         raise
+    calm_full_collections()  # a store of thousands of nodes may be served from here
     return run_launcher(held_mask=held)
