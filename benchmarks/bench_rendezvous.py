@@ -105,7 +105,7 @@ PROFILE_OPTIONS = {
         stop_above_s=60,
         ops_window_s=1.0,
         ops_settle_s=0.2,
-        per_connection=2,  # the scale trial shares connections; the loss trial does not
+        per_connection=2,  # nodes share connections (as at 50,000: see --nodes-per-connection)
     ),
     "quick": Options(
         scale_ns={
@@ -400,6 +400,7 @@ def loss_trial(impl: str, n: int, opts: Options) -> dict[str, float]:
         "expect": n - 1 if last else n,
         "ttl": opts.ttl,
         "nice": opts.nice,
+        "per_connection": opts.per_connection,
     }
     with Trial(impl, opts.trial_timeout_s) as trial:
         first = 0
@@ -566,8 +567,8 @@ def body(section: Section, opts: Options, impls: list[str]) -> None:
     conn = (
         "its own store connection"
         if opts.per_connection == 1
-        else f"a store connection shared by {opts.per_connection} nodes in the scale trial "
-        "(a lease each; one each in the loss trial)"
+        else f"a store connection shared by {opts.per_connection} nodes (a lease each; the "
+        "killed node has one of its own)"
     )
     section.intro = (
         f"Simulated nodes, each a full participant with {conn}; the store "

@@ -42,8 +42,10 @@ from elastrun.store.api import EventKind, WatchEvent, WatchResult
 
 #: Bumped on any incompatible change of the messages below.
 PROTOCOL_VERSION = 1
-#: Largest frame either side accepts unless configured otherwise.
-DEFAULT_MAX_FRAME = 4 * 1024 * 1024
+#: Largest frame either side accepts unless configured otherwise. The largest answer a
+#: rendezvous asks for is the read of every live node (a re-formation's decider reads
+#: them): about 150 bytes a node, 7.3 MB at 50,000 nodes, which 4 MiB refused.
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 #: Frames before authentication are tiny; a stranger cannot make us buffer megabytes.
 HANDSHAKE_MAX_FRAME = 64 * 1024
 HEADER = struct.Struct(">I")
