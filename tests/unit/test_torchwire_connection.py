@@ -286,3 +286,18 @@ def test_a_peer_that_stops_reading_is_not_served_on_the_fast_path_until_it_reads
     conn.data_received(get)  # and the fast path again
     assert t.written == [c.encode_bytes(b"value")] * 4
     assert t.reading
+
+
+def test_a_wait_released_later_in_the_same_read_is_answered_in_order(hub: Hub) -> None:
+    hub.state.set(b"/v", b"value")
+    conn, t = connect(hub)
+    conn.data_received(c.encode_requests([VALIDATE]))
+    batch = [
+        Request(Op.GET, (b"/v",)),
+        Request(Op.WAIT, (b"/late",)),  # blocks on the fast path...
+        Request(Op.SET, (b"/late",), (b"x",)),  # ...and this releases it
+        Request(Op.PING, number=9),
+    ]
+    conn.data_received(c.encode_requests(batch))
+    expected = [c.encode_bytes(b"value"), c.encode_byte(c.WaitReply.STOP_WAITING)]
+    assert b"".join(t.written) == b"".join([*expected, c.encode_u32(9)])

@@ -19,7 +19,7 @@ other member is quiet and follows one key (``liveness`` runs both watches).
   closer that finished the round (its exit barrier) is no loss: the job is ending. They
   watch for that call again each after a random part of ``call_spread`` (the call waits
   in the store's history meanwhile): N-1 watches at once, while the deputy reads and
-  writes its decision, had held it back 1.7 s at 10,000 nodes.
+  writes its decision, had held it back about 1.9 s at 10,000 nodes.
 * When the result names no closer (a round closed by a node auditing it, or by a
   closer that is not a member), every member follows ``ctl/`` itself.
 """

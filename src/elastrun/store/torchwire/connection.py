@@ -209,7 +209,9 @@ class Connection(asyncio.Protocol):
         if at < 0:
             return 0
         answers = [answer]
-        while at < n:
+        # After a wait left blocked, the parser serves the rest (see _serve_buffered):
+        # a set among it that releases the wait then answers it after these answers.
+        while at < n and self._waiter is None:
             end, answer = self._fast_one(data, at, n)
             if end < 0:
                 break
