@@ -30,7 +30,7 @@ from elastrun.agent.policy import Decision
 from elastrun.agent.spec import RunResult, WorkerState
 from elastrun.agent.wiring import AgentParts
 from elastrun.core.clock import Deadline
-from elastrun.core.errors import ShutdownRequested
+from elastrun.core.errors import RendezvousClosedError, ShutdownRequested
 from elastrun.inprocess.agent.steps import GroupAction, GroupDecision
 from elastrun.supervise.failures.crashloop import CrashLoopGuard
 from elastrun.supervise.processes.procset import Exit
@@ -448,8 +448,15 @@ class ElasticLoop:
         if action is BarrierAction.REFORM:
             p.report.membership_change(reason)
             p.lifecycle.enter(AgentPhase.EXIT_BARRIER, WorkerState.STOPPED)
-            self._start_round()
-            return None
+            try:
+                self._start_round()
+                return None
+            except RendezvousClosedError as exc:
+                # The failure that re-formed the round ended the job (its node's budget
+                # ran out) after this node joined the next round: the same outcome as
+                # when the barrier says so, only seen later.
+                self._finish_attempt(signal.SIGTERM)
+                action, reason = BarrierAction.FAIL, str(exc)
         if action is BarrierAction.FAIL:
             self.budget_note = f"the job failed on another node: {reason}"
             p.lifecycle.enter(AgentPhase.DONE, WorkerState.FAILED)
