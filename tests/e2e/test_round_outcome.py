@@ -105,9 +105,7 @@ def test_finish_then_fail_without_budget_fails_every_node(
     results = [finish(p, 60) for p in procs]
     assert time.monotonic() - t0 < 30
     assert [r.returncode for r in results] == [1, 1], [r.stderr for r in results]
-    finished_node = next(
-        (r for r in results if "the job failed on another node" in r.stderr), None
-    )
+    finished_node = next((r for r in results if "the job failed on another node" in r.stderr), None)
     assert finished_node is not None, [r.stderr for r in results]
     assert "rank 0 (local 0) exited with code 3 on 127.0.0.1" in finished_node.stderr
     assert "Traceback" not in finished_node.stderr, finished_node.stderr
