@@ -56,3 +56,18 @@ def test_installing_twice_installs_once() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert out.split() == ["True", "1"]
+
+
+def test_a_forked_child_gets_its_collector_back() -> None:
+    code = (
+        "import gc, os; from elastrun.core.collector import calm_full_collections as c;"
+        "calm = c(); gc.freeze(); pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if calm not in gc.callbacks and gc.get_freeze_count() == 0 else 1)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(os.waitstatus_to_exitcode(status), calm in gc.callbacks)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert out.split() == ["0", "True"]

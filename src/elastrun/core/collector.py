@@ -12,12 +12,15 @@ that took longer than ``SLOW``: later collections then scan only what came after
 A frozen object is never collected, so once every ``THAW_EVERY`` the frozen objects go
 back to the collector, and the next full collection (one long one) sees them again:
 garbage in reference cycles among them is kept that long at most. A small process (an
-agent of a small job, a test) has no slow full collection and is left as it is.
+agent of a small job, a test) has no slow full collection and is left as it is. A
+process forked from this one (a worker started by ``fork``) gets its collector back as
+Python leaves it: the policy is this process's, not its children's.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -75,4 +78,13 @@ def calm_full_collections() -> Calm:
         if not _installed:
             _installed.append(Calm())
             gc.callbacks.append(_installed[0])
+            os.register_at_fork(after_in_child=_forget_in_child)
         return _installed[0]
+
+
+def _forget_in_child() -> None:
+    for calm in _installed:
+        if calm in gc.callbacks:
+            gc.callbacks.remove(calm)
+    _installed.clear()
+    gc.unfreeze()
