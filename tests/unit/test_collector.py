@@ -33,14 +33,7 @@ print(json.dumps({"short": short, "frozen": frozen, "thawed": gc.get_freeze_coun
 
 
 def test_a_slow_full_collection_freezes_the_survivors_until_the_period_ends() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD.replace("SLOW", "0.05")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    got = json.loads(out)
+    got = json.loads(_child(CHILD.replace("SLOW", "0.05")))
     assert got["short"] == 0  # a short pause: nothing frozen
     assert got["frozen"] >= 200_000  # the heap, frozen after the slow one
     assert got["thawed"] == 0 and got["thaws"] == 1
@@ -52,10 +45,7 @@ def test_installing_twice_installs_once() -> None:
         "import gc; from elastrun.core.collector import calm_full_collections as c;"
         "a = c(); b = c(); print(a is b, gc.callbacks.count(a))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    ).stdout
-    assert out.split() == ["True", "1"]
+    assert _child(code).split() == ["True", "1"]
 
 
 def test_a_forked_child_gets_its_collector_back() -> None:
@@ -67,7 +57,12 @@ def test_a_forked_child_gets_its_collector_back() -> None:
         "_, status = os.waitpid(pid, 0)\n"
         "print(os.waitstatus_to_exitcode(status), calm in gc.callbacks)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    ).stdout
-    assert out.split() == ["0", "True"]
+    assert _child(code).split() == ["0", "True"]
+
+
+def _child(code: str) -> str:
+    """What a fresh interpreter running ``code`` printed."""
+    argv = [sys.executable, "-c", code]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
