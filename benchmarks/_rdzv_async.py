@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import re
 import threading
 import time
@@ -44,9 +43,9 @@ from elastrun.rendezvous.members import page_count, page_entries, page_of
 from elastrun.rendezvous.quiet import (
     DEPUTY_GRACE,
     Watchers,
-    call_spread,
     closer_news,
     closer_state,
+    deputy_pause,
 )
 from elastrun.rendezvous.running import RoundWatch
 from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
@@ -329,7 +328,7 @@ class AsyncNode:
         """As ``quiet.follow_closer``: one watch of the closer's claim and its call."""
         k, closer = self._keys, watchers.closer
         assert closer is not None
-        span, gone = WATCH_SPAN, False
+        span, gone, waited = WATCH_SPAN, False, False
         while True:
             try:
                 res = await self._store.watch(k.closer(n), rev, span)
@@ -346,9 +345,9 @@ class AsyncNode:
                 return int(rev)
             if not gone:
                 return int(rev)
-            if watchers.deputy is not None and span != DEPUTY_GRACE:
-                await asyncio.sleep(random.uniform(0.0, call_spread(size)))
-                span = DEPUTY_GRACE
+            if not waited and (pause := deputy_pause(watchers, size)) is not None:
+                await asyncio.sleep(pause)
+                span, waited = DEPUTY_GRACE, True
                 continue
             if await self._store.get(k.done(n) + closer) is None:
                 self._flag(n)

@@ -53,6 +53,12 @@ def call_spread(size: int) -> float:
     return min(2.0, size / 10_000)
 
 
+def deputy_pause(watchers: Watchers, size: int) -> float | None:
+    """How long a quiet member whose closer's claim ended without a call waits before it
+    watches for the deputy's call (None: the round has no deputy to wait for)."""
+    return None if watchers.deputy is None else random.uniform(0.0, call_spread(size))
+
+
 @dataclass(frozen=True)
 class Watchers:
     """Who watches a running round for the others, as its result names them: the
@@ -128,7 +134,7 @@ def follow_closer(
     why the round re-forms (None: nothing yet) and the call, if any."""
     closer = watchers.closer
     assert closer is not None
-    gone = False
+    gone = waited = False
     while True:
         try:
             res = store.watch(keys.closer(n), rev, span, scope=scope)
@@ -143,9 +149,9 @@ def follow_closer(
             return rev, why_of(call, n), call
         if not gone:
             return rev, None, None
-        if watchers.deputy is not None and span != DEPUTY_GRACE:
-            scope.sleep(random.uniform(0.0, call_spread(size)))
-            span = DEPUTY_GRACE  # wait a while for the deputy's call
+        if not waited and (pause := deputy_pause(watchers, size)) is not None:
+            scope.sleep(pause)
+            span, waited = DEPUTY_GRACE, True  # wait a while for the deputy's call
             continue
         if store.get(keys.done(n) + closer) is not None:
             return rev, None, None  # (a closer that finished: the job is ending)
