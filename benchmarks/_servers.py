@@ -1,4 +1,5 @@
-"""Run one store server in a process of its own: ``python _servers.py elastrun|torchwire|torch``.
+"""Run one store server in a process of its own:
+``python _servers.py elastrun|torchwire|torchwire-python|torch``.
 
 Prints ``{"port": N}`` once listening, then serves until its standard input closes (or
 it is killed). The rendezvous and store benchmarks start it so that the server has its
@@ -27,16 +28,18 @@ def main(argv: list[str]) -> int:
         sys.stdin.read()
         server.stop()
         return 0
-    if kind == "torchwire":  # elastrun's server of torch's wire (the workers' store)
+    if kind in ("torchwire", "torchwire-python"):  # the workers' store: torch's wire
         from elastrun.core.collector import calm_full_collections
         from elastrun.store.tcp import raise_fd_limit
         from elastrun.store.torchwire import TorchWireServer
 
         raise_fd_limit()
         calm_full_collections()  # as in the agent that serves it (``launch.entry``)
-        wire = TorchWireServer("127.0.0.1", 0)
+        # "torchwire": the engine the agent picks (the compiled one where it was built).
+        engine = "python" if kind == "torchwire-python" else "auto"
+        wire = TorchWireServer("127.0.0.1", 0, engine=engine)
         port = wire.start()
-        print(json.dumps({"port": port}), flush=True)
+        print(json.dumps({"port": port, "engine": wire.engine}), flush=True)
         sys.stdin.read()
         wire.close()
         return 0

@@ -59,8 +59,9 @@ from _report import (
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 OPS = ("get", "add", "set", "compare_set", "wait")
-#: Column name -> the ``_servers.py`` kind.
-SERVERS = {"elastrun": "torchwire", "torch": "torch"}
+#: Column name -> the ``_servers.py`` kind: elastrun's default engine (the compiled one
+#: where the install built it), its Python engine, and torch's libuv server.
+SERVERS = {"elastrun": "torchwire", "elastrun-python": "torchwire-python", "torch": "torch"}
 IMPLS = tuple(SERVERS)
 NSTAT = (
     "TcpExtListenOverflows",
@@ -196,7 +197,9 @@ class Rig:
         path = os.pathsep.join(p for p in (str(HERE), str(SRC), os.environ.get("PYTHONPATH")) if p)
         env = tagged_env(marker, {"PYTHONPATH": path})
         self.server = _Proc([PYTHON, str(HERE / "_servers.py"), SERVERS[impl]], env)
-        self.port = int(self.server.read(120)["port"])  # type: ignore[call-overload]
+        hello = self.server.read(120)
+        self.port = int(hello["port"])  # type: ignore[call-overload]
+        self.engine = str(hello.get("engine", ""))
         self.listen_queue = listen_queue(self.port)
         # Lower priority: on this shared machine the server gets its core first.
         self.loaders = [
@@ -303,6 +306,9 @@ def body(section: Section, opts: Options, impls: list[str]) -> None:
                 rigs.pop(impl, None)
         columns = [i for i in impls if i in rigs]
         ref = "torch" if "torch" in columns else None
+        engines = {c: rigs[c].engine for c in columns if rigs[c].engine}
+        if engines:
+            section.notes.append(f"elastrun's engines: {engines}.")
         section.raw["listen_queue"] = {c: rigs[c].listen_queue for c in columns}
         _throughput(section, opts, rigs, columns, ref)
         _bursts(section, opts, rigs, columns, ref)
@@ -467,6 +473,8 @@ def _summary(section: Section, opts: Options) -> None:
     section.commands.update(
         {
             "elastrun server": "TorchWireServer('127.0.0.1', 0).start()  # _servers.py torchwire",
+            "elastrun-python server": "TorchWireServer('127.0.0.1', 0, engine='python')"
+            ".start()  # _servers.py torchwire-python",
             "torch server": "TCPStore('127.0.0.1', 0, is_master=True, multi_tenant=True, "
             "use_libuv=True)  # _servers.py torch",
             "clients": "python benchmarks/_bootstrap_load.py PORT  # _torchwire_client.py",

@@ -14,7 +14,9 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "$py" -m venv "$venv"
 fi
 stamp="$venv/.elastrun-deps"
-want="$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" | sha256sum | cut -d' ' -f1)"
+# The compiled engine of the workers' store is built by the install: a change to its
+# source installs again.
+want="$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" "$root"/src/elastrun/store/torchwire/*.c | sha256sum | cut -d' ' -f1)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi

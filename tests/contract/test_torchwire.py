@@ -39,7 +39,11 @@ from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.torchwire import TorchWireServer
 from elastrun.store.torchwire import codec as c
 from elastrun.store.torchwire.codec import Op, Request
-from elastrun.store.torchwire.connection import LISTENER_OPTIONS_INHERITED
+from elastrun.store.torchwire.connection import (
+    DEFAULT_MAX_CONNECTIONS,
+    LISTENER_OPTIONS_INHERITED,
+)
+from elastrun.store.torchwire.server import compiled_engine_available
 
 TIMEOUT = timedelta(seconds=5)
 
@@ -53,12 +57,14 @@ _SERVER = textwrap.dedent(
     import asyncio, json, sys
     from elastrun.store.torchwire import TorchWireServer
     options = json.loads(sys.argv[1])
-    if options.pop("loop") == "uvloop":
+    loop = options.pop("loop")
+    if loop == "uvloop":
         import uvloop
         factory = uvloop.new_event_loop
     else:
         factory = asyncio.new_event_loop
-    server = TorchWireServer("127.0.0.1", 0, loop_factory=factory, **options)
+    engine = "compiled" if loop == "compiled" else "python"
+    server = TorchWireServer("127.0.0.1", 0, loop_factory=factory, engine=engine, **options)
     print(server.start(), flush=True)
     for line in sys.stdin:
         print(server.num_connections, flush=True)
@@ -128,11 +134,36 @@ _UVLOOP = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["asyncio", pytest.param("uvloop", marks=_UVLOOP)])
+_COMPILED = pytest.mark.skipif(
+    not compiled_engine_available(), reason="the compiled engine was not built"
+)
+
+
+@pytest.fixture(
+    params=[
+        "asyncio",
+        pytest.param("uvloop", marks=_UVLOOP),
+        pytest.param("compiled", marks=_COMPILED),
+    ]
+)
 def loop_name(request: pytest.FixtureRequest) -> str:
-    """The event loop our server runs on: both of those it may be given."""
+    """What serves: the Python engine on either loop it may be given, or the compiled
+    engine."""
     name: str = request.param
     return name
+
+
+def new_server(
+    name: str, host: str = "127.0.0.1", max_connections: int = DEFAULT_MAX_CONNECTIONS
+) -> TorchWireServer:
+    """A server on the engine (and loop) ``name`` names, not started."""
+    engine = "compiled" if name == "compiled" else "python"
+    return TorchWireServer(
+        host,
+        max_connections=max_connections,
+        loop_factory=loop_factory(name),
+        engine=engine,
+    )
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
@@ -604,7 +635,7 @@ def test_a_value_over_the_configured_limit_drops_that_client_only(
 
 @pytest.fixture
 def server(loop_name: str) -> Iterator[TorchWireServer]:
-    s = TorchWireServer("127.0.0.1", 0, loop_factory=loop_factory(loop_name))
+    s = new_server(loop_name)
     yield s
     s.close()
 
@@ -624,8 +655,8 @@ def test_start_returns_a_port_that_accepts_at_once_and_repr_shows_state(
     assert "closed" in repr(server) and server.num_connections == 0
 
 
-def test_close_drops_every_connection_and_waiter_and_ends_the_thread() -> None:
-    server = TorchWireServer("127.0.0.1", 0)
+def test_close_drops_every_connection_and_waiter_and_ends_the_thread(loop_name: str) -> None:
+    server = new_server(loop_name)
     port = server.start()
     clients = [RawClient(port) for _ in range(5)]
     for raw in clients:
@@ -643,8 +674,8 @@ def test_close_drops_every_connection_and_waiter_and_ends_the_thread() -> None:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
-def test_close_before_start_is_harmless_and_start_after_close_refuses() -> None:
-    server = TorchWireServer("127.0.0.1", 0)
+def test_close_before_start_is_harmless_and_start_after_close_refuses(loop_name: str) -> None:
+    server = new_server(loop_name)
     server.close()
     with pytest.raises(StoreError):
         server.start()
@@ -706,8 +737,8 @@ def test_accepted_connections_get_the_listeners_nodelay_and_keep_alive_settings(
             assert [conn.getsockopt(*o) for o in options] == [1, 1, 10, 5, 3]
 
 
-def test_an_empty_host_listens_on_every_interface_ipv4_and_ipv6() -> None:
-    server = TorchWireServer("", 0)
+def test_an_empty_host_listens_on_every_interface_ipv4_and_ipv6(loop_name: str) -> None:
+    server = new_server(loop_name, "")
     try:
         port = server.start()
         hosts = ["127.0.0.1"] + (["::1"] if socket.has_ipv6 else [])
@@ -718,8 +749,8 @@ def test_an_empty_host_listens_on_every_interface_ipv4_and_ipv6() -> None:
         server.close()
 
 
-def test_connections_beyond_the_limit_are_closed_at_once() -> None:
-    server = TorchWireServer("127.0.0.1", 0, max_connections=2)
+def test_connections_beyond_the_limit_are_closed_at_once(loop_name: str) -> None:
+    server = new_server(loop_name, max_connections=2)
     try:
         port = server.start()
         first, second = RawClient(port), RawClient(port)

@@ -2,17 +2,29 @@
 
 ``start()`` binds and listens in the caller's thread -- the port is known when it
 returns, and a client may connect at once (the kernel queues it until the loop runs)
--- then one daemon thread runs the event loop that serves every connection. What a
-connection does is in ``connection``; the table it serves is in ``state``.
+-- then one daemon thread serves every connection, on one of two engines:
+
+* ``compiled``: ``wirecore``, the same rules in C on an epoll loop of its own, with no
+  Python per request and the GIL given up while it serves. Built by the install where a
+  C compiler is found (Linux); the default where it was built.
+* ``python``: an asyncio (or uvloop) loop; what a connection does is in ``connection``,
+  the table it serves in ``state``. They are the definition of the protocol's rules:
+  the contract tests hold both engines to them, and to torch's own server.
+
+``ELASTRUN_STORE_ENGINE=python`` (or ``compiled``) overrides the default.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
+import os
 import socket
 import threading
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError, StoreError
 from elastrun.core.eventloop import new_event_loop
@@ -23,13 +35,60 @@ from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.tcp.server import bind_listeners
 from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec
-from elastrun.store.torchwire.connection import DEFAULT_MAX_CONNECTIONS, Connection, Hub, Limits
+from elastrun.store.torchwire.connection import (
+    DEFAULT_MAX_CONNECTIONS,
+    Complaints,
+    Connection,
+    Hub,
+    Limits,
+)
 from elastrun.store.torchwire.lazy import BACKLOG
+
+if TYPE_CHECKING:
+    # A package-level import: the import-contract checker sees no extension modules.
+    from elastrun.store.torchwire import wirecore
 
 log = logging.getLogger("elastrun.store.torchwire")
 
 #: How long close() waits for the server thread.
 CLOSE_TIMEOUT = 5.0
+
+#: Names the engine a server runs on (see the module's text); overrides ``"auto"``.
+ENGINE_ENV = "ELASTRUN_STORE_ENGINE"
+ENGINES = ("auto", "compiled", "python")
+_CORE_MODULE = "elastrun.store.torchwire.wirecore"
+
+
+def compiled_engine_available() -> bool:
+    """Whether the install built the compiled engine for this interpreter."""
+    try:
+        return importlib.util.find_spec(_CORE_MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def choose_engine(engine: str = "auto") -> str:
+    """``"compiled"`` or ``"python"``: the one ``engine`` names, or for ``"auto"`` the
+    one ``ELASTRUN_STORE_ENGINE`` names, else the compiled one where it was built.
+
+    Raises ``ConfigError`` for an unknown name, or for ``"compiled"`` where it was not
+    built.
+    """
+    source = "engine"
+    if engine == "auto" and os.environ.get(ENGINE_ENV, "auto") != "auto":
+        engine, source = os.environ[ENGINE_ENV], ENGINE_ENV
+    if engine not in ENGINES:
+        raise ConfigError(source, engine, f"must be one of {', '.join(ENGINES)}")
+    if engine == "compiled" and not compiled_engine_available():
+        raise ConfigError(
+            source,
+            engine,
+            "the compiled engine was not built by this install (it needs Linux and a C "
+            "compiler when elastrun is installed); use python",
+        )
+    if engine == "auto":
+        return "compiled" if compiled_engine_available() else "python"
+    return engine
 
 
 class TorchWireServer:
@@ -49,8 +108,9 @@ class TorchWireServer:
         max_frame: largest request in bytes -- in practice, the largest value a client
             may store (torch's own server stops at 8 MiB).
         max_key: longest key in bytes.
-        loop_factory: makes the event loop the server runs on; by default uvloop's
-            when it is installed (``elastrun.core.eventloop``), else asyncio's.
+        loop_factory: makes the event loop the Python engine runs on; by default
+            uvloop's when it is installed (``elastrun.core.eventloop``), else asyncio's.
+        engine: ``"compiled"``, ``"python"`` or ``"auto"`` (see :func:`choose_engine`).
 
     A client that exceeds a limit or breaks the protocol has its own connection
     closed; no other client notices. The constructor does no I/O; it raises
@@ -75,10 +135,14 @@ class TorchWireServer:
         *,
         sockets: list[socket.socket] | None = None,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] = new_event_loop,
+        engine: str = "auto",
     ) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError("port", port, "must be in 0..65535")
         self._limits = Limits(max_connections, max_frame, max_key)
+        self._engine = choose_engine(engine)
+        self._core: wirecore.Core | None = None  # the compiled engine's
+        self._socks: list[socket.socket] = []
         # Listening sockets bound by the caller (see ``lazy``); the server then owns them.
         self._given = sockets
         self._loop_factory = loop_factory
@@ -109,6 +173,11 @@ class TorchWireServer:
         return self._port
 
     @property
+    def engine(self) -> str:
+        """``"compiled"`` or ``"python"``: what serves the clients."""
+        return self._engine
+
+    @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
         return self._closed
@@ -116,11 +185,15 @@ class TorchWireServer:
     @property
     def num_keys(self) -> int:
         """Keys holding a value, as ``get_num_keys`` counts them."""
+        if self._core is not None:
+            return int(self._core.num_keys)
         return self._hub.state.num_keys if self._hub is not None else 0
 
     @property
     def num_connections(self) -> int:
         """Clients connected now."""
+        if self._core is not None:
+            return int(self._core.num_connections)
         return len(self._hub.conns) if self._hub is not None else 0
 
     def start(self) -> int:
@@ -134,6 +207,8 @@ class TorchWireServer:
             if self._started or self._closed:
                 raise StoreError("this torch store server was already started or closed")
             self._started = True
+        if self._engine == "compiled":
+            return self._start_compiled()
         loop = self._loop_factory()
         hub = Hub(loop, self._limits)
         try:
@@ -187,7 +262,72 @@ class TorchWireServer:
 
     # -- the loop ------------------------------------------------------------------------
 
+    def _start_compiled(self) -> int:
+        from elastrun.store.torchwire import wirecore  # built by the install
+
+        if self._given is not None:
+            socks = self._given
+        else:
+            binder = asyncio.new_event_loop()  # bind_listeners resolves names on a loop
+            try:
+                socks = binder.run_until_complete(bind_listeners(self._host, self._requested_port))
+            except (OSError, RuntimeError) as exc:
+                where = format_addr(self._host or "*", self._requested_port)
+                raise StoreError(f"cannot listen on {where}: {exc}") from exc
+            finally:
+                binder.close()
+        try:
+            for sock in socks:  # accepted sockets inherit the options (Linux)
+                tune_socket(sock)
+                sock.setblocking(False)
+                sock.listen(BACKLOG)  # again for given sockets: it only sets the backlog
+            complaints = Complaints(time.monotonic)
+            core = wirecore.Core(
+                [s.fileno() for s in socks],
+                self._limits.max_connections,
+                self._limits.max_frame,
+                self._limits.max_key,
+                lambda message: complaints("%s", message),
+            )
+        except OSError as exc:
+            for sock in socks:
+                sock.close()
+            raise StoreError(f"cannot serve the torch store: {exc}") from exc
+        self._port = int(socks[0].getsockname()[1])
+        thread = threading.Thread(
+            target=self._run_compiled,
+            args=(core, socks),
+            name=f"elastrun-torchwire {format_addr(self._host or '*', self._port)}",
+            daemon=True,
+        )
+        with self._lock:
+            self._core, self._socks = core, socks
+        thread.start()
+        with self._lock:
+            self._thread = thread
+        if self.closed:
+            core.stop()
+        log.debug(
+            "serving torch store clients on %s (compiled engine)",
+            format_addr(self._host or "*", self._port),
+        )
+        return self._port
+
+    @staticmethod
+    def _run_compiled(core: wirecore.Core, socks: list[socket.socket]) -> None:
+        try:
+            core.serve()
+        except Exception:
+            log.exception("the torch store server stopped on an error")
+        finally:
+            for sock in socks:
+                sock.close()
+            log.debug("the torch store server stopped (%d keys held)", core.num_keys)
+
     def _request_stop(self) -> None:
+        if self._core is not None:
+            self._core.stop()
+            return
         loop, stop = self._loop, self._stop
         if loop is None or stop is None or loop.is_closed():
             return

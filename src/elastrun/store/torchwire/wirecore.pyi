@@ -1,0 +1,19 @@
+"""Types of the compiled engine (``wirecore.c``)."""
+
+from collections.abc import Callable, Sequence
+
+class Core:
+    def __init__(
+        self,
+        listeners: Sequence[int],
+        max_connections: int,
+        max_frame: int,
+        max_key: int,
+        complain: Callable[[str], object],
+    ) -> None: ...
+    def serve(self) -> None: ...
+    def stop(self) -> None: ...
+    @property
+    def num_keys(self) -> int: ...
+    @property
+    def num_connections(self) -> int: ...

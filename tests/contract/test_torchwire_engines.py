@@ -1,0 +1,218 @@
+"""What both engines of the workers' store must do at the byte level, beyond torch's
+own client: pipelined requests answered in order, back-pressure on a peer that does not
+read, requests cut anywhere, complaints logged -- and how the engine is chosen.
+
+The Python engine's connection has unit tests of these with a fake transport
+(``tests/unit/test_torchwire_connection.py``); here real sockets hold both engines to
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from elastrun.core.errors import ConfigError
+from elastrun.store.torchwire import TorchWireServer
+from elastrun.store.torchwire import codec as c
+from elastrun.store.torchwire.codec import Op, Request
+from elastrun.store.torchwire.server import ENGINE_ENV, choose_engine, compiled_engine_available
+
+_COMPILED = pytest.mark.skipif(
+    not compiled_engine_available(), reason="the compiled engine was not built"
+)
+
+
+@pytest.fixture(params=["python", pytest.param("compiled", marks=_COMPILED)])
+def server(request: pytest.FixtureRequest) -> Iterator[TorchWireServer]:
+    s = TorchWireServer("127.0.0.1", 0, engine=request.param)
+    s.start()
+    yield s
+    s.close()
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(c.encode_request(Request(Op.VALIDATE, number=c.MAGIC)))
+    return sock
+
+
+def _recv(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _blob(value: bytes) -> bytes:
+    return struct.pack("<Q", len(value)) + value
+
+
+def test_a_pipelined_read_is_answered_in_order_around_a_wait_it_releases(
+    server: TorchWireServer,
+) -> None:
+    # One write: ping 1, a wait that blocks, ping 2, the set that releases the wait,
+    # ping 3. The wait's answer comes after ping 2's and before ping 3's.
+    with _connect(server.port) as sock:
+        sock.sendall(
+            c.encode_requests(
+                [
+                    Request(Op.PING, number=1),
+                    Request(Op.WAIT, (b"/k",)),
+                    Request(Op.PING, number=2),
+                    Request(Op.SET, (b"/k",), (b"v",)),
+                    Request(Op.PING, number=3),
+                ]
+            )
+        )
+        expected = struct.pack("<I", 1) + struct.pack("<I", 2) + b"\x00" + struct.pack("<I", 3)
+        assert _recv(sock, len(expected)) == expected
+
+
+def test_requests_cut_at_every_byte_are_served_as_whole_ones(server: TorchWireServer) -> None:
+    requests = c.encode_requests(
+        [
+            Request(Op.SET, (b"/cut",), (b"x" * 300,)),
+            Request(Op.ADD, (b"/n",), number=5),
+            Request(Op.COMPARE_SET, (b"/cut",), (b"x" * 300, b"y")),
+            Request(Op.MULTI_GET, (b"/cut", b"/n", b"/none")),
+            Request(Op.PING, number=9),
+        ]
+    )
+    expected = (
+        struct.pack("<q", 5) + _blob(b"y") + _blob(b"y") + _blob(b"5") + _blob(b"")
+    ) + struct.pack("<I", 9)
+    with _connect(server.port) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(len(requests)):
+            sock.sendall(requests[i : i + 1])
+            if i % 50 == 0:
+                time.sleep(0.001)  # let some pieces arrive alone
+        assert _recv(sock, len(expected)) == expected
+
+
+def test_a_peer_that_does_not_read_is_not_read_and_others_are_still_served(
+    server: TorchWireServer,
+) -> None:
+    value = b"v" * 65536
+    with _connect(server.port) as setter:
+        setter.sendall(c.encode_request(Request(Op.SET, (b"/big",), (value,))))
+    gets = 1 << 20  # 24 MiB of requests, 64 GiB of answers if they were all made
+    with _connect(server.port) as greedy, _connect(server.port) as other:
+        greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        greedy.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+        batch = c.encode_request(Request(Op.GET, (b"/big",))) * 4096
+        greedy.setblocking(False)
+        sent = 0
+        deadline = time.monotonic() + 5
+        while sent < len(batch) * (gets // 4096) and time.monotonic() < deadline:
+            try:
+                sent += greedy.send(batch)
+            except BlockingIOError:
+                time.sleep(0.05)
+                try:
+                    sent += greedy.send(batch)
+                except BlockingIOError:
+                    break  # the server stopped reading us: the point of the test
+        assert sent < len(batch) * (gets // 4096), "a peer that reads nothing was read on"
+        # Another client is served meanwhile.
+        other.sendall(c.encode_request(Request(Op.PING, number=4)))
+        assert _recv(other, 4) == struct.pack("<I", 4)
+        # The greedy one then reads: every answer of what the server accepted comes.
+        greedy.setblocking(True)
+        greedy.settimeout(5)
+        answer = _blob(value)
+        got = 0
+        while got < len(answer) * 8:  # at least the first answers, whole and in order
+            chunk = _recv(greedy, len(answer))
+            assert chunk == answer
+            got += len(chunk)
+
+
+def test_a_bad_client_is_closed_and_the_complaint_is_logged(
+    server: TorchWireServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="elastrun.store.torchwire")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(c.encode_request(Request(Op.PING, number=1)))  # not validated first
+        assert sock.recv(16) == b""
+        port = sock.getsockname()[1]
+    deadline = time.monotonic() + 5
+    while not caplog.records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    [record] = caplog.records
+    message = record.getMessage()
+    assert f"closing the connection from 127.0.0.1:{port}" in message
+    assert "its first request is PING" in message
+
+
+def test_add_to_a_value_that_is_not_a_number_names_the_value(
+    server: TorchWireServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="elastrun.store.torchwire")
+    with _connect(server.port) as sock:
+        sock.sendall(
+            c.encode_requests(
+                [Request(Op.SET, (b"/s",), (b"abc",)), Request(Op.ADD, (b"/s",), number=1)]
+            )
+        )
+        assert sock.recv(16) == b""
+    deadline = time.monotonic() + 5
+    while not caplog.records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "the value b'abc' is not a number" in caplog.records[0].getMessage()
+
+
+def test_counters_read_as_torch_reads_them_and_wrap_at_64_bits(server: TorchWireServer) -> None:
+    cases = [
+        (b" \t+41xyz", 1, 42),
+        (b"-7", -1, -8),
+        (b"9223372036854775807", 1, -(1 << 63)),  # wraps, as torch's does
+        (b"-9223372036854775808", 0, -(1 << 63)),
+    ]
+    with _connect(server.port) as sock:
+        for i, (stored, amount, total) in enumerate(cases):
+            key = f"/ctr{i}".encode()
+            sock.sendall(
+                c.encode_requests(
+                    [Request(Op.SET, (key,), (stored,)), Request(Op.ADD, (key,), number=amount)]
+                )
+            )
+            assert _recv(sock, 8) == struct.pack("<q", total), stored
+
+
+def test_engine_names_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENGINE_ENV, raising=False)
+    default = "compiled" if compiled_engine_available() else "python"
+    assert choose_engine() == default
+    assert choose_engine("python") == "python"
+    monkeypatch.setenv(ENGINE_ENV, "python")
+    assert choose_engine() == "python"
+    assert TorchWireServer("127.0.0.1", 0).engine == "python"
+    monkeypatch.setenv(ENGINE_ENV, "fast")
+    with pytest.raises(ConfigError) as info:
+        choose_engine()
+    assert info.value.field == ENGINE_ENV
+    with pytest.raises(ConfigError) as info:
+        TorchWireServer("127.0.0.1", 0, engine="rust")
+    assert info.value.field == "engine"
+
+
+def test_asking_for_the_compiled_engine_where_it_was_not_built_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from elastrun.store.torchwire import server as module
+
+    monkeypatch.setattr(module, "compiled_engine_available", lambda: False)
+    monkeypatch.delenv(ENGINE_ENV, raising=False)
+    with pytest.raises(ConfigError, match="not built"):
+        choose_engine("compiled")
+    assert choose_engine() == "python"  # the fallback
