@@ -13,9 +13,12 @@ import logging
 import socket
 import struct
 import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from elastrun.core.errors import ConfigError
 from elastrun.store.torchwire import TorchWireServer
@@ -216,3 +219,88 @@ def test_asking_for_the_compiled_engine_where_it_was_not_built_says_so(
     with pytest.raises(ConfigError, match="not built"):
         choose_engine("compiled")
     assert choose_engine() == "python"  # the fallback
+
+
+# -- the two engines against each other, on random request sequences ------------------------
+
+_KEYS = st.sampled_from([b"a", b"b", b"c"])
+_VALUES = st.sampled_from([b"", b"1", b"-3", b"x", b" 7z", b"a" * 100])
+
+
+def _request() -> st.SearchStrategy[Request]:
+    key_lists = st.lists(_KEYS, min_size=0, max_size=4).map(tuple)
+    return st.one_of(
+        st.builds(lambda k, v: Request(Op.SET, (k,), (v,)), _KEYS, _VALUES),
+        st.builds(lambda k: Request(Op.GET, (k,)), _KEYS),
+        st.builds(
+            lambda k, n: Request(Op.ADD, (k,), number=n), _KEYS, st.integers(-(1 << 63), 1 << 62)
+        ),
+        st.builds(lambda k, e, d: Request(Op.COMPARE_SET, (k,), (e, d)), _KEYS, _VALUES, _VALUES),
+        st.builds(lambda ks: Request(Op.CHECK, ks), key_lists),
+        st.builds(lambda k: Request(Op.DELETE_KEY, (k,)), _KEYS),
+        st.builds(lambda k, v: Request(Op.APPEND, (k,), (v,)), _KEYS, _VALUES),
+        st.builds(lambda ks: Request(Op.MULTI_GET, ks), key_lists),
+        st.builds(
+            lambda kv: Request(Op.MULTI_SET, tuple(k for k, _ in kv), tuple(v for _, v in kv)),
+            st.lists(st.tuples(_KEYS, _VALUES), max_size=3),
+        ),
+        st.builds(lambda k, v: Request(Op.QUEUE_PUSH, (k,), (v,)), _KEYS, _VALUES),
+        st.builds(lambda k: Request(Op.QUEUE_POP, (k,)), _KEYS),
+        st.builds(lambda k: Request(Op.QUEUE_LEN, (k,)), _KEYS),
+        st.just(Request(Op.GETNUMKEYS)),
+        st.builds(lambda ks: Request(Op.WAIT, ks), key_lists),
+        st.just(Request(Op.CANCEL_WAIT)),
+        st.builds(lambda k, n: Request(Op.BARRIER, (k,), number=n), _KEYS, st.integers(0, 3)),
+        st.builds(lambda n: Request(Op.PING, number=n), st.integers(0, (1 << 32) - 1)),
+    )
+
+
+def _prefixed(request: Request, prefix: bytes) -> Request:
+    return request._replace(keys=tuple(prefix + k for k in request.keys))
+
+
+def _exchange(port: int, data: bytes) -> tuple[bytes, bool]:
+    """Everything the server answers to ``data`` then a last ping, and whether it closed
+    the connection (a broken rule, a blocked wait meeting another)."""
+    with _connect(port) as sock:
+        sock.sendall(data + c.encode_request(Request(Op.PING, number=0xE0F)))
+        sock.settimeout(0.5)
+        got = b""
+        closed = False
+        while not got.endswith(struct.pack("<I", 0xE0F)):
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                break  # blocked: a wait that was never released holds the rest back
+            except ConnectionResetError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            got += chunk
+        return got, closed
+
+
+@pytest.fixture(scope="module")
+def both_engines() -> Iterator[dict[str, int]]:
+    servers = {e: TorchWireServer("127.0.0.1", 0, engine=e) for e in ("python", "compiled")}
+    try:
+        yield {e: s.start() for e, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.close()
+
+
+@_COMPILED
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(_request(), min_size=1, max_size=25))
+def test_both_engines_answer_any_request_sequence_alike(
+    both_engines: dict[str, int], requests: list[Request]
+) -> None:
+    prefix = f"/{uuid.uuid4().hex[:8]}/".encode()  # a fresh table for each example
+    data = c.encode_requests([_prefixed(r, prefix) for r in requests])
+    seen = {engine: _exchange(port, data) for engine, port in both_engines.items()}
+    assert seen["compiled"] == seen["python"]

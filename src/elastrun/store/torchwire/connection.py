@@ -294,7 +294,8 @@ class Connection(asyncio.Protocol):
             log.debug("connection from %s closed (%r)", self.peer, exc)
 
     def close(self) -> None:
-        """Close at once, dropping unsent answers (used on protocol errors and on stop)."""
+        """Close at once, dropping answers the kernel has not taken (used on protocol
+        errors, after the answers before the broken request are written, and on stop)."""
         self._closed, self._plain = True, False
         self._drop_waiter()
         if self._transport is not None:
@@ -325,6 +326,7 @@ class Connection(asyncio.Protocol):
                     self._flush()
         except StoreError as exc:  # ProtocolError, NotANumberError: this client's fault
             self._hub.complain("closing the connection from %s: %s", self.peer, exc)
+            self._flush()  # the answers before the broken request are its own
             self.close()
         except Exception as exc:  # a bug of ours: it costs this client, not every client
             self._hub.complain("internal error serving %s, closing it: %r", self.peer, exc)

@@ -989,9 +989,10 @@ static void serve_held(Core *core, Conn *conn) {
             break;
         }
         if (size < 0 || serve(core, conn, &r) < 0) {
-            if (!conn->closed) {
+            if (!conn->closed) { /* the answers before the broken request are its own */
                 complain(core, conn, "closing the connection from %s: %s", core->why);
-                conn_close(core, conn);
+                if (flush(core, conn) == 0)
+                    conn_close(core, conn);
             }
             return;
         }
