@@ -7,7 +7,8 @@ one JSON line each:
 ``{"cmd": "connect", "clients": C, "tag": T}``
     open C connections (a few at a time: connecting is not what is measured), write
     each client's own key for every operation; ``{"ev": "ready"}``.
-``{"cmd": "go", "op": OP, "start_at": WALL, "duration": D}``
+``{"cmd": "go", "op": OP, "start_at": WALL, "duration": D, "depth": K}`` (K requests in
+flight per client; 1 when left out)
     every client runs OP back to back from WALL for D seconds; ``{"ev": "done",
     "ops": N}``.
 ``{"cmd": "close"}``
@@ -89,14 +90,14 @@ class Load:
         # Set before anyone reads: one round trip per client orders it.
         await asyncio.gather(*(c.request(req_ping(1), U32_ANSWER) for c in self.clients))
 
-    async def go(self, op: str, start_at: float, duration: float) -> int:
+    async def go(self, op: str, start_at: float, duration: float, depth: int = 1) -> int:
         loop = asyncio.get_running_loop()
         await asyncio.sleep(max(0.0, start_at - time.time()))
         stop = loop.time() + duration
         futs = []
         for client, key in zip(self.clients, self.keys, strict=True):
             data, size = _requests(key)[op]
-            futs.append(client.run_loop(data, size, stop))
+            futs.append(client.run_loop(data, size, stop, depth))
         counts = await asyncio.gather(*futs)
         return int(sum(counts))
 
@@ -198,7 +199,12 @@ async def _main(port: int) -> None:
                 await load.connect(int(cmd["clients"]), str(cmd["tag"]))
                 out: dict[str, object] = {"ev": "ready"}
             elif name == "go":
-                ops = await load.go(str(cmd["op"]), float(cmd["start_at"]), float(cmd["duration"]))
+                ops = await load.go(
+                    str(cmd["op"]),
+                    float(cmd["start_at"]),
+                    float(cmd["duration"]),
+                    int(cmd.get("depth", 1)),
+                )
                 out = {"ev": "done", "ops": ops}
             elif name == "close":
                 await load.close()

@@ -88,6 +88,7 @@ class WireClient(asyncio.Protocol):
         self._loop_req = b""
         self._loop_kind = 0
         self._loop_stop = 0.0
+        self._loop_depth = self._loop_owed = 1
         self.loop_count = 0
         self._loop_done: asyncio.Future[int] | None = None
 
@@ -165,15 +166,21 @@ class WireClient(asyncio.Protocol):
 
     # -- back-to-back -------------------------------------------------------------------
 
-    def run_loop(self, data: bytes, kind: int, stop_at: float) -> asyncio.Future[int]:
+    def run_loop(
+        self, data: bytes, kind: int, stop_at: float, depth: int = 1
+    ) -> asyncio.Future[int]:
         """Send ``data`` again each time its answer (of ``kind``; fixed size) arrives,
-        until the loop's clock passes ``stop_at``; resolves to the number of answers."""
+        until the loop's clock passes ``stop_at``; resolves to the number of answers.
+
+        ``depth`` > 1 sends that many copies in one write, and the next write once all
+        their answers came: requests in flight, as a pipelining client keeps them."""
         loop = asyncio.get_running_loop()
-        self._loop_req, self._loop_kind, self._loop_stop = data, kind, stop_at
+        self._loop_req, self._loop_kind, self._loop_stop = data * depth, kind, stop_at
+        self._loop_depth = self._loop_owed = depth
         self.loop_count = 0
         self._loop_done = loop.create_future()
         self._time = loop.time
-        self.send(data)
+        self.send(self._loop_req)
         return self._loop_done
 
     def _loop_answers(self) -> None:
@@ -183,6 +190,9 @@ class WireClient(asyncio.Protocol):
             return
         del buf[: n * size]
         self.loop_count += n
+        self._loop_owed -= n
+        if self._loop_owed > 0:
+            return
         done = self._loop_done
         assert done is not None
         if self._time() >= self._loop_stop:
@@ -190,6 +200,7 @@ class WireClient(asyncio.Protocol):
             if not done.done():
                 done.set_result(self.loop_count)
             return
+        self._loop_owed = self._loop_depth
         self.send(self._loop_req)
 
     def close(self) -> None:

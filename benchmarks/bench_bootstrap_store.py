@@ -92,18 +92,28 @@ class Options:
     #: Largest burst torch's server is given: on this machine its 256 already take
     #: ~25 s (see the notes), so 10,000 could not finish within any sane bound.
     torch_burst_max: int = 1024
+    #: Client counts of the pipelined throughput runs, and their requests in flight.
+    pipelined: tuple[int, ...] = ()
+    depth: int = 16
 
 
 PROFILE_OPTIONS = {
-    "smoke": Options(clients=(8,), bursts=(16,), duration_s=0.2, reps=1),
+    "smoke": Options(clients=(8,), bursts=(16,), duration_s=0.2, reps=1, pipelined=(8,), depth=4),
     "quick": Options(
         clients=(256, 1024),
         bursts=(256, 1024, 10000),
         duration_s=1.0,
         reps=2,
         burst_timeout_s=30,
+        pipelined=(256,),
     ),
-    "full": Options(clients=(256, 1024, 10000), bursts=(256, 1024, 10000), duration_s=2.0, reps=3),
+    "full": Options(
+        clients=(256, 1024, 10000),
+        bursts=(256, 1024, 10000),
+        duration_s=2.0,
+        reps=3,
+        pipelined=(256, 1024),
+    ),
 }
 
 
@@ -225,9 +235,9 @@ class Rig:
     def close_clients(self) -> None:
         self.ask([{"cmd": "close"}] * len(self.loaders), 60)
 
-    def throughput(self, op: str, duration_s: float) -> dict[str, float]:
+    def throughput(self, op: str, duration_s: float, depth: int = 1) -> dict[str, float]:
         start_at = time.time() + 0.3
-        cmd = {"cmd": "go", "op": op, "start_at": start_at, "duration": duration_s}
+        cmd = {"cmd": "go", "op": op, "start_at": start_at, "duration": duration_s, "depth": depth}
         cpu0, client0 = self.server.cpu_s(), sum(p.cpu_s() for p in self.loaders)
         answers = self.ask([cmd] * len(self.loaders), duration_s + 120)
         cpu = self.server.cpu_s() - cpu0
@@ -312,6 +322,7 @@ def body(section: Section, opts: Options, impls: list[str]) -> None:
         section.raw["listen_queue"] = {c: rigs[c].listen_queue for c in columns}
         _throughput(section, opts, rigs, columns, ref)
         _bursts(section, opts, rigs, columns, ref)
+        _pipelined(section, opts, rigs, columns, ref)
     finally:
         for rig in rigs.values():
             rig.close()
@@ -357,6 +368,50 @@ def _throughput(
                 urow.add(col, 1e6 * m["cpu"] / m["ops"] if m["ops"] else 0.0)
 
             alternate(section, f"{op} x{clients}", live, opts.reps, measure, record)
+        for col in live:
+            with contextlib.suppress(ScenarioFailure):
+                rigs[col].close_clients()
+
+
+def _pipelined(
+    section: Section, opts: Options, rigs: dict[str, Rig], columns: list[str], ref: str | None
+) -> None:
+    """Throughput with ``opts.depth`` requests in flight per client: the clients' cost
+    per request falls by that factor, so the server is what bounds the row even on 2
+    shared cores -- each server's capacity, side by side."""
+    if not opts.pipelined:
+        return
+    table = section.table(
+        f"Pipelined throughput: {opts.depth} requests in flight per client (ops/s; server "
+        "cores; server CPU us per op)",
+        columns,
+        ref,
+    )
+    for clients in opts.pipelined:
+        live = []
+        for col in columns:
+            try:
+                rigs[col].connect(clients)
+                live.append(col)
+            except ScenarioFailure as exc:
+                section.fail(f"{col}, {clients} clients (pipelined)", str(exc))
+        for op in OPS:
+            key = f"p{op}{clients}"
+            row = table.row(key, f"{op}, {clients} clients", fmt=".0f")
+            crow = table.row(f"{key}cpu", f"{op}, {clients} clients: server", fmt=".2f")
+            urow = table.row(f"{key}us", f"{op}, {clients} clients: server us per op", fmt=".1f")
+
+            def measure(col: str, rep: int, op: str = op) -> dict[str, float]:
+                return rigs[col].throughput(op, opts.duration_s, opts.depth)
+
+            def record(
+                col: str, m: Mapping[str, float], row: Row = row, crow: Row = crow, urow: Row = urow
+            ) -> None:
+                row.add(col, m["ops"])
+                crow.add(col, m["cpu"])
+                urow.add(col, 1e6 * m["cpu"] / m["ops"] if m["ops"] else 0.0)
+
+            alternate(section, f"pipelined {op} x{clients}", live, opts.reps, measure, record)
         for col in live:
             with contextlib.suppress(ScenarioFailure):
                 rigs[col].close_clients()
@@ -445,6 +500,18 @@ def _summary(section: Section, opts: Options) -> None:
         row = burst.rows.get(f"barrier{clients}")
         if row is not None:
             section.headlines.append(_burst_headline(row, clients))
+    if len(section.tables) > 4:
+        for clients in opts.pipelined:
+            for op in OPS:
+                row = section.tables[4].rows.get(f"p{op}{clients}")
+                if row is not None:
+                    section.headlines.append(
+                        Headline(
+                            f"{op}, {clients} clients, {opts.depth} in flight each "
+                            "(elastrun / torch, ops/s)",
+                            ratio_text(row, "elastrun", "torch"),
+                        )
+                    )
     section.notes += [
         "A set has no answer in torch's protocol (its client does not wait): each set is "
         "followed by a ping to close the loop, so the server serves two requests per set.",
