@@ -217,10 +217,10 @@ def run_elastrun_threads(args: argparse.Namespace, cmds: Commands) -> None:
             self._inner = inner
             self._node = node
 
-        def watch(self, prefix: str, after: int, timeout: float) -> Any:
+        def watch(self, prefix: str, after: int, timeout: float, **options: Any) -> Any:
             if prefix.endswith((out_suffix, "/ctl/")):  # a follower's or the closer's wait
                 waiting.add(self._node)
-            return self._inner.watch(prefix, after, timeout)
+            return self._inner.watch(prefix, after, timeout, **options)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._inner, name)
