@@ -16,7 +16,7 @@ fi
 stamp="$venv/.elastrun-deps"
 # The compiled engine of the workers' store is built by the install: a change to its
 # source installs again.
-want="$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" "$root"/src/elastrun/store/torchwire/*.c | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root/scripts/bootstrap.sh" "$root"/src/elastrun/store/torchwire/*.c | sha256sum | cut -d' ' -f1)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
