@@ -43,7 +43,7 @@ from elastrun.store.torchwire.connection import (
     DEFAULT_MAX_CONNECTIONS,
     LISTENER_OPTIONS_INHERITED,
 )
-from elastrun.store.torchwire.server import compiled_engine_available
+from elastrun.store.torchwire.engine import compiled_engine_available
 
 TIMEOUT = timedelta(seconds=5)
 

@@ -24,7 +24,7 @@ from elastrun.core.errors import ConfigError
 from elastrun.store.torchwire import TorchWireServer
 from elastrun.store.torchwire import codec as c
 from elastrun.store.torchwire.codec import Op, Request
-from elastrun.store.torchwire.server import ENGINE_ENV, choose_engine, compiled_engine_available
+from elastrun.store.torchwire.engine import ENGINE_ENV, choose_engine, compiled_engine_available
 
 _COMPILED = pytest.mark.skipif(
     not compiled_engine_available(), reason="the compiled engine was not built"
@@ -212,7 +212,7 @@ def test_engine_names_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
 def test_asking_for_the_compiled_engine_where_it_was_not_built_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from elastrun.store.torchwire import server as module
+    from elastrun.store.torchwire import engine as module
 
     monkeypatch.setattr(module, "compiled_engine_available", lambda: False)
     monkeypatch.delenv(ENGINE_ENV, raising=False)

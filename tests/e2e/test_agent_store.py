@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from _helpers import finish, free_port, run, start, wait_for, write_script
+from elastrun.store.torchwire.engine import compiled_engine_available
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +52,34 @@ print(f"late store operations ok {restart}", flush=True)
 open(f"ok_{rank}_{restart}", "w").close()
 sys.exit(1 if again else 0)
 """
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "python",
+        pytest.param(
+            "compiled",
+            marks=pytest.mark.skipif(
+                not compiled_engine_available(), reason="the compiled engine was not built"
+            ),
+        ),
+    ],
+)
+def test_the_workers_store_serves_gloo_groups_on_either_engine(tmp_path: Path, engine: str) -> None:
+    # Two groups (a failure of ranks 1 and 2 ends the first), each with rank 0 leaving
+    # first, on the engine ELASTRUN_STORE_ENGINE names.
+    script = write_script(tmp_path / "early.py", EARLY_EXIT)
+    res = run(
+        ["--nproc-per-node", "3", "--max-restarts", "1", str(script), "-1", "1"],
+        cwd=tmp_path,
+        env={"ELASTRUN_STORE_ENGINE": engine},
+        timeout=90,
+    )
+    assert res.returncode == 0, res.stderr
+    for attempt in range(2):
+        assert res.stdout.count(f"late store operations ok {attempt}") == 2, res.stdout
 
 
 @pytest.mark.torch

@@ -196,6 +196,7 @@ CASES = [
             ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "nan"),
             ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "inf"),
             ("PYTHON_EXEC", "/nonexistent/bin/python3"),
+            ("ELASTRUN_STORE_ENGINE", "fast"),
         ]
     ),
     Case(

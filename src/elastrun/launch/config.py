@@ -268,7 +268,8 @@ def check_agent_environment(environ: Mapping[str, str]) -> None:
     and ``TORCHELASTIC_ENABLE_FILE_TIMER`` are read by the same functions the agent's
     wiring uses; torchrun ignores a bad value of each, silently or with a log line.
     With the file timer on, ``TORCHELASTIC_TIMER_FILE`` (where the agent makes the
-    FIFO) must be a path whose directory exists and is writable.
+    FIFO) must be a path whose directory exists and is writable. ``ELASTRUN_STORE_ENGINE``
+    must name an engine of the workers' store that this install has.
 
     Raises:
         ConfigError: naming the variable and its value.
@@ -280,6 +281,10 @@ def check_agent_environment(environ: Mapping[str, str]) -> None:
 
     port_from_env(environ)
     timeout_from_env(environ)
+    if environ.get("ELASTRUN_STORE_ENGINE", "auto") != "auto":  # the store's package: only then
+        from elastrun.store.torchwire.engine import choose_engine
+
+        choose_engine(environ=environ)
     if file_timer_enabled(environ) and environ.get(TORCHELASTIC_TIMER_FILE):
         check_fifo_path(environ[TORCHELASTIC_TIMER_FILE], TORCHELASTIC_TIMER_FILE)
 

@@ -17,9 +17,7 @@ returns, and a client may connect at once (the kernel queues it until the loop r
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
-import os
 import socket
 import threading
 import time
@@ -42,6 +40,7 @@ from elastrun.store.torchwire.connection import (
     Hub,
     Limits,
 )
+from elastrun.store.torchwire.engine import choose_engine
 from elastrun.store.torchwire.lazy import BACKLOG
 
 if TYPE_CHECKING:
@@ -52,43 +51,6 @@ log = logging.getLogger("elastrun.store.torchwire")
 
 #: How long close() waits for the server thread.
 CLOSE_TIMEOUT = 5.0
-
-#: Names the engine a server runs on (see the module's text); overrides ``"auto"``.
-ENGINE_ENV = "ELASTRUN_STORE_ENGINE"
-ENGINES = ("auto", "compiled", "python")
-_CORE_MODULE = "elastrun.store.torchwire.wirecore"
-
-
-def compiled_engine_available() -> bool:
-    """Whether the install built the compiled engine for this interpreter."""
-    try:
-        return importlib.util.find_spec(_CORE_MODULE) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def choose_engine(engine: str = "auto") -> str:
-    """``"compiled"`` or ``"python"``: the one ``engine`` names, or for ``"auto"`` the
-    one ``ELASTRUN_STORE_ENGINE`` names, else the compiled one where it was built.
-
-    Raises ``ConfigError`` for an unknown name, or for ``"compiled"`` where it was not
-    built.
-    """
-    source = "engine"
-    if engine == "auto" and os.environ.get(ENGINE_ENV, "auto") != "auto":
-        engine, source = os.environ[ENGINE_ENV], ENGINE_ENV
-    if engine not in ENGINES:
-        raise ConfigError(source, engine, f"must be one of {', '.join(ENGINES)}")
-    if engine == "compiled" and not compiled_engine_available():
-        raise ConfigError(
-            source,
-            engine,
-            "the compiled engine was not built by this install (it needs Linux and a C "
-            "compiler when elastrun is installed); use python",
-        )
-    if engine == "auto":
-        return "compiled" if compiled_engine_available() else "python"
-    return engine
 
 
 class TorchWireServer:

@@ -1,0 +1,52 @@
+"""Which engine serves the workers' store: the compiled one where the install built it.
+
+Light on purpose (the launcher checks ``ELASTRUN_STORE_ENGINE`` at start-up, long before
+any server is made): the standard library and ``core.errors`` only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+
+from elastrun.core.errors import ConfigError
+
+#: Names the engine a server runs on; overrides ``"auto"``.
+ENGINE_ENV = "ELASTRUN_STORE_ENGINE"
+ENGINES = ("auto", "compiled", "python")
+_CORE_MODULE = "elastrun.store.torchwire.wirecore"
+
+
+def compiled_engine_available() -> bool:
+    """Whether the install built the compiled engine for this interpreter."""
+    try:
+        return importlib.util.find_spec(_CORE_MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def choose_engine(engine: str = "auto", environ: Mapping[str, str] | None = None) -> str:
+    """``"compiled"`` or ``"python"``: the one ``engine`` names, or for ``"auto"`` the
+    one ``ELASTRUN_STORE_ENGINE`` names in ``environ`` (the process's by default), else
+    the compiled one where it was built.
+
+    Raises ``ConfigError`` for an unknown name, or for ``"compiled"`` where it was not
+    built.
+    """
+    env = os.environ if environ is None else environ
+    source = "engine"
+    if engine == "auto" and env.get(ENGINE_ENV, "auto") != "auto":
+        engine, source = env[ENGINE_ENV], ENGINE_ENV
+    if engine not in ENGINES:
+        raise ConfigError(source, engine, f"must be one of {', '.join(ENGINES)}")
+    if engine == "compiled" and not compiled_engine_available():
+        raise ConfigError(
+            source,
+            engine,
+            "the compiled engine was not built by this install (it needs Linux and a C "
+            "compiler when elastrun is installed); use python",
+        )
+    if engine == "auto":
+        return "compiled" if compiled_engine_available() else "python"
+    return engine
