@@ -331,19 +331,33 @@ def body(section: Section, opts: Options, impls: list[str]) -> None:
     _summary(section, opts)
 
 
+def _connect_all(
+    section: Section, rigs: dict[str, Rig], columns: list[str], clients: int, what: str
+) -> list[str]:
+    """Connect ``clients`` clients to every server; returns the columns that made it."""
+    live = []
+    for col in columns:
+        try:
+            rigs[col].connect(clients)
+            live.append(col)
+        except ScenarioFailure as exc:
+            section.fail(f"{col}, {clients} clients{what}", str(exc))
+    return live
+
+
+def _close_all(rigs: dict[str, Rig], live: list[str]) -> None:
+    for col in live:
+        with contextlib.suppress(ScenarioFailure):
+            rigs[col].close_clients()
+
+
 def _throughput(
     section: Section, opts: Options, rigs: dict[str, Rig], columns: list[str], ref: str | None
 ) -> None:
     table = section.table("Throughput (operations per second)", columns, ref)
     cpu = section.table("CPU during the throughput runs (cores: server, clients)", columns, ref)
     for clients in opts.clients:
-        live = []
-        for col in columns:
-            try:
-                rigs[col].connect(clients)
-                live.append(col)
-            except ScenarioFailure as exc:
-                section.fail(f"{col}, {clients} clients", str(exc))
+        live = _connect_all(section, rigs, columns, clients, "")
         for op in OPS:
             row = table.row(f"{op}{clients}", f"{op}, {clients} clients", fmt=".0f")
             crow = cpu.row(f"{op}{clients}", f"{op}, {clients} clients: server", fmt=".2f")
@@ -369,9 +383,7 @@ def _throughput(
                 urow.add(col, 1e6 * m["cpu"] / m["ops"] if m["ops"] else 0.0)
 
             alternate(section, f"{op} x{clients}", live, opts.reps, measure, record)
-        for col in live:
-            with contextlib.suppress(ScenarioFailure):
-                rigs[col].close_clients()
+        _close_all(rigs, live)
 
 
 def _pipelined(
@@ -389,13 +401,7 @@ def _pipelined(
         ref,
     )
     for clients in opts.pipelined:
-        live = []
-        for col in columns:
-            try:
-                rigs[col].connect(clients)
-                live.append(col)
-            except ScenarioFailure as exc:
-                section.fail(f"{col}, {clients} clients (pipelined)", str(exc))
+        live = _connect_all(section, rigs, columns, clients, " (pipelined)")
         for op in OPS:
             key = f"p{op}{clients}"
             row = table.row(key, f"{op}, {clients} clients", fmt=".0f")
@@ -413,9 +419,7 @@ def _pipelined(
                 urow.add(col, 1e6 * m["cpu"] / m["ops"] if m["ops"] else 0.0)
 
             alternate(section, f"pipelined {op} x{clients}", live, opts.reps, measure, record)
-        for col in live:
-            with contextlib.suppress(ScenarioFailure):
-                rigs[col].close_clients()
+        _close_all(rigs, live)
 
 
 def _bursts(
