@@ -21,8 +21,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from elastrun.core.errors import ConfigError, StoreError
 from elastrun.core.eventloop import new_event_loop
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from elastrun.store.torchwire import wirecore
 
 log = logging.getLogger("elastrun.store.torchwire")
+T = TypeVar("T")
 
 #: How long close() waits for the server thread.
 CLOSE_TIMEOUT = 5.0
@@ -104,7 +105,6 @@ class TorchWireServer:
         self._limits = Limits(max_connections, max_frame, max_key)
         self._engine = choose_engine(engine)
         self._core: wirecore.Core | None = None  # the compiled engine's
-        self._socks: list[socket.socket] = []
         # Listening sockets bound by the caller (see ``lazy``); the server then owns them.
         self._given = sockets
         self._loop_factory = loop_factory
@@ -173,27 +173,42 @@ class TorchWireServer:
             return self._start_compiled()
         loop = self._loop_factory()
         hub = Hub(loop, self._limits)
+        servers = self._bind(loop, self._listen(loop, hub))
+        stop = asyncio.Event()
+        with self._lock:
+            self._loop, self._stop, self._hub = loop, stop, hub
+        return self._serve_from(self._run, (loop, servers, hub, stop))
+
+    def _bind(self, loop: asyncio.AbstractEventLoop, binding: Coroutine[Any, Any, T]) -> T:
+        """Run ``binding`` on ``loop``; a failure closes the loop and is a ``StoreError``
+        naming the address."""
         try:
-            servers = loop.run_until_complete(self._listen(loop, hub))
+            return loop.run_until_complete(binding)
         except (OSError, RuntimeError) as exc:
             loop.close()
             where = format_addr(self._host or "*", self._requested_port)
             raise StoreError(f"cannot listen on {where}: {exc}") from exc
-        stop = asyncio.Event()
+
+    async def _bound(self) -> list[socket.socket]:
+        """The listening sockets (given, or bound now), tuned; sets the port."""
+        socks = self._given or await bind_listeners(self._host, self._requested_port)
+        for sock in socks:  # accepted sockets inherit these (see LISTENER_OPTIONS_INHERITED)
+            tune_socket(sock)
+        self._port = int(socks[0].getsockname()[1])
+        return socks
+
+    def _serve_from(self, target: Callable[..., None], args: tuple[object, ...]) -> int:
+        """Start the serving thread (its engine's state already published); the port."""
+        where = format_addr(self._host or "*", self.port)
         thread = threading.Thread(
-            target=self._run,
-            args=(loop, servers, hub, stop),
-            name=f"elastrun-torchwire {format_addr(self._host or '*', self.port)}",
-            daemon=True,
+            target=target, args=args, name=f"elastrun-torchwire {where}", daemon=True
         )
-        with self._lock:
-            self._loop, self._stop, self._hub = loop, stop, hub
         thread.start()
         with self._lock:  # published once started: close() may join it
             self._thread = thread
-        if self.closed:  # close() ran meanwhile: make sure the request reaches the loop
+        if self.closed:  # close() ran meanwhile: make sure the request reaches the engine
             self._request_stop()
-        log.debug("serving torch store clients on %s", format_addr(self._host or "*", self.port))
+        log.debug("serving torch store clients on %s (%s engine)", where, self._engine)
         return self.port
 
     def close(self) -> None:
@@ -227,20 +242,11 @@ class TorchWireServer:
     def _start_compiled(self) -> int:
         from elastrun.store.torchwire import wirecore  # built by the install
 
-        if self._given is not None:
-            socks = self._given
-        else:
-            binder = asyncio.new_event_loop()  # bind_listeners resolves names on a loop
-            try:
-                socks = binder.run_until_complete(bind_listeners(self._host, self._requested_port))
-            except (OSError, RuntimeError) as exc:
-                where = format_addr(self._host or "*", self._requested_port)
-                raise StoreError(f"cannot listen on {where}: {exc}") from exc
-            finally:
-                binder.close()
+        binder = asyncio.new_event_loop()  # bind_listeners resolves names on a loop
+        socks = self._bind(binder, self._bound())
+        binder.close()
         try:
-            for sock in socks:  # accepted sockets inherit the options (Linux)
-                tune_socket(sock)
+            for sock in socks:
                 sock.setblocking(False)
                 sock.listen(BACKLOG)  # again for given sockets: it only sets the backlog
             complaints = Complaints(time.monotonic)
@@ -255,25 +261,9 @@ class TorchWireServer:
             for sock in socks:
                 sock.close()
             raise StoreError(f"cannot serve the torch store: {exc}") from exc
-        self._port = int(socks[0].getsockname()[1])
-        thread = threading.Thread(
-            target=self._run_compiled,
-            args=(core, socks),
-            name=f"elastrun-torchwire {format_addr(self._host or '*', self._port)}",
-            daemon=True,
-        )
         with self._lock:
-            self._core, self._socks = core, socks
-        thread.start()
-        with self._lock:
-            self._thread = thread
-        if self.closed:
-            core.stop()
-        log.debug(
-            "serving torch store clients on %s (compiled engine)",
-            format_addr(self._host or "*", self._port),
-        )
-        return self._port
+            self._core = core
+        return self._serve_from(self._run_compiled, (core, socks))
 
     @staticmethod
     def _run_compiled(core: wirecore.Core, socks: list[socket.socket]) -> None:
@@ -301,9 +291,7 @@ class TorchWireServer:
     async def _listen(
         self, loop: asyncio.AbstractEventLoop, hub: Hub
     ) -> list[asyncio.AbstractServer]:
-        socks = self._given or await bind_listeners(self._host, self._requested_port)
-        for sock in socks:  # accepted sockets inherit these (see LISTENER_OPTIONS_INHERITED)
-            tune_socket(sock)
+        socks = await self._bound()
         made = await asyncio.gather(
             *(loop.create_server(lambda: Connection(hub), sock=s, backlog=BACKLOG) for s in socks),
             return_exceptions=True,
@@ -319,7 +307,6 @@ class TorchWireServer:
             for sock in socks:
                 sock.close()
             raise failures[0]
-        self._port = int(socks[0].getsockname()[1])
         return servers
 
     def _run(
