@@ -105,6 +105,33 @@ def children() -> set[int]:
     return kids
 
 
+def freeze(pid: int, timeout: float = 10) -> None:
+    """Stop ``pid`` with SIGSTOP and return once every one of its threads has stopped.
+
+    ``kill`` returns before the stop takes hold: one thread takes the signal and stops
+    the others only when it next runs, and until then the rest go on serving (on a
+    loaded machine, long enough for an etcd member to answer a request).
+    """
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return True  # it ended: nothing of it runs
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat", "rb") as fh:
+                    state = fh.read().rsplit(b")", 1)[1].split()[0]
+            except OSError:
+                continue  # that thread ended
+            if state not in (b"T", b"Z", b"X"):
+                return False
+        return True
+
+    wait_for(stopped, timeout, f"every thread of {pid} to stop")
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import elastrun_store, finish, pid_alive, start_nodes, wait_for, write_script
+from _helpers import elastrun_store, finish, freeze, pid_alive, start_nodes, wait_for, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def _run_frozen(
     (frozen_file,) = (p for p in _files(tmp_path, 2) if p.name.startswith("w_1"))
     frozen_worker = int(frozen_file.name.rsplit("_", 1)[1])
     alone_before = set(_files(tmp_path, 1))  # node 0 may have started alone, before node 1
-    frozen.send_signal(signal.SIGSTOP)
+    freeze(frozen.pid)
     t0 = time.monotonic()
     wait_for(lambda: set(_files(tmp_path, 1)) - alone_before, 15, "the survivor alone")
     assert time.monotonic() - t0 < 3 + 4  # the TTL, plus detection and restart

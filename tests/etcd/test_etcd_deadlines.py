@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from etcd_cluster import EtcdCluster
 
+from _helpers import freeze
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Deadline
 from elastrun.core.errors import StoreTimeoutError
@@ -37,7 +38,7 @@ def silent(etcd: EtcdCluster) -> Iterator[EtcdCluster]:
 def _freeze(etcd: EtcdCluster) -> None:
     [member] = etcd.members
     assert member.proc is not None
-    member.proc.send_signal(signal.SIGSTOP)
+    freeze(member.proc.pid)
 
 
 def _ends_by_the_deadline(call: Callable[[], object]) -> StoreTimeoutError:

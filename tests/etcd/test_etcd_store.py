@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from etcd_cluster import EtcdCluster, TlsFiles, closed_port
 
+from _helpers import freeze
 from elastrun.core.errors import ConfigError, StoreAuthError, StoreError
 from elastrun.store.api import EventKind
 from elastrun.store.etcd import EtcdStore, parse_endpoints, prefix_end, tls_context
@@ -250,7 +251,7 @@ def test_a_client_moves_away_from_a_member_that_hangs(
     lease = store.grant_lease(5)
     revision = store.set("k", b"1", lease=lease)
     assert hung.proc is not None
-    hung.proc.send_signal(signal.SIGSTOP)  # a machine gone silent: no refusal, no answer
+    freeze(hung.proc.pid)  # a machine gone silent: no refusal, no answer
     try:
         started = time.monotonic()
         assert store.keep_alive(lease) is True  # its pooled connection hangs: next member

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import freeze
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Deadline
 from elastrun.core.errors import (
@@ -54,7 +55,7 @@ class FrozenStore:
         self.port = int(line.rsplit(":", 1)[1])
 
     def freeze(self) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
+        freeze(self.proc.pid)
 
     def thaw(self) -> None:
         self.proc.send_signal(signal.SIGCONT)

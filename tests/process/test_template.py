@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import children, pid_alive, wait_for
+from _helpers import children, freeze, pid_alive, wait_for
 from elastrun.core.errors import ProcessStartError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.supervise.processes.spawn import (
@@ -1145,7 +1145,7 @@ def test_a_signal_ends_the_wait_for_a_wedged_template_and_the_template_is_killed
         assert _run(starter, tmp_path, _argv(str(script))).code == 0  # the template is up
         pid = starter.template_pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)  # wedged: it reads no request
+        freeze(pid)  # wedged: it reads no request
         specs, _ = _group_specs(tmp_path, [_argv(str(script))] * 2)
         signalled: list[float] = []
 
