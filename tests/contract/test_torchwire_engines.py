@@ -10,11 +10,12 @@ them.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -155,6 +156,61 @@ def test_a_bad_client_is_closed_and_the_complaint_is_logged(
     message = record.getMessage()
     assert f"closing the connection from 127.0.0.1:{port}" in message
     assert "its first request is PING" in message
+
+
+def _epoll_registrations() -> int:
+    """How many descriptors the epoll sets of this process watch, all of them together."""
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "eventpoll" not in os.readlink(f"/proc/self/fd/{fd}"):
+                continue
+            with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as fh:
+                total += sum(line.startswith("tfd:") for line in fh)
+        except OSError:
+            continue  # closed meanwhile (another loop's set)
+    return total
+
+
+def _settle(read: Callable[[], int], expected: int) -> int:
+    deadline = time.monotonic() + 5
+    while (now := read()) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return now
+
+
+def test_a_connection_a_forked_process_still_holds_leaves_the_servers_epoll_set(
+    server: TorchWireServer,
+) -> None:
+    # A function worker started with fork holds a copy of every connection the agent's
+    # store had then. epoll forgets a socket on its own only once every copy is closed:
+    # a server that closed its own without taking it out of its set was woken for it
+    # again and again, with the freed connection as its data (100% of a core, and a
+    # use after free in the compiled engine).
+    before = _epoll_registrations()
+    client = _connect(server.port)
+    assert _settle(lambda: server.num_connections, 1) == 1
+    assert _settle(_epoll_registrations, before + 1) == before + 1
+    release, hold = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the forked copy: hold everything but the client
+        try:
+            os.close(client.fileno())
+            os.close(hold)
+            os.read(release, 1)
+        finally:
+            os._exit(0)
+    os.close(release)
+    try:
+        client.close()
+        assert _settle(lambda: server.num_connections, 0) == 0
+        assert _settle(_epoll_registrations, before) == before
+        with _connect(server.port) as again:  # and it serves on
+            again.sendall(c.encode_request(Request(Op.PING, number=7)))
+            assert _recv(again, 4) == struct.pack("<I", 7)
+    finally:
+        os.close(hold)
+        os.waitpid(child, 0)
 
 
 def test_add_to_a_value_that_is_not_a_number_names_the_value(

@@ -308,12 +308,18 @@ static void complain(Core *core, Conn *conn, const char *format, const char *det
 
 static void drop_waiter(Core *core, Conn *conn);
 
-/* Close at once: answers not yet handed to the kernel are dropped. */
+/* Close at once: answers not yet handed to the kernel are dropped.
+
+   The socket leaves the epoll set before it is closed. epoll forgets a socket on its
+   own only once every descriptor of it is closed, and a process forked from this one
+   (a function worker started with fork) keeps its copies: the set would go on
+   reporting the socket, with this connection's freed memory as its data. */
 static void conn_close(Core *core, Conn *conn) {
     if (conn->closed)
         return;
     conn->closed = 1;
     drop_waiter(core, conn);
+    epoll_ctl(core->epfd, EPOLL_CTL_DEL, conn->fd, NULL);
     close(conn->fd);
     if (conn->prev)
         conn->prev->next = conn->next;
