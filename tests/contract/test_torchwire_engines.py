@@ -230,6 +230,29 @@ def test_add_to_a_value_that_is_not_a_number_names_the_value(
     assert "the value b'abc' is not a number" in caplog.records[0].getMessage()
 
 
+@pytest.mark.parametrize("validated_apart", [True, False], ids=["validated-apart", "in-one-read"])
+def test_the_answers_before_a_broken_request_are_written_before_the_close(
+    server: TorchWireServer, validated_apart: bool
+) -> None:
+    # A connection already validated and idle takes the Python engine's fast path, one
+    # validated in the same read takes its parser: both write what came before.
+    broken = [
+        Request(Op.PING, number=1),
+        Request(Op.SET, (b"/nan",), (b"abc",)),
+        Request(Op.PING, number=2),
+        Request(Op.ADD, (b"/nan",), number=1),  # not a number: the connection is closed
+        Request(Op.PING, number=3),
+    ]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        hello = c.encode_request(Request(Op.VALIDATE, number=c.MAGIC))
+        if validated_apart:
+            sock.sendall(hello + c.encode_request(Request(Op.PING, number=0)))
+            assert _recv(sock, 4) == struct.pack("<I", 0)  # served: idle again
+            hello = b""
+        sock.sendall(hello + c.encode_requests(broken))
+        assert _recv(sock, 9) == struct.pack("<I", 1) + struct.pack("<I", 2)
+
+
 def test_counters_read_as_torch_reads_them_and_wrap_at_64_bits(server: TorchWireServer) -> None:
     cases = [
         (b" \t+41xyz", 1, 42),

@@ -211,15 +211,17 @@ class Connection(asyncio.Protocol):
         answers = [answer]
         # After a wait left blocked, the parser serves the rest (see _serve_buffered):
         # a set among it that releases the wait then answers it after these answers.
-        while at < n and self._waiter is None:
-            end, answer = self._fast_one(data, at, n)
-            if end < 0:
-                break
-            answers.append(answer)
-            at = end
-        out = b"".join(answers)
-        if out and self._transport is not None:
-            self._transport.write(out)
+        try:
+            while at < n and self._waiter is None:
+                end, answer = self._fast_one(data, at, n)
+                if end < 0:
+                    break
+                answers.append(answer)
+                at = end
+        finally:  # a broken request (not a number) closes: what came before is answered
+            out = b"".join(answers)
+            if out and self._transport is not None:
+                self._transport.write(out)
         return at
 
     def _fast_one(self, data: bytes, at: int, n: int) -> tuple[int, bytes]:
