@@ -302,6 +302,8 @@ def test_asking_for_the_compiled_engine_where_it_was_not_built_says_so(
 
 # -- the two engines against each other, on random request sequences ------------------------
 
+#: Random sequences per run (scripts/check-wirecore.sh asks for more).
+EXAMPLES = int(os.environ.get("ELASTRUN_WIRE_EXAMPLES", "400"))
 _KEYS = st.sampled_from([b"a", b"b", b"c"])
 _VALUES = st.sampled_from([b"", b"1", b"-3", b"x", b" 7z", b"a" * 100])
 
@@ -373,7 +375,9 @@ def both_engines() -> Iterator[dict[str, int]]:
 
 @_COMPILED
 @settings(
-    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(st.lists(_request(), min_size=1, max_size=25))
 def test_both_engines_answer_any_request_sequence_alike(
