@@ -387,3 +387,75 @@ def test_both_engines_answer_any_request_sequence_alike(
     data = c.encode_requests([_prefixed(r, prefix) for r in requests])
     seen = {engine: _exchange(port, data) for engine, port in both_engines.items()}
     assert seen["compiled"] == seen["python"]
+
+
+# -- any bytes at all: the server closes the peer or waits for more, and serves on -------
+
+_U64_EDGES = [0, 1, 2, 3, 1 << 16, 1 << 20, 1 << 40, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+
+
+def _garbage_field() -> st.SearchStrategy[bytes]:
+    return st.one_of(
+        st.sampled_from(_U64_EDGES).map(lambda n: struct.pack("<Q", n)),
+        st.integers(0, (1 << 64) - 1).map(lambda n: struct.pack("<Q", n)),
+        st.builds(lambda n, b: struct.pack("<Q", n) + b * n, st.integers(0, 40), _KEYS),
+        st.integers(-(1 << 63), (1 << 63) - 1).map(lambda n: struct.pack("<q", n)),
+        st.binary(max_size=12),
+    )
+
+
+def _frame() -> st.SearchStrategy[bytes]:
+    garbage = st.builds(
+        lambda op, fields: bytes([op]) + b"".join(fields),
+        st.one_of(st.sampled_from([int(op) for op in Op]), st.integers(0, 255)),
+        st.lists(_garbage_field(), max_size=4),
+    )
+    return st.one_of(garbage, _request().map(c.encode_request))
+
+
+@pytest.fixture(scope="module")
+def every_engine() -> Iterator[dict[str, int]]:
+    built = ("python", "compiled") if compiled_engine_available() else ("python",)
+    servers = {e: TorchWireServer("127.0.0.1", 0, engine=e) for e in built}
+    try:
+        yield {e: s.start() for e, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.close()
+
+
+@settings(
+    max_examples=EXAMPLES // 2,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    validated=st.booleans(),
+    frames=st.lists(_frame(), min_size=1, max_size=10),
+    cut=st.none() | st.integers(0, 200),
+    piece=st.sampled_from([1, 7, 4096]),
+    reset=st.booleans(),
+)
+def test_any_bytes_from_a_peer_leave_the_server_serving_the_others(
+    every_engine: dict[str, int],
+    validated: bool,
+    frames: list[bytes],
+    cut: int | None,
+    piece: int,
+    reset: bool,
+) -> None:
+    hello = c.encode_request(Request(Op.VALIDATE, number=c.MAGIC))
+    data = (hello if validated else b"") + b"".join(frames)
+    data = data[:cut] if cut is not None else data
+    for port in every_engine.values():
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+            try:
+                for at in range(0, len(data), piece):
+                    sock.sendall(data[at : at + piece])
+            except OSError:
+                pass  # closed on us: a broken rule
+            if reset:  # leave with a reset instead of a close
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        with _connect(port) as probe:
+            probe.sendall(c.encode_request(Request(Op.PING, number=0x5AFE)))
+            assert _recv(probe, 4) == struct.pack("<I", 0x5AFE)
