@@ -15,12 +15,13 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _helpers import wait_for
 from elastrun.core.errors import ConfigError
 from elastrun.store.torchwire import TorchWireServer
 from elastrun.store.torchwire import codec as c
@@ -149,9 +150,7 @@ def test_a_bad_client_is_closed_and_the_complaint_is_logged(
         sock.sendall(c.encode_request(Request(Op.PING, number=1)))  # not validated first
         assert sock.recv(16) == b""
         port = sock.getsockname()[1]
-    deadline = time.monotonic() + 5
-    while not caplog.records and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: caplog.records, 5, "the complaint")
     [record] = caplog.records
     message = record.getMessage()
     assert f"closing the connection from 127.0.0.1:{port}" in message
@@ -172,13 +171,6 @@ def _epoll_registrations() -> int:
     return total
 
 
-def _settle(read: Callable[[], int], expected: int) -> int:
-    deadline = time.monotonic() + 5
-    while (now := read()) != expected and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return now
-
-
 def test_a_connection_a_forked_process_still_holds_leaves_the_servers_epoll_set(
     server: TorchWireServer,
 ) -> None:
@@ -189,8 +181,8 @@ def test_a_connection_a_forked_process_still_holds_leaves_the_servers_epoll_set(
     # use after free in the compiled engine).
     before = _epoll_registrations()
     client = _connect(server.port)
-    assert _settle(lambda: server.num_connections, 1) == 1
-    assert _settle(_epoll_registrations, before + 1) == before + 1
+    wait_for(lambda: server.num_connections == 1, 5, "the server to take the client")
+    wait_for(lambda: _epoll_registrations() == before + 1, 5, "the client's registration")
     release, hold = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - the forked copy: hold everything but the client
@@ -203,8 +195,8 @@ def test_a_connection_a_forked_process_still_holds_leaves_the_servers_epoll_set(
     os.close(release)
     try:
         client.close()
-        assert _settle(lambda: server.num_connections, 0) == 0
-        assert _settle(_epoll_registrations, before) == before
+        wait_for(lambda: server.num_connections == 0, 5, "the server to see the client go")
+        wait_for(lambda: _epoll_registrations() == before, 5, "the registration to go")
         with _connect(server.port) as again:  # and it serves on
             again.sendall(c.encode_request(Request(Op.PING, number=7)))
             assert _recv(again, 4) == struct.pack("<I", 7)
@@ -224,9 +216,7 @@ def test_add_to_a_value_that_is_not_a_number_names_the_value(
             )
         )
         assert sock.recv(16) == b""
-    deadline = time.monotonic() + 5
-    while not caplog.records and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: caplog.records, 5, "the complaint")
     assert "the value b'abc' is not a number" in caplog.records[0].getMessage()
 
 
