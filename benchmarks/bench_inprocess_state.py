@@ -19,6 +19,11 @@ after it committed step KILL_AT, writing the moment first. The ways to recover:
   group read the killed attempt's addresses and failed to connect (connection refused)
   in every run on this machine.
 
+``ELASTRUN_BENCH_DEVICE=cuda`` keeps the model, its gradients and Adam's moments on the
+GPU (both ranks on ``cuda:0``; the all-reduce is gloo's on CUDA tensors), so that a
+commit is copied to host memory and the replacement's tensors are filled on the GPU;
+``ELASTRUN_BENCH_FEATURES=8192`` (a comma list) measures those sizes only.
+
 Measured from the kill: the time until every rank has completed the next step (the
 first that no rank had completed), the commit's transfer (bytes over seconds, on the
 replacement, from the commit's description to the last byte in its tensors), and each run's peak
@@ -68,10 +73,11 @@ SCRIPT = textwrap.dedent(
     features, steps, kill_at, ckpt_at = int(features), int(steps), int(kill_at), int(ckpt_at)
     rank = int(os.environ["RANK"])
     log = os.open(os.path.join(out, f"steps_{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    device = torch.device(os.environ.get("STATE_DEVICE", "cpu"))
     torch.manual_seed(0)
-    model = torch.nn.Linear(features, 2 * features, bias=False)
+    model = torch.nn.Linear(features, 2 * features, bias=False).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.randn(8, features, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(8, features, generator=torch.Generator().manual_seed(rank)).to(device)
     ckpt = os.path.join(out, "ckpt.pt")
 
     def peak():
@@ -128,7 +134,7 @@ SCRIPT = textwrap.dedent(
     else:
         step = 0
         if os.path.exists(ckpt):
-            saved = torch.load(ckpt, weights_only=True, mmap=True)
+            saved = torch.load(ckpt, weights_only=True, mmap=True, map_location="cpu")
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
             step = saved["step"]
@@ -170,6 +176,15 @@ PROFILE_OPTIONS = {
 }
 
 
+def _device() -> str:
+    return os.environ.get("ELASTRUN_BENCH_DEVICE", "cpu")
+
+
+def _features(opts: Options) -> tuple[int, ...]:
+    chosen = os.environ.get("ELASTRUN_BENCH_FEATURES", "")
+    return tuple(int(f) for f in chosen.split(",") if f) or opts.features
+
+
 def _gb(features: int) -> float:
     return 3 * 2 * features * features * 4 / 1e9
 
@@ -185,7 +200,11 @@ def _measure(column: str, features: int, work: Path) -> dict[str, float]:
     args = [str(out), mode, str(features), str(steps), str(KILL_AT), str(CHECKPOINT_AT)]
     launcher = torchrun() if column == "torchrun" else elastrun()
     cmd = launcher.command(2, script, args, "--max-restarts", "1")
-    env = {"OMP_NUM_THREADS": "1", "OVER_GLOO": "1" if "gloo" in column else "0"}
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "OVER_GLOO": "1" if "gloo" in column else "0",
+        "STATE_DEVICE": _device(),
+    }
     if column == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # (see the module's docstring)
     running = Running(cmd, marker=new_marker(), log_dir=run_dir, env_extra=env)
@@ -222,11 +241,12 @@ def body(section: Section, opts: Options) -> None:
         f"the gradients' all-reduce each step; rank 1 is killed after committing step "
         f"{KILL_AT}. In place: a commit every step (no copy). Group restart: the same "
         f"training without the API, a checkpoint after step {CHECKPOINT_AT}. "
+        f"The state on {_device()}. "
         f"{opts.reps} alternating run(s) each, on {os.cpu_count()} CPUs, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
     )
     with tempfile.TemporaryDirectory(prefix="elastrun-inprocess-state-") as tmp:
-        for features in opts.features:
+        for features in _features(opts):
             _one_size(section, features, opts, Path(tmp))
     section.notes.append(
         "The transfer is timed on the replacement, from the moment the commit's description "
