@@ -373,6 +373,34 @@ def test_a_survivor_killed_during_the_synchronisation_is_replaced_in_the_next_ro
     assert {r["sha"] for r in results} == {fault_free}
 
 
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ["1:10:kill", "2:10:kill"],  # two ranks killed together
+        ["2:15:kill", "0:0:syncdie"],  # a survivor killed as it enters the synchronisation
+        ["2:15:kill", "2:0:syncdie", "0:50:syncdie"],  # the replacement, then a survivor
+        ["2:15:kill", "0:20:syncdie"],  # a survivor killed 20 ms into the synchronisation
+    ],
+    ids=["two-together", "survivor-at-sync-entry", "replacement-then-survivor", "survivor-20ms"],
+)
+def test_overlapping_failures_are_recovered_in_place_with_no_worker_left_behind(
+    tmp_path: Path, fault_free: str, plan: list[str]
+) -> None:
+    # A replacement started for a round that is abandoned (a second failure) before its
+    # hello reaches the agent is told the newest round with its hello: it never waits
+    # on the abandoned round's stopped store, so nobody is killed as stuck in a
+    # collective. The join bound is the default's 30 s: a late worker would cost that.
+    code, err, results = _run(tmp_path, "out", plan, "ELASTRUN_INPROCESS_JOIN_TIMEOUT=30")
+    assert code == 0, err
+    assert "did not reach in-process round" not in err, err
+    assert "restarting all workers" not in err, err
+    killed = {int(item.split(":")[0]) for item in plan}
+    ranks = _by_rank(results)
+    for r in set(ranks) - killed:
+        assert len(ranks[r]["calls"]) == 2, (ranks[r], err)  # the same process, kept
+    assert {r["sha"] for r in results} == {fault_free}
+
+
 def test_rotating_failures_over_every_rank_are_recovered_in_place_with_default_options(
     tmp_path: Path, fault_free: str
 ) -> None:

@@ -155,3 +155,35 @@ def test_a_workers_question_is_answered_by_the_agent_or_by_a_newer_round(
     finally:
         channel.close()
     hub.answer(0, 7, 1, True)  # after close: nothing reads, nothing breaks
+
+
+def test_a_late_hello_is_answered_with_the_newest_round_announced_to_its_process(
+    hub: InprocessHub, channel: Channel
+) -> None:
+    # Local rank 0's replacement (pid 7) was started into round 1; round 1 was abandoned
+    # and round 2 announced before its hello came. Its hello (round 1) is answered with
+    # round 2 at once: it never waits on round 1's stopped store.
+    hub.announce(1, {0: {"RANK": "0", "MASTER_PORT": "1"}}, {0: 7})
+    hub.announce(2, {0: {"RANK": "0", "MASTER_PORT": "2"}}, {0: 7}, ["0100007F:1F90"])
+    try:
+        channel.send("hello", pid=7, round=1)
+        message = channel.wait_round(1, 5.0)
+        assert message is not None and message["round"] == 2
+        assert message["env"] == {"RANK": "0", "MASTER_PORT": "2"}
+        assert message["cut"] == ["0100007F:1F90"]
+        assert channel.newer_than(1)
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize(("pid", "round_no"), [(7, 2), (8, 1)], ids=["current", "another-pid"])
+def test_a_hello_is_not_sent_a_round_it_is_in_or_one_for_another_process(
+    hub: InprocessHub, channel: Channel, pid: int, round_no: int
+) -> None:
+    hub.announce(2, {0: {"RANK": "0"}}, {0: 7})
+    try:
+        channel.send("hello", pid=pid, round=round_no)
+        assert _until(lambda: hub.opted_in(0, pid))
+        assert channel.wait_round(-1, 0.3) is None
+    finally:
+        channel.close()

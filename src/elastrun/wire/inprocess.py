@@ -21,7 +21,10 @@ agent -> worker
   ``{"op": "round", "round": N, "env": {...}, "cut": [ENDPOINT, ...]}``
       a worker was replaced: round N starts, with these environment variables; the
       worker shuts down its connections to or from the listed endpoints (where the
-      previous round's workers listen, ``core.tcp_sockets`` form)
+      previous round's workers listen, ``core.tcp_sockets`` form). A hello of round N
+      from a worker to which a round past N was announced before its hello came (a
+      replacement started for a round that a second failure abandoned) is answered at
+      once with the newest such round
   ``{"op": "answer", "round": N, "peer_failed": BOOL}``
       the answer to an ``ask`` about round N: true when another worker of round N failed
       (or the round is over: a newer round exists, the group re-forms); false when no

@@ -56,6 +56,10 @@ class InprocessHub:
         self._joined: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
         self._commits: dict[int, int] = {}  # local rank -> the commit it synchronised to
         self._asked: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round) unanswered
+        # local rank -> (pid, round, message): the newest round announced to that worker,
+        # also when its hello had not come yet (a replacement started for a round that was
+        # abandoned before it said hello): its hello is answered with it (see _note).
+        self._announced: dict[int, tuple[int, int, bytes]] = {}
         self._stop = Waker()
         self._thread = threading.Thread(target=self._serve, name="elastrun-inprocess", daemon=True)
         self._thread.start()
@@ -120,15 +124,17 @@ class InprocessHub:
         """Send round ``round_no`` to the workers ``pids`` (local rank -> pid) with their
         environment, and the endpoints whose connections they cut (``cut``)."""
         with self._lock:
-            peers = [p for p in self._peers.values() if p.local_rank in pids]
-        for peer in peers:
-            assert peer.local_rank is not None
-            if peer.pid != pids[peer.local_rank]:
-                continue  # a replaced worker's connection, still closing
-            env = {k: v for k, v in envs[peer.local_rank].items() if k in wire.ROUND_VARIABLES}
-            with contextlib.suppress(OSError):
+            for lr, pid in pids.items():
+                env = {k: v for k, v in envs[lr].items() if k in wire.ROUND_VARIABLES}
                 message = {"op": "round", "round": round_no, "env": env, "cut": cut or []}
-                peer.sock.sendall(wire.encode(message))
+                self._announced[lr] = (pid, round_no, wire.encode(message))
+            # Sent under the lock, so that a hello taken meanwhile by the serving thread
+            # is answered either here or there, and never with an older round after a
+            # newer one (the messages are small, the sockets never full for long).
+            for peer in self._peers.values():
+                if peer.local_rank in pids and peer.pid == pids[peer.local_rank]:
+                    _send(peer, self._announced[peer.local_rank][2])
+            # (a replaced worker's connection, still closing, is not sent the round)
 
     # -- serving -------------------------------------------------------------------------
 
@@ -195,6 +201,11 @@ class InprocessHub:
             if op == "hello":
                 peer.local_rank, peer.pid = lr, int(message.get("pid", 0))
                 self._hello[lr] = (peer.pid, round_no)
+                pid, newest, announced = self._announced.get(lr, (None, -1, b""))
+                if pid == peer.pid and newest > round_no:
+                    # Started into a round that was abandoned before this hello came:
+                    # told the newest at once, it leaves the old round's store alone.
+                    _send(peer, announced)
             elif op == "synced" and peer.pid is not None:
                 self._synced[lr] = (peer.pid, round_no)
                 with contextlib.suppress(TypeError, ValueError):
@@ -219,6 +230,11 @@ class InprocessHub:
 
     def __repr__(self) -> str:
         return f"InprocessHub({self.path!r}, opted_in={sorted(self._hello)})"
+
+
+def _send(peer: _Peer, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        peer.sock.sendall(data)
 
 
 def _private_dir() -> str:
