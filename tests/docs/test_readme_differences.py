@@ -1,6 +1,6 @@
 """The README's "deliberately differs" list names every behaviour that departs from
 torchrun on purpose; a difference found later is either fixed or added there, and this
-list of the ones decided in issue 27 keeps them from being dropped by an edit."""
+list of the ones decided (issues 27 and 41) keeps them from being dropped by an edit."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ DECIDED = {
     "the CLI shows tee'd lines on its descriptors, the Python API through sys.stdout": [
         "descriptors 1 and 2",
         "`contextlib.redirect_stdout`",
+    ],
+    "the report explains a missing error file; ProcessFailure.message stays torch's": [
+        "`ProcessFailure.message` keeps torch's text",
+        "`ProcessFailure.explanation`",
     ],
 }
 

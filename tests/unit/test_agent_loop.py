@@ -122,6 +122,6 @@ def test_a_worker_stuck_in_d_state_fails_the_run_without_restart(tmp_path: Path)
     result = agent.run()
     assert result.state is WorkerState.FAILED
     assert starter.attempt == 0  # not restarted: restarting cannot free it
-    assert "stuck in uninterruptible sleep" in result.failures[1].message
+    assert "stuck in uninterruptible sleep" in result.failures[1].explanation
     assert not result.failures[1].terminated_by_agent
     assert agent.budget_note is not None and agent.budget_note.startswith("not restarted")

@@ -113,12 +113,65 @@ def test_failure_without_error_file_and_signal_names_the_signal() -> None:
     assert failure.error_file_data == {"message": "<NONE>"}
 
 
+@pytest.mark.parametrize("exitcode", [1, 138])
+def test_failure_without_error_file_and_exit_code_has_torchs_message(
+    tmp_path: Path, exitcode: int
+) -> None:
+    # Code written for torch compares the message word for word; elastrun's own
+    # account of the missing error file is the explanation, which the report shows.
+    failure = _failure(0, exitcode, str(tmp_path / "never-written.json"))
+    assert failure.message == (
+        "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    )
+    assert failure.error_file == "<N/A>"
+    assert failure.signal_name() == "<N/A>"
+    assert failure.error_file_data == {
+        "message": "<NONE>",
+        "errorTraits": {"category": "system_terminated_error", "retryability": "False"},
+    }
+    assert failure.explanation.startswith(f"exited with code {exitcode}; no error file")
+    report = ChildFailedError("train.py", {0: failure}).format_msg()
+    assert f"  message   : {failure.explanation}" in report.splitlines()
+    assert "To enable traceback" not in report
+
+
+def test_failure_without_error_file_under_a_relative_path_has_torchs_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's own test names a relative file that does not exist: the write probe
+    # then tries the working directory.
+    monkeypatch.chdir(tmp_path)
+    failure = ProcessFailure(local_rank=0, pid=997, exitcode=138, error_file="ignored.json")
+    assert failure.message.startswith("To enable traceback see: ")
+    assert failure.error_file == "<N/A>"
+    assert failure.write_problem is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reason_elastrun_ended_a_worker_leads_the_explanation_not_torchs_message() -> None:
+    failure = ProcessFailure(
+        local_rank=0, pid=1000, exitcode=-9, error_file="", reason="its timer expired"
+    )
+    assert failure.message == "Signal 9 (SIGKILL) received by PID 1000"
+    assert failure.explanation == "its timer expired: Signal 9 (SIGKILL) received by PID 1000"
+    report = ChildFailedError("train.py", {0: failure}).format_msg()
+    assert f"  message   : {failure.explanation}" in report.splitlines()
+
+
+def test_failure_with_error_file_explains_it_with_its_message(tmp_path: Path) -> None:
+    path = tmp_path / "e.json"
+    write_error_file(str(path), exception_payload(ValueError("boom"), now=9))
+    failure = _failure(0, 1, str(path))
+    assert failure.message == failure.explanation == "ValueError: boom"
+    assert "errorTraits" not in failure.error_file_data
+
+
 def test_failure_without_error_file_and_exit_code_explains_how_to_get_one(
     tmp_path: Path,
 ) -> None:
     failure = _failure(0, 3, str(tmp_path / "never-written.json"))
-    assert failure.message.startswith("exited with code 3; no error file")
-    assert "record" in failure.message and "stderr" in failure.message
+    assert failure.explanation.startswith("exited with code 3; no error file")
+    assert "record" in failure.explanation and "stderr" in failure.explanation
     assert failure.signal_name() == "<N/A>"
     assert failure.error_file_problem is None  # no file is not a problem
 
@@ -128,18 +181,18 @@ def test_failure_whose_error_file_cannot_be_written_names_the_os_error_not_the_h
 ) -> None:
     removed = tmp_path / "removed"
     failure = _failure(0, 1, str(removed / "error.json"))
-    assert failure.message == (
+    assert failure.explanation == (
         f"exited with code 1; no error file: writing to {removed} fails now: "
         "No such file or directory"
     )
-    assert failure.write_problem is not None and "record" not in failure.message
+    assert failure.write_problem is not None and "record" not in failure.explanation
 
 
 def test_write_probe_of_a_writable_directory_keeps_the_hint_and_leaves_nothing(
     tmp_path: Path,
 ) -> None:
     failure = _failure(0, 1, str(tmp_path / "error.json"), stderr_file=str(tmp_path / "e.log"))
-    assert "decorate its main with elastrun.record" in failure.message
+    assert "decorate its main with elastrun.record" in failure.explanation
     assert failure.write_problem is None
     assert list(tmp_path.iterdir()) == []
 
@@ -153,13 +206,13 @@ def test_no_write_probe_for_a_worker_killed_by_a_signal(tmp_path: Path) -> None:
 def test_no_write_probe_for_a_sibling_that_elastrun_stopped(tmp_path: Path) -> None:
     failure = _failure(0, 1, str(tmp_path / "removed" / "error.json"), terminated=True)
     assert failure.write_problem is None
-    assert "decorate its main" in failure.message
+    assert "decorate its main" in failure.explanation
 
 
 def test_log_problem_known_to_the_agent_replaces_the_hint() -> None:
     problem = "cannot write worker logs to /logs/attempt_1: No space left on device"
     failure = _failure(0, 1, log_problem=problem)
-    assert failure.message == f"exited with code 1; no error file: {problem}"
+    assert failure.explanation == f"exited with code 1; no error file: {problem}"
     assert failure.write_problem == problem
 
 
@@ -171,7 +224,7 @@ def test_failure_with_truncated_error_file_reports_the_problem_instead_of_raisin
     failure = _failure(0, 1, str(path))
     assert failure.error_file_problem is not None
     assert "not valid JSON (truncated?)" in failure.error_file_problem
-    assert failure.message.startswith("exited with code 1; its error file could not be used")
+    assert failure.explanation.startswith("exited with code 1; its error file could not be used")
     assert failure.traceback is None
 
 

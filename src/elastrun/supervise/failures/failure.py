@@ -11,9 +11,22 @@ from dataclasses import dataclass, field
 
 from elastrun.core.errorfile import ErrorFileContents, ErrorFileProblem, read_error_file
 
-__all__ = ["NOT_AVAILABLE", "STDERR_TAIL_LINES", "ProcessFailure", "signal_name"]
+__all__ = [
+    "NOT_AVAILABLE",
+    "NO_ERROR_FILE_MESSAGE",
+    "STDERR_TAIL_LINES",
+    "ProcessFailure",
+    "signal_name",
+]
 
 NOT_AVAILABLE = "<N/A>"
+#: torch's ``ProcessFailure.message`` for a worker that exited with a code and left no
+#: error file. Kept word for word: code written for torch compares it.
+NO_ERROR_FILE_MESSAGE = (
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+)
+#: What torch adds to ``error_file_data`` in that case.
+_NO_ERROR_FILE_TRAITS = {"category": "system_terminated_error", "retryability": "False"}
 
 # How much of a failed rank's stderr log the report shows.
 STDERR_TAIL_LINES = 20
@@ -61,7 +74,15 @@ class ProcessFailure:
             No space left on device"``.
 
     Derived attributes:
-        message: the failure in one line (the exception, the signal, or the exit code).
+        message: torch's message: the error file's message, else for a signal
+            ``"Signal 9 (SIGKILL) received by PID 1000"``, else torch's pointer to its
+            documentation (:data:`NO_ERROR_FILE_MESSAGE`). Code written for torch
+            compares it, so it says nothing of elastrun's own.
+        explanation: the failure as elastrun explains it, what the failure report and
+            the launcher's log show: the ``reason`` elastrun ended the worker, then the
+            error file's message or the signal, and for an exit code without an error
+            file why there is none (the file could not be used or written, or the
+            worker did not record its exception, with the advice to decorate it).
         timestamp: when the failure happened, in whole epoch seconds (an int, as
             torch's): the error file's time if it has one, else ``observed_at``.
         error_file_data: the error file's JSON document (``{"message": "<NONE>"}``
@@ -94,11 +115,12 @@ class ProcessFailure:
     terminated_by_agent: bool = False
     stderr_file: str | None = None
     #: Why elastrun ended the worker, when it did so on purpose (an expired timer, a
-    #: worker stuck in uninterruptible sleep); shown before the exit's own message.
+    #: worker stuck in uninterruptible sleep); ``explanation`` starts with it.
     reason: str | None = None
     log_problem: str | None = None
 
     message: str = field(init=False)
+    explanation: str = field(init=False)
     timestamp: int = field(init=False)
     error_file_data: dict[str, object] = field(init=False, repr=False)
     error_file_contents: ErrorFileContents | None = field(init=False, repr=False)
@@ -140,7 +162,8 @@ class ProcessFailure:
         # Siblings that elastrun stopped are not probed: their silence is expected.
         probe = not self.terminated_by_agent and self.write_problem is None
         if probe and error_file_missing and self.exitcode > 0:
-            self.write_problem = _probe_write(os.path.dirname(self.error_file))
+            # (a bare file name is in the working directory)
+            self.write_problem = _probe_write(os.path.dirname(self.error_file) or ".")
         if self.error_file_contents is None and self.error_file_problem is None:
             self.error_file = NOT_AVAILABLE
         self.stderr_tail, self.stderr_tail_omits_traceback, self.stderr_problem = _stderr_tail(
@@ -155,14 +178,27 @@ class ProcessFailure:
         ):
             self.write_problem = _probe_write(os.path.dirname(self.stderr_file))
 
-        if not self.message:
-            self.message = self._message_without_error_file()
-        if self.reason:
-            self.message = f"{self.reason}: {self.message}"
+        self._describe()
 
-    def _message_without_error_file(self) -> str:
-        if self.exitcode < 0:
-            return f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
+    def _describe(self) -> None:
+        """Set ``message`` (torch's text: code written for torch compares it word for
+        word) and ``explanation`` (elastrun's, which says why there is no error file:
+        the report and the log show it)."""
+        if self.message:
+            self.explanation = self.message
+        elif self.exitcode < 0:
+            self.message = (
+                f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
+            )
+            self.explanation = self.message
+        else:
+            self.message = NO_ERROR_FILE_MESSAGE
+            self.error_file_data["errorTraits"] = dict(_NO_ERROR_FILE_TRAITS)
+            self.explanation = self._why_no_error_file()
+        if self.reason:
+            self.explanation = f"{self.reason}: {self.explanation}"
+
+    def _why_no_error_file(self) -> str:
         if self.error_file_problem is not None:
             return (
                 f"exited with code {self.exitcode}; "

@@ -160,7 +160,7 @@ def _root_block(rank: int, failure: ProcessFailure) -> list[str]:
         _field("exitcode", _exitcode(failure)),
         _field("time", _time(failure.observed_at)),
         _field("error_file", _error_file(failure)),
-        *_message_lines("message", failure.message),
+        *_message_lines("message", failure.explanation),
     ]
     if failure.terminated_by_agent:
         lines.append(_field("note", "terminated by elastrun; no worker failed on its own"))
@@ -217,12 +217,12 @@ def _other_block(
         lines = [line + (f" ({host[2:]})" if host else "")]
         # A stopped sibling is noise unless it had something to say.
         if failure.has_error_file:
-            lines.append(f"{_DETAIL_INDENT}{_first_line(failure.message)}")
+            lines.append(f"{_DETAIL_INDENT}{_first_line(failure.explanation)}")
         return lines
     lines = [
         f"{who}: exitcode {_exitcode(failure)}, pid {failure.pid}{host}, "
         f"at {_time(failure.observed_at)}",
-        f"{_DETAIL_INDENT}{_first_line(failure.message)}",
+        f"{_DETAIL_INDENT}{_first_line(failure.explanation)}",
     ]
     if failure.has_error_file or failure.error_file_problem is not None:
         lines.append(f"{_DETAIL_INDENT}error_file: {_error_file(failure)}")
