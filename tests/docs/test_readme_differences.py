@@ -24,10 +24,8 @@ DECIDED = {
     "non-termination signals are refused": ["SIGCHLD"],
     "PYTHON_EXEC is run once to see that it is Python": ["PYTHON_EXEC", "/bin/true"],
     "-m is looked up without importing": ["without importing any package"],
-    "the CLI shows tee'd lines on its descriptors, the Python API through sys.stdout": [
-        "descriptors 1 and 2",
-        "`contextlib.redirect_stdout`",
-    ],
+    "the command shows tee'd lines on its descriptors, main() and the Python API through "
+    "sys.stdout": ["descriptors 1 and 2", "launcher's `main()`", "`contextlib.redirect_stdout`"],
     "the report explains a missing error file; ProcessFailure.message stays torch's": [
         "`ProcessFailure.message` keeps torch's text",
         "`ProcessFailure.explanation`",

@@ -1,6 +1,7 @@
 """Where tee'd worker lines are shown: through ``sys.stdout``/``sys.stderr`` for the
-Python API (so ``contextlib.redirect_stdout``, pytest's capsys and notebook cells get
-them, as with torch), and straight to descriptors 1 and 2 for the ``elastrun`` CLI."""
+Python API and the launcher's ``main()`` called from Python (so
+``contextlib.redirect_stdout``, pytest's capsys and notebook cells get them, as with
+torch), and straight to descriptors 1 and 2 for the ``elastrun`` command."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from elastrun import (
     elastic_launch,
     start_processes,
 )
+from elastrun.launch.main import main
 
 LINES = 200
 
@@ -113,8 +115,28 @@ def test_local_agent_tee_lines_reach_capsys_whole(
         assert lines_of(shown, prefix) == expected_out(prefix, rank)
 
 
-def test_the_cli_writes_tee_lines_to_descriptor_one_not_sys_stdout(tmp_path: Path) -> None:
-    # The CLI owns its process's stdout: a replaced sys.stdout does not see the lines.
+def test_main_called_from_python_shows_tee_lines_through_a_redirected_sys_stdout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As torch's own test of torch.distributed.run.main does: the launcher's main(),
+    # called in this process under redirect_stdout, with the prefix template.
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_CODE)
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]: ")
+    argv = ["--nproc-per-node", "2", "--redirects", "3", "--tee", "3"]
+    argv += ["--log-dir", os.fspath(tmp_path / "logs"), os.fspath(script)]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(argv) == 0
+    for rank in range(2):
+        prefix = f"[rank{rank}]: "
+        assert lines_of(out.getvalue(), prefix) == expected_out(prefix, rank)
+        assert lines_of(err.getvalue(), prefix) == [f"{prefix}err {rank}\n"]
+
+
+def test_the_command_writes_tee_lines_to_descriptor_one_not_sys_stdout(tmp_path: Path) -> None:
+    # The command owns its process's stdout: its entry point chooses the descriptors,
+    # so a replaced sys.stdout does not see the lines.
     script = tmp_path / "worker.py"
     script.write_text(WORKER_CODE)
     argv = ["--nproc-per-node", "2", "--tee", "3", "--log-dir", os.fspath(tmp_path / "logs")]
@@ -122,8 +144,9 @@ def test_the_cli_writes_tee_lines_to_descriptor_one_not_sys_stdout(tmp_path: Pat
         f"""
         import io, sys
         sys.stdout = io.StringIO()
-        from elastrun.launch.main import main
-        rc = main({[*argv, os.fspath(script)]!r})
+        sys.argv = ["elastrun", *{[*argv, os.fspath(script)]!r}]
+        from elastrun.launch.entry import main
+        rc = main()
         assert "[default" not in sys.stdout.getvalue(), sys.stdout.getvalue()
         sys.exit(rc)
         """

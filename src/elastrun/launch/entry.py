@@ -23,8 +23,12 @@ def main() -> int:
     try:
         from elastrun.core.collector import calm_full_collections
         from elastrun.launch.main import main as run_launcher
+        from elastrun.supervise.processes.relay.console import FD_CONSOLE
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         raise
     calm_full_collections()  # a store of thousands of nodes may be served from here
-    return run_launcher(held_mask=held)
+    # The command owns its process's stdout and stderr: tee'd lines go straight to
+    # descriptors 1 and 2 (no encoding round trip, nothing left in a Python buffer at
+    # exit). main() called from Python writes them through sys.stdout, as torch's does.
+    return run_launcher(held_mask=held, console=FD_CONSOLE)

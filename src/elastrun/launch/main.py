@@ -32,6 +32,7 @@ from elastrun.launch.entry import EARLY_SIGNALS
 if TYPE_CHECKING:  # not loaded at run time: a bad option must not pay for the agent
     from elastrun.agent.spec import Entrypoint
     from elastrun.supervise.processes.logs import LogsSpecs
+    from elastrun.supervise.processes.relay import Console
 
 log = logging.getLogger("elastrun.launch")
 
@@ -133,12 +134,21 @@ def _subcommand(args: list[str]) -> int:
 
 
 def main(
-    argv: Sequence[str] | None = None, *, held_mask: set[int | signal.Signals] | None = None
+    argv: Sequence[str] | None = None,
+    *,
+    held_mask: set[int | signal.Signals] | None = None,
+    console: Console | None = None,
 ) -> int:
     """Run the launcher; returns the exit status (see the module docstring).
 
     ``held_mask``: the signal mask the process had before the entry point blocked the
     early signals (``launch.entry``); None blocks them here.
+
+    ``console``: where tee'd worker lines go. None, for a caller in Python, is
+    ``sys.stdout``/``sys.stderr`` as they are when the workers start, as torch's
+    ``torch.distributed.run.main`` does: ``contextlib.redirect_stdout`` gets them. The
+    ``elastrun`` command (``launch.entry``), which owns its process's descriptors,
+    passes ``FD_CONSOLE``.
     """
     # From here until the handlers are installed (_run), a stop signal waits, blocked,
     # instead of acting by its inherited disposition half-way through parsing (exit -N,
@@ -159,14 +169,16 @@ def main(
             # A tool (``elastrun store``) installs its own handlers, if any.
             signal.pthread_sigmask(signal.SIG_SETMASK, held_mask)
             return _subcommand(args)
-        return _launch(args, held_mask)
+        return _launch(args, held_mask, console)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held_mask)
 
 
-def _launch(args: list[str], mask: set[int | signal.Signals]) -> int:
+def _launch(
+    args: list[str], mask: set[int | signal.Signals], console: Console | None = None
+) -> int:
     """Parse and run with the early signals blocked; ``mask``: the mask to restore once
-    the launcher's own handlers are installed."""
+    the launcher's own handlers are installed; ``console``: see :func:`main`."""
     try:
         launch = parse_launch(args, os.environ)
     except ConfigError as exc:
@@ -184,10 +196,14 @@ def _launch(args: list[str], mask: set[int | signal.Signals]) -> int:
         return 0
     for notice in launch.notices:
         log.info("%s", notice)
-    return _run(launch, mask)
+    return _run(launch, mask, console)
 
 
-def _run(launch: Launch, mask: set[int | signal.Signals] | None = None) -> int:
+def _run(
+    launch: Launch,
+    mask: set[int | signal.Signals] | None = None,
+    console: Console | None = None,
+) -> int:
     # Imported here, not at the top: a dry run, a subcommand or a bad option must not pay
     # for loading the agent and everything it runs.
     from elastrun.core.shutdown import ShutdownRequest
@@ -196,7 +212,6 @@ def _run(launch: Launch, mask: set[int | signal.Signals] | None = None) -> int:
     from elastrun.launch.signals import install_signal_handlers
     from elastrun.store.tcp.limits import raise_fd_limit
     from elastrun.supervise.failures.report import ChildFailedError, copy_root_cause_error_file
-    from elastrun.supervise.processes.relay import FD_CONSOLE
 
     # Before anything opens a descriptor: an agent serving the rendezvous store holds
     # one per connected node, and the common soft limit (1024) is below what a large
@@ -218,10 +233,7 @@ def _run(launch: Launch, mask: set[int | signal.Signals] | None = None) -> int:
             log.info("unblocking %s (blocked by the parent process) to handle it", inherited)
         signal.pthread_sigmask(signal.SIG_SETMASK, set(mask) - set(handled))
     try:
-        # The CLI owns this process's stdout and stderr: tee'd lines go straight to the
-        # descriptors (faster, and nothing waits in a Python buffer at exit), not
-        # through sys.stdout as for the Python API.
-        launch_agent(launch.config, entry, args, console=FD_CONSOLE, shutdown=shutdown)
+        launch_agent(launch.config, entry, args, console=console, shutdown=shutdown)
     except ConfigError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return ExitStatus.BAD_CONFIG
@@ -288,4 +300,6 @@ def _written(path: str) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from elastrun.supervise.processes.relay.console import FD_CONSOLE
+
+    sys.exit(main(console=FD_CONSOLE))  # run as a command, like launch.entry

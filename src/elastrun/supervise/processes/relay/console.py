@@ -1,11 +1,13 @@
 """Where the relay shows tee'd lines: the process's descriptors, or Python's streams.
 
-The ``elastrun`` CLI owns its process's stdout and stderr, so it writes console lines
-straight to descriptors 1 and 2 (:class:`FdConsole`): no encoding round trip, and
-nothing can be left in a Python buffer when the process ends.
+The ``elastrun`` command owns its process's stdout and stderr, so it writes console
+lines straight to descriptors 1 and 2 (:class:`FdConsole`): no encoding round trip, and
+nothing can be left in a Python buffer when the process ends. Its entry point makes
+that choice (``launch.entry``), not the launcher's ``main()``.
 
 A user who runs workers from their own Python process (``elastic_launch``,
-``start_processes``, ``LocalElasticAgent``) expects them where ``print`` goes:
+``start_processes``, ``LocalElasticAgent``, or the launcher's ``main()`` as torch's
+tests call ``torch.distributed.run.main``) expects them where ``print`` goes:
 ``contextlib.redirect_stdout``, pytest's capsys and notebook cells replace
 ``sys.stdout``, not descriptor 1. torch's tee writes to ``sys.stdout``/``sys.stderr``
 too. :class:`PythonConsole` does that.
@@ -73,7 +75,7 @@ class PythonConsole:
         return _text_or_nowhere(sys.stdout, "stdout"), _text_or_nowhere(sys.stderr, "stderr")
 
 
-#: The CLI's console.
+#: The ``elastrun`` command's console.
 FD_CONSOLE = FdConsole()
 #: The Python API's console.
 PYTHON_CONSOLE = PythonConsole()
