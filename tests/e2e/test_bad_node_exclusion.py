@@ -4,6 +4,7 @@ nothing heavy (no torch): each attempt costs little."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -91,3 +92,49 @@ def test_with_exclude_exit_an_excluded_node_leaves_with_replace_this_node(tmp_pa
     assert "exit status 75 (replace this node; --exclude-exit)" in results["bad"].stderr
     assert results["good"].returncode == 0, err  # the job went on without it
     assert _runs(tmp_path)["bad"] == 1, err
+
+
+# Resumes from its node's progress file, as a job resumes from its checkpoint: a restart
+# costs the healthy nodes little, but the job ends only once they have done the work.
+RESUMING = """
+import os, sys, time
+where, tag = sys.argv[1], os.environ["NODE_TAG"]
+open(os.path.join(where, f"ran_{tag}_{os.getpid()}"), "w").close()
+if tag == "bad":
+    raise RuntimeError(f"bad node, pid {os.getpid()}")
+path = os.path.join(where, f"progress_{tag}")
+done = int(open(path).read()) if os.path.exists(path) else 0
+while done < int(sys.argv[2]):
+    time.sleep(0.25)
+    done += 1
+    with open(path + ".tmp", "w") as fh:
+        fh.write(str(done))
+    os.replace(path + ".tmp", path)
+"""
+
+
+def test_a_node_that_always_fails_goes_out_for_longer_each_time_and_the_job_finishes(
+    tmp_path: Path,
+) -> None:
+    # Three nodes (--nnodes 2:3), one of which fails at once every time. Its second strike
+    # excludes it; each time it comes back it fails at once, and goes out for twice as
+    # long. Those failures cost no restart: with a budget of 3 the two healthy nodes
+    # finish (a constant cool-down drained the budget and failed the whole job).
+    script = write_script(tmp_path / "work.py", RESUMING)
+    endpoint = f"127.0.0.1:{free_port()}"
+    extra = ("--max-restarts", "3")
+    nodes = {}
+    for tag in ("good", "spare", "bad"):  # (the spare is a second healthy node here)
+        nodes[tag] = _node(tmp_path, endpoint, tag, script, "48", "2:3", extra)
+        time.sleep(0.3)
+    results = {name: finish(p, 150) for name, p in nodes.items()}
+    err = "\n".join(f"--- {n}\n{r.stderr[-4000:]}" for n, r in results.items())
+    assert results["good"].returncode == 0, err
+    assert results["spare"].returncode == 0, err
+    bad_err = results["bad"].stderr
+    assert "excluded 2 times in a row, 4s this time" in bad_err, err
+    assert "restart budget exhausted" not in err
+    events = [json.loads(x) for x in (tmp_path / "bad.jsonl").read_text().splitlines()]
+    cooldowns = [e["metadata"]["cooldown_s"] for e in events if e["name"] == "agent.excluded"]
+    assert len(cooldowns) >= 2, err
+    assert all(b > a * 1.5 for a, b in itertools.pairwise(cooldowns)), (cooldowns, err)

@@ -19,13 +19,15 @@ from elastrun.observe.sinks import MemoryEventSink, NullMetricSink
 from elastrun.rendezvous.decide import Joiner, RoundView, Verdict, decide_round
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.exclusion import (
+    MAX_GROWTH,
     Exclusion,
     ExclusionRule,
     ExclusionVerdict,
+    Strikes,
     check_failed,
     exclusion_verdict,
     load_exclusion,
-    load_strikes,
+    load_record,
     strikes_within,
 )
 from elastrun.rendezvous.keys import RunKeys
@@ -70,7 +72,11 @@ def test_records_round_trip_and_the_cool_down_expires() -> None:
     assert record.remaining(970.0) == 30.0 and record.remaining(1000.0) == 0.0
     assert load_exclusion("n1", b"not json") is None
     assert load_exclusion("n1", b'{"v": 99, "until": 1}') is None  # another version
-    assert load_strikes(b'{"v": 1, "at": [1.5, true, "x", 2]}') == (1.5, 2.0)
+    assert load_record(b'{"v": 1, "at": [1.5, true, "x", 2]}') == Strikes((1.5, 2.0))
+    # A record of before the repeat count reads as never excluded.
+    assert load_record(b'{"v": 1, "at": [3]}').repeats == 0
+    record = Strikes((1.0,), repeats=2, back=50.0)
+    assert load_record(record.dump()) == record
 
 
 def _j(node: str, prev: int | None = None) -> Joiner:
@@ -162,6 +168,50 @@ def test_two_strikes_exclude_a_node_and_the_others_go_on_without_it() -> None:
         assert b.wait_closed(0.01) is False
         a.set_closed("finished")
         assert b.wait_closed(10) is True  # a node sitting out learns that the job ended
+    finally:
+        for h in (a, b, c):
+            h.leave()
+
+
+def test_a_repeat_offenders_cool_down_doubles_up_to_a_bound() -> None:
+    assert [RULE.cooldown_after(n) for n in range(4)] == [30.0, 60.0, 120.0, 240.0]
+    assert RULE.cooldown_after(99) == RULE.cooldown * MAX_GROWTH
+
+
+def test_a_node_failing_again_after_its_readmission_goes_out_for_longer_at_no_cost() -> None:
+    store, clock = MemoryStore(), FakeClock()
+    a, c = _handler(store, "a", 2, 3), _handler(store, "c", 2, 3)
+    b = _handler(store, "b", 2, 3, clock)
+    b.set_exclusion(RULE)
+    try:
+        _join([a, b, c])
+        assert b.report_failure(5, "rank 1 exited with code 1") is True
+        assert a.restarts_used() == 1  # the first strike is charged
+        cooldowns = []
+        for _ in range(3):  # excluded, readmitted at once, failing again: three times
+            _join([a, b, c])
+            clock.advance(1)
+            assert b.report_failure(5, "rank 1 exited with code 1") is True
+            excluded = b.exclusion()
+            assert excluded is not None
+            cooldowns.append(excluded.until - clock.time())
+            clock.advance(cooldowns[-1])
+            b.readmit()
+        assert cooldowns == [30.0, 60.0, 120.0]
+        assert "excluded 3 times in a row, 120s this time" in excluded.reason
+        # The failures that excluded it cost the job no restart: the others went on
+        # without it, as after the loss of a node.
+        assert a.restarts_used() == 1
+        # Healthy for a window after it came back: its next exclusion is the rule's again.
+        clock.advance(RULE.window)
+        for _ in range(2):
+            _join([a, b, c])
+            assert b.report_failure(5, "rank 1 exited with code 1") is True
+            clock.advance(1)
+        again = b.exclusion()
+        assert again is not None and again.until - clock.time() == 30.0 - 1
+        assert a.restarts_used() == 2  # its first strike of the new window
+        assert "in a row" not in again.reason
     finally:
         for h in (a, b, c):
             h.leave()

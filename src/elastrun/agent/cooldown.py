@@ -80,25 +80,28 @@ class CoolDown:
         """Tell the rendezvous the rule (before the first failure can be reported)."""
         self._rdzv.set_exclusion(self._rule)
 
-    def before_round(self) -> None:
+    def before_round(self) -> bool:
         """Before this node joins a round: say whether a failure should have excluded it
         and did not, sit out its cool-down if it is excluded, and read who else is.
+
+        Returns whether it sat out a cool-down that ended (not the run): a node that was
+        kept out for failing is checked again before it joins (``nodecheck``).
 
         Raises:
             ShutdownRequested: a signal during a read or the wait.
         """
         if not self._enabled:
-            return
+            return False
         kept = self._rdzv.take_kept_at_min()
         if kept is not None:
             log.warning("this node is not excluded: %s", kept)
             self._events.record("agent.exclusion_skipped", {"reason": kept})
         own = self._interruptible(lambda _scope: self._rdzv.exclusion(), "exclusion record")
-        if own is not None:
-            self._sit_out(own)
+        readmitted = own is not None and self._sit_out(own)
         self._read_excluded()
+        return readmitted
 
-    def _sit_out(self, own: Exclusion) -> None:
+    def _sit_out(self, own: Exclusion) -> bool:
         self.own = own
         self._read_excluded()
         cooldown = own.remaining(self._clock.time())
@@ -122,6 +125,7 @@ class CoolDown:
         else:
             log.info("this node's cool-down is over: it joins the job again")
         self._events.record("agent.readmitted", {"node": own.node})
+        return not ended
 
     def _wait(self, _scope: CancelScope) -> bool:
         """Until the cool-down ends (False), or the run does (True: the job finished or

@@ -17,8 +17,18 @@ Why the clock is the wall clock: the records are read on other machines, whose m
 clocks share no origin. A cool-down lasts minutes; clock skew between NTP-synchronised
 hosts is milliseconds.
 
+Repeat offenders: a node that fails again within ``window`` seconds of its readmission
+is excluded again at that failure, for twice as long as the last time, up to
+``MAX_GROWTH`` times the rule's cool-down (``ExclusionRule.cooldown_after``); a node
+that stays healthy for a window after it came back starts again from the rule's. A node that always
+fails thus costs the job a number of readmissions that grows with the logarithm of the
+job's length, not with its length. And a failure that excludes its node is not charged
+to the job's restart budget (``outcome``): the job goes on without that node, as after
+the loss of a node, which is not charged either.
+
 Keys (``keys.RunKeys``): ``strikes/<node>`` keeps the times of a node's failures
-within the window (not under ``ctl/``: it must wake no watcher); ``ctl/excluded/<node>``
+within the window, how many times in a row it was excluded and when it last came back
+(not under ``ctl/``: it must wake no watcher); ``ctl/excluded/<node>``
 is the exclusion itself, bound to the excluded node's lease (it vanishes with the node)
 and deleted by that node when its cool-down is over. Every node of a round sees it from
 the watch it already keeps of ``ctl/``.
@@ -38,19 +48,23 @@ from enum import Enum
 from elastrun.core.errors import ConfigError
 
 __all__ = [
+    "MAX_GROWTH",
     "Exclusion",
     "ExclusionRule",
     "ExclusionVerdict",
+    "Strikes",
     "check_failed",
-    "dump_strikes",
     "exclusion_verdict",
     "load_exclusion",
-    "load_strikes",
+    "load_record",
     "strikes_within",
 ]
 
 #: The version of the records this module writes.
 VERSION = 1
+#: The longest cool-down of a repeat offender, in multiples of the rule's (the sixth
+#: exclusion in a row and later ones: 32 x 300 s, 2 h 40 min with the defaults).
+MAX_GROWTH = 32
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,12 @@ class ExclusionRule:
     @property
     def enabled(self) -> bool:
         return self.after > 0
+
+    def cooldown_after(self, repeats: int) -> float:
+        """The cool-down of an exclusion that follows ``repeats`` exclusions in a row
+        (each readmission ended by a failure within ``window``): doubled each time, at
+        most ``MAX_GROWTH`` times the rule's."""
+        return self.cooldown * float(min(2 ** min(repeats, 30), MAX_GROWTH))
 
 
 class ExclusionVerdict(Enum):
@@ -153,17 +173,54 @@ def load_exclusion(node: str, raw: bytes | None) -> Exclusion | None:
     return Exclusion(node, float(until), str(doc.get("reason", "")), str(doc.get("addr", "")))
 
 
-def dump_strikes(times: Iterable[float]) -> bytes:
-    return json.dumps({"v": VERSION, "at": list(times)}).encode()
+@dataclass(frozen=True)
+class Strikes:
+    """A node's record of failures (``strikes/<node>``).
+
+    Attributes:
+        at: the times of its failures that still count, oldest first.
+        repeats: how many times in a row it was excluded: each readmission was ended by
+            another exclusion within the window (0: never, or not lately).
+        back: when it was last readmitted (wall-clock seconds; 0: never).
+    """
+
+    at: tuple[float, ...] = ()
+    repeats: int = 0
+    back: float = 0.0
+
+    def on_probation(self, now: float, window: float) -> bool:
+        """Whether the node came back from an exclusion less than ``window`` ago: one
+        failure then excludes it again, however few strikes still count (a grown
+        cool-down outlasts the window, and with it the strikes that led to it)."""
+        return self.repeats > 0 and now - self.back < window
+
+    def excluded(self, now: float, window: float) -> tuple[Strikes, int]:
+        """The record after an exclusion at ``now``, and the exclusions in a row before
+        it (what its cool-down grows with)."""
+        repeats = self.repeats if self.on_probation(now, window) else 0
+        return Strikes(self.at, repeats + 1, self.back), repeats
+
+    def dump(self) -> bytes:
+        doc = {"v": VERSION, "at": list(self.at), "repeats": self.repeats, "back": self.back}
+        return json.dumps(doc).encode()
 
 
-def load_strikes(raw: bytes | None) -> tuple[float, ...]:
-    """The strike times of a ``strikes/<node>`` record (none when absent or unreadable)."""
+def load_record(raw: bytes | None) -> Strikes:
+    """A ``strikes/<node>`` record (an empty one when absent or unreadable)."""
     doc = versioned_doc(raw)
-    at = doc.get("at") if doc is not None else None
-    if not isinstance(at, list):
-        return ()
-    return tuple(float(t) for t in at if isinstance(t, (int, float)) and not isinstance(t, bool))
+    if doc is None:
+        return Strikes()
+    at, repeats, back = doc.get("at"), doc.get("repeats"), doc.get("back")
+    times = tuple(
+        float(t)
+        for t in (at if isinstance(at, list) else ())
+        if isinstance(t, (int, float)) and not isinstance(t, bool)
+    )
+    return Strikes(
+        times,
+        repeats if isinstance(repeats, int) and not isinstance(repeats, bool) else 0,
+        float(back) if isinstance(back, (int, float)) and not isinstance(back, bool) else 0.0,
+    )
 
 
 def versioned_doc(raw: bytes | None, version: int = VERSION) -> dict[str, object] | None:

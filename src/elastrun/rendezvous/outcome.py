@@ -7,6 +7,8 @@ barrier (``ctl/done/<n>/<node>``) for the round's outcome. When the budget is sp
 the job is done, the run is closed (``ctl/closed``, with why) and late agents are refused.
 The node that claims a failure also counts a strike against itself, and may exclude
 itself for a cool-down (``exclusion``: the rule, and why the claim makes it job-wide).
+A failure that excludes its node takes nothing from the budget: the others go on
+without it, as after the loss of a node.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from elastrun.rendezvous.exclusion import (
     Exclusion,
     ExclusionRule,
     ExclusionVerdict,
+    Strikes,
     check_failed,
-    dump_strikes,
     exclusion_verdict,
     load_exclusion,
-    load_strikes,
+    load_record,
     strikes_within,
 )
 from elastrun.rendezvous.keys import RunKeys
@@ -146,15 +148,13 @@ class Outcome:
         won, _ = self._store.compare_set(key, None, dump(note))
         if not won:
             return self._open_or_refuse()
-        used = self._store.add(self._keys.budget, 1)
-        restart = used <= max_restarts
+        # Before the verdict, which nodes in the exit barrier re-form on. A closer
+        # already forming the next round (it woke on the claim) learns of the exclusion
+        # from its watch of ``ctl/`` and stops waiting for this node.
+        excluded = self.rule.enabled and self._strike()
+        restart = excluded or self._store.add(self._keys.budget, 1) <= max_restarts
         if not restart:
             self.close(f"restart budget exhausted ({max_restarts}): {self._where(what)}")
-        elif self.rule.enabled:
-            # Before the verdict, which nodes in the exit barrier re-form on. A closer
-            # already forming the next round (it woke on the claim) learns of the
-            # exclusion from its watch of ``ctl/`` and stops waiting for this node.
-            self._strike()
         # The verdict, for nodes waiting in the exit barrier of this round.
         self._store.set(key, dump({**note, "restart": restart}))
         return restart
@@ -179,25 +179,34 @@ class Outcome:
 
     # -- exclusion with a cool-down (``exclusion``) ------------------------------------------
 
-    def _strike(self) -> None:
-        """Count this node's failure (it claimed the round's); exclude it at the limit."""
+    def _strike(self) -> bool:
+        """Count this node's failure (it claimed the round's); exclude it at the limit.
+        Returns whether it is excluded now."""
         rule, now = self.rule, self._clock.time()
         key = self._keys.strikes(self._node_id)
-        times = strikes_within((*load_strikes(self._store.get(key)), now), now, rule.window)
-        self._store.set(key, dump_strikes(times))
-        if len(times) < rule.after:
-            return  # (no store reads for the others on the way)
+        record = load_record(self._store.get(key))
+        times = strikes_within((*record.at, now), now, rule.window)
+        record = Strikes(times, record.repeats, record.back)
+        self._store.set(key, record.dump())
+        count = len(times)
+        if record.on_probation(now, rule.window):
+            count = max(count, rule.after)  # back lately from an exclusion: out again
+        if count < rule.after:
+            return False  # (no store reads for the others on the way)
         others = self._others()
-        verdict = exclusion_verdict(len(times), rule, others=others, min_nodes=self._min_nodes)
+        verdict = exclusion_verdict(count, rule, others=others, min_nodes=self._min_nodes)
         why = f"its workers failed {len(times)} times within {rule.window:.0f}s"
-        self._apply(verdict, why, others)
+        return self._apply(verdict, why, others, record) is not None
 
     def exclude(self, reason: str) -> Exclusion | None:
-        """Keep this node out of the rounds for the rule's cool-down, for ``reason`` (a
-        failed node check), unless the other nodes alone would be fewer than the
-        minimum (then ``kept_at_min`` says so). Returns the exclusion that holds."""
+        """Keep this node out of the rounds for the rule's cool-down (longer for a repeat
+        offender), for ``reason`` (a failed node check), unless the other nodes alone
+        would be fewer than the minimum (then ``kept_at_min`` says so). Returns the
+        exclusion that holds."""
         others = self._others()
-        return self._apply(check_failed(others=others, min_nodes=self._min_nodes), reason, others)
+        verdict = check_failed(others=others, min_nodes=self._min_nodes)
+        record = load_record(self._store.get(self._keys.strikes(self._node_id)))
+        return self._apply(verdict, reason, others, record)
 
     def _others(self) -> int:
         """The live nodes other than this one that are not excluded themselves."""
@@ -205,7 +214,9 @@ class Outcome:
         excluded = {k[len(self._keys.excluded_prefix) :] for k in found}
         return len(self._live.live_nodes() - excluded - {self._node_id})
 
-    def _apply(self, verdict: ExclusionVerdict, reason: str, others: int) -> Exclusion | None:
+    def _apply(
+        self, verdict: ExclusionVerdict, reason: str, others: int, record: Strikes
+    ) -> Exclusion | None:
         me = self._node_id
         if verdict is ExclusionVerdict.KEPT_AT_MIN:
             self.kept_at_min = (
@@ -215,11 +226,22 @@ class Outcome:
             return None
         if verdict is ExclusionVerdict.STAYS:
             return None
-        record = Exclusion(me, self._clock.time() + self.rule.cooldown, reason, self._addr)
         key = self._keys.excluded(me)
+        current = self._store.get(key)
+        if current is not None and (held := load_exclusion(me, current)) is not None:
+            return held  # an exclusion that holds keeps its cool-down
+        now = self._clock.time()
+        after, repeats = record.excluded(now, self.rule.window)
+        cooldown = self.rule.cooldown_after(repeats)
+        if repeats:
+            reason = f"{reason}; excluded {repeats + 1} times in a row, {cooldown:.0f}s this time"
+        exclusion = Exclusion(me, now + cooldown, reason, self._addr)
         # Compare-and-set: an exclusion that holds keeps its cool-down.
-        won, current = self._store.compare_set(key, None, record.dump(), lease=self._live.lease)
-        return record if won else load_exclusion(me, current)
+        won, current = self._store.compare_set(key, None, exclusion.dump(), lease=self._live.lease)
+        if not won:
+            return load_exclusion(me, current)
+        self._store.set(self._keys.strikes(me), after.dump())
+        return exclusion
 
     def exclusion(self) -> Exclusion | None:
         """This node's exclusion, while it holds."""
@@ -229,6 +251,9 @@ class Outcome:
         """This node's cool-down is over: it may join rounds again, as a newcomer (its
         rank went to the node that replaced it; asking for it back with its last round's
         rank, it would be ordered ahead of spares that waited longer)."""
+        key = self._keys.strikes(self._node_id)
+        record = load_record(self._store.get(key))
+        self._store.set(key, Strikes(record.at, record.repeats, self._clock.time()).dump())
         self._store.delete(self._keys.excluded(self._node_id))
         self._live.forget_round()
 
