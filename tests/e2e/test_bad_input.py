@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import ELASTRUN, write_script
+from _helpers import ELASTRUN, run, write_script
 from elastrun.launch.main import main
 
 #: The rule's bound on the whole command (interpreter start included), taken as the CPU
@@ -267,6 +267,19 @@ CASES = [
         _v("99999999999"),
     ),
     Case("stacks-timeout-inf", ["stacks", "--timeout", "inf", "."], "--timeout", _v("inf")),
+    # the node check's script: a directory, or (not a .py, run as a program) not executable
+    Case(
+        "node-check-script-dir",
+        ["--node-check-script", ".", SCRIPT],
+        "--node-check-script",
+        "is not a file (got '.')",
+    ),
+    Case(
+        "node-check-script-not-executable",
+        ["--node-check-script", "afile", SCRIPT],
+        "--node-check-script",
+        "is not executable (only a .py file is run with python) (got 'afile')",
+    ),
     Case(
         "k8s-nproc-per-node-huge",
         [*K8S, "--nproc-per-node", "99999", "--", SCRIPT],
@@ -329,6 +342,14 @@ def test_a_bad_value_exits_2_with_one_line_before_anything_starts(
     assert case.names in lines[0] and case.shows in lines[0], lines[0]
     assert not (workdir / MARKER).exists(), "a worker started"
     assert cpu < WITHIN, f"the refusal took {cpu:.2f} CPU-s"
+
+
+def test_an_empty_variable_counts_as_unset_and_the_job_runs(workdir: Path) -> None:
+    # As torchrun takes an empty PET_* variable for unset, elastrun's own variables too.
+    env = {"ELASTRUN_STORE_ENGINE": "", "PET_MAX_RESTARTS": ""}
+    done = run(["--nproc-per-node", "1", "--no-template", SCRIPT], cwd=workdir, env=env)
+    assert done.returncode == 0, done.stderr
+    assert (workdir / MARKER).exists()
 
 
 # --------------------------------------------------------------------------------------

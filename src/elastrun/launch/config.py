@@ -269,7 +269,8 @@ def check_agent_environment(environ: Mapping[str, str]) -> None:
     wiring uses; torchrun ignores a bad value of each, silently or with a log line.
     With the file timer on, ``TORCHELASTIC_TIMER_FILE`` (where the agent makes the
     FIFO) must be a path whose directory exists and is writable. ``ELASTRUN_STORE_ENGINE``
-    must name an engine of the workers' store that this install has.
+    must name an engine of the workers' store that this install has (set empty, it
+    counts as unset, as an empty ``PET_*`` variable does).
 
     Raises:
         ConfigError: naming the variable and its value.
@@ -281,7 +282,8 @@ def check_agent_environment(environ: Mapping[str, str]) -> None:
 
     port_from_env(environ)
     timeout_from_env(environ)
-    if environ.get("ELASTRUN_STORE_ENGINE", "auto") != "auto":  # the store's package: only then
+    # The store's package only for a name other than the default (empty counts as unset).
+    if environ.get("ELASTRUN_STORE_ENGINE", "") not in ("", "auto"):
         from elastrun.store.torchwire.engine import choose_engine
 
         choose_engine(environ=environ)

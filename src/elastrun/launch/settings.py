@@ -138,9 +138,15 @@ def _node_check(values: Values) -> NodeCheckRule:
     """``--node-check`` and its timeout, script and slowdown (read even when it is off,
     so that a bad value is named at once)."""
     script, script_source = values.text("node_check_script")
+    # Found here, not on each node at its first check (where every node would fail).
     if script and not os.path.isfile(script):
-        # Found here, not on each node at its first check (where every node would fail).
         raise ConfigError(script_source, script, "is not a file")
+    if script and not script.endswith(".py") and not os.access(script, os.X_OK):
+        raise ConfigError(
+            script_source, script, "is not executable (only a .py file is run with python)"
+        )
+    if script and not os.access(script, os.R_OK):
+        raise ConfigError(script_source, script, "is not readable")
     slowdown, slowdown_source = values.required("node_check_slowdown")
     return NodeCheckRule(
         enabled=values.flag("node_check"),

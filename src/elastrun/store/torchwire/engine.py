@@ -29,15 +29,16 @@ def compiled_engine_available() -> bool:
 def choose_engine(engine: str = "auto", environ: Mapping[str, str] | None = None) -> str:
     """``"compiled"`` or ``"python"``: the one ``engine`` names, or for ``"auto"`` the
     one ``ELASTRUN_STORE_ENGINE`` names in ``environ`` (the process's by default), else
-    the compiled one where it was built.
+    the compiled one where it was built. The variable set empty counts as unset, as an
+    empty ``PET_*`` variable does.
 
     Raises ``ConfigError`` for an unknown name, or for ``"compiled"`` where it was not
     built.
     """
-    env = os.environ if environ is None else environ
     source = "engine"
-    if engine == "auto" and env.get(ENGINE_ENV, "auto") != "auto":
-        engine, source = env[ENGINE_ENV], ENGINE_ENV
+    named = (os.environ if environ is None else environ).get(ENGINE_ENV) or "auto"
+    if engine == "auto" and named != "auto":
+        engine, source = named, ENGINE_ENV
     if engine not in ENGINES:
         raise ConfigError(source, engine, f"must be one of {', '.join(ENGINES)}")
     if engine == "compiled" and not compiled_engine_available():
