@@ -92,8 +92,19 @@ class ElasticLoop:
 
     def _run(self) -> RunResult:
         self._check_shutdown()
-        self._start_round()
-        return self._watch()
+        try:
+            self._start_round()
+            return self._watch()
+        except RendezvousClosedError as exc:
+            if not (exc.finished and self._p.nodecheck.was_kept_out):
+                raise
+            # Kept out by a failed check, this node sat out a job that succeeded: it
+            # ends as the job did (under srun, a node's failure fails the whole step).
+            log.info(
+                "the job finished while this node was kept out after its failed node "
+                "check: it ends with success"
+            )
+            return RunResult(state=WorkerState.SUCCEEDED)
 
     def _start_services(self, exits: contextlib.ExitStack) -> None:
         """Start what runs for the whole loop; push each one's undoing on ``exits``."""

@@ -73,7 +73,23 @@ class RendezvousError(ElastrunError):
 
 
 class RendezvousClosedError(RendezvousError):
-    """The run id was closed: the job finished or failed and accepts no more nodes."""
+    """The run id was closed: the job finished or failed and accepts no more nodes.
+
+    ``reason`` is the reason the run was closed with, where it was read (``FINISHED``:
+    every node's workers succeeded).
+    """
+
+    #: The reason a run that succeeded is closed with.
+    FINISHED = "finished"
+
+    def __init__(self, *args: object, reason: str | None = None) -> None:
+        super().__init__(*args)
+        self.reason = reason
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job succeeded."""
+        return self.reason == self.FINISHED
 
 
 class RendezvousTimeoutError(RendezvousError, TimeoutError):

@@ -5,7 +5,8 @@ workers (``due``); a failure elsewhere, or a re-formation, does not check it aga
 What: ``nodecheck.runner`` in processes of its own, with the workers' interpreter and
 base environment (the agent never imports torch, and never initialises CUDA): the
 compute part, started first so that its imports overlap the wave's window; then the
-user's script if any (it extends the built-in check: both must pass); then the link
+user's script if any (it extends the built-in check: both must pass; the runner's
+``script`` command runs it, and ends whatever it leaves running); then the link
 rounds that ``nodecheck.verdicts.Isolation`` pairs, met through the rendezvous store
 (``nodecheck.board``).
 
@@ -18,7 +19,11 @@ A node that fails is kept out as an excluded node is (``rdzv.exclude``: a cool-d
 never below the ``--nnodes`` minimum) and sits it out before it joins (``cooldown``);
 one line names it and why, with an ``agent.node_check_failed`` event and the
 ``agent.node_check_failed`` metric. After its cool-down it joins without another check:
-a failure of its workers checks it again.
+a failure of its workers checks it again. A node kept out that finds the job finished
+meanwhile ends with success, as the job did (``was_kept_out``, read by the loop).
+
+What a check's process printed is quoted in the message at most ``QUOTE`` characters
+long (its end): the message goes to the log, an event and the rendezvous' record.
 
 Every wait runs in the shutdown scope (``Interruptible``): a signal ends the check at
 once, and the check's processes are killed on the way out.
@@ -43,13 +48,15 @@ from elastrun.nodecheck.board import CheckBoard, LinkResult, Wave
 from elastrun.nodecheck.verdicts import Isolation, NodeCheckRule
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.rendezvous.elastic import ElasticRendezvous
-from elastrun.supervise.processes.helper import Helper
+from elastrun.supervise.processes.helper import CUT, Helper
 
-__all__ = ["CheckOutcome", "NodeCheck"]
+__all__ = ["QUOTE", "CheckOutcome", "NodeCheck", "quote"]
 
 log = logging.getLogger("elastrun.agent")
 
 MODULE = "elastrun.nodecheck.runner"
+#: The most characters of a check's output a message quotes.
+QUOTE = 300
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,9 @@ class NodeCheck:
         self.due = rule.enabled
         #: The last check's outcome.
         self.last: CheckOutcome | None = None
+        #: Whether a failed check kept this node out of the rounds, at any time in
+        #: this run (never cleared: a check after the cool-down may pass by then).
+        self.was_kept_out = False
 
     def own_failure(self) -> None:
         """This node's workers failed: check it before it rejoins (meanwhile no one may
@@ -152,6 +162,7 @@ class NodeCheck:
             },
         )
         held = self._interruptible(lambda _scope: self._rdzv.exclude(reason), "exclusion")
+        self.was_kept_out = self.was_kept_out or held is not None
         kept = None if held is not None else self._rdzv.take_kept_at_min()
         log.error(
             "node %s (%s) failed its check: %s; %s",
@@ -216,25 +227,24 @@ class NodeCheck:
             return None, f"its compute check did not finish within {self._rule.timeout:.0f}s"
         error = doc.get("error") if doc is not None else None
         shown = error or (helper.tail[-1] if helper.tail else f"exit status {status}")
-        return None, f"its compute check failed: {shown}"
+        return None, f"its compute check failed: {quote(str(shown))}"
 
     def _script(
         self, scope: CancelScope, deadline: float, helpers: contextlib.ExitStack
     ) -> str | None:
         script = self._rule.script
         assert script is not None, "called with a script"
-        argv = [self._python, script] if script.endswith(".py") else [script]
-        try:
-            helper = Helper.start(argv, self._environ)
-        except OSError as exc:
-            return f"its check script {script} could not be run: {exc.strerror or exc}"
-        helpers.callback(helper.close)
+        # A bare name is a file here (the launcher checked), not a command on PATH.
+        path = script if os.sep in script else os.path.join(os.curdir, script)
+        argv = [self._python, path] if script.endswith(".py") else [path]
+        # Run by the runner, which ends whatever the script leaves running.
+        helper = self._start(["script", "--", *argv], deadline, helpers)
         status = helper.finish(scope, deadline)
         if status == 0:
             return None
         if status is None:
             return f"its check script {script} did not finish within {self._rule.timeout:.0f}s"
-        last = helper.tail[-1] if helper.tail else ""
+        last = quote(helper.tail[-1]) if helper.tail else ""
         return f"its check script {script} exited {status}" + (f": {last}" if last else "")
 
     def _rounds(
@@ -302,7 +312,10 @@ class NodeCheck:
         return seconds
 
     def __repr__(self) -> str:
-        return f"NodeCheck(rule={self._rule!r}, due={self.due}, last={self.last!r})"
+        return (
+            f"NodeCheck(rule={self._rule!r}, due={self.due}, was_kept_out={self.was_kept_out}, "
+            f"last={self.last!r})"
+        )
 
 
 def _seconds_of(helper: Helper, scope: CancelScope, deadline: float) -> float | None:
@@ -321,6 +334,15 @@ def _hang_up(host: str, port: int) -> None:
         socket.create_connection((host, port), timeout=1.0).close()
     except OSError:
         pass  # it is gone already
+
+
+def quote(text: str, limit: int = QUOTE) -> str:
+    """``text`` for a message: at most ``limit`` characters, its end where it is longer
+    (the last words of a failing script say most), after ``CUT``."""
+    if len(text) <= limit:
+        return text
+    text = text.removeprefix(CUT)
+    return CUT + text[len(text) - (limit - len(CUT)) :]
 
 
 def _seconds(value: float | None) -> str:

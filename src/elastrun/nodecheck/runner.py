@@ -15,6 +15,9 @@ from this process' stdout. Three commands:
 ``connect HOST PORT``
     The partner's side: ``ROUNDS`` exchanges of ``PAYLOAD`` bytes, each sent and
     received back whole and compared; the time of all of them.
+``script -- ARGV...``
+    Run the user's check script, and exit with its status once it and every process it
+    started have ended (``run_script``).
 
 Why a TCP exchange rather than a gloo all-reduce of two: a gloo pair needs a store that
 both check processes reach and a process group set up per pair, which costs more than
@@ -28,7 +31,20 @@ fail at once; ``slow:SECONDS`` adds ``SECONDS`` inside each timed part. Never se
 a real job.
 
 This module imports nothing of the agent side; it dies with its agent (the parent
-death signal), and ends by itself at its ``--deadline``.
+death signal), and ends by itself at its ``--deadline`` (``script`` at the agent's
+SIGTERM: the agent times the user's script).
+
+Why the user's script runs under ``script``, not as the agent's own child: a script may
+leave processes behind, in the background or in a session of their own (``setsid``),
+out of reach of the kill of the check's session. ``script`` makes itself a child
+subreaper, so that every orphaned descendant of the script becomes its child, and once
+the script has ended (or on SIGTERM: the agent stopping the check, or the agent's
+death) it kills its children one generation after another until it has none. It kills
+only processes it was handed as its own children, by pid. The rejected alternatives:
+a scan of the process table from the agent (a process that left the tree is not
+found), and making the agent itself the subreaper (it would adopt every orphan of its
+workers as well, and its reaping is the supervisor's). Where the kernel has no
+subreapers (before 3.4), the script's direct children are still ended.
 """
 
 from __future__ import annotations
@@ -36,16 +52,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
-from elastrun.core.linux import die_with_parent
+from elastrun.core.linux import die_with_parent, set_child_subreaper
 
-__all__ = ["FAULT_ENV", "PAYLOAD", "ROUNDS", "main"]
+__all__ = ["FAULT_ENV", "PAYLOAD", "ROUNDS", "main", "run_script"]
 
 #: The test-only fault injection: ``fail`` or ``slow:SECONDS``.
 FAULT_ENV = "ELASTRUN_TEST_NODE_CHECK"
@@ -54,6 +73,10 @@ PAYLOAD = 1 << 20
 ROUNDS = 4
 #: The version of the result lines.
 VERSION = 1
+#: The exit status when the user's script could not be started (as a shell's).
+NOT_RUN = 127
+#: The signals that stop ``script`` (the agent's SIGTERM, or its death's).
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class CheckFailed(Exception):
@@ -155,6 +178,85 @@ def connect(host: str, port: int, deadline: float, extra: float) -> dict[str, An
         return {"seconds": time.perf_counter() - t0}
 
 
+class _Stopped(Exception):
+    """``script`` was asked to stop."""
+
+
+def _stop(signum: int, _frame: FrameType | None) -> None:
+    raise _Stopped(signum)
+
+
+def _children() -> list[int]:
+    """This process's children, from ``/proc`` (those exited and not reaped included)."""
+    me = os.getpid()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # it ended meanwhile
+        # The fields after the command (which may hold spaces and parentheses).
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1 and int(fields[1]) == me:
+            found.append(int(name))
+    return found
+
+
+def _end_descendants() -> None:
+    """Kill every child of this process and reap it, again and again, until none is
+    left: as a subreaper, a killed child's own children become this process's."""
+    while True:
+        for pid in _children():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def _exit_as(status: int) -> int:
+    """Exit as the script did: with its status, or killed by its signal (no core)."""
+    if status >= 0:
+        return status
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    if -status != signal.SIGKILL:  # (SIGKILL's action cannot be set, nor changed)
+        signal.signal(-status, signal.SIG_DFL)
+    os.kill(os.getpid(), -status)
+    return 128 - status  # (a signal that does not end a process: as a shell says it)
+
+
+def run_script(argv: Sequence[str]) -> int:
+    """Run ``argv`` (its output is this process's), then end every process it left;
+    its exit status (``NOT_RUN`` when it could not be started, saying why).
+
+    A SIGTERM, SIGINT or SIGHUP ends the script and its descendants at once.
+    """
+    try:
+        set_child_subreaper(True)
+    except OSError:
+        pass  # an old kernel: only the script's direct children are ended
+    for sig in STOPS:
+        signal.signal(sig, _stop)
+    try:
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL)
+        return proc.wait()
+    except OSError as exc:
+        print(f"could not be run: {exc.strerror or exc}", flush=True)
+        return NOT_RUN
+    except _Stopped as stop:
+        return 128 + int(stop.args[0])
+    finally:
+        for sig in STOPS:  # (the end is decided: no stop may interrupt the rest)
+            signal.signal(sig, signal.SIG_IGN)
+        _end_descendants()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; print its result as the last line of stdout; 0 when healthy."""
     parser = argparse.ArgumentParser(prog="python -m elastrun.nodecheck.runner")
@@ -167,7 +269,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     connect_cmd = sub.add_parser("connect")
     connect_cmd.add_argument("host")
     connect_cmd.add_argument("port", type=int)
+    script_cmd = sub.add_parser("script")
+    script_cmd.add_argument("argv", nargs="+")
     args = parser.parse_args(argv)
+    if args.command == "script":
+        # SIGTERM at the agent's death, not SIGKILL: the script's descendants end too.
+        if args.parent is not None:
+            die_with_parent(signal.SIGTERM, args.parent)
+        # (Some argparse versions keep the "--" that ends the options.)
+        script = args.argv[1:] if args.argv[0] == "--" else args.argv
+        return _exit_as(run_script(script))
     if args.parent is not None:
         die_with_parent(signal.SIGKILL, args.parent)
     deadline = time.monotonic() + args.deadline

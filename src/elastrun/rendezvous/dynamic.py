@@ -512,10 +512,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._liveness.check_reform()
 
     def _closed_error(self) -> RendezvousClosedError:
-        raw = self._store.get(self._keys.closed) or b"closed"
+        why = (self._store.get(self._keys.closed) or b"closed").decode(errors="replace")
         return RendezvousClosedError(
-            f"run {self._settings.run_id!r} has ended ({raw.decode(errors='replace')}); "
-            "it accepts no more nodes"
+            f"run {self._settings.run_id!r} has ended ({why}); it accepts no more nodes",
+            reason=why,
         )
 
     def __repr__(self) -> str:

@@ -296,7 +296,7 @@ def parse_result(ctx: Context, raw: bytes) -> dict[str, Any]:
 
 
 def closed_error(ctx: Context, reason: bytes) -> RendezvousClosedError:
+    why = reason.decode("utf-8", "replace")
     return RendezvousClosedError(
-        f"run {ctx.run_id!r} has ended ({reason.decode('utf-8', 'replace')}); "
-        "it accepts no more nodes"
+        f"run {ctx.run_id!r} has ended ({why}); it accepts no more nodes", reason=why
     )

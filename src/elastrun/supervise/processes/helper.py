@@ -3,9 +3,17 @@
 The node check runs in processes of its own (the agent never imports torch): the agent
 starts one, reads the JSON lines it prints, and waits for its exit -- every read in the
 agent's shutdown scope and against a deadline, so that a signal or an overrun ends it
-at once. It runs in a session of its own; ending it kills that whole session (a user's
-check script may start children) and reaps it with a bound. Its stdout and stderr are
-one stream: only the last lines are kept, for the message when it fails.
+at once. It runs in a session of its own; ending it asks that whole session to stop
+(SIGTERM: the node check's runner then ends the descendants it adopted, see
+``nodecheck.runner``), and kills what is left after ``STOP_GRACE``, and reaps it with a
+bound. Its stdout and stderr are one stream: only the last lines are kept, for the
+message when it fails (``OutputTail``).
+
+Why the output is read into a bounded tail: a user's check script may write anything,
+50 MB without a newline, or a progress bar that redraws itself with ``\r``. Joining each
+read onto the unfinished line made the reading quadratic and held the whole output;
+the tail costs the same per byte whatever the output, and at most ``TAIL`` lines of
+``LINE_MAX`` bytes.
 
 Why not ``subprocess.run(timeout=...)``: that wait cannot be cancelled by a signal,
 and DESIGN.md section 5 wants every blocking wait to end within 100 ms of a stop.
@@ -17,6 +25,7 @@ import collections
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import time
@@ -30,8 +39,71 @@ log = logging.getLogger("elastrun.agent")
 
 #: Lines of output kept for the failure message.
 TAIL = 20
+#: The bytes kept of one line: a longer line keeps its end, after ``CUT``.
+LINE_MAX = 4096
+#: What stands for the start of a line that was cut.
+CUT = "..."
+#: Lines that may be results (they start with ``{``) kept until read.
+PENDING = 64
+#: How long a helper asked to stop may take before it is killed.
+STOP_GRACE = 2.0
 #: How long a killed helper may take to be reaped.
 REAP_WAIT = 5.0
+#: The most read at once.
+READ_SIZE = 65536
+
+
+class OutputTail:
+    """The last lines of a stream fed in chunks, in bounded memory and linear time.
+
+    A line ends at ``\n`` or ``\r`` (each redraw of a progress bar is a line); blank
+    lines are skipped. A line longer than ``line_max`` bytes keeps its end, after
+    ``CUT``: the unfinished line is cut as it grows, so a stream with no newline at
+    all costs no more than one with short lines.
+
+    Args:
+        lines: how many lines ``lines`` keeps.
+        line_max: the bytes kept of one line.
+        pending: how many possible results ``pending`` keeps until they are read.
+    """
+
+    def __init__(self, lines: int = TAIL, line_max: int = LINE_MAX, pending: int = PENDING):
+        self._line_max = line_max
+        self._partial = b""
+        self._cut = False  # the unfinished line lost its start
+        #: The last lines (decoded, stripped).
+        self.lines: collections.deque[str] = collections.deque(maxlen=lines)
+        #: The lines that start with ``{``, in order, until taken.
+        self.pending: collections.deque[str] = collections.deque(maxlen=pending)
+
+    def feed(self, chunk: bytes) -> None:
+        """Take the next bytes of the stream."""
+        *done, rest = (self._partial + chunk).replace(b"\r", b"\n").split(b"\n")
+        cut = self._cut
+        for raw in done:
+            self._add(raw, cut)
+            cut = False
+        self._cut = cut or len(rest) > self._line_max
+        self._partial = rest[-self._line_max :]
+
+    def end(self) -> None:
+        """The stream ended: its unfinished line counts as a line."""
+        self.feed(b"\n")
+
+    def _add(self, raw: bytes, cut: bool) -> None:
+        cut = cut or len(raw) > self._line_max
+        line = raw[-self._line_max :].decode(errors="replace").strip()
+        if not line:
+            return
+        if line.startswith("{") and not cut:
+            self.pending.append(line)
+        self.lines.append(CUT + line if cut else line)
+
+    def __repr__(self) -> str:
+        return (
+            f"OutputTail(lines={len(self.lines)}, pending={len(self.pending)}, "
+            f"partial={len(self._partial)}, cut={self._cut})"
+        )
 
 
 class Helper:
@@ -43,11 +115,8 @@ class Helper:
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self._proc = proc
-        self._buf = b""
         self._eof = False
-        #: The last lines it printed (decoded, stripped).
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL)
-        self._pending: collections.deque[str] = collections.deque()
+        self._out = OutputTail()
 
     @classmethod
     def start(cls, argv: Sequence[str], env: Mapping[str, str]) -> Helper:
@@ -70,6 +139,11 @@ class Helper:
     def pid(self) -> int:
         return self._proc.pid
 
+    @property
+    def tail(self) -> collections.deque[str]:
+        """The last lines it printed (decoded, stripped; a cut line starts with ``CUT``)."""
+        return self._out.lines
+
     def _read_some(self, scope: CancelScope, deadline: float) -> bool:
         """Read what is there (False: end of output, or the deadline passed)."""
         if self._eof:
@@ -79,16 +153,12 @@ class Helper:
         left = deadline - time.monotonic()
         if left <= 0 or not scope.wait_readable(stdout.fileno(), left):
             return False
-        chunk = os.read(stdout.fileno(), 65536)
-        if not chunk:
+        chunk = os.read(stdout.fileno(), READ_SIZE)
+        if chunk:
+            self._out.feed(chunk)
+        else:
             self._eof = True
-            chunk = b"\n"
-        *lines, self._buf = (self._buf + chunk).split(b"\n")
-        for raw in lines:
-            line = raw.decode(errors="replace").strip()
-            if line:
-                self.tail.append(line)
-                self._pending.append(line)
+            self._out.end()
         return True
 
     def next_result(self, scope: CancelScope, deadline: float) -> dict[str, object] | None:
@@ -97,16 +167,15 @@ class Helper:
         Raises:
             Cancelled: ``scope`` was cancelled (the process is left to ``close``).
         """
+        pending = self._out.pending
         while True:
-            while self._pending:
-                line = self._pending.popleft()
-                if line.startswith("{"):
-                    try:
-                        doc = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(doc, dict):
-                        return doc
+            while pending:
+                try:
+                    doc = json.loads(pending.popleft())
+                except ValueError:
+                    continue
+                if isinstance(doc, dict):
+                    return doc
             if not self._read_some(scope, deadline):
                 return None
 
@@ -130,18 +199,37 @@ class Helper:
             return None
 
     def close(self) -> None:
-        """Kill its session if it still runs and reap it, with a bound. Never raises."""
+        """Stop its session if it still runs: SIGTERM, then SIGKILL after ``STOP_GRACE``;
+        reap it, with a bound. Never raises."""
         if self._proc.poll() is None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._signal(signal.SIGTERM)
+            self._exits_within(STOP_GRACE)
+            # Whatever is left of its session. The leader is not reaped yet, so the
+            # group's id (its pid) cannot have been given to another process.
+            self._signal(signal.SIGKILL)
             try:
                 self._proc.wait(timeout=REAP_WAIT)
             except subprocess.TimeoutExpired:
                 log.warning("the check process %d could not be reaped", self._proc.pid)
         if self._proc.stdout is not None:
             self._proc.stdout.close()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _exits_within(self, timeout: float) -> None:
+        """Wait until it exits, at most ``timeout``, without reaping it."""
+        try:
+            pidfd = os.pidfd_open(self._proc.pid)
+        except OSError:
+            return  # (no pidfd: no grace either)
+        try:
+            select.select([pidfd], [], [], timeout)
+        finally:
+            os.close(pidfd)
 
     def __repr__(self) -> str:
         return f"Helper(pid={self._proc.pid}, returncode={self._proc.returncode})"
