@@ -205,6 +205,52 @@ def test_a_connection_a_forked_process_still_holds_leaves_the_servers_epoll_set(
         os.waitpid(child, 0)
 
 
+@pytest.mark.parametrize("engine", ["python", pytest.param("compiled", marks=_COMPILED)])
+def test_connections_that_never_validate_are_capped_and_the_oldest_make_room(
+    engine: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Four may wait to validate at once. Ten idle connections: four are taken, the
+    # others wait in the listen backlog; once the four have had EVICT_AFTER to validate,
+    # they are closed, oldest first, to make room for the next ones. A client validated
+    # before the flood is served throughout, and a torch client coming after it is
+    # served within a few of those periods.
+    caplog.set_level(logging.INFO, logger="elastrun.store.torchwire")
+    server = TorchWireServer("127.0.0.1", 0, engine=engine, max_handshakes=4)
+    port = server.start()
+    idle: list[socket.socket] = []
+    try:
+        with _connect(port) as served:
+            served.sendall(c.encode_request(Request(Op.PING, number=1)))
+            assert _recv(served, 4) == struct.pack("<I", 1)
+            idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(10)]
+            wait_for(lambda: server.num_connections == 1 + 4, 5, "the cap to be reached")
+            time.sleep(0.2)  # (less than EVICT_AFTER: the cap holds)
+            assert server.num_connections == 1 + 4
+            served.sendall(c.encode_request(Request(Op.PING, number=2)))
+            assert _recv(served, 4) == struct.pack("<I", 2)
+            started = time.monotonic()
+            with _connect(port) as late:
+                late.sendall(c.encode_request(Request(Op.PING, number=3)))
+                assert _recv(late, 4) == struct.pack("<I", 3)
+            # Behind ten idle ones, four at a time: two periods of EVICT_AFTER (0.5 s).
+            assert time.monotonic() - started < 4
+            assert idle[0].recv(1) == b""  # the oldest made room
+            served.sendall(c.encode_request(Request(Op.PING, number=4)))
+            assert _recv(served, 4) == struct.pack("<I", 4)
+    finally:
+        for sock in idle:
+            sock.close()
+        server.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        "the workers' store is not accepting connections for now: 4 connections have not "
+        "validated yet" in m
+        for m in messages
+    ), messages
+    # One line each way at most (a flood costs a few lines, not one per connection).
+    assert sum("not accepting" in m for m in messages) == 1, messages
+
+
 def test_add_to_a_value_that_is_not_a_number_names_the_value(
     server: TorchWireServer, caplog: pytest.LogCaptureFixture
 ) -> None:

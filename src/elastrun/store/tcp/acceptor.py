@@ -4,7 +4,9 @@ asyncio's accept loop (``loop.create_server``) knows no budget: a flood of conne
 that never authenticate takes every descriptor the process has, and once accept() fails
 with EMFILE, CPython 3.11 logs a traceback for each further try -- up to the backlog per
 loop tick -- while the process (an agent, with workers to restart) has nothing left for
-its own work. So the store accepts by itself:
+its own work. So the stores accept by themselves -- the rendezvous store and the
+workers' store's Python engine through this acceptor, the workers' store's compiled
+engine by the same rules, with the numbers this module computes (``wirecore.c``):
 
 - it stops accepting while fewer than a reserve of descriptors are free, or while too
   many connections have not authenticated yet; the others wait in the kernel's listen
@@ -23,9 +25,10 @@ import errno
 import logging
 import math
 import socket
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar, cast
 
 from elastrun.store.tcp.limits import LogLimiter, fd_limit, fd_reserve, open_fds
-from elastrun.store.tcp.service import Connection, Service
 
 log = logging.getLogger("elastrun.store.tcp.server")
 
@@ -46,7 +49,47 @@ RECOUNT_EVERY = 0.25
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
-class Acceptor:
+def max_handshakes(limit: int, reserve: int, cap: int = MAX_HANDSHAKES) -> int:
+    """How many connections may wait to authenticate at once, under descriptor ``limit``
+    less ``reserve``: half of the room left now at most (the other half is for clients
+    that authenticated; the reserve is checked apart from this), within 4 .. ``cap``."""
+    room = limit - reserve - (open_fds() or 0)
+    return max(4, min(cap, room // 2))
+
+
+class Handshaking(Protocol):
+    """A connection as the acceptor sees it: it may be closed to make room while it has
+    not authenticated, and is told when its socket could not be served after all."""
+
+    def close_unauthenticated(self) -> None: ...
+
+    def connection_lost(self, exc: Exception | None) -> None: ...
+
+
+C = TypeVar("C", bound=Handshaking)
+
+
+class Admissions(Protocol[C]):
+    """What the acceptor needs of the service it accepts for.
+
+    ``conns``: every connection served; ``handshaking``: those not authenticated yet,
+    oldest first, with when each came in (a connection leaves it when it authenticates
+    or closes); ``unauthenticated_closed``: how many were closed before authenticating;
+    ``on_room``: set by the acceptor, to be called when a connection ends or
+    authenticates; ``admit()``: a new connection (an ``asyncio.Protocol``) for a socket
+    being handed over, counted in ``conns`` and ``handshaking`` from that moment.
+    """
+
+    loop: asyncio.AbstractEventLoop
+    conns: set[C]
+    handshaking: dict[C, float]
+    unauthenticated_closed: int
+    on_room: Callable[[], None] | None
+
+    def admit(self) -> C: ...
+
+
+class Acceptor(Generic[C]):
     """Accepts connections on listening sockets for ``service``, within a budget.
 
     Args:
@@ -54,31 +97,40 @@ class Acceptor:
         socks: bound listening sockets; the acceptor owns them from now on.
         limit: the process's descriptor limit (default: its soft limit now).
         reserve: descriptors always left free (default: ``fd_reserve(limit)``).
+        handshakes: connections that may wait to authenticate at once (default:
+            ``max_handshakes(limit, reserve)``).
+        name: what the log lines call the server.
+        handshake: what a connection through the handshake did, in them.
+        logger: where they go.
     """
 
     def __init__(
         self,
-        service: Service,
+        service: Admissions[C],
         socks: list[socket.socket],
         *,
         limit: int | None = None,
         reserve: int | None = None,
+        handshakes: int | None = None,
+        name: str = "the store",
+        handshake: str = "authenticated",
+        logger: logging.Logger = log,
     ) -> None:
         self._service = service
         self._loop = service.loop
         self._socks = socks
         self._limit = fd_limit() if limit is None else limit
         self._reserve = fd_reserve(self._limit) if reserve is None else reserve
-        room = self._limit - self._reserve - (open_fds() or 0)
-        # Half of what is left for connections at most: the others are for clients
-        # that authenticated (the descriptor reserve is checked apart from this).
-        self.max_handshakes = max(4, min(MAX_HANDSHAKES, room // 2))
+        self.max_handshakes = (
+            max_handshakes(self._limit, self._reserve) if handshakes is None else handshakes
+        )
+        self._name, self._handshake = name, handshake
         self._starting: set[socket.socket] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._paused: str | None = None  # why, while not accepting
         self._retry: asyncio.TimerHandle | None = None
         self._counted = (-math.inf, 0, 0)  # when, descriptors open, connections then
-        self._limiter = LogLimiter(log, self._loop.time, every=30.0, burst=1)
+        self._limiter = LogLimiter(logger, self._loop.time, every=30.0, burst=1)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -148,17 +200,17 @@ class Acceptor:
         if self._closed:  # the server stopped before this task ran: close() closed it
             self._starting.discard(sock)
             return
-        made: list[Connection] = []
+        made: list[C] = []
 
-        def serve() -> Connection:
+        def serve() -> asyncio.BaseProtocol:
             # The socket moves from "starting" to the service's connections (and
             # handshakes) in one step: counted in both, or in neither, the budgets would
             # drift by one for each connection in between (``_full``, ``_free_fds``).
-            conn = Connection(self._service)
-            conn.register()
+            conn = self._service.admit()
             self._starting.discard(sock)
             made.append(conn)
-            return conn
+            # (``Admissions.admit`` makes an asyncio protocol; the type says less)
+            return cast(asyncio.BaseProtocol, conn)
 
         try:
             await self._loop.connect_accepted_socket(serve, sock)
@@ -176,7 +228,7 @@ class Acceptor:
         service = self._service
         waiting = len(service.handshaking) + len(self._starting)
         if waiting >= self.max_handshakes and not self._evict_oldest():
-            return "handshakes", f"{waiting} connections have not authenticated yet"
+            return "handshakes", f"{waiting} connections have not {self._handshake} yet"
         free = self._free_fds()
         if free <= self._reserve:
             return "descriptors", (
@@ -212,8 +264,8 @@ class Acceptor:
             self._limiter.log(
                 logging.WARNING,
                 kind,
-                "the store is not accepting connections for now: %s; they wait in the "
-                "listen backlog",
+                "%s is not accepting connections for now: %s; they wait in the listen backlog",
+                self._name,
                 why,
             )
         if self._retry is None:
@@ -238,8 +290,9 @@ class Acceptor:
         self._limiter.log(
             logging.INFO,
             "resume",
-            "the store accepts connections again (%d open; %d closed so far without "
-            "authenticating)",
+            "%s accepts connections again (%d open; %d closed so far that had not %s)",
+            self._name,
             len(self._service.conns),
             self._service.unauthenticated_closed,
+            self._handshake,
         )

@@ -19,7 +19,7 @@ from elastrun.core.values import parse_int, parse_port, parse_seconds
 from elastrun.store.memory import HISTORY, MemoryStore
 from elastrun.store.tcp import protocol as p
 from elastrun.store.tcp.acceptor import Acceptor
-from elastrun.store.tcp.service import Service, format_addr
+from elastrun.store.tcp.service import Connection, Service, format_addr
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class TcpStoreServer:
             with self._lock:
                 self._loop = self._stop_event = None
 
-    async def _listen(self, service: Service) -> Acceptor:
+    async def _listen(self, service: Service) -> Acceptor[Connection]:
         socks = await bind_listeners(self._host, self._requested_port)
         self._port = socks[0].getsockname()[1]
         acceptor = Acceptor(service, socks)

@@ -411,6 +411,12 @@ class Service:
     def _refusal(self, code: str, message: str) -> bytes:
         return p.encode({"type": "error", "code": code, "message": message}, p.HANDSHAKE_MAX_FRAME)
 
+    def admit(self) -> Connection:
+        """A connection for a socket the acceptor hands over, counted from now on."""
+        conn = Connection(self)
+        conn.register()
+        return conn
+
     def room(self) -> None:
         """A connection ended or authenticated: tell the acceptor."""
         if self.on_room is not None:

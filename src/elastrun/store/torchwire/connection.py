@@ -6,13 +6,16 @@ request -- and a blocked ``wait`` is only a :class:`~.state.Waiter` whose wake-u
 writes the answer. Thousands of idle or waiting clients therefore cost a socket and a
 few objects each.
 
-A client that breaks the protocol loses its own connection and nothing else. What a
-connection may hold is bounded: its unparsed input by the request size limit (the
-parser refuses an oversized field from its length, before buffering it), its
-unsent output by pausing its reads while the kernel will not take more (a client that
-pipelines ``get``s without reading the answers stops being read, not served into
-memory), and its waiting by one ``wait`` at a time (torch's client is synchronous;
-a second one is a protocol error).
+A client that breaks the protocol loses its own connection and nothing else. Who may
+connect is bounded as for the rendezvous store (``elastrun.store.tcp.acceptor``, which
+accepts for this engine too): connections that have not sent torch's validation yet
+are capped, the oldest of them closed to make room, and a reserve of descriptors is
+kept free for the agent's own work. What a connection may hold is bounded: its
+unparsed input by the request size limit (the parser refuses an oversized field from
+its length, before buffering it), its unsent output by pausing its reads while the
+kernel will not take more (a client that pipelines ``get``s without reading the
+answers stops being read, not served into memory), and its waiting by one ``wait`` at
+a time (torch's client is synchronous; a second one is a protocol error).
 """
 
 from __future__ import annotations
@@ -81,15 +84,20 @@ class Limits:
 
     ``max_connections``: clients served at once. ``max_frame``: the largest request in
     bytes, in practice the largest value. ``max_key``: the longest key in bytes.
+    ``max_handshakes``: connections not validated yet, at once (None: from the
+    descriptor limit, see ``elastrun.store.tcp.acceptor.max_handshakes``).
     """
 
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_frame: int = c.DEFAULT_MAX_FRAME
     max_key: int = c.DEFAULT_MAX_KEY
+    max_handshakes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ConfigError("max_connections", self.max_connections, "must be at least 1")
+        if self.max_handshakes is not None and self.max_handshakes < 1:
+            raise ConfigError("max_handshakes", self.max_handshakes, "must be at least 1")
         if self.max_frame < 64:
             raise ConfigError("max_frame", self.max_frame, "must be at least 64 bytes")
         if not 1 <= self.max_key <= self.max_frame:
@@ -99,17 +107,38 @@ class Limits:
 
 
 class Hub:
-    """What every connection of one server shares: the state, limits and registry."""
+    """What every connection of one server shares: the state, limits and registry
+    (what the acceptor reads and is told: ``elastrun.store.tcp.acceptor.Admissions``)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits) -> None:
         self.loop = loop
         self.state = TorchStoreState()
         self.limits = limits
         self.conns: set[Connection] = set()
+        #: Connections not validated yet, oldest first, with when each came in.
+        self.handshaking: dict[Connection, float] = {}
+        #: Connections closed before they validated (to make room for newer ones).
+        self.unauthenticated_closed = 0
+        #: Called when a connection ends or validates: the acceptor may take more.
+        self.on_room: Callable[[], None] | None = None
         self.complain = Complaints(loop.time)
 
+    def admit(self) -> Connection:
+        """A connection for a socket the acceptor hands over, counted from now on."""
+        conn = Connection(self)
+        conn.register()
+        return conn
+
+    def room(self) -> None:
+        """A connection ended or validated: tell the acceptor."""
+        if self.on_room is not None:
+            self.on_room()
+
     def __repr__(self) -> str:
-        return f"Hub(connections={len(self.conns)}, {self.state!r})"
+        return (
+            f"Hub(connections={len(self.conns)}, unvalidated={len(self.handshaking)}, "
+            f"{self.state!r})"
+        )
 
 
 class Connection(asyncio.Protocol):
@@ -150,17 +179,37 @@ class Connection(asyncio.Protocol):
             self._peer = format_addr(str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else "?"
         return self._peer
 
+    def register(self) -> None:
+        """Count this connection, as one not validated yet, from the moment its socket
+        is handed over (asyncio calls ``connection_made`` a loop turn later: the
+        acceptor's budgets must not miss it in between); idempotent."""
+        hub = self._hub
+        hub.conns.add(self)
+        hub.handshaking.setdefault(self, hub.loop.time())
+
+    def close_unauthenticated(self) -> None:
+        """Close a connection that has not validated, to make room for a newer one."""
+        if not self._validated and not self._closed:
+            self._hub.unauthenticated_closed += 1
+        self.close()
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream server's
-        if len(self._hub.conns) >= self._hub.limits.max_connections:
+        if self._closed:  # closed to make room between the hand-over and now
+            transport.close()
+            return
+        hub = self._hub
+        self.register()  # (made by the acceptor: counted already)
+        if len(hub.conns) > hub.limits.max_connections:
             # Accepted only to be closed: a refused client (torch's) retries with
             # back-off until its timeout, by when others may have left.
-            self._hub.complain(
+            hub.complain(
                 "refusing the connection from %s: %d clients are connected (the limit)",
                 self.peer,
-                len(self._hub.conns),
+                len(hub.conns) - 1,
             )
             self._closed = True
+            hub.handshaking.pop(self, None)
             transport.close()
             return
         if not LISTENER_OPTIONS_INHERITED:
@@ -170,7 +219,6 @@ class Connection(asyncio.Protocol):
                     tune_socket(sock)
                 except OSError as exc:  # the peer may already be gone; the read will tell
                     log.debug("socket options for %s: %r", self.peer, exc)
-        self._hub.conns.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self._plain:
@@ -291,15 +339,20 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed, self._plain = True, False
         self._drop_waiter()
-        self._hub.conns.discard(self)
+        hub = self._hub
+        hub.conns.discard(self)
+        hub.handshaking.pop(self, None)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("connection from %s closed (%r)", self.peer, exc)
+        hub.room()
 
     def close(self) -> None:
         """Close at once, dropping answers the kernel has not taken (used on protocol
-        errors, after the answers before the broken request are written, and on stop)."""
+        errors, after the answers before the broken request are written, to make room,
+        and on stop)."""
         self._closed, self._plain = True, False
         self._drop_waiter()
+        self._hub.handshaking.pop(self, None)
         if self._transport is not None:
             self._transport.abort()
 
@@ -344,6 +397,8 @@ class Connection(asyncio.Protocol):
                 "validation a torch client sends (another protocol, or not torch?)"
             )
         self._validated = True
+        if self._hub.handshaking.pop(self, None) is not None:
+            self._hub.room()
 
     def _send(self, data: bytes) -> None:
         self._out.append(data)

@@ -105,14 +105,21 @@ class LazyTorchWireServer:
         """Bind and listen now; serve from the first connection on. Returns the port.
 
         Raises:
-            StoreError: the address cannot be bound.
+            StoreError: the address cannot be bound, or the process is out of
+                descriptors or threads.
         """
         self._socks = listen_now(self._host, self._requested_port)
-        self._wake = os.pipe2(os.O_CLOEXEC)
-        self._thread = threading.Thread(
-            target=self._serve_on_first_client, name="elastrun-workers-store", daemon=True
-        )
-        self._thread.start()
+        try:
+            self._wake = os.pipe2(os.O_CLOEXEC)
+            self._thread = threading.Thread(
+                target=self._serve_on_first_client, name="elastrun-workers-store", daemon=True
+            )
+            self._thread.start()
+        except (OSError, RuntimeError) as exc:  # out of descriptors, or of threads
+            where = f"{self._host or '*'}:{self.port}"
+            self._thread = None
+            self.close()
+            raise StoreError(f"cannot serve the workers' store on {where}: {exc}") from exc
         return self.port
 
     def _serve_on_first_client(self) -> None:

@@ -22,13 +22,23 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from elastrun.core.errors import ConfigError, StoreError
 from elastrun.core.eventloop import new_event_loop
 
-# The tcp store's listening helpers: one address or all of a name's, one port for all,
-# IPv6 sockets that leave the IPv4 port alone, and a re-pick when port 0 collides.
+# The tcp store's acceptor (who may connect, within a descriptor budget) and its
+# listening helpers: one address or all of a name's, one port for all, IPv6 sockets
+# that leave the IPv4 port alone, and a re-pick when port 0 collides.
+from elastrun.store.tcp.acceptor import (
+    EVICT_AFTER,
+    RECHECK,
+    RECOUNT_EVERY,
+    Acceptor,
+    max_handshakes,
+)
+from elastrun.store.tcp.limits import LogLimiter, fd_limit, fd_reserve
 from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.tcp.server import bind_listeners
 from elastrun.store.tcp.service import format_addr
@@ -54,6 +64,23 @@ T = TypeVar("T")
 CLOSE_TIMEOUT = 5.0
 
 
+@dataclass(frozen=True)
+class _Admission:
+    """Who may connect, as numbers both engines use: the descriptor ``limit``, the
+    ``reserve`` kept free under it, and how many connections may wait to validate."""
+
+    limit: int
+    reserve: int
+    handshakes: int
+
+    @classmethod
+    def now(cls, limits: Limits) -> _Admission:
+        limit = fd_limit()
+        reserve = fd_reserve(limit)
+        handshakes = limits.max_handshakes or max_handshakes(limit, reserve)
+        return cls(limit, reserve, handshakes)
+
+
 class TorchWireServer:
     """Serves a key-value store to torch's ``TCPStore`` clients, without torch.
 
@@ -68,6 +95,10 @@ class TorchWireServer:
         port: port to listen on; 0 picks a free one (returned by :meth:`start`).
         max_connections: clients served at once; a connection beyond it is closed at
             once (torch's client retries until its timeout).
+        max_handshakes: connections that have not sent torch's validation yet, at once
+            (default: from the descriptor limit). Beyond it the oldest one is closed
+            when it has had ``EVICT_AFTER`` to validate, else accepting pauses (the
+            others wait in the listen backlog); validated clients are served on.
         max_frame: largest request in bytes -- in practice, the largest value a client
             may store (torch's own server stops at 8 MiB).
         max_key: longest key in bytes.
@@ -76,8 +107,10 @@ class TorchWireServer:
         engine: ``"compiled"``, ``"python"`` or ``"auto"`` (see :func:`choose_engine`).
 
     A client that exceeds a limit or breaks the protocol has its own connection
-    closed; no other client notices. The constructor does no I/O; it raises
-    ``ConfigError`` for a bad argument.
+    closed; no other client notices. Either engine stops accepting while no more than a
+    reserve of descriptors is free (``elastrun.store.tcp.limits.fd_reserve``): the
+    process hosting it keeps those for its own work. The constructor does no I/O; it
+    raises ``ConfigError`` for a bad argument.
 
     Hosting notes: serve each round of workers from a fresh server (torch's agent
     starts a new store per round too), so keys of a failed attempt cannot be read by
@@ -96,13 +129,14 @@ class TorchWireServer:
         max_frame: int = codec.DEFAULT_MAX_FRAME,
         max_key: int = codec.DEFAULT_MAX_KEY,
         *,
+        max_handshakes: int | None = None,
         sockets: list[socket.socket] | None = None,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] = new_event_loop,
         engine: str = "auto",
     ) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError("port", port, "must be in 0..65535")
-        self._limits = Limits(max_connections, max_frame, max_key)
+        self._limits = Limits(max_connections, max_frame, max_key, max_handshakes)
         self._engine = choose_engine(engine)
         self._core: wirecore.Core | None = None  # the compiled engine's
         # Listening sockets bound by the caller (see ``lazy``); the server then owns them.
@@ -173,11 +207,11 @@ class TorchWireServer:
             return self._start_compiled()
         loop = self._loop_factory()
         hub = Hub(loop, self._limits)
-        servers = self._bind(loop, self._listen(loop, hub))
+        acceptor = self._bind(loop, self._listen(hub))
         stop = asyncio.Event()
         with self._lock:
             self._loop, self._stop, self._hub = loop, stop, hub
-        return self._serve_from(self._run, (loop, servers, hub, stop))
+        return self._serve_from(self._run, (loop, acceptor, hub, stop))
 
     def _bind(self, loop: asyncio.AbstractEventLoop, binding: Coroutine[Any, Any, T]) -> T:
         """Run ``binding`` on ``loop``; a failure closes the loop and is a ``StoreError``
@@ -250,12 +284,23 @@ class TorchWireServer:
                 sock.setblocking(False)
                 sock.listen(BACKLOG)  # again for given sockets: it only sets the backlog
             complaints = Complaints(time.monotonic)
+            admission = _Admission.now(self._limits)
+            notices = LogLimiter(log, time.monotonic, every=30.0, burst=1)
             core = wirecore.Core(
                 [s.fileno() for s in socks],
                 self._limits.max_connections,
                 self._limits.max_frame,
                 self._limits.max_key,
                 lambda message: complaints("%s", message),
+                max_handshakes=admission.handshakes,
+                fd_limit=admission.limit,
+                fd_reserve=admission.reserve,
+                evict_after_ms=round(EVICT_AFTER * 1000),
+                recheck_ms=round(RECHECK * 1000),
+                recount_ms=round(RECOUNT_EVERY * 1000),
+                notice=lambda kind, message: notices.log(
+                    logging.INFO if kind == "resume" else logging.WARNING, kind, "%s", message
+                ),
             )
         except OSError as exc:
             for sock in socks:
@@ -288,37 +333,36 @@ class TorchWireServer:
         except RuntimeError:  # the loop closed in between: nothing left to stop
             pass
 
-    async def _listen(
-        self, loop: asyncio.AbstractEventLoop, hub: Hub
-    ) -> list[asyncio.AbstractServer]:
+    async def _listen(self, hub: Hub) -> Acceptor[Connection]:
         socks = await self._bound()
-        made = await asyncio.gather(
-            *(loop.create_server(lambda: Connection(hub), sock=s, backlog=BACKLOG) for s in socks),
-            return_exceptions=True,
+        admission = _Admission.now(self._limits)
+        acceptor = Acceptor(
+            hub,
+            socks,
+            limit=admission.limit,
+            reserve=admission.reserve,
+            handshakes=admission.handshakes,
+            name="the workers' store",
+            handshake="validated",
+            logger=log,
         )
-        # Not isinstance(asyncio.Server): uvloop's server is an AbstractServer only.
-        servers: list[asyncio.AbstractServer] = [
-            m for m in made if not isinstance(m, BaseException)
-        ]
-        failures = [m for m in made if isinstance(m, BaseException)]
-        if failures:  # all or nothing: close what did start, and every socket
-            for server in servers:
-                server.close()
-            for sock in socks:
-                sock.close()
-            raise failures[0]
-        return servers
+        try:
+            acceptor.start()
+        except BaseException:
+            acceptor.close()  # (closes every socket)
+            raise
+        return acceptor
 
     def _run(
         self,
         loop: asyncio.AbstractEventLoop,
-        servers: list[asyncio.AbstractServer],
+        acceptor: Acceptor[Connection],
         hub: Hub,
         stop: asyncio.Event,
     ) -> None:
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(self._serve(servers, hub, stop))
+            loop.run_until_complete(self._serve(acceptor, hub, stop))
         except Exception:
             log.exception("the torch store server stopped on an error")
         finally:
@@ -327,19 +371,19 @@ class TorchWireServer:
             finally:
                 loop.close()
 
-    async def _serve(
-        self, servers: list[asyncio.AbstractServer], hub: Hub, stop: asyncio.Event
-    ) -> None:
+    async def _serve(self, acceptor: Acceptor[Connection], hub: Hub, stop: asyncio.Event) -> None:
         try:
             await stop.wait()
         finally:
-            for server in servers:
-                server.close()
+            acceptor.close()
             for conn in list(hub.conns):
                 conn.close()
-            # Aborted transports report connection_lost on the next iterations.
+            # Aborted transports report connection_lost on the next iterations; then the
+            # acceptor's hand-overs still under way are cancelled.
             for _ in range(3):
                 await asyncio.sleep(0)
-            for server in servers:
-                await server.wait_closed()
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             log.debug("the torch store server stopped (%d keys held)", hub.state.num_keys)

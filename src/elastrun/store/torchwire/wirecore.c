@@ -11,12 +11,19 @@
  * One thread owns everything below: no locks. The counters Python reads from other
  * threads (keys, connections) are read and written atomically.
  *
+ * Who may connect follows the rendezvous store's acceptor (elastrun.store.tcp.acceptor,
+ * which accepts for the Python engine), with the numbers it computes: connections that
+ * have not validated yet are capped, the oldest one closed to make room once it has had
+ * its time to validate, and accepting pauses -- the others wait in the listen backlog --
+ * while the cap is full of younger ones or no more than a reserve of descriptors is free.
+ *
  * Linux only (epoll, eventfd, accept4); elsewhere the Python engine serves.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <stdint.h>
@@ -236,7 +243,8 @@ static void entry_free(Entry *e) {
 typedef struct Conn {
     int fd;
     int validated, closed, paused, pending;
-    uint32_t events; /* what epoll watches for it now */
+    int64_t since_ms; /* when it was accepted */
+    uint32_t events;  /* what epoll watches for it now */
     Buf in;
     size_t in_start;  /* where the next request starts in `in` */
     size_t in_need;   /* bytes `in` must hold before a parse can succeed */
@@ -244,6 +252,7 @@ typedef struct Conn {
     size_t out_sent;
     Waiter *waiter;
     struct Conn *prev, *next;   /* every live connection */
+    struct Conn *hs_prev, *hs_next; /* the ones not validated yet, oldest first */
     struct Conn *next_pending;  /* connections with answers to write after this event */
     struct Conn *next_dead;     /* closed, freed after this batch of events */
 } Conn;
@@ -254,14 +263,23 @@ typedef struct {
     int *listeners;
     Py_ssize_t nlisteners;
     size_t max_connections, max_frame, max_key;
-    PyObject *complain;
+    PyObject *complain, *notice;
     PyThreadState *gil; /* while serving: the state saved when the GIL was given up */
     Table table;
     size_t num_keys, num_connections; /* atomics: read from other threads */
     uint64_t wait_stamp;
     Conn *conns, *pending, *dead;
     int ready, served;
-    int64_t accept_resume_ms; /* out of descriptors: listeners rest until then (0: never) */
+    /* Admission (see the top of this file): the numbers are the Python acceptor's. */
+    Conn *hs_first, *hs_last; /* not validated yet, oldest first */
+    size_t handshakes, max_handshakes;
+    uint64_t unvalidated_closed;
+    int64_t fd_limit, fd_reserve, evict_after_ms, recheck_ms, recount_ms;
+    int accepting; /* the listeners are in the epoll set */
+    int room;      /* a connection ended or validated since the loop last looked */
+    int64_t retry_ms; /* while not accepting: look again then (0: not set) */
+    int64_t counted_ms, counted_fds; /* the last count of open descriptors, */
+    size_t counted_conns;            /* and of connections then */
     char why[256]; /* the current request's protocol error */
 } Core;
 
@@ -306,6 +324,35 @@ static void complain(Core *core, Conn *conn, const char *format, const char *det
         core->gil = PyEval_SaveThread();
 }
 
+/* Tell Python that accepting paused or resumed (`kind`: why, or "resume"). */
+static void notice(Core *core, const char *kind, const char *message) {
+    if (core->gil != NULL)
+        PyEval_RestoreThread(core->gil);
+    PyObject *result = PyObject_CallFunction(core->notice, "ss", kind, message);
+    if (result == NULL)
+        PyErr_WriteUnraisable(core->notice);
+    Py_XDECREF(result);
+    if (core->gil != NULL)
+        core->gil = PyEval_SaveThread();
+}
+
+/* A connection leaves the ones not validated yet (validated, or closed). */
+static void hs_unlink(Core *core, Conn *conn) {
+    if (conn->validated)
+        return;
+    if (conn->hs_prev)
+        conn->hs_prev->hs_next = conn->hs_next;
+    else
+        core->hs_first = conn->hs_next;
+    if (conn->hs_next)
+        conn->hs_next->hs_prev = conn->hs_prev;
+    else
+        core->hs_last = conn->hs_prev;
+    conn->hs_prev = conn->hs_next = NULL;
+    core->handshakes--;
+    core->room = 1;
+}
+
 static void drop_waiter(Core *core, Conn *conn);
 
 /* Close at once: answers not yet handed to the kernel are dropped.
@@ -319,6 +366,9 @@ static void conn_close(Core *core, Conn *conn) {
         return;
     conn->closed = 1;
     drop_waiter(core, conn);
+    hs_unlink(core, conn);
+    conn->validated = 1; /* (out of the list for good) */
+    core->room = 1;
     epoll_ctl(core->epfd, EPOLL_CTL_DEL, conn->fd, NULL);
     close(conn->fd);
     if (conn->prev)
@@ -798,6 +848,7 @@ static int serve(Core *core, Conn *conn, const Request *r) {
                      OP_NAMES[r->op], (unsigned long long)r->number);
             return -1;
         }
+        hs_unlink(core, conn);
         conn->validated = 1;
         return 0;
     }
@@ -1081,20 +1132,115 @@ static void write_pending(Core *core) {
     }
 }
 
+static int listen_all(Core *core);
+static void unlisten_all(Core *core);
+
+/* Open descriptors of this process (less the one the count holds), or -1. */
+static int64_t count_open_fds(void) {
+    DIR *dir = opendir("/proc/self/fd");
+    if (dir == NULL)
+        return -1;
+    int64_t n = 0;
+    struct dirent *entry;
+    while ((entry = readdir(dir)) != NULL)
+        if (entry->d_name[0] != '.')
+            n++;
+    closedir(dir);
+    return n > 0 ? n - 1 : 0;
+}
+
+/* Free descriptors: counted at most every recount_ms; in between, only this server's
+   own connections come and go fast enough to matter (Acceptor._free_fds). */
+static int64_t free_fds(Core *core) {
+    int64_t now = now_ms();
+    size_t conns = core->num_connections;
+    if (now - core->counted_ms >= core->recount_ms) {
+        int64_t counted = count_open_fds();
+        if (counted < 0 && (errno == EMFILE || errno == ENFILE))
+            return 0; /* none free: the count itself needs one */
+        core->counted_ms = now;
+        core->counted_fds = counted < 0 ? (int64_t)conns : counted;
+        core->counted_conns = conns;
+    }
+    return core->fd_limit - (core->counted_fds + (int64_t)conns - (int64_t)core->counted_conns);
+}
+
+/* Close the oldest connection not validated yet if it has had its time: 1 if it did. */
+static int evict_oldest(Core *core) {
+    Conn *oldest = core->hs_first;
+    if (oldest == NULL || now_ms() - oldest->since_ms < core->evict_after_ms)
+        return 0;
+    core->unvalidated_closed++;
+    conn_close(core, oldest);
+    return 1;
+}
+
+/* Why no connection may be taken now (a kind, and `why` written), or NULL. */
+static const char *full(Core *core, char *why, size_t size) {
+    if (core->handshakes >= core->max_handshakes && !evict_oldest(core)) {
+        snprintf(why, size, "%zu connections have not validated yet", core->handshakes);
+        return "handshakes";
+    }
+    int64_t free = free_fds(core);
+    if (free <= core->fd_reserve) {
+        snprintf(why, size,
+                 "%lld descriptors are free (limit %lld; %lld are kept for this process's "
+                 "own work)",
+                 (long long)free, (long long)core->fd_limit, (long long)core->fd_reserve);
+        return "descriptors";
+    }
+    return NULL;
+}
+
+static void stop_accepting(Core *core, const char *kind, const char *why) {
+    if (core->accepting) {
+        unlisten_all(core);
+        char message[400];
+        snprintf(message, sizeof message,
+                 "the workers' store is not accepting connections for now: %s; they wait in "
+                 "the listen backlog",
+                 why);
+        notice(core, kind, message);
+    }
+    if (!core->retry_ms)
+        core->retry_ms = now_ms() + core->recheck_ms;
+}
+
+/* While not accepting, after room was made or at the retry time (Acceptor._on_room). */
+static void look_again(Core *core) {
+    char why[256];
+    if (full(core, why, sizeof why) != NULL) {
+        if (!core->retry_ms)
+            core->retry_ms = now_ms() + core->recheck_ms;
+        return;
+    }
+    core->retry_ms = 0;
+    if (listen_all(core) < 0)
+        return; /* (cannot happen with listeners that were in the set) */
+    char message[256];
+    snprintf(message, sizeof message,
+             "the workers' store accepts connections again (%zu open; %llu closed so far "
+             "that had not validated)",
+             core->num_connections, (unsigned long long)core->unvalidated_closed);
+    notice(core, "resume", message);
+}
+
 static void on_accept(Core *core, int listener) {
-    for (int i = 0; i < 1024; i++) {
+    for (int i = 0; i < 1024 && core->accepting; i++) {
+        char why[256];
+        const char *kind = full(core, why, sizeof why);
+        if (kind != NULL) {
+            stop_accepting(core, kind, why);
+            return;
+        }
         int fd = accept4(listener, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno == EINTR || errno == ECONNABORTED)
                 continue;
-            if (errno == EMFILE || errno == ENFILE) {
-                /* The backlog would wake the loop at once, again and again: rest the
-                   listeners a second (the queued clients wait, or retry). */
-                complain(core, NULL, "%.0snot accepting clients for a second: %s",
-                         "out of file descriptors (raise the open-file limit)");
-                for (Py_ssize_t k = 0; k < core->nlisteners; k++)
-                    epoll_ctl(core->epfd, EPOLL_CTL_DEL, core->listeners[k], NULL);
-                core->accept_resume_ms = now_ms() + 1000;
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                /* The backlog would wake the loop at once, again and again: pause. */
+                snprintf(why, sizeof why, "accept() failed: %s", strerror(errno));
+                stop_accepting(core, "accept", why);
             }
             return; /* EAGAIN, or an error the next readiness will repeat */
         }
@@ -1123,6 +1269,14 @@ static void on_accept(Core *core, int listener) {
         if (core->conns)
             core->conns->prev = conn;
         core->conns = conn;
+        conn->since_ms = now_ms();
+        conn->hs_prev = core->hs_last;
+        if (core->hs_last)
+            core->hs_last->hs_next = conn;
+        else
+            core->hs_first = conn;
+        core->hs_last = conn;
+        core->handshakes++;
         set_count(&core->num_connections, core->num_connections + 1);
     }
 }
@@ -1134,19 +1288,34 @@ static int listen_all(Core *core) {
         if (epoll_ctl(core->epfd, EPOLL_CTL_ADD, core->listeners[i], &ev) < 0)
             return -1;
     }
+    core->accepting = 1;
     return 0;
+}
+
+static void unlisten_all(Core *core) {
+    for (Py_ssize_t k = 0; k < core->nlisteners; k++)
+        epoll_ctl(core->epfd, EPOLL_CTL_DEL, core->listeners[k], NULL);
+    core->accepting = 0;
 }
 
 /* -- the Python type ----------------------------------------------------------------- */
 
 static int Core_init(Core *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"listeners", "max_connections", "max_frame", "max_key", "complain",
-                            NULL};
-    PyObject *listeners, *complain_fn;
-    Py_ssize_t max_connections, max_frame, max_key;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnnO", names, &listeners,
-                                     &max_connections, &max_frame, &max_key, &complain_fn))
+                            "max_handshakes", "fd_limit", "fd_reserve", "evict_after_ms",
+                            "recheck_ms", "recount_ms", "notice", NULL};
+    PyObject *listeners, *complain_fn, *notice_fn;
+    Py_ssize_t max_connections, max_frame, max_key, max_handshakes;
+    long long fd_limit, fd_reserve, evict_after_ms, recheck_ms, recount_ms;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnnOnLLLLLO", names, &listeners,
+                                     &max_connections, &max_frame, &max_key, &complain_fn,
+                                     &max_handshakes, &fd_limit, &fd_reserve, &evict_after_ms,
+                                     &recheck_ms, &recount_ms, &notice_fn))
         return -1;
+    if (max_handshakes < 1) {
+        PyErr_SetString(PyExc_ValueError, "max_handshakes must be at least 1");
+        return -1;
+    }
     if (self->ready || self->listeners != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a core is initialised once");
         return -1;
@@ -1177,6 +1346,15 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwargs) {
     self->max_key = (size_t)max_key;
     Py_INCREF(complain_fn);
     self->complain = complain_fn;
+    Py_INCREF(notice_fn);
+    self->notice = notice_fn;
+    self->max_handshakes = (size_t)max_handshakes;
+    self->fd_limit = fd_limit;
+    self->fd_reserve = fd_reserve;
+    self->evict_after_ms = evict_after_ms;
+    self->recheck_ms = recheck_ms;
+    self->recount_ms = recount_ms;
+    self->counted_ms = INT64_MIN / 2; /* count at the first accept */
     self->epfd = epoll_create1(EPOLL_CLOEXEC);
     self->stopfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (self->epfd < 0 || self->stopfd < 0) {
@@ -1215,15 +1393,19 @@ static PyObject *Core_serve(Core *self, PyObject *unused) {
     self->gil = PyEval_SaveThread();
     while (!stop) {
         int timeout = -1;
-        if (self->accept_resume_ms) {
-            int64_t left = self->accept_resume_ms - now_ms();
-            if (left <= 0) {
-                self->accept_resume_ms = 0;
-                listen_all(self);
-            } else {
-                timeout = (int)left;
+        if (!self->accepting) {
+            int64_t now = now_ms();
+            int due = self->retry_ms && now >= self->retry_ms;
+            if (due)
+                self->retry_ms = 0;
+            if (due || self->room)
+                look_again(self);
+            if (!self->accepting && self->retry_ms) {
+                int64_t left = self->retry_ms - now_ms();
+                timeout = left > 0 ? (int)left : 0;
             }
         }
+        self->room = 0;
         int n = epoll_wait(self->epfd, events, MAX_EVENTS, timeout);
         if (n < 0) {
             if (errno == EINTR)
@@ -1304,6 +1486,7 @@ static void Core_dealloc(Core *self) {
     }
     PyMem_Free(self->listeners);
     Py_XDECREF(self->complain);
+    Py_XDECREF(self->notice);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

@@ -10,6 +10,13 @@ class Core:
         max_frame: int,
         max_key: int,
         complain: Callable[[str], object],
+        max_handshakes: int,
+        fd_limit: int,
+        fd_reserve: int,
+        evict_after_ms: int,
+        recheck_ms: int,
+        recount_ms: int,
+        notice: Callable[[str, str], object],
     ) -> None: ...
     def serve(self) -> None: ...
     def stop(self) -> None: ...
