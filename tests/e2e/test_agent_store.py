@@ -4,17 +4,26 @@ An ordinary gloo script whose rank 0 tears down and exits at once while the othe
 still use the default store (a late set/get, a checkpoint library finishing its
 coordination) must pass every time, as under torchrun's agent-hosted store. And a rank
 that stays alive after every peer exited successfully is named, with its stacks.
+
+Strangers cannot take the agent's descriptors through the workers' store: two thousand
+idle connections against an agent limited to 1,024 descriptors, then a worker fails --
+the agent reports it and restarts, as without the flood.
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from _helpers import finish, free_port, run, start, wait_for, write_script
+from _helpers import ELASTRUN, finish, free_port, run, start, wait_for, write_script
+from elastrun.store.tcp.limits import fd_reserve
 from elastrun.store.torchwire.engine import compiled_engine_available
 
 pytestmark = pytest.mark.slow
@@ -213,3 +222,108 @@ def test_no_stuck_at_exit_report_while_peers_still_run_or_when_turned_off(
     )  # fmt: skip
     assert res.returncode == 1
     assert "still running" not in res.stderr
+
+
+# -- a flood of idle connections to the workers' store ---------------------------------
+
+#: Local rank 0 of the first attempt writes where the workers' store is, and fails when
+#: told to; every worker of the restart writes ``restarted_<rank>`` and exits 0.
+FLAKY = """
+import os, sys, time
+here = sys.argv[1]
+rank = os.environ["LOCAL_RANK"]
+if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+    open(os.path.join(here, f"restarted_{rank}"), "w").close()
+    sys.exit(0)
+if rank == "0":
+    with open(os.path.join(here, "store.tmp"), "w") as f:
+        f.write(f"{os.environ['MASTER_ADDR']} {os.environ['MASTER_PORT']}")
+    os.rename(os.path.join(here, "store.tmp"), os.path.join(here, "store"))
+while not os.path.exists(os.path.join(here, "fail_now")):
+    time.sleep(0.05)
+sys.exit(3 if rank == "0" else 0)
+"""
+
+FD_LIMIT = 1024
+FLOOD = 2000
+
+
+def _low_fd_limit() -> None:
+    # Soft AND hard: raising the soft limit to the hard one must not hide the problem.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+
+
+def _room_for_the_flood() -> None:
+    """This test process holds the flood's sockets: raise its own soft limit if needed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = FLOOD + 256
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"this test needs {need} descriptors (hard limit {hard})")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "python",
+        pytest.param(
+            "compiled",
+            marks=pytest.mark.skipif(
+                not compiled_engine_available(), reason="the compiled engine was not built"
+            ),
+        ),
+    ],
+)
+def test_a_flood_of_idle_connections_to_the_workers_store_leaves_the_agent_its_restart(
+    tmp_path: Path, engine: str
+) -> None:
+    _room_for_the_flood()
+    script = write_script(tmp_path / "flaky.py", FLAKY)
+    stderr_path = tmp_path / "agent.err"
+    with stderr_path.open("w") as err:
+        proc = subprocess.Popen(
+            [*ELASTRUN, "--nproc-per-node", "2", "--max-restarts", "1", str(script),
+             str(tmp_path)],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err, text=True,
+            env={**os.environ, "ELASTRUN_STORE_ENGINE": engine},
+            # Only setrlimit runs between fork and exec: safe with this test's threads.
+            start_new_session=True, preexec_fn=_low_fd_limit,  # noqa: PLW1509
+        )  # fmt: skip
+    flood: list[socket.socket] = []
+    try:
+        wait_for((tmp_path / "store").exists, 30, "the worker to say where the store is")
+        host, port = (tmp_path / "store").read_text().split()
+        for _ in range(FLOOD):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            s.setblocking(False)
+            try:
+                s.connect((host, int(port)))
+            except BlockingIOError:
+                pass
+            flood.append(s)
+        time.sleep(1.0)  # the agent takes in what it will
+        agent_fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        (tmp_path / "fail_now").touch()  # a worker fails: the restart needs descriptors
+        try:
+            code = proc.wait(40)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    finally:
+        for s in flood:
+            s.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err_text = stderr_path.read_text(errors="replace")
+    assert code == 0, err_text[-5000:]
+    assert "exited with code 3; restarting all workers" in err_text, err_text[-5000:]
+    assert sorted(p.name for p in tmp_path.glob("restarted_*")) == ["restarted_0", "restarted_1"]
+    assert "Traceback" not in err_text, err_text[:5000]
+    assert stderr_path.stat().st_size < 100_000, err_text[:3000]
+    # The store stopped taking connections with a reserve left (less what a count's
+    # granularity lets through, and what the agent opened meanwhile).
+    assert agent_fds <= FD_LIMIT - fd_reserve(FD_LIMIT) + 32, agent_fds
+    print(f"{engine}: flood of {FLOOD} under an fd limit of {FD_LIMIT}: agent at {agent_fds} fds")

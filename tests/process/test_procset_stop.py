@@ -1,15 +1,23 @@
-"""The shutdown ladder's record of who ended each worker."""
+"""The shutdown ladder's record of who ended each worker, and its work in a process
+with no descriptor left."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import resource
 import signal
 import sys
+import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 
-from elastrun.supervise.processes.procset import ProcessSet
+from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.clock import Deadline
+from elastrun.supervise.processes.procset import UNWATCHED_SLICE, ProcessSet
 from elastrun.supervise.processes.spawn import ProcessSpec, SubprocessStarter
 
 # Says "ready" once its SIGTERM handler is in place; the handler aborts (SIGABRT), as a
@@ -68,3 +76,62 @@ def test_a_worker_that_outlives_the_grace_is_described_before_its_sigkill(
     ignored = int(line.split("SigIgn: ")[1].split(",")[0], 16)
     assert ignored & (1 << (signal.SIGTERM - 1)), line  # the evidence: SIGTERM ignored
     assert "State: " in line and "SigPnd: " in line and "SigBlk: " in line, line
+
+
+def _ready_worker(code: str = STOPS_ON_SIGTERM) -> ProcessSet:
+    r, w = os.pipe()
+    argv = (sys.executable, "-c", code)
+    proc = SubprocessStarter().start(ProcessSpec(0, dict(os.environ), argv=argv, stdout_fd=w))
+    os.close(w)
+    with os.fdopen(r) as out:
+        assert out.readline() == "ready\n"
+    return ProcessSet([proc])
+
+
+@contextlib.contextmanager
+def _no_descriptor_left() -> Iterator[None]:
+    """No new descriptor for the block: the soft limit is the lowest free number."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = os.dup(0)
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+    try:
+        with pytest.raises(OSError):
+            os.pipe()
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_ladder_stops_and_reports_workers_in_a_process_out_of_descriptors() -> None:
+    # A stop's grace scope makes its wake-up descriptor on first use; out of them, the
+    # ladder still stops, reaps and reports (it never raises), and a second request
+    # (the grace cancelled) is still seen at once.
+    group = _ready_worker()
+    grace = CancelScope()
+    with _no_descriptor_left():
+        report = group.stop(signal.SIGTERM, timeout=30.0, grace=grace)
+    group.close()
+    assert [(ex.exitcode, ex.by_agent) for ex in report.exits] == [(-signal.SIGTERM, True)]
+    stubborn = _ready_worker(IGNORES_SIGTERM)
+    threading.Timer(0.3, grace.cancel).start()
+    started = time.monotonic()
+    with _no_descriptor_left():
+        report = stubborn.stop(signal.SIGTERM, timeout=30.0, grace=grace)
+    stubborn.close()
+    assert report.killed == (0,)  # the cancelled grace cut the 30 s short
+    assert time.monotonic() - started < 5
+
+
+def test_a_wait_for_exits_out_of_descriptors_still_ends_on_a_stop_request() -> None:
+    group = _ready_worker()
+    scope = CancelScope()
+    threading.Timer(0.3, scope.cancel).start()
+    started = time.monotonic()
+    try:
+        with _no_descriptor_left(), pytest.raises(Cancelled):
+            group.wait_for_exits(Deadline.after(30.0), scope)
+        assert time.monotonic() - started < 0.3 + 5 * UNWATCHED_SLICE
+    finally:
+        group.stop(signal.SIGKILL, timeout=5.0)
+        group.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import signal
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.spec import WorkerSpec, WorkerState
-from elastrun.core.errors import ShutdownRequested
+from elastrun.core.errors import ProcessStartError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MemoryEventSink
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
@@ -125,3 +126,34 @@ def test_a_worker_stuck_in_d_state_fails_the_run_without_restart(tmp_path: Path)
     assert "stuck in uninterruptible sleep" in result.failures[1].explanation
     assert not result.failures[1].terminated_by_agent
     assert agent.budget_note is not None and agent.budget_note.startswith("not restarted")
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-oserror", "start-error"])
+def test_a_restart_out_of_descriptors_ends_with_the_failure_report(
+    tmp_path: Path, raw: bool
+) -> None:
+    # Rank 1 fails; the restart's start finds no descriptor left (a pidfd or a relay
+    # pipe: the OSError itself; the process's own pipes: the starter's error). The run
+    # ends with the first failure as its root cause and says why it did not restart.
+    starter = FakeStarter(script=lambda a, r: 7 if r == 1 else None)
+    original = starter.start
+
+    def start(spec):  # type: ignore[no-untyped-def]
+        if starter.attempt == 0 and spec.local_rank == 0:
+            emfile = OSError(errno.EMFILE, "Too many open files")
+            if raw:
+                raise emfile
+            raise ProcessStartError("local rank 0: cannot start '/bin/prog'") from emfile
+        return original(spec)
+
+    starter.start = start  # type: ignore[method-assign]
+    events = MemoryEventSink()
+    agent = _agent(tmp_path, starter, 3, events=events)
+    result = agent.run()
+    assert result.state is WorkerState.FAILED
+    assert result.failures[1].exitcode == 7 and not result.failures[1].terminated_by_agent
+    assert agent.budget_note is not None
+    assert "ran out of file descriptors restarting the workers" in agent.budget_note
+    assert ("Too many open files" if raw else "cannot start") in agent.budget_note
+    assert "agent.failed" in events.names()
+    assert all(p.exited() for p in starter.started)  # nothing left running

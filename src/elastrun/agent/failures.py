@@ -7,6 +7,7 @@ the watches (``AttemptWatches.reasons``).
 
 from __future__ import annotations
 
+import errno
 import signal
 from collections.abc import Mapping
 
@@ -116,6 +117,28 @@ def signatures(attempt: Attempt, failed: list[Exit], progress: Snapshot) -> list
     return found
 
 
+#: The errors of a process that has no descriptor left (or a system with no file left).
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
+
+
+def out_of_descriptors(exc: BaseException) -> str | None:
+    """What ``exc`` says, when it (or an error it was raised from) is the process or
+    the system running out of file descriptors; else None.
+
+    Restarting workers opens files, pipes, sockets and pidfds; where the descriptors ran
+    out, the error may come raw (``OSError``) or translated (``ProcessStartError``,
+    ``StoreError``, ``RendezvousError``), so the chain is followed.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _OUT_OF_DESCRIPTORS:
+            return str(exc)
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def failure_note(
     budget: RestartBudget,
     *,
@@ -123,12 +146,16 @@ def failure_note(
     stalled: str | None,
     history: list[str],
     crash_loop: str | None = None,
+    cannot_restart: str | None = None,
 ) -> str:
-    """Why the job was not restarted, with the earlier failures that were."""
+    """Why the job was not restarted, with the earlier failures that were
+    (``cannot_restart``: why a restart the budget allowed could not be made)."""
     limit = budget.limit
     refusal = getattr(budget, "refusal", None)
     if stuck is not None:
         note = f"not restarted: local rank {stuck} was stuck in uninterruptible sleep"
+    elif cannot_restart:
+        note = f"not restarted: {cannot_restart}"
     elif crash_loop:
         note = (
             f"not restarted: the failure looks deterministic: {crash_loop} "

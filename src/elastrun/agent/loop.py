@@ -30,8 +30,9 @@ from elastrun.agent.policy import Decision
 from elastrun.agent.spec import RunResult, WorkerState
 from elastrun.agent.wiring import AgentParts
 from elastrun.core.clock import Deadline
-from elastrun.core.errors import RendezvousClosedError, ShutdownRequested
+from elastrun.core.errors import ElastrunError, RendezvousClosedError, ShutdownRequested
 from elastrun.inprocess.agent.steps import GroupAction, GroupDecision
+from elastrun.store.tcp.limits import fd_limit
 from elastrun.supervise.failures.crashloop import CrashLoopGuard
 from elastrun.supervise.processes.procset import Exit
 
@@ -263,20 +264,35 @@ class ElasticLoop:
         )
         if decision is not Decision.RESTART_ALL:
             return self._fail()
+        try:
+            self._recover(attempt, failed)
+        except ShutdownRequested:
+            raise
+        except (OSError, ElastrunError) as exc:
+            # Out of descriptors, the restart cannot be made (its files, pipes, sockets
+            # and pidfds): the run ends with the failure's report, not a traceback.
+            short = failures.out_of_descriptors(exc)
+            if short is None:
+                raise
+            return self._fail(cannot_restart=short)
+        return None
+
+    def _recover(self, attempt: Attempt, failed: list[Exit]) -> None:
+        """Recover from ``failed`` (the budget allowed it): in place, or by a restart."""
+        p = self._p
         if p.inprocess.under_way:  # the next round replaces this one's failed too
             p.inprocess.abandon("a worker failed meanwhile")
         why = p.steps.why_not(attempt, failed)
         if why is not None:
             log.debug("not recovering in place: %s", why)
             self._restart_after_failure(failed)
-            return None
+            return
         p.watches.note_expired_timers()
         self.history.append(p.report.restart(attempt, failed, p.watches.reasons, in_place=True))
         if p.steps.alone:
             self._act(p.steps.recover_alone(attempt, failed))
         else:
             self._reform_keeping(attempt)
-        return None
 
     def _restart_after_failure(self, failed: list[Exit]) -> None:
         p = self._p
@@ -417,10 +433,17 @@ class ElasticLoop:
 
     # -- the end -----------------------------------------------------------------------
 
-    def _fail(self, stuck: int | None = None) -> RunResult:
-        """Stop everything and report: the restart budget ran out, or a worker is stuck
-        in uninterruptible sleep (``stuck``: its local rank; restarting cannot help)."""
+    def _fail(self, stuck: int | None = None, cannot_restart: str | None = None) -> RunResult:
+        """Stop everything and report: the restart budget ran out, a worker is stuck in
+        uninterruptible sleep (``stuck``: its local rank; restarting cannot help), or the
+        process ran out of descriptors restarting (``cannot_restart``: the error)."""
         p = self._p
+        if cannot_restart is not None:
+            cannot_restart = (
+                "the agent ran out of file descriptors restarting the workers "
+                f"(its limit: {fd_limit()}, ulimit -n): {cannot_restart}"
+            )
+            log.error("not restarting: %s", cannot_restart)
         attempt = self._current()
         p.rdzv.step_away("its agent gave up")  # (before its workers stop: see _stopped_by)
         self._finish_attempt(signal.SIGTERM)
@@ -435,6 +458,7 @@ class ElasticLoop:
             stalled=self.stalled,
             history=self.history,
             crash_loop=self.crash_loop,
+            cannot_restart=cannot_restart,
         )
         p.lifecycle.enter(AgentPhase.DONE, WorkerState.FAILED)
         p.report.failed(len(report))

@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 #: (a process in uninterruptible sleep cannot be killed until the kernel lets go).
 REAP_BOUND = 5.0
 
+#: A wait whose scope could get no descriptor (the process is out of them) looks at the
+#: scope this often instead: a stop request is still seen within it.
+UNWATCHED_SLICE = 0.1
+
 
 @dataclass(frozen=True)
 class Exit:
@@ -140,8 +144,13 @@ class ProcessSet:
         found = self.poll()
         if found or (not self._live and notices is None and is_default(scope)):
             return found
-        with self._also_watching(scope, notices):
-            events = self._sel.select(deadline.timeout(cap=scope.remaining()))
+        with self._also_watching(scope, notices) as watched:
+            while True:
+                cap = scope.remaining() if watched else min(scope.remaining(), UNWATCHED_SLICE)
+                events = self._sel.select(deadline.timeout(cap=cap))
+                over = scope.cancelled or deadline.expired() or scope.remaining() <= 0
+                if watched or events or over:
+                    break
         scope.raise_if_cancelled()
         for key, _ in events:
             if isinstance(key.data, int):
@@ -153,16 +162,29 @@ class ProcessSet:
     @contextmanager
     def _also_watching(
         self, scope: CancelScope | None, notices: int | None = None
-    ) -> Iterator[None]:
+    ) -> Iterator[bool]:
         """The selector watches ``scope`` (unless None or the default, never cancelled)
-        and ``notices`` too for the block."""
-        extra = [] if scope is None or is_default(scope) else [scope.fileno()]
+        and ``notices`` too for the block; yields False when the scope's descriptor
+        could not be made (then the caller looks at the scope every ``UNWATCHED_SLICE``).
+
+        A scope makes its descriptor on first use, and the shutdown ladder is where a
+        process out of descriptors must still get its workers stopped and reported
+        (the ladder never raises), so that failure is not an error here.
+        """
+        extra: list[int] = []
+        watched = True
+        if scope is not None and not is_default(scope):
+            try:
+                extra.append(scope.fileno())
+            except OSError as exc:
+                log.warning("waiting without a wake-up descriptor (%s): polling instead", exc)
+                watched = False
         if notices is not None:
             extra.append(notices)
         for fd in extra:
             self._sel.register(fd, selectors.EVENT_READ, _WAKE)
         try:
-            yield
+            yield watched
         finally:
             for fd in extra:
                 self._sel.unregister(fd)
@@ -191,14 +213,15 @@ class ProcessSet:
         """Collect exits until none runs, ``deadline`` passes or ``scope`` is cancelled."""
         if not self._live:
             return  # (the selector may be closed: a stop after ``close``)
-        with self._also_watching(scope):
+        with self._also_watching(scope) as watched:
             while self._live:
                 for lr in list(self._live):
                     self._collect(lr, by_agent)
                 cut = scope is not None and scope.cancelled
                 if not self._live or deadline.expired() or cut:
                     return
-                for key, _ in self._sel.select(deadline.timeout()):
+                cap = None if watched else UNWATCHED_SLICE
+                for key, _ in self._sel.select(deadline.timeout(cap=cap)):
                     if isinstance(key.data, int):
                         self._collect(key.data, by_agent)
 
