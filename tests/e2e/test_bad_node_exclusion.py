@@ -73,8 +73,10 @@ def test_a_failing_node_is_excluded_a_spare_replaces_it_and_it_rejoins(tmp_path:
     told = [e for e in events if e["name"] in ("agent.excluded", "agent.readmitted")]
     assert [e["name"] for e in told] == ["agent.excluded", "agent.readmitted"]
     assert "failed 2 times" in told[0]["metadata"]["reason"]
-    # It came back as a spare; the job ended while it waited for room.
-    assert "has ended (finished)" in bad_err.split("cool-down is over")[-1], err
+    # It came back as a spare; the job ended while it waited for room: it ends as the
+    # job did.
+    assert "job finished while this node was kept out" in bad_err.split("cool-down is over")[-1]
+    assert results["bad"].returncode == 0, err
 
 
 def test_with_exclude_exit_an_excluded_node_leaves_with_replace_this_node(tmp_path: Path) -> None:
@@ -129,8 +131,7 @@ def test_a_node_that_always_fails_goes_out_for_longer_each_time_and_the_job_fini
         time.sleep(0.3)
     results = {name: finish(p, 150) for name, p in nodes.items()}
     err = "\n".join(f"--- {n}\n{r.stderr[-4000:]}" for n, r in results.items())
-    assert results["good"].returncode == 0, err
-    assert results["spare"].returncode == 0, err
+    assert [r.returncode for r in results.values()] == [0, 0, 0], err
     bad_err = results["bad"].stderr
     assert "excluded 2 times in a row, 4s this time" in bad_err, err
     assert "restart budget exhausted" not in err
@@ -138,3 +139,39 @@ def test_a_node_that_always_fails_goes_out_for_longer_each_time_and_the_job_fini
     cooldowns = [e["metadata"]["cooldown_s"] for e in events if e["name"] == "agent.excluded"]
     assert len(cooldowns) >= 2, err
     assert all(b > a * 1.5 for a, b in itertools.pairwise(cooldowns)), (cooldowns, err)
+
+
+# The bad node's own check: healthy the first time, failing from then on.
+CHECK = """#!/bin/sh
+echo run >> {where}/checks
+[ "$(wc -l < {where}/checks)" -le 1 ]
+"""
+
+
+def test_a_node_back_from_its_cool_down_is_checked_again_before_it_joins(tmp_path: Path) -> None:
+    script = write_script(tmp_path / "work.py", RESUMING)
+    check = tmp_path / "check.sh"
+    check.write_text(CHECK.format(where=tmp_path))
+    check.chmod(0o755)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = {}
+    for tag in ("good", "spare", "bad"):
+        extra: tuple[str, ...] = ("--max-restarts", "3")
+        if tag == "bad":
+            extra += ("--node-check", "--node-check-script", str(check))
+        nodes[tag] = _node(tmp_path, endpoint, tag, script, "80", "2:3", extra)
+        time.sleep(0.3)
+    results = {name: finish(p, 150) for name, p in nodes.items()}
+    err = "\n".join(f"--- {n}\n{r.stderr[-4000:]}" for n, r in results.items())
+    # Every node exits 0: the bad one sat out a job that succeeded.
+    assert [r.returncode for r in results.values()] == [0, 0, 0], err
+    assert "finished while this node was kept out of its rounds" in results["bad"].stderr
+    events = [json.loads(x) for x in (tmp_path / "bad.jsonl").read_text().splitlines()]
+    told = [e["name"] for e in events if e["name"].startswith(("agent.node_check", "agent.re"))]
+    # Its workers fail once (the check passed before its first round), its check fails
+    # after that failure; then every readmission is followed by a check, which fails.
+    readmitted = [i for i, name in enumerate(told) if name == "agent.readmitted"]
+    assert readmitted, (told, err)
+    for i in readmitted[:-1]:
+        assert told[i + 1] == "agent.node_check_failed", (told, err)
+    assert (tmp_path / "checks").read_text().count("run") >= 3, err

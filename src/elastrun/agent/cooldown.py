@@ -75,6 +75,9 @@ class CoolDown:
         self.own: Exclusion | None = None
         #: The job's excluded nodes, as last read (before each round this node joins).
         self.excluded: list[Exclusion] = []
+        #: Whether this node sat out a cool-down at any time in this run: one that then
+        #: finds the job finished ends with success, as the job did (read by the loop).
+        self.sat_out = False
 
     def start(self) -> None:
         """Tell the rendezvous the rule (before the first failure can be reported)."""
@@ -103,6 +106,7 @@ class CoolDown:
 
     def _sit_out(self, own: Exclusion) -> bool:
         self.own = own
+        self.sat_out = True
         self._read_excluded()
         cooldown = own.remaining(self._clock.time())
         self._events.record(

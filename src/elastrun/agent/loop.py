@@ -97,13 +97,13 @@ class ElasticLoop:
             self._start_round()
             return self._watch()
         except RendezvousClosedError as exc:
-            if not (exc.finished and self._p.nodecheck.was_kept_out):
+            if not (exc.finished and self._p.cooldown.sat_out):
                 raise
-            # Kept out by a failed check, this node sat out a job that succeeded: it
-            # ends as the job did (under srun, a node's failure fails the whole step).
+            # Kept out (a failed check, or failures of its own), this node sat out a job
+            # that succeeded: it ends as the job did (under srun, a node's failure fails
+            # the whole step).
             log.info(
-                "the job finished while this node was kept out after its failed node "
-                "check: it ends with success"
+                "the job finished while this node was kept out of its rounds: it ends with success"
             )
             return RunResult(state=WorkerState.SUCCEEDED)
 
@@ -416,7 +416,9 @@ class ElasticLoop:
         p.rounds.end()  # the previous round is over for every node
         p.lifecycle.enter(AgentPhase.RENDEZVOUS)
         p.nodecheck.before_round()  # when due: the first round, or after its own failure
-        p.cooldown.before_round()  # an excluded node sits out its cool-down first
+        while p.cooldown.before_round():  # an excluded node sits out its cool-down first
+            p.nodecheck.own_failure()  # and, back, is checked again (it may go out again)
+            p.nodecheck.before_round()
         plan = p.steps.starting_afresh(p.rounds.join(), self._attempt)
         self._start_workers(plan)
         p.steps.joined(self._current())

@@ -18,9 +18,8 @@ already found bad (it is not at fault for a silent peer).
 A node that fails is kept out as an excluded node is (``rdzv.exclude``: a cool-down,
 never below the ``--nnodes`` minimum) and sits it out before it joins (``cooldown``);
 one line names it and why, with an ``agent.node_check_failed`` event and the
-``agent.node_check_failed`` metric. After its cool-down it joins without another check:
-a failure of its workers checks it again. A node kept out that finds the job finished
-meanwhile ends with success, as the job did (``was_kept_out``, read by the loop).
+``agent.node_check_failed`` metric. After its cool-down it is checked again before it
+joins (the loop asks, see ``own_failure``), and a failure of its workers checks it again.
 
 What a check's process printed is quoted in the message at most ``QUOTE`` characters
 long (its end): the message goes to the log, an event and the rendezvous' record.
@@ -114,9 +113,6 @@ class NodeCheck:
         self.due = rule.enabled
         #: The last check's outcome.
         self.last: CheckOutcome | None = None
-        #: Whether a failed check kept this node out of the rounds, at any time in
-        #: this run (never cleared: a check after the cool-down may pass by then).
-        self.was_kept_out = False
 
     def own_failure(self) -> None:
         """This node's workers failed: check it before it rejoins (meanwhile no one may
@@ -162,7 +158,6 @@ class NodeCheck:
             },
         )
         held = self._interruptible(lambda _scope: self._rdzv.exclude(reason), "exclusion")
-        self.was_kept_out = self.was_kept_out or held is not None
         kept = None if held is not None else self._rdzv.take_kept_at_min()
         log.error(
             "node %s (%s) failed its check: %s; %s",
@@ -312,10 +307,7 @@ class NodeCheck:
         return seconds
 
     def __repr__(self) -> str:
-        return (
-            f"NodeCheck(rule={self._rule!r}, due={self.due}, was_kept_out={self.was_kept_out}, "
-            f"last={self.last!r})"
-        )
+        return f"NodeCheck(rule={self._rule!r}, due={self.due}, last={self.last!r})"
 
 
 def _seconds_of(helper: Helper, scope: CancelScope, deadline: float) -> float | None:

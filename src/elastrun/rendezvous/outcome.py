@@ -143,6 +143,11 @@ class Outcome:
             # A member is gone: the failure is the loss of a node (its peers' collectives
             # broke), which re-forms the group without spending the restart budget.
             return self._open_or_refuse()
+        # The node whose workers failed joins the next round itself, once it is ready:
+        # it may check itself, be excluded and sit out a cool-down first (``must_join``).
+        # Its watch, woken by the claim below, must not join it ahead: the round would
+        # then count it in, and wait for workers it never starts.
+        live.away = live.round
         key = self._keys.failed(live.round)
         note = {"node": self._node_id, "addr": self._addr, "what": what}
         won, _ = self._store.compare_set(key, None, dump(note))
