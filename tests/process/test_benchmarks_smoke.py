@@ -210,6 +210,27 @@ def test_inprocess_state_benchmark_moves_the_commit_as_tensors(tmp_path: Path) -
     assert _samples(data, "next_s")["group restart"], data
 
 
+@pytest.mark.torch
+def test_churn_benchmark_survives_fifty_kills_in_place_exactly_with_nothing_growing(
+    tmp_path: Path,
+) -> None:
+    # 50 SIGKILLs of random ranks, about one every 0.7 s: in steps, at step ends and
+    # during the recoveries of earlier ones (a minute on 2 cores).
+    data = _run_module("bench_churn.py", tmp_path, timeout=300)
+    raw = data["raw"]
+    assert isinstance(raw, dict)
+    res = raw["modes"]["inplace"]
+    assert res["injected"] == 50, res["kills"]
+    assert res["survived"] == res["injected"], res["kills"]
+    assert res["returncode"] == 0 and res["completed"], res["stderr_tail"]
+    assert res["reference"]["exact"], res["reference"]  # bit for bit
+    assert res["phases"].get("during a recovery", 0) > 0, res["phases"]
+    for who in ("agent", "worker"):  # the launcher, and the largest worker
+        growth = res["resources"][who]["growth"]
+        assert growth["fds"] <= 4 and growth["threads"] <= 4, (who, res["resources"])
+        assert growth["rss_mb"] <= 32, (who, res["resources"])
+
+
 def test_run_all_writes_the_report_and_the_charts_of_the_launch_benchmark(
     tmp_path: Path,
 ) -> None:

@@ -1,0 +1,173 @@
+"""The churn benchmark's training job (run by a launcher, never imported).
+
+    _churn_job.py OUT MODE SLEEP CHECKPOINT_EVERY
+
+A 4-rank gloo DDP job: a small MLP, SGD with momentum, each step's data drawn from a
+generator seeded by (step, rank), so that a step done again computes the same gradients.
+A step is ``SLEEP`` seconds (the compute a real model would do, before the gradients'
+all-reduce: a peer's death is then seen in the all-reduce, before the optimizer steps)
+then a forward, backward and optimizer step. Modes:
+
+* ``inplace``: ``elastrun.inprocess`` with a commit after every step;
+* ``group``: a plain script; rank 0 saves a checkpoint (``torch.save``, written aside and
+  renamed) every ``CHECKPOINT_EVERY`` steps, and every process starts from it;
+* ``reference``: no failures; DDP is built anew at each step listed in
+  ``OUT/rebuild.txt``, as the recovered run built it anew at each of its restarts.
+
+The job runs until the step written in ``OUT/stop`` (the benchmark writes it when its
+killer is done). Every process writes, for the benchmark:
+
+* ``pid_RANK``: its pid, first thing (the killer's only source of victims);
+* ``steps_RANK.log``: ``C pid step t`` when a call of the training function (or a process)
+  starts at ``step``; ``S pid step t`` when a step starts (its sleep), ``A pid step t`` when
+  its forward pass starts (then the backward with the all-reduce, the optimizer step);
+  ``E pid step t0 t1`` when it ends (before the commit or the checkpoint);
+* ``final_RANK.json`` at the end: the parameters' SHA-256 and the last step (rank 0 also
+  ``final.pt``, the parameters).
+"""
+
+import os
+import sys
+import time
+
+OUT, MODE = sys.argv[1], sys.argv[2]
+SLEEP, CHECKPOINT_EVERY = float(sys.argv[3]), int(sys.argv[4])
+RANK, PID = int(os.environ["RANK"]), os.getpid()
+
+
+def _write_atomically(path, text):
+    with open(f"{path}.{PID}", "w") as fh:
+        fh.write(text)
+    os.replace(f"{path}.{PID}", path)
+
+
+_write_atomically(os.path.join(OUT, f"pid_{RANK}"), str(PID))
+
+import gc  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+LOG = os.open(os.path.join(OUT, f"steps_{RANK}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+STOP = os.path.join(OUT, "stop")
+CKPT = os.path.join(OUT, "ckpt.pt")
+_last = []
+
+
+def event(*fields):
+    os.write(LOG, (" ".join(str(f) for f in fields) + "\n").encode())
+
+
+def last_step():
+    """The step to stop at, once the benchmark wrote it (a very large one until then)."""
+    if not _last and os.path.exists(STOP):
+        with open(STOP) as fh:
+            _last.append(int(fh.read()))
+    return _last[0] if _last else 1 << 40
+
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(
+    torch.nn.Linear(32, 128),
+    torch.nn.ReLU(),
+    torch.nn.Linear(128, 128),
+    torch.nn.ReLU(),
+    torch.nn.Linear(128, 1),
+)
+opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
+
+
+def one_step(ddp, step):
+    t0 = time.time()
+    event("S", PID, step, f"{t0:.6f}")
+    time.sleep(SLEEP)
+    event("A", PID, step, f"{time.time():.6f}")
+    world = int(os.environ["WORLD_SIZE"])
+    g = torch.Generator().manual_seed(step * world + RANK)
+    x = torch.randn(32, 32, generator=g)
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True))
+    loss.backward()
+    opt.step()
+    event("E", PID, step, f"{t0:.6f}", f"{time.time():.6f}")
+
+
+def finish(step):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    if RANK == 0:
+        torch.save([p.detach().clone() for p in model.parameters()], os.path.join(OUT, "final.pt"))
+    _write_atomically(
+        os.path.join(OUT, f"final_{RANK}.json"),
+        json.dumps({"rank": RANK, "pid": PID, "step": step, "sha": h.hexdigest()}),
+    )
+
+
+def inplace():
+    import elastrun.inprocess as ip
+
+    state = ip.State(model=model, optimizer=opt, step=0)
+
+    @ip.run
+    def train(state):
+        event("C", PID, state.step, f"{time.time():.6f}")
+        dist.init_process_group("gloo")
+        ddp = DistributedDataParallel(model)
+        while state.step < last_step():
+            one_step(ddp, state.step)
+            state.step += 1
+            state.commit()
+        dist.barrier()
+        dist.destroy_process_group()
+
+    train(state)
+    finish(state.step)
+
+
+def group():
+    step = 0
+    if os.path.exists(CKPT):
+        saved = torch.load(CKPT, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        step = saved["step"]
+    event("C", PID, step, f"{time.time():.6f}")
+    dist.init_process_group("gloo")
+    ddp = DistributedDataParallel(model)
+    while step < last_step():
+        one_step(ddp, step)
+        step += 1
+        if RANK == 0 and step % CHECKPOINT_EVERY == 0:
+            saved = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
+            torch.save(saved, CKPT + ".tmp")
+            os.replace(CKPT + ".tmp", CKPT)
+    dist.barrier()
+    dist.destroy_process_group()
+    finish(step)
+
+
+def reference():
+    with open(os.path.join(OUT, "rebuild.txt")) as fh:
+        rebuild = {int(s) for s in fh.read().split()}
+    dist.init_process_group("gloo")
+    ddp, step = DistributedDataParallel(model), 0
+    while step < last_step():
+        if step in rebuild and step > 0:
+            # As after a restart: a new wrapper (its first step buckets the gradients in
+            # the order of the parameters, later ones in the order they became ready).
+            # The old one's reducer unhooks from the parameters when it is freed.
+            del ddp
+            gc.collect()
+            ddp = DistributedDataParallel(model)
+        one_step(ddp, step)
+        step += 1
+    dist.barrier()
+    dist.destroy_process_group()
+    finish(step)
+
+
+{"inplace": inplace, "group": group, "reference": reference}[MODE]()
