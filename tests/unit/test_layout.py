@@ -118,3 +118,30 @@ def test_each_cross_process_concept_lives_in_one_folder() -> None:
     assert strays == []
     for folder in CONCEPT_FOLDERS:
         assert (PACKAGE_DIR / folder / "__init__.py").is_file()
+
+
+#: What the loop may not import: the recovery strategies are rungs of the ladder
+#: (``agent.ladder``), assembled by ``agent.wiring``; the loop knows none by name.
+STRATEGIES = (
+    "elastrun.agent.rungs",
+    "elastrun.agent.policy",
+    "elastrun.inprocess",
+    "elastrun.nodecheck",
+    "elastrun.supervise.failures.crashloop",
+)
+
+
+def test_the_loop_imports_no_recovery_strategy() -> None:
+    path = PACKAGE_DIR / "agent" / "loop.py"
+    tree = ast.parse(path.read_text())
+    imported = [
+        node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    ] + [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    ]
+    assert [m for m in imported if m.startswith(STRATEGIES)] == []
+    # Nor does a method of the loop name in-process recovery.
+    assert "inprocess" not in path.read_text()

@@ -24,16 +24,14 @@ import signal
 from elastrun.agent import failures
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.finish import BarrierAction, barrier_action, return_values
+from elastrun.agent.ladder import GroupAction, GroupDecision, Move, Reaction
 from elastrun.agent.phases import AgentPhase
 from elastrun.agent.plan import LaunchPlan
-from elastrun.agent.policy import Decision
 from elastrun.agent.spec import RunResult, WorkerState
 from elastrun.agent.wiring import AgentParts
 from elastrun.core.clock import Deadline
 from elastrun.core.errors import ElastrunError, RendezvousClosedError, ShutdownRequested
-from elastrun.inprocess.agent.steps import GroupAction, GroupDecision
 from elastrun.store.tcp.limits import fd_limit
-from elastrun.supervise.failures.crashloop import CrashLoopGuard
 from elastrun.supervise.processes.procset import Exit
 
 __all__ = ["ElasticLoop"]
@@ -61,7 +59,6 @@ class ElasticLoop:
         self.stalled: str | None = None
         #: Why restarting stopped because a rank failed the same way twice in a row.
         self.crash_loop: str | None = None
-        self._crash_loops = CrashLoopGuard() if parts.options.crash_loop_stop else None
         #: Wall-clock time of the loop's last pass (the health check's "last progress").
         self.last_progress = parts.clock.time()
 
@@ -119,7 +116,7 @@ class ElasticLoop:
         exits.callback(p.guard.close)
         exits.callback(p.progress.close)
         exits.callback(p.pace.close)
-        exits.callback(p.inprocess.close)
+        exits.callback(p.ladder.follower.close)
         exits.callback(p.rounds.end)
         exits.callback(self._finish_attempt, signal.SIGTERM)
         p.rdzv.set_node_info(p.spec.role, p.spec.local_world_size)
@@ -130,8 +127,7 @@ class ElasticLoop:
         p.rdzv.set_change_callback(p.notices.post)
         exits.callback(p.lifecycle.enter, AgentPhase.DONE)
         p.guard.start()
-        if p.options.inprocess:
-            p.workers.provide(p.inprocess.open())  # the workers' socket path
+        p.workers.provide(p.ladder.follower.open())  # (in place: the workers' socket path)
 
     def _watch(self) -> RunResult:
         """Pass after pass, each after a worker exit, a notice or ``monitor_interval``
@@ -152,7 +148,7 @@ class ElasticLoop:
         when a worker's question is due an answer), in the shutdown scope."""
         p = self._p
         interval = p.spec.monitor_interval
-        due = p.inprocess.next_answer_in()
+        due = p.ladder.follower.wake_in()
         deadline = Deadline.after(interval if due is None else min(interval, due), p.clock)
         p.interruptible(
             lambda scope: attempt.procs.wait_for_exits(deadline, scope, p.notices.fileno()),
@@ -212,7 +208,9 @@ class ElasticLoop:
         p.watches.check_hang(attempt)
         if p.pace.due():
             p.pace.sample(p.progress.snapshot(), attempt.procs.running())
-        if self._inprocess_pass(attempt):
+        step = p.ladder.follower.on_pass(attempt)
+        if step is not None:
+            self._act(step)
             return None
         exits = attempt.procs.exits
         failed = sorted((e for e in exits.values() if e.exitcode != 0), key=lambda e: e.observed_at)
@@ -226,46 +224,17 @@ class ElasticLoop:
             self._reform_for_waiting_nodes()
         return None
 
-    def _inprocess_pass(self, attempt: Attempt) -> bool:
-        """Answer the workers' questions (did a peer fail?) and follow an in-process
-        round under way; True when this pass is over."""
-        inprocess = self._p.inprocess
-        inprocess.answer(attempt, lambda: self._p.handler.num_nodes_waiting() > 0)
-        if inprocess.under_way:
-            round_state = inprocess.progress()
-            if round_state == "late":
-                # Too long: restart the group (the stacks of the workers that did not
-                # synchronise are kept).
-                inprocess.abandon_late(attempt)
-                self._act(GroupDecision.restart_fresh())
-                return True
-            if round_state == "done" and inprocess.restored is not None:
-                self._p.progress.recovered(inprocess.restored)
-                inprocess.restored = None
-        laggards = inprocess.stuck()
-        if laggards:
-            inprocess.end_stuck(attempt, laggards)  # their exits come as failures
-            return True
-        return False
-
     # -- failures ----------------------------------------------------------------------
 
     def _after_failure(self, attempt: Attempt, failed: list[Exit]) -> RunResult | None:
-        """Restart (None) or end the run with its failed result."""
-        p = self._p
-        if self._no_progress_since_restarts(attempt, failed):
-            return self._fail()
-        what = failures.describe_failure(attempt, failed[0])
-        if self._crash_loop(attempt, failed, what):
-            return self._fail()
-        # The job-wide budget lives in the store: a signal must not wait for it.
-        decision = p.interruptible(
-            lambda _scope: p.policy.on_failure(failed, p.budget, what), "restart budget"
-        )
-        if decision is not Decision.RESTART_ALL:
+        """Ask the recovery ladder, and carry its answer out: recover (None) or end the
+        run with its failed result."""
+        reaction = self._p.ladder.on_failure(attempt, failed)
+        if reaction.move is Move.STOP:
+            self.stalled, self.crash_loop = reaction.stalled, reaction.crash_loop
             return self._fail()
         try:
-            self._recover(attempt, failed)
+            self._recover(attempt, failed, reaction)
         except ShutdownRequested:
             raise
         except (OSError, ElastrunError) as exc:
@@ -277,106 +246,41 @@ class ElasticLoop:
             return self._fail(cannot_restart=short)
         return None
 
-    def _recover(self, attempt: Attempt, failed: list[Exit]) -> None:
-        """Recover from ``failed`` (the budget allowed it): in place, or by a restart."""
+    def _recover(self, attempt: Attempt, failed: list[Exit], reaction: Reaction) -> None:
+        """Record the failure, then carry out the move and step a rung chose."""
         p = self._p
-        if p.inprocess.under_way:  # the next round replaces this one's failed too
-            p.inprocess.abandon("a worker failed meanwhile")
-        why = p.steps.why_not(attempt, failed)
-        if why is not None:
-            log.debug("not recovering in place: %s", why)
-            self._restart_after_failure(failed)
-            return
-        p.watches.note_expired_timers()
-        self.history.append(p.report.restart(attempt, failed, p.watches.reasons, in_place=True))
-        if p.steps.alone:
-            self._act(p.steps.recover_alone(attempt, failed))
-        else:
-            self._reform_keeping(attempt)
-
-    def _restart_after_failure(self, failed: list[Exit]) -> None:
-        p = self._p
-        p.lifecycle.enter(AgentPhase.RESTARTING)
         t0 = p.clock.monotonic()
-        attempt = self._current()
+        restart = reaction.move is Move.RESTART
+        if restart:
+            p.lifecycle.enter(AgentPhase.RESTARTING)
         p.watches.note_expired_timers()
-        self.history.append(p.report.restart(attempt, failed, p.watches.reasons))
-        p.nodecheck.own_failure()  # this node's workers failed: check it before it rejoins
-        self._stop_workers()
-        self._check_shutdown()
-        self._start_round()
-        p.metrics.put("agent.restart.duration_ms", (p.clock.monotonic() - t0) * 1000)
-
-    def _no_progress_since_restarts(self, attempt: Attempt, failed: list[Exit]) -> bool:
-        """Whether the last restarts made no progress (then: stop, with ``stalled`` set).
-
-        A failure recovered in place is judged by the commits the last recoveries
-        restored (the job's progress; a replacement's own step counts start at 0); one
-        during a recovery belongs to that recovery, judged when it completes. Else it is
-        judged from the attempt that just failed, before its records are reset."""
-        p = self._p
-        if p.inprocess.under_way:
-            return False
-        if p.steps.why_not(attempt, failed) is None:
-            self.stalled = p.progress.stalled_in_place()
-        else:
-            self.stalled = p.progress.stalled()
-        if self.stalled is None:
-            return False
-        log.error("not restarting: %s", self.stalled)
-        p.events.record("agent.no_progress", {"detail": self.stalled})
-        return True
-
-    def _crash_loop(self, attempt: Attempt, failed: list[Exit], what: str) -> bool:
-        """Whether a rank failed as in the attempt before (then: stop, with
-        ``crash_loop`` set, and the job ends on every node).
-
-        A failure recovered in place is left to the in-process guard (its replacement
-        counts its steps from 0, and the attempt goes on)."""
-        p = self._p
-        guard = self._crash_loops
-        if guard is None or p.inprocess.under_way or p.steps.why_not(attempt, failed) is None:
-            return False
-        found = failures.signatures(attempt, failed, p.progress.snapshot())
-        repeated = guard.attempt_failed(attempt.number, found)
-        if repeated is None:
-            return False
-        # With no restart left the budget ends the job anyway, as torchrun's would (exit
-        # status 1): the verdict only saves the restarts that remain.
-        left = p.interruptible(lambda _scope: p.budget.limit - p.budget.used, "restart budget")
-        if left <= 0:
-            return False
-        self.crash_loop = (
-            f"{repeated.describe()}, in attempts {attempt.number - 1} and {attempt.number} alike"
-        )
-        log.error("not restarting: the failure looks deterministic: %s", self.crash_loop)
-        p.events.record(
-            "agent.crash_loop",
-            {
-                "rank": repeated.rank,
-                "error": repeated.error,
-                "step": repeated.step,
-                "attempt": attempt.number,
-            },
-        )
-        why = f"crash loop: {repeated.describe()} twice in a row"
-        # Every node ends: the failure is claimed for the round with no restart, and the
-        # run is closed with why (a signal must not wait for the store).
-        p.interruptible(lambda _scope: p.rdzv.report_final_failure(what, why), "ending the job")
-        return True
+        reasons = p.watches.reasons
+        self.history.append(p.report.restart(attempt, failed, reasons, in_place=not restart))
+        self._carry_out(reaction)
+        if restart:
+            p.metrics.put("agent.restart.duration_ms", (p.clock.monotonic() - t0) * 1000)
 
     # -- the group: kept, or restarted ---------------------------------------------------
 
+    def _carry_out(self, reaction: Reaction) -> None:
+        """The move a rung of the ladder chose, then its step."""
+        assert reaction.then is not None, "a recovery names its step"
+        if reaction.move is Move.REJOIN:
+            # With the workers running, into the next round (the step joins it).
+            self._p.rounds.end()
+            self._p.lifecycle.enter(AgentPhase.RENDEZVOUS)
+        self._act(reaction.then())
+
     def _act(self, decision: GroupDecision) -> None:
-        """Do what an in-process step decided for the worker group."""
+        """Do what a rung's step decided for the worker group."""
         if decision.action is GroupAction.KEPT:
             self._p.lifecycle.enter(AgentPhase.RUNNING)
         elif decision.action is GroupAction.RESTART_IN_ROUND:
             assert decision.plan is not None, "a restart in a round names its plan"
             self._restart_in(decision.plan)
         else:
-            # A failed in-process recovery: the failure that led to it was already
-            # charged to the budget.
+            # A restart (after a failed recovery in place too: the failure that led to
+            # it was already charged to the budget).
             self._p.lifecycle.enter(AgentPhase.RESTARTING)
             self._stop_workers()
             self._check_shutdown()
@@ -388,25 +292,15 @@ class ElasticLoop:
         self._check_shutdown()
         self._start_workers(plan)
 
-    def _reform_keeping(self, attempt: Attempt) -> None:
-        """Join the next round with the workers running; keep or restart them there."""
-        self._p.rounds.end()
-        self._p.lifecycle.enter(AgentPhase.RENDEZVOUS)
-        self._act(self._p.steps.reform_keeping(attempt))
-
     def _reform_for_waiting_nodes(self) -> None:
         p = self._p
         why = p.rdzv.change_reason or "nodes are waiting to join"
-        attempt = self._current()
         p.report.membership_change(why)
-        if p.inprocess.under_way:  # the re-formed group's round replaces this one
-            p.inprocess.abandon(f"the group re-forms ({why})")
-        if p.steps.why_not(attempt, [], reform=True) is None:
-            log.info("%s: re-forming the group; the workers keep running meanwhile", why)
-            self._reform_keeping(attempt)
+        reaction = p.ladder.follower.on_reform(self._current(), why)
+        if reaction.move is Move.REJOIN:
+            self._carry_out(reaction)
             return
-        log.info("%s: re-forming the group (no restart counted here)", why)
-        self._stop_workers()
+        self._stop_workers()  # (no restart counted here)
         self._start_round()
 
     # -- a round: rendezvous, plan, start ----------------------------------------------
@@ -419,9 +313,9 @@ class ElasticLoop:
         while p.cooldown.before_round():  # an excluded node sits out its cool-down first
             p.nodecheck.own_failure()  # and, back, is checked again (it may go out again)
             p.nodecheck.before_round()
-        plan = p.steps.starting_afresh(p.rounds.join(), self._attempt)
+        plan = p.ladder.follower.starting(p.rounds.join(), self._attempt)
         self._start_workers(plan)
-        p.steps.joined(self._current())
+        p.ladder.follower.started(self._current())
 
     def _start_workers(self, plan: LaunchPlan) -> None:
         p = self._p

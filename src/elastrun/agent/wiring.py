@@ -3,8 +3,8 @@
 ``assemble`` builds the parts the loop (agent.loop) works with, once, from the frozen
 ``AgentOptions`` (agent.options) and the injected ``World`` (clock, process starter,
 sinks...; production defaults where a field is None): the worker processes
-(agent.workers), the rounds (agent.rounds), the in-process recovery
-(inprocess.agent.recovery and .steps), the watches (agent.watches, pace.progress_watch,
+(agent.workers), the rounds (agent.rounds), the recovery ladder (agent.ladder: its
+rungs in agent.rungs and inprocess.agent.rung), the watches (agent.watches, pace.progress_watch,
 pace.pace_watch), the report and the one state machine (agent.phases). The parts know
 nothing of the loop: none is handed it, and none calls back into it.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from elastrun.agent.cooldown import CoolDown
 from elastrun.agent.interrupt import Interruptible
+from elastrun.agent.ladder import Ladder, Rung
 from elastrun.agent.notices import Notices
 from elastrun.agent.options import AgentOptions
 from elastrun.agent.phases import Lifecycle
@@ -24,12 +25,14 @@ from elastrun.agent.plan import WorkerServices
 from elastrun.agent.policy import RestartAll, RestartBudget, RestartPolicy, default_budget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.rounds import Rounds
+from elastrun.agent.rungs import BudgetRung, CrashLoopRung, GroupRestartRung, StallRung
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.agent.watches import AttemptWatches, FileTimer
 from elastrun.agent.workers import Guard, WorkerProcesses
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.inprocess.agent.recovery import InprocessRecovery
+from elastrun.inprocess.agent.rung import InPlaceRung
 from elastrun.inprocess.agent.steps import InprocessSteps
 from elastrun.nodecheck.check import NodeCheck
 from elastrun.observe.sinks import EventSink, MetricSink, NullEventSink, NullMetricSink
@@ -85,7 +88,6 @@ class AgentParts:
     shutdown: ShutdownRequest
     owns_shutdown: bool  # the agent made ``shutdown`` (and closes it)
     notices: Notices  # "look again" for the loop's wait (rendezvous news, hub messages)
-    policy: RestartPolicy
     budget: RestartBudget
     clock: Clock
     events: EventSink
@@ -100,8 +102,7 @@ class AgentParts:
     report: AgentReport
     workers: WorkerProcesses
     rounds: Rounds
-    inprocess: InprocessRecovery
-    steps: InprocessSteps
+    ladder: Ladder
     watches: AttemptWatches
     cooldown: CoolDown
     nodecheck: NodeCheck
@@ -131,6 +132,35 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     inprocess = _inprocess(
         workers, rounds, options, world.clock, events, metrics, notices, rdzv.loss_bound
     )
+    nodecheck = NodeCheck(
+        rdzv,
+        options.node_check,
+        python=options.python,
+        environ=options.environ,
+        interruptible=interruptible,
+        events=events,
+        metrics=metrics,
+        clock=world.clock,
+        host=host,
+    )
+    in_place = InPlaceRung(
+        inprocess,
+        InprocessSteps(inprocess, rounds, group, budget, pace, interruptible),
+        progress,
+        lambda: handler.num_nodes_waiting() > 0,
+        enabled=options.inprocess,
+    )
+    # The rules that end the run first (no recovery overrides them), then the cheapest
+    # recovery that can take the failure (see agent.ladder).
+    crash_loop: list[Rung] = [CrashLoopRung(progress, budget, rdzv, interruptible, events)]
+    policy = world.policy if world.policy is not None else RestartAll()
+    rungs: list[Rung] = [
+        StallRung(progress, events),
+        *(crash_loop if options.crash_loop_stop else []),
+        BudgetRung(policy, budget, interruptible),
+        in_place,
+        GroupRestartRung(nodecheck),
+    ]
     return AgentParts(
         spec=spec,
         options=options,
@@ -141,7 +171,6 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         shutdown=shutdown,
         owns_shutdown=world.shutdown is None,
         notices=notices,
-        policy=world.policy if world.policy is not None else RestartAll(),
         budget=budget,
         clock=world.clock,
         events=events,
@@ -156,8 +185,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         report=report,
         workers=workers,
         rounds=rounds,
-        inprocess=inprocess,
-        steps=InprocessSteps(inprocess, rounds, group, budget, pace, interruptible),
+        ladder=Ladder(rungs, in_place),
         watches=AttemptWatches(
             progress,
             stuck=world.stuck_watch,
@@ -175,17 +203,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
             clock=world.clock,
             node_check=options.node_check.enabled,
         ),
-        nodecheck=NodeCheck(
-            rdzv,
-            options.node_check,
-            python=options.python,
-            environ=options.environ,
-            interruptible=interruptible,
-            events=events,
-            metrics=metrics,
-            clock=world.clock,
-            host=host,
-        ),
+        nodecheck=nodecheck,
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import signal
@@ -54,6 +55,15 @@ log = logging.getLogger("elastrun.agent")
 
 def _world(plan: LaunchPlan) -> int:
     return plan.workers[0].ranks.world_size if plan.workers else 0
+
+
+class RoundState(enum.Enum):
+    """Where an in-process round stands."""
+
+    IDLE = "idle"  # none is under way
+    WAITING = "waiting"  # not every worker has synchronised yet
+    DONE = "done"  # every worker has: the round is complete
+    LATE = "late"  # past its bound: the group restarts
 
 
 @dataclass
@@ -119,8 +129,6 @@ class InprocessRecovery:
         # opted in, so they are in-process workers from their start, before their hello
         # (a second failure that comes first leads to another round, not a group restart).
         self._started: dict[int, int] = {}
-        #: The commit the last completed recovery restored (None: taken, or none yet).
-        self.restored: int | None = None
 
     def open(self) -> dict[str, str]:
         """Listen for workers; returns the variables that tell a worker where (the value
@@ -375,27 +383,35 @@ class InprocessRecovery:
     def under_way(self) -> bool:
         return self._current is not None
 
-    def progress(self) -> str:
-        """``"done"`` (the round is complete), ``"waiting"``, ``"late"`` (past the
-        bound: restart the group) or ``"idle"`` (no round under way)."""
+    def round_state(self) -> RoundState:
+        """Where the round under way stands (a query: nothing changes)."""
         current, hub = self._current, self._hub
         if current is None or hub is None:
-            return "idle"
+            return RoundState.IDLE
         if all(hub.synced(lr, pid, current.number) for lr, pid in current.expected.items()):
-            took = self._clock.monotonic() - current.started
-            self._current = None
-            if current.after_failure:
-                self.restored = max(hub.commit(lr) for lr in current.expected)
-            log.info("in-process round %d complete in %.0f ms", current.number, took * 1000)
-            self._metrics.put("agent.inprocess.duration_ms", took * 1000)
-            self._events.record(
-                "agent.inprocess_recovered",
-                {"round": current.number, "duration_ms": round(took * 1000, 3)},
-            )
-            return "done"
+            return RoundState.DONE
         if self._clock.monotonic() >= current.deadline:
-            return "late"
-        return "waiting"
+            return RoundState.LATE
+        return RoundState.WAITING
+
+    def complete(self) -> int | None:
+        """End the round under way, every worker having synchronised (``DONE``), and
+        record it; returns the commit it restored after a failure (None: a node joined,
+        or no round was under way)."""
+        current, hub = self._current, self._hub
+        if current is None or hub is None:
+            return None
+        took = self._clock.monotonic() - current.started
+        self._current = None
+        log.info("in-process round %d complete in %.0f ms", current.number, took * 1000)
+        self._metrics.put("agent.inprocess.duration_ms", took * 1000)
+        self._events.record(
+            "agent.inprocess_recovered",
+            {"round": current.number, "duration_ms": round(took * 1000, 3)},
+        )
+        if not current.after_failure:
+            return None
+        return max(hub.commit(lr) for lr in current.expected)
 
     def stuck(self) -> list[int]:
         """The local ranks of kept workers that have not reached the round under way

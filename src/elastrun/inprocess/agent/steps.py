@@ -5,19 +5,19 @@ kept (``InprocessRecovery`` judges the workers, this module the round) and carri
 recovery through the loop's phases: alone in its round the node leads its workers into
 the next in-process round at once; with other nodes it keeps them through the
 rendezvous and agrees on the round with the others (``inprocess.agent.agree``). Each
-step returns a ``GroupDecision`` -- the workers were kept, or the loop restarts them in
-the round just joined, or in a new round -- and the loop acts on it: nothing here calls
-back into the loop.
+step returns a ``GroupDecision`` (``agent.ladder``) -- the workers were kept, or the loop
+restarts them in the round just joined, or in a new round -- and the loop acts on it:
+nothing here calls back into the loop. ``inprocess.agent.rung`` is what the recovery
+ladder asks of these steps.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-from dataclasses import dataclass
 
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.interrupt import Interruptible
+from elastrun.agent.ladder import GroupDecision
 from elastrun.agent.plan import LaunchPlan
 from elastrun.agent.policy import RestartBudget
 from elastrun.agent.rounds import Rounds
@@ -34,37 +34,6 @@ log = logging.getLogger("elastrun.agent")
 #: The longest a node that kept its workers waits for the other nodes' offers (seconds;
 #: a node that has not written its offer by then is most likely gone).
 AGREE_TIMEOUT = 30.0
-
-
-class GroupAction(enum.Enum):
-    KEPT = "kept"  # the workers run on, in place
-    RESTART_IN_ROUND = "restart_in_round"  # restart them in the round already joined
-    RESTART_FRESH = "restart_fresh"  # restart them in a new round
-
-
-@dataclass(frozen=True)
-class GroupDecision:
-    """What the loop does with the worker group after an in-process step.
-
-    Attributes:
-        action: keep the workers, or restart them (in ``plan``'s round, or a new one).
-        plan: the round already joined (``RESTART_IN_ROUND``; else None).
-    """
-
-    action: GroupAction
-    plan: LaunchPlan | None = None
-
-    @classmethod
-    def kept(cls) -> GroupDecision:
-        return cls(GroupAction.KEPT)
-
-    @classmethod
-    def restart_in(cls, plan: LaunchPlan) -> GroupDecision:
-        return cls(GroupAction.RESTART_IN_ROUND, plan)
-
-    @classmethod
-    def restart_fresh(cls) -> GroupDecision:
-        return cls(GroupAction.RESTART_FRESH)
 
 
 class InprocessSteps:

@@ -1,0 +1,145 @@
+"""The rungs of the recovery ladder (``agent.ladder``) that are not in place: the rules
+that end the run, and the group restart that answers every failure they let through.
+The in-place rung is in-process recovery's (``inprocess.agent.rung``)."""
+
+from __future__ import annotations
+
+import logging
+
+from elastrun.agent import failures
+from elastrun.agent.interrupt import Interruptible
+from elastrun.agent.ladder import Failure, GroupDecision, Reaction
+from elastrun.agent.policy import Decision, RestartBudget, RestartPolicy
+from elastrun.nodecheck.check import NodeCheck
+from elastrun.observe.sinks import EventSink
+from elastrun.pace.progress_watch import ProgressWatch
+from elastrun.rendezvous.elastic import ElasticRendezvous
+from elastrun.supervise.failures.crashloop import CrashLoopGuard
+
+__all__ = ["BudgetRung", "CrashLoopRung", "GroupRestartRung", "StallRung"]
+
+log = logging.getLogger("elastrun.agent")
+
+
+class StallRung:
+    """Stops the run when the last restarts made no progress (``--stalled-restarts``).
+
+    A failure recovered in place is judged by the commits the last recoveries restored
+    (the job's progress; a replacement's own step counts start at 0); one during a
+    recovery belongs to that recovery, judged when it completes. Else it is judged from
+    the attempt that just failed, before its records are reset.
+    """
+
+    def __init__(self, progress: ProgressWatch, events: EventSink) -> None:
+        self._progress = progress
+        self._events = events
+
+    def decide(self, failure: Failure) -> Reaction | None:
+        if failure.recovering:
+            return None
+        if failure.in_place is None:
+            stalled = self._progress.stalled_in_place()
+        else:
+            stalled = self._progress.stalled()
+        if stalled is None:
+            return None
+        log.error("not restarting: %s", stalled)
+        self._events.record("agent.no_progress", {"detail": stalled})
+        return Reaction.stop(stalled=stalled)
+
+
+class CrashLoopRung:
+    """Stops the run, on every node, when a rank failed as in the attempt before.
+
+    A failure recovered in place is left to the stall rule (its replacement counts its
+    steps from 0, and the attempt goes on). With no restart left the budget ends the
+    job anyway, as torchrun's would (exit status 1): the verdict only saves the
+    restarts that remain.
+    """
+
+    def __init__(
+        self,
+        progress: ProgressWatch,
+        budget: RestartBudget,
+        rdzv: ElasticRendezvous,
+        interruptible: Interruptible,
+        events: EventSink,
+    ) -> None:
+        self._guard = CrashLoopGuard()
+        self._progress = progress
+        self._budget = budget
+        self._rdzv = rdzv
+        self._interruptible = interruptible
+        self._events = events
+
+    def decide(self, failure: Failure) -> Reaction | None:
+        if failure.recovering or failure.in_place is None:
+            return None
+        attempt = failure.attempt
+        found = failures.signatures(attempt, list(failure.failed), self._progress.snapshot())
+        repeated = self._guard.attempt_failed(attempt.number, found)
+        if repeated is None:
+            return None
+        budget = self._budget
+        left = self._interruptible(lambda _scope: budget.limit - budget.used, "restart budget")
+        if left <= 0:
+            return None
+        crash_loop = (
+            f"{repeated.describe()}, in attempts {attempt.number - 1} and {attempt.number} alike"
+        )
+        log.error("not restarting: the failure looks deterministic: %s", crash_loop)
+        self._events.record(
+            "agent.crash_loop",
+            {
+                "rank": repeated.rank,
+                "error": repeated.error,
+                "step": repeated.step,
+                "attempt": attempt.number,
+            },
+        )
+        why = f"crash loop: {repeated.describe()} twice in a row"
+        # Every node ends: the failure is claimed for the round with no restart, and the
+        # run is closed with why (a signal must not wait for the store).
+        self._interruptible(
+            lambda _scope: self._rdzv.report_final_failure(failure.what, why), "ending the job"
+        )
+        return Reaction.stop(crash_loop=crash_loop)
+
+
+class BudgetRung:
+    """Charges the failure to the restart budget; stops the run when none is left (or
+    the policy says so)."""
+
+    def __init__(
+        self, policy: RestartPolicy, budget: RestartBudget, interruptible: Interruptible
+    ) -> None:
+        self._policy = policy
+        self._budget = budget
+        self._interruptible = interruptible
+
+    def decide(self, failure: Failure) -> Reaction | None:
+        # The job-wide budget lives in the store: a signal must not wait for it.
+        decision = self._interruptible(
+            lambda _scope: self._policy.on_failure(
+                list(failure.failed), self._budget, failure.what
+            ),
+            "restart budget",
+        )
+        return None if decision is Decision.RESTART_ALL else Reaction.stop()
+
+
+class GroupRestartRung:
+    """Every worker starts again in a new round, as under torchrun; the node checks
+    itself first when checks are on (its workers failed)."""
+
+    def __init__(self, nodecheck: NodeCheck) -> None:
+        self._nodecheck = nodecheck
+
+    def decide(self, failure: Failure) -> Reaction:
+        if failure.in_place is not None:
+            log.debug("not recovering in place: %s", failure.in_place)
+        return Reaction.restart(self._step)
+
+    def _step(self) -> GroupDecision:
+        self._nodecheck.own_failure()  # check it before it rejoins
+        return GroupDecision.restart_fresh()
