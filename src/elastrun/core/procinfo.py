@@ -16,8 +16,11 @@ def process_start_time(pid: int) -> int | None:
         return None
 
 
-#: The lines of /proc/<pid>/status that say where a signal sent to the process is.
-SIGNAL_FIELDS = ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+#: The lines of /proc/<pid>/status that say where a signal sent to the process is
+#: (``CoreDumping``: 1 while it writes a core, dying of a fatal signal of its own).
+SIGNAL_FIELDS = (
+    "State", "Threads", "CoreDumping", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt",
+)  # fmt: skip
 
 
 def signal_state(pid: int) -> str | None:
@@ -37,3 +40,15 @@ def signal_state(pid: int) -> str | None:
     except OSError:
         pass
     return ", ".join(shown)
+
+
+def core_dumping(pid: int) -> bool:
+    """Whether ``pid`` is writing a core dump: it is dying of a fatal signal of its own
+    (SIGABRT, SIGSEGV...), and ends once the dump is written. A SIGKILL meanwhile cuts
+    the dump short, and the kernel then reports the process as killed by SIGKILL, not
+    by its own signal."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            return any(line.split() == ["CoreDumping:", "1"] for line in fh)
+    except OSError:
+        return False

@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import selectors
 import signal
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from elastrun.core.cancel import CancelScope, is_default, scope_or_default
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
-from elastrun.core.procinfo import signal_state
+from elastrun.core.procinfo import core_dumping, signal_state
 from elastrun.supervise.processes.spawn import WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,9 @@ class ProcessSet:
     ``wait_for_exits`` blocks until a worker exits, a notice arrives, the deadline passes
     or its cancel scope is cancelled -- no sleeping loop. ``stop`` is the one shutdown
     ladder used for restarts and for the final stop alike.
+
+    ``dumping_core(pid)``: whether that process is writing a core dump (read from /proc;
+    a fake in tests).
     """
 
     def __init__(
@@ -73,12 +76,17 @@ class ProcessSet:
         processes: Iterable[WorkerProcess],
         *,
         clock: Clock = SYSTEM_CLOCK,
+        dumping_core: Callable[[int], bool] = core_dumping,
     ) -> None:
         self._procs = {p.local_rank: p for p in processes}
         self._live = dict(self._procs)
         self._exits: dict[int, Exit] = {}
         self._clock = clock
         self._sent: frozenset[int] = frozenset()  # the signals the ladder has sent
+        self._dumping_core = dumping_core
+        # Local ranks found writing a core dump when the ladder's SIGKILL went out: dying
+        # of a signal of their own, whatever status the kernel reports after the SIGKILL.
+        self._dying: set[int] = set()
         self._sel = selectors.DefaultSelector()
         for proc in self._procs.values():
             self._sel.register(proc.exit_fd(), selectors.EVENT_READ, proc.local_rank)
@@ -115,7 +123,7 @@ class ProcessSet:
             self._sel.unregister(proc.exit_fd())
         except (KeyError, ValueError):
             pass
-        by_agent = by_agent and _stopped_by(code, self._sent)
+        by_agent = by_agent and _stopped_by(code, self._sent) and local_rank not in self._dying
         ex = Exit(local_rank, proc.pid, code, self._clock.time(), by_agent)
         self._exits[local_rank] = ex
         return ex
@@ -200,6 +208,7 @@ class ProcessSet:
         if old is not None:
             old.release()
         self._exits.pop(lr, None)
+        self._dying.discard(lr)
         self._procs[lr] = self._live[lr] = proc
         self._sel.register(proc.exit_fd(), selectors.EVENT_READ, lr)
 
@@ -253,6 +262,7 @@ class ProcessSet:
             for lr in killed:  # where the signal is: the evidence for a late worker
                 pid = self._procs[lr].pid
                 log.warning("local rank %d (pid %d): %s", lr, pid, signal_state(pid) or "gone")
+                self._note_core_dump(lr, pid)
             self._signal_groups(killed, signal.SIGKILL)
         if killed:
             # Killed processes still need reaping (SIGKILL takes effect, not at once).
@@ -266,6 +276,23 @@ class ProcessSet:
             )
         new = tuple(self._exits[lr] for lr in sorted(self._exits) if lr not in before)
         return StopReport(exits=new, killed=killed, unreaped=unreaped)
+
+    def _note_core_dump(self, local_rank: int, pid: int) -> None:
+        """A late worker that is writing a core dump dies of a fatal signal of its own
+        (an abort in its teardown): the SIGKILL that follows cuts the dump short, and the
+        kernel then reports SIGKILL, so its exit is recorded as its own failure here.
+
+        Why it is killed all the same: a worker's core can take minutes to write (the
+        host memory of a large job), and the grace is the user's bound on a stop.
+        """
+        if self._dumping_core(pid):
+            self._dying.add(local_rank)
+            log.warning(
+                "local rank %d (pid %d) is writing a core dump (it dies of a signal of its "
+                "own): the SIGKILL cuts the dump short and the kernel reports SIGKILL",
+                local_rank,
+                pid,
+            )
 
     def close(self) -> None:
         """Release descriptors of reaped processes and the selector."""
