@@ -30,7 +30,7 @@ from elastrun.control_plane import (
     serve_from_env,
     worker_main,
 )
-from elastrun.core.errorfile import ERROR_FILE_ENV
+from elastrun.wire.env import ERROR_FILE_ENV
 
 # (the process, its socket, its error file, the file that tells it to go on and fail)
 RunningWorker = tuple[subprocess.Popen[str], Path, Path, Path]

@@ -14,8 +14,8 @@ from elastrun.agent.options import (
     INPROCESS_TIMEOUT_ENV,
     AgentOptions,
 )
-from elastrun.agent.plan import INPROCESS_ENV, SIGNALS_TO_HANDLE_ENV
 from elastrun.core.errors import ConfigError
+from elastrun.wire.env import INPROCESS_ENV, SIGNALS_TO_HANDLE_ENV
 
 
 def test_the_settings_come_from_the_mapping_given_not_the_process() -> None:

@@ -12,7 +12,6 @@ import pytest
 
 from elastrun.core import errorfile
 from elastrun.core.errorfile import (
-    ERROR_FILE_ENV,
     ErrorFileContents,
     ErrorFileProblem,
     copy_with_error_code,
@@ -20,6 +19,7 @@ from elastrun.core.errorfile import (
     read_error_file,
     write_error_file,
 )
+from elastrun.wire.env import ERROR_FILE_ENV
 
 
 def _raise_and_catch() -> ValueError:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -199,9 +202,22 @@ def test_the_executor_can_fill_in_only_the_run_time_variables_the_plan_names() -
     assert "ELASTRUN_STACKS_FILE" not in env  # not provided: left out
 
 
-def test_the_plan_spells_the_progress_variables_as_the_worker_reads_them() -> None:
-    from elastrun.agent import plan
-    from elastrun.pace import worker as progress
+def test_every_variable_the_plan_and_a_worker_share_is_named_once_in_the_wire() -> None:
+    # The names live in elastrun.wire; no other module spells one out.
+    from elastrun.wire import env, inprocess, progress
 
-    assert plan.PROGRESS_FILE_ENV == progress.PROGRESS_FILE_ENV
-    assert plan.PROGRESS_SLOT_ENV == progress.PROGRESS_SLOT_ENV
+    names = {
+        *(getattr(env, n) for n in env.__all__),
+        progress.PROGRESS_FILE_ENV,
+        progress.PROGRESS_SLOT_ENV,
+        inprocess.SOCKET_ENV,
+    }
+    src = Path(env.__file__).resolve().parent.parent
+    spelled = [
+        f"{path.relative_to(src)}: {name}"
+        for path in sorted(src.rglob("*.py"))
+        if path.parent.name != "wire"
+        for name in sorted(names)
+        if re.search(rf"^[A-Z_]+ = \"{name}\"", path.read_text(), re.MULTILINE)
+    ]
+    assert spelled == []

@@ -17,8 +17,10 @@ from elastrun.wire import inprocess, progress, timer, workers, zygote
 WIRE_MODULES = sorted(m.name for m in pkgutil.iter_modules(elastrun.wire.__path__))
 
 
-def test_the_wire_package_holds_the_six_formats() -> None:
-    assert WIRE_MODULES == ["bootstrap", "inprocess", "progress", "timer", "workers", "zygote"]
+def test_the_wire_package_holds_the_six_formats_and_the_variables_names() -> None:
+    assert WIRE_MODULES == [
+        "bootstrap", "env", "inprocess", "progress", "timer", "workers", "zygote",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", WIRE_MODULES)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastrun.agent.plan import STACKS_FILE_ENV, LaunchPlan
+from elastrun.agent.plan import LaunchPlan
 from elastrun.supervise.processes.logs import LogsDest
 from elastrun.supervise.processes.procset import ProcessSet
 from elastrun.supervise.processes.relay import OutputRelay
 from elastrun.supervise.processes.spawn import ProcessStarter
+from elastrun.wire.env import STACKS_FILE_ENV
 
 #: The variable naming the file a worker writes its stacks to on request.
 

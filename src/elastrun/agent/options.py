@@ -21,13 +21,13 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elastrun.agent.plan import INPROCESS_ENV, SIGNALS_TO_HANDLE_ENV
 from elastrun.agent.watches import STUCK_EXIT_TIMEOUT
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import parse_seconds
 from elastrun.nodecheck.verdicts import NodeCheckRule
 from elastrun.pace import AutoTimeout, StragglerSettings
 from elastrun.rendezvous.exclusion import ExclusionRule
+from elastrun.wire.env import INPROCESS_ENV, SIGNALS_TO_HANDLE_ENV
 
 __all__ = [
     "DEFAULT_INPROCESS_JOIN_TIMEOUT",

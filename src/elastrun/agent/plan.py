@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
 from elastrun.wire.bootstrap import BOOTSTRAP_MODULE
+from elastrun.wire.env import (
+    ERROR_FILE_ENV,
+    INPROCESS_ENV,
+    SIGNALS_TO_HANDLE_ENV,
+    STACKS_FILE_ENV,
+    TIMER_FILE_ENV,
+)
 from elastrun.wire.inprocess import SOCKET_ENV as INPROCESS_SOCKET_ENV
+from elastrun.wire.progress import PROGRESS_FILE_ENV, PROGRESS_SLOT_ENV
 from elastrun.wire.timer import file_timer_enabled
 
 if TYPE_CHECKING:  # annotations only: ``--dry-run`` plans without a rendezvous
@@ -89,21 +97,6 @@ class RoundFacts:
     restart_count: int
     max_restarts: int
     use_agent_store: bool = False
-
-
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-STACKS_FILE_ENV = "ELASTRUN_STACKS_FILE"
-TIMER_FILE_ENV = "TORCHELASTIC_TIMER_FILE"
-SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
-# Named here rather than imported: the worker-side modules that define them are not the
-# agent's to import (see the import-linter contracts); a unit test pins that they match.
-PROGRESS_FILE_ENV = "ELASTRUN_PROGRESS_FILE"
-PROGRESS_SLOT_ENV = "ELASTRUN_PROGRESS_SLOT"
-
-
-#: ``ELASTRUN_INPROCESS=0`` turns in-process recovery off (every failure restarts the
-#: whole group, as for scripts that do not use ``elastrun.inprocess``).
-INPROCESS_ENV = "ELASTRUN_INPROCESS"
 
 
 class RunTimeValue(enum.Enum):

@@ -20,14 +20,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from elastrun.agent.attempt import Attempt, AttemptSetup
-from elastrun.agent.plan import (
-    ERROR_FILE_ENV,
-    STACKS_FILE_ENV,
-    TIMER_FILE_ENV,
-    LaunchPlan,
-    resolve_env,
-    stacks_file_beside,
-)
+from elastrun.agent.plan import LaunchPlan, resolve_env, stacks_file_beside
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.agent.watches import FileTimer
 from elastrun.core.clock import Clock
@@ -49,6 +42,7 @@ from elastrun.supervise.processes.spawn import (
     WorkerProcess,
 )
 from elastrun.wire import workers as workers_file
+from elastrun.wire.env import ERROR_FILE_ENV, STACKS_FILE_ENV, TIMER_FILE_ENV
 
 log = logging.getLogger("elastrun.agent")
 

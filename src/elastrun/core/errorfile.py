@@ -23,8 +23,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-
 # A worker could write an arbitrarily large file (a huge exception message); the agent
 # must not run out of memory reading it. Real error files are a few kilobytes.
 MAX_ERROR_FILE_BYTES = 16 * 1024 * 1024

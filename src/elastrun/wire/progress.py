@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from elastrun.core.errors import ElastrunError
+from elastrun.wire.env import PROGRESS_FILE_ENV, PROGRESS_SLOT_ENV
 
 __all__ = [
     "HEADER_WORDS",
@@ -55,10 +56,6 @@ __all__ = [
     "slot_offset",
 ]
 
-#: The file the agent created; its presence is the agent asking for reports.
-PROGRESS_FILE_ENV = "ELASTRUN_PROGRESS_FILE"
-#: This worker's record in the file (an index, not a rank: see ProgressBoard.reset).
-PROGRESS_SLOT_ENV = "ELASTRUN_PROGRESS_SLOT"
 
 #: ``b"ELPROGR1"`` as a little-endian signed word: the file's first word.
 MAGIC = int.from_bytes(b"ELPROGR1", "little", signed=True)

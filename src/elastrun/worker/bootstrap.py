@@ -33,6 +33,7 @@ from collections.abc import Callable
 from types import ModuleType, TracebackType
 
 from elastrun.wire import bootstrap as _wire
+from elastrun.wire.env import PROGRESS_FILE_ENV, STACKS_FILE_ENV
 
 _USAGE = "usage: python -m elastrun.worker.bootstrap (SCRIPT | -m MODULE) [ARGS...]\n"
 
@@ -42,14 +43,7 @@ _SELF_MODULE = _wire.BOOTSTRAP_MODULE
 _Excepthook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
 
-#: Where ``elastrun stacks`` asks this worker to dump its threads' stacks (on SIGUSR1).
-STACKS_ENV = "ELASTRUN_STACKS_FILE"
 _stacks_file: object = None  # kept open for the life of the process
-
-
-#: ``elastrun.wire.progress.PROGRESS_FILE_ENV``, spelled out so that a worker the agent
-#: asks no reports from imports neither that module nor the worker's writer.
-_PROGRESS_ENV = "ELASTRUN_PROGRESS_FILE"
 
 
 def _arm_stack_dumps() -> None:
@@ -59,7 +53,7 @@ def _arm_stack_dumps() -> None:
     code holding the GIL, where no Python-level server could answer.
     """
     global _stacks_file
-    path = os.environ.get(STACKS_ENV)
+    path = os.environ.get(STACKS_FILE_ENV)
     if not path:
         return
     try:
@@ -112,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             # anyway, so do we; there is just nowhere to dump a native crash.
             pass
     _arm_stack_dumps()
-    if _PROGRESS_ENV in os.environ:  # the agent asked for progress reports
+    if PROGRESS_FILE_ENV in os.environ:  # the agent asked for progress reports
         from elastrun.pace import worker as progress
 
         progress.install()

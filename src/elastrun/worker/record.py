@@ -21,13 +21,13 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar, overload
 
 from elastrun.core.errorfile import (
-    ERROR_FILE_ENV,
     ErrorFileProblem,
     copy_with_error_code,
     exception_payload,
     read_error_file,
     write_error_file,
 )
+from elastrun.wire.env import ERROR_FILE_ENV
 
 __all__ = ["ErrorHandler", "get_error_handler", "record"]
 

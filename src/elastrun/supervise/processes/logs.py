@@ -30,10 +30,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from elastrun.wire.env import ERROR_FILE_ENV
 
-#: The variable through which a worker learns where to write its error file.
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+logger = logging.getLogger(__name__)
 
 _DIGITS = re.compile(r"[0-9]+")
 _STD_VALUES = "0 (none), 1 (stdout), 2 (stderr) or 3 (both)"
