@@ -207,7 +207,7 @@ def test_every_variable_the_plan_and_a_worker_share_is_named_once_in_the_wire() 
     from elastrun.wire import env, inprocess, progress
 
     names = {
-        *(getattr(env, n) for n in env.__all__),
+        *(v for n in env.__all__ if isinstance(v := getattr(env, n), str)),
         progress.PROGRESS_FILE_ENV,
         progress.PROGRESS_SLOT_ENV,
         inprocess.SOCKET_ENV,

@@ -27,7 +27,7 @@ from elastrun.core.values import parse_seconds
 from elastrun.nodecheck.verdicts import NodeCheckRule
 from elastrun.pace import AutoTimeout, StragglerSettings
 from elastrun.rendezvous.exclusion import ExclusionRule
-from elastrun.wire.env import INPROCESS_ENV, SIGNALS_TO_HANDLE_ENV
+from elastrun.wire.env import SIGNALS_TO_HANDLE_ENV, inprocess_wanted
 
 __all__ = [
     "DEFAULT_INPROCESS_JOIN_TIMEOUT",
@@ -157,7 +157,7 @@ class AgentOptions:
         hang = fields.get("hang_timeout")
         return cls(
             environ=environ,
-            inprocess=environ.get(INPROCESS_ENV, "1") != "0",
+            inprocess=inprocess_wanted(environ),
             # Set by the launcher in its own environment, as torchrun does.
             signals_to_handle=environ.get(SIGNALS_TO_HANDLE_ENV),
             inprocess_timeout=inprocess_timeout(

@@ -25,10 +25,10 @@ from elastrun.core.errors import ConfigError
 from elastrun.wire.bootstrap import BOOTSTRAP_MODULE
 from elastrun.wire.env import (
     ERROR_FILE_ENV,
-    INPROCESS_ENV,
     SIGNALS_TO_HANDLE_ENV,
     STACKS_FILE_ENV,
     TIMER_FILE_ENV,
+    inprocess_wanted,
 )
 from elastrun.wire.inprocess import SOCKET_ENV as INPROCESS_SOCKET_ENV
 from elastrun.wire.progress import PROGRESS_FILE_ENV, PROGRESS_SLOT_ENV
@@ -140,7 +140,7 @@ class WorkerServices:
         """
         return cls(
             file_timer=file_timer_enabled(environ),
-            inprocess=environ.get(INPROCESS_ENV, "1") != "0",
+            inprocess=inprocess_wanted(environ),
             signals_to_handle=signals_to_handle,
         )
 

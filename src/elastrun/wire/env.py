@@ -15,6 +15,8 @@ checks it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 __all__ = [
     "ERROR_FILE_ENV",
     "INPROCESS_ENV",
@@ -23,6 +25,7 @@ __all__ = [
     "SIGNALS_TO_HANDLE_ENV",
     "STACKS_FILE_ENV",
     "TIMER_FILE_ENV",
+    "inprocess_wanted",
 ]
 
 #: The set of names (see the module's docstring).
@@ -43,3 +46,8 @@ PROGRESS_SLOT_ENV = "ELASTRUN_PROGRESS_SLOT"
 #: off: every failure restarts the whole group, as for scripts that do not use
 #: ``elastrun.inprocess``.
 INPROCESS_ENV = "ELASTRUN_INPROCESS"
+
+
+def inprocess_wanted(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` leaves in-process recovery on (``INPROCESS_ENV``)."""
+    return environ.get(INPROCESS_ENV, "1") != "0"
