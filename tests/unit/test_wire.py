@@ -12,14 +12,14 @@ import pytest
 import elastrun.wire
 from elastrun.launch.commands.stacks import stacks_main
 from elastrun.pace.worker import Reporter
-from elastrun.wire import inprocess, progress, timer, workers, zygote
+from elastrun.wire import checkpoint, inprocess, progress, timer, workers, zygote
 
 WIRE_MODULES = sorted(m.name for m in pkgutil.iter_modules(elastrun.wire.__path__))
 
 
-def test_the_wire_package_holds_the_six_formats_and_the_variables_names() -> None:
+def test_the_wire_package_holds_the_seven_formats_and_the_variables_names() -> None:
     assert WIRE_MODULES == [
-        "bootstrap", "env", "inprocess", "progress", "timer", "workers", "zygote",
+        "bootstrap", "checkpoint", "env", "inprocess", "progress", "timer", "workers", "zygote",
     ]  # fmt: skip
 
 
@@ -172,3 +172,42 @@ def test_elastrun_stacks_names_a_workers_json_of_another_version(
         f"elastrun stacks: {attempt / workers.FILE_NAME}: "
         f"version 99, this elastrun reads version {workers.VERSION}\n"
     )
+
+
+# -- memory checkpoints: the marker's "version" key ---------------------------------------
+
+
+def test_a_checkpoint_marker_round_trips_and_carries_the_version() -> None:
+    marker = checkpoint.Marker(step=42, rank=3, world_size=4, data_bytes=100, meta_bytes=7)
+    text = checkpoint.encode_marker(marker)
+    assert json.loads(text)["version"] == checkpoint.VERSION
+    assert checkpoint.decode_marker(text) == marker
+
+
+@pytest.mark.parametrize("version", [checkpoint.VERSION + 1, 0, True, "1", None])
+def test_a_checkpoint_marker_of_another_version_is_refused(version: object) -> None:
+    data = {"version": version, "step": 1, "rank": 0, "world_size": 1,
+            "data_bytes": 0, "meta_bytes": 0}  # fmt: skip
+    with pytest.raises(checkpoint.MarkerError, match="version"):
+        checkpoint.decode_marker(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "text", ["", "[]", '{"version": 1}', '{"version": 1, "step": -1, "rank": 0, '
+     '"world_size": 1, "data_bytes": 0, "meta_bytes": 0}'],
+)  # fmt: skip
+def test_a_malformed_checkpoint_marker_is_refused(text: str) -> None:
+    with pytest.raises(checkpoint.MarkerError):
+        checkpoint.decode_marker(text)
+
+
+def test_checkpoint_step_directories_sort_as_their_steps_and_name_their_ranks_files() -> None:
+    names = [checkpoint.step_dir_name(s) for s in (10, 9, 100)]
+    assert sorted(names) == [checkpoint.step_dir_name(s) for s in (9, 10, 100)]
+    assert [checkpoint.step_of_dir(n) for n in names] == [10, 9, 100]
+    assert checkpoint.step_of_dir("step-12") is None
+    assert checkpoint.step_of_dir("spare") is None
+    for name in (checkpoint.data_name(3), checkpoint.meta_name(3), checkpoint.marker_name(3),
+                 checkpoint.marker_name(3) + ".tmp"):  # fmt: skip
+        assert checkpoint.rank_of_file(name) == 3
+    assert checkpoint.rank_of_file("rank-3.other") is None

@@ -1,0 +1,2 @@
+"""The agent's side of memory checkpoints: the node's directory, made before the first
+workers start and removed when the run ends (``node_dir``). No torch."""

@@ -1,0 +1,492 @@
+"""``MemoryCheckpoint``: save every step to the node's memory, load the newest after a
+restart.
+
+    ckpt = elastrun.checkpoint.MemoryCheckpoint()
+    step = ckpt.load_latest(state)            # None: no checkpoint, start from scratch
+    for step in range(0 if step is None else step + 1, steps):
+        train_one_step()
+        ckpt.save(step, state)
+    ckpt.close()
+
+**What blocks the training thread.** ``save`` runs DCP's save on this rank alone
+(``checkpoint.worker.storage``): planning, and the copy of each tensor into the node's
+shared memory. The rest -- the metadata, the marker, the ranks' agreement that the step
+is complete everywhere, and the removal of the step it replaces -- runs on one
+background thread.
+
+**At most one save in flight.** A ``save`` called while the previous one is still in
+the background waits for it (``on_overlap="wait"``, the default) or is skipped
+(``"skip"``), and a log line says so (the first time, then at most once a minute with
+the count).
+
+**The newest complete step wins, and memory use is bounded.** After each save, the
+background threads of all ranks agree (one all-reduce, MIN, over a gloo group of their
+own) whether the step is complete on every rank. If it is, each rank removes its older
+step; if not (a rank skipped it, or failed to write it), each rank removes the new one.
+So a rank holds at most two steps -- the newest complete on every rank and the one in
+progress -- and never removes a step some rank may still need: at any moment, some step
+is held complete by every rank. ``load_latest`` finds it: the ranks exchange the steps
+each holds complete (an all-gather) and load the newest that all hold, so every rank
+loads the same step. A skip is one of these agreements too, so the ranks' collectives
+stay in step whatever each one decides; every rank must call ``save`` at the same
+steps, as with any collective.
+
+Rejected: each rank loading its own newest step (ranks would resume at different
+steps); MIN of each rank's newest step without the agreement after each save (a rank
+that finished step N and removed N-1 while a peer died before finishing N would leave
+no common step); the rendezvous store for the agreement (a key per step per rank, and a
+client the workers do not otherwise hold).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from elastrun.checkpoint.worker.errors import MemoryCheckpointError
+from elastrun.checkpoint.worker.space import (
+    StatvfsResult,
+    check_space,
+    local_world_size,
+    state_bytes,
+)
+from elastrun.checkpoint.worker.steps import RankSteps
+from elastrun.checkpoint.worker.storage import (
+    MemoryStorageReader,
+    MemoryStorageWriter,
+    default_rank_and_world,
+)
+from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV
+
+__all__ = ["MemoryCheckpoint", "Overlap", "StateDict"]
+
+log = logging.getLogger("elastrun.checkpoint")
+
+Overlap = Literal["wait", "skip"]
+#: What ``dcp.save`` and ``dcp.load`` take (DCP's ``STATE_DICT_TYPE``): tensors, DTensors,
+#: ``Stateful`` objects and plain values, nested; DCP interprets them, not this module.
+StateDict = dict[str, Any]
+
+#: Steps each rank reports to the agreement on the step to load (it holds at most two
+#: complete, more only if left by a writer other than ``MemoryCheckpoint``).
+_REPORTED = 4
+#: Seconds between two log lines about overlapping saves.
+_OVERLAP_LOG_EVERY = 60.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One ``save`` call for the background thread: a written step to publish, or a
+    skipped one (``writer`` None) that the ranks' agreement must count all the same."""
+
+    step: int
+    writer: MemoryStorageWriter | None
+
+
+class MemoryCheckpoint:
+    """Checkpoints of one rank in its node's memory: save every step, load the newest
+    step complete on every rank.
+
+    Args:
+        directory: the node's checkpoint directory (None: ``ELASTRUN_CHECKPOINT_DIR``,
+            which elastrun's agent sets for its workers).
+        on_overlap: what a ``save`` does while the previous one is still in flight:
+            ``"wait"`` for it, or ``"skip"`` this step.
+        statvfs: how the free space of ``directory`` is read (tests pass a fake).
+        before_marker: called on the background thread with a step whose files are
+            written, before its marker (a seam for tests that kill the process there).
+
+    The first :meth:`load_latest` or :meth:`save` call sets up (after
+    ``init_process_group`` when the world has more than one rank: the ranks agree
+    through a gloo group that every rank makes then). Call :meth:`close` (or use the
+    object as a context manager) before ``destroy_process_group``.
+
+    Raises:
+        ValueError: ``on_overlap`` is neither ``"wait"`` nor ``"skip"``.
+    """
+
+    def __init__(
+        self,
+        directory: str | None = None,
+        *,
+        on_overlap: Overlap = "wait",
+        statvfs: Callable[[str], StatvfsResult] = os.statvfs,
+        before_marker: Callable[[int], object] | None = None,
+    ) -> None:
+        if on_overlap not in ("wait", "skip"):
+            raise ValueError(f"on_overlap: 'wait' or 'skip' (got {on_overlap!r})")
+        self._directory = directory
+        self._on_overlap = on_overlap
+        self._statvfs = statvfs
+        self._before_marker = before_marker
+        self._steps: RankSteps | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._space_checked = False
+        self._last: int | None = None  # the last step saved (or skipped) or loaded here
+        self._overlaps = 0
+        self._overlap_wait = 0.0
+        self._overlap_logged = -math.inf
+        # Shared with the background thread, under the lock:
+        self._lock = threading.Condition()
+        self._issued = 0
+        self._done = 0
+        self._newest: int | None = None
+        self._failure: BaseException | None = None
+        self._broken: str | None = None
+
+    # -- the public calls ----------------------------------------------------------------
+
+    @property
+    def newest(self) -> int | None:
+        """The newest step known here to be complete on every rank (None: none yet)."""
+        with self._lock:
+            return self._newest
+
+    def load_latest(self, state_dict: StateDict) -> int | None:
+        """Load the newest step complete on every rank into ``state_dict`` (in place,
+        as ``dcp.load``; a collective: every rank calls it) and return that step; None
+        when there is none (nothing is loaded). Every other step this rank holds is
+        removed, half-written ones included.
+
+        Before anything else, the node's shared memory is checked for room for two
+        steps of this state on each local rank.
+
+        Raises:
+            CheckpointSpaceError: the node's shared memory cannot hold the checkpoints.
+            MemoryCheckpointError: no directory, a failure of an earlier save, or the
+                step could not be read.
+        """
+        steps = self._start()
+        self._wait_idle()
+        self._raise_failure()
+        if not self._space_checked:
+            self._check_space(state_bytes(state_dict))
+        step = self._agree_on_step(steps.complete_steps())
+        if step is not None:
+            reader = MemoryStorageReader(
+                steps.directory, step, rank=steps.rank, world_size=steps.world_size
+            )
+            with _dcp_call(f"loading step {step}"):
+                dcp_load(state_dict, storage_reader=reader, no_dist=True)
+            log.info("memory checkpoint: rank %d loaded step %d", steps.rank, step)
+        steps.keep_only(set() if step is None else {step})
+        # No rank starts its next save (and makes a step directory) while a peer still
+        # removes the directories it left.
+        self._barrier()
+        with self._lock:
+            self._newest = step
+        self._last = step
+        return step
+
+    def save(self, step: int, state_dict: StateDict) -> bool:
+        """Save ``state_dict`` as ``step`` (after the previous step saved or loaded):
+        copy its tensors into the node's memory, and finish the rest in the background.
+        Every rank calls it at the same steps. Returns False when the step was skipped
+        (``on_overlap="skip"`` and the previous save still in flight).
+
+        Raises:
+            CheckpointSpaceError: at the first save, the node's shared memory cannot
+                hold two steps of this state on each local rank (nothing is written).
+            MemoryCheckpointError: ``step`` is not after the last one, an earlier save
+                failed in the background, or the ranks lost each other.
+        """
+        steps = self._start()
+        self._raise_failure()
+        if self._last is not None and step <= self._last:
+            raise MemoryCheckpointError(
+                f"step {step} comes after step {self._last}: a memory checkpoint's steps grow"
+            )
+        if self._in_flight():
+            if self._on_overlap == "skip":
+                self._last = step
+                self._submit(_Job(step, None))
+                self._note_overlap(step, None)
+                return False
+            started = time.monotonic()
+            self._wait_idle()
+            self._note_overlap(step, time.monotonic() - started)
+            self._raise_failure()
+        writer = MemoryStorageWriter(
+            steps.directory,
+            step,
+            rank=steps.rank,
+            world_size=steps.world_size,
+            publish_on_finish=False,
+            space_check=self._first_save_check,
+        )
+        self._last = step
+        try:
+            with _dcp_call(f"saving step {step}"):
+                dcp_save(state_dict, storage_writer=writer, no_dist=True)
+        except BaseException:
+            steps.remove(step)
+            self._submit(_Job(step, None))  # the ranks' agreements stay in step
+            raise
+        self._submit(_Job(step, writer))
+        return True
+
+    def wait(self) -> int | None:
+        """Until every save issued here is finished in the background (complete and
+        agreed, or dropped): the newest step complete on every rank.
+
+        Raises:
+            MemoryCheckpointError: a save failed in the background.
+        """
+        self._wait_idle()
+        self._raise_failure()
+        return self.newest
+
+    def close(self) -> None:
+        """Finish the save in flight, stop the background thread and release the
+        ranks' group (idempotent). The checkpoints stay: they belong to the node."""
+        if self._closed:
+            return
+        self._closed = True
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._jobs.put(None)
+        thread.join()
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    def __enter__(self) -> MemoryCheckpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        with self._lock:
+            in_flight = self._issued - self._done
+            newest = self._newest
+        where = self._steps.directory if self._steps is not None else self._directory
+        return (
+            f"MemoryCheckpoint(directory={where!r}, on_overlap={self._on_overlap!r}, "
+            f"newest={newest}, last={self._last}, in_flight={in_flight}, "
+            f"closed={self._closed})"
+        )
+
+    # -- setting up ----------------------------------------------------------------------
+
+    def _start(self) -> RankSteps:
+        """The rank's steps; on the first call, the ranks' group and the thread."""
+        if self._closed:
+            raise MemoryCheckpointError("this MemoryCheckpoint is closed")
+        if self._steps is not None:
+            return self._steps
+        directory = self._directory or os.environ.get(CHECKPOINT_DIR_ENV)
+        if not directory:
+            raise MemoryCheckpointError(
+                f"no node directory for memory checkpoints: {CHECKPOINT_DIR_ENV} is unset "
+                f"(elastrun's agent sets it for its workers); pass MemoryCheckpoint(directory=...)"
+            )
+        if not os.path.isdir(directory):
+            raise MemoryCheckpointError(f"{directory}: no such directory for memory checkpoints")
+        rank, world = default_rank_and_world()
+        if world > 1:
+            if not dist.is_initialized():
+                raise MemoryCheckpointError(
+                    f"a world of {world} ranks: call init_process_group before the first "
+                    f"load_latest or save (the ranks agree on steps through it)"
+                )
+            self._group = dist.new_group(backend="gloo")
+        self._thread = threading.Thread(target=self._serve, name="elastrun-checkpoint", daemon=True)
+        self._thread.start()
+        self._steps = RankSteps(directory, rank, world)
+        return self._steps
+
+    def _check_space(self, rank_bytes: int) -> None:
+        steps = self._started()
+        check_space(
+            steps.directory,
+            rank_bytes,
+            rank=steps.rank,
+            local_ranks=local_world_size(),
+            statvfs=self._statvfs,
+        )
+
+    def _first_save_check(self, rank_bytes: int) -> None:
+        """The writer's check before its first byte: at the first save only (the exact
+        size; ``load_latest`` checked an estimate before training began)."""
+        if not self._space_checked:
+            self._check_space(rank_bytes)
+            self._space_checked = True
+
+    def _started(self) -> RankSteps:
+        steps = self._steps
+        assert steps is not None, "not started"  # (every caller starts first)
+        return steps
+
+    # -- the ranks' agreements -------------------------------------------------------------
+
+    def _agree_on_step(self, complete: list[int]) -> int | None:
+        """The newest step every rank holds complete (None: there is none)."""
+        mine = complete[-_REPORTED:]
+        if self._group is None:
+            return mine[-1] if mine else None
+        report = torch.full((_REPORTED,), -1, dtype=torch.int64)
+        report[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        held = [torch.empty_like(report) for _ in range(self._started().world_size)]
+        dist.all_gather(held, report, group=self._group)
+        sets = [{s for s in r.tolist() if s >= 0} for r in held]
+        common = set.intersection(*sets)
+        if not common and any(sets):
+            log.warning(
+                "memory checkpoint: no step is complete on every rank (held: %s); "
+                "starting without one",
+                {rank: sorted(s) for rank, s in enumerate(sets) if s},
+            )
+        return max(common) if common else None
+
+    def _agree_complete(self, step: int, complete_here: bool) -> bool | None:
+        """Whether ``step`` is complete on every rank (None: the ranks lost each other)."""
+        if self._group is None:
+            return complete_here
+        flag = torch.tensor([int(complete_here)], dtype=torch.int64)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        except RuntimeError as exc:
+            with self._lock:
+                self._broken = f"the ranks lost each other agreeing on step {step}: {exc}"
+            log.warning("memory checkpoint: %s", self._broken)
+            return None
+        return bool(flag.item())
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+    # -- the background thread -------------------------------------------------------------
+
+    def _submit(self, job: _Job) -> None:
+        with self._lock:
+            self._issued += 1
+        self._jobs.put(job)
+
+    def _in_flight(self) -> bool:
+        with self._lock:
+            return self._done < self._issued
+
+    def _wait_idle(self) -> None:
+        with self._lock:
+            while self._done < self._issued:
+                self._lock.wait()
+
+    def _raise_failure(self) -> None:
+        with self._lock:
+            failure, self._failure = self._failure, None
+            broken = self._broken
+        if failure is not None:
+            raise MemoryCheckpointError(f"a memory checkpoint save failed: {failure}") from failure
+        if broken is not None:
+            raise MemoryCheckpointError(f"memory checkpoints stopped: {broken}")
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._finish(job)
+            except Exception as exc:  # (kept for the next call, which raises it)
+                log.error("memory checkpoint: step %d: %s", job.step, exc)
+                with self._lock:
+                    self._failure = self._failure or exc
+            finally:
+                with self._lock:
+                    self._done += 1
+                    self._lock.notify_all()
+
+    def _finish(self, job: _Job) -> None:
+        """Publish the step, agree with the other ranks whether it is complete on all,
+        and keep either it or the step before it."""
+        steps = self._started()
+        with self._lock:
+            broken = self._broken is not None
+        if broken:
+            return  # nothing is removed: which step the ranks share is unknown here
+        complete = False
+        if job.writer is not None:
+            try:
+                job.writer.publish(self._before_marker)
+                complete = True
+            except (OSError, MemoryCheckpointError) as exc:
+                log.error("memory checkpoint: step %d was not published: %s", job.step, exc)
+                with self._lock:
+                    self._failure = self._failure or exc
+        agreed = self._agree_complete(job.step, complete)
+        if agreed is None:
+            return
+        if agreed:
+            steps.keep_only({job.step})
+            with self._lock:
+                self._newest = job.step
+        elif job.writer is not None:
+            steps.remove(job.step)
+            if complete:
+                log.info("memory checkpoint: step %d is not on every rank: not kept", job.step)
+
+    def _note_overlap(self, step: int, waited: float | None) -> None:
+        """Say that a save overlapped the previous one: the first time, then at most
+        once every minute."""
+        self._overlaps += 1
+        self._overlap_wait += waited or 0.0
+        now = time.monotonic()
+        if now - self._overlap_logged < _OVERLAP_LOG_EVERY:
+            return
+        self._overlap_logged = now
+        if waited is None:
+            log.warning(
+                "memory checkpoint: step %d skipped, the previous save still in flight "
+                "(on_overlap='skip'; %d step(s) skipped so far)",
+                step,
+                self._overlaps,
+            )
+        else:
+            log.warning(
+                "memory checkpoint: step %d waited %.0f ms for the previous save to finish "
+                "(on_overlap='wait'; %d wait(s), %.1f s in all so far)",
+                step,
+                waited * 1000,
+                self._overlaps,
+                self._overlap_wait,
+            )
+
+
+@contextlib.contextmanager
+def _dcp_call(what: str) -> Iterator[None]:
+    """A call of DCP on this rank alone: its failure raised as elastrun's (DCP gathers
+    every rank's exception into a ``CheckpointException``, a ``BaseException`` whose
+    text is a traceback), and its warning that it assumes one process silenced, which
+    is the point here (see ``checkpoint.worker.storage``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
+        try:
+            yield
+        except CheckpointException as exc:
+            inner = next(iter(exc.failures.values()), (exc, None))[0]
+            if isinstance(inner, MemoryCheckpointError):
+                raise inner from None
+            raise MemoryCheckpointError(f"{what} failed: {inner!r}") from inner

@@ -1,0 +1,209 @@
+"""DCP's checkpoint metadata as JSON, and back.
+
+DCP's own file systems pickle their ``Metadata``; a memory checkpoint stores it as
+versioned JSON (the house rule for state that outlives a process): the tensors' and
+values' entries, the planner's data (the default planner's map of flattened names to
+their paths in the state dict), and where each item lies in the rank's data file
+(:class:`Span`). A planner whose data is not made of JSON's values, tuples and
+string-keyed dicts cannot be stored, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from elastrun.checkpoint.worker.errors import MemoryCheckpointError
+from elastrun.wire.checkpoint import VERSION
+
+__all__ = ["Span", "decode_metadata", "encode_metadata"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one item lies in a rank's data file: ``offset`` and ``length`` in bytes;
+    for a tensor, the dtype and shape of the stored chunk (None for a value)."""
+
+    offset: int
+    length: int
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] | None = None
+
+
+def encode_metadata(metadata: Metadata) -> str:
+    """The JSON text of ``metadata`` (whose ``storage_data`` maps indexes to spans).
+
+    Raises:
+        MemoryCheckpointError: the planner's data holds something JSON cannot carry.
+    """
+    items: dict[str, Any] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            items[fqn] = {"kind": "bytes"}
+        else:
+            items[fqn] = {
+                "kind": "tensor",
+                "properties": _properties(entry.properties),
+                "size": list(entry.size),
+                "chunks": [
+                    {"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in entry.chunks
+                ],
+            }
+    storage = [_span_entry(index, span) for index, span in (metadata.storage_data or {}).items()]
+    meta = metadata.storage_meta
+    doc = {
+        "version": VERSION,
+        "dcp_version": metadata.version,
+        "items": items,
+        "planner_data": _plain(metadata.planner_data, "planner_data"),
+        "storage": storage,
+        "storage_meta": None
+        if meta is None
+        else {
+            "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
+            "save_id": meta.save_id,
+            "load_id": meta.load_id,
+            "modules": list(meta.modules),
+        },
+    }
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def decode_metadata(text: str | bytes) -> Metadata:
+    """The ``Metadata`` that :func:`encode_metadata` wrote.
+
+    Raises:
+        MemoryCheckpointError: not such a document, or of another version.
+    """
+    try:
+        doc = json.loads(text)
+        version = doc.get("version")
+        if version != VERSION:
+            raise MemoryCheckpointError(
+                f"checkpoint metadata of version {version!r}; this elastrun reads {VERSION}"
+            )
+        items = {fqn: _storage_entry(e) for fqn, e in doc["items"].items()}
+        storage = {_index(e): _span(e) for e in doc["storage"]}
+        meta = doc.get("storage_meta")
+        return Metadata(
+            state_dict_metadata=items,
+            planner_data=_unplain(doc.get("planner_data")),
+            storage_data=storage,
+            storage_meta=None if meta is None else StorageMeta(**meta),
+            version=doc.get("dcp_version"),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise MemoryCheckpointError(f"unreadable checkpoint metadata: {exc!r}") from exc
+
+
+# -- tensors ---------------------------------------------------------------------------
+
+
+def _torch_name(value: object) -> str:
+    return str(value).removeprefix("torch.")
+
+
+def _torch_attr(name: str, kind: type) -> Any:
+    value = getattr(torch, name, None)
+    if not isinstance(value, kind):
+        raise ValueError(f"torch has no {kind.__name__} {name!r}")
+    return value
+
+
+def _properties(p: TensorProperties) -> dict[str, Any]:
+    return {
+        "dtype": _torch_name(p.dtype),
+        "layout": _torch_name(p.layout),
+        "requires_grad": p.requires_grad,
+        "memory_format": _torch_name(p.memory_format),
+        "pin_memory": p.pin_memory,
+    }
+
+
+def _storage_entry(entry: dict[str, Any]) -> TensorStorageMetadata | BytesStorageMetadata:
+    if entry["kind"] == "bytes":
+        return BytesStorageMetadata()
+    p = entry["properties"]
+    properties = TensorProperties(
+        dtype=_torch_attr(p["dtype"], torch.dtype),
+        layout=_torch_attr(p["layout"], torch.layout),
+        requires_grad=bool(p["requires_grad"]),
+        memory_format=_torch_attr(p["memory_format"], torch.memory_format),
+        pin_memory=bool(p["pin_memory"]),
+    )
+    chunks = [
+        ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"]))
+        for c in entry["chunks"]
+    ]
+    return TensorStorageMetadata(
+        properties=properties, size=torch.Size(entry["size"]), chunks=chunks
+    )
+
+
+def _span_entry(index: MetadataIndex, span: Span) -> dict[str, Any]:
+    return {
+        "fqn": index.fqn,
+        "offset": None if index.offset is None else list(index.offset),
+        "index": index.index,
+        "at": span.offset,
+        "bytes": span.length,
+        "dtype": None if span.dtype is None else _torch_name(span.dtype),
+        "shape": None if span.shape is None else list(span.shape),
+    }
+
+
+def _index(entry: dict[str, Any]) -> MetadataIndex:
+    return MetadataIndex(entry["fqn"], entry["offset"], entry["index"])
+
+
+def _span(entry: dict[str, Any]) -> Span:
+    dtype = entry["dtype"]
+    shape = entry["shape"]
+    return Span(
+        offset=int(entry["at"]),
+        length=int(entry["bytes"]),
+        dtype=None if dtype is None else _torch_attr(dtype, torch.dtype),
+        shape=None if shape is None else tuple(int(n) for n in shape),
+    )
+
+
+# -- the planner's data ----------------------------------------------------------------
+# JSON's scalars and lists as they are; a tuple as {"t": [...]} and a dict as {"d": {...}},
+# so that the only objects in the encoding are these tags and both come back as they were.
+
+
+def _plain(value: object, where: str) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, tuple):
+        return {"t": [_plain(v, where) for v in value]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"d": {k: _plain(v, f"{where}[{k!r}]") for k, v in value.items()}}
+    raise MemoryCheckpointError(
+        f"a memory checkpoint stores DCP's metadata as JSON, and the planner's data holds "
+        f"a {type(value).__name__} at {where}: use DCP's default planner"
+    )
+
+
+def _unplain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_unplain(v) for v in value]
+    if isinstance(value, dict):
+        if "t" in value:
+            return tuple(_unplain(v) for v in value["t"])
+        return {k: _unplain(v) for k, v in value["d"].items()}
+    return value

@@ -1,0 +1,108 @@
+"""Will the node's shared memory hold the checkpoints? Asked before any byte is written.
+
+A node holds, for each of its ranks, the newest complete step and the one in progress:
+twice the rank's state. ``/dev/shm`` is a tmpfs, limited by its size and by the
+machine's memory; a container often gets 64 MiB of it. Writing past its end through a
+mapping ends in SIGBUS in the middle of a run; the writer preallocates each file
+(``posix_fallocate``) so that a save never gets that far, and this check refuses, at the
+start, a state that would not fit, with one line that names the size needed and the
+space free.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from elastrun.checkpoint.worker.errors import CheckpointSpaceError
+from elastrun.checkpoint.worker.steps import directory_usage
+
+__all__ = ["StatvfsResult", "check_space", "local_world_size", "state_bytes"]
+
+#: Steps a node holds per rank: the newest complete one and the one in progress.
+STEPS_HELD = 2
+
+
+class StatvfsResult(Protocol):
+    """What the check reads of ``os.statvfs``'s answer."""
+
+    @property
+    def f_bavail(self) -> int: ...
+
+    @property
+    def f_frsize(self) -> int: ...
+
+
+def state_bytes(state: object) -> int:
+    """Bytes of the tensors in ``state`` (nested mappings, lists and tuples; an object
+    with ``state_dict()`` counts as its state dict; a DTensor as its local shard):
+    what a rank's checkpoint of it holds, values aside (they are small)."""
+    if isinstance(state, DTensor):
+        local = state.to_local()
+        return local.numel() * local.element_size()
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, Stateful):
+        return state_bytes(state.state_dict())
+    if isinstance(state, Mapping):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def local_world_size() -> int:
+    """The node's number of ranks (``LOCAL_WORLD_SIZE``; 1 when unset)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def check_space(
+    directory: str,
+    rank_bytes: int,
+    *,
+    rank: int,
+    local_ranks: int,
+    statvfs: Callable[[str], StatvfsResult] = os.statvfs,
+) -> None:
+    """Refuse a checkpoint of ``rank_bytes`` per rank that the file system of
+    ``directory`` cannot hold for ``local_ranks`` ranks, two steps each.
+
+    The space counted is what is free plus what ``directory`` already holds (this
+    job's own steps, which the new ones replace). Every rank of a node is assumed to
+    hold as much as this one (shards of one model are near equal).
+
+    Raises:
+        CheckpointSpaceError: one line naming the size needed and the space free.
+    """
+    needed = STEPS_HELD * local_ranks * rank_bytes
+    st = statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    held = directory_usage(directory)
+    if needed <= free + held:
+        return
+    where = os.path.dirname(directory.rstrip("/")) or directory
+    raise CheckpointSpaceError(
+        f"memory checkpoints need {_size(needed)} of shared memory on this node "
+        f"({STEPS_HELD} steps x {local_ranks} local rank(s) x {_size(rank_bytes)}, rank "
+        f"{rank}'s state), and {where} has {_size(free + held)} for them ({_size(free)} "
+        f"free, {_size(held)} held by this job's checkpoints): give the node more shared "
+        f"memory (a container's --shm-size) or checkpoint less state",
+        needed=needed,
+        free=free + held,
+    )
+
+
+def _size(n: int) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB"
