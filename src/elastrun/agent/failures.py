@@ -159,7 +159,7 @@ def failure_note(
     elif crash_loop:
         note = (
             f"not restarted: the failure looks deterministic: {crash_loop} "
-            f"({budget.used} of {limit} restart(s) used; --no-crash-loop-stop restarts anyway)"
+            f"({budget.used()} of {limit} restart(s) used; --no-crash-loop-stop restarts anyway)"
         )
     elif stalled:
         note = f"not restarted: the restarts made no progress: {stalled}"
@@ -167,7 +167,7 @@ def failure_note(
         note = f"not restarted: {refusal}"
     else:
         note = (
-            f"restart budget exhausted: {budget.used} of {limit} restart(s) used "
+            f"restart budget exhausted: {budget.used()} of {limit} restart(s) used "
             f"(--max-restarts {limit})"
         )
     if history:

@@ -216,7 +216,7 @@ class LocalElasticAgent:
             "phase": p.lifecycle.phase.value,
             "run_id": p.handler.get_run_id(),
             "attempt": self._loop.attempts - 1,
-            "restart_count": p.budget.used,
+            "restart_count": p.budget.used(),
             "max_restarts": p.budget.limit,
             "group_rank": g.group_rank,
             "group_world_size": g.group_world_size,

@@ -25,8 +25,9 @@ class RestartBudget(Protocol):
     @property
     def limit(self) -> int: ...
 
-    @property
-    def used(self) -> int: ...
+    def used(self) -> int:
+        """The restarts used so far (a job-wide budget reads its store, bounded)."""
+        ...
 
     def try_consume(self, what: str = "") -> bool:
         """Take one restart for the failure ``what``; False when the budget is exhausted."""
@@ -44,7 +45,6 @@ class LocalRestartBudget:
     def limit(self) -> int:
         return self._limit
 
-    @property
     def used(self) -> int:
         return self._used
 
@@ -69,7 +69,7 @@ class JobBudgetSource(Protocol):
     def restarts_used(self) -> int: ...
 
 
-#: How long reading the job's restart count may take (``JobRestartBudget.used``).
+#: How long reading the job's restart count may take (``JobRestartBudget.used()``).
 READ_BOUND = 1.0
 
 
@@ -88,7 +88,6 @@ class JobRestartBudget:
     def limit(self) -> int:
         return self._limit
 
-    @property
     def used(self) -> int:
         """The count in the store, read within ``READ_BOUND`` (else the one last read: a
         store that stopped answering must not hold the agent, which reads the count for

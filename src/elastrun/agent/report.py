@@ -43,7 +43,7 @@ class AgentReport:
 
     def workers_started(self, attempt: Attempt, took_ms: float) -> None:
         budget = self._budget
-        used = budget.used  # (read once: a job-wide count lives in the store)
+        used = budget.used()  # (read once: a job-wide count lives in the store)
         procs = attempt.procs.processes
         pids = [procs[w.local_rank].pid for w in attempt.plan.workers]
         log.info(
@@ -95,7 +95,7 @@ class AgentReport:
         how = "replacing it in place" if in_place else "restarting all workers"
         log.warning(
             "worker rank %d (local rank %d, pid %d) %s; %s (restart %d of %d)",
-            rank, first.local_rank, first.pid, what, how, budget.used, budget.limit,
+            rank, first.local_rank, first.pid, what, how, budget.used(), budget.limit,
         )  # fmt: skip
         self._metrics.put("agent.restarts", 1)
         self._metrics.put("agent.worker_failures", len(failed))
@@ -106,7 +106,7 @@ class AgentReport:
                 "attempt": attempt.number,
                 "rank": rank,
                 "exitcode": first.exitcode,
-                "restart_count": budget.used,
+                "restart_count": budget.used(),
                 "in_place": in_place,
             },
         )
@@ -115,11 +115,11 @@ class AgentReport:
 
     def failed(self, failures_count: int) -> None:
         self._events.record(
-            "agent.failed", {"failures": failures_count, "restarts": self._budget.used}
+            "agent.failed", {"failures": failures_count, "restarts": self._budget.used()}
         )
 
     def succeeded(self, workers: int) -> None:
-        self._events.record("agent.succeeded", {"restarts": self._budget.used})
+        self._events.record("agent.succeeded", {"restarts": self._budget.used()})
         log.info("all %d worker(s) finished successfully", workers)
 
     def __repr__(self) -> str:

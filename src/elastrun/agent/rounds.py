@@ -113,7 +113,7 @@ class Rounds:
             group_world_size=info.world_size,
             master_addr=group.master_addr,
             master_port=group.master_port,
-            restart_count=self._budget.used,
+            restart_count=self._budget.used(),
             max_restarts=self._budget.limit,
             # The workers bootstrap from a store the agents host with elastrun's own
             # handlers: every node's workers use it; only rank 0's agent serves it.

@@ -81,7 +81,7 @@ class CrashLoopRung:
         if repeated is None:
             return None
         budget = self._budget
-        left = self._interruptible(lambda _scope: budget.limit - budget.used, "restart budget")
+        left = self._interruptible(lambda _scope: budget.limit - budget.used(), "restart budget")
         if left <= 0:
             return None
         crash_loop = (

@@ -84,7 +84,7 @@ class InprocessSteps:
         said it can); with other nodes the loop keeps the workers through the next
         round instead (``reform_keeping``)."""
         try:
-            self._recovery.recover(attempt, failed, self._budget.used)
+            self._recovery.recover(attempt, failed, self._budget.used())
         except Exception as exc:  # a replacement that cannot start: the usual restart
             self._recovery.abandon(f"a replacement could not start: {exc}")
             return GroupDecision.restart_fresh()
@@ -104,7 +104,7 @@ class InprocessSteps:
             return GroupDecision.restart_in(plan)
         try:
             self._recovery.recover_round(
-                attempt, plan, agreement, self._budget.used, after_failure=bool(failed)
+                attempt, plan, agreement, self._budget.used(), after_failure=bool(failed)
             )
         except Exception as exc:  # a replacement that cannot start: the usual restart
             self._recovery.abandon(f"a replacement could not start: {exc}")
