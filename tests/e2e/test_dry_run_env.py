@@ -75,6 +75,7 @@ def test_a_dry_run_lists_every_variable_elastrun_sets_for_a_worker(tmp_path: Pat
             "ELASTRUN_PROGRESS_SLOT",
             "TORCHELASTIC_TIMER_FILE",
             "ELASTRUN_INPROCESS_SOCKET",
+            "ELASTRUN_CHECKPOINT_DIR",
         }
         assert got["TORCHELASTIC_ERROR_FILE"].startswith(str(tmp_path / "logs"))
         assert got["MASTER_PORT"] == str(port) and got["OMP_NUM_THREADS"] == "1"

@@ -175,6 +175,7 @@ def test_the_plan_names_every_variable_the_agent_provides_at_run_time() -> None:
         "ELASTRUN_PROGRESS_SLOT": RunTimeValue.PROGRESS_SLOT,
         "TORCHELASTIC_TIMER_FILE": RunTimeValue.TIMER_FILE,
         "ELASTRUN_INPROCESS_SOCKET": RunTimeValue.INPROCESS_SOCKET,
+        "ELASTRUN_CHECKPOINT_DIR": RunTimeValue.CHECKPOINT_DIR,
     }
     given = build_plan(
         FACTS, role="d", local_world_size=1, nodes=[NodeSlot("d", 1)], entrypoint="/py",
@@ -204,13 +205,14 @@ def test_the_executor_can_fill_in_only_the_run_time_variables_the_plan_names() -
 
 def test_every_variable_the_plan_and_a_worker_share_is_named_once_in_the_wire() -> None:
     # The names live in elastrun.wire; no other module spells one out.
-    from elastrun.wire import env, inprocess, progress
+    from elastrun.wire import checkpoint, env, inprocess, progress
 
     names = {
         *(v for n in env.__all__ if isinstance(v := getattr(env, n), str)),
         progress.PROGRESS_FILE_ENV,
         progress.PROGRESS_SLOT_ENV,
         inprocess.SOCKET_ENV,
+        checkpoint.CHECKPOINT_DIR_ENV,
     }
     src = Path(env.__file__).resolve().parent.parent
     spelled = [

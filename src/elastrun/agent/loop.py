@@ -108,6 +108,7 @@ class ElasticLoop:
         """Start what runs for the whole loop; push each one's undoing on ``exits``."""
         p = self._p
         exits.callback(p.workers.close)
+        exits.callback(p.checkpoints.close)  # (runs after the attempt stops: pushed before)
         if p.owns_shutdown:
             exits.callback(p.shutdown.close)
         exits.callback(p.notices.close)
@@ -128,6 +129,7 @@ class ElasticLoop:
         exits.callback(p.lifecycle.enter, AgentPhase.DONE)
         p.guard.start()
         p.workers.provide(p.ladder.follower.open())  # (in place: the workers' socket path)
+        p.workers.provide(p.checkpoints.open(p.handler.get_run_id()))
 
     def _watch(self) -> RunResult:
         """Pass after pass, each after a worker exit, a notice or ``monitor_interval``

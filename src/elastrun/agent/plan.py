@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
 from elastrun.wire.bootstrap import BOOTSTRAP_MODULE
+from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV
 from elastrun.wire.env import (
     ERROR_FILE_ENV,
     SIGNALS_TO_HANDLE_ENV,
@@ -109,6 +110,7 @@ class RunTimeValue(enum.Enum):
     PROGRESS_SLOT = "the worker record on the progress board"
     TIMER_FILE = "the file timers FIFO, a temporary path"
     INPROCESS_SOCKET = "the in-process recovery socket, a temporary path"
+    CHECKPOINT_DIR = "the node's memory checkpoint directory, in /dev/shm"
 
     @property
     def placeholder(self) -> str:
@@ -151,8 +153,9 @@ def service_env(
     """The variables the agent's services set for every worker: those known now, and
     those whose values the running agent provides.
 
-    Every worker has an error file, a stacks file beside it and a progress slot (an
-    agent that cannot make them leaves them empty or out, and says so).
+    Every worker has an error file, a stacks file beside it, a progress slot and the
+    node's memory checkpoint directory (an agent that cannot make them leaves them empty
+    or out, and says so).
     """
     known: dict[str, str] = {}
     runtime = {
@@ -160,6 +163,7 @@ def service_env(
         STACKS_FILE_ENV: RunTimeValue.STACKS_FILE,
         PROGRESS_FILE_ENV: RunTimeValue.PROGRESS_FILE,
         PROGRESS_SLOT_ENV: RunTimeValue.PROGRESS_SLOT,
+        CHECKPOINT_DIR_ENV: RunTimeValue.CHECKPOINT_DIR,
     }
     if services.file_timer:
         given = base_env.get(TIMER_FILE_ENV)

@@ -29,6 +29,7 @@ from elastrun.agent.rungs import BudgetRung, CrashLoopRung, GroupRestartRung, St
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.agent.watches import AttemptWatches, FileTimer
 from elastrun.agent.workers import Guard, WorkerProcesses
+from elastrun.checkpoint.agent.node_dir import NodeCheckpointDir
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.inprocess.agent.recovery import InprocessRecovery
@@ -59,6 +60,7 @@ class World:
         shutdown: the request the launcher's signal handlers set (None: the agent's own).
         starter, policy, budget, clock, events, metrics, guard, file_timer, stuck_watch,
         console: see ``LocalElasticAgent``.
+        checkpoints: the node's memory checkpoint directory (None: one in /dev/shm).
     """
 
     logs: LogsSpecs | None = None
@@ -73,6 +75,7 @@ class World:
     file_timer: FileTimer | None = None
     stuck_watch: UninterruptibleWatch | None = None
     console: Console = PYTHON_CONSOLE
+    checkpoints: NodeCheckpointDir | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class AgentParts:
     watches: AttemptWatches
     cooldown: CoolDown
     nodecheck: NodeCheck
+    checkpoints: NodeCheckpointDir  # the node's memory checkpoints, which outlive workers
 
 
 def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentParts:
@@ -204,6 +208,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
             node_check=options.node_check.enabled,
         ),
         nodecheck=nodecheck,
+        checkpoints=world.checkpoints if world.checkpoints is not None else NodeCheckpointDir(),
     )
 
 

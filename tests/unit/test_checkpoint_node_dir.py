@@ -1,0 +1,48 @@
+"""The agent's side of memory checkpoints: the node's directory, made once and named to
+every worker, removed with what it holds; no torch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from elastrun.checkpoint.agent.node_dir import NodeCheckpointDir
+from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV, DIR_PREFIX
+
+
+def test_the_directory_is_made_once_private_and_named_after_the_run(tmp_path: Path) -> None:
+    node = NodeCheckpointDir(str(tmp_path))
+    assert os.listdir(tmp_path) == []  # nothing is made before it is opened
+    given = node.open("job/1 a")
+    path = given[CHECKPOINT_DIR_ENV]
+    assert node.path == path and os.path.dirname(path) == str(tmp_path)
+    assert os.path.basename(path).startswith(f"{DIR_PREFIX}job_1_a-")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    assert node.open("job/1 a") == given  # every attempt's workers get the same one
+    node.close()
+
+
+def test_closing_removes_the_directory_with_every_checkpoint_in_it(tmp_path: Path) -> None:
+    node = NodeCheckpointDir(str(tmp_path))
+    path = Path(node.open("r")[CHECKPOINT_DIR_ENV])
+    (path / "step-000000000001").mkdir()
+    (path / "step-000000000001" / "rank-0.data").write_bytes(b"x" * 100)
+    node.close()
+    assert not path.exists() and node.path is None
+    node.close()  # idempotent
+    assert node.open("r") == {}  # a closed directory is not made again
+
+
+def test_a_base_that_cannot_hold_it_gives_workers_no_variable_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    node = NodeCheckpointDir(str(tmp_path / "missing"))
+    with caplog.at_level(logging.WARNING, "elastrun.agent"):
+        assert node.open("r") == {}
+        assert node.open("r") == {}
+    assert caplog.text.count("no memory checkpoints on this node") == 1
+    node.close()
