@@ -63,3 +63,13 @@ def test_a_bad_option_is_refused_with_its_name(fields: dict[str, object], named:
 def test_a_bad_variable_is_refused_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match=INPROCESS_JOIN_TIMEOUT_ENV):
         AgentOptions.from_environ({INPROCESS_JOIN_TIMEOUT_ENV: "soon"})
+
+
+def test_the_agents_face_refuses_settings_given_beside_the_options_that_hold_them() -> None:
+    from elastrun.agent.local import LocalElasticAgent
+    from elastrun.agent.spec import WorkerSpec
+
+    spec = WorkerSpec(local_world_size=1, entrypoint="/bin/true")
+    options = AgentOptions.from_environ({})
+    with pytest.raises(ConfigError, match=r"set them in options \(got 'shutdown_timeout, start"):
+        LocalElasticAgent(spec, options=options, shutdown_timeout=5, start_method="fork")

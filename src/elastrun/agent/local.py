@@ -22,6 +22,7 @@ from elastrun.agent.watches import STUCK_EXIT_TIMEOUT, FileTimer
 from elastrun.agent.wiring import World, assemble
 from elastrun.agent.workers import Guard
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
+from elastrun.core.errors import ConfigError
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.pace import AutoTimeout, StragglerSettings
@@ -78,11 +79,11 @@ class LocalElasticAgent:
             environment the workers inherit: for them this class is the edge where the
             environment is read).
         options: everything above that is not a collaborator, as one value built by
-            the caller (the launcher builds it; then ``environ``, ``start_method``,
-            the timeouts and the other settings given here are not read).
+            the caller; the settings above are then not to be given as well.
 
     Raises:
-        ConfigError: a setting with a bad value, named.
+        ConfigError: a setting with a bad value, named; or ``options`` given together
+            with settings it holds (they would be ignored), named.
     """
 
     def __init__(
@@ -117,6 +118,29 @@ class LocalElasticAgent:
         console: Console = PYTHON_CONSOLE,
         options: AgentOptions | None = None,
     ) -> None:
+        settings = {
+            "start_method": (start_method, "spawn"),
+            "exit_barrier_timeout": (exit_barrier_timeout, 300),
+            "log_line_prefix_template": (log_line_prefix_template, None),
+            "shutdown_timeout": (shutdown_timeout, 30),
+            "run_id": (run_id, None),
+            "environ": (environ, None),
+            "python": (python, sys.executable),
+            "hostname": (hostname, None),
+            "stuck_exit_timeout": (stuck_exit_timeout, STUCK_EXIT_TIMEOUT),
+            "hang_timeout": (hang_timeout, None),
+            "stalled_restarts": (stalled_restarts, 3),
+            "crash_loop_stop": (crash_loop_stop, True),
+            "stragglers": (stragglers, StragglerSettings()),
+        }
+        given = sorted(name for name, (value, default) in settings.items() if value != default)
+        if options is not None and given:
+            raise ConfigError(
+                "options",
+                ", ".join(given),
+                "given together with settings that options holds (they would be "
+                "ignored): set them in options",
+            )
         options = options or AgentOptions.from_environ(
             os.environ if environ is None else environ,
             start_method=start_method,
@@ -147,6 +171,14 @@ class LocalElasticAgent:
             console=console,
         )
         self._loop = ElasticLoop(assemble(spec, options, world))
+
+    @classmethod
+    def running(cls, loop: ElasticLoop) -> LocalElasticAgent:
+        """The face of ``loop``, an agent already assembled (by the launcher, the
+        composition root of the command line)."""
+        agent = cls.__new__(cls)
+        agent._loop = loop
+        return agent
 
     def run(self, role: str = "default") -> RunResult:
         """Run the workers to completion, restarting them on failure.

@@ -106,7 +106,9 @@ def build_agent(
     """Wire the agent for ``config`` (no process is started); ``console``: see
     ``launch_agent``."""
     from elastrun.agent.local import LocalElasticAgent
+    from elastrun.agent.loop import ElasticLoop
     from elastrun.agent.options import AgentOptions
+    from elastrun.agent.wiring import World, assemble
     from elastrun.supervise.processes.dstate import UninterruptibleWatch, timeout_from_env
     from elastrun.supervise.processes.relay import PYTHON_CONSOLE
     from elastrun.supervise.timers.agent_timer import AgentFileTimer
@@ -130,9 +132,8 @@ def build_agent(
         stragglers=config.stragglers,
         hang_timeout=config.hang_timeout,
     )
-    return LocalElasticAgent(
-        spec,
-        logs_specs=config.logs_specs if config.logs_specs is not None else DefaultLogsSpecs(),
+    world = World(
+        logs=config.logs_specs if config.logs_specs is not None else DefaultLogsSpecs(),
         shutdown=shutdown,
         events=extras.events if extras else None,
         metrics=extras.metrics if extras else None,
@@ -140,8 +141,9 @@ def build_agent(
         stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
         starter=starter,
         console=PYTHON_CONSOLE if console is None else console,
-        options=options,
     )
+    # The composition root of the command line: the agent's parts, assembled here.
+    return LocalElasticAgent.running(ElasticLoop(assemble(spec, options, world)))
 
 
 class _Extras:
