@@ -11,6 +11,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from elastrun.template.preload import BootstrapCommand
+from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV
 
 #: Variables that differ between the workers of one node or between restarts (and every
 #: ``TORCHELASTIC_*`` one). They are not part of the template's own environment (a worker
@@ -41,11 +42,13 @@ PER_WORKER_VARIABLES = frozenset(
         "ELASTRUN_PROGRESS_SLOT",
         # The in-process round a replacement worker starts in (elastrun.inprocess).
         "ELASTRUN_INPROCESS_ROUND",
-        # The agent's own paths (its progress board, its in-process channel), made when
-        # it runs and read by elastrun's worker side only when it runs, never at import:
-        # so the launcher can start the template before the agent made them.
+        # The agent's own paths (its progress board, its in-process channel, its node's
+        # memory checkpoints), made when it runs and read by elastrun's worker side only
+        # when it runs, never at import: so the launcher can start the template before
+        # the agent made them.
         "ELASTRUN_PROGRESS_FILE",
         "ELASTRUN_INPROCESS_SOCKET",
+        CHECKPOINT_DIR_ENV,
         # Read by CUDA when it initialises, which the template never does; it differs
         # per worker with --virtual-local-rank.
         "CUDA_VISIBLE_DEVICES",
