@@ -65,3 +65,12 @@ def test_the_directory_is_removed_when_a_signal_ends_the_run(tmp_path: Path) -> 
     res = finish(proc)
     assert res.returncode != 0
     assert not os.path.exists((out / "dir_0").read_text().strip())
+
+
+def test_the_directory_is_removed_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    out, proc = _launch(tmp_path, "hang", restarts=0)
+    wait_for((out / "dir_0").exists, 30, "the worker's start")
+    path = (out / "dir_0").read_text().strip()
+    os.kill(proc.pid, signal.SIGKILL)  # no teardown: the orphan guard removes it
+    proc.communicate(timeout=10)
+    wait_for(lambda: not os.path.exists(path), 10, "the directory's removal")

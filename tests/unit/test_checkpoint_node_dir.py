@@ -26,6 +26,15 @@ def test_the_directory_is_made_once_private_and_named_after_the_run(tmp_path: Pa
     node.close()
 
 
+def test_the_orphan_guard_is_told_the_directory_once_it_is_made(tmp_path: Path) -> None:
+    told: list[str] = []
+    node = NodeCheckpointDir(str(tmp_path), on_made=told.append)
+    path = node.open("r")[CHECKPOINT_DIR_ENV]
+    node.open("r")
+    assert told == [path]
+    node.close()
+
+
 def test_closing_removes_the_directory_with_every_checkpoint_in_it(tmp_path: Path) -> None:
     node = NodeCheckpointDir(str(tmp_path))
     path = Path(node.open("r")[CHECKPOINT_DIR_ENV])

@@ -129,6 +129,11 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         world.guard if world.guard is not None else OrphanGuard(options.python, options.environ)
     )
     workers = _workers(spec, group, logs, options, world, guard, progress, shutdown, metrics)
+    checkpoints = (
+        world.checkpoints
+        if world.checkpoints is not None
+        else NodeCheckpointDir(on_made=guard.remove_if_orphaned)  # gone with the agent
+    )
     rounds = _rounds(
         handler, rdzv, spec, group, options, world, budget, pace, report, interruptible
     )
@@ -208,7 +213,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
             node_check=options.node_check.enabled,
         ),
         nodecheck=nodecheck,
-        checkpoints=world.checkpoints if world.checkpoints is not None else NodeCheckpointDir(),
+        checkpoints=checkpoints,
     )
 
 

@@ -124,5 +124,8 @@ class NullGuard:
     def forget(self, pgid: int) -> None:
         pass
 
+    def remove_if_orphaned(self, path: str) -> None:
+        pass
+
     def close(self) -> None:
         pass

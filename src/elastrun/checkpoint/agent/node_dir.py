@@ -4,9 +4,9 @@ Workers die and are restarted; the agent stays. So the agent makes the directory
 (``/dev/shm/elastrun-ckpt-<run id>-<random>``, mode 0700) before its first workers
 start, names it to every worker of every attempt (``ELASTRUN_CHECKPOINT_DIR``), and
 removes it, with whatever checkpoints it holds, when the run ends -- successfully, by a
-failure or by a signal. A worker restarted on this node finds its predecessor's
-checkpoints there (``elastrun.checkpoint.worker``; the layout is
-``elastrun.wire.checkpoint``'s).
+failure or by a signal; if the agent itself is killed, its orphan guard removes it. A
+worker restarted on this node finds its predecessor's checkpoints there
+(``elastrun.checkpoint.worker``; the layout is ``elastrun.wire.checkpoint``'s).
 
 Offered always: an empty directory costs an inode, and only workers that use
 ``elastrun.checkpoint`` write into it. Where ``/dev/shm`` is missing or not writable,
@@ -42,6 +42,8 @@ class NodeCheckpointDir:
     Args:
         base: where it is made (a tmpfs: the node's shared memory).
         make_dir: makes a fresh directory (``tempfile.mkdtemp``'s signature).
+        on_made: told the directory's path once it is made (the orphan guard, which
+            removes it if the agent dies before :meth:`close`).
     """
 
     def __init__(
@@ -49,9 +51,11 @@ class NodeCheckpointDir:
         base: str = SHARED_MEMORY,
         *,
         make_dir: Callable[..., str] = tempfile.mkdtemp,
+        on_made: Callable[[str], None] | None = None,
     ) -> None:
         self._base = base
         self._make_dir = make_dir
+        self._on_made = on_made
         self._path: str | None = None
         self._failed = False
         self._closed = False
@@ -75,6 +79,9 @@ class NodeCheckpointDir:
                     self._base,
                     exc.strerror or exc,
                 )
+            else:
+                if self._on_made is not None:
+                    self._on_made(self._path)
         return {CHECKPOINT_DIR_ENV: self._path} if self._path is not None else {}
 
     def close(self) -> None:

@@ -3,9 +3,11 @@
 ``PR_SET_PDEATHSIG`` kills a worker when the agent dies, but not the processes the
 worker started (data loader workers, compilers, shells). The guard is a tiny process in
 its own session that the agent tells, over a pipe, which process groups are alive
-(``+PGID`` / ``-PGID`` lines). When the pipe reaches end-of-file without a clean
-``bye`` -- the agent was SIGKILLed, crashed, or lost its whole process group -- the
-guard SIGKILLs every group it was told about, then exits.
+(``+PGID`` / ``-PGID`` lines) and which directories are the agent's to remove
+(``dPATH``: the node's memory checkpoints, in shared memory, which nothing else would
+free). When the pipe reaches end-of-file without a clean ``bye`` -- the agent was
+SIGKILLed, crashed, or lost its whole process group -- the guard SIGKILLs every group
+it was told about, removes those directories, then exits.
 
 Run as ``python -m elastrun.supervise.processes.guard`` (the agent does this).
 """
@@ -13,6 +15,7 @@ Run as ``python -m elastrun.supervise.processes.guard`` (the agent does this).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +70,12 @@ class OrphanGuard:
             self._groups.discard(pgid)
             self._send(f"-{pgid}")
 
+    def remove_if_orphaned(self, path: str) -> None:
+        """Remove the directory ``path`` too if the agent dies abruptly (its own teardown
+        removes it otherwise). Start the guard first."""
+        if "\n" not in path:
+            self._send(f"d{path}")
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -102,12 +111,16 @@ def _guard_main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)
     groups: set[int] = set()
+    directories: list[str] = []
     clean = False
     for raw in sys.stdin.buffer:
         line = raw.strip()
         if line == b"bye":
             clean = True
             break
+        if line[:1] == b"d" and line[1:2] == b"/":
+            directories.append(os.fsdecode(line[1:]))
+            continue
         if line[:1] in (b"+", b"-") and line[1:].isdigit():
             pgid = int(line[1:])
             if line[:1] == b"+":
@@ -120,6 +133,8 @@ def _guard_main() -> int:
                 os.killpg(pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        for path in directories:
+            shutil.rmtree(path, ignore_errors=True)
     return 0
 
 
