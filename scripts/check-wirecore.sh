@@ -2,7 +2,8 @@
 # The compiled engine of the workers' store (src/elastrun/store/torchwire/wirecore.c)
 # under AddressSanitizer and UndefinedBehaviorSanitizer: built into a copy of src/, then
 # the engines' tests (torch's own client against it, both engines at byte level and on
-# random request sequences, the agent's gloo groups through it). Any report fails.
+# random request sequences, both under a low descriptor limit, the agent's gloo groups
+# through it and a flood of idle connections to it). Any report fails.
 # Extra arguments go to pytest. Needs gcc and its libasan; not part of the CI run.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +32,7 @@ PYTHONPATH="$work/src" LD_PRELOAD="$asan $cxx" \
     ELASTRUN_WIRE_EXAMPLES="${ELASTRUN_WIRE_EXAMPLES:-2000}" \
     "$py" -m pytest -q -p no:cacheprovider \
     tests/contract/test_torchwire_engines.py tests/contract/test_torchwire.py \
-    tests/e2e/test_agent_store.py "$@" || status=$?
+    tests/process/test_torchwire_limits.py tests/e2e/test_agent_store.py "$@" || status=$?
 if compgen -G "$logs/*" >/dev/null; then
     cat "$logs"/*
     echo "check-wirecore: the sanitizers reported the errors above" >&2

@@ -4,7 +4,9 @@ Clients that validate and then idle are not capped by the handshake limit; what 
 them is the descriptor reserve: the store stops accepting while no more than a reserve
 is free, so the process hosting it (the agent) can still open files, pipes and sockets
 for its own work -- a worker's failure report, the next attempt's logs. The connections
-it does not take wait in the listen backlog and are served once others leave.
+it does not take wait in the listen backlog and are served once others leave. Those
+that never validate make room there, the oldest first: idle strangers cannot keep a
+worker out, however few descriptors the host has left.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ HOST = textwrap.dedent(
                 print("failed after", len(files), exc, flush=True)
             for f in files:
                 f.close()
+        elif word == "hold":  # keep N more files open (the host's own work grew)
+            held = [open(os.devnull, "rb") for _ in range(int(rest[0]))]
+            print("holding", len(held), flush=True)
         elif word == "count":
             print(server.num_connections, flush=True)
     server.close()
@@ -154,3 +159,27 @@ def test_a_flood_of_validated_idle_clients_leaves_the_reserve_to_the_process(hos
         for sock in flood[:-1]:  # they leave: the last one, in the backlog, comes in
             sock.close()
         assert _ping(flood[-1], 3) == struct.pack("<I", 3)
+
+
+def test_idle_connections_that_never_validate_make_room_at_the_reserve(host: Host) -> None:
+    # Connections that never validate fill what the host may give; then the host's own
+    # work takes more descriptors, so that it is below its reserve. A worker coming now
+    # is still served: the oldest idle connections are closed to make room for it.
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(2 * LIMIT):
+            idle.append(socket.create_connection(("127.0.0.1", host.port), timeout=5))
+        taken: list[int] = []
+
+        def settled() -> bool:
+            taken.append(int(host.ask("count")))
+            return len(taken) > 3 and taken[-1] == taken[-4]
+
+        wait_for(settled, 10, "the host to stop taking connections")
+        assert host.ask("hold 20") == "holding 20"
+        with _validated(host.port) as late:
+            assert _ping(late, 7) == struct.pack("<I", 7)
+        assert idle[0].recv(1) == b""  # the oldest made room
+    finally:
+        for sock in idle:
+            sock.close()

@@ -13,7 +13,9 @@ engine by the same rules, with the numbers this module computes (``wirecore.c``)
   backlog, which costs this process nothing, and are taken once there is room;
 - it makes room among the unauthenticated by closing the oldest one that has had
   ``EVICT_AFTER`` to say hello (a real client does within milliseconds), so a flood
-  cycles through instead of holding the door shut for the handshake timeout;
+  cycles through instead of holding the door shut for the handshake timeout -- when
+  too many are waiting, and also when the reserve is reached (the descriptors then go
+  back to the process, or to the next connection);
 - it says that it stopped (and why), and that it resumed, in one line each -- at most
   one of each kind every 30 s -- never a line per connection.
 """
@@ -49,12 +51,13 @@ RECOUNT_EVERY = 0.25
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
-def max_handshakes(limit: int, reserve: int, cap: int = MAX_HANDSHAKES) -> int:
+def max_handshakes(limit: int, reserve: int) -> int:
     """How many connections may wait to authenticate at once, under descriptor ``limit``
     less ``reserve``: half of the room left now at most (the other half is for clients
-    that authenticated; the reserve is checked apart from this), within 4 .. ``cap``."""
+    that authenticated; the reserve is checked apart from this), within 4 ..
+    ``MAX_HANDSHAKES``."""
     room = limit - reserve - (open_fds() or 0)
-    return max(4, min(cap, room // 2))
+    return max(4, min(MAX_HANDSHAKES, room // 2))
 
 
 class Handshaking(Protocol):
@@ -231,6 +234,10 @@ class Acceptor(Generic[C]):
             return "handshakes", f"{waiting} connections have not {self._handshake} yet"
         free = self._free_fds()
         if free <= self._reserve:
+            # The oldest that has had its time makes room: for this process's own work,
+            # or (once it is gone, ``_on_room``) for the next connection. Idle strangers
+            # then cannot hold the door shut however few descriptors the process has.
+            self._evict_oldest()
             return "descriptors", (
                 f"{free} descriptors are free (limit {self._limit}; {self._reserve} are kept "
                 "for this process's own work)"

@@ -84,8 +84,8 @@ class Limits:
 
     ``max_connections``: clients served at once. ``max_frame``: the largest request in
     bytes, in practice the largest value. ``max_key``: the longest key in bytes.
-    ``max_handshakes``: connections not validated yet, at once (None: from the
-    descriptor limit, see ``elastrun.store.tcp.acceptor.max_handshakes``).
+    ``max_handshakes``: connections not validated yet, at once (None: every descriptor
+    above the reserve, see ``TorchWireServer``).
     """
 
     max_connections: int = DEFAULT_MAX_CONNECTIONS

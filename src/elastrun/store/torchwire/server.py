@@ -31,14 +31,8 @@ from elastrun.core.eventloop import new_event_loop
 # The tcp store's acceptor (who may connect, within a descriptor budget) and its
 # listening helpers: one address or all of a name's, one port for all, IPv6 sockets
 # that leave the IPv4 port alone, and a re-pick when port 0 collides.
-from elastrun.store.tcp.acceptor import (
-    EVICT_AFTER,
-    RECHECK,
-    RECOUNT_EVERY,
-    Acceptor,
-    max_handshakes,
-)
-from elastrun.store.tcp.limits import LogLimiter, fd_limit, fd_reserve
+from elastrun.store.tcp.acceptor import EVICT_AFTER, RECHECK, RECOUNT_EVERY, Acceptor
+from elastrun.store.tcp.limits import LogLimiter, fd_limit, fd_reserve, open_fds
 from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.tcp.server import bind_listeners
 from elastrun.store.tcp.service import format_addr
@@ -77,8 +71,17 @@ class _Admission:
     def now(cls, limits: Limits) -> _Admission:
         limit = fd_limit()
         reserve = fd_reserve(limit)
-        handshakes = limits.max_handshakes or max_handshakes(limit, reserve)
-        return cls(limit, reserve, handshakes)
+        # Every descriptor above the reserve, where the rendezvous store allows 256 (half
+        # of them under a low limit): the ranks of a large job connect at once, and where
+        # many share a loaded machine (or a load generator runs thousands of clients in
+        # one process), many send their validation later than EVICT_AFTER after the
+        # kernel took their connection. At 256 -- and at half of 20,000 descriptors -- a
+        # burst of 10,000 such clients had hundreds closed to make room (torch's client
+        # then retries after a back-off). What the cap guards is the descriptors, and at
+        # the reserve the oldest waiting connection makes room all the same (the
+        # acceptor's rule): a flood of idle connections still cycles through.
+        room = limit - reserve - (open_fds() or 0)
+        return cls(limit, reserve, limits.max_handshakes or max(4, room))
 
 
 class TorchWireServer:
@@ -96,9 +99,10 @@ class TorchWireServer:
         max_connections: clients served at once; a connection beyond it is closed at
             once (torch's client retries until its timeout).
         max_handshakes: connections that have not sent torch's validation yet, at once
-            (default: from the descriptor limit). Beyond it the oldest one is closed
-            when it has had ``EVICT_AFTER`` to validate, else accepting pauses (the
-            others wait in the listen backlog); validated clients are served on.
+            (default: every descriptor above the reserve). Beyond it, and at the
+            reserve, the oldest one is closed when it has had ``EVICT_AFTER`` to
+            validate, else accepting pauses (the others wait in the listen backlog);
+            validated clients are served on.
         max_frame: largest request in bytes -- in practice, the largest value a client
             may store (torch's own server stops at 8 MiB).
         max_key: longest key in bytes.

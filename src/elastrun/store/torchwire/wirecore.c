@@ -14,8 +14,9 @@
  * Who may connect follows the rendezvous store's acceptor (elastrun.store.tcp.acceptor,
  * which accepts for the Python engine), with the numbers it computes: connections that
  * have not validated yet are capped, the oldest one closed to make room once it has had
- * its time to validate, and accepting pauses -- the others wait in the listen backlog --
- * while the cap is full of younger ones or no more than a reserve of descriptors is free.
+ * its time to validate (at the cap, and at the descriptor reserve), and accepting pauses
+ * -- the others wait in the listen backlog -- while the cap is full of younger ones or no
+ * more than a reserve of descriptors is free.
  *
  * Linux only (epoll, eventfd, accept4); elsewhere the Python engine serves.
  */
@@ -57,6 +58,9 @@ static const char *const OP_NAMES[OP_COUNT] = {
 #define OUT_HIGH (256 * 1024)
 #define READ_CHUNK (64 * 1024)
 #define MAX_EVENTS 256
+/* Connections taken per wake-up (the cap on those not validated yet may stop it first;
+   they wait for the next wake-up, their validations read in between). */
+#define ACCEPT_BATCH 1024
 
 /* -- buffers ------------------------------------------------------------------------- */
 
@@ -1183,6 +1187,7 @@ static const char *full(Core *core, char *why, size_t size) {
     }
     int64_t free = free_fds(core);
     if (free <= core->fd_reserve) {
+        evict_oldest(core); /* room for the process's own work, or the next connection */
         snprintf(why, size,
                  "%lld descriptors are free (limit %lld; %lld are kept for this process's "
                  "own work)",
@@ -1226,7 +1231,7 @@ static void look_again(Core *core) {
 }
 
 static void on_accept(Core *core, int listener) {
-    for (int i = 0; i < 1024 && core->accepting; i++) {
+    for (int i = 0; i < ACCEPT_BATCH && core->accepting; i++) {
         char why[256];
         const char *kind = full(core, why, sizeof why);
         if (kind != NULL) {
@@ -1398,14 +1403,19 @@ static PyObject *Core_serve(Core *self, PyObject *unused) {
             int due = self->retry_ms && now >= self->retry_ms;
             if (due)
                 self->retry_ms = 0;
-            if (due || self->room)
-                look_again(self);
-            if (!self->accepting && self->retry_ms) {
+            int look = due || self->room;
+            self->room = 0;
+            if (look)
+                look_again(self); /* closing the oldest waiting one makes room again */
+            if (!self->accepting && self->room) {
+                timeout = 0; /* it did: look again after this turn's events */
+            } else if (!self->accepting && self->retry_ms) {
                 int64_t left = self->retry_ms - now_ms();
                 timeout = left > 0 ? (int)left : 0;
             }
+        } else {
+            self->room = 0;
         }
-        self->room = 0;
         int n = epoll_wait(self->epfd, events, MAX_EVENTS, timeout);
         if (n < 0) {
             if (errno == EINTR)
