@@ -397,7 +397,10 @@ def test_overlapping_failures_are_recovered_in_place_with_no_worker_left_behind(
     killed = {int(item.split(":")[0]) for item in plan}
     ranks = _by_rank(results)
     for r in set(ranks) - killed:
-        assert len(ranks[r]["calls"]) == 2, (ranks[r], err)  # the same process, kept
+        # The same process, kept: called first at step 0, then again at the commit each
+        # recovery restored (twice when the second failure came after it resumed).
+        calls = ranks[r]["calls"]
+        assert calls[0] == 0 and len(calls) >= 2 and calls[1] >= 10, (ranks[r], err)
     assert {r["sha"] for r in results} == {fault_free}
 
 
