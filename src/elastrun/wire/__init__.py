@@ -8,6 +8,7 @@
 :mod:`.workers`         ``<attempt>/workers.json``, the pids ``elastrun stacks`` signals
 :mod:`.bootstrap`       what a starter tells the worker bootstrap (SIGINT held at exec)
 :mod:`.checkpoint`      the node's memory checkpoint directory: layout, ranks' markers
+:mod:`.env`             the names of the variables that lead a worker to its agent's services
 ======================  ============================================================
 
 Both ends of each format import the module and nothing of each other: the agent side
