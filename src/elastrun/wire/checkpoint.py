@@ -14,6 +14,8 @@ what both ends agree on: the variable, the names and the marker.
             rank-3.data                 rank 3's tensors and values, one after another
             rank-3.meta.json            rank 3's checkpoint metadata (DCP's, as JSON)
             rank-3.done                 rank 3's marker: written last, by a rename
+        spare-rank-3.data               rank 3's data file of a step it removed, kept to
+                                        be written over by its next step (no new pages)
 
 Each rank writes only its own files, and a step is complete *for a rank* once that
 rank's marker exists: the marker is renamed into place after the data and the metadata
@@ -58,6 +60,7 @@ __all__ = [
     "marker_name",
     "meta_name",
     "rank_of_file",
+    "spare_name",
     "step_dir_name",
     "step_of_dir",
 ]
@@ -108,6 +111,11 @@ def data_name(rank: int) -> str:
 def meta_name(rank: int) -> str:
     """Rank ``rank``'s metadata file in a step directory."""
     return f"rank-{rank}.meta.json"
+
+
+def spare_name(rank: int) -> str:
+    """Rank ``rank``'s spare data file, in the node directory itself (not a step's)."""
+    return f"spare-rank-{rank}.data"
 
 
 def marker_name(rank: int) -> str:

@@ -265,6 +265,8 @@ class MemoryCheckpoint:
             return
         self._jobs.put(None)
         thread.join()
+        if self._steps is not None:
+            self._steps.drop_spare()
         group, self._group = self._group, None
         if group is not None and dist.is_initialized():
             dist.destroy_process_group(group)
@@ -438,11 +440,13 @@ class MemoryCheckpoint:
         if agreed is None:
             return
         if agreed:
-            steps.keep_only({job.step})
+            steps.keep_only({job.step})  # (the older step's data becomes the spare)
             with self._lock:
                 self._newest = job.step
+            if job.writer is not None and job.writer.data_bytes:
+                steps.make_spare(job.writer.data_bytes)  # (when no older step left one)
         elif job.writer is not None:
-            steps.remove(job.step)
+            steps.remove(job.step, spare=True)
             if complete:
                 log.info("memory checkpoint: step %d is not on every rank: not kept", job.step)
 

@@ -380,13 +380,17 @@ def _place(items: list[WriteItem], values: dict[MetadataIndex, bytes]) -> tuple[
 
 
 def _create(steps: RankSteps, step: int) -> int:
-    """Open the rank's data file of ``step`` anew. A peer on the node that removes an
-    empty step directory may race the first file into it: the directory is made again."""
+    """Open the rank's data file of ``step``: the rank's spare, written over (its pages
+    are there: see ``RankSteps.remove``), else a new file. A peer on the node that
+    removes an empty step directory may race the first file into it: the directory is
+    made again."""
     path = steps.data_path(step)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
     for attempt in range(3):
         steps.make_step_dir(step)
         try:
+            if not steps.take_spare(path):
+                flags |= os.O_TRUNC
             return os.open(path, flags, 0o600)
         except FileNotFoundError:
             if attempt == 2:
@@ -396,11 +400,16 @@ def _create(steps: RankSteps, step: int) -> int:
 
 def _reserve(fd: int, size: int, path: str) -> None:
     """Allocate the file's memory now: on a full tmpfs this fails (ENOSPC) before a
-    byte is copied, where writing through a mapping would end in SIGBUS."""
-    if size == 0:
+    byte is copied, where writing through a mapping would end in SIGBUS. A spare file
+    (see ``_create``) holds its pages already, up to its size: only a larger step
+    allocates, and only the rest."""
+    held = os.fstat(fd).st_size  # a spare's pages are allocated up to its size
+    if held >= size:
+        if held > size:
+            os.ftruncate(fd, size)
         return
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, held, size - held)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             free = _free_bytes(os.path.dirname(path))
