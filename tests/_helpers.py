@@ -81,7 +81,7 @@ def run(
 def wait_for(predicate: object, timeout: float = 20, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
+        if predicate():  # type: ignore[operator]  # a callable, typed object
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")

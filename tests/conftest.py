@@ -123,7 +123,7 @@ def signals_restored() -> Iterator[None]:
     if after != before:
         signal.pthread_sigmask(signal.SIG_SETMASK, before[0])
         for sig, handler in zip(_WATCHED_SIGNALS, before[1], strict=True):
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, handler)  # type: ignore[arg-type]  # a saved handler, typed object
     assert after == before, f"this test changed the test process's signals: {before} -> {after}"
 
 

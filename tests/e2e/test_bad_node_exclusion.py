@@ -28,6 +28,7 @@ time.sleep(float(sys.argv[2]))
 """
 
 
+# no-untyped-def: returns start()'s Popen[str], not annotated
 def _node(tmp_path: Path, endpoint: str, tag: str, script: Path, seconds: str,  # type: ignore[no-untyped-def]
           nnodes: str = "2", extra: tuple[str, ...] = ()):  # fmt: skip
     args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",

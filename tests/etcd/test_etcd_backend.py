@@ -89,6 +89,7 @@ def test_a_round_on_etcd_lives_under_the_prefix_and_is_closed_on_shutdown(
     ]  # fmt: skip
     assert all(isinstance(h, DynamicRendezvousHandler) for h in handlers)
     assert handlers[0].get_backend() == "etcd"
+    # attr-defined: all() does not narrow handlers to DynamicRendezvousHandler, which has settings
     assert handlers[0].settings.heartbeat_timeout == 3.0  # type: ignore[attr-defined]
     infos: list[object] = []
     threads = [threading.Thread(target=lambda h=h: infos.append(h.next_rendezvous()))
@@ -97,6 +98,7 @@ def test_a_round_on_etcd_lives_under_the_prefix_and_is_closed_on_shutdown(
         t.start()
     for t in threads:
         t.join(timeout=30)
+    # attr-defined: infos is a list[object]; the threads append RendezvousInfo
     assert sorted(i.rank for i in infos) == [0, 1]  # type: ignore[attr-defined]
     raw = EtcdStore(etcd.endpoints)
     try:

@@ -134,7 +134,7 @@ def clients() -> Iterator[Callable[..., EtcdStore]]:
     made: list[EtcdStore] = []
 
     def make(endpoints: list[str], **kwargs: object) -> EtcdStore:
-        store = EtcdStore(endpoints, **kwargs)  # type: ignore[arg-type]
+        store = EtcdStore(endpoints, **kwargs)  # type: ignore[arg-type]  # kwargs: object
         made.append(store)
         return store
 

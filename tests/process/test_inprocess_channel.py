@@ -27,7 +27,7 @@ def _until(predicate: object, timeout: float = 5.0) -> bool:
 def hub() -> object:
     woken = threading.Event()
     made = InprocessHub(woken.set)
-    made.woken = woken  # type: ignore[attr-defined]
+    made.woken = woken  # type: ignore[attr-defined]  # an Event the tests read
     yield made
     made.close()
     assert not os.path.exists(made.path)
@@ -54,7 +54,7 @@ def test_a_worker_opts_in_learns_rounds_and_reports_it_synced(
     try:
         channel.send("hello", pid=4242, round=0)
         assert _until(lambda: hub.opted_in(1, 4242))
-        assert hub.woken.is_set()  # type: ignore[attr-defined]
+        assert hub.woken.is_set()  # type: ignore[attr-defined]  # woken: added by the fixture
         assert not hub.opted_in(1, 999)  # another process of that local rank
         assert not hub.opted_in(0, 4242)
         envs = {1: {"MASTER_PORT": "1234", "RANK": "1", "PATH": "/not/sent"}}

@@ -68,12 +68,13 @@ def console(tmp_path: Path) -> Iterator[Console]:
 
 
 def relay_for(console: Console, **kw: object) -> OutputRelay:
+    # arg-type: kw: object, the options each test passes
     return OutputRelay(console=FdConsole(console.out, console.err), **kw)  # type: ignore[arg-type]
 
 
 def start(code: str, stdio: WorkerStdio, **kw: object) -> subprocess.Popen[bytes]:
     try:
-        return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
+        return subprocess.Popen(  # type: ignore[call-overload, no-any-return]  # **kw: object
             [PY, "-c", code], stdout=stdio.stdout_fd, stderr=stdio.stderr_fd, **kw
         )
     finally:

@@ -180,6 +180,6 @@ def test_a_signal_another_thread_receives_ends_the_main_threads_wait_at_once(
     assert proc.stderr is not None
     err = proc.stderr.read()
     proc.stderr.close()
-    proc.stdout.close()  # type: ignore[union-attr]
+    proc.stdout.close()  # type: ignore[union-attr]  # Optional: a pipe here
     assert got == outcome, err
     assert took < PROMPT, err

@@ -133,7 +133,7 @@ class Raw:
 
 @contextlib.contextmanager
 def client(port: int, **kwargs: object) -> Iterator[TcpStore]:
-    store = TcpStore("127.0.0.1", port, **kwargs)  # type: ignore[arg-type]
+    store = TcpStore("127.0.0.1", port, **kwargs)  # type: ignore[arg-type]  # kwargs: object
     try:
         yield store
     finally:
@@ -658,7 +658,7 @@ def test_a_write_cut_off_mid_flight_is_not_retried_and_its_outcome_is_unknown(
         client(hangup.port, connect_timeout=2) as store,
         pytest.raises(StoreError, match="may or may not have been applied"),
     ):
-        call(store)  # type: ignore[operator]
+        call(store)  # type: ignore[operator]  # a parametrized lambda, typed object
     assert len(hangup.requests) == 1
 
 

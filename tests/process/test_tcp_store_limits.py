@@ -109,7 +109,7 @@ class Crowd:
         until = time.monotonic() + seconds
         while (left := until - time.monotonic()) > 0:
             for key, _ in self.sel.select(left):
-                self._readable(key.fileobj)  # type: ignore[arg-type]
+                self._readable(key.fileobj)  # type: ignore[arg-type]  # only sockets are registered
 
     def _readable(self, s: socket.socket) -> None:
         try:
@@ -330,6 +330,7 @@ class _Records:
 def test_the_log_limiter_lets_a_burst_through_then_counts_what_it_held_back() -> None:
     now = [0.0]
     records = _Records()
+    # arg-type: a fake logger with only the log() that LogLimiter calls
     limiter = LogLimiter(records, lambda: now[0], every=10.0, burst=2)  # type: ignore[arg-type]
     for i in range(100):
         limiter.log(30, "handshake", "closing %d", i)

@@ -198,6 +198,7 @@ def test_a_forked_script_worker_observes_exactly_what_a_fresh_one_does(
     assert a["parent"] == b["parent"] == os.getpid()
     assert a == b
     assert b["argv"] == [str(script), "--flag", "x y"]
+    # index: the probe's parsed JSON: its values are typed object
     assert b["env"]["ELASTRUN_PROBE"] == "value with spaces"  # type: ignore[index]
     assert b["fds"] == [0, 1, 2]
     assert fresh.err == forked.err == "probe on stderr\n"
@@ -218,6 +219,7 @@ def test_signals_the_agent_ignores_or_blocks_are_passed_on_as_exec_would(
         signal.signal(signal.SIGHUP, old_handler)
     a, b = fresh.probe(), forked.probe()
     assert a == b
+    # index: the probe's parsed JSON: its values are typed object
     assert b["signals"]["SIGHUP"] == "<Handlers.SIG_IGN: 1>"  # type: ignore[index]
     assert b["blocked"] == [int(signal.SIGUSR2)]
 

@@ -294,7 +294,7 @@ def resource_tracker_started_outside_any_test() -> None:
 
 
 def _local_worker(q: object, after: float, hold: float) -> None:
-    configure(LocalTimerClient(q))  # type: ignore[arg-type]
+    configure(LocalTimerClient(q))  # type: ignore[arg-type]  # q: a spawn queue, typed object
     with expires(after=after, scope="local"):
         time.sleep(hold)
 

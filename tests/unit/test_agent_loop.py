@@ -29,7 +29,7 @@ def _agent(
         clock=FakeClock(),
         environ={},
         run_id="unit",
-        **kw,  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]  # kw: object, the agent options each test passes
     )
 
 
@@ -71,12 +71,12 @@ def test_a_worker_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
     starter = FakeStarter(script=lambda a, r: 1 if r == 0 else None)
     original = starter.start
 
-    def stubborn(spec):  # type: ignore[no-untyped-def]
+    def stubborn(spec):  # type: ignore[no-untyped-def]  # wraps the fake's start
         proc = original(spec)
         proc.ignore_signals = True
         return proc
 
-    starter.start = stubborn  # type: ignore[method-assign]
+    starter.start = stubborn  # type: ignore[method-assign]  # a fake's method, wrapped
     result = _agent(tmp_path, starter, 0, shutdown_timeout=0).run()
     assert result.failures[1].exitcode == -signal.SIGKILL
 
@@ -86,13 +86,13 @@ def test_a_shutdown_request_stops_workers_with_that_signal(tmp_path: Path) -> No
     starter = FakeStarter(script=lambda a, r: None)
     original = starter.start
 
-    def start_then_signal(spec):  # type: ignore[no-untyped-def]
+    def start_then_signal(spec):  # type: ignore[no-untyped-def]  # wraps the fake's start
         proc = original(spec)
         if spec.local_rank == 2:
             request.request(signal.SIGINT)
         return proc
 
-    starter.start = start_then_signal  # type: ignore[method-assign]
+    starter.start = start_then_signal  # type: ignore[method-assign]  # a fake's method, wrapped
     with pytest.raises(ShutdownRequested) as info:
         _agent(tmp_path, starter, 3, shutdown=request).run()
     assert info.value.signum == signal.SIGINT
@@ -138,7 +138,7 @@ def test_a_restart_out_of_descriptors_ends_with_the_failure_report(
     starter = FakeStarter(script=lambda a, r: 7 if r == 1 else None)
     original = starter.start
 
-    def start(spec):  # type: ignore[no-untyped-def]
+    def start(spec):  # type: ignore[no-untyped-def]  # wraps the fake's start
         if starter.attempt == 0 and spec.local_rank == 0:
             emfile = OSError(errno.EMFILE, "Too many open files")
             if raw:
@@ -146,7 +146,7 @@ def test_a_restart_out_of_descriptors_ends_with_the_failure_report(
             raise ProcessStartError("local rank 0: cannot start '/bin/prog'") from emfile
         return original(spec)
 
-    starter.start = start  # type: ignore[method-assign]
+    starter.start = start  # type: ignore[method-assign]  # a fake's method, wrapped
     events = MemoryEventSink()
     agent = _agent(tmp_path, starter, 3, events=events)
     result = agent.run()

@@ -40,9 +40,9 @@ def test_the_options_and_their_environment_cannot_change() -> None:
     environ["A"] = "2"
     assert options.environ["A"] == "1"
     with pytest.raises(TypeError):
-        options.environ["A"] = "3"  # type: ignore[index]
+        options.environ["A"] = "3"  # type: ignore[index]  # a Mapping: the set must raise
     with pytest.raises(dataclasses.FrozenInstanceError):
-        options.shutdown_timeout = 1  # type: ignore[misc]
+        options.shutdown_timeout = 1  # type: ignore[misc]  # frozen: the set must raise
     assert "environ=<1 variables>" in repr(options)
 
 
@@ -57,7 +57,7 @@ def test_the_options_and_their_environment_cannot_change() -> None:
 )
 def test_a_bad_option_is_refused_with_its_name(fields: dict[str, object], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
-        AgentOptions(**fields)  # type: ignore[arg-type]
+        AgentOptions(**fields)  # type: ignore[arg-type]  # bad values, refused at run time
 
 
 def test_a_bad_variable_is_refused_before_anything_starts() -> None:

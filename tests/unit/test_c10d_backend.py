@@ -66,6 +66,7 @@ def test_a_backend_registered_in_code_is_usable_by_name() -> None:
     handler = registry.create_handler(RendezvousParameters("mine", "", "r", 1, 1))
     assert handler.get_backend() == "mine" and handler.next_rendezvous().world_size == 1
     with pytest.raises(ConfigError, match="already registered"):
+        # arg-type: not a creator: the name is refused before it is called
         registry.register("mine", LocalRendezvousHandler)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown rendezvous backend"):
         registry.create_handler(RendezvousParameters("nope", "", "r", 1, 1))

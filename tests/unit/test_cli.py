@@ -156,12 +156,15 @@ VALUE_CASES: list[tuple[str, tuple[str, ...], str, Getter, object]] = [
     ("--start-method", (), "fork", lambda x: x.config.start_method, "fork"),
     ("--event-log-handler", (), "null", lambda x: x.config.event_log_handler, "null"),
     ("--role", (), "trainer", lambda x: x.config.role, "trainer"),
+    # union-attr: logs_specs is Optional; the CLI always sets it
     ("--log-dir", (), "/tmp/elogs", lambda x: x.config.logs_specs.log_dir, "/tmp/elogs"),  # type: ignore[union-attr]
+    # union-attr: logs_specs is Optional; the CLI always sets it
     ("--redirects", (), "3", lambda x: x.config.logs_specs.redirects, Std.ALL),  # type: ignore[union-attr]
     (
         "--tee",
         ("--nproc-per-node=2",),
         "0:1,1:2",
+        # union-attr: logs_specs is Optional; the CLI always sets it
         lambda x: x.config.logs_specs.tee,  # type: ignore[union-attr]
         {0: Std.OUT, 1: Std.ERR},
     ),
@@ -169,6 +172,7 @@ VALUE_CASES: list[tuple[str, tuple[str, ...], str, Getter, object]] = [
         "--local-ranks-filter",
         ("--nproc-per-node=3",),
         "0,2",
+        # union-attr: logs_specs is Optional; the CLI always sets it
         lambda x: x.config.logs_specs.local_ranks_filter,  # type: ignore[union-attr]
         {0, 2},
     ),
@@ -241,7 +245,9 @@ def test_value_option_falls_back_to_pet_variable(
 
 def test_short_options_redirects_tee_and_module(run: Callable[..., Launch]) -> None:
     launch = run("-r", "1", "-t2")
+    # union-attr: logs_specs is Optional; the CLI always sets it
     assert launch.config.logs_specs.redirects == Std.OUT  # type: ignore[union-attr]
+    # union-attr: logs_specs is Optional; the CLI always sets it
     assert launch.config.logs_specs.tee == Std.ERR  # type: ignore[union-attr]
     assert parse_launch(["-m", "json.tool"], {}).kind is ScriptKind.MODULE
 
@@ -979,7 +985,7 @@ def test_logs_specs_plugin_is_loaded_and_built(
     specs = run(f"--logs-specs={name}", "-t", "2").config.logs_specs
     assert type(specs).__module__ == plugin_dist
     assert type(specs).__name__ == "Custom"
-    assert specs.tee == Std.ERR  # type: ignore[union-attr]
+    assert specs.tee == Std.ERR  # type: ignore[union-attr]  # Optional: the CLI always sets it
 
 
 @pytest.mark.parametrize(

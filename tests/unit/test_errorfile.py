@@ -279,4 +279,4 @@ def test_contents_are_immutable(tmp_path: Path) -> None:
     path.write_text(json.dumps({"message": "m"}))
     contents = _contents(path)
     with pytest.raises(AttributeError):
-        contents.message = "other"  # type: ignore[misc]
+        contents.message = "other"  # type: ignore[misc]  # frozen: the set must raise

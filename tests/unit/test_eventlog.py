@@ -119,6 +119,7 @@ def test_record_event_keeps_the_given_source_and_timestamp(tmp_path: Path) -> No
 
 def test_a_value_json_cannot_hold_is_written_as_text_instead_of_failing(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
+    # dict-item: a Path is no EventValue: the sink must write it as text
     weird: dict[str, EventValue] = {"path": Path("/x/y")}  # type: ignore[dict-item]
     JsonLinesEventSink(path).record("e", weird)
     assert read_lines(path)[0]["metadata"] == {"path": "/x/y"}
@@ -142,6 +143,7 @@ def test_lines_stay_whole_with_many_concurrent_writers(tmp_path: Path) -> None:
     events = read_lines(path)  # every line parses
     assert len(events) == writers * per_writer
     for n in range(writers):
+        # index: the parsed JSON's metadata is typed object
         mine = [e["metadata"]["i"] for e in events if e["metadata"]["writer"] == n]  # type: ignore[index]
         assert mine == list(range(per_writer))
 

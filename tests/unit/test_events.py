@@ -204,7 +204,9 @@ def test_a_failed_rdzv_event_carries_the_traceback_being_handled(tmp_path: Path)
     )
     first, second = read_lines(path)
     assert str(first["name"]).endswith(":join")
+    # index: the parsed JSON's metadata is typed object
     assert "store unreachable" in first["metadata"]["error_trace"]  # type: ignore[index]
+    # index: the parsed JSON's metadata is typed object
     assert second["metadata"]["error_trace"] == ""  # type: ignore[index]
 
 

@@ -63,7 +63,7 @@ def test_a_node_is_excluded_at_the_limit_but_never_below_the_minimum() -> None:
 )  # fmt: skip
 def test_a_bad_rule_names_its_option(fields: dict[str, float], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
-        ExclusionRule(**fields)  # type: ignore[arg-type]
+        ExclusionRule(**fields)  # type: ignore[arg-type]  # floats for int and bool fields
 
 
 def test_records_round_trip_and_the_cool_down_expires() -> None:
@@ -89,16 +89,20 @@ KW = dict(max_nodes=2, now=0.0, call_started_at=0.0, last_call=30.0, join_deadli
 
 def test_a_spare_takes_an_excluded_members_place_at_once() -> None:
     # "b" is excluded (alive, sitting out its cool-down); the spare "s" waited for room.
+    # arg-type: KW is a dict[str, float]; max_nodes takes an int, first_round a bool
     d = decide_round([_j("s"), _j("a", 0)], {"a", "b"}, min_nodes=1, excluded={"b"}, **KW)  # type: ignore[arg-type]
     assert d.verdict is Verdict.CLOSE and d.members == ("a", "s")
     # Below the maximum too: the round waits for every live member but the excluded one.
+    # arg-type: KW is a dict[str, float]; max_nodes takes an int, first_round a bool
     d = decide_round([_j("a", 0)], {"a", "b"}, min_nodes=1, excluded={"b"}, **KW)  # type: ignore[arg-type]
     assert d.verdict is Verdict.CLOSE and d.members == ("a",)
+    # arg-type: KW is a dict[str, float]; max_nodes takes an int, first_round a bool
     without = decide_round([_j("a", 0)], {"a", "b"}, min_nodes=1, **KW)  # type: ignore[arg-type]
     assert without.verdict is Verdict.WAIT
 
 
 def test_an_excluded_joiner_waits_like_a_spare() -> None:
+    # arg-type: KW is a dict[str, float]; max_nodes takes an int, first_round a bool
     d = decide_round([_j("a", 0), _j("b", 1)], {"a", "b"}, min_nodes=1, excluded={"b"}, **KW)  # type: ignore[arg-type]
     assert d.verdict is Verdict.CLOSE and d.members == ("a",)
 
@@ -330,7 +334,7 @@ def test_with_the_rule_off_nothing_is_read(shutdown: ShutdownRequest) -> None:
             raise AssertionError(f"read {name} with the rule off")
 
     CoolDown(
-        _Untouchable(),  # type: ignore[arg-type]
+        _Untouchable(),  # type: ignore[arg-type]  # a fake: any read fails the test
         ExclusionRule(),
         interruptible=Interruptible(shutdown),
         events=MemoryEventSink(),
@@ -343,7 +347,7 @@ def test_with_exits_an_excluded_node_leaves_instead_of_waiting(shutdown: Shutdow
     clock, events = FakeClock(), MemoryEventSink()
     rdzv = _Rdzv(until=clock.time() + 3600)
     cooldown = CoolDown(
-        rdzv,  # type: ignore[arg-type]
+        rdzv,  # type: ignore[arg-type]  # the part of ElasticRendezvous it uses
         ExclusionRule(after=1, exits=True),
         interruptible=Interruptible(shutdown),
         events=events,

@@ -9,6 +9,9 @@ boundary is private is therefore checked here, on the source's syntax tree.
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import elastrun
@@ -145,3 +148,78 @@ def test_the_loop_imports_no_recovery_strategy() -> None:
     assert [m for m in imported if m.startswith(STRATEGIES)] == []
     # Nor does a method of the loop name in-process recovery.
     assert "inprocess" not in path.read_text()
+
+
+# The tests' own sources: an inline ignore names its code and its reason (STYLE.md 16).
+TESTS_DIR = Path(__file__).resolve().parent.parent
+
+_TYPE_IGNORE = re.compile(r"type:\s*ignore\b(?P<rest>.*)")
+_CODES = re.compile(r"\[(?P<codes>[a-z0-9_-]+(?:,\s*[a-z0-9_-]+)*)\]\s*")
+#: Comments that tell a tool what to do, none of them a reason.
+_TOOL_COMMENT = re.compile(r"(fmt:\s*(skip|off|on)|noqa\b|pragma:|type:|mypy:)")
+
+
+def _codes(text: str) -> list[str]:
+    return [code.strip() for code in text.split(",")]
+
+
+def type_ignores_without_reason(source: str) -> list[int]:
+    """The lines of ``source`` whose ``type: ignore`` names no code or gives no reason.
+
+    The form is ``# type: ignore[code]  # the reason``. Where the line has no room for
+    the reason, it is the comment line just above, led by the same code(s) and a colon:
+    ``# arg-type: the reason``. A tool's comment (``# fmt: skip``, ``# noqa``) after the
+    ignore is no reason.
+    """
+    lines = source.splitlines()
+    offenders = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type != tokenize.COMMENT:
+            continue
+        parts = [part.strip() for part in token.string.split("#")]
+        found = [i for i, part in enumerate(parts) if _TYPE_IGNORE.match(part)]
+        if not found:
+            continue
+        line = token.start[0]
+        match = _TYPE_IGNORE.match(parts[found[0]])
+        codes = _CODES.fullmatch(match["rest"]) if match else None
+        if codes is None:
+            offenders.append(line)
+            continue
+        after = [p for p in parts[found[0] + 1 :] if p and not _TOOL_COMMENT.match(p)]
+        above = lines[line - 2].strip() if line > 1 else ""
+        lead, colon, reason = above.removeprefix("#").partition(":")
+        reason_above = (
+            above.startswith("#")
+            and bool(colon)
+            and bool(reason.strip())
+            and _codes(lead) == _codes(codes["codes"])
+        )
+        if not after and not reason_above:
+            offenders.append(line)
+    return offenders
+
+
+def test_the_type_ignore_check_wants_a_code_and_a_reason() -> None:
+    source = "\n".join([
+        "a = f()  # type: ignore[arg-type]  # a fake with only what f calls",  # 1: fine
+        "b = f()  # type: ignore[arg-type]",  # 2: no reason
+        "c = f()  # type: ignore  # a reason but no code",  # 3
+        "d = f()  # type: ignore[arg-type]  # fmt: skip",  # 4: a tool's comment
+        "# arg-type, misc: the reason, above as the line has no room",
+        "e = f()  # type: ignore[arg-type, misc]",  # 6: fine
+        "# index: a reason for another code",
+        "g = f()  # type: ignore[arg-type]",  # 8
+        "h = 'type: ignore[arg-type]'",  # 9: not a comment
+        "i = f()  # type: ignore[misc]  # its reason  # fmt: skip",  # 10: fine
+    ])  # fmt: skip
+    assert type_ignores_without_reason(source) == [2, 3, 4, 8]
+
+
+def test_every_type_ignore_in_the_tests_gives_its_reason() -> None:
+    offenders = [
+        f"{path.relative_to(TESTS_DIR.parent)}:{line}"
+        for path in sorted(TESTS_DIR.rglob("*.py"))
+        for line in type_ignores_without_reason(path.read_text())
+    ]
+    assert offenders == [], "a type: ignore without its code or reason: " + ", ".join(offenders)

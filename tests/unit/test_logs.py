@@ -440,7 +440,7 @@ def test_torch_style_private_names_alias_the_public_attributes() -> None:
 
 def test_logs_specs_is_abstract() -> None:
     with pytest.raises(TypeError):
-        LogsSpecs()  # type: ignore[abstract]
+        LogsSpecs()  # type: ignore[abstract]  # abstract: it must raise
 
 
 def test_a_launch_with_a_log_dir_that_is_a_file_is_refused_before_anything_starts(

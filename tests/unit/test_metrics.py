@@ -125,6 +125,7 @@ def test_prof_counts_a_failure_and_reraises_it() -> None:
 
 def test_prof_keeps_the_wrapped_function_name_and_docstring() -> None:
     assert plain_function.__name__ == "plain_function"
+    # attr-defined: functools.wraps sets it; prof's Callable[P, R] does not declare it
     assert plain_function.__wrapped__(1) == 2  # type: ignore[attr-defined]
 
 

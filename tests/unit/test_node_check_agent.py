@@ -63,6 +63,7 @@ def _agent(
     )  # fmt: skip
     agent = LocalElasticAgent(
         spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), starter=starter,
+        # arg-type: kw: object, the agent options each test passes
         guard=NullGuard(), clock=FakeClock(), options=options, **kw,  # type: ignore[arg-type]
     )  # fmt: skip
     return agent, calls

@@ -374,9 +374,10 @@ def test_affinity_mode_values_are_torch_flag_values() -> None:
 
 
 def test_numa_options_accept_mode_strings_and_reject_unknown_ones() -> None:
+    # arg-type: a mode string, which NumaOptions converts at run time
     assert NumaOptions("socket").affinity_mode is AffinityMode.SOCKET  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="--numa-binding"):
-        NumaOptions("everything")  # type: ignore[arg-type]
+        NumaOptions("everything")  # type: ignore[arg-type]  # an unknown mode string: refused
 
 
 def test_numa_options_from_converts_strings_and_torch_like_options() -> None:

@@ -152,7 +152,9 @@ def test_plan_uses_the_bootstrap_only_for_our_own_interpreter() -> None:
         args=["-u", "t.py"],
         base_env={},
     )
+    # arg-type: common is a dict[str, object] of values of several types
     ours = build_plan(FACTS, entrypoint="/py", python="/py", **common)  # type: ignore[arg-type]
+    # arg-type: common is a dict[str, object] of values of several types
     other = build_plan(FACTS, entrypoint="/other", python="/py", **common)  # type: ignore[arg-type]
     assert ours.workers[0].argv == ("/py", "-u", "-m", "elastrun.worker.bootstrap", "t.py")
     assert other.workers[0].argv == ("/other", "-u", "t.py")

@@ -204,4 +204,4 @@ def test_unknown_local_ranks_are_refused(board: ProgressBoard) -> None:
 def test_progress_refuses_a_step_that_is_not_a_small_non_negative_integer(step: object) -> None:
     # Checked the same with or without an agent, so a script behaves alike everywhere.
     with pytest.raises(ConfigError, match="step: must be an integer from 0"):
-        wp.progress(step)  # type: ignore[arg-type]
+        wp.progress(step)  # type: ignore[arg-type]  # bad steps, refused at run time

@@ -63,7 +63,7 @@ def test_steps_of_a_snapshot() -> None:
 @pytest.mark.parametrize("limit", [0, -1, 1.5, True])
 def test_a_limit_that_is_not_a_positive_integer_is_refused(limit: object) -> None:
     with pytest.raises(ConfigError):
-        NoProgressGuard(limit)  # type: ignore[arg-type]
+        NoProgressGuard(limit)  # type: ignore[arg-type]  # bad values, refused at run time
 
 
 attempts = st.lists(

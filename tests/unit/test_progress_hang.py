@@ -127,7 +127,7 @@ def test_parse_hang_timeout_refuses_anything_else_naming_the_option(text: str) -
 )
 def test_auto_timeout_refuses_values_that_would_defeat_it(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
-        AutoTimeout(**kwargs)  # type: ignore[arg-type]
+        AutoTimeout(**kwargs)  # type: ignore[arg-type]  # dict[str, float] for an int field
 
 
 def test_a_detector_refuses_a_non_positive_timeout() -> None:

@@ -127,7 +127,7 @@ def test_job_wide_detection_over_node_summaries() -> None:
 )
 def test_settings_out_of_range_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
-        StragglerDetector(**kwargs)  # type: ignore[arg-type]
+        StragglerDetector(**kwargs)  # type: ignore[arg-type]  # dict[str, float] for int fields
 
 
 @given(

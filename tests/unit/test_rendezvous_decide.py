@@ -57,33 +57,39 @@ KW = dict(min_nodes=2, max_nodes=3, last_call=30.0, join_deadline=600.0)
 
 def test_first_round_closes_at_max_at_once() -> None:
     d = decide_round([_j("a"), _j("b"), _j("c")], set(), now=0, call_started_at=None,
+                     # arg-type: KW is a dict[str, float]; min_nodes and max_nodes take ints
                      first_round=True, **KW)  # type: ignore[arg-type]  # fmt: skip
     assert d.verdict is Verdict.CLOSE and len(d.members) == 3
 
 
 def test_first_round_waits_for_the_last_call_above_min() -> None:
     d = decide_round([_j("a"), _j("b")], set(), now=10, call_started_at=5,
+                     # arg-type: KW is a dict[str, float]; min_nodes and max_nodes take ints
                      first_round=True, **KW)  # type: ignore[arg-type]  # fmt: skip
     assert d.verdict is Verdict.WAIT and d.wake_at == 35
     d = decide_round([_j("a"), _j("b")], set(), now=35, call_started_at=5,
+                     # arg-type: KW is a dict[str, float]; min_nodes and max_nodes take ints
                      first_round=True, **KW)  # type: ignore[arg-type]  # fmt: skip
     assert d.verdict is Verdict.CLOSE
 
 
 def test_reformation_closes_when_every_live_member_is_back() -> None:
     d = decide_round([_j("a", 0), _j("b", 1)], {"a", "b"}, now=0, call_started_at=0,
+                     # arg-type: KW is a dict[str, float]; min_nodes and max_nodes take ints
                      first_round=False, **KW)  # type: ignore[arg-type]  # fmt: skip
     assert d.verdict is Verdict.CLOSE and d.members == ("a", "b")
 
 
 def test_spares_wait_without_deadline_until_a_member_rejoins() -> None:
     d = decide_round([_j("spare")], {"a", "b", "c"}, now=10_000, call_started_at=None,
+                     # arg-type: KW is a dict[str, float]; min_nodes and max_nodes take ints
                      first_round=False, **KW)  # type: ignore[arg-type]  # fmt: skip
     assert d.verdict is Verdict.WAIT and d.wake_at is None
 
 
 def test_below_min_times_out_at_the_join_deadline() -> None:
     d = decide_round([_j("a", 0)], {"a"}, now=600, call_started_at=None,
+                     # arg-type: KW is a dict[str, float]; min_nodes and max_nodes take ints
                      first_round=False, **KW)  # type: ignore[arg-type]  # fmt: skip
     assert d.verdict is Verdict.TIMEOUT
 

@@ -378,7 +378,7 @@ def test_an_agent_stopped_by_a_signal_gives_notice_before_its_workers_stop(
     starter = FakeStarter(script=lambda a, r: None)
     original = starter.start
 
-    def start_then_signal(spec):  # type: ignore[no-untyped-def]
+    def start_then_signal(spec):  # type: ignore[no-untyped-def]  # wraps the fake's start
         proc = original(spec)
         stop = proc.signal_group
 
@@ -386,11 +386,11 @@ def test_an_agent_stopped_by_a_signal_gives_notice_before_its_workers_stop(
             notice_at_stop.append(store.get(K.away("a")))
             stop(sig)
 
-        proc.signal_group = signal_group  # type: ignore[method-assign]
+        proc.signal_group = signal_group  # type: ignore[method-assign]  # a fake's method, wrapped
         request.request(signal.SIGTERM)
         return proc
 
-    starter.start = start_then_signal  # type: ignore[method-assign]
+    starter.start = start_then_signal  # type: ignore[method-assign]  # a fake's method, wrapped
     spec = WorkerSpec(local_world_size=1, entrypoint="/bin/prog", rdzv_handler=handler)
     agent = LocalElasticAgent(
         spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), starter=starter,

@@ -282,6 +282,7 @@ class FakeServer(TimerServer):
 
     def _reap_worker(self, worker_id: Hashable) -> bool:
         self.reaped.append(worker_id)
+        # call-overload: worker ids are typed Hashable; the test's are the dict's int keys
         outcome = self.outcomes.get(worker_id, True)  # type: ignore[call-overload]
         if isinstance(outcome, BaseException):
             raise outcome
@@ -295,7 +296,7 @@ def test_watchdog_round_reaps_expired_workers_and_keeps_failed_reaps_for_a_retry
     )
     server = FakeServer(q, clock, {2: False})
     server._run_watchdog()
-    assert sorted(server.reaped) == [1, 2]  # type: ignore[type-var]
+    assert sorted(server.reaped) == [1, 2]  # type: ignore[type-var]  # ints here, typed Hashable
     assert server.table.workers() == {2, 3}  # 2 failed: retried; 3 not expired yet
     server.outcomes[2] = True
     server._run_watchdog()

@@ -188,7 +188,7 @@ def _answers(hub: Hub, split: bool) -> tuple[list[bytes], dict[bytes, bytes]]:
         fed.append(data)
         feed(data)
 
-    conn._parser.feed = counting_feed  # type: ignore[method-assign]
+    conn._parser.feed = counting_feed  # type: ignore[method-assign]  # a spy on the parser
     for request in _ONE_BY_ONE:
         data = c.encode_requests([request])
         if split:  # cut in two reads: the parser joins them

@@ -56,7 +56,7 @@ def test_out_of_range_or_unparsable_values_name_field_and_value(
     raw: str, kwargs: dict[str, object]
 ) -> None:
     with pytest.raises(ConfigError) as info:
-        check_number(raw, "--x", **kwargs)  # type: ignore[arg-type]
+        check_number(raw, "--x", **kwargs)  # type: ignore[arg-type]  # kwargs: object
     assert info.value.field == "--x" and info.value.value == raw
     assert "\n" not in str(info.value)
 
