@@ -27,6 +27,7 @@ import bench_hang
 import bench_inprocess
 import bench_inprocess_state
 import bench_launch
+import bench_memory_checkpoint
 import bench_node_check
 import bench_overhead
 import bench_progress
@@ -50,6 +51,7 @@ SECTIONS: dict[str, Callable[[str], Section]] = {
     "node_check": bench_node_check.run,
     "inprocess": bench_inprocess.run,
     "inprocess_state": bench_inprocess_state.run,
+    "memory_checkpoint": bench_memory_checkpoint.run,
 }
 
 

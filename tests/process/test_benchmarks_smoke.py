@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,11 +41,12 @@ def _run_module(script: str, out: Path, *extra: str, timeout: float = 240) -> di
     return data
 
 
-def _samples(data: dict[str, object], row: str) -> dict[str, list[float]]:
-    for table in data["tables"]:  # type: ignore[attr-defined]
+def _samples(data: dict[str, Any], row: str) -> dict[str, list[float]]:
+    for table in data["tables"]:
         if row in table["rows"]:
-            return table["rows"][row]["samples"]  # type: ignore[no-any-return]
-    raise AssertionError(f"no row {row!r} in {[t['title'] for t in data['tables']]}")  # type: ignore[attr-defined]
+            samples: dict[str, list[float]] = table["rows"][row]["samples"]
+            return samples
+    raise AssertionError(f"no row {row!r} in {[t['title'] for t in data['tables']]}")
 
 
 @pytest.fixture
@@ -208,6 +210,15 @@ def test_inprocess_state_benchmark_moves_the_commit_as_tensors(tmp_path: Path) -
     assert rate["in place"] and all(v > 0 for v in rate["in place"]), rate
     assert not rate.get("group restart"), rate  # nothing moves: it reloads a checkpoint
     assert _samples(data, "next_s")["group restart"], data
+
+
+@pytest.mark.torch
+def test_memory_checkpoint_benchmark_times_saves_and_a_restart_from_memory(tmp_path: Path) -> None:
+    data = _run_module("bench_memory_checkpoint.py", tmp_path)
+    blocked = _samples(data, "blocked_s")
+    assert set(blocked) == {"elastrun, memory every step", "torchrun, DCP to disk"}, blocked
+    lost = _samples(data, "lost")["elastrun, memory every step"]
+    assert lost and all(v <= 1 for v in lost), lost  # a save every step
 
 
 @pytest.mark.torch
