@@ -25,7 +25,7 @@ from elastrun.inprocess.state import State
 from elastrun.inprocess.transfer import move_commit
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import TCPStore
+    from torch._C._distributed_c10d import Store, TCPStore
 
 #: Bounds the exchange (a rank that never comes makes the others fail, and the agent
 #: restarts the group).
@@ -67,6 +67,7 @@ def synchronise(state: State, round_no: int, superseded: Callable[[], bool]) -> 
     ahead: contextlib.AbstractContextManager[early.Pool]
     ahead = early.ahead(state, prefixed) if fresh else contextlib.nullcontext({})
     with ahead as pool:
+        _all_here(prefixed, rank, world, round_no, superseded)
         dist.init_process_group(
             _backend(), store=prefixed, rank=rank, world_size=world, timeout=SYNC_TIMEOUT
         )
@@ -78,6 +79,36 @@ def synchronise(state: State, round_no: int, superseded: Callable[[], bool]) -> 
             # Kept: releasing it now would need a pause (see inprocess.parking) on the
             # recovery's critical path; the next recovery releases it, idle by then.
             keep_parked()
+
+
+def _all_here(
+    store: Store, rank: int, world: int, round_no: int, superseded: Callable[[], bool]
+) -> None:
+    """Until every rank of the round has reached its synchronisation, or
+    :class:`Superseded` once a newer round is announced.
+
+    The group's ``init_process_group`` cannot be interrupted: a peer that dies after it
+    published its address leaves gloo retrying the connection until ``SYNC_TIMEOUT``,
+    deaf to the next round (the agent would replace the waiting survivors after its
+    join bound, 30 s). Waiting here first, asking the channel between two looks at
+    the store, narrows that window to the init itself: a peer that dies before
+    every rank is here (a replacement still starting, a survivor killed as it enters)
+    only ever holds the others in this loop."""
+    store.set(f"here/{rank}", "1")
+    keys = [f"here/{r}" for r in range(world)]
+    deadline = time.monotonic() + SYNC_TIMEOUT.total_seconds()
+    # ``check`` asks once and never blocks (a ``wait`` with a short timeout logs two
+    # lines of torch's each time it ends); a stopped store raises, and the caller
+    # handles that as any failed collective.
+    while not store.check(keys):
+        if superseded():
+            raise Superseded(f"in-process round {round_no} was superseded")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"in-process round {round_no}: not every rank reached the synchronisation "
+                f"within {SYNC_TIMEOUT.total_seconds():.0f}s"
+            )
+        time.sleep(_RETRY)
 
 
 def _backend() -> str:
