@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -28,16 +29,16 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-# no-untyped-def: returns start()'s Popen[str], not annotated
-def _node(tmp_path: Path, endpoint: str, tag: str, script: Path, seconds: str,  # type: ignore[no-untyped-def]
-          nnodes: str = "2", extra: tuple[str, ...] = ()):  # fmt: skip
+def _node(tmp_path: Path, endpoint: str, tag: str, script: Path, seconds: str,
+          nnodes: str = "2", extra: tuple[str, ...] = (),
+          env: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
     args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", "exclusion", "--local-addr", "127.0.0.1",
             "--rdzv-conf", "last_call_timeout=1,join_timeout=60", "--no-template",
             "--max-restarts", "5", "--exclude-after", "2", "--exclude-cooldown", "2",
             "--event-log-handler", f"file:{tmp_path / tag}.jsonl", *extra,
             str(script), str(tmp_path), seconds]  # fmt: skip
-    return start(args, cwd=tmp_path, env={"NODE_TAG": tag})
+    return start(args, cwd=tmp_path, env={"NODE_TAG": tag, **(env or {})})
 
 
 def _runs(directory: Path) -> dict[str, int]:
@@ -100,14 +101,28 @@ def test_with_exclude_exit_an_excluded_node_leaves_with_replace_this_node(tmp_pa
 # Resumes from its node's progress file, as a job resumes from its checkpoint: a restart
 # costs the healthy nodes little, but the job ends only once they have done the work.
 RESUMING = """
-import os, sys, time
+import json, os, sys, time
 where, tag = sys.argv[1], os.environ["NODE_TAG"]
 open(os.path.join(where, f"ran_{tag}_{os.getpid()}"), "w").close()
 if tag == "bad":
     raise RuntimeError(f"bad node, pid {os.getpid()}")
+
+def held():
+    # HOLD: the healthy nodes go on until the bad node was readmitted twice and sits
+    # out again (its events), however long its checks take on a loaded machine.
+    if not os.environ.get("HOLD"):
+        return False
+    try:
+        with open(os.path.join(where, "bad.jsonl")) as fh:
+            names = [json.loads(line)["name"] for line in fh if line.strip()]
+    except (OSError, ValueError):
+        return True
+    told = [n for n in names if n in ("agent.excluded", "agent.readmitted")]
+    return told.count("agent.readmitted") < 2 or told[-1] != "agent.excluded"
+
 path = os.path.join(where, f"progress_{tag}")
 done = int(open(path).read()) if os.path.exists(path) else 0
-while done < int(sys.argv[2]):
+while done < int(sys.argv[2]) or held():
     time.sleep(0.25)
     done += 1
     with open(path + ".tmp", "w") as fh:
@@ -160,7 +175,7 @@ def test_a_node_back_from_its_cool_down_is_checked_again_before_it_joins(tmp_pat
         extra: tuple[str, ...] = ("--max-restarts", "3")
         if tag == "bad":
             extra += ("--node-check", "--node-check-script", str(check))
-        nodes[tag] = _node(tmp_path, endpoint, tag, script, "80", "2:3", extra)
+        nodes[tag] = _node(tmp_path, endpoint, tag, script, "8", "2:3", extra, {"HOLD": "1"})
         time.sleep(0.3)
     results = {name: finish(p, 150) for name, p in nodes.items()}
     err = "\n".join(f"--- {n}\n{r.stderr[-4000:]}" for n, r in results.items())
