@@ -16,7 +16,8 @@ directory:
   time spent inside them (a rank waiting in a step's all-reduce for a peer that saves a
   checkpoint is inside a step: this one credits part of a checkpoint's cost);
 * the **rebuild steps**: every step at which a call or a process started (a new DDP
-  wrapper), for the reference run.
+  wrapper), for the reference run, and the largest **rollback** (a call or process that
+  resumed behind the newest completed step).
 """
 
 from __future__ import annotations
@@ -99,6 +100,24 @@ def max_step(logs: Sequence[RankLog]) -> int:
 
 def rebuild_steps(logs: Sequence[RankLog]) -> list[int]:
     return sorted({step for log in logs for _, step, _ in log.calls})
+
+
+def largest_rollback(logs: Sequence[RankLog]) -> int:
+    """The most steps a call (or process) resumed behind the newest step any rank had
+    completed before it began: up to a checkpoint's interval for a group restart; in
+    place, 0 (or 1: a step whose only holder died right after it, before its commit)."""
+    done = sorted((t1, step) for log in logs for _, step, _, t1 in log.ends)
+    times, newest, top = [t for t, _ in done], [], -1
+    for _, step in done:
+        top = max(top, step)
+        newest.append(top)
+    worst = 0
+    for log in logs:
+        for _, step, t in log.calls:
+            i = bisect.bisect_left(times, t)
+            if i:
+                worst = max(worst, newest[i - 1] + 1 - step)
+    return worst
 
 
 def recovered_at(logs: Sequence[RankLog], t_kill: float) -> tuple[float, float] | None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import json
 import os
 import shutil
@@ -60,6 +61,7 @@ from _churn_logs import (
     RECOVERING,
     effective_time,
     kill_outcomes,
+    largest_rollback,
     max_step,
     read_kills,
     read_ranks,
@@ -104,7 +106,13 @@ COLUMNS = {
 # unless it calls elastrun.progress(step). Killed at random every few seconds, the plain
 # script stops within a few restarts with them on; torchrun has neither.
 GROUP_FLAGS = ["--stalled-restarts", "0", "--no-crash-loop-stop"]
+# Kills that overlap a recovery (20-400 ms after the previous one) can land just after
+# it completed, and two of them in a row restore the same commit three times: the
+# guard against recoveries without progress would then end the soak (exit 93), which
+# measures survival, not that guard (tests/e2e/test_inprocess.py pins it).
+INPLACE_FLAGS = ["--stalled-restarts", "0"]
 WARMUP_STEPS, LAST_STEP_MARGIN = 10, 10
+EVIDENCE_LINES = 800  # of each rank's step log, kept with a failed run's evidence
 STALL_S = 180.0  # no step anywhere for this long: a stall (a recovery is bounded by 60 s)
 # Lines of elastrun's log worth counting (a survivor replaced as stuck in a collective,
 # a fallback to a group restart).
@@ -164,6 +172,8 @@ def _command(
     extra = ["--max-restarts", restarts, "--log-dir", str(run_dir / "logs")]
     if mode == "group":
         extra += GROUP_FLAGS
+    elif mode == "inplace":
+        extra += INPLACE_FLAGS
     return lch.command(opts.workers, JOB, script_args, *extra), env
 
 
@@ -322,12 +332,25 @@ def _unusual(mode: str, result: Mapping[str, Any]) -> bool:
 
 
 def _keep_evidence(run_dir: Path, dest: Path) -> None:
-    """The launcher's stderr and every stacks file of its workers, into ``dest``."""
+    """Into ``dest``: the launcher's stderr (compressed), every stacks file its workers
+    wrote, the kills and the last lines of each rank's step log."""
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(run_dir / "launcher.stderr", dest / "launcher.stderr")
+    with (
+        open(run_dir / "launcher.stderr", "rb") as src,
+        gzip.open(dest / "launcher.stderr.gz", "wb") as gz,
+    ):
+        shutil.copyfileobj(src, gz)
     for stacks in (run_dir / "logs").rglob("stacks*.txt"):
+        if not stacks.stat().st_size:
+            continue
         name = "_".join(stacks.relative_to(run_dir / "logs").parts[1:])
         shutil.copyfile(stacks, dest / name)
+    out = run_dir / "out"
+    if (out / "kills.jsonl").exists():
+        shutil.copyfile(out / "kills.jsonl", dest / "kills.jsonl")
+    for log in out.glob("steps_*.log"):
+        lines = log.read_text(errors="replace").splitlines()[-EVIDENCE_LINES:]
+        (dest / f"{log.stem}.tail.log").write_text("\n".join(lines) + "\n")
 
 
 def _elastrun_source() -> str:
@@ -363,6 +386,7 @@ def _analyse(out: Path, opts: Options, watch: Watch, last: int) -> dict[str, obj
         "last_step": last,
         "shas": sorted({f["sha"] for f in finals}),
         "rebuilds": rebuild_steps(logs),
+        "largest_rollback": largest_rollback(logs),
         "phases": phases,
         "moments": {
             m: sum(1 for k in kills if k.moment == m) for m in ("random", "boundary", "overlap")
@@ -504,6 +528,12 @@ ROWS = [  # key, label, format, how to read it from a result
     ),
     ("step_s", "median step (s)", ".3f", lambda r: r["effective"]["step_s"]),
     ("redone", "steps done again per rank", ".0f", lambda r: r["effective"]["redone_steps"]),
+    (
+        "rollback",
+        "largest rollback: steps between the newest completed step and a resumption",
+        ".0f",
+        lambda r: r["largest_rollback"],
+    ),
     (
         "called_median",
         "recovery: kill -> every rank began a new call or process, median (s)",
@@ -665,6 +695,9 @@ NOTES = [
     "its optimizer steps counted from 1 in each attempt, and three attempts in a row "
     "shorter than the longest so far end the job with exit 93 although its checkpoint "
     "moves on (torchrun restarts it).",
+    "elastrun in place runs with `--stalled-restarts 0`: kills that overlap a recovery "
+    "can land just after it completed, and three recoveries in a row then restore the "
+    "same commit, which that guard takes for a step that fails again and again.",
 ]
 
 
