@@ -17,8 +17,9 @@ processes of this run below its launcher. Modes, each run in turn:
 * ``torchrun``: the same plain script under torchrun (with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which it cannot restart this job).
 
-All three run with ``--max-restarts`` 10x the failures (the group restarts without
-elastrun's guards against restarts that do not help: see ``GROUP_FLAGS``). Reported for
+All three run with ``--max-restarts`` 10x the failures, elastrun with those of its guards
+against restarts that do not help turned off that a churn trips (``GROUP_FLAGS``,
+``INPLACE_FLAGS``). Reported for
 each: failures injected and survived (every rank completed a step after it; the job
 survived them all when it ended with exit 0 and every rank at the last step), the final
 parameters against a reference (a fault-free run of the same steps that builds a new DDP
@@ -513,10 +514,15 @@ ROWS = [  # key, label, format, how to read it from a result
         ".0f",
         lambda r: float(bool(r["reference"].get("exact"))),
     ),
-    ("ettr", "effective training time (%)", ".1f", lambda r: 100 * r["effective"]["ettr"]),
+    (
+        "ettr",
+        "effective training time: counted steps x their median step, over the window (%)",
+        ".1f",
+        lambda r: 100 * r["effective"]["ettr"],
+    ),
     (
         "ettr_in_steps",
-        "time inside counted steps (%)",
+        "effective training time: time inside counted steps, over the window (%)",
         ".1f",
         lambda r: 100 * r["effective"]["ettr_in_steps"],
     ),
@@ -650,7 +656,8 @@ def _headline(mode: str, res: Mapping[str, Any], opts: Options) -> Headline:
         f"churn, {COLUMNS[mode]}: {res['injected']} failures, one per "
         f"{res['seconds_per_failure']:g} s",
         f"{res['survived']}/{res['injected']} survived, {'exact' if exact else 'NOT exact'}, "
-        f"ETTR {100 * eff['ettr']:.1f} %, growing: {', '.join(grew(res)) or 'nothing'}",
+        f"ETTR {100 * eff['ettr']:.1f} % ({100 * eff['ettr_in_steps']:.1f} % inside counted "
+        f"steps), growing: {', '.join(grew(res)) or 'nothing'}",
         target,
         met,
     )
@@ -690,6 +697,11 @@ NOTES = [
     f"threads or {GROWTH['rss_mb']:g} MB more over the last third of the killer's window "
     "than over its first third (a survivor keeps the previous recovery's process groups "
     "until its next recovery: its first recovery raises its counts once).",
+    "elastrun in place runs with `--stalled-restarts 0`: overlapping kills that land just "
+    "after a recovery completed can make three recoveries in a row restore the same commit, "
+    "and the guard would end the soak, which measures survival; a recovery that restores "
+    "an older commit than the newest shows as the largest rollback and as parameters that "
+    "differ from the reference.",
     "elastrun's group restarts run with `--stalled-restarts 0 --no-crash-loop-stop`: "
     "with its defaults the plain script, which resumes from its checkpoint, is judged by "
     "its optimizer steps counted from 1 in each attempt, and three attempts in a row "
