@@ -251,6 +251,31 @@ def test_a_save_that_overlaps_the_previous_one_waits_and_says_so(
         assert ckpt.wait() == 1
 
 
+def test_each_save_and_load_is_in_the_ranks_report_for_the_agent(tmp_path: Path) -> None:
+    release = threading.Event()
+    with MemoryCheckpoint(
+        str(tmp_path), on_overlap="skip", before_marker=lambda _s: release.wait(10)
+    ) as ckpt:
+        assert ckpt.load_latest(_blank_state()) is None
+        ckpt.save(0, _state(0, 0))
+        assert not ckpt.save(1, _state(1, 1))  # skipped: counted, not complete
+        release.set()
+        assert ckpt.wait() == 0
+        assert ckpt.save(2, _state(2, 2))
+        ckpt.wait()
+    report = layout.decode_report((tmp_path / layout.report_name(0)).read_bytes())
+    assert (report.rank, report.pid) == (0, os.getpid())
+    assert (report.saves, report.complete, report.newest) == (3, 2, 2)
+    assert (report.loads, report.restored) == (1, None)
+    # Blocked <= written <= agreed, save by save, so in the totals too.
+    assert report.blocked_s > 0 and report.save_s <= report.lag_s
+    with MemoryCheckpoint(str(tmp_path)) as again:  # the restarted worker
+        assert again.load_latest(_blank_state()) == 2
+    report = layout.decode_report((tmp_path / layout.report_name(0)).read_bytes())
+    assert (report.saves, report.loads, report.restored) == (0, 1, 2)
+    assert report.restore_s > 0
+
+
 def test_steps_must_grow(tmp_path: Path) -> None:
     with MemoryCheckpoint(str(tmp_path)) as ckpt:
         ckpt.save(3, _state(3, 3))

@@ -109,6 +109,7 @@ class ElasticLoop:
         p = self._p
         exits.callback(p.workers.close)
         exits.callback(p.checkpoints.close)  # (runs after the attempt stops: pushed before)
+        exits.callback(p.checkpoint_reports.finish)  # the workers' last reports, before it
         if p.owns_shutdown:
             exits.callback(p.shutdown.close)
         exits.callback(p.notices.close)
@@ -210,6 +211,8 @@ class ElasticLoop:
         p.watches.check_hang(attempt)
         if p.pace.due():
             p.pace.sample(p.progress.snapshot(), attempt.procs.running())
+        if p.checkpoint_reports.due():
+            p.checkpoint_reports.collect()
         step = p.ladder.follower.on_pass(attempt)
         if step is not None:
             self._act(step)
@@ -231,6 +234,9 @@ class ElasticLoop:
     def _after_failure(self, attempt: Attempt, failed: list[Exit]) -> RunResult | None:
         """Ask the recovery ladder, and carry its answer out: recover (None) or end the
         run with its failed result."""
+        # The failed attempt's last memory checkpoint reports, before a restarted
+        # worker's report replaces its predecessor's (and for the ladder to read).
+        self._p.checkpoint_reports.collect()
         reaction = self._p.ladder.on_failure(attempt, failed)
         if reaction.move is Move.STOP:
             self.stalled, self.crash_loop = reaction.stalled, reaction.crash_loop

@@ -5,7 +5,8 @@
 sinks...; production defaults where a field is None): the worker processes
 (agent.workers), the rounds (agent.rounds), the recovery ladder (agent.ladder: its
 rungs in agent.rungs and inprocess.agent.rung), the watches (agent.watches, pace.progress_watch,
-pace.pace_watch), the report and the one state machine (agent.phases). The parts know
+pace.pace_watch), the report, the node's memory checkpoints (checkpoint.agent: their
+directory and the workers' reports in it) and the one state machine (agent.phases). The parts know
 nothing of the loop: none is handed it, and none calls back into it.
 """
 
@@ -30,6 +31,7 @@ from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.agent.watches import AttemptWatches, FileTimer
 from elastrun.agent.workers import Guard, WorkerProcesses
 from elastrun.checkpoint.agent.node_dir import NodeCheckpointDir
+from elastrun.checkpoint.agent.reports import CheckpointReports
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.inprocess.agent.recovery import InprocessRecovery
@@ -110,6 +112,7 @@ class AgentParts:
     cooldown: CoolDown
     nodecheck: NodeCheck
     checkpoints: NodeCheckpointDir  # the node's memory checkpoints, which outlive workers
+    checkpoint_reports: CheckpointReports  # what the workers say of them: events, metrics
 
 
 def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentParts:
@@ -214,6 +217,9 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         ),
         nodecheck=nodecheck,
         checkpoints=checkpoints,
+        checkpoint_reports=CheckpointReports(
+            lambda: checkpoints.path, events, metrics, world.clock
+        ),
     )
 
 

@@ -156,6 +156,59 @@ AGENT_METRICS: dict[str, MetricDef] = {
         "1 while the worker is reported as a straggler (--straggler-factor), else 0",
         labels=_RANK_LABELS,
     ),
+    "checkpoint.saves": MetricDef(
+        "counter",
+        "elastrun_checkpoint_saves",
+        "Memory checkpoint saves each worker finished (kept, dropped or skipped)",
+        labels=_RANK_LABELS,
+    ),
+    "checkpoint.blocked.duration_ms": MetricDef(
+        "histogram",
+        "elastrun_checkpoint_blocked_seconds",
+        "Time a memory checkpoint save blocked the training thread (the mean over each "
+        "second's saves)",
+        _MS,
+        labels=_RANK_LABELS,
+        buckets=STEP_BUCKETS,
+    ),
+    "checkpoint.save.duration_ms": MetricDef(
+        "histogram",
+        "elastrun_checkpoint_save_seconds",
+        "Time from a save's call until the worker's step is written (the mean over each "
+        "second's saves)",
+        _MS,
+        labels=_RANK_LABELS,
+        buckets=STEP_BUCKETS,
+    ),
+    "checkpoint.lag.duration_ms": MetricDef(
+        "histogram",
+        "elastrun_checkpoint_lag_seconds",
+        "Copy lag: time from a save's call until its step is complete on every rank "
+        "(the mean over each second's saves)",
+        _MS,
+        labels=_RANK_LABELS,
+        buckets=STEP_BUCKETS,
+    ),
+    "checkpoint.step": MetricDef(
+        "gauge",
+        "elastrun_checkpoint_step",
+        "The newest memory checkpoint step complete on every rank, as each worker reported",
+        labels=_RANK_LABELS,
+    ),
+    "checkpoint.restored_step": MetricDef(
+        "gauge",
+        "elastrun_checkpoint_restored_step",
+        "The step each worker last restored from memory",
+        labels=_RANK_LABELS,
+    ),
+    "checkpoint.restore.duration_ms": MetricDef(
+        "histogram",
+        "elastrun_checkpoint_restore_seconds",
+        "Time each worker took to load its memory checkpoint after a restart",
+        _MS,
+        labels=_RANK_LABELS,
+        buckets=STEP_BUCKETS,
+    ),
     "node.straggler": MetricDef(
         "gauge",
         "elastrun_node_straggler",

@@ -7,7 +7,7 @@
 :mod:`.progress`        the shared-memory file of the workers' progress records
 :mod:`.workers`         ``<attempt>/workers.json``, the pids ``elastrun stacks`` signals
 :mod:`.bootstrap`       what a starter tells the worker bootstrap (SIGINT held at exec)
-:mod:`.checkpoint`      the node's memory checkpoint directory: layout, ranks' markers
+:mod:`.checkpoint`      the node's memory checkpoint directory: layout, ranks' markers, reports
 :mod:`.env`             the names of the variables that lead a worker to its agent's services
 ======================  ============================================================
 

@@ -16,6 +16,8 @@ what both ends agree on: the variable, the names and the marker.
             rank-3.done                 rank 3's marker: written last, by a rename
         spare-rank-3.data               rank 3's data file of a step it removed, kept to
                                         be written over by its next step (no new pages)
+        report-rank-3.json              rank 3's report to the agent: its saves' times and
+                                        the step it restored from (see below)
 
 Each rank writes only its own files, and a step is complete *for a rank* once that
 rank's marker exists: the marker is renamed into place after the data and the metadata
@@ -31,11 +33,30 @@ of the world the marker names; the ranks agree which step that is when they load
 ``data_bytes`` and ``meta_bytes`` are the sizes of the two files the marker vouches
 for; a reader that finds either file of another size treats the step as incomplete.
 
-**Version.** :data:`VERSION` is the marker's ``version`` key and the metadata file's
-(the metadata's own format is the worker side's, ``checkpoint.worker.metadata``).
-:func:`decode_marker` refuses another version with :class:`MarkerError`, naming both;
-a reader treats such a step as incomplete (a checkpoint of another elastrun is never
-loaded).
+**The report** is what a rank tells its agent, which never imports torch and so never
+reads a checkpoint itself: one JSON object, rewritten (to a temporary name, then by a
+rename) after each save is finished in the background and after each load::
+
+    {"version": 1, "rank": 3, "local_rank": 1, "pid": 4242,
+     "saves": 120, "complete": 119, "blocked_s": 9.1, "save_s": 14.0, "lag_s": 15.2,
+     "newest": 119, "loads": 1, "restored": 41, "restore_s": 0.42}
+
+The counts and the times are the writing process's totals since it started (``pid``
+tells a restarted worker's report from its predecessor's), so a reader that looks now
+and then takes the mean of the saves between two looks: ``saves`` finished (kept,
+dropped or skipped) and ``blocked_s``, the time the training thread spent in them;
+``complete``, those complete on every rank, with ``save_s`` (from the call until this
+rank's marker) and ``lag_s`` (the copy lag: from the call until the ranks agreed that
+the step is complete on all of them, the moment it becomes the one a restart loads).
+``newest`` is that step (null: none yet); ``restored`` is the step the last of
+``loads`` loads restored (null: none), taking ``restore_s``.
+
+**Version.** :data:`VERSION` is the marker's ``version`` key, the report's and the
+metadata file's (the metadata's own format is the worker side's,
+``checkpoint.worker.metadata``). :func:`decode_marker` refuses another version with
+:class:`MarkerError`, naming both; a reader treats such a step as incomplete (a
+checkpoint of another elastrun is never loaded). :func:`decode_report` refuses one
+with :class:`ReportError`; the agent then skips the report.
 
 Nothing here imports more than the standard library and core: both sides use it.
 """
@@ -54,12 +75,18 @@ __all__ = [
     "VERSION",
     "Marker",
     "MarkerError",
+    "RankReport",
+    "ReportError",
     "data_name",
     "decode_marker",
+    "decode_report",
     "encode_marker",
+    "encode_report",
     "marker_name",
     "meta_name",
     "rank_of_file",
+    "rank_of_report",
+    "report_name",
     "spare_name",
     "step_dir_name",
     "step_of_dir",
@@ -74,10 +101,15 @@ VERSION = 1
 
 _STEP_DIR = re.compile(r"step-(\d{12,})")
 _RANK_FILE = re.compile(r"rank-(\d+)\.(?:data|meta\.json|done)(?:\.tmp)?")
+_REPORT = re.compile(r"report-rank-(\d+)\.json")
 
 
 class MarkerError(ElastrunError, ValueError):
     """The text is not a marker of this version."""
+
+
+class ReportError(ElastrunError, ValueError):
+    """The text is not a rank's report of this version."""
 
 
 class Marker(NamedTuple):
@@ -158,3 +190,76 @@ def decode_marker(text: str | bytes) -> Marker:
             raise MarkerError(f"{name}: not an integer >= 0 (got {value!r})")
         values.append(value)
     return Marker(*values)
+
+
+class RankReport(NamedTuple):
+    """What one rank's process reports of its memory checkpoints (totals since it
+    started; see the module's docstring for each field)."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    saves: int = 0
+    complete: int = 0
+    blocked_s: float = 0.0
+    save_s: float = 0.0
+    lag_s: float = 0.0
+    newest: int | None = None
+    loads: int = 0
+    restored: int | None = None
+    restore_s: float = 0.0
+
+
+_REPORT_TIMES = ("blocked_s", "save_s", "lag_s", "restore_s")
+_REPORT_STEPS = ("newest", "restored")
+
+
+def report_name(rank: int) -> str:
+    """Rank ``rank``'s report, in the node directory itself (its temporary name adds
+    ``.tmp``)."""
+    return f"report-rank-{rank}.json"
+
+
+def rank_of_report(name: str) -> int | None:
+    """The rank whose report ``name`` is (None: not a report's final name)."""
+    match = _REPORT.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def encode_report(report: RankReport) -> str:
+    """The report file's text."""
+    return json.dumps({"version": VERSION, **report._asdict()})
+
+
+def decode_report(text: str | bytes) -> RankReport:
+    """The report a file's text holds.
+
+    Raises:
+        ReportError: not JSON, not an object, another version, or a field missing or
+            of the wrong kind (counts and steps are integers >= 0, a step may be null,
+            times are numbers >= 0).
+    """
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ReportError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ReportError("not a JSON object")
+    version = data.get("version")
+    if version != VERSION or isinstance(version, bool):
+        raise ReportError(f"version {version!r}, this elastrun reads version {VERSION}")
+    values: dict[str, int | float | None] = {}
+    for name in RankReport._fields:
+        value = data.get(name)
+        if name in _REPORT_STEPS and value is None:
+            values[name] = None
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ReportError(f"{name}: not a number >= 0 (got {value!r})")
+        if name in _REPORT_TIMES:
+            values[name] = float(value)
+        elif isinstance(value, int):
+            values[name] = value
+        else:
+            raise ReportError(f"{name}: not an integer (got {value!r})")
+    return RankReport._make(values[name] for name in RankReport._fields)

@@ -1,3 +1,4 @@
 """The workers' side of memory checkpoints (torch): the DCP storage layer
-(``storage``, with ``metadata`` and ``steps``), the size check (``space``) and the
-convenience form (``memory``). It never imports the agent's side."""
+(``storage``, with ``metadata`` and ``steps``), the size check (``space``), the
+convenience form (``memory``) and each rank's report to its agent (``report``). It
+never imports the agent's side."""

@@ -31,6 +31,12 @@ loads the same step. A skip is one of these agreements too, so the ranks' collec
 stay in step whatever each one decides; every rank must call ``save`` at the same
 steps, as with any collective.
 
+**What the agent is told.** After each save finished in the background, and after each
+load, the rank rewrites its report in the node directory (``checkpoint.worker.report``):
+its totals of time blocked, time until its marker and copy lag (until the ranks agreed
+that the step is complete on all), and the step it restored. The agent turns them
+into events and metrics without importing torch.
+
 Rejected: each rank loading its own newest step (ranks would resume at different
 steps); MIN of each rank's newest step without the agreement after each save (a rank
 that finished step N and removed N-1 while a peer died before finishing N would leave
@@ -59,6 +65,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
+from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.checkpoint.worker.space import (
     StatvfsResult,
     check_space,
@@ -92,10 +99,13 @@ _OVERLAP_LOG_EVERY = 60.0
 @dataclass(frozen=True)
 class _Job:
     """One ``save`` call for the background thread: a written step to publish, or a
-    skipped one (``writer`` None) that the ranks' agreement must count all the same."""
+    skipped one (``writer`` None) that the ranks' agreement must count all the same;
+    when the call began (monotonic) and how long it blocked, for the rank's report."""
 
     step: int
     writer: MemoryStorageWriter | None
+    started: float
+    blocked: float
 
 
 class MemoryCheckpoint:
@@ -135,6 +145,7 @@ class MemoryCheckpoint:
         self._statvfs = statvfs
         self._before_marker = before_marker
         self._steps: RankSteps | None = None
+        self._reporter: RankReporter | None = None
         self._group: dist.ProcessGroup | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -174,6 +185,7 @@ class MemoryCheckpoint:
             MemoryCheckpointError: no directory, a failure of an earlier save, or the
                 step could not be read.
         """
+        started = time.monotonic()
         steps = self._start()
         self._wait_idle()
         self._raise_failure()
@@ -194,6 +206,7 @@ class MemoryCheckpoint:
         with self._lock:
             self._newest = step
         self._last = step
+        self._started_reporter().loaded(step, time.monotonic() - started)
         return step
 
     def save(self, step: int, state_dict: StateDict) -> bool:
@@ -208,6 +221,7 @@ class MemoryCheckpoint:
             MemoryCheckpointError: ``step`` is not after the last one, an earlier save
                 failed in the background, or the ranks lost each other.
         """
+        started = time.monotonic()
         steps = self._start()
         self._raise_failure()
         if self._last is not None and step <= self._last:
@@ -217,12 +231,12 @@ class MemoryCheckpoint:
         if self._in_flight():
             if self._on_overlap == "skip":
                 self._last = step
-                self._submit(_Job(step, None))
+                self._submit(_Job(step, None, started, time.monotonic() - started))
                 self._note_overlap(step, None)
                 return False
-            started = time.monotonic()
+            waiting = time.monotonic()
             self._wait_idle()
-            self._note_overlap(step, time.monotonic() - started)
+            self._note_overlap(step, time.monotonic() - waiting)
             self._raise_failure()
         writer = MemoryStorageWriter(
             steps.directory,
@@ -238,9 +252,10 @@ class MemoryCheckpoint:
                 dcp_save(state_dict, storage_writer=writer, no_dist=True)
         except BaseException:
             steps.remove(step)
-            self._submit(_Job(step, None))  # the ranks' agreements stay in step
+            # (the ranks' agreements stay in step)
+            self._submit(_Job(step, None, started, time.monotonic() - started))
             raise
-        self._submit(_Job(step, writer))
+        self._submit(_Job(step, writer, started, time.monotonic() - started))
         return True
 
     def wait(self) -> int | None:
@@ -315,6 +330,7 @@ class MemoryCheckpoint:
         self._thread = threading.Thread(target=self._serve, name="elastrun-checkpoint", daemon=True)
         self._thread.start()
         self._steps = RankSteps(directory, rank, world)
+        self._reporter = RankReporter(directory, rank, _local_rank(), os.getpid())
         return self._steps
 
     def _check_space(self, rank_bytes: int) -> None:
@@ -338,6 +354,11 @@ class MemoryCheckpoint:
         steps = self._steps
         assert steps is not None, "not started"  # (every caller starts first)
         return steps
+
+    def _started_reporter(self) -> RankReporter:
+        reporter = self._reporter
+        assert reporter is not None, "not started"  # (made with the steps)
+        return reporter
 
     # -- the ranks' agreements -------------------------------------------------------------
 
@@ -427,18 +448,19 @@ class MemoryCheckpoint:
             broken = self._broken is not None
         if broken:
             return  # nothing is removed: which step the ranks share is unknown here
-        complete = False
+        written: float | None = None  # seconds from the call until this rank's marker
         if job.writer is not None:
             try:
                 job.writer.publish(self._before_marker)
-                complete = True
+                written = time.monotonic() - job.started
             except (OSError, MemoryCheckpointError) as exc:
                 log.error("memory checkpoint: step %d was not published: %s", job.step, exc)
                 with self._lock:
                     self._failure = self._failure or exc
-        agreed = self._agree_complete(job.step, complete)
+        agreed = self._agree_complete(job.step, written is not None)
         if agreed is None:
             return
+        lag = time.monotonic() - job.started if agreed else None  # (the copy lag)
         if agreed:
             steps.keep_only({job.step})  # (the older step's data becomes the spare)
             with self._lock:
@@ -447,8 +469,13 @@ class MemoryCheckpoint:
                 steps.make_spare(job.writer.data_bytes)  # (when no older step left one)
         elif job.writer is not None:
             steps.remove(job.step, spare=True)
-            if complete:
+            if written is not None:
                 log.info("memory checkpoint: step %d is not on every rank: not kept", job.step)
+        with self._lock:
+            newest = self._newest
+        self._started_reporter().saved(
+            blocked=job.blocked, written=written, agreed=lag, newest=newest
+        )
 
     def _note_overlap(self, step: int, waited: float | None) -> None:
         """Say that a save overlapped the previous one: the first time, then at most
@@ -475,6 +502,14 @@ class MemoryCheckpoint:
                 self._overlaps,
                 self._overlap_wait,
             )
+
+
+def _local_rank() -> int:
+    """This rank's local rank (``LOCAL_RANK``; 0 when unset or not a number)."""
+    try:
+        return max(0, int(os.environ.get("LOCAL_RANK", "0")))
+    except ValueError:
+        return 0
 
 
 @contextlib.contextmanager
