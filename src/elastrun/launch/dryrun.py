@@ -12,6 +12,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from elastrun.agent.plan import NodeSlot, RoundFacts, WorkerServices, build_plan
+from elastrun.checkpoint.agent.capacity import capacity_lines
 from elastrun.launch.cli import Launch
 from elastrun.launch.config import LaunchConfig
 from elastrun.supervise.processes.logs import Std, to_map
@@ -99,6 +100,9 @@ def render_plan(
         f"  restarts    : up to {cfg.max_restarts}; shutdown grace {cfg.shutdown_timeout:g}s",
     ]
     out.append(f"  start       : {_start_mode(launch, plan.workers[0].argv)}")
+    lines = capacity_lines(cfg.nproc_per_node)
+    out.append(f"  checkpoints : {lines[0]}")  # (memory checkpoints, docs/checkpoints.md)
+    out.extend(f"                {line}" for line in lines[1:])
     for notice in launch.notices:
         out.append(f"  note        : {notice}")
     for w in plan.workers:

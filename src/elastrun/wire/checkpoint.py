@@ -72,6 +72,7 @@ from elastrun.core.errors import ElastrunError
 __all__ = [
     "CHECKPOINT_DIR_ENV",
     "DIR_PREFIX",
+    "STEPS_HELD",
     "VERSION",
     "Marker",
     "MarkerError",
@@ -96,8 +97,11 @@ __all__ = [
 CHECKPOINT_DIR_ENV = "ELASTRUN_CHECKPOINT_DIR"
 #: How the node directory's name starts (``elastrun-ckpt-<run id>-<random>``).
 DIR_PREFIX = "elastrun-ckpt-"
-#: The marker's and the metadata file's ``version``.
+#: The marker's, the report's and the metadata file's ``version``.
 VERSION = 1
+#: Steps a node holds of each of its ranks: the newest complete one and the one in
+#: progress (or the spare data file the next one writes over).
+STEPS_HELD = 2
 
 _STEP_DIR = re.compile(r"step-(\d{12,})")
 _RANK_FILE = re.compile(r"rank-(\d+)\.(?:data|meta\.json|done)(?:\.tmp)?")

@@ -21,11 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from elastrun.checkpoint.worker.errors import CheckpointSpaceError
 from elastrun.checkpoint.worker.steps import directory_usage
+from elastrun.wire.checkpoint import STEPS_HELD
 
 __all__ = ["StatvfsResult", "check_space", "local_world_size", "state_bytes"]
-
-#: Steps a node holds per rank: the newest complete one and the one in progress.
-STEPS_HELD = 2
 
 
 class StatvfsResult(Protocol):

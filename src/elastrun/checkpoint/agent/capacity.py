@@ -1,0 +1,55 @@
+"""What the node's shared memory can hold of memory checkpoints, said before a launch.
+
+The size of a checkpoint is known only to the workers, at their first load or save
+(the state's tensors: the agent never imports torch), where the worker side checks it
+(``checkpoint.worker.space``). Before that, what is known is the limit and the rule:
+each rank holds :data:`~elastrun.wire.checkpoint.STEPS_HELD` steps of its state (the
+newest complete and the one in progress), so ``--dry-run`` states the space free in
+``/dev/shm`` and the state per rank it leaves room for. It reads the file system's
+figures and writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from elastrun.checkpoint.agent.node_dir import SHARED_MEMORY
+from elastrun.wire.checkpoint import STEPS_HELD
+
+__all__ = ["capacity_lines"]
+
+
+def capacity_lines(
+    local_ranks: int,
+    *,
+    base: str = SHARED_MEMORY,
+    statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+) -> list[str]:
+    """One or two lines for ``--dry-run``: where a node's memory checkpoints go, what it
+    holds of them, and the largest state per rank that the space free now leaves room
+    for with ``local_ranks`` ranks; one line when ``base`` cannot be read."""
+    try:
+        st = statvfs(base)
+    except OSError as exc:
+        return [
+            f"none: {base} cannot be read here ({exc.strerror or exc}), so workers get no "
+            f"node directory"
+        ]
+    free = st.f_bavail * st.f_frsize
+    total = st.f_blocks * st.f_frsize
+    per_rank = free // (STEPS_HELD * max(1, local_ranks))
+    return [
+        f"in {base} when the script uses elastrun.checkpoint: {STEPS_HELD} steps of each "
+        "rank's state (the newest complete, one in progress)",
+        f"{_size(free)} free of {_size(total)} now for {local_ranks} local rank(s): up to "
+        f"{_size(per_rank)} of state per rank (checked before training)",
+    ]
+
+
+def _size(n: int) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB"
