@@ -3,7 +3,7 @@ what its workers report in the node directory and records it in the event log.
 
 ``examples/memory_checkpoint.py`` on one node of two ranks (FSDP2, gloo, CPU), a save
 every step; rank 1 exits at step 5 once step 4 is saved on every rank, so the restarted
-group restores step 4 on both ranks.
+group restores step 4 on both ranks, as the restart's line says it will.
 """
 
 from __future__ import annotations
@@ -39,6 +39,12 @@ def test_the_event_log_says_which_step_each_rank_restored_and_what_its_saves_cos
     for line in (tmp_path / "events.jsonl").read_text().splitlines():
         event = json.loads(line)
         events.append((event["name"], event["metadata"]))
+
+    # The restart's line and event say where the state comes from: rank 1 reported step
+    # 4 complete on every rank before it exited.
+    assert f"restarting all workers, state from memory at step {FAIL_STEP - 1}" in res.stderr
+    (restart,) = [m for name, m in events if name == "agent.restart"]
+    assert restart["from_memory_step"] == FAIL_STEP - 1
 
     restored = {m["rank"]: m for name, m in events if name == "agent.checkpoint_restored"}
     assert sorted(restored) == [0, 1], events

@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from elastrun.agent.ladder import Failure, Move
+from elastrun.agent.rungs import GroupRestartRung
 from elastrun.checkpoint.agent.reports import CheckpointReports
 from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.observe.sinks import MemoryEventSink
+from elastrun.supervise.processes.procset import Exit
 from elastrun.testing import FakeClock
 from elastrun.wire import checkpoint as layout
 from elastrun.wire.checkpoint import RankReport
@@ -218,3 +222,32 @@ def test_it_is_due_about_once_a_second(tmp_path: Path) -> None:
     assert not reports.due()
     clock.advance(0.5)
     assert not reports.due()
+
+
+# -- the group restart says where the state comes from -----------------------------------
+
+
+class _NodeCheck:
+    def own_failure(self) -> None:
+        pass
+
+
+def _failure_of(*pids: int) -> Failure:
+    processes = {lr: SimpleNamespace(pid=pid) for lr, pid in enumerate(pids)}
+    attempt = SimpleNamespace(procs=SimpleNamespace(processes=processes))
+    exits = [Exit(local_rank=0, pid=pids[0], exitcode=-9, observed_at=0.0)]
+    return Failure(attempt, exits, "rank 0", False, "off")  # type: ignore[arg-type]  # what it reads
+
+
+def test_a_group_restart_names_the_step_in_memory_its_workers_reported(tmp_path: Path) -> None:
+    reports, _, _, _ = _reports(tmp_path)
+    _write(tmp_path, RankReport(rank=3, local_rank=1, pid=9, saves=50, newest=49))  # stale
+    _write(tmp_path, RankReport(rank=0, local_rank=0, pid=20, saves=8, newest=7))
+    _write(tmp_path, RankReport(rank=1, local_rank=1, pid=21, saves=9, newest=8))
+    reports.collect()
+    rung = GroupRestartRung(_NodeCheck(), reports)  # type: ignore[arg-type]  # what it calls
+    reaction = rung.decide(_failure_of(20, 21))
+    assert reaction.move is Move.RESTART and reaction.from_memory == 8
+    # Workers that never saved: a plain restart, as before.
+    assert rung.decide(_failure_of(30, 31)).from_memory is None
+    assert GroupRestartRung(_NodeCheck()).decide(_failure_of(20)).from_memory is None  # type: ignore[arg-type]  # what it calls

@@ -37,9 +37,13 @@ The path of one failure, in place, alone in the round::
 and as a group restart (a worker without ``elastrun.inprocess``)::
 
         InPlaceRung.decide -> None ("a failed worker did not use elastrun.inprocess")
-        GroupRestartRung.decide -> Reaction(RESTART, then=own_failure)
+        GroupRestartRung.decide -> Reaction(RESTART, then=own_failure, from_memory=N)
       ElasticLoop._carry_out: phase RESTARTING; report.restart(); then() -> restart_fresh
         -> stop the workers, a new round, start them again
+
+(``from_memory``: the step of the node's memory checkpoints that the failed workers
+last reported complete on every rank, which the restarted script will load itself;
+None when they hold none. It only changes what the restart's report says.)
 """
 
 from __future__ import annotations
@@ -115,20 +119,26 @@ class Reaction:
         then: the rung's step, run by the loop after the move (None for ``STOP``).
         stalled: why the run stops for lack of progress across restarts (``STOP``).
         crash_loop: the crash loop that stops the run (``STOP``).
+        from_memory: the step the restarted workers' state comes from, in the node's
+            memory checkpoints (``RESTART``; None: none is held, or the workers do not
+            use them), for the restart's report.
     """
 
     move: Move
     then: Callable[[], GroupDecision] | None = None
     stalled: str | None = None
     crash_loop: str | None = None
+    from_memory: int | None = None
 
     @classmethod
     def stop(cls, *, stalled: str | None = None, crash_loop: str | None = None) -> Reaction:
         return cls(Move.STOP, stalled=stalled, crash_loop=crash_loop)
 
     @classmethod
-    def restart(cls, then: Callable[[], GroupDecision]) -> Reaction:
-        return cls(Move.RESTART, then)
+    def restart(
+        cls, then: Callable[[], GroupDecision], *, from_memory: int | None = None
+    ) -> Reaction:
+        return cls(Move.RESTART, then, from_memory=from_memory)
 
     @classmethod
     def in_place(cls, then: Callable[[], GroupDecision]) -> Reaction:

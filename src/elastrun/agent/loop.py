@@ -263,7 +263,11 @@ class ElasticLoop:
             p.lifecycle.enter(AgentPhase.RESTARTING)
         p.watches.note_expired_timers()
         reasons = p.watches.reasons
-        self.history.append(p.report.restart(attempt, failed, reasons, in_place=not restart))
+        self.history.append(
+            p.report.restart(
+                attempt, failed, reasons, in_place=not restart, from_memory=reaction.from_memory
+            )
+        )
         self._carry_out(reaction)
         if restart:
             p.metrics.put("agent.restart.duration_ms", (p.clock.monotonic() - t0) * 1000)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from elastrun.agent import failures
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.policy import RestartBudget
-from elastrun.observe.sinks import EventSink, MetricSink
+from elastrun.observe.sinks import EventSink, EventValue, MetricSink
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.supervise.processes.procset import Exit
 
@@ -82,10 +82,12 @@ class AgentReport:
         reasons: Mapping[int, str],
         *,
         in_place: bool = False,
+        from_memory: int | None = None,
     ) -> str:
         """Log, count and record a restart after ``failed`` (the first one caused it;
-        ``in_place``: only the failed workers are replaced); returns the failure's
-        history line (``attempt N: rank R (...) exited ...``)."""
+        ``in_place``: only the failed workers are replaced; ``from_memory``: the step of
+        the node's memory checkpoints the restarted workers' state comes from); returns
+        the failure's history line (``attempt N: rank R (...) exited ...``)."""
         budget = self._budget
         first = failed[0]
         rank = attempt.global_rank(first.local_rank)
@@ -93,6 +95,8 @@ class AgentReport:
         if first.pid in reasons:
             what = f"{what} ({reasons[first.pid]})"
         how = "replacing it in place" if in_place else "restarting all workers"
+        if from_memory is not None:
+            how = f"{how}, state from memory at step {from_memory}"
         log.warning(
             "worker rank %d (local rank %d, pid %d) %s; %s (restart %d of %d)",
             rank, first.local_rank, first.pid, what, how, budget.used(), budget.limit,
@@ -100,16 +104,16 @@ class AgentReport:
         self._metrics.put("agent.restarts", 1)
         self._metrics.put("agent.worker_failures", len(failed))
         failures.record_failures(self._events, attempt, failed, restart=True)
-        self._events.record(
-            "agent.restart",
-            {
-                "attempt": attempt.number,
-                "rank": rank,
-                "exitcode": first.exitcode,
-                "restart_count": budget.used(),
-                "in_place": in_place,
-            },
-        )
+        event: dict[str, EventValue] = {
+            "attempt": attempt.number,
+            "rank": rank,
+            "exitcode": first.exitcode,
+            "restart_count": budget.used(),
+            "in_place": in_place,
+        }
+        if from_memory is not None:
+            event["from_memory_step"] = from_memory
+        self._events.record("agent.restart", event)
         where = f"local {first.local_rank}, pid {first.pid}"
         return f"attempt {attempt.number}: rank {rank} ({where}) {what}"
 

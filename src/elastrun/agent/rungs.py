@@ -10,6 +10,7 @@ from elastrun.agent import failures
 from elastrun.agent.interrupt import Interruptible
 from elastrun.agent.ladder import Failure, GroupDecision, Reaction
 from elastrun.agent.policy import Decision, RestartBudget, RestartPolicy
+from elastrun.checkpoint.agent.reports import CheckpointReports
 from elastrun.nodecheck.check import NodeCheck
 from elastrun.observe.sinks import EventSink
 from elastrun.pace.progress_watch import ProgressWatch
@@ -130,15 +131,32 @@ class BudgetRung:
 
 class GroupRestartRung:
     """Every worker starts again in a new round, as under torchrun; the node checks
-    itself first when checks are on (its workers failed)."""
+    itself first when checks are on (its workers failed).
 
-    def __init__(self, nodecheck: NodeCheck) -> None:
+    Nothing changes for workers that use memory checkpoints: the restarted script
+    loads the newest step from the node's memory itself. The rung only says so, from
+    the reports of the failed attempt's workers (``memory``): the newest step they
+    reported complete on every rank, which is the step loaded unless a newer one was
+    completed after the last report, or the next round has another world size (then
+    none is loaded; ``agent.checkpoint_restored`` tells what was).
+
+    Args:
+        nodecheck: the node's own check.
+        memory: the workers' memory checkpoint reports (None: not said).
+    """
+
+    def __init__(self, nodecheck: NodeCheck, memory: CheckpointReports | None = None) -> None:
         self._nodecheck = nodecheck
+        self._memory = memory
 
     def decide(self, failure: Failure) -> Reaction:
         if failure.in_place is not None:
             log.debug("not recovering in place: %s", failure.in_place)
-        return Reaction.restart(self._step)
+        step = None
+        if self._memory is not None:
+            pids = {p.pid for p in failure.attempt.procs.processes.values()}
+            step = self._memory.newest(pids)
+        return Reaction.restart(self._step, from_memory=step)
 
     def _step(self) -> GroupDecision:
         self._nodecheck.own_failure()  # check it before it rejoins

@@ -137,6 +137,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         if world.checkpoints is not None
         else NodeCheckpointDir(on_made=guard.remove_if_orphaned)  # gone with the agent
     )
+    checkpoint_reports = CheckpointReports(lambda: checkpoints.path, events, metrics, world.clock)
     rounds = _rounds(
         handler, rdzv, spec, group, options, world, budget, pace, report, interruptible
     )
@@ -171,7 +172,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         *(crash_loop if options.crash_loop_stop else []),
         BudgetRung(policy, budget, interruptible),
         in_place,
-        GroupRestartRung(nodecheck),
+        GroupRestartRung(nodecheck, checkpoint_reports),
     ]
     return AgentParts(
         spec=spec,
@@ -217,9 +218,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         ),
         nodecheck=nodecheck,
         checkpoints=checkpoints,
-        checkpoint_reports=CheckpointReports(
-            lambda: checkpoints.path, events, metrics, world.clock
-        ),
+        checkpoint_reports=checkpoint_reports,
     )
 
 
