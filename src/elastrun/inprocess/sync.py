@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
+import logging
 import os
 import socket
 import time
@@ -27,9 +29,14 @@ from elastrun.inprocess.transfer import move_commit
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store, TCPStore
 
+log = logging.getLogger("elastrun.inprocess")
+
 #: Bounds the exchange (a rank that never comes makes the others fail, and the agent
 #: restarts the group).
 SYNC_TIMEOUT = datetime.timedelta(seconds=120)
+#: How long the first try to form the synchronisation's group may take; each further
+#: try doubles it (see ``_form``).
+FORM_TIMEOUT = datetime.timedelta(seconds=1)
 #: How long one try of torch's store client may take to connect: it retries a refused
 #: port until then, deaf to a newer round, so tries are short and the round is checked
 #: between them (see ``_connect``).
@@ -68,10 +75,7 @@ def synchronise(state: State, round_no: int, superseded: Callable[[], bool]) -> 
     ahead = early.ahead(state, prefixed) if fresh else contextlib.nullcontext({})
     with ahead as pool:
         _all_here(prefixed, rank, world, round_no, superseded)
-        dist.init_process_group(
-            _backend(), store=prefixed, rank=rank, world_size=world, timeout=SYNC_TIMEOUT
-        )
-        park_process_groups()  # see inprocess.parking
+        _form(prefixed, rank, world, round_no, superseded)
         try:
             move_commit(state, rank, world, pool)
         finally:
@@ -87,15 +91,69 @@ def _all_here(
     """Until every rank of the round has reached its synchronisation, or
     :class:`Superseded` once a newer round is announced.
 
-    The group's ``init_process_group`` cannot be interrupted: a peer that dies after it
-    published its address leaves gloo retrying the connection until ``SYNC_TIMEOUT``,
-    deaf to the next round (the agent would replace the waiting survivors after its
-    join bound, 30 s). Waiting here first, asking the channel between two looks at
-    the store, narrows that window to the init itself: a peer that dies before
-    every rank is here (a replacement still starting, a survivor killed as it enters)
-    only ever holds the others in this loop."""
+    A peer that dies before every rank is here (a replacement still starting, a
+    survivor killed as it enters) only ever holds the others in this loop, which asks
+    the channel between two looks at the store; ``_form`` covers the rest."""
     store.set(f"here/{rank}", "1")
-    keys = [f"here/{r}" for r in range(world)]
+    _await(store, [f"here/{r}" for r in range(world)], round_no, superseded, "the synchronisation")
+
+
+def _form(
+    store: Store, rank: int, world: int, round_no: int, superseded: Callable[[], bool]
+) -> None:
+    """Form the synchronisation's process group (parked, see ``inprocess.parking``), or
+    :class:`Superseded` once a newer round is announced.
+
+    Nothing interrupts gloo while it connects the full mesh, and a peer killed after
+    it published its address holds the others for five times the group's timeout: the
+    rank that was to wait for that peer's connection waits so long (with the exchange's
+    120 s, ten minutes, deaf to the next round; the agent would replace the waiting
+    survivors as stuck after its join bound). So the group forms in tries of a short
+    timeout, each doubling the last. After each try every rank says whether it formed,
+    and all go on only when all did: a rank never enters the exchange with a group that
+    a peer gave up on. A dead peer's word never comes, and the channel says when the
+    next round is announced. Once formed, the exchange (GBs of state) gets the long
+    timeout."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import PrefixStore
+
+    timeout = FORM_TIMEOUT
+    for attempt in itertools.count():
+        tried = PrefixStore(f"form/{attempt}/", store)
+        try:
+            dist.init_process_group(
+                _backend(), store=tried, rank=rank, world_size=world, timeout=timeout
+            )
+        except RuntimeError as exc:  # torch's errors derive from it
+            formed, why = False, str(exc).strip().splitlines()[:1]
+            # The failed init counted a group it never made: the next try's group must
+            # be named as every other rank's is (see recovery._teardown).
+            dist.distributed_c10d._world.group_count = 0
+        else:
+            formed, why = True, []
+            park_process_groups()  # see inprocess.parking
+        tried.set(f"formed/{rank}", "1" if formed else "0")
+        keys = [f"formed/{r}" for r in range(world)]
+        _await(tried, keys, round_no, superseded, "the end of the group's formation")
+        if all(v == b"1" for v in tried.multi_get(keys)):
+            dist.distributed_c10d._set_pg_timeout(SYNC_TIMEOUT)
+            return
+        if formed:
+            dist.destroy_process_group()
+            keep_parked()
+        log.info(
+            "in-process round %d: the synchronisation's group did not form within %.0fs "
+            "(%s); trying again", round_no, timeout.total_seconds(),
+            why[0][:160] if why else "a peer's try failed",
+        )  # fmt: skip
+        timeout *= 2
+
+
+def _await(
+    store: Store, keys: list[str], round_no: int, superseded: Callable[[], bool], what: str
+) -> None:
+    """Until every one of ``keys`` is set, or :class:`Superseded` once a newer round is
+    announced; a ``RuntimeError`` after ``SYNC_TIMEOUT``."""
     deadline = time.monotonic() + SYNC_TIMEOUT.total_seconds()
     # ``check`` asks once and never blocks (a ``wait`` with a short timeout logs two
     # lines of torch's each time it ends); a stopped store raises, and the caller
@@ -105,8 +163,8 @@ def _all_here(
             raise Superseded(f"in-process round {round_no} was superseded")
         if time.monotonic() >= deadline:
             raise RuntimeError(
-                f"in-process round {round_no}: not every rank reached the synchronisation "
-                f"within {SYNC_TIMEOUT.total_seconds():.0f}s"
+                f"in-process round {round_no}: not every rank reached {what} within "
+                f"{SYNC_TIMEOUT.total_seconds():.0f}s"
             )
         time.sleep(_RETRY)
 
