@@ -99,7 +99,7 @@ SCRIPT = textwrap.dedent(
 
     if mode == "inprocess":
         import elastrun.inprocess as ip
-        import elastrun.inprocess.transfer as transfer
+        import elastrun.inprocess.worker.transfer as transfer
 
         real_move, real_targets, allocated = transfer._move_bytes, ip.State.targets, []
         transfer.LOCAL = os.environ.get("OVER_GLOO") != "1"

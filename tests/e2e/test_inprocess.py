@@ -86,7 +86,7 @@ def planned(step):
             return kind
     return None
 
-import elastrun.inprocess.sync as sync
+import elastrun.inprocess.worker.sync as sync
 real_synchronise = sync.synchronise
 
 def synchronise(*args):

@@ -90,8 +90,8 @@ big_x, small_x = torch.randn(48, features, generator=gen), torch.randn(48, 16, g
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 sampler = Sampler(len(small_x), 8)
 
-import elastrun.inprocess.sync as sync
-import elastrun.inprocess.transfer as transfer
+import elastrun.inprocess.worker.sync as sync
+import elastrun.inprocess.worker.transfer as transfer
 real_commit, real_move, real_local = sync.move_commit, transfer._move_bytes, transfer._read_locally
 
 def move_commit(*args):

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from elastrun.inprocess.agent.hub import InprocessHub
-from elastrun.inprocess.channel import Channel
+from elastrun.inprocess.worker.channel import Channel
 from elastrun.wire import inprocess as wire
 
 

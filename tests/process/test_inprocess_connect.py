@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from elastrun.inprocess import sync
+from elastrun.inprocess.worker import sync
 
 pytest.importorskip("torch")
 

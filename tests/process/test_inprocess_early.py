@@ -1,4 +1,4 @@
-"""Allocating a receiver's tensors ahead (``inprocess.early``) through a real round
+"""Allocating a receiver's tensors ahead (``inprocess.worker.early``) through a real round
 store: elastrun's torch-wire server, torch's own clients, as the ranks use them."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from _helpers import wait_for
-from elastrun.inprocess import State, early
+from elastrun.inprocess import State
+from elastrun.inprocess.worker import early
 from elastrun.store.torchwire.server import TorchWireServer
 
 if TYPE_CHECKING:

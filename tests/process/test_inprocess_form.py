@@ -29,7 +29,7 @@ RANK = """
 import datetime, os, sys, time
 import torch, torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
-from elastrun.inprocess import sync
+from elastrun.inprocess.worker import sync
 
 port, rank, then = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))

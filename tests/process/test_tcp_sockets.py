@@ -16,7 +16,7 @@ from elastrun.core.tcp_sockets import (
     shut_down_own,
     tcp_table,
 )
-from elastrun.inprocess.cut import cut_connections
+from elastrun.inprocess.worker.cut import cut_connections
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="Linux /proc")
 

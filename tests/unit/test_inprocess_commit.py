@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from elastrun.inprocess import State
-from elastrun.inprocess.state import StateMismatchError
-from elastrun.inprocess.transfer import CHUNK, CommitLostError, chunks, decide
+from elastrun.inprocess.worker.state import StateMismatchError
+from elastrun.inprocess.worker.transfer import CHUNK, CommitLostError, chunks, decide
 
 if TYPE_CHECKING:
     import torch
@@ -246,7 +246,7 @@ def test_the_chunks_are_split_across_the_sources() -> None:
 
 
 def test_a_commit_is_read_from_a_process_memory_or_refused_for_another_machine() -> None:
-    from elastrun.inprocess import local_copy
+    from elastrun.inprocess.worker import local_copy
 
     source = [torch.arange(10_000, dtype=torch.float32), torch.ones(3, 5, dtype=torch.int64)]
     where = local_copy.whereabouts(source)  # (this very process stands for the sender)
@@ -260,7 +260,7 @@ def test_a_commit_is_read_from_a_process_memory_or_refused_for_another_machine()
 
 
 def test_new_tensors_are_populated_from_their_end_without_changing_a_byte() -> None:
-    from elastrun.inprocess import prefault
+    from elastrun.inprocess.worker import prefault
 
     fresh = torch.empty(3 * prefault.SLICE // 8 + 1000, dtype=torch.float32)  # 1.5 slices
     written = torch.arange(prefault.MINIMUM // 4, dtype=torch.float64)  # already touched
@@ -288,7 +288,7 @@ def _raised(fn: Callable[[], object]) -> BaseException:
 
 
 def test_only_an_error_that_torch_raised_may_be_a_peers_failure() -> None:
-    from elastrun.inprocess.recovery import _raised_by_torch
+    from elastrun.inprocess.worker.recovery import _raised_by_torch
 
     def users() -> None:
         raise RuntimeError("gloo socket closed by user code")

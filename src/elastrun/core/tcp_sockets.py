@@ -3,7 +3,7 @@
 In-process recovery needs both sides: the agent lists the endpoints its workers listen
 on (their process groups' listeners), and a recovering worker shuts down its own
 connections to those endpoints, so that peers blocked reading from it fail at once
-(see ``elastrun.inprocess.cut``). Endpoints are kept in ``/proc/net/tcp``'s own form,
+(see ``elastrun.inprocess.worker.cut``). Endpoints are kept in ``/proc/net/tcp``'s own form,
 ``HEXADDR:HEXPORT``, which is all either side compares.
 
 Linux only; elsewhere every function finds nothing.

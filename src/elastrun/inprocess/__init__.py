@@ -22,9 +22,9 @@ its own tensors, and calls the function again. A commit copies no tensor of the 
 optimizer on CPU (see ``inprocess.snapshot``).
 Outside elastrun the decorator just calls the function. See docs/inprocess.md.
 
-This package holds both sides of in-process recovery: the modules here are the
-workers' side; ``elastrun.inprocess.agent`` is the agent's. The agent imports its own
-side only, so the names below load when first read (importing the package itself
+This package holds both sides of in-process recovery: ``elastrun.inprocess.worker``
+is the workers' side, ``elastrun.inprocess.agent`` the agent's. The agent imports its
+own side only, so the names below load when first read (importing the package itself
 loads nothing of the workers').
 """
 
@@ -35,17 +35,17 @@ from elastrun.core.lazy import lazy_getattr
 # As in elastrun/__init__.py: not typing.TYPE_CHECKING, so that workers skip typing.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from elastrun.inprocess.recovery import run
-    from elastrun.inprocess.state import State, StateMismatchError
-    from elastrun.inprocess.transfer import CommitLostError
+    from elastrun.inprocess.worker.recovery import run
+    from elastrun.inprocess.worker.state import State, StateMismatchError
+    from elastrun.inprocess.worker.transfer import CommitLostError
 
 __getattr__ = lazy_getattr(
     __name__,
     {
-        "run": "elastrun.inprocess.recovery",
-        "State": "elastrun.inprocess.state",
-        "StateMismatchError": "elastrun.inprocess.state",
-        "CommitLostError": "elastrun.inprocess.transfer",
+        "run": "elastrun.inprocess.worker.recovery",
+        "State": "elastrun.inprocess.worker.state",
+        "StateMismatchError": "elastrun.inprocess.worker.state",
+        "CommitLostError": "elastrun.inprocess.worker.transfer",
     },
 )
 

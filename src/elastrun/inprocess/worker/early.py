@@ -26,13 +26,13 @@ import pickle
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from elastrun.inprocess import prefault
-from elastrun.inprocess.snapshot import TensorSpec
+from elastrun.inprocess.worker import prefault
+from elastrun.inprocess.worker.snapshot import TensorSpec
 
 if TYPE_CHECKING:
     import torch
 
-    from elastrun.inprocess.state import State
+    from elastrun.inprocess.worker.state import State
 
 #: The round's store keys (under the synchronisation's prefix).
 KEY = "shapes"

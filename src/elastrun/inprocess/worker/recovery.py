@@ -32,16 +32,16 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from elastrun.core.errors import ElastrunError
-from elastrun.inprocess.channel import Channel
-from elastrun.inprocess.cut import cut_connections, cut_peer_connections
-from elastrun.inprocess.parking import (
+from elastrun.inprocess.worker.channel import Channel
+from elastrun.inprocess.worker.cut import cut_connections, cut_peer_connections
+from elastrun.inprocess.worker.parking import (
     keep_parked,
     next_generation,
     park_process_groups,
     release_idle,
     release_parked,
 )
-from elastrun.inprocess.state import State
+from elastrun.inprocess.worker.state import State
 from elastrun.wire import inprocess as wire
 
 log = logging.getLogger("elastrun.inprocess")
@@ -248,7 +248,7 @@ def _apply_env(env: dict[str, str]) -> None:
 
 
 def _synchronise(state: State, round_no: int, channel: Channel) -> None:
-    from elastrun.inprocess.sync import synchronise
+    from elastrun.inprocess.worker.sync import synchronise
 
     synchronise(state, round_no, lambda: channel.newer_than(round_no))
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastrun.core.errors import ElastrunError
-from elastrun.inprocess import rng
-from elastrun.inprocess.parking import park_process_groups
-from elastrun.inprocess.snapshot import ItemSnapshot, TensorSpec, rebuild, specs, take, walk
+from elastrun.inprocess.worker import rng
+from elastrun.inprocess.worker.parking import park_process_groups
+from elastrun.inprocess.worker.snapshot import ItemSnapshot, TensorSpec, rebuild, specs, take, walk
 
 if TYPE_CHECKING:
     import torch

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastrun.core.errors import ElastrunError
-from elastrun.inprocess import early, local_copy, prefault
-from elastrun.inprocess.parking import park_process_groups
-from elastrun.inprocess.state import CommitDescription, State
+from elastrun.inprocess.worker import early, local_copy, prefault
+from elastrun.inprocess.worker.parking import park_process_groups
+from elastrun.inprocess.worker.state import CommitDescription, State
 
 if TYPE_CHECKING:
     import torch

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from elastrun.inprocess import early
-from elastrun.inprocess.parking import keep_parked, park_process_groups
-from elastrun.inprocess.state import State
-from elastrun.inprocess.transfer import move_commit
+from elastrun.inprocess.worker import early
+from elastrun.inprocess.worker.parking import keep_parked, park_process_groups
+from elastrun.inprocess.worker.state import State
+from elastrun.inprocess.worker.transfer import move_commit
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store, TCPStore
