@@ -59,7 +59,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _helper_name(pid: int) -> str | None:
-    """An elastrun helper's module without its package (``template.zygote``,
+    """An elastrun helper's module without its package (``template.worker.serve``,
     ``supervise.processes.guard``); None for anything else (a worker that has not
     written its pid yet: torchrun's, or elastrun's, forked from the template)."""
     try:

@@ -19,7 +19,7 @@ from elastrun.launch.config import LaunchConfig
 # Says whether it was forked from the template (its set-up module is loaded then).
 FORKED = """\
 import os, sys
-forked = "elastrun.template.zygote_worker" in sys.modules
+forked = "elastrun.template.worker.child" in sys.modules
 os.write(1, f"FORKED {os.environ['RANK']} {forked}\\n".encode())
 """
 
@@ -35,7 +35,7 @@ def _templates_among_children() -> list[int]:
                 cmdline = fh.read()
         except OSError:
             continue
-        if b"elastrun.template.zygote" in cmdline:
+        if b"elastrun.template.worker.serve" in cmdline:
             found.append(pid)
     return found
 
@@ -84,7 +84,7 @@ def test_the_template_started_early_serves_the_first_rounds_workers(
 ONE_WORKER = """\
 import os, sys
 import torch
-forked = "elastrun.template.zygote_worker" in sys.modules
+forked = "elastrun.template.worker.child" in sys.modules
 restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
 os.write(1, f"ONE {restart} {forked} {torch.get_num_threads()}\\n".encode())
 sys.exit(1 if restart == "0" else 0)

@@ -54,7 +54,7 @@ def _template_of(pid: int) -> bool:
                 parent = int(fh.read().rsplit(")", 1)[1].split()[1])
             if parent == pid:
                 with open(f"/proc/{name}/cmdline", "rb") as fh:
-                    if b"elastrun.template.zygote" in fh.read():
+                    if b"elastrun.template.worker.serve" in fh.read():
                         return True
         except (OSError, IndexError, ValueError):
             continue  # not a process, or it ended meanwhile

@@ -34,10 +34,10 @@ NOT_ON_A_PLAIN_LAUNCH = (
     "elastrun.timer",
     "elastrun.control_plane",
     # The worker template's own machinery runs in the template, never in the agent,
-    # which needs only the channel's wire format (elastrun.wire.zygote).
-    "elastrun.template.zygote",
-    "elastrun.template.zygote_fork",
-    "elastrun.template.zygote_worker",
+    # which needs only the channel's wire format (elastrun.wire.template).
+    "elastrun.template.worker.serve",
+    "elastrun.template.worker.fork",
+    "elastrun.template.worker.child",
     "elastrun.worker.bootstrap",
     # Needed only by what a plain launch does not do: function workers (pickle), a
     # failure report's times (datetime), reading sysfs for --numa-binding (pathlib).
@@ -62,7 +62,7 @@ NOT_IN_A_TEMPLATE = (
 TEMPLATE_DRIVER = """
     import os, sys, time
     from elastrun.supervise.processes.spawn import ProcessSpec
-    from elastrun.template.starter import TemplateStarter
+    from elastrun.template.agent.starter import TemplateStarter
     script, out = sys.argv[1], sys.argv[2]
     argv = (sys.executable, "-u", "-m", "elastrun.worker.bootstrap", script, out)
     with TemplateStarter(auto_preload=False) as starter:
@@ -137,5 +137,5 @@ def test_a_template_with_nothing_to_preload_hands_its_workers_only_worker_side_m
         timeout=120,
     )
     modules: list[str] = json.loads(out.read_text())
-    assert "elastrun.template.zygote_worker" in modules  # it was forked from the template
+    assert "elastrun.template.worker.child" in modules  # it was forked from the template
     assert _offending(modules, NOT_IN_A_TEMPLATE) == []

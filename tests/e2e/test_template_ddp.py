@@ -11,7 +11,7 @@ import pytest
 
 from _helpers import REPO
 from elastrun import DefaultLogsSpecs, LocalElasticAgent, WorkerSpec
-from elastrun.template.starter import TemplateStarter
+from elastrun.template.agent.starter import TemplateStarter
 
 pytestmark = pytest.mark.torch
 

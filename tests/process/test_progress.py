@@ -24,7 +24,7 @@ import pytest
 
 from elastrun.pace import ProgressBoard, ProgressRecord
 from elastrun.supervise.processes.spawn import ProcessSpec, ProcessStarter
-from elastrun.template.starter import TemplateStarter
+from elastrun.template.agent.starter import TemplateStarter
 from elastrun.wire.progress import PROGRESS_FILE_ENV, REPORTS, SLOT_WORDS, STEP, slot_offset
 
 PY = sys.executable

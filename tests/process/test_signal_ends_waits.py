@@ -35,7 +35,7 @@ from elastrun.core.shutdown import ShutdownRequest
 from elastrun.launch.signals import install_signal_handlers
 from elastrun.supervise.processes.procset import ProcessSet
 from elastrun.supervise.processes.spawn import ProcessSpec, SubprocessStarter
-from elastrun.template.starter import TemplateStarter
+from elastrun.template.agent.starter import TemplateStarter
 
 kind, workdir = sys.argv[1], sys.argv[2]
 # The main thread never receives SIGTERM; the relay thread (made next) inherits that.

@@ -34,19 +34,19 @@ from elastrun.supervise.processes.spawn import (
     WorkerProcess,
     start_each,
 )
-from elastrun.template.process import Template
-from elastrun.template.starter import (
+from elastrun.template.agent.process import Template
+from elastrun.template.agent.starter import (
     BootstrapCommand,
     TemplateStarter,
     default_preload,
     parse_bootstrap_command,
 )
-from elastrun.wire.zygote import BATCH_MAX
+from elastrun.wire.template import BATCH_MAX
 
 PY = sys.executable
 BOOT = "elastrun.worker.bootstrap"
 TIMEOUT = 30.0
-LOGGER = "elastrun.template.starter"
+LOGGER = "elastrun.template.agent.starter"
 
 # Everything a script can observe about how it was started, except what is unique to
 # each process (pids) -- those are compared separately.
@@ -307,7 +307,7 @@ def test_without_setproctitle_a_forked_worker_keeps_the_templates_title(
         _wait(proc)
     assert template.forked == 1
     view = json.loads((tmp_path / "out").read_text())
-    assert "-m elastrun.template.zygote" in view["cmdline"]
+    assert "-m elastrun.template.worker.serve" in view["cmdline"]
     assert view["comm"] == os.path.basename(PY)[:15]
 
 
@@ -451,7 +451,7 @@ def test_exit_status_streams_and_error_file_match_a_fresh_start(
         assert message["message"] == fresh_file["message"]["message"] == "ValueError: boom"
         stack = message["extraInfo"]["py_callstack"]
         assert stack == fresh_file["message"]["extraInfo"]["py_callstack"]
-        assert "zygote" not in stack
+        assert "elastrun/template/" not in stack
 
 
 def test_output_to_inherited_streams_goes_to_the_agents_stdout(tmp_path: Path) -> None:
@@ -462,7 +462,7 @@ def test_output_to_inherited_streams_goes_to_the_agents_stdout(tmp_path: Path) -
         f"""\
         import os, select, sys
         from elastrun.supervise.processes.spawn import ProcessSpec
-        from elastrun.template.starter import TemplateStarter
+        from elastrun.template.agent.starter import TemplateStarter
         with TemplateStarter() as starter:
             proc = starter.start(ProcessSpec(0, dict(os.environ),
                 argv=({PY!r}, "-u", "-m", {BOOT!r}, {str(script)!r})))
@@ -589,7 +589,7 @@ def test_killing_the_group_reaches_the_workers_children(
 AGENT = """\
 import json, os, sys, time
 from elastrun.supervise.processes.spawn import ProcessSpec, SubprocessStarter
-from elastrun.template.starter import TemplateStarter
+from elastrun.template.agent.starter import TemplateStarter
 starter = TemplateStarter() if sys.argv[1] == "template" else SubprocessStarter()
 proc = starter.start(ProcessSpec(0, dict(os.environ), argv=tuple(sys.argv[2:])))
 print(json.dumps({"worker": proc.pid, "template": getattr(starter, "template_pid", None)}),
@@ -1195,17 +1195,17 @@ def test_a_signal_before_the_start_starts_no_worker(
 # intermediates, before it reaps them or answers.
 STALL_BEFORE_ANSWER = """
 import os, signal
-from elastrun.template import zygote_fork
+from elastrun.template.worker import fork
 
-_fork = zygote_fork._fork_intermediates
+_fork = fork._fork_intermediates
 
 def _stalled(*args):
     out = _fork(*args)
-    if not isinstance(out, zygote_fork.Job):
+    if not isinstance(out, fork.Job):
         os.kill(os.getpid(), signal.SIGSTOP)
     return out
 
-zygote_fork._fork_intermediates = _stalled
+fork._fork_intermediates = _stalled
 """
 
 

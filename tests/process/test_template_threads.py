@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from elastrun.supervise.processes.spawn import ProcessSpec, ProcessStarter, SubprocessStarter
-from elastrun.template.starter import TemplateStarter
+from elastrun.template.agent.starter import TemplateStarter
 from elastrun.worker import threadpools
 
 pytestmark = pytest.mark.torch

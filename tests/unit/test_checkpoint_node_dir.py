@@ -59,8 +59,8 @@ def test_a_base_that_cannot_hold_it_gives_workers_no_variable_and_says_so(
 
 def test_the_worker_template_serves_workers_whatever_their_node_directory() -> None:
     # The launcher starts the template before the agent makes the directory.
-    from elastrun.template.key import TemplateKey
-    from elastrun.template.preload import BootstrapCommand
+    from elastrun.template.agent.key import TemplateKey
+    from elastrun.template.agent.preload import BootstrapCommand
 
     cmd = BootstrapCommand(options=("-u",), args=("train.py",))
     before = TemplateKey.of(cmd, {"HOME": "/h"}, ())

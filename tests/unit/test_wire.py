@@ -12,14 +12,14 @@ import pytest
 import elastrun.wire
 from elastrun.launch.commands.stacks import stacks_main
 from elastrun.pace.worker import Reporter
-from elastrun.wire import checkpoint, inprocess, progress, timer, workers, zygote
+from elastrun.wire import checkpoint, inprocess, progress, template, timer, workers
 
 WIRE_MODULES = sorted(m.name for m in pkgutil.iter_modules(elastrun.wire.__path__))
 
 
 def test_the_wire_package_holds_the_seven_formats_and_the_variables_names() -> None:
     assert WIRE_MODULES == [
-        "bootstrap", "checkpoint", "env", "inprocess", "progress", "timer", "workers", "zygote",
+        "bootstrap", "checkpoint", "env", "inprocess", "progress", "template", "timer", "workers",
     ]  # fmt: skip
 
 
@@ -74,26 +74,26 @@ def test_the_channels_messages_round_trip_with_the_version_key() -> None:
 def _request(version: object) -> dict[str, object]:
     return {
         "version": version,
-        **{name: kind() for name, kind in zygote.REQUEST_FIELDS.items()},
+        **{name: kind() for name, kind in template.REQUEST_FIELDS.items()},
         "stdio": [False, False, False],
     }
 
 
 def test_a_template_request_of_this_version_is_accepted() -> None:
-    request = _request(zygote.VERSION)
-    assert zygote.check_request(request, 0) is None
-    batch = zygote.split_batch({"version": zygote.VERSION, "batch": [request]}, [99])
+    request = _request(template.VERSION)
+    assert template.check_request(request, 0) is None
+    batch = template.split_batch({"version": template.VERSION, "batch": [request]}, [99])
     assert batch == ([request], [[]], 99)
 
 
-@pytest.mark.parametrize("version", [zygote.VERSION + 1, zygote.VERSION - 1, None, True])
+@pytest.mark.parametrize("version", [template.VERSION + 1, template.VERSION - 1, None, True])
 def test_a_template_message_of_another_version_is_refused(version: object) -> None:
-    expected = f"protocol version {version!r}, expected {zygote.VERSION}"
-    assert zygote.version_problem({"version": version}) == expected
-    assert zygote.check_request(_request(version), 0) == expected
-    assert zygote.split_batch({"version": version, "batch": [_request(zygote.VERSION)]}, [9]) == (
-        expected
-    )
+    expected = f"protocol version {version!r}, expected {template.VERSION}"
+    assert template.version_problem({"version": version}) == expected
+    assert template.check_request(_request(version), 0) == expected
+    assert template.split_batch(
+        {"version": version, "batch": [_request(template.VERSION)]}, [9]
+    ) == (expected)
 
 
 # -- progress file: the version is the header's second word ------------------------------

@@ -8,7 +8,7 @@ agent's child). A package for ``prctl`` would have to be installed in every trai
 environment, for three calls; ``ctypes`` is already there.
 
 Both sides use this module -- the agent when it starts workers and the template, and the
-worker itself (``elastrun.template.zygote_worker``) -- so it lives in ``core``, the one
+worker itself (``elastrun.template.worker.child``) -- so it lives in ``core``, the one
 layer worker-side code may import, and it imports nothing but ``ctypes``, ``os`` and
 ``contextlib``: the template imports it before forking its workers.
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from elastrun.observe.health import HealthCheckServer
     from elastrun.observe.prometheus import MetricsServer
     from elastrun.supervise.processes.relay import Console
-    from elastrun.template.starter import TemplateStarter
+    from elastrun.template.agent.starter import TemplateStarter
 
 log = logging.getLogger("elastrun.launch")
 
@@ -184,7 +184,7 @@ class _Extras:
         self.health: HealthCheckServer | None = None
         self.starter: TemplateStarter | None = None
         if config.use_template and isinstance(entrypoint, str):
-            from elastrun.template.starter import TemplateStarter
+            from elastrun.template.agent.starter import TemplateStarter
 
             # One template per agent, kept across restarts: that is where the speed is.
             self.starter = TemplateStarter(

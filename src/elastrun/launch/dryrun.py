@@ -42,7 +42,7 @@ def _log_lines(launch: Launch, local_rank: int, nproc: int) -> list[str]:
 
 def _start_mode(launch: Launch, argv: tuple[str, ...] | None) -> str:
     """How the workers will be started: forked from the template, or fresh."""
-    from elastrun.template.starter import default_preload, parse_bootstrap_command
+    from elastrun.template.agent.starter import default_preload, parse_bootstrap_command
 
     if argv is None:
         return f"function workers ({launch.config.start_method})"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from elastrun.template.preload import BootstrapCommand
+from elastrun.template.agent.preload import BootstrapCommand
 from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV
 
 #: Variables that differ between the workers of one node or between restarts (and every

@@ -2,11 +2,11 @@
 
 The agent starts it once as::
 
-    python [OPTS] -m elastrun.template.zygote N
+    python [OPTS] -m elastrun.template.worker.serve N
 
 with the interpreter options (``OPTS``) and the environment its workers will have, minus
 the per-worker variables, plus ``TITLE_ROOM`` first (see ``retitle`` in
-:mod:`elastrun.template.zygote_worker`). The first message on the control socket (fd
+:mod:`elastrun.template.worker.child`). The first message on the control socket (fd
 ``N``) names the modules to preload: it imports them (the optional ones are skipped
 quietly when they are not installed), checks that forking is still safe (no thread
 started, CUDA not initialised), says hello and then serves spawn requests until the
@@ -24,7 +24,7 @@ Both forks happen with every signal blocked, and the worker unblocks them only o
 dispositions are reset: from the moment the agent knows the pid it may signal the
 worker (a Ctrl-C during a start or a restart), and such a signal must neither vanish into
 the template's ignored SIGINT nor interrupt the set-up half-way; held pending, it acts
-when unblocked, as on a fresh process. (The forks: :mod:`elastrun.template.zygote_fork`.)
+when unblocked, as on a fresh process. (The forks: :mod:`elastrun.template.worker.fork`.)
 
 The worker then becomes what ``python [OPTS] -m elastrun.worker.bootstrap ARGS`` would
 have been: its own session, the given stdin/stdout/stderr (new ``sys.std*`` objects built
@@ -37,7 +37,7 @@ random seeds (every generator that a fresh interpreter seeds from the OS when im
 what the template imported: ``random``, torch's CPU generator, numpy's global
 ``RandomState``, sympy's, the ``multiprocessing`` auth key; see ``reseed``) -- and
 runs :func:`elastrun.worker.bootstrap.main`, whose exceptions reach the interpreter's top
-level exactly as from a fresh start. (The set-up: :mod:`elastrun.template.zygote_worker`.)
+level exactly as from a fresh start. (The set-up: :mod:`elastrun.template.worker.child`.)
 
 What cannot be made identical, and is documented as such:
 
@@ -65,7 +65,7 @@ What cannot be made identical, and is documented as such:
 * Modules already imported saw the template's environment at import time -- which is
   why the agent keys templates by the environment.
 
-The messages on the control socket are :mod:`elastrun.wire.zygote`'s.
+The messages on the control socket are :mod:`elastrun.wire.template`'s.
 """
 
 from __future__ import annotations
@@ -80,13 +80,13 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from elastrun.template.zygote_fork import Job, close_quietly, open_fds, spawn_many, thread_count
-from elastrun.template.zygote_worker import Stdio, become_worker, import_titles
-from elastrun.wire.zygote import (
+from elastrun.template.worker.child import Stdio, become_worker, import_titles
+from elastrun.template.worker.fork import Job, close_quietly, open_fds, spawn_many, thread_count
+from elastrun.wire.template import (
     BATCH_MAX,
     STDIO_FDS,
+    TEMPLATE_MODULE,
     VERSION,
-    ZYGOTE_MODULE,
     recv_message,
     send_message,
     split_batch,
@@ -97,7 +97,7 @@ from elastrun.worker import bootstrap, threadpools
 
 def _parse_args(argv: list[str]) -> int:
     if len(argv) != 1 or not argv[0].isdigit():
-        raise SystemExit(f"usage: python -m {ZYGOTE_MODULE} FD")
+        raise SystemExit(f"usage: python -m {TEMPLATE_MODULE} FD")
     return int(argv[0])
 
 
@@ -112,7 +112,7 @@ def _recv_setup(sock: socket.socket) -> tuple[list[str], list[str]]:
     setup, _ = got
     problem = version_problem(setup)
     if problem is not None:
-        raise SystemExit(f"{ZYGOTE_MODULE}: the agent speaks {problem}")
+        raise SystemExit(f"{TEMPLATE_MODULE}: the agent speaks {problem}")
     return _str_list(setup, "preload"), _str_list(setup, "optional")
 
 

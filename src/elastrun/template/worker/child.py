@@ -1,14 +1,14 @@
 """Turning a fresh fork of the worker template into the worker a spawn request describes.
 
 The worker becomes what ``python [OPTS] -m elastrun.worker.bootstrap ARGS`` would have
-been: its own session (made by the intermediate, see :mod:`elastrun.template.zygote_fork`),
+been: its own session (made by the intermediate, see :mod:`elastrun.template.worker.fork`),
 the given stdin/stdout/stderr (new ``sys.std*`` objects built as the interpreter builds
 them, ``-u`` included), default signal dispositions (plus the agent's ignored signals
 and mask, as ``exec`` would pass them on), no inherited descriptors, the given working
 directory, umask, CPU affinity, environment, ``sys.argv`` and ``sys.orig_argv``, that
 command line and the interpreter's name in ps, ``pgrep -f``, top and psutil
 (:func:`retitle`, before any of the worker's own code runs), and its own random seeds
-(:func:`reseed`). What cannot be made identical is listed in the zygote's docstring.
+(:func:`reseed`). What cannot be made identical is listed in :mod:`elastrun.template.worker.serve`.
 
 First it waits to be adopted by the agent (:func:`await_adoption`): it arms its
 parent-death signal only once the agent is its parent, and runs only after the
@@ -26,8 +26,8 @@ import time
 from types import ModuleType
 
 from elastrun.core.linux import die_with_parent
-from elastrun.template.zygote_fork import Job, close_quietly, open_fds
-from elastrun.wire.zygote import STDIO_FDS, TITLE_ROOM, int_list
+from elastrun.template.worker.fork import Job, close_quietly, open_fds
+from elastrun.wire.template import STDIO_FDS, TITLE_ROOM, int_list
 from elastrun.worker import bootstrap, threadpools
 
 # Longest a new worker waits to be handed to the agent. The intermediate exits right
@@ -38,7 +38,7 @@ _ADOPTION_TIMEOUT = 30.0
 class Stdio:
     """How the interpreter built sys.std* at startup (from -u, PYTHONIOENCODING, locale)."""
 
-    # Not a dataclass, for the template's start-up (see zygote_fork.Job).
+    # Not a dataclass, for the template's start-up (see fork.Job).
     __slots__ = ("buffered", "encodings", "errors")
 
     def __init__(
@@ -148,7 +148,7 @@ def reset_signals(request: dict[str, object]) -> None:
     ``elastrun.worker.bootstrap``).
 
     Runs with every signal blocked since the fork (see
-    :func:`elastrun.template.zygote_fork.spawn_many`). A signal sent meanwhile is pending; the
+    :func:`elastrun.template.worker.fork.spawn_many`). A signal sent meanwhile is pending; the
     new mask delivers it with a default disposition, so it acts as on a fresh process
     that has not yet set up its handlers: SIGINT and SIGTERM end the worker at once
     (setting SIG_IGN, or SIG_DFL for a signal whose default is to be ignored, discards a

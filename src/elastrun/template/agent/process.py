@@ -1,6 +1,6 @@
 """One running worker template and the agent's end of its control channel.
 
-:meth:`Template.launch` starts ``python [OPTS] -m elastrun.template.zygote N`` with the
+:meth:`Template.launch` starts ``python [OPTS] -m elastrun.template.worker.serve N`` with the
 template's environment, ``TITLE_ROOM`` first (room in its memory for the command lines
 its workers show, sized for the workers it is started for), and sends it the modules to
 preload; :meth:`Template.await_ready` waits for its hello; :meth:`Template.spawn_batch` asks
@@ -25,12 +25,12 @@ from typing import IO
 from elastrun.core.cancel import Cancelled, CancelScope, is_default, scope_or_default
 from elastrun.core.errors import ElastrunError
 from elastrun.core.linux import child_subreaper, die_with_parent
-from elastrun.template.key import TemplateKey
-from elastrun.wire.zygote import (
+from elastrun.template.agent.key import TemplateKey
+from elastrun.wire.template import (
     BATCH_MAX,
+    TEMPLATE_MODULE,
     TITLE_ROOM,
     VERSION,
-    ZYGOTE_MODULE,
     recv_message,
     send_message,
     version_problem,
@@ -141,7 +141,7 @@ class Template:
 
         ``worker_argv`` is the command line of the workers it is started for: their
         title needs room in the template's environment (see ``retitle`` in
-        :mod:`elastrun.template.zygote_worker`).
+        :mod:`elastrun.template.worker.child`).
 
         Raises:
             TemplateUnavailable: the interpreter could not be started.
@@ -149,7 +149,7 @@ class Template:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         stderr = tempfile.TemporaryFile(prefix="elastrun-template-")  # noqa: SIM115 - owned by the template object
         # Nothing more on the command line: a worker's title must be longer than it.
-        argv = [python, *key.options, "-m", ZYGOTE_MODULE, str(theirs.fileno())]
+        argv = [python, *key.options, "-m", TEMPLATE_MODULE, str(theirs.fileno())]
         title = len(os.fsencode(" ".join(worker_argv)))
         # First in the environment: the memory right after the arguments.
         env = {TITLE_ROOM: " " * (title + _TITLE_MARGIN), **dict(key.env)}

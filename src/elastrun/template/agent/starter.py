@@ -1,15 +1,16 @@
-"""Starting workers by forking them from a pre-imported template ("zygote") process.
+"""Starting workers by forking them from a pre-imported template process (a "zygote").
 
 A fresh Python worker that imports torch spends seconds importing it, on the first start
 and on every restart. ``TemplateStarter`` pays that once per agent: it starts one
-template interpreter (:mod:`elastrun.template.zygote`) that imports the modules the
+template interpreter (:mod:`elastrun.template.worker.serve`) that imports the modules the
 workers need and then waits; every worker is forked from it in milliseconds and then runs
 exactly as ``python -m elastrun.worker.bootstrap`` would have run it.
 
 The workers stay the agent's children (the agent is a child subreaper while a worker is
-handed over, see the zygote's docstring), so everything the agent does with a worker --
-its pidfd, ``waitid`` without reaping, ``killpg``, ``waitpid`` for the real exit status,
-the parent-death signal, the orphan guard -- works as with ``SubprocessStarter``.
+handed over, see :mod:`elastrun.template.worker.serve`), so everything the agent does
+with a worker -- its pidfd, ``waitid`` without reaping, ``killpg``, ``waitpid`` for the
+real exit status, the parent-death signal, the orphan guard -- works as with
+``SubprocessStarter``.
 
 Only Python script workers go through the template: an argv of the form
 ``(python, [OPTS], "-m", "elastrun.worker.bootstrap", ...)`` whose ``python`` is the
@@ -24,12 +25,12 @@ variables: modules imported in the template read the environment at import time,
 template serves only workers whose shared environment is the one it was started with.
 The template's environment has one variable more, first: ``TITLE_ROOM``, room in its
 memory for the command lines its workers show (see ``retitle`` in
-:mod:`elastrun.template.zygote_worker`), sized for the workers it is started for.
+:mod:`elastrun.template.worker.child`), sized for the workers it is started for.
 
 The pieces: which argvs go through a template and what it preloads
-(:mod:`~elastrun.template.preload`), what one template serves
-(:mod:`~elastrun.template.key`), one running template and its
-channel (:mod:`~elastrun.template.process`); this module holds the
+(:mod:`~elastrun.template.agent.preload`), what one template serves
+(:mod:`~elastrun.template.agent.key`), one running template and its
+channel (:mod:`~elastrun.template.agent.process`); this module holds the
 starter, which decides per worker and falls back.
 """
 
@@ -52,26 +53,26 @@ from elastrun.supervise.processes.spawn import (
     adopt_child,
     kill_started,
 )
-from elastrun.template.key import (
+from elastrun.template.agent.key import (
     PER_WORKER_VARIABLES,
     TemplateKey,
     describe_change,
     is_per_worker_variable,
 )
-from elastrun.template.preload import (
+from elastrun.template.agent.preload import (
     AUTO_PRELOAD_ROOTS,
     LAZY_TORCH_IMPORTS,
     BootstrapCommand,
     default_preload,
     parse_bootstrap_command,
 )
-from elastrun.template.process import (
+from elastrun.template.agent.process import (
     Template,
     TemplateBroken,
     TemplateUnavailable,
 )
 from elastrun.wire.bootstrap import BOOTSTRAP_MODULE
-from elastrun.wire.zygote import BATCH_MAX, VERSION
+from elastrun.wire.template import BATCH_MAX, VERSION
 
 __all__ = [
     "AUTO_PRELOAD_ROOTS",
@@ -140,8 +141,8 @@ def _is_open(fd: int) -> bool:
 
 
 def _advice(reason: str) -> str:
-    """What the user can change, for a reason the template gave (its wording: zygote.py's
-    ``_fork_hazard`` and ``_preload``, the spawn check in zygote_fork.py)."""
+    """What the user can change, for a reason the template gave (its wording: worker/serve.py's
+    ``_fork_hazard`` and ``_preload``, the spawn check in worker/fork.py)."""
     if "thread" in reason:
         return (
             ". A module that starts threads when imported cannot be preloaded (a forked "

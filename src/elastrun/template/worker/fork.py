@@ -6,9 +6,9 @@ orphaned worker to it. The intermediate reports the worker's pid (``P<pid>``) or
 could not start it (``E<error>``) on a pipe; the template passes that on to the agent
 and only then sends the worker its go-ahead (``g``) on another pipe, so no worker runs
 that the agent does not know of. Each new process notes its pid on the batch's ledger
-first (see :mod:`elastrun.wire.zygote`), so that an agent that gives up on the
+first (see :mod:`elastrun.wire.template`), so that an agent that gives up on the
 batch can reap whatever it was handed. Both forks happen with every signal blocked (see
-:func:`spawn_many`). What the worker does next is :mod:`elastrun.template.zygote_worker`'s.
+:func:`spawn_many`). What the worker does next is :mod:`elastrun.template.worker.child`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 
-from elastrun.wire.zygote import check_request, int_list, note_pid, send_message
+from elastrun.wire.template import check_request, int_list, note_pid, send_message
 
 
 class Job:
@@ -132,7 +132,7 @@ def _fork_intermediates(
     Job in a new worker."""
     started: list[tuple[int, int, int, int]] = []
     # The new processes start with every signal blocked, and the worker keeps them
-    # blocked until it has its own dispositions (zygote_worker.reset_signals). Without
+    # blocked until it has its own dispositions (child.reset_signals). Without
     # this, the worker would inherit the template's ignored SIGINT, and a SIGINT the agent
     # forwards as soon as it knows the pid would be discarded: the agent then waits
     # its whole shutdown grace and kills. A blocked signal is held pending instead,
@@ -180,7 +180,7 @@ def _intermediate(
     inherited: tuple[int, ...],
 ) -> Job:
     """Fork the worker and exit; returns only in the worker (which holds the ledger
-    until it is handed over: :func:`zygote_worker.become_worker` closes it)."""
+    until it is handed over: :func:`child.become_worker` closes it)."""
     try:
         close_quietly(*inherited)
         cwd = request["cwd"]

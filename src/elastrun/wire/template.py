@@ -1,7 +1,7 @@
 """The worker template's control channel: names, framing and the spawn request's shape.
 
-Shared by the template (:mod:`elastrun.template.zygote`) and the agent's end of the
-channel (``elastrun.template.starter``), and light on purpose: the agent
+Shared by the template (:mod:`elastrun.template.worker.serve`) and the agent's end of the
+channel (``elastrun.template.agent.starter``), and light on purpose: the agent
 imports it on every launch, so it pulls in nothing of the template's own machinery.
 
 **Version.** :data:`VERSION` travels in every message that starts something: the
@@ -31,11 +31,12 @@ import socket
 from collections.abc import Sequence
 
 #: The module the agent runs (``python -m``) to start a template.
-ZYGOTE_MODULE = "elastrun.template.zygote"
+TEMPLATE_MODULE = "elastrun.template.worker.serve"
 #: The channel's version, bumped on any incompatible change of the messages below.
 VERSION = 4
 #: The variable the agent puts first in the template's environment: room for the
-#: workers' command lines past the end of the template's own (see zygote_worker.retitle).
+#: workers' command lines past the end of the template's own (see
+#: elastrun.template.worker.child.retitle).
 TITLE_ROOM = "ELASTRUN_TITLE_ROOM"
 #: A spawn request sends stdin, stdout and stderr (those that are open).
 STDIO_FDS = 3
