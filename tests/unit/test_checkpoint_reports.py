@@ -89,7 +89,7 @@ def test_the_writer_keeps_totals_and_leaves_no_temporary_file(tmp_path: Path) ->
     assert (got.rank, got.pid, got.saves, got.complete, got.newest) == (2, 77, 3, 2, 2)
     assert (got.loads, got.restored) == (1, None)
     assert got.blocked_s == pytest.approx(0.042)
-    assert (got.save_s, got.lag_s) == (pytest.approx(0.06), pytest.approx(0.08))
+    assert (got.save_s, got.lag_s) == pytest.approx((0.06, 0.08))
 
 
 def test_a_report_that_cannot_be_written_never_fails_a_save(tmp_path: Path) -> None:
