@@ -50,7 +50,7 @@ WORKER = textwrap.dedent(
     import torch
     import torch.optim.optimizer as torch_optimizer
     import elastrun
-    from elastrun.pace import worker as wp
+    from elastrun.pace.worker import report as wp
 
     steps, long_steps, calls = (int(a) for a in sys.argv[1:4])
     torch.set_num_threads(1)

@@ -36,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     "ChildFailedError": "elastrun.supervise.failures.report",
     "ProcessFailure": "elastrun.supervise.failures.failure",
     "record": "elastrun.worker.record",
-    "progress": "elastrun.pace.worker",
+    "progress": "elastrun.pace.worker.report",
     "init_process_group": "elastrun.worker.dist",
     "ElastrunError": "elastrun.core.errors",
     "ConfigError": "elastrun.core.errors",
@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     from elastrun.core.errors import ConfigError, ElastrunError
     from elastrun.launch.api import elastic_launch, launch_agent
     from elastrun.launch.config import LaunchConfig
-    from elastrun.pace.worker import progress
+    from elastrun.pace.worker.report import progress
     from elastrun.rendezvous.api import (
         RendezvousHandler,
         RendezvousInfo,

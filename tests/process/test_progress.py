@@ -281,9 +281,9 @@ def test_outside_elastrun_progress_does_nothing_and_the_bootstrap_imports_nothin
         tmp_path / "plain.py",
         """\
         import json, sys, time
-        loaded = "elastrun.pace.worker" in sys.modules
+        loaded = "elastrun.pace.worker.report" in sys.modules
         import elastrun
-        from elastrun.pace import worker as wp
+        from elastrun.pace.worker import report as wp
         for _ in range(3):
             elastrun.progress()
         elastrun.progress(7)

@@ -16,8 +16,8 @@ from elastrun.pace import (
     pace_times,
     parse_straggler_factor,
 )
-from elastrun.pace.exchange import NodeExchange
-from elastrun.pace.pace_watch import PaceWatch
+from elastrun.pace.agent.exchange import NodeExchange
+from elastrun.pace.agent.step_watch import PaceWatch
 from elastrun.store.memory import MemoryStore
 from elastrun.testing import FakeClock
 

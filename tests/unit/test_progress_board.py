@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from elastrun.core.errors import ConfigError, ElastrunError
 from elastrun.pace import FILE_NAME, ProgressBoard, read_record
-from elastrun.pace import worker as wp
-from elastrun.pace.worker import Reporter
+from elastrun.pace.worker import report as wp
+from elastrun.pace.worker.report import Reporter
 from elastrun.wire.progress import (
     CHECK,
     MAX_STEP,

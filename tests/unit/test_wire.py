@@ -11,7 +11,7 @@ import pytest
 
 import elastrun.wire
 from elastrun.launch.commands.stacks import stacks_main
-from elastrun.pace.worker import Reporter
+from elastrun.pace.worker.report import Reporter
 from elastrun.wire import checkpoint, inprocess, progress, template, timer, workers
 
 WIRE_MODULES = sorted(m.name for m in pkgutil.iter_modules(elastrun.wire.__path__))

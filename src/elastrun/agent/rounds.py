@@ -17,7 +17,7 @@ from elastrun.agent.policy import RestartBudget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.core.clock import Clock
-from elastrun.pace.pace_watch import PaceWatch
+from elastrun.pace.agent.step_watch import PaceWatch
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
 from elastrun.rendezvous.elastic import ElasticRendezvous
 

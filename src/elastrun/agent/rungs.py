@@ -13,7 +13,7 @@ from elastrun.agent.policy import Decision, RestartBudget, RestartPolicy
 from elastrun.checkpoint.agent.reports import CheckpointReports
 from elastrun.nodecheck.check import NodeCheck
 from elastrun.observe.sinks import EventSink
-from elastrun.pace.progress_watch import ProgressWatch
+from elastrun.pace.agent.stall_watch import ProgressWatch
 from elastrun.rendezvous.elastic import ElasticRendezvous
 from elastrun.supervise.failures.crashloop import CrashLoopGuard
 

@@ -16,7 +16,7 @@ from typing import Protocol
 from elastrun.agent.attempt import Attempt
 from elastrun.core.clock import Clock
 from elastrun.observe.sinks import EventSink
-from elastrun.pace.progress_watch import ProgressWatch, hang_reasons
+from elastrun.pace.agent.stall_watch import ProgressWatch, hang_reasons
 from elastrun.supervise.processes.dstate import UninterruptibleWatch
 from elastrun.supervise.processes.stacks import request_stacks
 

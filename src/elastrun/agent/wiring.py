@@ -4,10 +4,11 @@
 ``AgentOptions`` (agent.options) and the injected ``World`` (clock, process starter,
 sinks...; production defaults where a field is None): the worker processes
 (agent.workers), the rounds (agent.rounds), the recovery ladder (agent.ladder: its
-rungs in agent.rungs and inprocess.agent.rung), the watches (agent.watches, pace.progress_watch,
-pace.pace_watch), the report, the node's memory checkpoints (checkpoint.agent: their
-directory and the workers' reports in it) and the one state machine (agent.phases). The parts know
-nothing of the loop: none is handed it, and none calls back into it.
+rungs in agent.rungs and inprocess.agent.rung), the watches (agent.watches,
+pace.agent.stall_watch, pace.agent.step_watch), the report, the node's memory checkpoints
+(checkpoint.agent: their directory and the workers' reports in it) and the one state
+machine (agent.phases). The parts know nothing of the loop: none is handed it, and none
+calls back into it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from elastrun.inprocess.agent.rung import InPlaceRung
 from elastrun.inprocess.agent.steps import InprocessSteps
 from elastrun.nodecheck.check import NodeCheck
 from elastrun.observe.sinks import EventSink, MetricSink, NullEventSink, NullMetricSink
-from elastrun.pace.pace_watch import PaceWatch
-from elastrun.pace.progress_watch import ProgressWatch
+from elastrun.pace.agent.stall_watch import ProgressWatch
+from elastrun.pace.agent.step_watch import PaceWatch
 from elastrun.rendezvous.api import RendezvousHandler
 from elastrun.rendezvous.elastic import ElasticRendezvous, as_elastic
 from elastrun.rendezvous.local import LocalRendezvousHandler

@@ -27,7 +27,7 @@ from elastrun.core.clock import Clock
 from elastrun.core.procinfo import process_start_time
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MetricSink
-from elastrun.pace.progress_watch import ProgressWatch
+from elastrun.pace.agent.stall_watch import ProgressWatch
 from elastrun.supervise.processes.group import GroupMember, start_group, start_worker
 from elastrun.supervise.processes.logs import LogsSpecs, format_line_prefix, reify_or_console
 from elastrun.supervise.processes.numa import binding_cpus, numa_options_from

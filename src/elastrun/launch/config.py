@@ -24,8 +24,8 @@ from elastrun.core.values import (
     parse_seconds,
 )
 from elastrun.nodecheck.verdicts import NodeCheckRule
-from elastrun.pace.hang import AutoTimeout, parse_hang_timeout
-from elastrun.pace.straggler import StragglerSettings
+from elastrun.pace.agent.hang import AutoTimeout, parse_hang_timeout
+from elastrun.pace.agent.straggler import StragglerSettings
 from elastrun.rendezvous.exclusion import ExclusionRule
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ from elastrun.launch.options import NUMA_BINDINGS
 from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, to_choice
 from elastrun.launch.paths import check_writable_file
 from elastrun.nodecheck.verdicts import NodeCheckRule
-from elastrun.pace.hang import AutoTimeout, parse_hang_timeout
-from elastrun.pace.straggler import StragglerSettings, parse_straggler_factor
+from elastrun.pace.agent.hang import AutoTimeout, parse_hang_timeout
+from elastrun.pace.agent.straggler import StragglerSettings, parse_straggler_factor
 from elastrun.rendezvous.exclusion import ExclusionRule
 
 if TYPE_CHECKING:

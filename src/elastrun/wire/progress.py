@@ -2,7 +2,7 @@
 
 The agent creates the file (``elastrun.pace.ProgressBoard``) and names it
 to each worker in :data:`PROGRESS_FILE_ENV`, with the worker's record in
-:data:`PROGRESS_SLOT_ENV`; the worker (:mod:`elastrun.pace.worker`) maps it and
+:data:`PROGRESS_SLOT_ENV`; the worker (:mod:`elastrun.pace.worker.report`) maps it and
 writes its record on every report; the agent reads every record. This module is what
 both ends agree on: the layout, the check word, the variables.
 

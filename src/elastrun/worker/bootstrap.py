@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             pass
     _arm_stack_dumps()
     if PROGRESS_FILE_ENV in os.environ:  # the agent asked for progress reports
-        from elastrun.pace import worker as progress
+        from elastrun.pace.worker import report as progress
 
         progress.install()
     _rewrite_orig_argv(args)

@@ -16,7 +16,7 @@ from elastrun.agent.ladder import Failure, GroupDecision, Reaction
 from elastrun.agent.plan import LaunchPlan
 from elastrun.inprocess.agent.recovery import InprocessRecovery, RoundState
 from elastrun.inprocess.agent.steps import InprocessSteps
-from elastrun.pace.progress_watch import ProgressWatch
+from elastrun.pace.agent.stall_watch import ProgressWatch
 from elastrun.supervise.processes.procset import Exit
 
 __all__ = ["InPlaceRung"]

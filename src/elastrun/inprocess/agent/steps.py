@@ -24,7 +24,7 @@ from elastrun.agent.rounds import Rounds
 from elastrun.agent.spec import WorkerGroup
 from elastrun.inprocess.agent.agree import Agreement, Offer, agree
 from elastrun.inprocess.agent.recovery import InprocessRecovery
-from elastrun.pace.pace_watch import PaceWatch
+from elastrun.pace.agent.step_watch import PaceWatch
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.store.api import Store
 from elastrun.supervise.processes.procset import Exit

@@ -2,7 +2,7 @@
 
 Pure logic. After each attempt (a run of the worker group that ended in a failure and
 would be followed by a restart) the agent passes each rank's last step
-(:func:`elastrun.pace.board.steps_of` of the final snapshot, taken before
+(:func:`elastrun.pace.agent.board.steps_of` of the final snapshot, taken before
 the records are reset). An attempt made progress when some rank passed the highest
 step it had reached in any earlier attempt (a rank seen for the first time passes
 nothing, so it counts). ``limit`` consecutive attempts without progress: stop.

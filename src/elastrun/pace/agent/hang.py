@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import MAX_SECONDS, check_number, parse_seconds
-from elastrun.pace.record import ProgressRecord
+from elastrun.pace.agent.record import ProgressRecord
 
 __all__ = [
     "AutoTimeout",

@@ -23,10 +23,10 @@ import tempfile
 from collections.abc import Iterable, Mapping
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
-from elastrun.pace.board import ProgressBoard, steps_of
-from elastrun.pace.guard import NoProgressGuard
-from elastrun.pace.hang import AutoTimeout, HangDetector, HangVerdict
-from elastrun.pace.record import Snapshot
+from elastrun.pace.agent.board import ProgressBoard, steps_of
+from elastrun.pace.agent.guard import NoProgressGuard
+from elastrun.pace.agent.hang import AutoTimeout, HangDetector, HangVerdict
+from elastrun.pace.agent.record import Snapshot
 from elastrun.supervise.processes.stacks import StackDump
 
 log = logging.getLogger("elastrun.agent")

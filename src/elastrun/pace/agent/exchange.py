@@ -21,7 +21,7 @@ import logging
 import threading
 
 from elastrun.core.errors import StoreError
-from elastrun.pace.straggler import NodeSummary
+from elastrun.pace.agent.straggler import NodeSummary
 from elastrun.store.api import Store
 
 log = logging.getLogger("elastrun.agent")

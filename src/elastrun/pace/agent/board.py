@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from elastrun.core.errors import ConfigError, ElastrunError
-from elastrun.pace.record import ProgressRecord, Snapshot
+from elastrun.pace.agent.record import ProgressRecord, Snapshot
 from elastrun.wire.progress import (
     CHECK,
     LAST_NS,

@@ -36,7 +36,7 @@ from typing import Generic, TypeVar
 
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import check_number, parse_seconds
-from elastrun.pace.record import ProgressRecord
+from elastrun.pace.agent.record import ProgressRecord
 
 __all__ = [
     "NodeSummary",

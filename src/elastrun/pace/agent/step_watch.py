@@ -5,7 +5,7 @@ One ``PaceWatch`` per agent samples the progress board about once a second
 and step time go to the metric sink, and the pure :class:`StragglerDetector` compares
 the workers of this node. Across nodes, each agent publishes a summary of its own
 workers through the rendezvous store and the agent of group rank 0 compares the nodes
-(:mod:`elastrun.pace.exchange`); without a store of that kind (a single node, a
+(:mod:`elastrun.pace.agent.exchange`); without a store of that kind (a single node, a
 handler of another kind) detection stays node-local.
 
 A straggler is reported -- one warning, an ``agent.straggler`` event, the
@@ -21,9 +21,9 @@ from collections.abc import Iterable, Mapping
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.observe.sinks import EventSink, EventValue, MetricSink, labelled
-from elastrun.pace.exchange import NodeExchange
-from elastrun.pace.record import Snapshot
-from elastrun.pace.straggler import (
+from elastrun.pace.agent.exchange import NodeExchange
+from elastrun.pace.agent.record import Snapshot
+from elastrun.pace.agent.straggler import (
     NodeSummary,
     Straggler,
     StragglerDetector,
