@@ -39,11 +39,11 @@ from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.torchwire import TorchWireServer
 from elastrun.store.torchwire import codec as c
 from elastrun.store.torchwire.codec import Op, Request
-from elastrun.store.torchwire.connection import (
+from elastrun.store.torchwire.engine import compiled_engine_available
+from elastrun.store.torchwire.limits import (
     DEFAULT_MAX_CONNECTIONS,
     LISTENER_OPTIONS_INHERITED,
 )
-from elastrun.store.torchwire.engine import compiled_engine_available
 
 TIMEOUT = timedelta(seconds=5)
 

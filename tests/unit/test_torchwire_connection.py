@@ -10,7 +10,8 @@ import pytest
 
 from elastrun.store.torchwire import codec as c
 from elastrun.store.torchwire.codec import Op, Request
-from elastrun.store.torchwire.connection import Complaints, Connection, Hub, Limits
+from elastrun.store.torchwire.connection import Connection, Hub
+from elastrun.store.torchwire.limits import Complaints, Limits
 
 VALIDATE = Request(Op.VALIDATE, number=c.MAGIC)
 

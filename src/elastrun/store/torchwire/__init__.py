@@ -15,8 +15,8 @@ from elastrun.core.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from elastrun.store.torchwire.codec import DEFAULT_MAX_FRAME, DEFAULT_MAX_KEY
-    from elastrun.store.torchwire.connection import DEFAULT_MAX_CONNECTIONS
     from elastrun.store.torchwire.lazy import LazyTorchWireServer
+    from elastrun.store.torchwire.limits import DEFAULT_MAX_CONNECTIONS
     from elastrun.store.torchwire.server import TorchWireServer
 
 # Resolved on first use: the agent imports this package on its launch path, and the
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "DEFAULT_MAX_FRAME": "elastrun.store.torchwire.codec",
     "DEFAULT_MAX_KEY": "elastrun.store.torchwire.codec",
-    "DEFAULT_MAX_CONNECTIONS": "elastrun.store.torchwire.connection",
+    "DEFAULT_MAX_CONNECTIONS": "elastrun.store.torchwire.limits",
     "LazyTorchWireServer": "elastrun.store.torchwire.lazy",
     "TorchWireServer": "elastrun.store.torchwire.server",
 }

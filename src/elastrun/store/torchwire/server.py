@@ -37,15 +37,10 @@ from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.tcp.server import bind_listeners
 from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec
-from elastrun.store.torchwire.connection import (
-    DEFAULT_MAX_CONNECTIONS,
-    Complaints,
-    Connection,
-    Hub,
-    Limits,
-)
+from elastrun.store.torchwire.connection import Connection, Hub
 from elastrun.store.torchwire.engine import choose_engine
 from elastrun.store.torchwire.lazy import BACKLOG
+from elastrun.store.torchwire.limits import DEFAULT_MAX_CONNECTIONS, Complaints, Limits
 
 if TYPE_CHECKING:
     # A package-level import: the import-contract checker sees no extension modules.
