@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from elastrun.core import cancel
 from elastrun.core.clock import Clock
 from elastrun.core.errors import StoreTimeoutError
+from elastrun.rendezvous.elastic import StoreSeat
 from elastrun.rendezvous.exclusion import versioned_doc
 from elastrun.store.api import Store
 
@@ -112,6 +113,13 @@ class CheckBoard:
         self._lease = lease
         self._clock = clock
         self._window = window
+
+    @classmethod
+    def at(cls, seat: StoreSeat) -> CheckBoard:
+        """The board in the run's store where the rendezvous seated this node."""
+        return cls(
+            seat.store, seat.prefix, seat.node, seat.addr, lease=seat.lease, clock=seat.clock
+        )
 
     # -- the wave ------------------------------------------------------------------------
 

@@ -176,7 +176,8 @@ class NodeCheck:
         # A child scope: the descriptor its waits select on is released with it.
         with parent.child() as scope, scope.active(), contextlib.ExitStack() as helpers:
             compute = self._start(["compute"], deadline, helpers)
-            board = self._rdzv.check_board()
+            seat = self._rdzv.store_seat()
+            board = None if seat is None else CheckBoard.at(seat)
             wave = self._join(board, deadline)
             compute_s, why = self._compute(compute, scope, deadline)
             if why is None and self._rule.script is not None:

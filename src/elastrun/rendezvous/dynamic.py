@@ -21,7 +21,7 @@ Keys of a run, under ``/elastrun/<run_id>/`` (``keys.RunKeys``):
 ``ctl/excluded/<node>``      bound to the lease: the node sits out a cool-down
 ``ctl/away/<node>``          bound to the lease: the node re-joins late or never
 ``strikes/<node>``           the times of the node's recent failures (``exclusion``)
-``check/...``                node checks: waves, ports, results (``nodecheck.board``)
+``check/...``                node checks: waves, ports, results (``nodecheck.agent.board``)
 ``current``                  the newest closed round
 ``budget``                   failure restarts used by the whole job
 
@@ -70,7 +70,6 @@ from elastrun.core.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
-from elastrun.nodecheck.board import CheckBoard
 from elastrun.rendezvous import joining, quiet
 from elastrun.rendezvous.api import (
     BarrierResult,
@@ -79,6 +78,7 @@ from elastrun.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
+from elastrun.rendezvous.elastic import StoreSeat
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
@@ -324,14 +324,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return False
             return True
 
-    def check_board(self) -> CheckBoard:
-        """Where node checks meet in this run's store, once this node holds a lease."""
+    def store_seat(self) -> StoreSeat:
+        """This node's place in this run's store, once this node holds a lease."""
         with self._agent_call():
             self._register()
         me, lease, clock = self._node, self._liveness.lease, self._clock
-        return CheckBoard(
-            self._store, self._keys.prefix, me.node_id, me.addr, lease=lease, clock=clock
-        )
+        return StoreSeat(self._store, self._keys.prefix, me.node_id, me.addr, lease, clock)
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
         """This node's workers finished: wait (up to ``timeout``) for the round's

@@ -23,14 +23,31 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from elastrun.core import cancel
 from elastrun.core.cancel import CancelScope
+from elastrun.core.clock import Clock
 from elastrun.core.errors import RendezvousTimeoutError
-from elastrun.nodecheck.board import CheckBoard
 from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo, RoundOutcome
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
+from elastrun.store.api import Store
+
+
+@dataclass(frozen=True)
+class StoreSeat:
+    """This node's place in the run's store, for a part that meets the other nodes there
+    (the node check builds its board from it): the store, the run's key prefix, this
+    node's id and address, its lease (keys bound to it vanish with the node) and the
+    rendezvous's clock."""
+
+    store: Store
+    prefix: str
+    node: str
+    addr: str
+    lease: int | None
+    clock: Clock
 
 
 @runtime_checkable
@@ -111,9 +128,10 @@ class ElasticRendezvous(Protocol):
         current cancel scope); whether it is."""
         ...
 
-    def check_board(self) -> CheckBoard | None:
-        """Where node checks meet in the store (``nodecheck.board``), with this node's lease
-        taken first; None: no store to meet in (the node is checked alone)."""
+    def store_seat(self) -> StoreSeat | None:
+        """This node's place in the run's store, with its lease taken first (the node
+        check meets the other nodes there); None: no store to meet in (the node is
+        checked alone)."""
         ...
 
 
@@ -185,7 +203,7 @@ class PlainRendezvous:
         cancel.current().sleep(timeout)  # (never asked: no one is excluded here)
         return False
 
-    def check_board(self) -> CheckBoard | None:
+    def store_seat(self) -> StoreSeat | None:
         return None  # no store of ours: a node is checked alone, for compute only
 
     def __repr__(self) -> str:
