@@ -46,24 +46,21 @@ client the workers do not otherwise hold).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import queue
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from elastrun.checkpoint.worker import ranks
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.checkpoint.worker.space import (
@@ -89,9 +86,6 @@ Overlap = Literal["wait", "skip"]
 #: ``Stateful`` objects and plain values, nested; DCP interprets them, not this module.
 StateDict = dict[str, Any]
 
-#: Steps each rank reports to the agreement on the step to load (it holds at most two
-#: complete, more only if left by a writer other than ``MemoryCheckpoint``).
-_REPORTED = 4
 #: Seconds between two log lines about overlapping saves.
 _OVERLAP_LOG_EVERY = 60.0
 
@@ -196,7 +190,7 @@ class MemoryCheckpoint:
             reader = MemoryStorageReader(
                 steps.directory, step, rank=steps.rank, world_size=steps.world_size
             )
-            with _dcp_call(f"loading step {step}"):
+            with ranks.dcp_call(f"loading step {step}"):
                 dcp_load(state_dict, storage_reader=reader, no_dist=True)
             log.info("memory checkpoint: rank %d loaded step %d", steps.rank, step)
         steps.keep_only(set() if step is None else {step})
@@ -248,7 +242,7 @@ class MemoryCheckpoint:
         )
         self._last = step
         try:
-            with _dcp_call(f"saving step {step}"):
+            with ranks.dcp_call(f"saving step {step}"):
                 dcp_save(state_dict, storage_writer=writer, no_dist=True)
         except BaseException:
             steps.remove(step)
@@ -364,36 +358,17 @@ class MemoryCheckpoint:
 
     def _agree_on_step(self, complete: list[int]) -> int | None:
         """The newest step every rank holds complete (None: there is none)."""
-        mine = complete[-_REPORTED:]
-        if self._group is None:
-            return mine[-1] if mine else None
-        report = torch.full((_REPORTED,), -1, dtype=torch.int64)
-        report[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
-        held = [torch.empty_like(report) for _ in range(self._started().world_size)]
-        dist.all_gather(held, report, group=self._group)
-        sets = [{s for s in r.tolist() if s >= 0} for r in held]
-        common = set.intersection(*sets)
-        if not common and any(sets):
-            log.warning(
-                "memory checkpoint: no step is complete on every rank (held: %s); "
-                "starting without one",
-                {rank: sorted(s) for rank, s in enumerate(sets) if s},
-            )
-        return max(common) if common else None
+        return ranks.newest_common(self._group, self._started().world_size, complete)
 
     def _agree_complete(self, step: int, complete_here: bool) -> bool | None:
         """Whether ``step`` is complete on every rank (None: the ranks lost each other)."""
-        if self._group is None:
-            return complete_here
-        flag = torch.tensor([int(complete_here)], dtype=torch.int64)
         try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+            return ranks.all_hold(self._group, complete_here)
         except RuntimeError as exc:
             with self._lock:
                 self._broken = f"the ranks lost each other agreeing on step {step}: {exc}"
             log.warning("memory checkpoint: %s", self._broken)
             return None
-        return bool(flag.item())
 
     def _barrier(self) -> None:
         if self._group is not None:
@@ -510,22 +485,3 @@ def _local_rank() -> int:
         return max(0, int(os.environ.get("LOCAL_RANK", "0")))
     except ValueError:
         return 0
-
-
-@contextlib.contextmanager
-def _dcp_call(what: str) -> Iterator[None]:
-    """A call of DCP on this rank alone: its failure raised as elastrun's (DCP gathers
-    every rank's exception into a ``CheckpointException``, a ``BaseException`` whose
-    text is a traceback), and its warning that it assumes one process silenced, which
-    is the point here (see ``checkpoint.worker.storage``)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="torch.distributed is disabled", category=UserWarning
-        )
-        try:
-            yield
-        except CheckpointException as exc:
-            inner = next(iter(exc.failures.values()), (exc, None))[0]
-            if isinstance(inner, MemoryCheckpointError):
-                raise inner from None
-            raise MemoryCheckpointError(f"{what} failed: {inner!r}") from inner
