@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from elastrun.agent.cooldown import CoolDown
-from elastrun.agent.interrupt import Interruptible
 from elastrun.core import cancel
 from elastrun.core.errors import ConfigError, NodeExcludedError, ShutdownRequested
+from elastrun.core.interrupt import Interruptible
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MemoryEventSink, NullMetricSink
 from elastrun.rendezvous.decide import Joiner, RoundView, Verdict, decide_round

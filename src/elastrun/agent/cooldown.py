@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import logging
 
-from elastrun.agent.interrupt import Interruptible
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
 from elastrun.core.errors import NodeExcludedError
+from elastrun.core.interrupt import Interruptible
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.rendezvous.elastic import ElasticRendezvous
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from elastrun.agent.bootstrap_store import BootstrapStore
-from elastrun.agent.interrupt import Interruptible
 from elastrun.agent.plan import LaunchPlan, RoundFacts, WorkerServices, round_plan
 from elastrun.agent.policy import RestartBudget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.core.clock import Clock
+from elastrun.core.interrupt import Interruptible
 from elastrun.pace.agent.step_watch import PaceWatch
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
 from elastrun.rendezvous.elastic import ElasticRendezvous

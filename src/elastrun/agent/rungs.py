@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 
 from elastrun.agent import failures
-from elastrun.agent.interrupt import Interruptible
 from elastrun.agent.ladder import Failure, GroupDecision, Reaction
 from elastrun.agent.policy import Decision, RestartBudget, RestartPolicy
 from elastrun.checkpoint.agent.reports import CheckpointReports
+from elastrun.core.interrupt import Interruptible
 from elastrun.nodecheck.check import NodeCheck
 from elastrun.observe.sinks import EventSink
 from elastrun.pace.agent.stall_watch import ProgressWatch

@@ -18,7 +18,6 @@ import uuid
 from dataclasses import dataclass
 
 from elastrun.agent.cooldown import CoolDown
-from elastrun.agent.interrupt import Interruptible
 from elastrun.agent.ladder import Ladder, Rung
 from elastrun.agent.notices import Notices
 from elastrun.agent.options import AgentOptions
@@ -34,6 +33,7 @@ from elastrun.agent.workers import Guard, WorkerProcesses
 from elastrun.checkpoint.agent.node_dir import NodeCheckpointDir
 from elastrun.checkpoint.agent.reports import CheckpointReports
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
+from elastrun.core.interrupt import Interruptible
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.inprocess.agent.recovery import InprocessRecovery
 from elastrun.inprocess.agent.rung import InPlaceRung

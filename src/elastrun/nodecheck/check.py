@@ -39,10 +39,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elastrun.agent.interrupt import Interruptible
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
 from elastrun.core.errors import StoreTimeoutError
+from elastrun.core.interrupt import Interruptible
 from elastrun.nodecheck.board import CheckBoard, LinkResult, Wave
 from elastrun.nodecheck.verdicts import Isolation, NodeCheckRule
 from elastrun.observe.sinks import EventSink, MetricSink

@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 
 from elastrun.agent.attempt import Attempt
-from elastrun.agent.interrupt import Interruptible
 from elastrun.agent.ladder import GroupDecision
 from elastrun.agent.plan import LaunchPlan
 from elastrun.agent.policy import RestartBudget
 from elastrun.agent.rounds import Rounds
 from elastrun.agent.spec import WorkerGroup
+from elastrun.core.interrupt import Interruptible
 from elastrun.inprocess.agent.agree import Agreement, Offer, agree
 from elastrun.inprocess.agent.recovery import InprocessRecovery
 from elastrun.pace.agent.step_watch import PaceWatch
