@@ -24,7 +24,8 @@ from elastrun.store.torchwire.server import TorchWireServer
 #   "stay": form (the test kills it once it is forming);
 #   "now": form, and say the round is superseded 3 s after it started;
 #   "late": wait 1.5 s (the first try of its peer, 1 s, times out), then form;
-#   "slow": form, then wait 3 s (over the first try's timeout) before the collective.
+#   "slow": form, then wait 3 s (over the first try's timeout) before the collective;
+#   "broken": form alone, where every init fails at once (in 3 tries).
 RANK = """
 import datetime, os, sys, time
 import torch, torch.distributed as dist
@@ -35,14 +36,22 @@ port, rank, then = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
 if then == "late":
     time.sleep(1.5)
+if then == "broken":
+    def init_process_group(*args, **kwargs):
+        raise RuntimeError("no device for gloo")
+    dist.init_process_group = init_process_group
+    sync.FORM_TRIES = 3
 print("forming", flush=True)
 t0 = time.monotonic()
 superseded = (lambda: time.monotonic() - t0 > 3.0) if then == "now" else (lambda: False)
 try:
-    sync._form(PrefixStore("test/", store), rank, 2, 7, superseded)
+    sync._form(PrefixStore("test/", store), rank, 1 if then == "broken" else 2, 7, superseded)
 except sync.Superseded as exc:
     print(f"superseded after {time.monotonic() - t0:.1f}s: {exc}")
     sys.exit(3)
+except RuntimeError as exc:
+    print(f"failed after {time.monotonic() - t0:.1f}s: {exc}")
+    sys.exit(4)
 if then == "slow":
     time.sleep(3.0)
 t = torch.ones(2)
@@ -134,3 +143,17 @@ def test_the_exchange_after_the_formation_runs_under_the_long_timeout(tmp_path: 
     for proc, out in zip(procs, outs, strict=True):
         assert proc.returncode == 0, out
         assert "reduced 2" in out, out
+
+
+def test_a_formation_that_fails_every_try_fails_for_good(tmp_path: Path) -> None:
+    # An init that fails at once every time (a backend that cannot start) is not tried
+    # for ever: after the last try the rank raises, and the agent is asked as for any
+    # failed collective.
+    with _store() as port:
+        procs = [_rank(tmp_path, port, 0, "broken")]
+        try:
+            out, _ = procs[0].communicate(timeout=60)
+        finally:
+            _ended(procs)
+    assert procs[0].returncode == 4, out
+    assert "did not form in 3 tries (the last: no device for gloo)" in out, out

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import logging
 import os
 import socket
@@ -37,6 +36,8 @@ SYNC_TIMEOUT = datetime.timedelta(seconds=120)
 #: How long the first try to form the synchronisation's group may take; each further
 #: try doubles it (see ``_form``).
 FORM_TIMEOUT = datetime.timedelta(seconds=1)
+#: Tries before the formation fails for good (1 + 2 + ... + 32 s: a minute).
+FORM_TRIES = 6
 #: How long one try of torch's store client may take to connect: it retries a refused
 #: port until then, deaf to a newer round, so tries are short and the round is checked
 #: between them (see ``_connect``).
@@ -118,7 +119,7 @@ def _form(
     from torch._C._distributed_c10d import PrefixStore
 
     timeout = FORM_TIMEOUT
-    for attempt in itertools.count():
+    for attempt in range(FORM_TRIES):
         tried = PrefixStore(f"form/{attempt}/", store)
         try:
             dist.init_process_group(
@@ -141,12 +142,17 @@ def _form(
         if formed:
             dist.destroy_process_group()
             keep_parked()
-        log.info(
-            "in-process round %d: the synchronisation's group did not form within %.0fs "
-            "(%s); trying again", round_no, timeout.total_seconds(),
-            why[0][:160] if why else "a peer's try failed",
-        )  # fmt: skip
+        what = why[0][:160] if why else "a peer's try failed"
+        if attempt + 1 < FORM_TRIES:
+            log.info(
+                "in-process round %d: the synchronisation's group did not form within "
+                "%.0fs (%s); trying again", round_no, timeout.total_seconds(), what,
+            )  # fmt: skip
         timeout *= 2
+    raise RuntimeError(
+        f"in-process round {round_no}: the synchronisation's group did not form in "
+        f"{FORM_TRIES} tries (the last: {what})"
+    )
 
 
 def _await(
