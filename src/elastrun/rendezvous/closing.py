@@ -251,12 +251,20 @@ def decide_ahead(
         yield Put(k.next_call(n - 1), call_to_join(view.why()))
         return
     won, _ = yield CompareSet(k.closer(n), None, ctx.node_id.encode(), leased=True)
-    if not won:
-        return
+    if won:
+        yield from _close_ahead(ctx, n, view, verdict.members, rev)
+
+
+def _close_ahead(
+    ctx: Context, n: int, view: RoundView, members: tuple[str, ...], rev: int
+) -> Protocol:
+    """``decide_ahead``, the round's closer now: decide round ``n`` and call round
+    ``n-1``'s quiet members into it."""
+    k = ctx.keys
     if view.closed is not None:
         yield from publish_closed(ctx, n, view)
         return
-    members = lead(verdict.members, view.previous, ctx.node_id)  # rank 0 lost: the decider
+    members = lead(members, view.previous, ctx.node_id)  # rank 0 lost: the decider
     held = load((yield from commit(ctx, n, view, members, rev, ctx.node_id, call=False)))
     if not isinstance(held, dict) or held.get("closer") != ctx.node_id:
         return  # another decision holds: its decider made the call
