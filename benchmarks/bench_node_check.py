@@ -3,13 +3,13 @@
 Measured on this machine:
 
 * **cost per node**: the check's own processes as the agent runs them
-  (``python -m elastrun.nodecheck.runner``): the compute part (the interpreter, torch's
+  (``python -m elastrun.nodecheck.worker.runner``): the compute part (the interpreter, torch's
   import, a warm-up and the timed matrix products; CUDA's start-up too where there is a
   GPU) and one link test (a serving and a connecting process exchanging 1 MiB each way 4
   times over loopback): wall time and CPU time (the processes' user + system).
 
 Simulated (``--nodes`` agents, as the rendezvous benchmark simulates them, but only
-their decisions: the pairing is ``nodecheck.verdicts.Isolation``, the code every agent
+their decisions: the pairing is ``nodecheck.agent.verdicts.Isolation``, the code every agent
 runs, fed with simulated times):
 
 * **time to name one bad node among N**: agents start spread over 2 s; the wave closes
@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 from _report import Benchmark, Headline, Section, absolute_check
 
-from elastrun.nodecheck.board import WINDOW
-from elastrun.nodecheck.verdicts import Isolation
+from elastrun.nodecheck.agent.board import WINDOW
+from elastrun.nodecheck.agent.verdicts import Isolation
 
-MODULE = [sys.executable, "-m", "elastrun.nodecheck.runner", "--deadline", "120"]
+MODULE = [sys.executable, "-m", "elastrun.nodecheck.worker.runner", "--deadline", "120"]
 #: Simulated: agents' start spread, a good link's exchange, the bad one's slowdown, and
 #: one store round trip at 1,000 clients.
 START_SPREAD_S = 2.0
@@ -198,8 +198,8 @@ def body(section: Section, opts: Options) -> None:
         "wave's 5 s window and the compute part (torch's import above all) dominate."
     )
     section.commands["cost"] = (
-        "python -m elastrun.nodecheck.runner compute; "
-        "python -m elastrun.nodecheck.runner serve 127.0.0.1 + connect 127.0.0.1 PORT"
+        "python -m elastrun.nodecheck.worker.runner compute; "
+        "python -m elastrun.nodecheck.worker.runner serve 127.0.0.1 + connect 127.0.0.1 PORT"
     )
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from _helpers import pid_alive, wait_for, write_script
 from elastrun.core.cancel import CancelScope
-from elastrun.nodecheck.runner import NOT_RUN
+from elastrun.nodecheck.worker.runner import NOT_RUN
 from elastrun.supervise.processes.helper import Helper
 
 #: The sleeps the scripts start, by a length nothing else on the machine uses.
@@ -43,7 +43,7 @@ def _finish(helper: Helper) -> int | None:
 
 
 def _start(script: Path, *args: str) -> Helper:
-    argv = [sys.executable, "-m", "elastrun.nodecheck.runner", "--parent", str(os.getpid())]
+    argv = [sys.executable, "-m", "elastrun.nodecheck.worker.runner", "--parent", str(os.getpid())]
     return Helper.start([*argv, "script", "--", str(script), *args], os.environ)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from elastrun.nodecheck.check import QUOTE, quote
+from elastrun.nodecheck.agent.check import QUOTE, quote
 from elastrun.supervise.processes.helper import CUT, LINE_MAX, PENDING, TAIL, OutputTail
 
 

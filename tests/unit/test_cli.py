@@ -1136,7 +1136,7 @@ def test_exclusion_is_off_by_default_and_set_by_its_options(
 def test_the_node_check_is_off_by_default_and_set_by_its_options(
     run: Callable[..., Launch], fail: Callable[..., ConfigError]
 ) -> None:
-    from elastrun.nodecheck.verdicts import NodeCheckRule
+    from elastrun.nodecheck.agent.verdicts import NodeCheckRule
 
     assert run().config.node_check == NodeCheckRule() and not run().config.node_check.enabled
     on = run("--node-check", "--node-check-timeout", "30", "--node_check_slowdown", "2.5")

@@ -19,7 +19,7 @@ from elastrun.agent.options import AgentOptions
 from elastrun.agent.spec import WorkerSpec, WorkerState
 from elastrun.core.errors import ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
-from elastrun.nodecheck.verdicts import NodeCheckRule
+from elastrun.nodecheck.agent.verdicts import NodeCheckRule
 from elastrun.observe.sinks import MemoryEventSink
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
 from elastrun.testing import FakeClock, FakeStarter, NullGuard
@@ -79,7 +79,7 @@ def test_a_node_is_checked_before_its_first_round_and_after_its_own_failure(
     assert agent.run().state is WorkerState.SUCCEEDED
     checks = calls.read_text().splitlines()
     assert len(checks) == 2 and all(c.endswith(" compute") for c in checks)
-    assert "-m elastrun.nodecheck.runner" in checks[0]
+    assert "-m elastrun.nodecheck.worker.runner" in checks[0]
     assert metrics.values("agent.node_check_failed") == [0, 0]
 
 

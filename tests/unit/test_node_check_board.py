@@ -11,7 +11,7 @@ import threading
 import time
 
 from elastrun.core.clock import SYSTEM_CLOCK
-from elastrun.nodecheck.board import CheckBoard, LinkResult, Wave
+from elastrun.nodecheck.agent.board import CheckBoard, LinkResult, Wave
 from elastrun.store.memory import MemoryStore
 
 WINDOW = 0.3
@@ -69,7 +69,7 @@ def test_a_partner_that_cannot_serve_says_so_at_once() -> None:
 def _check(*args: str, fault: str = "") -> tuple[int, list[dict[str, object]]]:
     env = {"ELASTRUN_TEST_NODE_CHECK": fault, "PYTHONPATH": ":".join(sys.path)}
     proc = subprocess.run(
-        [sys.executable, "-m", "elastrun.nodecheck.runner", "--deadline", "20", *args],
+        [sys.executable, "-m", "elastrun.nodecheck.worker.runner", "--deadline", "20", *args],
         check=False, capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     return proc.returncode, [json.loads(x) for x in proc.stdout.splitlines()]
@@ -79,7 +79,7 @@ def test_the_fault_hook_fails_the_check_process_at_once_and_slows_its_link() -> 
     status, lines = _check("compute", fault="fail")
     assert status == 1 and lines[-1]["ok"] is False and "injected" in str(lines[-1]["error"])
     with subprocess.Popen(
-        [sys.executable, "-m", "elastrun.nodecheck.runner", "serve", "127.0.0.1"],
+        [sys.executable, "-m", "elastrun.nodecheck.worker.runner", "serve", "127.0.0.1"],
         stdout=subprocess.PIPE, text=True,
         env={"ELASTRUN_TEST_NODE_CHECK": "slow:0.3", "PYTHONPATH": ":".join(sys.path)},
     ) as server:  # fmt: skip

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from elastrun.core.errors import ConfigError
-from elastrun.nodecheck.verdicts import (
+from elastrun.nodecheck.agent.verdicts import (
     Isolation,
     NodeCheckRule,
     Pair,

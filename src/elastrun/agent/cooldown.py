@@ -47,7 +47,7 @@ class CoolDown:
         events, metrics: where exclusions are told.
         clock: the agent's (wall-clock time: the records are read on other hosts).
         line_every: how often the waiting line repeats.
-        node_check: nodes are checked (``nodecheck.check``): a failed check excludes a
+        node_check: nodes are checked (``nodecheck.agent.check``): a failed check excludes a
             node even when ``rule`` excludes none for its failures.
     """
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from elastrun.agent.watches import STUCK_EXIT_TIMEOUT
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import parse_seconds
-from elastrun.nodecheck.verdicts import NodeCheckRule
+from elastrun.nodecheck.agent.verdicts import NodeCheckRule
 from elastrun.pace import AutoTimeout, StragglerSettings
 from elastrun.rendezvous.exclusion import ExclusionRule
 from elastrun.wire.env import SIGNALS_TO_HANDLE_ENV, inprocess_wanted

@@ -11,7 +11,7 @@ from elastrun.agent.ladder import Failure, GroupDecision, Reaction
 from elastrun.agent.policy import Decision, RestartBudget, RestartPolicy
 from elastrun.checkpoint.agent.reports import CheckpointReports
 from elastrun.core.interrupt import Interruptible
-from elastrun.nodecheck.check import NodeCheck
+from elastrun.nodecheck.agent.check import NodeCheck
 from elastrun.observe.sinks import EventSink
 from elastrun.pace.agent.stall_watch import ProgressWatch
 from elastrun.rendezvous.elastic import ElasticRendezvous

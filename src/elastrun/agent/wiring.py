@@ -38,7 +38,7 @@ from elastrun.core.shutdown import ShutdownRequest
 from elastrun.inprocess.agent.recovery import InprocessRecovery
 from elastrun.inprocess.agent.rung import InPlaceRung
 from elastrun.inprocess.agent.steps import InprocessSteps
-from elastrun.nodecheck.check import NodeCheck
+from elastrun.nodecheck.agent.check import NodeCheck
 from elastrun.observe.sinks import EventSink, MetricSink, NullEventSink, NullMetricSink
 from elastrun.pace.agent.stall_watch import ProgressWatch
 from elastrun.pace.agent.step_watch import PaceWatch

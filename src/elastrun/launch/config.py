@@ -23,7 +23,7 @@ from elastrun.core.values import (
     parse_port,
     parse_seconds,
 )
-from elastrun.nodecheck.verdicts import NodeCheckRule
+from elastrun.nodecheck.agent.verdicts import NodeCheckRule
 from elastrun.pace.agent.hang import AutoTimeout, parse_hang_timeout
 from elastrun.pace.agent.straggler import StragglerSettings
 from elastrun.rendezvous.exclusion import ExclusionRule

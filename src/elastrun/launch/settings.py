@@ -18,7 +18,7 @@ from elastrun.launch.config import START_METHODS, parse_signals
 from elastrun.launch.options import NUMA_BINDINGS
 from elastrun.launch.parsers import parse_nnodes, parse_nproc_per_node, to_choice
 from elastrun.launch.paths import check_writable_file
-from elastrun.nodecheck.verdicts import NodeCheckRule
+from elastrun.nodecheck.agent.verdicts import NodeCheckRule
 from elastrun.pace.agent.hang import AutoTimeout, parse_hang_timeout
 from elastrun.pace.agent.straggler import StragglerSettings, parse_straggler_factor
 from elastrun.rendezvous.exclusion import ExclusionRule

@@ -226,10 +226,7 @@ def join_round(
     """
     k = ctx.keys
     out, result_key, closer_key = k.out(n), k.result(n), k.closer(n)
-    if known is not None:
-        found, rev = dict(known.out), known.rev
-    else:
-        found, rev = yield GetPrefix(out)
+    found, rev = (dict(known.out), known.rev) if known is not None else (yield GetPrefix(out))
     raw = found.get(result_key)
     if raw is not None:
         # Decided: a node in it (presumed) needs no join, and a spare's join would come

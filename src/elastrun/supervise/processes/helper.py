@@ -5,7 +5,7 @@ starts one, reads the JSON lines it prints, and waits for its exit -- every read
 agent's shutdown scope and against a deadline, so that a signal or an overrun ends it
 at once. It runs in a session of its own; ending it asks that whole session to stop
 (SIGTERM: the node check's runner then ends the descendants it adopted, see
-``nodecheck.runner``), and kills what is left after ``STOP_GRACE``, and reaps it with a
+``nodecheck.worker.runner``), and kills what is left after ``STOP_GRACE``, and reaps it with a
 bound. Its stdout and stderr are one stream: only the last lines are kept, for the
 message when it fails (``OutputTail``).
 

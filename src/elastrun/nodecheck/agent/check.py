@@ -2,13 +2,13 @@
 
 When: before the node's first round, and before it rejoins after a failure of its own
 workers (``due``); a failure elsewhere, or a re-formation, does not check it again.
-What: ``nodecheck.runner`` in processes of its own, with the workers' interpreter and
+What: ``nodecheck.worker.runner`` in processes of its own, with the workers' interpreter and
 base environment (the agent never imports torch, and never initialises CUDA): the
 compute part, started first so that its imports overlap the wave's window; then the
 user's script if any (it extends the built-in check: both must pass; the runner's
 ``script`` command runs it, and ends whatever it leaves running); then the link
-rounds that ``nodecheck.verdicts.Isolation`` pairs, met through the rendezvous store
-(``nodecheck.board``).
+rounds that ``nodecheck.agent.verdicts.Isolation`` pairs, met through the rendezvous store
+(``nodecheck.agent.board``).
 
 Deadlines: the whole check has ``--node-check-timeout``. A part of this node's own that
 overruns it fails the node. Waiting for peers does not: a peer that never reports is
@@ -43,8 +43,8 @@ from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
 from elastrun.core.errors import StoreTimeoutError
 from elastrun.core.interrupt import Interruptible
-from elastrun.nodecheck.board import CheckBoard, LinkResult, Wave
-from elastrun.nodecheck.verdicts import Isolation, NodeCheckRule
+from elastrun.nodecheck.agent.board import CheckBoard, LinkResult, Wave
+from elastrun.nodecheck.agent.verdicts import Isolation, NodeCheckRule
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.rendezvous.elastic import ElasticRendezvous
 from elastrun.supervise.processes.helper import CUT, Helper
@@ -53,7 +53,7 @@ __all__ = ["QUOTE", "CheckOutcome", "NodeCheck", "quote"]
 
 log = logging.getLogger("elastrun.agent")
 
-MODULE = "elastrun.nodecheck.runner"
+MODULE = "elastrun.nodecheck.worker.runner"
 #: The most characters of a check's output a message quotes.
 QUOTE = 300
 

@@ -259,7 +259,7 @@ def run_script(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; print its result as the last line of stdout; 0 when healthy."""
-    parser = argparse.ArgumentParser(prog="python -m elastrun.nodecheck.runner")
+    parser = argparse.ArgumentParser(prog="python -m elastrun.nodecheck.worker.runner")
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds from now")
     parser.add_argument("--parent", type=int, default=None, help="die with this process")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -23,7 +23,7 @@ machine, a CPU-only CI runner); a quarter of a second is far above that noise an
 below what a failing device or link costs a training step.
 
 Every node of a check computes the same pairs from the same results (the pairing is a
-deterministic function of them), so no node leads: ``nodecheck.board`` publishes the
+deterministic function of them), so no node leads: ``nodecheck.agent.board`` publishes the
 results through the rendezvous store and feeds them to this module on every node.
 """
 
