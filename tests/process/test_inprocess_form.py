@@ -117,25 +117,21 @@ def test_a_peer_killed_after_publishing_its_address_holds_the_others_for_seconds
         assert took < 10, out
 
 
-def test_a_try_that_fails_for_one_rank_is_tried_again_by_every_rank(tmp_path: Path) -> None:
-    # Rank 0's first try (1 s) ends before rank 1 comes: rank 1 may form with what rank 0
-    # left, or fail; either way both try again, with 2 s, and the group works.
+@pytest.mark.parametrize(
+    "second",
+    [
+        # Rank 0's first try (1 s) ends before rank 1 comes: rank 1 may form with what
+        # rank 0 left, or fail; either way both try again, with 2 s, and the group works.
+        "late",
+        # A rank 3 s late to the first collective, after a first try of 1 s: the
+        # collective waits for it (under the formation's timeout, it would fail).
+        "slow",
+    ],
+    ids=["a-try-failed-for-one-rank-is-tried-again-by-all", "the-exchange-gets-the-long-timeout"],
+)
+def test_a_two_rank_group_forms_and_reduces(tmp_path: Path, second: str) -> None:
     with _store() as port:
-        procs = [_rank(tmp_path, port, 0, "stay"), _rank(tmp_path, port, 1, "late")]
-        try:
-            outs = [proc.communicate(timeout=60)[0] for proc in procs]
-        finally:
-            _ended(procs)
-    for proc, out in zip(procs, outs, strict=True):
-        assert proc.returncode == 0, out
-        assert "reduced 2" in out, out
-
-
-def test_the_exchange_after_the_formation_runs_under_the_long_timeout(tmp_path: Path) -> None:
-    # A rank 3 s late to the first collective, after a first try of 1 s: the collective
-    # waits for it (under the formation's timeout, it would fail).
-    with _store() as port:
-        procs = [_rank(tmp_path, port, 0, "stay"), _rank(tmp_path, port, 1, "slow")]
+        procs = [_rank(tmp_path, port, 0, "stay"), _rank(tmp_path, port, 1, second)]
         try:
             outs = [proc.communicate(timeout=60)[0] for proc in procs]
         finally:
