@@ -12,6 +12,7 @@ import ast
 import io
 import re
 import tokenize
+import tomllib
 from pathlib import Path
 
 import elastrun
@@ -121,6 +122,90 @@ def test_each_cross_process_concept_lives_in_one_folder() -> None:
     assert strays == []
     for folder in CONCEPT_FOLDERS:
         assert (PACKAGE_DIR / folder / "__init__.py").is_file()
+
+
+# -- the import contracts name packages, and every module is under one of them -----------
+
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+#: The two contracts that place every module: the agent side's layers, and the worker
+#: side (the source of the contract that keeps it from importing the agent side).
+LAYERS = "Layers point one way (DESIGN.md section 2)"
+WORKER_SIDE = "Worker-side helpers never import the agent side"
+#: Modules no side owns, by design: the package's facade and entry point, the concept
+#: folders' own ``__init__`` (each re-exports its public names by name, loading neither
+#: side until one is read), and the fakes for tests.
+FACADES = {
+    "elastrun",
+    "elastrun.__main__",
+    "elastrun.checkpoint",
+    "elastrun.inprocess",
+    "elastrun.nodecheck",
+    "elastrun.pace",
+    "elastrun.template",
+    "elastrun.testing",
+}
+
+
+def contract_sides(pyproject: str) -> list[str]:
+    """The packages the layers contract and the worker side's contract name, in order
+    (a layer row's siblings, split at ``:`` and ``|``, one each)."""
+    contracts = tomllib.loads(pyproject)["tool"]["importlinter"]["contracts"]
+    by_name = {contract["name"]: contract for contract in contracts}
+    rows = by_name[LAYERS]["layers"]
+    layers = [part.strip() for row in rows for part in re.split(r"[:|]", row)]
+    return [*layers, *by_name[WORKER_SIDE]["source_modules"]]
+
+
+def owners(module: str, sides: list[str]) -> list[str]:
+    """The sides ``module`` falls under (itself or a package above it)."""
+    return [side for side in sides if module == side or module.startswith(side + ".")]
+
+
+def test_every_module_falls_under_exactly_one_side_of_the_import_contracts() -> None:
+    sides = contract_sides(PYPROJECT.read_text(encoding="utf-8"))
+    misplaced = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        module, _ = _module_name(path)
+        found = owners(module, sides)
+        if len(found) != (0 if module in FACADES else 1):
+            misplaced[module] = found
+    assert misplaced == {}, (
+        "each module belongs to exactly one package the import contracts name (a facade "
+        f"to none): {misplaced}"
+    )
+
+
+def test_the_import_contracts_name_packages_not_modules() -> None:
+    sides = contract_sides(PYPROJECT.read_text(encoding="utf-8"))
+    modules = [
+        side
+        for side in sides
+        if not (PACKAGE_DIR.joinpath(*side.split(".")[1:]) / "__init__.py").is_file()
+    ]
+    assert modules == []
+    assert len(sides) == len(set(sides))
+
+
+def test_the_side_check_sees_a_module_under_none_and_under_two() -> None:
+    pyproject = """
+[[tool.importlinter.contracts]]
+name = "Layers point one way (DESIGN.md section 2)"
+layers = ["elastrun.a", "elastrun.b : elastrun.b.agent | elastrun.c"]
+[[tool.importlinter.contracts]]
+name = "Worker-side helpers never import the agent side"
+source_modules = ["elastrun.b.worker"]
+"""
+    sides = contract_sides(pyproject)
+    assert sides == [
+        "elastrun.a",
+        "elastrun.b",
+        "elastrun.b.agent",
+        "elastrun.c",
+        "elastrun.b.worker",
+    ]
+    assert owners("elastrun.a.x", sides) == ["elastrun.a"]
+    assert owners("elastrun.ab", sides) == []
+    assert owners("elastrun.b.agent.x", sides) == ["elastrun.b", "elastrun.b.agent"]
 
 
 #: What the loop may not import: the recovery strategies are rungs of the ladder
