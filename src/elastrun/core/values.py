@@ -231,3 +231,12 @@ def parse_host_port(
     except ConfigError as exc:
         raise ConfigError(field, text, f"the port {exc.reason}") from None
     return host, port
+
+
+def size_text(n: int) -> str:
+    """A size in bytes as people read it: ``1.50 GiB``, ``12.0 MiB``, ``3.0 KiB``."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB"

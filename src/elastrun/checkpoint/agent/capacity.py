@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 
 from elastrun.checkpoint.agent.node_dir import SHARED_MEMORY
+from elastrun.core.values import size_text
 from elastrun.wire.checkpoint import STEPS_HELD
 
 __all__ = ["capacity_lines"]
@@ -42,14 +43,6 @@ def capacity_lines(
     return [
         f"in {base} when the script uses elastrun.checkpoint: {STEPS_HELD} steps of each "
         "rank's state (the newest complete, one in progress)",
-        f"{_size(free)} free of {_size(total)} now for {local_ranks} local rank(s): up to "
-        f"{_size(per_rank)} of state per rank (checked before training)",
+        f"{size_text(free)} free of {size_text(total)} now for {local_ranks} local rank(s): up to "
+        f"{size_text(per_rank)} of state per rank (checked before training)",
     ]
-
-
-def _size(n: int) -> str:
-    if n >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if n >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n / 2**10:.1f} KiB"

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from elastrun.checkpoint.worker.errors import CheckpointSpaceError
 from elastrun.checkpoint.worker.steps import directory_usage
+from elastrun.core.values import size_text
 from elastrun.wire.checkpoint import STEPS_HELD
 
 __all__ = ["StatvfsResult", "check_space", "local_world_size", "state_bytes"]
@@ -88,19 +89,11 @@ def check_space(
         return
     where = os.path.dirname(directory.rstrip("/")) or directory
     raise CheckpointSpaceError(
-        f"memory checkpoints need {_size(needed)} of shared memory on this node "
-        f"({STEPS_HELD} steps x {local_ranks} local rank(s) x {_size(rank_bytes)}, rank "
-        f"{rank}'s state), and {where} has {_size(free + held)} for them ({_size(free)} "
-        f"free, {_size(held)} held by this job's checkpoints): give the node more shared "
+        f"memory checkpoints need {size_text(needed)} of shared memory on this node "
+        f"({STEPS_HELD} steps x {local_ranks} local rank(s) x {size_text(rank_bytes)}, rank "
+        f"{rank}'s state), and {where} has {size_text(free + held)} for them ({size_text(free)} "
+        f"free, {size_text(held)} held by this job's checkpoints): give the node more shared "
         f"memory (a container's --shm-size) or checkpoint less state",
         needed=needed,
         free=free + held,
     )
-
-
-def _size(n: int) -> str:
-    if n >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if n >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n / 2**10:.1f} KiB"
