@@ -68,6 +68,7 @@ import re
 from typing import NamedTuple
 
 from elastrun.core.errors import ElastrunError
+from elastrun.core.versioned import load_versioned
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
@@ -178,15 +179,7 @@ def decode_marker(text: str | bytes) -> Marker:
         MarkerError: not JSON, not an object, another version, or a field missing or
             not a non-negative integer.
     """
-    try:
-        data = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MarkerError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise MarkerError("not a JSON object")
-    version = data.get("version")
-    if version != VERSION or isinstance(version, bool):
-        raise MarkerError(f"version {version!r}, this elastrun reads version {VERSION}")
+    data = load_versioned(text, VERSION, MarkerError)
     values = []
     for name in Marker._fields:
         value = data.get(name)
@@ -243,15 +236,7 @@ def decode_report(text: str | bytes) -> RankReport:
             of the wrong kind (counts and steps are integers >= 0, a step may be null,
             times are numbers >= 0).
     """
-    try:
-        data = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ReportError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ReportError("not a JSON object")
-    version = data.get("version")
-    if version != VERSION or isinstance(version, bool):
-        raise ReportError(f"version {version!r}, this elastrun reads version {VERSION}")
+    data = load_versioned(text, VERSION, ReportError)
     values: dict[str, int | float | None] = {}
     for name in RankReport._fields:
         value = data.get(name)

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from elastrun.core.errors import ElastrunError
+from elastrun.core.versioned import load_versioned
 
 __all__ = ["FILE_NAME", "VERSION", "WorkerEntry", "WorkersFileError", "decode", "encode"]
 
@@ -56,15 +57,7 @@ def decode(text: str | bytes) -> dict[int, WorkerEntry]:
     Raises:
         WorkersFileError: not JSON, not an object, another version, or a malformed entry.
     """
-    try:
-        data = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise WorkersFileError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise WorkersFileError("not a JSON object")
-    version = data.get("version")
-    if version != VERSION or isinstance(version, bool):
-        raise WorkersFileError(f"version {version!r}, this elastrun reads version {VERSION}")
+    data = load_versioned(text, VERSION, WorkersFileError)
     workers = data.get("workers")
     if not isinstance(workers, dict):
         raise WorkersFileError("no object of workers")
