@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerGroup": "elastrun.agent.spec",
     "Worker": "elastrun.agent.spec",
     "RunResult": "elastrun.agent.spec",
-    "LocalElasticAgent": "elastrun.agent.local",
+    "LocalElasticAgent": "elastrun.launch.local_agent",
     "RendezvousHandler": "elastrun.rendezvous.api",
     "RendezvousParameters": "elastrun.rendezvous.api",
     "RendezvousInfo": "elastrun.rendezvous.api",
@@ -71,11 +71,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from elastrun.agent.local import LocalElasticAgent
     from elastrun.agent.spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
     from elastrun.core.errors import ConfigError, ElastrunError
     from elastrun.launch.api import elastic_launch, launch_agent
     from elastrun.launch.config import LaunchConfig
+    from elastrun.launch.local_agent import LocalElasticAgent
     from elastrun.pace.worker.report import progress
     from elastrun.rendezvous.api import (
         RendezvousHandler,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from _helpers import run, write_script
-from elastrun.agent.local import LocalElasticAgent
 from elastrun.launch.api import launch_agent
 from elastrun.launch.config import LaunchConfig
+from elastrun.launch.local_agent import LocalElasticAgent
 
 # Says whether it was forked from the template (its set-up module is loaded then).
 FORKED = """\

@@ -110,13 +110,13 @@ def test_a_plain_eight_worker_launch_loads_no_server_backend_or_tool_it_does_not
     tmp_path: Path,
 ) -> None:
     modules = _loaded(tmp_path, "--nproc-per-node", "8")
-    assert "elastrun.agent.local" in modules  # it did launch
+    assert "elastrun.launch.local_agent" in modules  # it did launch
     assert _offending(modules) == []
 
 
 def test_a_dry_run_loads_neither_the_agent_nor_the_workers_store(tmp_path: Path) -> None:
     modules = _loaded(tmp_path, "--dry-run", "--nproc-per-node", "8")
-    assert "elastrun.agent.local" not in modules
+    assert "elastrun.launch.local_agent" not in modules
     assert "elastrun.store.torchwire" not in modules
     assert [m for m in _offending(modules) if m != "elastrun.launch.dryrun"] == []
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.spec import WorkerSpec, WorkerState
 from elastrun.core.errors import ProcessStartError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
+from elastrun.launch.local_agent import LocalElasticAgent
 from elastrun.observe.sinks import MemoryEventSink
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
 from elastrun.testing import FakeClock, FakeStarter, NullGuard

@@ -66,8 +66,8 @@ def test_a_bad_variable_is_refused_before_anything_starts() -> None:
 
 
 def test_the_agents_face_refuses_settings_given_beside_the_options_that_hold_them() -> None:
-    from elastrun.agent.local import LocalElasticAgent
     from elastrun.agent.spec import WorkerSpec
+    from elastrun.launch.local_agent import LocalElasticAgent
 
     spec = WorkerSpec(local_world_size=1, entrypoint="/bin/true")
     options = AgentOptions.from_environ({})

@@ -209,7 +209,7 @@ source_modules = ["elastrun.b.worker"]
 
 
 #: What the loop may not import: the recovery strategies are rungs of the ladder
-#: (``agent.ladder``), assembled by ``agent.wiring``; the loop knows none by name.
+#: (``agent.ladder``), assembled by ``launch.assemble``; the loop knows none by name.
 STRATEGIES = (
     "elastrun.agent.rungs",
     "elastrun.agent.policy",

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from _helpers import wait_for
-from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.options import AgentOptions
 from elastrun.agent.spec import WorkerSpec, WorkerState
 from elastrun.core.errors import ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
+from elastrun.launch.local_agent import LocalElasticAgent
 from elastrun.nodecheck.agent.verdicts import NodeCheckRule
 from elastrun.observe.sinks import MemoryEventSink
 from elastrun.supervise.processes.logs import DefaultLogsSpecs

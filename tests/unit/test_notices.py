@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.notices import Notices
 from elastrun.agent.spec import WorkerSpec
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import Deadline
 from elastrun.core.errors import ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
+from elastrun.launch.local_agent import LocalElasticAgent
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
 from elastrun.supervise.processes.procset import ProcessSet
 from elastrun.testing import FakeStarter, NullGuard

@@ -22,10 +22,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastrun.agent.local import LocalElasticAgent
 from elastrun.agent.spec import WorkerSpec
 from elastrun.core.errors import RendezvousClosedError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
+from elastrun.launch.local_agent import LocalElasticAgent
 from elastrun.rendezvous import entering
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.decide import Away, Joiner, RoundView, Verdict, decide_round

@@ -6,7 +6,7 @@ the shutdown scope (cancelled: ``ShutdownRequested``), a notice that something c
 -- and checks the rendezvous for waiting nodes at most every ``monitor_interval``;
 nothing sleeps a fixed time on the recovery path.
 
-The work is done by the parts ``assemble`` built (agent.wiring); they return what they
+The work is done by the parts ``assemble`` built (launch.assemble); they return what they
 found or decided (a round's plan, a restart decision, the barrier's action) and the loop
 acts on it, entering each phase through the one state machine (``Lifecycle.enter``).
 A signal anywhere ends in ``ShutdownRequested``, answered in one place (``run``): the
@@ -25,10 +25,10 @@ from elastrun.agent import failures
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.finish import BarrierAction, barrier_action, return_values
 from elastrun.agent.ladder import GroupAction, GroupDecision, Move, Reaction
+from elastrun.agent.parts import AgentParts
 from elastrun.agent.phases import AgentPhase
 from elastrun.agent.plan import LaunchPlan
 from elastrun.agent.spec import RunResult, WorkerState
-from elastrun.agent.wiring import AgentParts
 from elastrun.core.clock import Deadline
 from elastrun.core.errors import ElastrunError, RendezvousClosedError, ShutdownRequested
 from elastrun.store.tcp.limits import fd_limit
@@ -46,7 +46,7 @@ def _ignore() -> None:
 class ElasticLoop:
     """Runs, watches and restarts the workers of one node, from its assembled parts.
 
-    ``LocalElasticAgent`` (agent.local) is its torch-compatible face.
+    ``LocalElasticAgent`` (launch.local_agent) is its torch-compatible face.
     """
 
     def __init__(self, parts: AgentParts) -> None:

@@ -25,7 +25,7 @@ from elastrun.supervise.processes.logs import DefaultLogsSpecs
 if TYPE_CHECKING:
     # Imported when the agent is built, after the worker template was started: loading
     # the agent then overlaps the template's own start-up (see _Extras.prepare_template).
-    from elastrun.agent.local import LocalElasticAgent
+    from elastrun.launch.local_agent import LocalElasticAgent
     from elastrun.observe.health import HealthCheckServer
     from elastrun.observe.prometheus import MetricsServer
     from elastrun.supervise.processes.relay import Console
@@ -105,10 +105,11 @@ def build_agent(
 ) -> LocalElasticAgent:
     """Wire the agent for ``config`` (no process is started); ``console``: see
     ``launch_agent``."""
-    from elastrun.agent.local import LocalElasticAgent
     from elastrun.agent.loop import ElasticLoop
     from elastrun.agent.options import AgentOptions
-    from elastrun.agent.wiring import World, assemble
+    from elastrun.agent.parts import World
+    from elastrun.launch.assemble import assemble
+    from elastrun.launch.local_agent import LocalElasticAgent
     from elastrun.supervise.processes.dstate import UninterruptibleWatch, timeout_from_env
     from elastrun.supervise.processes.relay import PYTHON_CONSOLE
     from elastrun.supervise.timers.agent_timer import AgentFileTimer

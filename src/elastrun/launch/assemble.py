@@ -1,38 +1,43 @@
-"""What an agent is made of, and how it is assembled from its options and the world.
+"""The composition root: how an agent is assembled from its options and the world.
 
-``assemble`` builds the parts the loop (agent.loop) works with, once, from the frozen
-``AgentOptions`` (agent.options) and the injected ``World`` (clock, process starter,
-sinks...; production defaults where a field is None): the worker processes
+``assemble`` builds the parts the loop (agent.loop) works with (``AgentParts``,
+agent.parts), once, from the frozen ``AgentOptions`` (agent.options) and the injected
+``World`` (agent.parts: clock, process starter, sinks...; production defaults where a
+field is None): the worker processes
 (agent.workers), the rounds (agent.rounds), the recovery ladder (agent.ladder: its
 rungs in agent.rungs and inprocess.agent.rung), the watches (agent.watches,
 pace.agent.stall_watch, pace.agent.step_watch), the report, the node's memory checkpoints
 (checkpoint.agent: their directory and the workers' reports in it) and the one state
 machine (agent.phases). The parts know nothing of the loop: none is handed it, and none
 calls back into it.
+
+It lives in the launch layer, above the agent and the recovery strategies it composes
+(in-process recovery's agent side uses the agent's parts), so that neither imports the
+other's folder back.
 """
 
 from __future__ import annotations
 
 import socket
 import uuid
-from dataclasses import dataclass
 
 from elastrun.agent.cooldown import CoolDown
 from elastrun.agent.ladder import Ladder, Rung
 from elastrun.agent.notices import Notices
 from elastrun.agent.options import AgentOptions
+from elastrun.agent.parts import AgentParts, World
 from elastrun.agent.phases import Lifecycle
 from elastrun.agent.plan import WorkerServices
-from elastrun.agent.policy import RestartAll, RestartBudget, RestartPolicy, default_budget
+from elastrun.agent.policy import RestartAll, RestartBudget, default_budget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.rounds import Rounds
 from elastrun.agent.rungs import BudgetRung, CrashLoopRung, GroupRestartRung, StallRung
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
-from elastrun.agent.watches import AttemptWatches, FileTimer
+from elastrun.agent.watches import AttemptWatches
 from elastrun.agent.workers import Guard, WorkerProcesses
 from elastrun.checkpoint.agent.node_dir import NodeCheckpointDir
 from elastrun.checkpoint.agent.reports import CheckpointReports
-from elastrun.core.clock import SYSTEM_CLOCK, Clock
+from elastrun.core.clock import Clock
 from elastrun.core.interrupt import Interruptible
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.inprocess.agent.recovery import InprocessRecovery
@@ -45,75 +50,10 @@ from elastrun.pace.agent.step_watch import PaceWatch
 from elastrun.rendezvous.api import RendezvousHandler
 from elastrun.rendezvous.elastic import ElasticRendezvous, as_elastic
 from elastrun.rendezvous.local import LocalRendezvousHandler
-from elastrun.supervise.processes.dstate import UninterruptibleWatch
 from elastrun.supervise.processes.guard import OrphanGuard
 from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsSpecs
-from elastrun.supervise.processes.relay import PYTHON_CONSOLE, Console
-from elastrun.supervise.processes.spawn import ProcessStarter
 
-__all__ = ["AgentParts", "World", "assemble"]
-
-
-@dataclass(frozen=True)
-class World:
-    """What an agent is given rather than builds: each None is a production default.
-
-    Attributes:
-        logs: where worker output and error files go (None: a temporary directory).
-        shutdown: the request the launcher's signal handlers set (None: the agent's own).
-        starter, policy, budget, clock, events, metrics, guard, file_timer, stuck_watch,
-        console: see ``LocalElasticAgent``.
-        checkpoints: the node's memory checkpoint directory (None: one in /dev/shm).
-    """
-
-    logs: LogsSpecs | None = None
-    shutdown: ShutdownRequest | None = None
-    starter: ProcessStarter | None = None
-    policy: RestartPolicy | None = None
-    budget: RestartBudget | None = None
-    clock: Clock = SYSTEM_CLOCK
-    events: EventSink | None = None
-    metrics: MetricSink | None = None
-    guard: Guard | None = None
-    file_timer: FileTimer | None = None
-    stuck_watch: UninterruptibleWatch | None = None
-    console: Console = PYTHON_CONSOLE
-    checkpoints: NodeCheckpointDir | None = None
-
-
-@dataclass(frozen=True)
-class AgentParts:
-    """The parts of one agent, assembled once (``assemble``); the loop holds them."""
-
-    spec: WorkerSpec
-    options: AgentOptions
-    logs: LogsSpecs
-    group: WorkerGroup
-    handler: RendezvousHandler
-    rdzv: ElasticRendezvous
-    shutdown: ShutdownRequest
-    owns_shutdown: bool  # the agent made ``shutdown`` (and closes it)
-    notices: Notices  # "look again" for the loop's wait (rendezvous news, hub messages)
-    budget: RestartBudget
-    clock: Clock
-    events: EventSink
-    metrics: MetricSink
-    guard: Guard
-    file_timer: FileTimer | None
-    host: str
-    lifecycle: Lifecycle
-    interruptible: Interruptible
-    progress: ProgressWatch
-    pace: PaceWatch
-    report: AgentReport
-    workers: WorkerProcesses
-    rounds: Rounds
-    ladder: Ladder
-    watches: AttemptWatches
-    cooldown: CoolDown
-    nodecheck: NodeCheck
-    checkpoints: NodeCheckpointDir  # the node's memory checkpoints, which outlive workers
-    checkpoint_reports: CheckpointReports  # what the workers say of them: events, metrics
+__all__ = ["assemble"]
 
 
 def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentParts:

@@ -2,9 +2,9 @@
 
 torch's callers build the agent with its arguments and call ``run``. Here those
 arguments become one frozen ``AgentOptions`` (agent.options) and one ``World`` of
-injected collaborators (agent.wiring), from which ``assemble`` builds the agent's parts
-and ``ElasticLoop`` (agent.loop) runs them; this class only holds the loop and answers
-for it.
+injected collaborators (agent.parts), from which ``assemble`` (launch.assemble) builds
+the agent's parts and ``ElasticLoop`` (agent.loop) runs them; this class only holds the
+loop and answers for it. It sits in the launch layer with the composition it calls.
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ from collections.abc import Mapping
 
 from elastrun.agent.loop import ElasticLoop
 from elastrun.agent.options import AgentOptions
+from elastrun.agent.parts import World
 from elastrun.agent.phases import AgentPhase
 from elastrun.agent.policy import RestartBudget, RestartPolicy
 from elastrun.agent.spec import RunResult, WorkerGroup, WorkerSpec
 from elastrun.agent.watches import STUCK_EXIT_TIMEOUT, FileTimer
-from elastrun.agent.wiring import World, assemble
 from elastrun.agent.workers import Guard
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError
 from elastrun.core.shutdown import ShutdownRequest
+from elastrun.launch.assemble import assemble
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.pace import AutoTimeout, StragglerSettings
 from elastrun.rendezvous.api import RendezvousHandler
