@@ -73,12 +73,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         world.guard if world.guard is not None else OrphanGuard(options.python, options.environ)
     )
     workers = _workers(spec, group, logs, options, world, guard, progress, shutdown, metrics)
-    checkpoints = (
-        world.checkpoints
-        if world.checkpoints is not None
-        else NodeCheckpointDir(on_made=guard.remove_if_orphaned)  # gone with the agent
-    )
-    checkpoint_reports = CheckpointReports(lambda: checkpoints.path, events, metrics, world.clock)
+    checkpoints, checkpoint_reports = _checkpoints(world, guard, events, metrics)
     rounds = _rounds(
         handler, rdzv, spec, group, options, world, budget, pace, report, interruptible
     )
@@ -87,16 +82,10 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         workers, rounds, options, world.clock, events, metrics, notices, rdzv.loss_bound
     )
     nodecheck = NodeCheck(
-        rdzv,
-        options.node_check,
-        python=options.python,
-        environ=options.environ,
-        interruptible=interruptible,
-        events=events,
-        metrics=metrics,
-        clock=world.clock,
+        rdzv, options.node_check, python=options.python, environ=options.environ,
+        interruptible=interruptible, events=events, metrics=metrics, clock=world.clock,
         host=host,
-    )
+    )  # fmt: skip
     in_place = InPlaceRung(
         inprocess,
         InprocessSteps(inprocess, rounds, group, budget, pace, interruptible),
@@ -106,61 +95,43 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     )
     # The rules that end the run first (no recovery overrides them), then the cheapest
     # recovery that can take the failure (see agent.ladder).
-    crash_loop: list[Rung] = [CrashLoopRung(progress, budget, rdzv, interruptible, events)]
     policy = world.policy if world.policy is not None else RestartAll()
+    crash_loop = CrashLoopRung(progress, budget, rdzv, interruptible, events)
     rungs: list[Rung] = [
         StallRung(progress, events),
-        *(crash_loop if options.crash_loop_stop else []),
+        *([crash_loop] if options.crash_loop_stop else []),
         BudgetRung(policy, budget, interruptible),
         in_place,
         GroupRestartRung(nodecheck, checkpoint_reports),
     ]
+    watches = AttemptWatches(
+        progress, stuck=world.stuck_watch, file_timer=world.file_timer,
+        stuck_exit_timeout=options.stuck_exit_timeout, events=events, clock=world.clock,
+    )  # fmt: skip
+    cooldown = CoolDown(
+        rdzv, options.exclusion, interruptible=interruptible, events=events,
+        metrics=metrics, clock=world.clock, node_check=options.node_check.enabled,
+    )  # fmt: skip
     return AgentParts(
-        spec=spec,
-        options=options,
-        logs=logs,
-        group=group,
-        handler=handler,
-        rdzv=rdzv,
-        shutdown=shutdown,
-        owns_shutdown=world.shutdown is None,
-        notices=notices,
-        budget=budget,
-        clock=world.clock,
-        events=events,
-        metrics=metrics,
-        guard=guard,
-        file_timer=world.file_timer,
-        host=host,
-        lifecycle=Lifecycle(group, events, metrics),
-        interruptible=interruptible,
-        progress=progress,
-        pace=pace,
-        report=report,
-        workers=workers,
-        rounds=rounds,
-        ladder=Ladder(rungs, in_place),
-        watches=AttemptWatches(
-            progress,
-            stuck=world.stuck_watch,
-            file_timer=world.file_timer,
-            stuck_exit_timeout=options.stuck_exit_timeout,
-            events=events,
-            clock=world.clock,
-        ),
-        cooldown=CoolDown(
-            rdzv,
-            options.exclusion,
-            interruptible=interruptible,
-            events=events,
-            metrics=metrics,
-            clock=world.clock,
-            node_check=options.node_check.enabled,
-        ),
-        nodecheck=nodecheck,
-        checkpoints=checkpoints,
+        spec=spec, options=options, logs=logs, group=group, handler=handler, rdzv=rdzv,
+        shutdown=shutdown, owns_shutdown=world.shutdown is None, notices=notices,
+        budget=budget, clock=world.clock, events=events, metrics=metrics, guard=guard,
+        file_timer=world.file_timer, host=host, lifecycle=Lifecycle(group, events, metrics),
+        interruptible=interruptible, progress=progress, pace=pace, report=report,
+        workers=workers, rounds=rounds, ladder=Ladder(rungs, in_place), watches=watches,
+        cooldown=cooldown, nodecheck=nodecheck, checkpoints=checkpoints,
         checkpoint_reports=checkpoint_reports,
-    )
+    )  # fmt: skip
+
+
+def _checkpoints(
+    world: World, guard: Guard, events: EventSink, metrics: MetricSink
+) -> tuple[NodeCheckpointDir, CheckpointReports]:
+    """The node's memory-checkpoint directory (gone with the agent, even killed) and
+    the reader of its ranks' reports."""
+    made = world.checkpoints
+    checkpoints = made if made is not None else NodeCheckpointDir(on_made=guard.remove_if_orphaned)
+    return checkpoints, CheckpointReports(lambda: checkpoints.path, events, metrics, world.clock)
 
 
 def _workers(
