@@ -11,7 +11,14 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 
-from elastrun.agent.plan import NodeSlot, RoundFacts, WorkerServices, build_plan
+from elastrun.agent.plan import (
+    LaunchPlan,
+    NodeSlot,
+    RoundFacts,
+    WorkerPlan,
+    WorkerServices,
+    build_plan,
+)
 from elastrun.checkpoint.agent.capacity import capacity_lines
 from elastrun.launch.cli import Launch
 from elastrun.launch.config import LaunchConfig
@@ -106,20 +113,27 @@ def render_plan(
     for notice in launch.notices:
         out.append(f"  note        : {notice}")
     for w in plan.workers:
-        out.append(f"worker local_rank={w.local_rank} rank={w.ranks.global_rank}:")
-        if w.argv is not None:
-            out.append(f"  argv: {shlex.join(w.argv)}")
-        else:
-            name = getattr(plan.function, "__qualname__", repr(plan.function))
-            out.append(f"  call: {name}{tuple(w.args)!r}")
-        env = dict(w.env)
-        if env.get("MASTER_PORT") == str(_PORT_PLACEHOLDER):
-            env["MASTER_PORT"] = "<run time: a free port chosen each round>"
-        env.update((name, value.placeholder) for name, value in w.runtime.items())
-        out.append("  env : " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
-        for line in _log_lines(launch, w.local_rank, cfg.nproc_per_node):
-            out.append(f"  {line}")
+        out.extend(_worker_lines(launch, plan, w))
     return "\n".join(out)
+
+
+def _worker_lines(launch: Launch, plan: LaunchPlan, w: WorkerPlan) -> list[str]:
+    """One worker's part of the plan: its argv (or call), variables and log paths."""
+    out = [f"worker local_rank={w.local_rank} rank={w.ranks.global_rank}:"]
+    if w.argv is not None:
+        out.append(f"  argv: {shlex.join(w.argv)}")
+    else:
+        name = getattr(plan.function, "__qualname__", repr(plan.function))
+        out.append(f"  call: {name}{tuple(w.args)!r}")
+    env = dict(w.env)
+    if env.get("MASTER_PORT") == str(_PORT_PLACEHOLDER):
+        env["MASTER_PORT"] = "<run time: a free port chosen each round>"
+    env.update((name, value.placeholder) for name, value in w.runtime.items())
+    out.append("  env : " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
+    out.extend(
+        f"  {line}" for line in _log_lines(launch, w.local_rank, launch.config.nproc_per_node)
+    )
+    return out
 
 
 def _where(standalone: bool, cfg: LaunchConfig) -> str:
