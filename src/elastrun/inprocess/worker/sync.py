@@ -126,12 +126,12 @@ def _form(
                 _backend(), store=tried, rank=rank, world_size=world, timeout=timeout
             )
         except RuntimeError as exc:  # torch's errors derive from it
-            formed, why = False, str(exc).strip().splitlines()[:1]
+            formed, what = False, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             # The failed init counted a group it never made: the next try's group must
             # be named as every other rank's is (see recovery._teardown).
             dist.distributed_c10d._world.group_count = 0
         else:
-            formed, why = True, []
+            formed, what = True, "a peer's try failed"
             park_process_groups()  # see inprocess.parking
         tried.set(f"formed/{rank}", "1" if formed else "0")
         keys = [f"formed/{r}" for r in range(world)]
@@ -142,16 +142,15 @@ def _form(
         if formed:
             dist.destroy_process_group()
             keep_parked()
-        what = why[0][:160] if why else "a peer's try failed"
         if attempt + 1 < FORM_TRIES:
             log.info(
                 "in-process round %d: the synchronisation's group did not form within "
-                "%.0fs (%s); trying again", round_no, timeout.total_seconds(), what,
+                "%.0fs (%s); trying again", round_no, timeout.total_seconds(), what[:160],
             )  # fmt: skip
         timeout *= 2
     raise RuntimeError(
         f"in-process round {round_no}: the synchronisation's group did not form in "
-        f"{FORM_TRIES} tries (the last: {what})"
+        f"{FORM_TRIES} tries (the last: {what[:160]})"
     )
 
 
