@@ -404,6 +404,24 @@ def test_overlapping_failures_are_recovered_in_place_with_no_worker_left_behind(
     assert {r["sha"] for r in results} == {fault_free}
 
 
+def test_when_every_worker_holding_the_state_is_gone_the_group_restarts(tmp_path: Path) -> None:
+    # Two ranks: rank 1 is killed at step 10, and rank 0, the one survivor holding the
+    # commit, dies as it enters the synchronisation, before the replacement took the
+    # commit. No running worker holds the state any more: a round of the two fresh
+    # replacements would train again from step 0 as if nothing was lost. The group
+    # restarts instead (the script loads its own checkpoint), and says why.
+    code, err, results = _run(tmp_path, "out", ["1:10:kill", "0:0:syncdie"], nproc=2)
+    assert code == 0, err
+    assert "every worker that held the training's state has failed" in err, err
+    assert "restarting all workers" in err, err
+    assert "in-process round 2" not in err, err
+    ranks = {r["rank"]: r for r in results}
+    assert sorted(ranks) == [0, 1], results
+    for r in ranks.values():
+        assert r["calls"] == [0] and r["restarts"] != "0", (r, err)
+    assert ranks[0]["sha"] == ranks[1]["sha"]
+
+
 def test_rotating_failures_over_every_rank_are_recovered_in_place_with_default_options(
     tmp_path: Path, fault_free: str
 ) -> None:

@@ -60,6 +60,25 @@ def test_a_node_starting_afresh_joins_the_round_of_the_nodes_that_kept_theirs() 
     assert got == [Agreement(4, ("A:1",))] * 2  # the world grows in place
 
 
+def test_kept_workers_that_hold_no_state_make_every_node_restart() -> None:
+    # Every kept worker is a replacement that had not synchronised yet: the newest
+    # commit is gone with the workers that held it, and a round would start over.
+    lost = Offer(True, 3, ("A:1",), holds=False)
+    assert _agree_all([lost, Offer(True, 3, ("B:1",), holds=False)]) == [None, None]
+    assert _agree_all([lost, Offer(False, 0, fresh=True)]) == [None, None]
+    # One node whose workers hold the state is enough: it hands the commit on.
+    got = _agree_all([lost, Offer(True, 3, ("B:1",))])
+    assert got == [Agreement(4, ("A:1", "B:1"))] * 2
+
+
+def test_an_offer_without_its_holds_word_holds_the_state() -> None:
+    raw = b'{"kept": true, "fresh": false, "round": 2, "listeners": []}'
+    assert Offer.from_json(raw) == Offer(True, 2, ())
+    assert Offer.from_json(Offer(True, 2, (), holds=False).to_json()) == Offer(
+        True, 2, (), holds=False
+    )
+
+
 def test_when_every_node_starts_afresh_the_round_is_an_ordinary_one() -> None:
     assert _agree_all([Offer(False, 0, fresh=True)] * 3) == [None, None, None]
 

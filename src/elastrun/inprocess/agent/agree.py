@@ -7,11 +7,12 @@ Once the new round has formed, every node writes what it offers to
 or starts them afresh and they can join an in-process round (a node that joins, or one
 whose last workers all used ``elastrun.inprocess``), the in-process round they run in,
 and the endpoints they listen on. Every node then reads every offer and decides the
-same way: when at least one node kept its workers and every other one can join, the
-round is recovered in place. Its number is one past the newest any node ran; every
-listener goes to every kept worker, which cut their connections to them; the nodes
-starting afresh start their workers in that round, so that they first take the newest
-commit (the world grows in place). Otherwise every node restarts its workers, as for a
+same way: when at least one node kept its workers, some kept worker still holds the
+training's state (not every one is a replacement yet to synchronise), and every other
+node can join, the round is recovered in place. Its number is one past the newest any
+node ran; every listener goes to every kept worker, which cut their connections to them;
+the nodes starting afresh start their workers in that round, so that they first take
+the newest commit (the world grows in place). Otherwise every node restarts its workers, as for a
 script that does not use ``elastrun.inprocess``.
 
 A node that does not write its offer within the bound counts as a refusal: that node
@@ -38,6 +39,9 @@ class Offer:
     round: int  # the in-process round they run in
     listeners: tuple[str, ...] = ()  # where they listen (``core.tcp_sockets`` form)
     fresh: bool = False  # not kept: it starts its workers afresh, and they can join
+    # kept, and some worker holds the training's state (not only replacements that had
+    # not synchronised yet: ``InprocessRecovery._holding``)
+    holds: bool = True
 
     @property
     def joins(self) -> bool:
@@ -47,7 +51,7 @@ class Offer:
     def to_json(self) -> bytes:
         return json.dumps(
             {"kept": self.kept, "fresh": self.fresh, "round": self.round,
-             "listeners": list(self.listeners)},
+             "listeners": list(self.listeners), "holds": self.holds},
             separators=(",", ":"),
         ).encode()  # fmt: skip
 
@@ -59,7 +63,10 @@ class Offer:
         try:
             data = json.loads(raw)
             listeners = tuple(str(e) for e in data["listeners"])
-            return cls(bool(data["kept"]), int(data["round"]), listeners, bool(data["fresh"]))
+            holds = bool(data.get("holds", True))
+            return cls(
+                bool(data["kept"]), int(data["round"]), listeners, bool(data["fresh"]), holds
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -93,5 +100,12 @@ def agree(
     got = [o for o in offers if o is not None]
     if not any(o.kept for o in got):
         return None  # every node starts afresh: an ordinary round
+    if not any(o.kept and o.holds for o in got):
+        log.warning(
+            "every worker that held the training's state has failed (the kept workers are "
+            "replacements that had not taken a commit yet): restarting the workers; the "
+            "script loads its own checkpoint"
+        )
+        return None
     listeners = sorted({end for o in got for end in o.listeners})
     return Agreement(max(o.round for o in got) + 1, tuple(listeners))

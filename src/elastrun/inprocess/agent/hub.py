@@ -80,6 +80,12 @@ class InprocessHub:
             said = self._synced.get(local_rank)
         return said is not None and said == (pid, round_no)
 
+    def has_synced(self, local_rank: int, pid: int) -> bool:
+        """Whether that worker synchronised in some round (it holds a commit's state)."""
+        with self._lock:
+            said = self._synced.get(local_rank)
+        return said is not None and said[0] == pid
+
     def commit(self, local_rank: int) -> int:
         """The commit that worker holds since its last synchronisation (0: none)."""
         with self._lock:

@@ -129,6 +129,7 @@ class InprocessRecovery:
         # opted in, so they are in-process workers from their start, before their hello
         # (a second failure that comes first leads to another round, not a group restart).
         self._started: dict[int, int] = {}
+        self._lost_said: int | None = None  # the attempt whose lost state was said
 
     def open(self) -> dict[str, str]:
         """Listen for workers; returns the variables that tell a worker where (the value
@@ -180,14 +181,43 @@ class InprocessRecovery:
             return "a failed worker did not use elastrun.inprocess"
         if not all(self._in_process(hub, lr, pids[lr]) for lr in survivors):
             return "not every worker uses elastrun.inprocess"
+        if alone and not self._holding(hub, attempt):
+            return self._state_lost(attempt)
         return None
+
+    def _holding(self, hub: InprocessHub, attempt: Attempt) -> list[int]:
+        """The running workers of ``attempt`` that hold the training's state: each started
+        with the attempt (it trained from the script's start) or took a round's commit
+        since. A replacement that has not synchronised yet holds nothing: when every
+        worker of a round is one, the newest commit went with the workers that held it,
+        and a round of them would silently train again from the script's start."""
+        pids = attempt.procs.pids()
+        return [
+            lr
+            for lr in attempt.procs.running()
+            if self._started.get(lr) != pids[lr] or hub.has_synced(lr, pids[lr])
+        ]
+
+    def _state_lost(self, attempt: Attempt) -> str:
+        why = (
+            "every worker that held the training's state has failed (each running worker "
+            "is a replacement that had not taken a commit yet)"
+        )
+        if self._lost_said != attempt.number:
+            self._lost_said = attempt.number
+            log.warning(
+                "%s: not recovering in place; the group restarts and the script loads "
+                "its own checkpoint", why,
+            )  # fmt: skip
+        return why
 
     def offer(self, attempt: Attempt, kept: bool) -> Offer:
         """What this node brings to the agreement on a round across nodes, having kept
         the workers of ``attempt`` (``kept``) or not (it then refuses)."""
         if not kept:
             return Offer(False, self._rounds)
-        return Offer(True, self._rounds, tuple(self._listeners(attempt)))
+        holds = self._hub is not None and bool(self._holding(self._hub, attempt))
+        return Offer(True, self._rounds, tuple(self._listeners(attempt)), holds=holds)
 
     def offer_fresh(self, previous: Attempt | None) -> Offer:
         """What this node brings when it starts its workers afresh: they can join an
