@@ -8,7 +8,8 @@ A step is ``SLEEP`` seconds (the compute a real model would do, before the gradi
 all-reduce: a peer's death is then seen in the all-reduce, before the optimizer steps)
 then a forward, backward and optimizer step. Modes:
 
-* ``inplace``: ``elastrun.inprocess`` with a commit after every step;
+* ``inplace``: ``elastrun.inprocess`` with a commit after every step, and the
+  checkpoint as below for a group restart (when every worker holding the state failed);
 * ``group``: a plain script; rank 0 saves a checkpoint (``torch.save``, written aside and
   renamed) every ``CHECKPOINT_EVERY`` steps, and every process starts from it;
 * ``reference``: no failures; DDP is built anew at each step listed in
@@ -107,10 +108,32 @@ def finish(step):
     )
 
 
+def load_checkpoint():
+    """The step of the checkpoint loaded into the model and optimizer (0: none yet)."""
+    if not os.path.exists(CKPT):
+        return 0
+    saved = torch.load(CKPT, weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    return saved["step"]
+
+
+def save_checkpoint(step):
+    """Rank 0 saves a checkpoint every ``CHECKPOINT_EVERY`` steps (written aside, renamed)."""
+    if RANK == 0 and step % CHECKPOINT_EVERY == 0:
+        saved = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
+        torch.save(saved, CKPT + ".tmp")
+        os.replace(CKPT + ".tmp", CKPT)
+
+
 def inplace():
     import elastrun.inprocess as ip
 
-    state = ip.State(model=model, optimizer=opt, step=0)
+    # A process started into an in-process round takes the survivors' commit; one that
+    # starts the job, or a group restart (every worker that held the state had failed),
+    # resumes from the checkpoint, as the plain script does.
+    fresh = os.environ.get("ELASTRUN_INPROCESS_ROUND", "0") in ("", "0")
+    state = ip.State(model=model, optimizer=opt, step=load_checkpoint() if fresh else 0)
 
     @ip.run
     def train(state):
@@ -121,6 +144,7 @@ def inplace():
             one_step(ddp, state.step)
             state.step += 1
             state.commit()
+            save_checkpoint(state.step)
         dist.barrier()
         dist.destroy_process_group()
 
@@ -129,22 +153,14 @@ def inplace():
 
 
 def group():
-    step = 0
-    if os.path.exists(CKPT):
-        saved = torch.load(CKPT, weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        step = saved["step"]
+    step = load_checkpoint()
     event("C", PID, step, f"{time.time():.6f}")
     dist.init_process_group("gloo")
     ddp = DistributedDataParallel(model)
     while step < last_step():
         one_step(ddp, step)
         step += 1
-        if RANK == 0 and step % CHECKPOINT_EVERY == 0:
-            saved = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
-            torch.save(saved, CKPT + ".tmp")
-            os.replace(CKPT + ".tmp", CKPT)
+        save_checkpoint(step)
     dist.barrier()
     dist.destroy_process_group()
     finish(step)

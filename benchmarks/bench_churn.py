@@ -111,7 +111,9 @@ GROUP_FLAGS = ["--stalled-restarts", "0", "--no-crash-loop-stop"]
 # it completed, and two of them in a row restore the same commit three times: the
 # guard against recoveries without progress would then end the soak (exit 93), which
 # measures survival, not that guard (tests/e2e/test_inprocess.py pins it).
-INPLACE_FLAGS = ["--stalled-restarts", "0"]
+# A chain of kills that takes every worker holding the state makes the group restart
+# from the checkpoint (as the plain script does), judged then like the plain script.
+INPLACE_FLAGS = ["--stalled-restarts", "0", "--no-crash-loop-stop"]
 WARMUP_STEPS, LAST_STEP_MARGIN = 10, 10
 EVIDENCE_LINES = 800  # of each rank's step log, kept with a failed run's evidence
 STALL_S = 180.0  # no step anywhere for this long: a stall (a recovery is bounded by 60 s)
@@ -707,9 +709,10 @@ NOTES = [
     "its optimizer steps counted from 1 in each attempt, and three attempts in a row "
     "shorter than the longest so far end the job with exit 93 although its checkpoint "
     "moves on (torchrun restarts it).",
-    "elastrun in place runs with `--stalled-restarts 0`: kills that overlap a recovery "
-    "can land just after it completed, and three recoveries in a row then restore the "
-    "same commit, which that guard takes for a step that fails again and again.",
+    "elastrun in place also runs with `--no-crash-loop-stop`, and its script saves the "
+    "same checkpoint as the plain one: a chain of kills that takes every worker holding "
+    "the state (the replacements, then every survivor, before a round completed) makes "
+    "the group restart from that checkpoint, judged then like the plain script.",
 ]
 
 
