@@ -20,6 +20,7 @@ from socketserver import ThreadingMixIn, UnixStreamServer
 from elastrun.control_plane.handlers import DEFAULT_HANDLERS, SERVER_THREAD
 from elastrun.control_plane.protocol import HANDLER_PREFIX, Handler, WorkerServerError, reachable
 from elastrun.core.serving import serve_until_woken
+from elastrun.core.threads import join_thread, start_thread
 
 __all__ = ["WorkerServer"]
 
@@ -138,13 +139,7 @@ class WorkerServer:
         self._inode = os.stat(self.socket_path).st_ino
         self._server = server
         self._wake = socket.socketpair()
-        self._thread = threading.Thread(
-            target=serve_until_woken,
-            args=(server, self._wake[0]),
-            name=SERVER_THREAD,
-            daemon=True,
-        )
-        self._thread.start()
+        self._thread = start_thread(serve_until_woken, server, self._wake[0], name=SERVER_THREAD)
 
     def shutdown(self) -> None:
         """Stop serving and remove the socket file. Idempotent; never raises."""
@@ -153,8 +148,7 @@ class WorkerServer:
         if wake is not None:
             with contextlib.suppress(OSError):  # the thread is gone already: fine
                 wake[1].send(b"x")
-        if thread is not None:
-            thread.join(timeout=5)
+        join_thread(thread, 5)
         if server is not None:
             server.server_close()
             self._remove_socket_file()

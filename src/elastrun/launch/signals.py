@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Sequence
 from types import FrameType
 
 from elastrun.core.shutdown import ShutdownRequest
+from elastrun.core.threads import join_thread, start_thread
 from elastrun.core.waker import Waker
 
 log = logging.getLogger("elastrun.launch")
@@ -77,8 +78,7 @@ class _SignalRelay:
         self._request = request
         self._pipe = Waker()
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name="elastrun-signal-relay", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, name="elastrun-signal-relay")
 
     def install(self) -> int:
         """Make the pipe the interpreter's wake-up descriptor; returns the previous one."""
@@ -99,7 +99,7 @@ class _SignalRelay:
         """Stop the thread (after the wake-up descriptor was restored) and close the pipe."""
         self._closing = True
         self._pipe.wake()
-        self._thread.join(_RELAY_JOIN)
+        join_thread(self._thread, _RELAY_JOIN)
         self._pipe.close()
 
     def __repr__(self) -> str:

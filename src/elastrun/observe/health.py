@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from elastrun.core.serving import serve_until_woken
+from elastrun.core.threads import join_thread, start_thread
 from elastrun.core.values import parse_port
 
 if TYPE_CHECKING:
@@ -135,13 +136,9 @@ class HealthCheckServer:
         server.health = self
         self._server = server
         self._wake = socket.socketpair()
-        self._thread = threading.Thread(
-            target=serve_until_woken,
-            name="elastrun-health",
-            args=(server, self._wake[0]),
-            daemon=True,
+        self._thread = start_thread(
+            serve_until_woken, server, self._wake[0], name="elastrun-health"
         )
-        self._thread.start()
         log.info("health check server listening on %s:%d", self.host, self.port)
 
     def stop(self) -> None:
@@ -153,8 +150,7 @@ class HealthCheckServer:
                 wake[1].send(b"x")
             except OSError as exc:
                 log.debug("could not wake the health server thread: %s", exc)
-        if thread is not None:
-            thread.join(timeout=5)
+        join_thread(thread, 5)
         if server is not None:
             server.server_close()
         if wake is not None:

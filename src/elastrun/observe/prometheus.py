@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from elastrun.core.errors import ConfigError
+from elastrun.core.threads import join_thread, start_thread
 from elastrun.observe.sinks import split_labels
 
 if TYPE_CHECKING:
@@ -419,13 +420,9 @@ class MetricsServer:
                 f"{exc.strerror or exc}",
             ) from exc
         self._httpd = httpd
-        self._thread = threading.Thread(
-            target=httpd.serve_forever,
-            kwargs={"poll_interval": self.POLL_INTERVAL},
-            name="elastrun-metrics",
-            daemon=True,
+        self._thread = start_thread(
+            httpd.serve_forever, self.POLL_INTERVAL, name="elastrun-metrics"
         )
-        self._thread.start()
         log.info("serving metrics at %s", self.url)
         return self.port
 
@@ -438,8 +435,7 @@ class MetricsServer:
         self._thread = None
         httpd.shutdown()
         httpd.server_close()
-        if thread is not None:
-            thread.join(timeout=5.0)
+        join_thread(thread, 5.0)
 
     def __enter__(self) -> MetricsServer:
         self.start()

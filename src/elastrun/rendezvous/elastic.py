@@ -30,6 +30,7 @@ from elastrun.core import cancel
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
 from elastrun.core.errors import RendezvousTimeoutError
+from elastrun.core.threads import start_thread
 from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo, RoundOutcome
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 from elastrun.store.api import Store
@@ -223,7 +224,7 @@ def _join_in_thread(call: Callable[[], RendezvousInfo], scope: CancelScope) -> R
         finally:
             done.set()
 
-    threading.Thread(target=run, name="elastrun-rendezvous-join", daemon=True).start()
+    start_thread(run, name="elastrun-rendezvous-join")
     with scope.wakes(done.set):
         left = scope.remaining()
         done.wait(None if math.isinf(left) else left)

@@ -27,6 +27,7 @@ from elastrun.core.errors import (
     StoreError,
     StoreUnavailableError,
 )
+from elastrun.core.threads import join_thread, start_thread
 from elastrun.rendezvous import quiet
 from elastrun.rendezvous.closing import Called
 from elastrun.rendezvous.keys import RunKeys
@@ -212,9 +213,7 @@ class Liveness:
             log.warning("stopped waiting for the other nodes to leave (%s)", exc.reason)
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
-        t = threading.Thread(target=target, name=f"elastrun-rdzv-{name}", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._threads.append(start_thread(target, name=f"elastrun-rdzv-{name}"))
 
     def wake(self) -> None:
         """Wake the watch thread (``leave``: so that it sees the stop)."""
@@ -223,7 +222,7 @@ class Liveness:
     def join(self) -> None:
         """Wait (briefly) for the threads to end once ``stop`` is set."""
         for t in self._threads:
-            t.join(timeout=5)
+            join_thread(t, 5)
         self._threads.clear()
 
     def _keep_alive_loop(self) -> None:

@@ -26,6 +26,7 @@ from types import TracebackType
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError, ElastrunError
+from elastrun.core.threads import join_thread, start_thread
 from elastrun.core.timers import TimerRequest, TimerTable, expired_timers
 
 __all__ = [
@@ -169,10 +170,9 @@ class TimerServer(abc.ABC):
             return
         self._stopping.clear()
         log.info("starting %r", self)
-        self._watchdog_thread = threading.Thread(
-            target=self._watchdog_loop, name=f"{type(self).__name__}-watchdog", daemon=self._daemon
+        self._watchdog_thread = start_thread(
+            self._watchdog_loop, name=f"{type(self).__name__}-watchdog", daemon=self._daemon
         )
-        self._watchdog_thread.start()
 
     def stop(self) -> None:
         """Stop the watchdog thread and wait (up to ``max_interval``) for it to exit."""
@@ -181,8 +181,7 @@ class TimerServer(abc.ABC):
         if thread is None:
             return
         self._wakeup()
-        thread.join(self._max_interval)
-        if thread.is_alive():
+        if not join_thread(thread, self._max_interval):
             log.warning(
                 "%s watchdog thread did not exit within %ss",
                 type(self).__name__,

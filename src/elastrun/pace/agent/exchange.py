@@ -21,6 +21,7 @@ import logging
 import threading
 
 from elastrun.core.errors import StoreError
+from elastrun.core.threads import join_thread, start_thread
 from elastrun.pace.agent.straggler import NodeSummary
 from elastrun.store.api import Store
 
@@ -64,10 +65,7 @@ class NodeExchange:
     def start(self) -> None:
         """Start exchanging (a daemon thread). Idempotent."""
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"elastrun-pace-{self._node}", daemon=True
-            )
-            self._thread.start()
+            self._thread = start_thread(self._run, name=f"elastrun-pace-{self._node}")
 
     def offer(self, summary: NodeSummary) -> None:
         """This node's latest summary, published at the next exchange."""
@@ -120,8 +118,7 @@ class NodeExchange:
         """Stop exchanging; waits briefly for a store call under way. Never raises."""
         self._stop.set()
         thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(CLOSE_WAIT)  # a store call hung past this: the daemon thread is left
+        join_thread(thread, CLOSE_WAIT)  # a store call hung past this: the daemon thread is left
 
     def __repr__(self) -> str:
         return (

@@ -25,6 +25,7 @@ from elastrun.core.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from elastrun.core.threads import join_thread
 from elastrun.store.tcp import protocol as p
 from elastrun.store.tcp.link import Connection, Refused, connect, handshake
 
@@ -282,8 +283,7 @@ class Dialer:
         if conn is not None:
             conn.abort()
         for thread in threads:
-            if thread is not threading.current_thread() and thread.ident is not None:
-                thread.join(_JOIN_TIMEOUT)
+            join_thread(thread, _JOIN_TIMEOUT)
         self._life.close()
 
     def __repr__(self) -> str:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import StoreAuthError
+from elastrun.core.threads import new_thread
 from elastrun.store.tcp import protocol as p
 
 # The client's logger: a connection is part of the client, not a component of its own.
@@ -85,9 +86,8 @@ class Connection:
         self._lock = threading.Lock()  # guards _pending, alive, and closing the socket
         self._send_lock = threading.Lock()  # one frame at a time on the wire
         self.alive = True
-        self.thread = threading.Thread(
-            target=self._read_loop, name=f"elastrun-store-client {label}", daemon=True
-        )
+        # Started by the dialer once it has published it: ``close`` must find it.
+        self.thread = new_thread(self._read_loop, name=f"elastrun-store-client {label}")
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "closed"

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from elastrun.core.errors import ConfigError, StoreError
+from elastrun.core.threads import join_thread, start_thread
 from elastrun.core.values import parse_int, parse_port, parse_seconds
 from elastrun.store.memory import HISTORY, MemoryStore
 from elastrun.store.tcp import protocol as p
@@ -109,12 +110,9 @@ class TcpStoreServer:
                     failure.append(exc)
                     ready.set()
 
-        self._thread = threading.Thread(
-            target=run,
-            name=f"elastrun-store-server {self._host}:{self._requested_port}",
-            daemon=True,
+        self._thread = start_thread(
+            run, name=f"elastrun-store-server {self._host}:{self._requested_port}"
         )
-        self._thread.start()
         ready.wait()
         if failure:
             self._thread.join()
@@ -149,9 +147,7 @@ class TcpStoreServer:
         if loop is not None and event is not None:
             with contextlib.suppress(RuntimeError):  # the loop has already closed
                 loop.call_soon_threadsafe(event.set)
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        join_thread(self._thread, None)
 
     def _claim_start(self) -> None:
         with self._lock:

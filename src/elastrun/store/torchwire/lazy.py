@@ -21,6 +21,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import StoreError
+from elastrun.core.threads import join_thread, start_thread
 
 if TYPE_CHECKING:
     from elastrun.store.torchwire.server import TorchWireServer
@@ -111,10 +112,7 @@ class LazyTorchWireServer:
         self._socks = listen_now(self._host, self._requested_port)
         try:
             self._wake = os.pipe2(os.O_CLOEXEC)
-            self._thread = threading.Thread(
-                target=self._serve_on_first_client, name="elastrun-workers-store", daemon=True
-            )
-            self._thread.start()
+            self._thread = start_thread(self._serve_on_first_client, name="elastrun-workers-store")
         except (OSError, RuntimeError) as exc:  # out of descriptors, or of threads
             where = f"{self._host or '*'}:{self.port}"
             self._thread = None
@@ -156,8 +154,7 @@ class LazyTorchWireServer:
             server = self._server
         if self._wake is not None:
             os.write(self._wake[1], b"x")
-        if self._thread is not None:
-            self._thread.join(_JOIN_TIMEOUT)
+        join_thread(self._thread, _JOIN_TIMEOUT)
         if server is not None:
             server.close()  # it owns the sockets now
         else:

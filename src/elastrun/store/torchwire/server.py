@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from elastrun.core.errors import ConfigError, StoreError
 from elastrun.core.eventloop import new_event_loop
+from elastrun.core.threads import join_thread, start_thread
 
 # The tcp store's acceptor (who may connect, within a descriptor budget) and its
 # listening helpers: one address or all of a name's, one port for all, IPv6 sockets
@@ -233,10 +234,7 @@ class TorchWireServer:
     def _serve_from(self, target: Callable[..., None], args: tuple[object, ...]) -> int:
         """Start the serving thread (its engine's state already published); the port."""
         where = format_addr(self._host or "*", self.port)
-        thread = threading.Thread(
-            target=target, args=args, name=f"elastrun-torchwire {where}", daemon=True
-        )
-        thread.start()
+        thread = start_thread(target, *args, name=f"elastrun-torchwire {where}")
         with self._lock:  # published once started: close() may join it
             self._thread = thread
         if self.closed:  # close() ran meanwhile: make sure the request reaches the engine
@@ -257,10 +255,8 @@ class TorchWireServer:
         if already and thread is None:
             return
         self._request_stop()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(CLOSE_TIMEOUT)
-            if thread.is_alive():
-                log.warning("the torch store server thread did not end in %ss", CLOSE_TIMEOUT)
+        if not join_thread(thread, CLOSE_TIMEOUT):
+            log.warning("the torch store server thread did not end in %ss", CLOSE_TIMEOUT)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "serving" if self._thread is not None else "new"

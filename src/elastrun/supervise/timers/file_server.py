@@ -33,6 +33,7 @@ from typing import cast
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError
+from elastrun.core.threads import join_thread, start_thread
 from elastrun.core.timers import TimerTable
 from elastrun.wire.timer import FileTimerRequest, TimerRequestError
 
@@ -192,10 +193,9 @@ class FileTimerServer:
         self._stopping.clear()
         self._pending = b""
         log.info("starting %r", self)
-        self._thread = threading.Thread(
-            target=self._watchdog_loop, name="FileTimerServer-watchdog", daemon=self._daemon
+        self._thread = start_thread(
+            self._watchdog_loop, name="FileTimerServer-watchdog", daemon=self._daemon
         )
-        self._thread.start()
         self._emit("watchdog started", None)
 
     def stop(self) -> None:
@@ -207,8 +207,7 @@ class FileTimerServer:
         thread, self._thread = self._thread, None
         if thread is not None:
             self._wake()
-            thread.join(max(self._max_interval, 1.0))
-            if thread.is_alive():
+            if not join_thread(thread, max(self._max_interval, 1.0)):
                 # Closing descriptors under a live thread could make it read a reused fd.
                 log.error("timer watchdog thread did not stop; leaving its FIFO open")
                 return

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from elastrun.core.errors import ElastrunError
+from elastrun.core.threads import join_thread, start_thread
 from elastrun.core.waker import Waker
 from elastrun.supervise.processes.logs import LogsDest, Std, describe_os_error
 from elastrun.supervise.processes.relay.console import FD_CONSOLE, Console
@@ -277,9 +278,8 @@ class OutputRelay:
 
     def _start_thread(self) -> None:
         self._waker = Waker()
-        self._thread = threading.Thread(target=self._run, name="elastrun-output-relay", daemon=True)
         try:
-            self._thread.start()
+            self._thread = start_thread(self._run, name="elastrun-output-relay")
         except BaseException:
             self._waker.close()
             self._waker = None
@@ -306,8 +306,7 @@ class OutputRelay:
                     return
                 if self._waker is not None:
                     self._waker.wake()
-            thread.join(max(0.0, close_at - time.monotonic()) + _JOIN_GRACE)
-            if thread.is_alive():
+            if not join_thread(thread, max(0.0, close_at - time.monotonic()) + _JOIN_GRACE):
                 logger.warning(
                     "output relay did not stop in time (blocked writing to the console?); "
                     "leaving it to finish on its own"
