@@ -57,6 +57,9 @@ SOCKET_ENV = "ELASTRUN_INPROCESS_SOCKET"
 #: The in-process round a worker starts in (0: the attempt's first; a replacement
 #: starts in a later one and takes the newest commit of its peers).
 ROUND_ENV = "ELASTRUN_INPROCESS_ROUND"
+#: The name of a worker's own part of its last commit in the node's checkpoint
+#: directory, before its local rank (``elastrun.inprocess.worker.own``).
+OWN_STATE_PREFIX = "inprocess-own-"
 #: Seconds a worker whose collective failed waits for the agent's answer, and then (a
 #: peer failed) for the agent to announce a round.
 WAIT_ENV = "ELASTRUN_INPROCESS_WAIT"

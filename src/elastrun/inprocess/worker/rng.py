@@ -3,10 +3,8 @@ already initialised), numpy's global one (when numpy is imported) and ``random``
 
 A step that draws from them (dropout, augmentation, a shuffled batch) done again after
 a rollback draws the same numbers, so a recovery stays bit-identical. A replacement
-takes the generators of the rank whose commit it takes: the same numbers as the rank it
-replaces when every rank seeds alike (the usual data-parallel set-up). Where ranks draw
-different numbers, a generator per step and rank (``torch.Generator().manual_seed(...)``)
-keeps it exact.
+takes its predecessor's generators from the node's memory (``inprocess.worker.own``),
+else those of the rank whose commit it takes.
 """
 
 from __future__ import annotations

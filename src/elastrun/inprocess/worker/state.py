@@ -9,16 +9,23 @@ tensors on a GPU or when asked, the tensors themselves into host memory it reuse
 from __future__ import annotations
 
 import copy
+import logging
+import os
+import pickle
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastrun.core.errors import ElastrunError
+from elastrun.inprocess.worker import own as own_part
 from elastrun.inprocess.worker import rng
 from elastrun.inprocess.worker.parking import park_process_groups
 from elastrun.inprocess.worker.snapshot import ItemSnapshot, TensorSpec, rebuild, specs, take, walk
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("elastrun.inprocess")
 
 
 class StateMismatchError(ElastrunError, ValueError):
@@ -73,10 +80,28 @@ class State:
             at a failure: for training whose collectives can fail after its optimizer
             changed the state (see docs/inprocess.md). Tensors on a GPU are always
             copied, to host memory.
+        own: the names of the items that are each rank's own (a data loader's
+            position, a per-rank counter): a replacement takes its predecessor's, not
+            the sending rank's (as it does the generators: ``inprocess.worker.own``).
+            They are pickled at every commit: keep them small.
         items: the objects and values, by name (not starting with ``_``).
+
+    Raises:
+        ValueError: ``own`` names an item that is not given.
     """
 
-    def __init__(self, *, restore_rng: bool = True, copy_state: bool = False, **items: Any) -> None:
+    def __init__(
+        self,
+        *,
+        restore_rng: bool = True,
+        copy_state: bool = False,
+        own: Iterable[str] = (),
+        **items: Any,
+    ) -> None:
+        own_names = frozenset(own)
+        unknown = sorted(own_names - set(items))
+        if unknown:
+            raise ValueError(f"own names items that are not given: {', '.join(unknown)}")
         object.__setattr__(self, "_items", {})
         object.__setattr__(self, "_rng_on", restore_rng)
         object.__setattr__(self, "_copy_all", copy_state)
@@ -88,10 +113,15 @@ class State:
         object.__setattr__(self, "_plain", {})
         object.__setattr__(self, "_rng", None)
         object.__setattr__(self, "_intact", True)
+        object.__setattr__(self, "_own", own_names)
+        object.__setattr__(self, "_own_saved", b"")  # the own items, pickled at the commit
+        object.__setattr__(self, "_own_path", own_part.record_path())
         for name, value in items.items():
             setattr(self, name, value)
         self._take()
         self._after_sync()
+        if _starts_attempt():
+            self._keep_own()  # over a record an earlier attempt's worker left
 
     # -- attributes -----------------------------------------------------------------------
 
@@ -162,6 +192,41 @@ class State:
         park_process_groups()  # see inprocess.parking: the training's own group too
         self._take()
         object.__setattr__(self, "_commit", self._commit + 1)
+        self._keep_own()
+
+    def _keep_own(self) -> None:
+        """Write this rank's own part of its last commit for a replacement (see
+        ``inprocess.worker.own``): only when there is one to keep."""
+        path = self._own_path
+        if path is None or (self._rng is None and not self._own):
+            return
+        own_part.write(path, own_part.OwnRecord(self._commit, self._rng, self._own_saved))
+
+    def _take_own_from(self, commit: int) -> bool:
+        """Take this local rank's predecessor's own part of ``commit`` (its generators,
+        its own items); False when there is none."""
+        path = self._own_path
+        if path is None or (self._rng is None and not self._own):
+            return True  # nothing of its own to take
+        record = own_part.read(path, commit)
+        if record is None:
+            return False
+        if record.rng is not None and self._rng_on:
+            rng.restore(record.rng)
+        if self._own and record.items:
+            self._load_own(record.items)
+        return True
+
+    def _load_own(self, saved: bytes) -> None:
+        values: dict[str, Any] = pickle.loads(saved)
+        for name, value in values.items():
+            if name not in self._own:
+                continue
+            item = self._items.get(name)
+            if _stateful(item):
+                item.load_state_dict(value)
+            else:
+                self._items[name] = value
 
     def copied_bytes(self) -> int:
         """How many bytes of tensors the last commit copied (buffers; every tensor with
@@ -195,14 +260,19 @@ class State:
                 self._items[name].load_state_dict(rebuild(snap.skeleton, snap.tensors()))
         for name, value in self._plain.items():
             self._items[name] = copy.deepcopy(value)
+        if self._own_saved:
+            self._load_own(self._own_saved)
         if self._rng is not None:
             rng.restore(self._rng)
 
     def _take(self) -> None:
         snaps: dict[str, ItemSnapshot] = {}
         plain: dict[str, Any] = {}
+        own: dict[str, Any] = {}
         for name, value in self._items.items():
-            if _stateful(value):
+            if name in self._own:
+                own[name] = value.state_dict() if _stateful(value) else value
+            elif _stateful(value):
                 state_dict = value.state_dict()
                 snaps[name] = take(
                     state_dict,
@@ -215,6 +285,8 @@ class State:
                 plain[name] = copy.deepcopy(value)
         object.__setattr__(self, "_snap", snaps)
         object.__setattr__(self, "_plain", plain)
+        saved = pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL) if own else b""
+        object.__setattr__(self, "_own_saved", saved)
         object.__setattr__(self, "_rng", rng.capture() if self._rng_on else None)
         object.__setattr__(self, "_stepped", False)
         object.__setattr__(self, "_intact", True)
@@ -335,11 +407,26 @@ class State:
             self._items[name] = copy.deepcopy(plain)
         if desc.rng is not None and self._rng_on:
             rng.restore(desc.rng)
+        if not self._take_own_from(desc.commit):
+            log.info(
+                "no own state of this rank for commit %d on this node: it keeps the "
+                "sending rank's generators%s", desc.commit,
+                " and own items as constructed" if self._own else "",
+            )  # fmt: skip
         self._take()
         object.__setattr__(self, "_commit", desc.commit)
+        self._keep_own()
 
     def __repr__(self) -> str:
         return f"State({', '.join(self.names())}; commit {self._commit})"
+
+
+def _starts_attempt() -> bool:
+    """Whether this process starts an attempt (not a replacement started into an
+    in-process round, which takes its predecessor's own part first)."""
+    from elastrun.wire.inprocess import ROUND_ENV
+
+    return os.environ.get(ROUND_ENV, "0") in ("", "0")
 
 
 def _is_module(value: object) -> bool:
