@@ -28,6 +28,7 @@ from elastrun.core.exitcodes import ExitStatus, signal_status
 from elastrun.core.values import parse_int
 from elastrun.launch.cli import Launch, ScriptKind, parse_launch
 from elastrun.launch.entry import EARLY_SIGNALS
+from elastrun.wire.env import ERROR_FILE_ENV
 
 if TYPE_CHECKING:  # not loaded at run time: a bad option must not pay for the agent
     from elastrun.agent.spec import Entrypoint
@@ -240,7 +241,7 @@ def _run(
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr)
         _mention_logs(specs)
-        own = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        own = os.environ.get(ERROR_FILE_ENV)
         if own:
             copy_root_cause_error_file(exc, own)
         return exc.exit_status

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from types import ModuleType, TracebackType
 
 from elastrun.wire import bootstrap as _wire
-from elastrun.wire.env import PROGRESS_FILE_ENV, STACKS_FILE_ENV
+from elastrun.wire.env import ERROR_FILE_ENV, PROGRESS_FILE_ENV, STACKS_FILE_ENV
 
 _USAGE = "usage: python -m elastrun.worker.bootstrap (SCRIPT | -m MODULE) [ARGS...]\n"
 
@@ -301,7 +301,7 @@ def _trim_printed_traceback() -> None:
 
 def _write_error_file(exc: BaseException) -> None:
     """Write ``exc`` to the error file unless there is none or it already exists."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = os.environ.get(ERROR_FILE_ENV)
     if not path or os.path.exists(path):
         # Unset: nowhere to report. Existing: the worker's own record wrote it first
         # and knows better (e.g. a forwarded child error with its errorCode).

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from elastrun.template.agent.preload import BootstrapCommand
 from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV
+from elastrun.wire.env import ERROR_FILE_ENV, PROGRESS_FILE_ENV, PROGRESS_SLOT_ENV, STACKS_FILE_ENV
+from elastrun.wire.inprocess import ROUND_ENV, SOCKET_ENV
 
 #: Variables that differ between the workers of one node or between restarts (and every
 #: ``TORCHELASTIC_*`` one). They are not part of the template's own environment (a worker
@@ -34,20 +36,20 @@ PER_WORKER_VARIABLES = frozenset(
         "TORCHELASTIC_MAX_RESTARTS",
         "TORCHELASTIC_RUN_ID",
         "TORCHELASTIC_USE_AGENT_STORE",
-        "TORCHELASTIC_ERROR_FILE",
+        ERROR_FILE_ENV,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING",
         # Per-rank files under the attempt's log directory.
-        "ELASTRUN_STACKS_FILE",
+        STACKS_FILE_ENV,
         # Each worker's progress record (the file is the agent's, the same for all).
-        "ELASTRUN_PROGRESS_SLOT",
+        PROGRESS_SLOT_ENV,
         # The in-process round a replacement worker starts in (elastrun.inprocess).
-        "ELASTRUN_INPROCESS_ROUND",
+        ROUND_ENV,
         # The agent's own paths (its progress board, its in-process channel, its node's
         # memory checkpoints), made when it runs and read by elastrun's worker side only
         # when it runs, never at import: so the launcher can start the template before
         # the agent made them.
-        "ELASTRUN_PROGRESS_FILE",
-        "ELASTRUN_INPROCESS_SOCKET",
+        PROGRESS_FILE_ENV,
+        SOCKET_ENV,
         CHECKPOINT_DIR_ENV,
         # Read by CUDA when it initialises, which the template never does; it differs
         # per worker with --virtual-local-rank.
