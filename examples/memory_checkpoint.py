@@ -14,11 +14,18 @@ attempt, it fails (``--fail-mode``):
 - ``kill-in-save``: SIGKILL inside that step's save, after its files and before its
   marker: the step is half written;
 - ``exit``: exit 1 once the previous step is saved on every rank (a restart that loses
-  nothing).
+  nothing);
+- ``kill-in-persist``: SIGKILL in the first persist to ``--persist-dir`` (its files
+  written, before it is renamed into place): no step appears there half written.
 
 elastrun restarts the group; each restarted worker loads the newest step that every
 rank holds complete in its node's memory (``load_latest``), and goes on from the step
 after it. Nothing is read from disk.
+
+With ``--persist-dir DIR --persist-every N``, the newest step complete on every rank is
+also written to ``DIR/step-<S>/`` after every N complete steps, and the last step at
+the end, in DCP's own format (in the background): plain
+``torch.distributed.checkpoint.load`` reads it, into any world size.
 
 The data of a step is a pure function of the step and the rank, so the run ends with
 the parameters of any run that resumed at the same step. Every rank writes
@@ -58,10 +65,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=64, help="hidden width of the model")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=-1)
-    p.add_argument("--fail-mode", choices=["kill", "kill-in-save", "exit"], default="kill")
+    p.add_argument(
+        "--fail-mode", choices=["kill", "kill-in-save", "exit", "kill-in-persist"], default="kill"
+    )
     p.add_argument("--on-overlap", choices=["wait", "skip"], default="wait")
     p.add_argument("--step-time", type=float, default=0.0, help="pad each step to this")
     p.add_argument("--result-dir", type=Path, default=Path("memory-checkpoint-result"))
+    p.add_argument("--persist-dir", type=Path, default=None, help="persist steps to disk here")
+    p.add_argument("--persist-every", type=int, default=None, help="every N complete steps")
     return p.parse_args()
 
 
@@ -126,10 +137,21 @@ def main() -> None:
             print(f"rank {rank}: killed in the save of step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def kill_in_persist(step: int) -> None:
+        if failing and args.fail_mode == "kill-in-persist":
+            print(f"rank {rank}: killed in the persist of step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     model = build(args.width)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     state = {"training": Training(model, optimizer)}
-    ckpt = MemoryCheckpoint(on_overlap=args.on_overlap, before_marker=kill_in_save)
+    ckpt = MemoryCheckpoint(
+        on_overlap=args.on_overlap,
+        before_marker=kill_in_save,
+        persist_dir=args.persist_dir,
+        persist_every=args.persist_every,
+        before_persisted=kill_in_persist,
+    )
     resumed = ckpt.load_latest(state)
     start = 0 if resumed is None else resumed + 1
     if rank == 0:
@@ -154,11 +176,13 @@ def main() -> None:
         if rank == 0 and step % 10 == 0:
             print(f"[restart {restart}] step {step} loss {loss.item():.4f}", flush=True)
         time.sleep(max(0.0, args.step_time - (time.monotonic() - began)))
+    if args.persist_dir is not None:
+        ckpt.persist()  # the last step, if not persisted already
     ckpt.close()
     digest = checksum(model)
     args.result_dir.mkdir(parents=True, exist_ok=True)
     result = {"rank": rank, "restart": restart, "resumed_from": resumed, "trained": trained,
-              "sha256": digest}  # fmt: skip
+              "sha256": digest, "persisted": ckpt.persisted}  # fmt: skip
     (args.result_dir / f"rank_{rank}_{restart}.json").write_text(json.dumps(result))
     if rank == 0:
         print(f"[restart {restart}] done: parameters {digest[:16]}", flush=True)

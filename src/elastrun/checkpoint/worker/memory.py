@@ -62,6 +62,12 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from elastrun.checkpoint.worker import ranks
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
+from elastrun.checkpoint.worker.persist import (
+    DEFAULT_KEEP,
+    Persister,
+    PersistSchedule,
+    persist_settings,
+)
 from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.checkpoint.worker.space import (
     StatvfsResult,
@@ -102,6 +108,12 @@ class _Job:
     blocked: float
 
 
+@dataclass(frozen=True)
+class _PersistRequest:
+    """A ``persist()`` call for the background thread: in the order of the saves, so
+    that every rank persists the same step."""
+
+
 class MemoryCheckpoint:
     """Checkpoints of one rank in its node's memory: save every step, load the newest
     step complete on every rank.
@@ -114,14 +126,29 @@ class MemoryCheckpoint:
         statvfs: how the free space of ``directory`` is read (tests pass a fake).
         before_marker: called on the background thread with a step whose files are
             written, before its marker (a seam for tests that kill the process there).
+        persist_dir: a directory that every rank writes to (shared by the nodes) where
+            steps are persisted in DCP's own format, ``<persist_dir>/step-<S>/``,
+            loadable by plain ``torch.distributed.checkpoint.load`` (None: steps stay
+            in memory only). See :meth:`persist`.
+        persist_every: persist the newest step after every this many steps complete on
+            every rank (None: only when :meth:`persist` is called).
+        persist_keep: persisted steps kept; older ones are removed once a newer one is
+            complete.
+        before_persisted: called on the persisting thread of every rank with a step
+            whose files are all written, before it is renamed into place (a seam for
+            tests that kill the process there).
 
     The first :meth:`load_latest` or :meth:`save` call sets up (after
     ``init_process_group`` when the world has more than one rank: the ranks agree
     through a gloo group that every rank makes then). Call :meth:`close` (or use the
     object as a context manager) before ``destroy_process_group``.
 
+    Every rank passes the same arguments.
+
     Raises:
         ValueError: ``on_overlap`` is neither ``"wait"`` nor ``"skip"``.
+        ConfigError: ``persist_every`` or ``persist_keep`` is not an integer >= 1, or
+            either is given without ``persist_dir``.
     """
 
     def __init__(
@@ -131,9 +158,18 @@ class MemoryCheckpoint:
         on_overlap: Overlap = "wait",
         statvfs: Callable[[str], StatvfsResult] = os.statvfs,
         before_marker: Callable[[int], object] | None = None,
+        persist_dir: str | os.PathLike[str] | None = None,
+        persist_every: int | None = None,
+        persist_keep: int = DEFAULT_KEEP,
+        before_persisted: Callable[[int], object] | None = None,
     ) -> None:
         if on_overlap not in ("wait", "skip"):
             raise ValueError(f"on_overlap: 'wait' or 'skip' (got {on_overlap!r})")
+        self._persist_settings = persist_settings(persist_dir, persist_every, persist_keep)
+        self._before_persisted = before_persisted
+        self._persister: Persister | None = None
+        self._persist_group: dist.ProcessGroup | None = None
+        self._schedule = PersistSchedule(persist_every)
         self._directory = directory
         self._on_overlap = on_overlap
         self._statvfs = statvfs
@@ -141,7 +177,7 @@ class MemoryCheckpoint:
         self._steps: RankSteps | None = None
         self._reporter: RankReporter | None = None
         self._group: dist.ProcessGroup | None = None
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | _PersistRequest | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._space_checked = False
@@ -153,6 +189,7 @@ class MemoryCheckpoint:
         self._lock = threading.Condition()
         self._issued = 0
         self._done = 0
+        self._requests = 0  # persist() calls not yet taken by the background thread
         self._newest: int | None = None
         self._failure: BaseException | None = None
         self._broken: str | None = None
@@ -171,6 +208,12 @@ class MemoryCheckpoint:
         when there is none (nothing is loaded). Every other step this rank holds is
         removed, half-written ones included.
 
+        A step is loadable by a rank when its node holds the rank's own piece of it, or
+        every rank's piece when the world that saved it had another size (DCP reshards:
+        after a node was lost and the job goes on with fewer). Pieces a node lost with
+        it come from the copy on its buddy node, which the agents bring to the nodes that
+        need them before the workers start.
+
         Before anything else, the node's shared memory is checked for room for two
         steps of this state on each local rank.
 
@@ -185,7 +228,9 @@ class MemoryCheckpoint:
         self._raise_failure()
         if not self._space_checked:
             self._check_space(state_bytes(state_dict))
-        step = self._agree_on_step(steps.complete_steps())
+        # Loadable: the node holds this rank's piece (a world of the size that saved the
+        # step) or every rank's (another size: DCP reshards from their union).
+        step = self._agree_on_step(steps.loadable_steps())
         if step is not None:
             reader = MemoryStorageReader(
                 steps.directory, step, rank=steps.rank, world_size=steps.world_size
@@ -256,12 +301,43 @@ class MemoryCheckpoint:
         """Until every save issued here is finished in the background (complete and
         agreed, or dropped): the newest step complete on every rank.
 
+        With ``persist_dir``, also until the persist in flight here is written (a
+        failed persist is logged, never raised).
+
         Raises:
             MemoryCheckpointError: a save failed in the background.
         """
         self._wait_idle()
+        self._wait_persisted()
         self._raise_failure()
         return self.newest
+
+    def persist(self) -> None:
+        """Persist the newest step complete on every rank to ``persist_dir``, in the
+        background: the step as it stands once the saves issued before this call are
+        finished (a collective: every rank calls it at the same point, between the same
+        saves). A persist in flight is finished first. :meth:`wait` or :meth:`close`
+        waits for it; :attr:`persisted` then names the step. A failure is logged and
+        does not stop training.
+
+        Raises:
+            MemoryCheckpointError: no ``persist_dir`` was given, or this object is
+                closed.
+        """
+        if self._persist_settings is None:
+            raise MemoryCheckpointError(
+                "persist() needs a directory: MemoryCheckpoint(persist_dir=...)"
+            )
+        self._start()
+        with self._lock:
+            self._requests += 1
+        self._jobs.put(_PersistRequest())
+
+    @property
+    def persisted(self) -> int | None:
+        """The newest step this process persisted to ``persist_dir`` (None: none yet)."""
+        persister = self._persister
+        return None if persister is None else persister.persisted
 
     def close(self) -> None:
         """Finish the save in flight, stop the background thread and release the
@@ -274,6 +350,7 @@ class MemoryCheckpoint:
             return
         self._jobs.put(None)
         thread.join()
+        self._close_persister()
         if self._steps is not None:
             self._steps.drop_spare()
         group, self._group = self._group, None
@@ -321,6 +398,7 @@ class MemoryCheckpoint:
                     f"load_latest or save (the ranks agree on steps through it)"
                 )
             self._group = dist.new_group(backend="gloo")
+        self._start_persister(rank, world, directory)
         self._thread = threading.Thread(target=self._serve, name="elastrun-checkpoint", daemon=True)
         self._thread.start()
         self._steps = RankSteps(directory, rank, world)
@@ -404,6 +482,9 @@ class MemoryCheckpoint:
             job = self._jobs.get()
             if job is None:
                 return
+            if isinstance(job, _PersistRequest):
+                self._serve_persist_request()
+                continue
             try:
                 self._finish(job)
             except Exception as exc:  # (kept for the next call, which raises it)
@@ -437,6 +518,7 @@ class MemoryCheckpoint:
             return
         lag = time.monotonic() - job.started if agreed else None  # (the copy lag)
         if agreed:
+            self._hold_for_persist()
             steps.keep_only({job.step})  # (the older step's data becomes the spare)
             with self._lock:
                 self._newest = job.step
@@ -451,6 +533,92 @@ class MemoryCheckpoint:
         self._started_reporter().saved(
             blocked=job.blocked, written=written, agreed=lag, newest=newest
         )
+        self._persist_if_due(agreed)
+
+    # -- persisting (checkpoint.worker.persist) -------------------------------------------
+
+    def _start_persister(self, rank: int, world: int, directory: str) -> None:
+        """With ``persist_dir``: the persister, with a gloo group of its own (made
+        here, by every rank, after the agreements' group)."""
+        settings = self._persist_settings
+        if settings is None:
+            return
+        group = dist.new_group(backend="gloo") if world > 1 else None
+        self._persister = Persister(
+            settings,
+            RankSteps(directory, rank, world),
+            group,
+            before_rename=self._before_persisted,
+        )
+        self._persist_group = group
+
+    def _close_persister(self) -> None:
+        if self._persister is not None:
+            self._persister.close()  # (kept: ``persisted`` still answers)
+        group, self._persist_group = self._persist_group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    def _wait_persisted(self) -> None:
+        """Until the background thread took every ``persist()`` call and the persist
+        in flight is written."""
+        with self._lock:
+            while self._requests:
+                self._lock.wait()
+        persister = self._persister
+        if persister is not None:
+            persister.wait()
+
+    def _hold_for_persist(self) -> None:
+        """Before a step is removed: until the persist in flight copied its step out."""
+        if self._persister is not None:
+            self._persister.wait_snapshot()
+
+    def _persist_if_due(self, agreed: bool) -> None:
+        """After a save: begin a persist of the newest step when one is due and every
+        rank's persister is idle (else at a later save). The same on every rank: it
+        follows the ranks' agreements."""
+        persister = self._persister
+        if persister is None or persister.is_broken():
+            return
+        if agreed:
+            self._schedule.complete()
+        if not self._schedule.due():
+            return
+        try:
+            idle = ranks.all_hold(self._group, persister.is_idle())
+        except RuntimeError as exc:
+            with self._lock:
+                self._broken = f"the ranks lost each other before a persist: {exc}"
+            log.warning("memory checkpoint: %s", self._broken)
+            return
+        if idle:
+            self._begin_persist(persister)
+        else:
+            log.info("memory checkpoint: a persist is due; the last one is still being written")
+
+    def _serve_persist_request(self) -> None:
+        """A ``persist()`` call, on the background thread."""
+        try:
+            persister = self._persister
+            if persister is not None and not persister.is_broken():
+                persister.wait()  # (on every rank: then every rank's is idle)
+                self._begin_persist(persister)
+        finally:
+            with self._lock:
+                self._requests -= 1
+                self._lock.notify_all()
+
+    def _begin_persist(self, persister: Persister) -> None:
+        """Persist the newest step (every rank's persister idle)."""
+        self._schedule.started()
+        newest = self.newest
+        if newest is None:
+            log.info("memory checkpoint: no step is complete on every rank: nothing to persist")
+        elif newest == persister.persisted:
+            log.info("memory checkpoint: step %d is persisted already", newest)
+        else:
+            persister.begin(newest)
 
     def _note_overlap(self, step: int, waited: float | None) -> None:
         """Say that a save overlapped the previous one: the first time, then at most
