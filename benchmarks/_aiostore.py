@@ -136,10 +136,10 @@ class AsyncStore:
 
     async def set(self, key: str, value: bytes, *, lease: int | None = None) -> int:
         result = await self._call("set", {"key": key, "value": p.b64(value), "lease": lease})
-        return int(result)  # type: ignore[call-overload]
+        return _int(result)
 
     async def add(self, key: str, amount: int) -> int:
-        return int(await self._call("add", {"key": key, "amount": amount}))  # type: ignore[call-overload]
+        return _int(await self._call("add", {"key": key, "amount": amount}))
 
     async def compare_set(
         self, key: str, expected: bytes | None, value: bytes, *, lease: int | None = None
@@ -161,7 +161,7 @@ class AsyncStore:
         return {str(k): p.unb64(v, "value") for k, v in items.items()}, int(result["revision"])
 
     async def grant_lease(self, ttl: float) -> int:
-        return int(await self._call("grant_lease", {"ttl": ttl}))  # type: ignore[call-overload]
+        return _int(await self._call("grant_lease", {"ttl": ttl}))
 
     async def keep_alive(self, lease: int) -> bool:
         return bool(await self._call("keep_alive", {"lease": lease}))
@@ -187,3 +187,10 @@ class AsyncStore:
 
     async def close(self) -> None:
         self._transport.close()
+
+
+def _int(value: object) -> int:
+    """A number the server answered, as the threaded client (``store.tcp.client``) checks it."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise StoreError(f"the store answered {value!r} where a number was expected")
+    return value

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -340,11 +340,11 @@ def read_float(path: Path) -> float:
     return float(path.read_text().split()[0])
 
 
-def wait_until(predicate: object, timeout_s: float, step_s: float = 0.01) -> bool:
+def wait_until(predicate: Callable[[], object], timeout_s: float, step_s: float = 0.01) -> bool:
     """Poll `predicate` until true or `timeout_s` passes (for the benchmark's own waits)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return True
         if time.monotonic() >= deadline:
             return False

@@ -6,6 +6,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 Series = Mapping[str, Mapping[str, list[float]]]  # name -> N (as text) -> samples
 
@@ -21,7 +25,7 @@ STYLE = {
 }
 
 
-def _draw(ax: object, series: Series) -> None:
+def _draw(ax: Axes, series: Series) -> None:
     for name, by_n in series.items():
         points = sorted((int(n), s) for n, s in by_n.items() if s)
         if not points:
@@ -31,9 +35,7 @@ def _draw(ax: object, series: Series) -> None:
         lo = [m - min(s) for m, (_, s) in zip(med, points, strict=True)]
         hi = [max(s) - m for m, (_, s) in zip(med, points, strict=True)]
         color, marker = STYLE.get(name, ("tab:gray", "x"))
-        ax.errorbar(  # type: ignore[attr-defined]
-            xs, med, yerr=[lo, hi], label=name, color=color, marker=marker, capsize=3
-        )
+        ax.errorbar(xs, med, yerr=[lo, hi], label=name, color=color, marker=marker, capsize=3)
 
 
 def _panels(

@@ -501,7 +501,7 @@ def protocol_traces() -> tuple[Trace, Trace]:
     real: Trace = []
     sync_store = _SyncRecorder(MemoryStore(), real)
     sync_store.thread = threading.get_ident()
-    handler = DynamicRendezvousHandler(sync_store, settings, node)  # type: ignore[arg-type]
+    handler = DynamicRendezvousHandler(sync_store, settings, node)
     try:
         handler.next_rendezvous()
         handler._check_reform()  # what the watch thread runs on every change

@@ -217,10 +217,10 @@ def run_elastrun_threads(args: argparse.Namespace, cmds: Commands) -> None:
             self._inner = inner
             self._node = node
 
-        def watch(self, prefix: str, after: int, timeout: float, **options: Any) -> Any:
+        def watch(self, prefix: str, after_revision: int, timeout: float, **options: Any) -> Any:
             if prefix.endswith((out_suffix, "/ctl/")):  # a follower's or the closer's wait
                 waiting.add(self._node)
-            return self._inner.watch(prefix, after, timeout, **options)
+            return self._inner.watch(prefix, after_revision, timeout, **options)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self._inner, name)
@@ -234,7 +234,7 @@ def run_elastrun_threads(args: argparse.Namespace, cmds: Commands) -> None:
             store = TcpStore("127.0.0.1", args.port, connect_timeout=60, request_timeout=300)
             store.connect()
         desc = NodeDesc(node_id, "127.0.0.1", "default", 1)
-        handlers.append(DynamicRendezvousHandler(Counting(store, node_id), settings, desc))  # type: ignore[arg-type]
+        handlers.append(DynamicRendezvousHandler(Counting(store, node_id), settings, desc))
     by_id = dict(zip(ids, handlers, strict=True))
 
     def settled_counts() -> list[int]:

@@ -59,9 +59,17 @@ class Table:
     reference: str | None = None
     rows: dict[str, Row] = field(default_factory=dict)
 
-    def row(self, key: str, label: str, **kw: object) -> Row:
+    def row(
+        self,
+        key: str,
+        label: str,
+        *,
+        fmt: str = ".3f",
+        target: str = "",
+        check: Check | None = None,
+    ) -> Row:
         if key not in self.rows:
-            self.rows[key] = Row(key, label, **kw)  # type: ignore[arg-type]
+            self.rows[key] = Row(key, label, fmt=fmt, target=target, check=check)
         return self.rows[key]
 
     def render(self) -> str:
@@ -84,8 +92,10 @@ class Table:
                 s = r.summary(c)
                 cells.append(s.render(r.fmt))
                 if ref is not None and c != ref:
-                    ok = s.samples and ref_s is not None and ref_s.samples and ref_s.median
-                    cells.append(f"{s.median / ref_s.median:.2f}" if ok else "-")  # type: ignore[union-attr]
+                    ratio = "-"
+                    if s.samples and ref_s is not None and ref_s.samples and ref_s.median:
+                        ratio = f"{s.median / ref_s.median:.2f}"
+                    cells.append(ratio)
             if have_targets:
                 v = r.verdict()
                 cells += [r.target, "-" if v is None else ("yes" if v else "**no**")]

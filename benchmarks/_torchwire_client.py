@@ -26,6 +26,7 @@ import random
 import socket
 import struct
 import time
+from typing import cast
 
 MAGIC = 0x3C85F7CE
 VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT = 0, 1, 2, 3, 4, 5, 6
@@ -93,7 +94,8 @@ class WireClient(asyncio.Protocol):
         self._loop_done: asyncio.Future[int] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A stream connection's transport: asyncio passes it as its base class.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as torch's client

@@ -205,7 +205,7 @@ class Rig:
         env = tagged_env(marker, {"PYTHONPATH": path})
         self.server = _Proc([PYTHON, str(HERE / "_servers.py"), SERVERS[impl]], env)
         hello = self.server.read(120)
-        self.port = int(hello["port"])  # type: ignore[call-overload]
+        self.port = int(hello["port"])  # type: ignore[call-overload]  # a JSON number
         self.engine = str(hello.get("engine", ""))
         self.listen_queue = listen_queue(self.port)
         # Lower priority: on this shared machine the server gets its core first.
@@ -239,7 +239,7 @@ class Rig:
         answers = self.ask([cmd] * len(self.loaders), duration_s + 120)
         cpu = self.server.cpu_s() - cpu0
         client = sum(p.cpu_s() for p in self.loaders) - client0
-        ops = sum(int(a["ops"]) for a in answers)  # type: ignore[call-overload]
+        ops = sum(int(a["ops"]) for a in answers)  # type: ignore[call-overload]  # a JSON number
         wall = time.time() - start_at
         return {"ops": ops / duration_s, "cpu": cpu / wall, "client cpu": client / wall}
 
@@ -266,10 +266,13 @@ class Rig:
         answers = self.ask(cmds, timeout_s + 30)
         cpu, after = self.server.cpu_s() - cpu0, nstat()
         client_cpu = sum(p.cpu_s() for p in self.loaders) - client_cpu0
+        # call-overload: a JSON number
         failed = sum(int(a["failed"]) for a in answers)  # type: ignore[call-overload]
         if failed:
+            # attr-defined: a JSON list
             errors = [e for a in answers for e in a["errors"]]  # type: ignore[attr-defined]
             raise ScenarioFailure(f"{failed} of {clients} ranks failed: {errors[:3]}")
+        # attr-defined: a JSON list
         ranks = [r for a in answers for r in a["ranks"]]  # type: ignore[attr-defined]
         out: dict[str, float] = {}
         for i, (phase, _) in enumerate(PHASES):

@@ -105,7 +105,7 @@ def _event_time(events: list[dict[str, object]], name: str, **meta: object) -> f
             and isinstance(data, dict)
             and all(data.get(k) == v for k, v in meta.items())
         ):
-            return float(event["timestamp"]) / 1000  # type: ignore[arg-type]
+            return float(event["timestamp"]) / 1000  # type: ignore[arg-type]  # a JSON number
     raise ScenarioFailure(f"no {name} event {meta} in the event log")
 
 

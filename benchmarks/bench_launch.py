@@ -316,7 +316,9 @@ def body(section: Section, opts: Options, launchers: list[Launcher], bare: bool 
             for col, flags in templated.items():
                 if col.startswith("elastrun"):
                     used = "yes" if all(flags) else "no" if not any(flags) else "in some runs"
-                    section.raw.setdefault("template_used", {})[f"{col} N={n}"] = used  # type: ignore[index]
+                    template_used = section.raw.setdefault("template_used", {})
+                    assert isinstance(template_used, dict)
+                    template_used[f"{col} N={n}"] = used
     section.raw["plot"] = plots
     _headlines(section, columns)
     _notes(section)

@@ -84,6 +84,7 @@ def measure_compute() -> tuple[float, float, float]:
     cpu0, t0 = _children_cpu(), time.monotonic()
     proc = subprocess.run([*MODULE, "compute"], capture_output=True, text=True, check=True)
     wall, cpu = time.monotonic() - t0, _children_cpu() - cpu0
+    # arg-type: a JSON number
     return wall, cpu, float(_result(proc.stdout)["seconds"])  # type: ignore[arg-type]
 
 
@@ -100,6 +101,7 @@ def measure_link() -> tuple[float, float, float]:
         )
         server.stdout.read()
     wall, cpu = time.monotonic() - t0, _children_cpu() - cpu0
+    # arg-type: a JSON number
     return wall, cpu, float(_result(client.stdout)["seconds"])  # type: ignore[arg-type]
 
 

@@ -140,6 +140,7 @@ def _measure_window(running: Running, col: Collector, n: int, opts: Options) -> 
 
     if not col.wait(all_started, opts.timeout_s):
         raise ScenarioFailure(f"not all {n} workers started within {opts.timeout_s:.0f} s")
+    # call-overload: a JSON number
     workers = {int(c.hello["pid"]) for c in col.snapshot()}  # type: ignore[call-overload]
     launcher = psutil.Process(running.pid)
     # Helpers may start lazily; look for them once the workers run.

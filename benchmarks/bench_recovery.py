@@ -277,6 +277,7 @@ class _Killer:
                 return
             self.t_kill = time.time()
             self.killed_step = KILL_AT_STEP
+            # call-overload: a JSON number
             os.kill(int(hello["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
 
 
@@ -287,7 +288,7 @@ def latest_report(conns: list[Conn], ev: str) -> float:
         m = c.first(ev)
         if m is None:
             raise ScenarioFailure(f"worker rank {c.hello.get('rank')} never reported {ev!r}")
-        times.append(float(m["t"]))  # type: ignore[arg-type]
+        times.append(float(m["t"]))  # type: ignore[arg-type]  # a JSON number
     return max(times)
 
 
@@ -364,6 +365,7 @@ def _phases(kind: str, work: Path, t_kill: float, conns: list[Conn], n: int) -> 
         result["old_gone"] = max(c.t_eof for c in old if c.t_eof is not None) - t_kill
     resumed = new[0].first("resumed")
     if resumed is not None:
+        # call-overload: a JSON number
         result["redone"] = float(KILL_AT_STEP - int(resumed["step"]))  # type: ignore[call-overload]
     if {"detected", "stopped", "rendezvous"} <= set(marks):
         result["detection"] = marks["detected"] - t_kill

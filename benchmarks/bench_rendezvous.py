@@ -41,9 +41,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from _common import (
     PYTHON,
@@ -246,10 +247,13 @@ class Trial:
         self.children.append(child)
         return child
 
-    def wait_all(self, ev: str, children: list[Child], k: int | None = None) -> dict[int, dict]:  # type: ignore[type-arg]
-        """The `ev` event of every child in `children` (or ScenarioFailure on deadline)."""
+    def wait_all(
+        self, ev: str, children: list[Child], k: int | None = None
+    ) -> dict[int, dict[str, Any]]:
+        """The `ev` event of every child in `children` (or ScenarioFailure on deadline);
+        each a JSON line as the node process wrote it, its fields the callers' to read."""
         want = {c.index for c in children}
-        got: dict[int, dict] = {}  # type: ignore[type-arg]
+        got: dict[int, dict[str, Any]] = {}
         while want - set(got):
             left = self.deadline - time.monotonic()
             if left <= 0:
@@ -330,17 +334,17 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def _counters(msgs: object) -> dict[str, float]:
+def _counters(msgs: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     total: dict[str, float] = {}
-    for msg in msgs:  # type: ignore[attr-defined]
+    for msg in msgs:
         for k, v in (msg.get("counters") or {}).items():
             total[k] = total.get(k, 0.0) + float(v)
     return total
 
 
 def _check_ranks(items: list[list[object]], world: int) -> None:
-    ranks = sorted(int(i[2]) for i in items)  # type: ignore[call-overload]
-    worlds = {int(i[3]) for i in items}  # type: ignore[call-overload]
+    ranks = sorted(int(i[2]) for i in items)  # type: ignore[call-overload]  # a JSON number
+    worlds = {int(i[3]) for i in items}  # type: ignore[call-overload]  # a JSON number
     if ranks != list(range(world)) or worlds != {world}:
         raise ScenarioFailure(f"bad ranking: ranks {ranks[:10]}..., world sizes {worlds}")
 
@@ -910,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
             changes[field_name] = value
     if args.trial_timeout is not None:
         changes["stop_above_s"] = args.trial_timeout
-    opts = dataclasses.replace(opts, **changes)  # type: ignore[arg-type]
+    opts = dataclasses.replace(opts, **changes)  # type: ignore[arg-type]  # each its field's type
     section = run(profile, [x for x in args.impls.split(",") if x], opts)
     section.extra += ["![Rendezvous time against N](rendezvous.png)", ""]
     section.notes.append(

@@ -99,6 +99,7 @@ class Rig:
         self.impl = impl
         env = tagged_env(marker, {"PYTHONPATH": str(HERE)})
         self.server = _Proc([PYTHON, str(HERE / "_servers.py"), impl], env)
+        # call-overload: a JSON number
         self.port = int(self.server.read(120)["port"])  # type: ignore[call-overload]
         self.used: list[_Proc] = []
         self.loaders = [
@@ -134,7 +135,7 @@ class Rig:
         total = 0
         for proc in self.used:
             msg = proc.read(duration_s + 120)
-            total += int(msg["ops"])  # type: ignore[call-overload]
+            total += int(msg["ops"])  # type: ignore[call-overload]  # a JSON number
         return total / duration_s
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,8 @@ def test_two_agents_form_one_world(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def store_server(tmp_path: Path):  # type: ignore[no-untyped-def]  # yields (endpoint, token)
+def store_server(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A token-protected store: its endpoint and its token file's path."""
     port = free_port()
     token = tmp_path / "token"
     token.write_text("s3cret\n")
@@ -73,8 +75,9 @@ def store_server(tmp_path: Path):  # type: ignore[no-untyped-def]  # yields (end
     proc.communicate(timeout=10)
 
 
-# no-untyped-def: store_server, a fixture, is not annotated
-def test_a_token_protected_store_refuses_a_wrong_token(tmp_path: Path, store_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_token_protected_store_refuses_a_wrong_token(
+    tmp_path: Path, store_server: tuple[str, str]
+) -> None:
     endpoint, token = store_server
     script = write_script(tmp_path / "env.py", ENV_DUMP)
     bad = tmp_path / "bad"
@@ -106,8 +109,9 @@ def _demo(tmp_path: Path, steps: int, extra: list[str] | None = None) -> list[st
 
 
 @pytest.mark.torch
-# no-untyped-def: store_server, a fixture, is not annotated
-def test_three_nodes_lose_one_and_finish_at_two(tmp_path: Path, store_server) -> None:  # type: ignore[no-untyped-def]
+def test_three_nodes_lose_one_and_finish_at_two(
+    tmp_path: Path, store_server: tuple[str, str]
+) -> None:
     endpoint, token = store_server
     conf = f"is_host=false,token_file={token}"
     procs = [
@@ -128,9 +132,8 @@ def test_three_nodes_lose_one_and_finish_at_two(tmp_path: Path, store_server) ->
 
 
 @pytest.mark.torch
-# no-untyped-def: store_server, a fixture, is not annotated
-def test_four_nodes_lose_one_then_another_while_re_forming_and_train_on_at_two(  # type: ignore[no-untyped-def]
-    tmp_path: Path, store_server
+def test_four_nodes_lose_one_then_another_while_re_forming_and_train_on_at_two(
+    tmp_path: Path, store_server: tuple[str, str]
 ) -> None:
     # A second node killed half a second after the first dies while the survivors
     # re-form, and they re-form once more. A loss the survivors see first as a lost
@@ -177,8 +180,9 @@ def test_one_node_grows_to_two_without_spending_restarts(tmp_path: Path) -> None
     assert outcome["restart_count"] == 0
 
 
-# no-untyped-def: store_server, a fixture, is not annotated
-def test_a_spare_at_max_waits_then_replaces_a_lost_node(tmp_path: Path, store_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_spare_at_max_waits_then_replaces_a_lost_node(
+    tmp_path: Path, store_server: tuple[str, str]
+) -> None:
     endpoint, token = store_server
     conf = f"is_host=false,token_file={token}"
     script = write_script(tmp_path / "env.py", ENV_DUMP)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -18,8 +19,9 @@ open(os.path.join(sys.argv[1], f"ran_{os.environ['NODE_TAG']}"), "w").close()
 """
 
 
-# no-untyped-def: returns start()'s Popen[str], not annotated
-def _node(tmp_path: Path, endpoint: str, tag: str, script: Path, fault: str = ""):  # type: ignore[no-untyped-def]
+def _node(
+    tmp_path: Path, endpoint: str, tag: str, script: Path, fault: str = ""
+) -> subprocess.Popen[str]:
     args = ["--nnodes", "4", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", "nodecheck", "--local-addr", "127.0.0.1",
             "--rdzv-conf", "join_timeout=90", "--no-template", "--max-restarts", "0",

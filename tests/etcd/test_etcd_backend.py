@@ -10,7 +10,7 @@ import pytest
 from etcd_cluster import EtcdCluster, closed_port
 
 from elastrun.core.errors import ConfigError, RendezvousConnectionError
-from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
+from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.registry import rendezvous_handler_registry
 from elastrun.store.etcd import EtcdStore
@@ -89,17 +89,17 @@ def test_a_round_on_etcd_lives_under_the_prefix_and_is_closed_on_shutdown(
     ]  # fmt: skip
     assert all(isinstance(h, DynamicRendezvousHandler) for h in handlers)
     assert handlers[0].get_backend() == "etcd"
-    # attr-defined: all() does not narrow handlers to DynamicRendezvousHandler, which has settings
-    assert handlers[0].settings.heartbeat_timeout == 3.0  # type: ignore[attr-defined]
-    infos: list[object] = []
+    first = handlers[0]
+    assert isinstance(first, DynamicRendezvousHandler)
+    assert first.settings.heartbeat_timeout == 3.0
+    infos: list[RendezvousInfo] = []
     threads = [threading.Thread(target=lambda h=h: infos.append(h.next_rendezvous()))
                for h in handlers]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    # attr-defined: infos is a list[object]; the threads append RendezvousInfo
-    assert sorted(i.rank for i in infos) == [0, 1]  # type: ignore[attr-defined]
+    assert sorted(i.rank for i in infos) == [0, 1]
     raw = EtcdStore(etcd.endpoints)
     try:
         keys, _ = raw.get_prefix("")

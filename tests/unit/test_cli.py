@@ -244,11 +244,10 @@ def test_value_option_falls_back_to_pet_variable(
 
 
 def test_short_options_redirects_tee_and_module(run: Callable[..., Launch]) -> None:
-    launch = run("-r", "1", "-t2")
-    # union-attr: logs_specs is Optional; the CLI always sets it
-    assert launch.config.logs_specs.redirects == Std.OUT  # type: ignore[union-attr]
-    # union-attr: logs_specs is Optional; the CLI always sets it
-    assert launch.config.logs_specs.tee == Std.ERR  # type: ignore[union-attr]
+    specs = run("-r", "1", "-t2").config.logs_specs
+    assert specs is not None  # Optional: the CLI always sets it
+    assert specs.redirects == Std.OUT
+    assert specs.tee == Std.ERR
     assert parse_launch(["-m", "json.tool"], {}).kind is ScriptKind.MODULE
 
 
@@ -985,7 +984,8 @@ def test_logs_specs_plugin_is_loaded_and_built(
     specs = run(f"--logs-specs={name}", "-t", "2").config.logs_specs
     assert type(specs).__module__ == plugin_dist
     assert type(specs).__name__ == "Custom"
-    assert specs.tee == Std.ERR  # type: ignore[union-attr]  # Optional: the CLI always sets it
+    assert specs is not None  # Optional: the CLI always sets it
+    assert specs.tee == Std.ERR
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -145,17 +146,17 @@ def test_local_rank_macro_is_substituted_in_strings_only() -> None:
 
 
 def test_plan_uses_the_bootstrap_only_for_our_own_interpreter() -> None:
-    common = dict(
+    plan = functools.partial(
+        build_plan,
+        FACTS,
         role="d",
         local_world_size=1,
         nodes=[NodeSlot("d", 1)],
         args=["-u", "t.py"],
         base_env={},
     )
-    # arg-type: common is a dict[str, object] of values of several types
-    ours = build_plan(FACTS, entrypoint="/py", python="/py", **common)  # type: ignore[arg-type]
-    # arg-type: common is a dict[str, object] of values of several types
-    other = build_plan(FACTS, entrypoint="/other", python="/py", **common)  # type: ignore[arg-type]
+    ours = plan(entrypoint="/py", python="/py")
+    other = plan(entrypoint="/other", python="/py")
     assert ours.workers[0].argv == ("/py", "-u", "-m", "elastrun.worker.bootstrap", "t.py")
     assert other.workers[0].argv == ("/other", "-u", "t.py")
 

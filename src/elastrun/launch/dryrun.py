@@ -19,6 +19,7 @@ from elastrun.agent.plan import (
     WorkerServices,
     build_plan,
 )
+from elastrun.agent.spec import Entrypoint
 from elastrun.checkpoint.agent.capacity import capacity_lines
 from elastrun.launch.cli import Launch
 from elastrun.launch.config import LaunchConfig
@@ -67,7 +68,7 @@ def _start_mode(launch: Launch, argv: tuple[str, ...] | None) -> str:
 
 
 def render_plan(
-    launch: Launch, entrypoint: object, args: Sequence[object], environ: Mapping[str, str]
+    launch: Launch, entrypoint: Entrypoint, args: Sequence[object], environ: Mapping[str, str]
 ) -> str:
     """The plan as text: each worker's argv, the variables elastrun sets, its log paths."""
     cfg = launch.config
@@ -92,7 +93,7 @@ def render_plan(
         role=cfg.role,
         local_world_size=cfg.nproc_per_node,
         nodes=[NodeSlot(cfg.role, cfg.nproc_per_node)] * cfg.max_nodes,
-        entrypoint=entrypoint,  # type: ignore[arg-type]
+        entrypoint=entrypoint,
         args=args,
         base_env=environ,
         python=sys.executable,
