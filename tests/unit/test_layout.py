@@ -300,8 +300,10 @@ def test_the_loop_imports_no_recovery_strategy() -> None:
     assert "inprocess" not in path.read_text()
 
 
-# The tests' own sources: an inline ignore names its code and its reason (STYLE.md 16).
-TESTS_DIR = Path(__file__).resolve().parent.parent
+# Every source in the tree, the package's and the tests', benchmarks' and examples': an
+# inline ignore names its code and its reason (STYLE.md 16).
+REPO = Path(__file__).resolve().parents[2]
+CHECKED_TREES = ("src", "tests", "benchmarks", "examples")
 
 _TYPE_IGNORE = re.compile(r"type:\s*ignore\b(?P<rest>.*)")
 _CODES = re.compile(r"\[(?P<codes>[a-z0-9_-]+(?:,\s*[a-z0-9_-]+)*)\]\s*")
@@ -366,10 +368,12 @@ def test_the_type_ignore_check_wants_a_code_and_a_reason() -> None:
     assert type_ignores_without_reason(source) == [2, 3, 4, 8]
 
 
-def test_every_type_ignore_in_the_tests_gives_its_reason() -> None:
+def test_every_type_ignore_in_src_tests_benchmarks_and_examples_gives_its_reason() -> None:
+    paths = sorted(path for tree in CHECKED_TREES for path in (REPO / tree).rglob("*.py"))
+    assert any(path.is_relative_to(REPO / "src" / "elastrun") for path in paths)
     offenders = [
-        f"{path.relative_to(TESTS_DIR.parent)}:{line}"
-        for path in sorted(TESTS_DIR.rglob("*.py"))
+        f"{path.relative_to(REPO)}:{line}"
+        for path in paths
         for line in type_ignores_without_reason(path.read_text())
     ]
     assert offenders == [], "a type: ignore without its code or reason: " + ", ".join(offenders)
