@@ -245,14 +245,18 @@ def _global_metadata(first: dict[MetadataIndex, WriteItem]) -> dict[str, STORAGE
     for item in first.values():
         fqn = item.index.fqn
         data = item.tensor_data
+        mixed = MemoryCheckpointError(f"{fqn}: a value on one rank, a tensor on another")
         if data is None:
-            metadata[fqn] = BytesStorageMetadata()
+            if not isinstance(
+                metadata.setdefault(fqn, BytesStorageMetadata()), BytesStorageMetadata
+            ):
+                raise mixed
             continue
         entry = metadata.setdefault(
             fqn, TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[])
         )
         if not isinstance(entry, TensorStorageMetadata):
-            raise MemoryCheckpointError(f"{fqn}: a value and a tensor under one name")
+            raise mixed
         entry.chunks.append(data.chunk)
     for fqn, entry in metadata.items():
         if isinstance(entry, TensorStorageMetadata):
