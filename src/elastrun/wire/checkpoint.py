@@ -18,6 +18,28 @@ what both ends agree on: the variable, the names and the marker.
                                         be written over by its next step (no new pages)
         report-rank-3.json              rank 3's report to the agent: its saves' times and
                                         the step it restored from (see below)
+        buddy.json                      the agent's word on this round's copies (below)
+        copied-000000000042             step 42 of this node's ranks is copied to the buddy
+        copies/<node>/step-.../rank-5.* another node's pieces, copied here by the agent
+        gathered/step-.../rank-5.*      pieces pulled here before a round's workers start
+
+**Copies on another node.** Each agent copies the complete steps of the node before it
+in the round's group-rank order (its *source*) into ``copies/<source>/`` (the same
+files, marker last), keeping the newest copy complete on every rank and the one
+arriving, and tells the source, whose agent then writes ``copied-<step>`` in its own
+directory. A rank's save waits for that file after its marker when ``buddy.json`` names
+a copier, so a step is complete only once its copy is in: the step it replaces is
+removed only then. Before a round's workers start, an agent pulls the pieces its ranks
+will need and do not find in its directory (a lost node's, from its buddy's copy) into
+``gathered/``. A reader takes a rank's piece of a step from the step's directory, from
+``gathered/`` or from any ``copies/<node>/``, whichever holds a valid marker for it.
+
+**buddy.json** (written by the agent, by a rename, at each round)::
+
+    {"version": 1, "round": 3, "copier": "<node id>", "source": "<node id>"}
+
+``copier`` is the node that copies this node's steps (null: none, the node is alone);
+``source`` the node whose steps this one copies (null: none).
 
 Each rank writes only its own files, and a step is complete *for a rank* once that
 rank's marker exists: the marker is renamed into place after the data and the metadata
@@ -71,17 +93,25 @@ from elastrun.core.errors import ElastrunError
 from elastrun.core.versioned import load_versioned
 
 __all__ = [
+    "BUDDY_FILE",
     "CHECKPOINT_DIR_ENV",
+    "COPIES_DIR",
+    "COPIES_HELD",
     "DIR_PREFIX",
+    "GATHERED_DIR",
     "STEPS_HELD",
     "VERSION",
+    "Buddy",
     "Marker",
     "MarkerError",
     "RankReport",
     "ReportError",
+    "copied_name",
     "data_name",
+    "decode_buddy",
     "decode_marker",
     "decode_report",
+    "encode_buddy",
     "encode_marker",
     "encode_report",
     "marker_name",
@@ -91,6 +121,7 @@ __all__ = [
     "report_name",
     "spare_name",
     "step_dir_name",
+    "step_of_copied",
     "step_of_dir",
 ]
 
@@ -103,10 +134,20 @@ VERSION = 1
 #: Steps a node holds of each of its ranks: the newest complete one and the one in
 #: progress (or the spare data file the next one writes over).
 STEPS_HELD = 2
+#: Copies a node holds of its source node's steps: the newest complete on every rank and
+#: the one arriving (each as large as the source node's state).
+COPIES_HELD = 2
+#: The agent's word on the round's copies, in the node directory.
+BUDDY_FILE = "buddy.json"
+#: Where another node's pieces are copied: ``copies/<node>/step-.../``.
+COPIES_DIR = "copies"
+#: Where pieces pulled before a round's workers start go: ``gathered/step-.../``.
+GATHERED_DIR = "gathered"
 
 _STEP_DIR = re.compile(r"step-(\d{12,})")
 _RANK_FILE = re.compile(r"rank-(\d+)\.(?:data|meta\.json|done)(?:\.tmp)?")
 _REPORT = re.compile(r"report-rank-(\d+)\.json")
+_COPIED = re.compile(r"copied-(\d{12,})")
 
 
 class MarkerError(ElastrunError, ValueError):
@@ -138,6 +179,50 @@ def step_of_dir(name: str) -> int | None:
     """The step a directory's name holds, or None when it is not a step directory."""
     match = _STEP_DIR.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def copied_name(step: int) -> str:
+    """The file (in the node directory) that says ``step`` of the node's ranks is copied
+    to the node's copier."""
+    return "copied-" + step_dir_name(step).removeprefix("step-")
+
+
+def step_of_copied(name: str) -> int | None:
+    """The step a ``copied-<step>`` file's name holds (None: not such a name)."""
+    match = _COPIED.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+class Buddy(NamedTuple):
+    """The round's copies as the agent wrote them in ``buddy.json``."""
+
+    round: int
+    copier: str | None  # the node that copies this one's steps (None: none)
+    source: str | None  # the node whose steps this one copies (None: none)
+
+
+def encode_buddy(buddy: Buddy) -> str:
+    """``buddy.json``'s text."""
+    return json.dumps({"version": VERSION, **buddy._asdict()})
+
+
+def decode_buddy(text: str | bytes) -> Buddy:
+    """The ``Buddy`` a ``buddy.json`` holds.
+
+    Raises:
+        MarkerError: not such a document, or of another version.
+    """
+    data = load_versioned(text, VERSION, MarkerError)
+    number = data.get("round")
+    if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+        raise MarkerError(f"round: not an integer >= 0 (got {number!r})")
+    nodes = []
+    for name in ("copier", "source"):
+        value = data.get(name)
+        if value is not None and not isinstance(value, str):
+            raise MarkerError(f"{name}: not a node id or null (got {value!r})")
+        nodes.append(value)
+    return Buddy(number, *nodes)
 
 
 def data_name(rank: int) -> str:

@@ -1,4 +1,4 @@
-"""DCP's checkpoint metadata as JSON, and back.
+"""DCP's checkpoint metadata as JSON, and back; the ranks' metadata as one.
 
 DCP's own file systems pickle their ``Metadata``; a memory checkpoint stores it as
 versioned JSON (the house rule for state that outlives a process): the tensors' and
@@ -6,11 +6,18 @@ values' entries, the planner's data (the default planner's map of flattened name
 their paths in the state dict), and where each item lies in the rank's data file
 (:class:`Span`). A planner whose data is not made of JSON's values, tuples and
 string-keyed dicts cannot be stored, and says so.
+
+Each rank's checkpoint holds its own metadata (its chunks of each tensor).
+:func:`merge_metadata` makes the union of several ranks' -- DCP's global metadata, which
+a collective save's coordinator would have written -- so that DCP plans a load into
+another world size (its resharding: each rank reads the parts of the stored chunks that
+overlap its own) and the reader knows which rank's file holds each chunk.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.wire.checkpoint import VERSION
 
-__all__ = ["Span", "decode_metadata", "encode_metadata"]
+__all__ = ["Span", "decode_metadata", "encode_metadata", "merge_metadata"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,74 @@ def decode_metadata(text: str | bytes) -> Metadata:
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise MemoryCheckpointError(f"unreadable checkpoint metadata: {exc!r}") from exc
+
+
+def merge_metadata(metas: Mapping[int, Metadata]) -> tuple[Metadata, dict[MetadataIndex, int]]:
+    """The union of ranks' metadata (``metas``: rank -> its metadata): every tensor's
+    chunks (a chunk that several ranks hold, a replicated tensor's, once), every value,
+    the planners' data; and the rank whose data file holds each stored item (the lowest
+    that holds it).
+
+    Raises:
+        MemoryCheckpointError: no metadata, or ranks that disagree on an item's kind,
+            size or dtype.
+    """
+    if not metas:
+        raise MemoryCheckpointError("no rank's metadata to load from")
+    items: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    chunks: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = {}
+    storage: dict[MetadataIndex, Span] = {}
+    where: dict[MetadataIndex, int] = {}
+    planner: dict[str, Any] = {}
+    for rank in sorted(metas):
+        meta = metas[rank]
+        for fqn, entry in meta.state_dict_metadata.items():
+            _merge_entry(items, chunks, fqn, entry)
+        for index, span in (meta.storage_data or {}).items():
+            if index not in storage:
+                storage[index] = span
+                where[index] = rank
+        if isinstance(meta.planner_data, dict):
+            planner.update(meta.planner_data)
+    for fqn, entry in items.items():
+        if isinstance(entry, TensorStorageMetadata):
+            entry.chunks = list(chunks[fqn].values())
+    first = metas[min(metas)]
+    merged = Metadata(
+        state_dict_metadata=dict(items),
+        planner_data=planner or first.planner_data,
+        storage_data=storage,
+        storage_meta=first.storage_meta,
+        version=first.version,
+    )
+    return merged, where
+
+
+def _merge_entry(
+    items: dict[str, TensorStorageMetadata | BytesStorageMetadata],
+    chunks: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]],
+    fqn: str,
+    entry: TensorStorageMetadata | BytesStorageMetadata,
+) -> None:
+    seen = items.get(fqn)
+    if isinstance(entry, BytesStorageMetadata):
+        if seen is None:
+            items[fqn] = entry
+        elif not isinstance(seen, BytesStorageMetadata):
+            raise MemoryCheckpointError(f"{fqn}: a tensor on one rank, a value on another")
+        return
+    if seen is None:
+        items[fqn] = TensorStorageMetadata(properties=entry.properties, size=entry.size, chunks=[])
+        chunks[fqn] = {}
+    elif not isinstance(seen, TensorStorageMetadata):
+        raise MemoryCheckpointError(f"{fqn}: a value on one rank, a tensor on another")
+    elif seen.size != entry.size or seen.properties.dtype != entry.properties.dtype:
+        raise MemoryCheckpointError(
+            f"{fqn}: ranks disagree on it ({tuple(seen.size)} {seen.properties.dtype} and "
+            f"{tuple(entry.size)} {entry.properties.dtype})"
+        )
+    for chunk in entry.chunks:
+        chunks[fqn].setdefault(tuple(chunk.offsets), chunk)
 
 
 # -- tensors ---------------------------------------------------------------------------

@@ -1,10 +1,17 @@
 """One rank's steps in the node's checkpoint directory: which are complete, publishing
-a step's marker, and removing steps.
+a step's marker, and removing steps; and the pieces of any rank that the node holds.
 
 Plain file operations, no torch: the layout and the marker are
 :mod:`elastrun.wire.checkpoint`'s. Every rank of a node shares the step directories
 and touches only its own files in them; the last rank to leave a step directory
 removes it (a removal that finds another rank's file, or no directory, is not an error).
+
+Pieces of other ranks (a copy of another node's steps, or pieces the agent gathered
+before the round) lie in ``copies/<node>/`` and ``gathered/``, which the agent alone
+writes and removes: a rank reads them (:meth:`RankSteps.pieces`), never changes them.
+A step is *loadable* here when the node holds what this rank needs of it: its own
+piece when the world that saved it is this one's size, else every rank's piece (DCP
+reshards from the union: :meth:`RankSteps.loadable_steps`).
 """
 
 from __future__ import annotations
@@ -13,16 +20,50 @@ import contextlib
 import errno
 import logging
 import os
+import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 from elastrun.wire import checkpoint as layout
 from elastrun.wire.checkpoint import Marker, MarkerError
 
 __all__ = [
+    "COPY_WAIT",
+    "Piece",
     "RankSteps",
     "directory_usage",
+    "read_buddy",
 ]
 
 log = logging.getLogger("elastrun.checkpoint")
+
+#: Seconds a rank's save waits for the buddy's copy of its step before it goes on without.
+COPY_WAIT = 60.0
+
+
+class Piece(NamedTuple):
+    """One rank's files of one step, where the node holds them (``directory``: the
+    step's directory, in the node's own steps, ``gathered/`` or ``copies/<node>/``)."""
+
+    directory: str
+    marker: Marker
+
+    @property
+    def data_path(self) -> str:
+        return os.path.join(self.directory, layout.data_name(self.marker.rank))
+
+    @property
+    def meta_path(self) -> str:
+        return os.path.join(self.directory, layout.meta_name(self.marker.rank))
+
+
+def read_buddy(directory: str) -> layout.Buddy | None:
+    """The agent's ``buddy.json`` in ``directory`` (None: none, or unreadable)."""
+    try:
+        with open(os.path.join(directory, layout.BUDDY_FILE), "rb") as fh:
+            return layout.decode_buddy(fh.read())
+    except (OSError, MarkerError):
+        return None
 
 
 class RankSteps:
@@ -83,22 +124,107 @@ class RankSteps:
         return marker
 
     def _problem(self, step: int, marker: Marker) -> str | None:
-        if (marker.step, marker.rank) != (step, self.rank):
-            return f"its marker names step {marker.step} of rank {marker.rank}"
         if marker.world_size != self.world_size:
             return (
                 f"it was saved by a world of {marker.world_size} ranks, this one has "
-                f"{self.world_size} (loading into another world size is not built yet)"
+                f"{self.world_size} (it is loaded from every rank's pieces, when the node "
+                f"holds them)"
             )
-        for path, size in ((self.data_path(step), marker.data_bytes),
-                           (self.meta_path(step), marker.meta_bytes)):  # fmt: skip
+        return _piece_problem(self.step_dir(step), step, self.rank, marker)
+
+    # -- pieces of any rank --------------------------------------------------------------
+
+    def piece_dirs(self, step: int) -> list[str]:
+        """The directories that may hold pieces of ``step``: the node's own step
+        directory, then ``gathered/``'s, then each ``copies/<node>/``'s (sorted)."""
+        name = layout.step_dir_name(step)
+        dirs = [self.step_dir(step), os.path.join(self.directory, layout.GATHERED_DIR, name)]
+        copies = os.path.join(self.directory, layout.COPIES_DIR)
+        with contextlib.suppress(OSError):
+            dirs += [os.path.join(copies, n, name) for n in sorted(os.listdir(copies))]
+        return [d for d in dirs if os.path.isdir(d)]
+
+    def pieces(self, step: int) -> dict[int, Piece]:
+        """Every rank's valid piece of ``step`` that the node holds (the first found in
+        :meth:`piece_dirs`' order), by rank."""
+        found: dict[int, Piece] = {}
+        for directory in self.piece_dirs(step):
             try:
-                found = os.stat(path).st_size
-            except OSError as exc:
-                return f"{os.path.basename(path)}: {exc.strerror}"
-            if found != size:
-                return f"{os.path.basename(path)} has {found} bytes, its marker says {size}"
-        return None
+                names = os.listdir(directory)
+            except OSError:
+                continue
+            for name in names:
+                rank = layout.rank_of_file(name)
+                if rank is None or rank in found or name != layout.marker_name(rank):
+                    continue
+                marker = _valid_marker(directory, step, rank)
+                if marker is not None:
+                    found[rank] = Piece(directory, marker)
+        return found
+
+    def every_step(self) -> list[int]:
+        """Every step of which the node holds some piece, oldest first."""
+        steps = set(self.all_steps())
+        for base in (os.path.join(self.directory, layout.GATHERED_DIR),):
+            steps |= set(_steps_in(base))
+        copies = os.path.join(self.directory, layout.COPIES_DIR)
+        with contextlib.suppress(OSError):
+            for node in os.listdir(copies):
+                steps |= set(_steps_in(os.path.join(copies, node)))
+        return sorted(steps)
+
+    def needed(self, step: int) -> dict[int, Piece] | None:
+        """The pieces this rank loads ``step`` from, when the node holds them: its own
+        when a world of this size saved the step, else every rank's (None: the node
+        lacks one, or the pieces disagree on the world that saved them)."""
+        pieces = self.pieces(step)
+        worlds = {p.marker.world_size for p in pieces.values()}
+        if len(worlds) != 1:
+            return None
+        (world,) = worlds
+        if world == self.world_size:
+            own = pieces.get(self.rank)
+            return None if own is None else {self.rank: own}
+        if set(pieces) != set(range(world)):
+            return None
+        return pieces
+
+    def loadable_steps(self) -> list[int]:
+        """The steps this rank can load from the node's memory (:meth:`needed`), oldest
+        first."""
+        return [s for s in self.every_step() if self.needed(s) is not None]
+
+    def wait_copied(
+        self,
+        step: int,
+        *,
+        timeout: float = COPY_WAIT,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> bool:
+        """Wait until the agent says ``step`` of this node is copied to its buddy
+        (``copied-<step>``), when ``buddy.json`` names a copier; True at once when it
+        names none. False after ``timeout`` seconds (said once per step).
+
+        Why a poll: the file is written by another process, and a rank's background
+        thread has nothing else to wait on; the first looks are 1 ms apart (a copy on a
+        fast link takes milliseconds), later ones at most 20 ms."""
+        path = os.path.join(self.directory, layout.copied_name(step))
+        start = time.monotonic()
+        pause = 0.001
+        while not os.path.exists(path):
+            buddy = read_buddy(self.directory)
+            if buddy is None or buddy.copier is None:
+                return True
+            if time.monotonic() - start >= timeout:
+                log.warning(
+                    "memory checkpoint: step %d of rank %d is not copied to node %s after "
+                    "%.0f s; it is kept without its copy (a loss of this node now loses it)",
+                    step, self.rank, buddy.copier, timeout,
+                )  # fmt: skip
+                return False
+            sleep(pause)
+            pause = min(0.02, pause * 2)
+        return True
 
     def complete_steps(self) -> list[int]:
         """The steps complete for this rank, oldest first."""
@@ -181,6 +307,47 @@ class RankSteps:
             f"RankSteps(directory={self.directory!r}, rank={self.rank}, "
             f"world_size={self.world_size})"
         )
+
+
+def _steps_in(directory: str) -> list[int]:
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [s for s in map(layout.step_of_dir, names) if s is not None]
+
+
+def _valid_marker(directory: str, step: int, rank: int) -> Marker | None:
+    """Rank ``rank``'s marker of ``step`` in ``directory`` when its files are whole."""
+    try:
+        with open(os.path.join(directory, layout.marker_name(rank)), "rb") as fh:
+            marker = layout.decode_marker(fh.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, MarkerError) as exc:
+        log.warning("step %d of rank %d in %s: unreadable marker (%s)", step, rank, directory, exc)
+        return None
+    problem = _piece_problem(directory, step, rank, marker)
+    if problem is not None:
+        log.warning("step %d of rank %d in %s is not loadable: %s", step, rank, directory, problem)
+        return None
+    return marker
+
+
+def _piece_problem(directory: str, step: int, rank: int, marker: Marker) -> str | None:
+    """Why ``marker`` does not vouch for rank ``rank``'s files of ``step`` in
+    ``directory`` (None: it does)."""
+    if (marker.step, marker.rank) != (step, rank):
+        return f"its marker names step {marker.step} of rank {marker.rank}"
+    for name, size in ((layout.data_name(rank), marker.data_bytes),
+                       (layout.meta_name(rank), marker.meta_bytes)):  # fmt: skip
+        try:
+            found = os.stat(os.path.join(directory, name)).st_size
+        except OSError as exc:
+            return f"{name}: {exc.strerror}"
+        if found != size:
+            return f"{name} has {found} bytes, its marker says {size}"
+    return None
 
 
 def directory_usage(directory: str) -> int:

@@ -13,9 +13,10 @@ its coordinator writes the one metadata file, on its own node, and saves each
 replicated tensor and every plain value on one rank only, so a rank on another node
 would find neither in its own node's memory. Standing alone, a rank writes every item it
 holds (its shards of DTensors, its replicated tensors, the values) and reads back only
-its own files; no save waits on a peer, so a dead peer never stalls one. What this
-gives up is loading into another world size (a rank would need its peers' shards: the
-union of the ranks' metadata is DCP's global metadata; not built yet).
+its own files; no save waits on a peer, so a dead peer never stalls one. Loading into
+another world size reads every rank's pieces, which the node then holds (its own, its
+buddy's copy, or pieces its agent gathered before the round): the reader plans over the
+union of their metadata, DCP's global metadata, and DCP reshards.
 
 **The bytes.** The writer sizes the rank's data file first (``posix_fallocate``: a full
 ``/dev/shm`` fails there, before a byte is copied, never later as a bus error), then
@@ -57,7 +58,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from elastrun.checkpoint.worker.errors import CheckpointSpaceError, MemoryCheckpointError
-from elastrun.checkpoint.worker.metadata import Span, decode_metadata, encode_metadata
+from elastrun.checkpoint.worker.metadata import (
+    Span,
+    decode_metadata,
+    encode_metadata,
+    merge_metadata,
+)
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.wire.checkpoint import Marker
 
@@ -224,7 +230,10 @@ class MemoryStorageWriter(StorageWriter):
         return self._data_bytes
 
     def publish(self, before_marker: Callable[[int], object] | None = None) -> None:
-        """Write the metadata, then the marker: the step is then complete for this rank.
+        """Write the metadata, then the marker: the step is then complete for this rank;
+        then, when the agent names a copier for this node (``buddy.json``), wait until
+        it says the node's step is copied there (``RankSteps.wait_copied``), so that the
+        step the caller removes next is never the last one held on two nodes.
 
         ``before_marker``: called with the step between the two (a seam for tests that
         kill the process there).
@@ -244,6 +253,7 @@ class MemoryStorageWriter(StorageWriter):
         self._steps.publish(
             Marker(self.step, steps.rank, steps.world_size, self._data_bytes, len(text))
         )
+        self._steps.wait_copied(self.step)
 
     def __repr__(self) -> str:
         return (
@@ -254,17 +264,23 @@ class MemoryStorageWriter(StorageWriter):
 
 
 class MemoryStorageReader(StorageReader):
-    """Reads one rank's checkpoint of ``step`` from the node directory ``directory``.
+    """Reads one step of a memory checkpoint from the node directory ``directory``.
+
+    A rank of a world of the size that saved the step reads its own piece (in the
+    node's steps, or a copy another node's agent brought: ``RankSteps.needed``). A rank
+    of a world of another size reads every rank's pieces: its metadata is their union
+    (DCP's global metadata, ``merge_metadata``), so DCP's planner reshards (each item
+    read from the rank's file that holds it).
 
     Args:
         directory: the node's checkpoint directory (``ELASTRUN_CHECKPOINT_DIR``).
-        step: the step to read; it must be complete for this rank (its marker written).
-        rank, world_size: this rank's (None: as for the writer); the checkpoint must
-            have been saved by a world of this size.
+        step: the step to read.
+        rank, world_size: this rank's (None: as for the writer).
 
     Raises (from DCP's calls):
-        MemoryCheckpointError: the step is not complete for this rank, its metadata is
-            unreadable, or a collective load (not ``no_dist=True``).
+        MemoryCheckpointError: the node does not hold the pieces this rank needs of the
+            step, a metadata file is unreadable, or a collective load (not
+            ``no_dist=True``).
     """
 
     def __init__(
@@ -279,6 +295,9 @@ class MemoryStorageReader(StorageReader):
         self.step = step
         self._steps = _rank_steps(directory, rank, world_size)
         self._storage: dict[MetadataIndex, Span] = {}
+        self._files: dict[MetadataIndex, str] = {}
+        self._data_paths: dict[int, str] = {}  # rank -> its data file (set at read_metadata)
+        self._where: dict[MetadataIndex, int] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -286,16 +305,28 @@ class MemoryStorageReader(StorageReader):
                 "a memory checkpoint's step is given to its reader, not as checkpoint_id"
             )
         self._storage = {}
+        self._files = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         steps = self._steps
-        if steps.marker(self.step) is None:
+        pieces = steps.needed(self.step)
+        if pieces is None:
             raise MemoryCheckpointError(
-                f"step {self.step} of rank {steps.rank} is not complete in "
-                f"{steps.directory} (no valid marker: its save did not finish)"
+                f"step {self.step} of rank {steps.rank} is not complete in {steps.directory} "
+                f"(no valid marker of its own piece, saved by a world of {steps.world_size}, "
+                f"nor of every rank's piece: its save did not finish, or went with its node)"
             )
-        with open(steps.meta_path(self.step), "rb") as fh:
-            return decode_metadata(fh.read())
+        metas = {}
+        for rank, piece in pieces.items():
+            with open(piece.meta_path, "rb") as fh:
+                metas[rank] = decode_metadata(fh.read())
+        self._data_paths = {rank: piece.data_path for rank, piece in pieces.items()}
+        if len(metas) == 1:
+            ((rank, metadata),) = metas.items()
+            self._where = dict.fromkeys((metadata.storage_data or {}), rank)
+            return metadata
+        metadata, self._where = merge_metadata(metas)
+        return metadata
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -303,6 +334,11 @@ class MemoryStorageReader(StorageReader):
         if not is_coordinator:
             raise MemoryCheckpointError(_ALONE)
         self._storage = dict(metadata.storage_data or {})
+        self._files = {
+            index: self._data_paths[rank]
+            for index, rank in self._where.items()
+            if rank in self._data_paths
+        }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -313,21 +349,26 @@ class MemoryStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with open(self._steps.data_path(self.step), "rb", buffering=0) as fh:
-            for item in plan.items:
-                span = self._storage.get(item.storage_index)
-                if span is None:
-                    raise MemoryCheckpointError(
-                        f"{item.storage_index.fqn}: not in step {self.step}'s data"
-                    )
-                if item.type == LoadItemType.BYTE_IO:
-                    buf = bytearray(span.length)
-                    _pread_all(fh.fileno(), memoryview(buf), span.offset)
-                    planner.load_bytes(item, io.BytesIO(buf))
-                else:
-                    target = planner.resolve_tensor(item).detach()
-                    _read_tensor(fh.fileno(), item, span, target)
-                    planner.commit_tensor(item, target)
+        by_file: dict[str, list[tuple[ReadItem, Span]]] = {}
+        for item in plan.items:
+            span = self._storage.get(item.storage_index)
+            path = self._files.get(item.storage_index)
+            if span is None or path is None:
+                raise MemoryCheckpointError(
+                    f"{item.storage_index.fqn}: not in step {self.step}'s data"
+                )
+            by_file.setdefault(path, []).append((item, span))
+        for path, items in by_file.items():
+            with open(path, "rb", buffering=0) as fh:
+                for item, span in items:
+                    if item.type == LoadItemType.BYTE_IO:
+                        buf = bytearray(span.length)
+                        _pread_all(fh.fileno(), memoryview(buf), span.offset)
+                        planner.load_bytes(item, io.BytesIO(buf))
+                    else:
+                        target = planner.resolve_tensor(item).detach()
+                        _read_tensor(fh.fileno(), item, span, target)
+                        planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -339,7 +380,7 @@ class MemoryStorageReader(StorageReader):
     def __repr__(self) -> str:
         return (
             f"MemoryStorageReader(directory={self._steps.directory!r}, step={self.step}, "
-            f"rank={self._steps.rank})"
+            f"rank={self._steps.rank}, pieces={sorted(self._data_paths)})"
         )
 
 

@@ -1,0 +1,104 @@
+"""A rank's view of the pieces its node holds: its own in a copy, every rank's for
+another world size (read through the union of their metadata), and the wait for the
+buddy's copy after a save. One process, no process group."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from elastrun.checkpoint import MemoryStorageReader, MemoryStorageWriter
+from elastrun.checkpoint.worker.steps import RankSteps
+from elastrun.wire import checkpoint as layout
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
+
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+
+def _save(directory: Path, step: int, rank: int, world: int, state: dict[str, Any]) -> None:
+    writer = MemoryStorageWriter(str(directory), step, rank=rank, world_size=world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_save(state, storage_writer=writer, no_dist=True)
+
+
+def _load(directory: Path, step: int, rank: int, world: int, state: dict[str, Any]) -> None:
+    reader = MemoryStorageReader(str(directory), step, rank=rank, world_size=world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_load(state, storage_reader=reader, no_dist=True)
+
+
+def _move(directory: Path, step: int, rank: int, to: Path) -> None:
+    """Move rank ``rank``'s piece of ``step`` into ``to`` (a copy's or gathered step
+    directory), as an agent's copy would hold it."""
+    to.mkdir(parents=True, exist_ok=True)
+    src = directory / layout.step_dir_name(step)
+    for name in (layout.data_name(rank), layout.meta_name(rank), layout.marker_name(rank)):
+        (src / name).rename(to / name)
+
+
+def test_a_rank_loads_its_own_piece_from_a_copy_of_its_lost_node(tmp_path: Path) -> None:
+    _save(tmp_path, 4, 1, 2, {"w": torch.full((3,), 7.0)})
+    copies = tmp_path / layout.COPIES_DIR / "b-1" / layout.step_dir_name(4)
+    _move(tmp_path, 4, 1, copies)
+    steps = RankSteps(str(tmp_path), 1, 2)
+    assert steps.complete_steps() == []  # (none in its own steps)
+    assert steps.loadable_steps() == [4]
+    state = {"w": torch.zeros(3)}
+    _load(tmp_path, 4, 1, 2, state)
+    assert state["w"].tolist() == [7.0, 7.0, 7.0]
+
+
+def test_another_world_size_loads_only_when_every_ranks_piece_is_here(tmp_path: Path) -> None:
+    # Two ranks of a world of 2 each saved their half of "w", a value, and their own
+    # tensor; one rank of a world of 1 reads both halves (DCP's planner over the union).
+    for rank in (0, 1):
+        _save(tmp_path, 9, rank, 2, {"w": torch.arange(4.0) + 10 * rank, f"only{rank}":
+                                     torch.tensor([rank + 0.5]), "note": "hi"})  # fmt: skip
+    gathered = tmp_path / layout.GATHERED_DIR / layout.step_dir_name(9)
+    _move(tmp_path, 9, 1, gathered)
+    alone = RankSteps(str(tmp_path), 0, 1)
+    assert alone.loadable_steps() == [9]
+    state: dict[str, Any] = {"w": torch.zeros(4), "only0": torch.zeros(1),
+                             "only1": torch.zeros(1), "note": ""}  # fmt: skip
+    _load(tmp_path, 9, 0, 1, state)
+    assert state["only0"].tolist() == [0.5] and state["only1"].tolist() == [1.5]
+    assert state["note"] == "hi"
+    assert state["w"].tolist() == [
+        0.0,
+        1.0,
+        2.0,
+        3.0,
+    ]  # (a chunk two ranks hold: the lowest rank's)
+    for name in (layout.data_name(1), layout.meta_name(1), layout.marker_name(1)):
+        (gathered / name).unlink()
+    assert alone.loadable_steps() == []  # rank 1's piece is gone: nothing to reshard from
+
+
+def test_a_save_waits_for_the_buddys_copy_when_the_agent_names_a_copier(tmp_path: Path) -> None:
+    steps = RankSteps(str(tmp_path), 0, 1)
+    assert steps.wait_copied(3, timeout=0)  # no buddy.json: nothing to wait for
+    buddy = layout.Buddy(1, "node-b", "node-b")
+    (tmp_path / layout.BUDDY_FILE).write_text(layout.encode_buddy(buddy))
+    slept: list[float] = []
+
+    def confirm(pause: float) -> None:
+        slept.append(pause)
+        if len(slept) == 3:
+            (tmp_path / layout.copied_name(3)).write_text("{}")
+
+    assert steps.wait_copied(3, timeout=60, sleep=confirm)
+    assert len(slept) == 3
+    assert not steps.wait_copied(4, timeout=0, sleep=confirm)  # never copied: goes on
+    alone = layout.Buddy(2, None, None)
+    (tmp_path / layout.BUDDY_FILE).write_text(layout.encode_buddy(alone))
+    assert steps.wait_copied(4, timeout=60, sleep=confirm)
