@@ -228,7 +228,9 @@ class MemoryCheckpoint:
         self._raise_failure()
         if not self._space_checked:
             self._check_space(state_bytes(state_dict))
-        step = self._agree_on_step(steps.complete_steps())
+        # Loadable: the node holds this rank's piece (a world of the size that saved the
+        # step) or every rank's (another size: DCP reshards from their union).
+        step = self._agree_on_step(steps.loadable_steps())
         if step is not None:
             reader = MemoryStorageReader(
                 steps.directory, step, rank=steps.rank, world_size=steps.world_size
