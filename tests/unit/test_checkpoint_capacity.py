@@ -57,3 +57,11 @@ def test_the_dry_run_plan_shows_the_checkpoints_lines(tmp_path: Path) -> None:
         return  # (no /dev/shm on this machine: the one line says so)
     assert "for 3 local rank(s)" in shown[at + 1]
     assert shown[at + 1].startswith(" " * 16)
+
+
+def test_a_job_of_several_nodes_leaves_room_for_a_buddys_copy() -> None:
+    lines = capacity_lines(4, nodes=2, base="/shm", statvfs=lambda _p: _statvfs(16 << 30, 32 << 30))
+    assert (
+        "and 2 of each of its buddy node's ranks (a copy: the newest, one arriving)" in (lines[0])
+    )
+    assert lines[1].endswith("up to 1.00 GiB of state per rank (checked before training)")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from elastrun.checkpoint import MemoryStorageReader, MemoryStorageWriter
+from elastrun.checkpoint import CheckpointSpaceError, MemoryStorageReader, MemoryStorageWriter
+from elastrun.checkpoint.worker.space import check_space
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.wire import checkpoint as layout
 
@@ -102,3 +104,13 @@ def test_a_save_waits_for_the_buddys_copy_when_the_agent_names_a_copier(tmp_path
     alone = layout.Buddy(2, None, None)
     (tmp_path / layout.BUDDY_FILE).write_text(layout.encode_buddy(alone))
     assert steps.wait_copied(4, timeout=60, sleep=confirm)
+
+
+def test_the_space_check_counts_a_buddys_copy_when_the_node_holds_one(tmp_path: Path) -> None:
+    free = SimpleNamespace(f_bavail=3 << 20, f_frsize=1)  # 3 MiB free
+    check_space(str(tmp_path), 1 << 20, rank=0, local_ranks=1, statvfs=lambda _p: free)
+    buddy = layout.Buddy(1, "node-b", "node-b")
+    (tmp_path / layout.BUDDY_FILE).write_text(layout.encode_buddy(buddy))
+    copies = r"4 steps x 1 local rank.*; 2 of the steps a buddy node's copy"
+    with pytest.raises(CheckpointSpaceError, match=copies):
+        check_space(str(tmp_path), 1 << 20, rank=0, local_ranks=1, statvfs=lambda _p: free)

@@ -8,7 +8,7 @@ loop's next step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from elastrun.agent.bootstrap_store import BootstrapStore
 from elastrun.agent.plan import LaunchPlan, RoundFacts, WorkerServices, round_plan
@@ -36,6 +36,9 @@ class Rounds:
         report: reports the rendezvous.
         interruptible: runs the rendezvous wait so that a signal ends it.
         clock: the agent's.
+        on_round: parts told of each round joined, before its workers start (the
+            memory checkpoints' copies: each makes sure its node holds what the round's
+            ranks will load); each must not raise.
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class Rounds:
         report: AgentReport,
         interruptible: Interruptible,
         clock: Clock,
+        on_round: Sequence[Callable[[RendezvousInfo, LaunchPlan], None]] = (),
     ) -> None:
         self._handler = handler
         self._rdzv = rdzv
@@ -66,6 +70,7 @@ class Rounds:
         self._report = report
         self._interruptible = interruptible
         self._clock = clock
+        self._on_round = tuple(on_round)
         # The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
         # node is its group rank 0: it outlives every worker of the round.
         self._bootstrap_store = BootstrapStore()
@@ -87,6 +92,8 @@ class Rounds:
         )
         self._bootstrap_store.host(plan, agents_host=self._handler.agent_hosts_bootstrap_store)
         self._report.rendezvous(info, rdzv_ms)
+        for part in self._on_round:
+            part(info, plan)
         return plan
 
     @property

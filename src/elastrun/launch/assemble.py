@@ -7,7 +7,8 @@ field is None): the worker processes
 (agent.workers), the rounds (agent.rounds), the recovery ladder (agent.ladder: its
 rungs in agent.rungs and inprocess.agent.rung), the watches (agent.watches,
 pace.agent.stall_watch, pace.agent.step_watch), the report, the node's memory checkpoints
-(checkpoint.agent: their directory and the workers' reports in it) and the one state
+(checkpoint.agent: their directory, the workers' reports in it, and their copies on
+another node, told of each round) and the one state
 machine (agent.phases). The parts know nothing of the loop: none is handed it, and none
 calls back into it.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import socket
 import uuid
+from collections.abc import Callable
 
 from elastrun.agent.cooldown import CoolDown
 from elastrun.agent.ladder import Ladder, Rung
@@ -27,7 +29,7 @@ from elastrun.agent.notices import Notices
 from elastrun.agent.options import AgentOptions
 from elastrun.agent.parts import AgentParts, World
 from elastrun.agent.phases import Lifecycle
-from elastrun.agent.plan import WorkerServices
+from elastrun.agent.plan import LaunchPlan, WorkerServices
 from elastrun.agent.policy import RestartAll, RestartBudget, default_budget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.rounds import Rounds
@@ -35,6 +37,7 @@ from elastrun.agent.rungs import BudgetRung, CrashLoopRung, GroupRestartRung, St
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.agent.watches import AttemptWatches
 from elastrun.agent.workers import Guard, WorkerProcesses
+from elastrun.checkpoint.agent.buddy import NodeCopies
 from elastrun.checkpoint.agent.node_dir import NodeCheckpointDir
 from elastrun.checkpoint.agent.reports import CheckpointReports
 from elastrun.core.clock import Clock
@@ -47,7 +50,7 @@ from elastrun.nodecheck.agent.check import NodeCheck
 from elastrun.observe.sinks import EventSink, MetricSink, NullEventSink, NullMetricSink
 from elastrun.pace.agent.stall_watch import ProgressWatch
 from elastrun.pace.agent.step_watch import PaceWatch
-from elastrun.rendezvous.api import RendezvousHandler
+from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
 from elastrun.rendezvous.elastic import ElasticRendezvous, as_elastic
 from elastrun.rendezvous.local import LocalRendezvousHandler
 from elastrun.supervise.processes.guard import OrphanGuard
@@ -74,9 +77,11 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     )
     workers = _workers(spec, group, logs, options, world, guard, progress, shutdown, metrics)
     checkpoints, checkpoint_reports = _checkpoints(world, guard, events, metrics)
+    copies = NodeCopies(checkpoints, rdzv.store_seat, events, metrics)
     rounds = _rounds(
-        handler, rdzv, spec, group, options, world, budget, pace, report, interruptible
-    )
+        handler, rdzv, spec, group, options, world, budget, pace, report, interruptible,
+        _round_part(copies),
+    )  # fmt: skip
     notices = Notices()
     inprocess = _inprocess(
         workers, rounds, options, world.clock, events, metrics, notices, rdzv.loss_bound
@@ -134,6 +139,18 @@ def _checkpoints(
     return checkpoints, CheckpointReports(lambda: checkpoints.path, events, metrics, world.clock)
 
 
+def _round_part(copies: NodeCopies) -> Callable[[RendezvousInfo, LaunchPlan], None]:
+    """The memory checkpoints' copies told of each round: the global ranks of this
+    node's workers and the world's size (the plan's)."""
+
+    def start_round(info: RendezvousInfo, plan: LaunchPlan) -> None:
+        ranks = [w.ranks.global_rank for w in plan.workers]
+        world = plan.workers[0].ranks.world_size if plan.workers else 0
+        copies.start_round(info, ranks, world)
+
+    return start_round
+
+
 def _workers(
     spec: WorkerSpec,
     group: WorkerGroup,
@@ -177,6 +194,7 @@ def _rounds(
     pace: PaceWatch,
     report: AgentReport,
     interruptible: Interruptible,
+    on_round: Callable[[RendezvousInfo, LaunchPlan], None],
 ) -> Rounds:
     """The rendezvous rounds this node joins, and how each becomes a plan."""
     services = WorkerServices(
@@ -197,6 +215,7 @@ def _rounds(
         report=report,
         interruptible=interruptible,
         clock=world.clock,
+        on_round=[on_round],
     )
 
 

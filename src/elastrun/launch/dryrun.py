@@ -108,7 +108,7 @@ def render_plan(
         f"  restarts    : up to {cfg.max_restarts}; shutdown grace {cfg.shutdown_timeout:g}s",
     ]
     out.append(f"  start       : {_start_mode(launch, plan.workers[0].argv)}")
-    lines = capacity_lines(cfg.nproc_per_node)
+    lines = capacity_lines(cfg.nproc_per_node, nodes=cfg.max_nodes)
     out.append(f"  checkpoints : {lines[0]}")  # (memory checkpoints, docs/checkpoints.md)
     out.extend(f"                {line}" for line in lines[1:])
     for notice in launch.notices:

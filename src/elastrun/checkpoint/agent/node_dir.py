@@ -59,6 +59,7 @@ class NodeCheckpointDir:
         self._path: str | None = None
         self._failed = False
         self._closed = False
+        self._on_close: list[Callable[[], None]] = []
 
     @property
     def path(self) -> str | None:
@@ -84,10 +85,18 @@ class NodeCheckpointDir:
                     self._on_made(self._path)
         return {CHECKPOINT_DIR_ENV: self._path} if self._path is not None else {}
 
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (which must not raise) first when the directory is closed:
+        what reads or writes the directory for as long as it lives (its server)."""
+        self._on_close.append(callback)
+
     def close(self) -> None:
         """Remove the directory and every checkpoint in it (idempotent; never raises:
         what cannot be removed is logged)."""
         self._closed = True
+        callbacks, self._on_close = self._on_close, []
+        for callback in reversed(callbacks):
+            callback()
         path, self._path = self._path, None
         if path is None:
             return

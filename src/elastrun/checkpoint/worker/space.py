@@ -1,12 +1,14 @@
 """Will the node's shared memory hold the checkpoints? Asked before any byte is written.
 
 A node holds, for each of its ranks, the newest complete step and the one in progress:
-twice the rank's state. ``/dev/shm`` is a tmpfs, limited by its size and by the
-machine's memory; a container often gets 64 MiB of it. Writing past its end through a
-mapping ends in SIGBUS in the middle of a run; the writer preallocates each file
-(``posix_fallocate``) so that a save never gets that far, and this check refuses, at the
-start, a state that would not fit, with one line that names the size needed and the
-space free.
+twice the rank's state; and when its agent copies another node's steps here (its
+``buddy.json`` names a source), twice that node's state more (the newest copy and the
+one arriving), counted as this node's (nodes of one job hold near equal shards).
+``/dev/shm`` is a tmpfs, limited by its size and by the machine's memory; a container
+often gets 64 MiB of it. Writing past its end through a mapping ends in SIGBUS in the
+middle of a run; the writer preallocates each file (``posix_fallocate``) so that a save
+never gets that far, and this check refuses, at the start, a state that would not fit,
+with one line that names the size needed and the space free.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from elastrun.checkpoint.worker.errors import CheckpointSpaceError
-from elastrun.checkpoint.worker.steps import directory_usage
+from elastrun.checkpoint.worker.steps import directory_usage, read_buddy
 from elastrun.core.values import size_text
-from elastrun.wire.checkpoint import STEPS_HELD
+from elastrun.wire.checkpoint import COPIES_HELD, STEPS_HELD
 
 __all__ = ["StatvfsResult", "check_space", "local_world_size", "state_bytes"]
 
@@ -72,7 +74,8 @@ def check_space(
     statvfs: Callable[[str], StatvfsResult] = os.statvfs,
 ) -> None:
     """Refuse a checkpoint of ``rank_bytes`` per rank that the file system of
-    ``directory`` cannot hold for ``local_ranks`` ranks, two steps each.
+    ``directory`` cannot hold for ``local_ranks`` ranks, two steps each, and as much
+    again of a buddy's copy when the node holds one.
 
     The space counted is what is free plus what ``directory`` already holds (this
     job's own steps, which the new ones replace). Every rank of a node is assumed to
@@ -81,7 +84,9 @@ def check_space(
     Raises:
         CheckpointSpaceError: one line naming the size needed and the space free.
     """
-    needed = STEPS_HELD * local_ranks * rank_bytes
+    buddy = read_buddy(directory)
+    copies = COPIES_HELD if buddy is not None and buddy.source is not None else 0
+    needed = (STEPS_HELD + copies) * local_ranks * rank_bytes
     st = statvfs(directory)
     free = st.f_bavail * st.f_frsize
     held = directory_usage(directory)
@@ -90,10 +95,15 @@ def check_space(
     where = os.path.dirname(directory.rstrip("/")) or directory
     raise CheckpointSpaceError(
         f"memory checkpoints need {size_text(needed)} of shared memory on this node "
-        f"({STEPS_HELD} steps x {local_ranks} local rank(s) x {size_text(rank_bytes)}, rank "
-        f"{rank}'s state), and {where} has {size_text(free + held)} for them ({size_text(free)} "
-        f"free, {size_text(held)} held by this job's checkpoints): give the node more shared "
+        f"({STEPS_HELD + copies} steps x {local_ranks} local rank(s) x {size_text(rank_bytes)}, "
+        f"rank {rank}'s state{_copies(copies)}), and {where} has {size_text(free + held)} "
+        f"for them ({size_text(free)} free, {size_text(held)} held by this job's "
+        f"checkpoints): give the node more shared "
         f"memory (a container's --shm-size) or checkpoint less state",
         needed=needed,
         free=free + held,
     )
+
+
+def _copies(copies: int) -> str:
+    return f"; {copies} of the steps a buddy node's copy" if copies else ""

@@ -1,0 +1,384 @@
+"""The node directory served to the other agents, read-only, and the client that reads it.
+
+Each agent serves its node's memory checkpoints on a TCP port bound to the node's
+address (the one the rendezvous knows it by; in tests 127.0.0.1), so that other agents
+can copy its pieces -- its buddy in the background, any node before a round when it
+needs a lost node's pieces. Three requests, over HTTP/1.1 (the standard library's
+server and client, kept alive across a step's files):
+
+- ``GET /list``: what the node holds (``holdings.scan``), the global ranks of its
+  workers in the current round and the newest step they agreed on (their reports);
+- ``GET /file/<where>/<name>``: one piece's file (``where``: a step directory under the
+  node directory; ``name``: ``rank-<R>.data``, ``.meta.json`` or ``.done``), sent with
+  ``sendfile`` (no copy through Python);
+- ``POST /copied/<step>``: the copier says it holds the node's ``step``; the server
+  writes ``copied-<step>`` (which the ranks' saves wait for) and keeps the newest two.
+
+Every request carries the node's token (``X-Elastrun-Token``), which the agent made at
+random and published only in the rendezvous store, with the address: a checkpoint is
+the model's state, and the port is reachable on the node's network. A request without
+it is refused (403) before anything is read. Nothing outside the node directory's step
+directories can be named (a path is matched against the layout, never joined blindly).
+
+Why HTTP: the standard library has both ends, with keep-alive and ``sendfile``; the
+agent never imports torch, and a worker never talks to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import http.client
+import json
+import logging
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from elastrun.checkpoint.agent.holdings import Held, scan
+from elastrun.core.errors import ElastrunError
+from elastrun.wire import checkpoint as layout
+from elastrun.wire.checkpoint import ReportError
+
+__all__ = ["TOKEN_HEADER", "Listing", "NodeClient", "NodeServer", "PeerError"]
+
+log = logging.getLogger("elastrun.agent")
+
+TOKEN_HEADER = "X-Elastrun-Token"
+#: Seconds a peer's request may take to connect or to move its next bytes.
+TIMEOUT = 10.0
+#: Bytes read from the socket at a time when a file is pulled.
+_CHUNK = 8 << 20
+_FILE = re.compile(
+    r"/file/((?:(?:copies/[A-Za-z0-9._-]+|gathered)/)?step-\d{12,})/(rank-\d+\.(?:data|meta\.json|done))"
+)
+_COPIED = re.compile(r"/copied/(\d+)")
+
+
+class PeerError(ElastrunError):
+    """A peer's node directory could not be read (it is gone, or answered nonsense)."""
+
+
+class Listing:
+    """What a node said it holds (``GET /list``)."""
+
+    def __init__(self, node: str, ranks: Sequence[int], newest: int | None, pieces: list[Held]):
+        self.node = node
+        self.ranks = tuple(ranks)
+        self.newest = newest
+        self.pieces = pieces
+
+    def __repr__(self) -> str:
+        return (
+            f"Listing(node={self.node!r}, ranks={self.ranks}, newest={self.newest}, "
+            f"pieces={len(self.pieces)})"
+        )
+
+
+def newest_agreed(directory: str) -> int | None:
+    """The newest step the node's ranks last reported complete on every rank (their
+    reports in ``directory``; None: none reported one)."""
+    steps = []
+    for name in _listdir(directory):
+        if layout.rank_of_report(name) is None:
+            continue
+        with contextlib.suppress(OSError, ReportError):
+            with open(os.path.join(directory, name), "rb") as fh:
+                newest = layout.decode_report(fh.read()).newest
+            if newest is not None:
+                steps.append(newest)
+    return max(steps) if steps else None
+
+
+class NodeServer:
+    """Serves the node directory ``directory`` on ``addr`` (a free port) to holders of
+    ``token``. :meth:`start` binds and starts its thread; :meth:`close` stops it.
+
+    Args:
+        directory: the node directory (read at each request: it changes).
+        node: this node's id (said in the listing).
+        addr: the address to bind (the node's own, never all interfaces).
+        token: what every request must carry.
+    """
+
+    def __init__(self, directory: str, node: str, addr: str, token: str) -> None:
+        self._directory = directory
+        self._node = node
+        self._addr = addr
+        self._token = token
+        self._ranks: tuple[int, ...] = ()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int | None:
+        return None if self._server is None else int(self._server.server_address[1])
+
+    def set_ranks(self, ranks: Sequence[int]) -> None:
+        """The global ranks of the node's workers in the current round."""
+        self._ranks = tuple(ranks)
+
+    def start(self) -> int:
+        """Bind and serve (once); the port.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        if self._server is None:
+            server = _Server((self._addr, 0), _handler(self))
+            self._server = server
+            self._thread = threading.Thread(
+                target=server.serve_forever,
+                kwargs={"poll_interval": 0.5},
+                name="elastrun-checkpoint-serve",
+                daemon=True,
+            )
+            self._thread.start()
+        port = self.port
+        assert port is not None
+        return port
+
+    def close(self) -> None:
+        """Stop serving (idempotent; never raises)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    # -- what the handler asks ---------------------------------------------------------
+
+    def authorised(self, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token, self._token)
+
+    def listing(self) -> dict[str, Any]:
+        return {
+            "version": layout.VERSION,
+            "node": self._node,
+            "ranks": list(self._ranks),
+            "newest": newest_agreed(self._directory),
+            "pieces": [p.as_json() for p in scan(self._directory)],
+        }
+
+    def file_path(self, where: str, name: str) -> str:
+        return os.path.join(self._directory, where, name)
+
+    def copied(self, step: int) -> None:
+        """Write ``copied-<step>`` (by a rename) and remove all but the newest two."""
+        final = os.path.join(self._directory, layout.copied_name(step))
+        tmp = final + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write("{}")
+        os.replace(tmp, final)
+        marks = sorted(
+            s for s in map(layout.step_of_copied, _listdir(self._directory)) if s is not None
+        )
+        for old in marks[:-2]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._directory, layout.copied_name(old)))
+
+    def __repr__(self) -> str:
+        return f"NodeServer(node={self._node!r}, addr={self._addr!r}, port={self.port})"
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A peer that went away mid-file (its agent stopped, a copy given up): its
+        # request ends; nothing here needs more than a debug line.
+        log.debug("checkpoint server: a request from %s ended early", client_address)
+
+
+def _handler(owner: NodeServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("checkpoint server: " + format, *args)
+
+        def _refused(self) -> bool:
+            if owner.authorised(self.headers.get(TOKEN_HEADER)):
+                return False
+            self._reply(403, b"")
+            return True
+
+        def _reply(self, code: int, body: bytes, kind: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self._refused():
+                return
+            if self.path == "/list":
+                self._reply(200, json.dumps(owner.listing()).encode())
+                return
+            match = _FILE.fullmatch(self.path)
+            if match is None or ".." in self.path:
+                self._reply(404, b"")
+                return
+            self._send_file(owner.file_path(match.group(1), match.group(2)))
+
+        def do_POST(self) -> None:
+            if self._refused():
+                return
+            match = _COPIED.fullmatch(self.path)
+            if match is None:
+                self._reply(404, b"")
+                return
+            try:
+                owner.copied(int(match.group(1)))
+            except OSError:
+                self._reply(500, b"")
+                return
+            self._reply(200, b"{}")
+
+        def _send_file(self, path: str) -> None:
+            try:
+                fh = open(path, "rb")  # noqa: SIM115 (closed below, after sendfile)
+            except OSError:
+                self._reply(404, b"")
+                return
+            with fh:
+                size = os.fstat(fh.fileno()).st_size
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                self.wfile.flush()
+                if size:
+                    self.connection.sendfile(fh, 0, size)
+
+    return Handler
+
+
+class NodeClient:
+    """Reads one peer's node directory (``addr``, ``port``, ``token``: as it published).
+
+    Not thread-safe: one connection, kept alive; one client per thread.
+    """
+
+    def __init__(self, addr: str, port: int, token: str, timeout: float = TIMEOUT) -> None:
+        self.addr = addr
+        self.port = port
+        self._token = token
+        self._timeout = timeout
+        self._conn: http.client.HTTPConnection | None = None
+
+    def listing(self) -> Listing:
+        """What the peer holds.
+
+        Raises:
+            PeerError: it cannot be reached, or answered nonsense.
+        """
+        body = self._request("GET", "/list", lambda resp, _n: resp.read())
+        try:
+            doc = json.loads(body)
+            pieces = [Held(**p) for p in doc["pieces"]]
+            newest = doc["newest"]
+            return Listing(str(doc["node"]), [int(r) for r in doc["ranks"]],
+                           None if newest is None else int(newest), pieces)  # fmt: skip
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PeerError(f"{self.addr}:{self.port} listed nonsense: {exc!r}") from exc
+
+    def fetch(self, where: str, name: str, dest: str, size: int) -> None:
+        """Copy the peer's ``<where>/<name>`` into the file ``dest`` (made; replaced),
+        which must end with ``size`` bytes.
+
+        Raises:
+            PeerError: it cannot be read (gone, another size, the peer gone).
+            OSError: ``dest`` cannot be written.
+        """
+
+        def into_file(resp: http.client.HTTPResponse, length: int) -> bytes:
+            if length != size:
+                raise PeerError(f"{where}/{name}: {length} bytes served, {size} expected")
+            fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                _receive(resp, fd, size)
+            finally:
+                os.close(fd)
+            return b""
+
+        self._request("GET", f"/file/{where}/{name}", into_file)
+
+    def copied(self, step: int) -> None:
+        """Tell the peer that its ``step`` is copied here.
+
+        Raises:
+            PeerError: it cannot be told.
+        """
+        self._request("POST", f"/copied/{step}", lambda resp, _n: resp.read())
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        take: Callable[[http.client.HTTPResponse, int], bytes],
+    ) -> bytes:
+        for attempt in (0, 1):  # a kept-alive connection the peer closed: once more
+            conn = self._conn or http.client.HTTPConnection(
+                self.addr, self.port, timeout=self._timeout
+            )
+            self._conn = conn
+            try:
+                conn.request(method, path, headers={TOKEN_HEADER: self._token})
+                resp = conn.getresponse()
+                length = int(resp.getheader("Content-Length") or 0)
+                if resp.status != 200:
+                    resp.read()
+                    raise PeerError(f"{self.addr}:{self.port}{path}: HTTP {resp.status}")
+                return take(resp, length)
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                fresh = isinstance(exc, http.client.RemoteDisconnected | ConnectionResetError)
+                if attempt == 0 and fresh:
+                    continue
+                raise PeerError(f"{self.addr}:{self.port}{path}: {exc}") from exc
+            except PeerError:
+                self.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def __repr__(self) -> str:
+        return f"NodeClient({self.addr}:{self.port})"
+
+
+def _receive(resp: http.client.HTTPResponse, fd: int, size: int) -> None:
+    """Read the response's ``size`` bytes straight into the file ``fd``: its memory
+    is reserved first, then mapped, and the socket reads into the mapping (one copy;
+    writing from a buffer would be two)."""
+    if size == 0:
+        return
+    os.posix_fallocate(fd, 0, size)
+    with mmap.mmap(fd, size) as mapped:
+        view = memoryview(mapped)
+        try:
+            done = 0
+            while done < size:
+                n = resp.readinto(view[done : min(size, done + _CHUNK)])
+                if not n:
+                    raise PeerError(f"the peer closed with {size - done} bytes still to come")
+                done += n
+        finally:
+            view.release()
+
+
+def _listdir(path: str) -> list[str]:
+    with contextlib.suppress(OSError):
+        return os.listdir(path)
+    return []
