@@ -1,0 +1,199 @@
+"""The watch of the running round: the thread that flags a re-formation when one is due.
+
+While a round runs, the watch thread (``RoundWatcher.watch_loop``, started by
+``Liveness``) follows ``ctl/`` from the revision the round was decided at, or, as a
+quiet member, only the closer's claim (``quiet``). The round it watches, and whether it
+must re-form, are the node's ``Liveness``'s, which the agent's calls read too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.errors import (
+    RendezvousError,
+    StoreCompactedError,
+    StoreError,
+    StoreUnavailableError,
+)
+from elastrun.rendezvous import quiet
+from elastrun.rendezvous.closing import Called
+from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.running import RoundWatch
+from elastrun.store.api import Store
+
+if TYPE_CHECKING:
+    from elastrun.rendezvous.liveness import Liveness
+
+log = logging.getLogger("elastrun.rendezvous")
+
+#: How long one watch of a running round lasts before it is renewed (``leave`` ends it
+#: at once; renewing costs one request).
+WATCH_SPAN = 60.0
+
+
+class RoundWatcher:
+    """Watches the round this node is in (the node's ``Liveness``) for a re-formation.
+
+    Args:
+        live: the node's liveness: the round, and where a re-formation is flagged.
+        store: the run's store.
+        keys: the run's keys.
+        node_id: this node.
+        max_nodes: the run's upper bound (a spare's join is no reason to re-form).
+        stop: set when this node leaves; ends the watch thread.
+        life: the threads' cancel scope (``leave`` cancels it: the watch ends at once).
+    """
+
+    def __init__(
+        self,
+        live: Liveness,
+        store: Store,
+        keys: RunKeys,
+        node_id: str,
+        *,
+        max_nodes: int,
+        stop: threading.Event,
+        life: CancelScope,
+    ) -> None:
+        self._live = live
+        self._store = store
+        self._keys = keys
+        self._node_id = node_id
+        self._max_nodes = max_nodes
+        self._stop = stop
+        self._life = life
+
+    def watch_loop(self) -> None:
+        """Follow ``ctl/`` while a round runs; flag a re-formation when one is due.
+
+        Between a re-formation and the next round this thread sleeps: the joining code
+        watches what it needs, and N members reading every join of the next round would
+        cost O(N^2).
+        """
+        live = self._live
+        watching: tuple[int, RoundWatch, int] | None = None  # round, view, revision
+        following: tuple[int, int] | None = None  # round, revision (a quiet member)
+        while not self._stop.is_set():
+            with live.lock:
+                n, size, since, idle = live.round, live.size, live.since, live.reform
+                watchers = live.watchers
+            if n is None or idle:
+                live.entered.wait()  # set by the next round, and by ``leave``
+                continue
+            me = self._node_id
+            try:
+                if watchers.quiet(me):
+                    rev = following[1] if following is not None and following[0] == n else since
+                    following = (n, self._follow_closer(n, size, watchers, rev))
+                    continue
+                if watching is None or watching[0] != n:
+                    watching = (n, self.round_watch(n, size), since)
+                _, view, rev = watching
+                try:
+                    # Long: ``leave`` cancels it, and a new round's events reach the
+                    # old watch too (then the loop moves on to the new round's view).
+                    res = self._store.watch(self._keys.ctl, rev, WATCH_SPAN, scope=self._life)
+                except StoreCompactedError as exc:
+                    # The store dropped old history (etcd auto-compaction): re-read.
+                    log.debug("rendezvous watch resumes after compaction: %s", exc)
+                    view = self.round_watch(n, size)
+                    watching = (n, view, self.reload(view, n))
+                    continue
+                view.apply(res.events)
+                watching = (n, view, res.revision)
+                reason = view.reason()
+                if reason is not None:
+                    # Kept out, its workers finished (it re-forms only if its exit
+                    # barrier says so), or it gave notice: it only calls the others.
+                    joins = me not in view.excluded | view.finished and live.away != n
+                    defer = watchers.defer(me, view.lost)
+                    self.flag_reform(
+                        n, reason, ahead=watchers.watches(me), joins=joins, defer=defer
+                    )
+            except Cancelled:
+                return
+            except StoreUnavailableError as exc:
+                live.store_gone(exc)
+                self._stop.wait(1.0)
+            except StoreError as exc:
+                if not self._stop.is_set():
+                    log.warning("rendezvous watch interrupted: %s", exc)
+                    self._stop.wait(1.0)
+
+    def _follow_closer(self, n: int, size: int, watchers: quiet.Watchers, rev: int) -> int:
+        """As a quiet member, one watch of round ``n`` (of ``size``)'s closer
+        (``quiet.follow_closer``); the revision to watch on from."""
+        rev, why, call = quiet.follow_closer(
+            self._store, self._keys, n, watchers, rev, scope=self._life, span=WATCH_SPAN, size=size
+        )
+        if why is not None:
+            self._live.called = None if call is None else Called.of(self._keys, n + 1, call)
+            self.flag_reform(n, why)
+        return rev
+
+    def round_watch(self, n: int, size: int) -> RoundWatch:
+        live = self._live
+        return RoundWatch(
+            self._keys, n, size, self._max_nodes, live.is_member, all_live=live.all_live
+        )
+
+    def reload(self, view: RoundWatch, n: int) -> int:
+        """Load ``view`` of round ``n`` from full reads; the revision to watch from."""
+        k = self._keys
+        nodes, rev = self._store.get_prefix(k.nodes)
+        joins, _ = self._store.get_prefix(k.join_prefix(n + 1))
+        done, _ = self._store.get_prefix(k.done(n))
+        failed = self._store.get(k.failed(n)) is not None
+        members = self._live.member_ids()
+        closed = self._store.get(k.closed) is not None
+        view.load(members, list(nodes), list(joins), failed, closed, list(done))
+        return rev
+
+    def flag_reform(
+        self, n: int, reason: str, *, ahead: bool = False, joins: bool = True, defer: float = 0
+    ) -> None:
+        """Flag that round ``n`` must re-form; with ``ahead`` (this node watches the round
+        for the others: its closer or deputy), then decide the next round at once for
+        everyone (``live.ahead``; ``joins``: this node takes part in it; ``defer``: how
+        long it leaves the decision to rank 0 first)."""
+        live = self._live
+        ahead = ahead and live.ahead is not None
+        with live.lock:
+            if live.round != n or live.reform:
+                return
+            live.change_reason = reason
+            live.reform = True
+            live.entered.clear()
+            if ahead:
+                live.ahead_idle.clear()  # before the agent hears of it and joins
+        live.notify()
+        if ahead and live.ahead is not None:
+            try:
+                live.ahead(n, reason, joins, defer)
+            except (StoreError, RendezvousError) as exc:
+                # The node's own join goes on as usual (and decides, if nobody did).
+                log.debug("could not decide round %d ahead: %s", n + 1, exc)
+            finally:
+                live.ahead_idle.set()
+
+    def check_reform(self) -> bool:
+        """Whether the running round must re-form, from full reads (for tests and
+        tools; the watch thread keeps the same answer from events)."""
+        live = self._live
+        with live.lock:
+            n, size = live.round, live.size
+        if n is None or live.reform:
+            return live.reform
+        view = self.round_watch(n, size)
+        self.reload(view, n)
+        reason = view.reason()
+        if reason is not None:
+            self.flag_reform(n, reason)
+        return live.reform
+
+    def __repr__(self) -> str:
+        return f"RoundWatcher(node={self._node_id!r}, round={self._live.round})"
