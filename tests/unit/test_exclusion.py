@@ -132,18 +132,20 @@ def _handler(
 
 
 def _join(handlers: list[DynamicRendezvousHandler]) -> list[int]:
-    ranks: dict[str, int] = {}
+    ranks: dict[int, int] = {}  # by the handler's place in ``handlers``
 
-    def go(h: DynamicRendezvousHandler) -> None:
-        ranks[h._node.node_id] = h.next_rendezvous().rank
+    def go(i: int, h: DynamicRendezvousHandler) -> None:
+        ranks[i] = h.next_rendezvous().rank
 
-    threads = [threading.Thread(target=go, args=(h,), daemon=True) for h in handlers]
+    threads = [
+        threading.Thread(target=go, args=(i, h), daemon=True) for i, h in enumerate(handlers)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
     assert len(ranks) == len(handlers), "the round did not close"
-    return [ranks[h._node.node_id] for h in handlers]
+    return [ranks[i] for i in range(len(handlers))]
 
 
 def test_two_strikes_exclude_a_node_and_the_others_go_on_without_it() -> None:

@@ -1,29 +1,6 @@
 """The dynamic rendezvous, written once against the store model (DESIGN.md section 4).
 
-Keys of a run, under ``/elastrun/<run_id>/`` (``keys.RunKeys``):
-
-``ctl/nodes/<node>``         bound to the node's lease: the node is alive
-``ctl/join/<n>/<node>``      bound to the lease: the node asks to be in round n
-``ctl/failed/<n>``           the first node whose worker failed in round n, what failed,
-                             and whether the job restarts
-``ctl/done/<n>/<node>``      exit barrier of round n (kept when the node leaves)
-``ctl/closed``               why the run ended; late agents are refused
-``rounds/<n>/out/closer``    bound to a lease: the one node deciding round n
-``rounds/<n>/out/closer/next``  the call to round n's quiet members: round n+1 was
-                             decided (its result and rank 0's address), or waits for
-                             their joins
-``rounds/<n>/out/result``    the closed round: decision id, size, shape (small)
-``rounds/<n>/members/<id>/<p>``  page p of that decision's members, with their group
-                             ranks (a member is on the page its id hashes to)
-``rounds/<n>/status``        the closer's progress (for the others' log lines)
-``rounds/<n>/out/master``    MASTER_ADDR/PORT of round n, chosen by its rank 0
-``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
-``ctl/excluded/<node>``      bound to the lease: the node sits out a cool-down
-``ctl/away/<node>``          bound to the lease: the node re-joins late or never
-``strikes/<node>``           the times of the node's recent failures (``exclusion``)
-``check/...``                node checks: waves, ports, results (``nodecheck.agent.board``)
-``current``                  the newest closed round
-``budget``                   failure restarts used by the whole job
+The keys of a run, and what each holds, are listed in ``keys``.
 
 Every node writes O(1) keys per round, and liveness costs no writes at all (a lease
 keep-alive). One node per round, the closer (whoever first claims ``out/closer``), keeps
@@ -48,51 +25,37 @@ loss among N nodes the closer and its deputy notice it; one of them (rank 0 when
 lives: ``closing.decide_ahead``) decides the next round at once, before its own agent
 stopped its workers, and calls the others: each is woken once, by a call carrying the
 result and rank 0's address, and enters reading nothing.
+
+The handler is a facade over its parts: ``Joiner`` (joining rounds), ``Liveness`` (the
+lease and the round, with ``LeaseKeeper`` and ``RoundWatcher`` on their threads),
+``Outcome`` (the budget, the exit barrier, exclusion and the run's closing) and
+``AgentCalls`` (the agent's calls in progress, which ``leave`` ends).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from elastrun.core import cancel
-from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
-from elastrun.core.errors import (
-    LeaseExpiredError,
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    StoreError,
-    StoreTimeoutError,
-    StoreUnavailableError,
-)
-from elastrun.rendezvous import joining, quiet
-from elastrun.rendezvous.api import (
-    BarrierResult,
-    MemberInfo,
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousStoreInfo,
-)
+from elastrun.core.errors import RendezvousConnectionError, StoreError, StoreTimeoutError
+from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo
+from elastrun.rendezvous.calls import AgentCalls
 from elastrun.rendezvous.elastic import StoreSeat
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
+from elastrun.rendezvous.joiner import AHEAD_BOUND, Joiner
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
-from elastrun.rendezvous.local import free_port
 from elastrun.rendezvous.outcome import Outcome
-from elastrun.rendezvous.progress import ProgressLine, round_status
 from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.api import Store
 
-log = logging.getLogger("elastrun.rendezvous")
+__all__ = ["AHEAD_BOUND", "DynamicRendezvousHandler", "NodeDesc", "RendezvousSettings"]
 
-#: How long a node's join waits for its watch thread to finish deciding the next round
-#: ahead (``Liveness.ahead``); past it the join goes on beside it.
-AHEAD_BOUND = 30.0
+log = logging.getLogger("elastrun.rendezvous")
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -102,9 +65,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
     ``set_change_callback`` (called from a watch thread when the running round must
     re-form), ``report_failure`` (the job-wide restart budget) and ``exit_barrier``.
 
-    It joins rounds itself (driving ``joining``) and composes the rest: ``Liveness``
-    (the lease, the round it is in and the watch of it) and ``Outcome`` (the budget,
-    the exit barrier, the run's closing).
+    It composes its parts and delegates to them: ``Joiner`` (driving ``joining``),
+    ``Liveness`` (the lease, the round it is in and the watch of it), ``Outcome`` (the
+    budget, the exit barrier, the run's closing) and ``AgentCalls``.
     """
 
     def __init__(
@@ -119,32 +82,31 @@ class DynamicRendezvousHandler(RendezvousHandler):
         fixed_rank: int | None = None,
         hosting: bool = False,
     ) -> None:
-        self._fixed_rank = fixed_rank
         self._hosting = hosting
         self._store = store
         self._settings = settings
-        self._node = node
         self._backend = backend
         self._clock = clock
         self._on_shutdown = on_shutdown
         self._keys = RunKeys(f"/elastrun/{settings.run_id}/")
-        self._lock = threading.Lock()  # guards ``_calls``
         self._stop = threading.Event()
         self._life = CancelScope()  # the handler's own threads: cancelled by ``leave``
-        self._calls: set[CancelScope] = set()  # the agent's calls in progress
         self._liveness = Liveness(
             store, self._keys, node.node_id,
             ttl=settings.heartbeat_timeout, max_nodes=settings.max_nodes, clock=clock,
             stop=self._stop, life=self._life, decided_rows=self._decided_rows,
         )  # fmt: skip
-        self._liveness.ahead = self._decide_ahead
+        self._joiner = Joiner(
+            store, settings, node, self._keys, self._liveness,
+            clock=clock, life=self._life, fixed_rank=fixed_rank,
+        )  # fmt: skip
+        self._liveness.ahead = self._joiner.decide_ahead
         self._outcome = Outcome(
             store, self._keys, self._liveness,
             node_id=node.node_id, addr=node.addr, clock=clock, min_nodes=settings.min_nodes,
         )  # fmt: skip
-        self.seen = 0  # joiners the last decision of this node saw, as the closer
+        self._calls = AgentCalls(self._stop, self._liveness.store_gone)
         self.loss_bound = settings.heartbeat_timeout  # a vanished node's lease then ends
-        self._progress_line = ProgressLine(log, clock)
 
     # -- torch-compatible surface ------------------------------------------------------
 
@@ -154,6 +116,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
     observes_cancel_scope = True
     keeps_job_budget = True
     has_exit_barrier = True
+
+    @property
+    def seen(self) -> int:
+        """Joiners the last decision of this node saw, as the closer."""
+        return self._joiner.seen
 
     @property
     def change_reason(self) -> str:
@@ -188,7 +155,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._settings
 
     def is_closed(self) -> bool:
-        return self._store.get(self._keys.closed) is not None
+        return self._joiner.is_closed()
 
     def set_closed(self, reason: str = "closed") -> None:
         self._outcome.close(reason)
@@ -241,10 +208,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._stop.set()
         self._liveness.wake()  # wake the watch thread so that it sees the stop
         self._life.cancel("this node left the rendezvous")
-        with self._lock:
-            calls = list(self._calls)
-        for scope in calls:
-            scope.cancel("this node left the rendezvous")
+        self._calls.cancel_all("this node left the rendezvous")
         self._liveness.revoke()
         self._liveness.join()
         if self._on_shutdown is not None:
@@ -255,13 +219,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def set_node_info(self, role: str, local_world_size: int) -> None:
         """What this node brings to a round (the agent tells it before joining)."""
-        self._node = NodeDesc(self._node.node_id, self._node.addr, role, local_world_size)
+        me = self._joiner.node
+        self._joiner.node = NodeDesc(me.node_id, me.addr, role, local_world_size)
 
     def set_change_callback(self, callback: Callable[[], None]) -> None:
         self._liveness.callback = callback
 
     def restarts_used(self) -> int:
-        with self._agent_call():
+        with self._calls.call():
             return self._outcome.restarts_used()
 
     def report_failure(self, max_restarts: int, what: str = "") -> bool:
@@ -272,13 +237,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         ``what`` says which worker failed and how; every node of the round learns it
         (``ctl/failed/<n>``), also nodes whose workers already finished.
         """
-        with self._agent_call():
+        with self._calls.call():
             return self._outcome.report_failure(max_restarts, what)
 
     def report_final_failure(self, what: str, why: str) -> None:
         """No restart can help a local worker's failure (``why``, e.g. a crash loop):
         close the run and claim the round's failure with no restart, as a spent budget."""
-        with self._agent_call():
+        with self._calls.call():
             self._outcome.report_final_failure(what, why)
 
     def step_away(self, why: str) -> None:
@@ -297,27 +262,27 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def exclude(self, reason: str) -> Exclusion | None:
         """Keep this node out for a cool-down; None when the minimum keeps it in."""
-        with self._agent_call():
+        with self._calls.call():
             return self._outcome.exclude(reason)
 
     def exclusion(self) -> Exclusion | None:
         """This node's exclusion while it holds (it must not join until then)."""
-        with self._agent_call():
+        with self._calls.call():
             return self._outcome.exclusion()
 
     def readmit(self) -> None:
         """This node's cool-down is over: it joins rounds again."""
-        with self._agent_call():
+        with self._calls.call():
             self._outcome.readmit()
 
     def excluded_nodes(self) -> list[Exclusion]:
         """The nodes of the job that sit out a cool-down."""
-        with self._agent_call():
+        with self._calls.call():
             return self._outcome.excluded_nodes()
 
     def wait_closed(self, timeout: float) -> bool:
         """Whether the run closed within ``timeout`` s (ends an excluded node's wait)."""
-        with self._agent_call():
+        with self._calls.call():
             try:
                 self._store.wait([self._keys.closed], timeout)
             except StoreTimeoutError:
@@ -326,15 +291,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def store_seat(self) -> StoreSeat:
         """This node's place in this run's store, once this node holds a lease."""
-        with self._agent_call():
-            self._register()
-        me, lease, clock = self._node, self._liveness.lease, self._clock
+        with self._calls.call():
+            self._joiner.register()
+        me, lease, clock = self._joiner.node, self._liveness.lease, self._clock
         return StoreSeat(self._store, self._keys.prefix, me.node_id, me.addr, lease, clock)
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
         """This node's workers finished: wait (up to ``timeout``) for the round's
         outcome (``Outcome.exit_barrier``)."""
-        with self._agent_call():
+        with self._calls.call():
             return self._outcome.exit_barrier(timeout)
 
     # -- joining -------------------------------------------------------------------------
@@ -348,177 +313,25 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             if self._liveness.gone is not None:
                 raise RendezvousConnectionError(self._liveness.gone)
-            with self._agent_call():
-                return self._next_rendezvous()
+            with self._calls.call():
+                return self._joiner.next_rendezvous()
         except StoreError as exc:
             raise RendezvousConnectionError(f"rendezvous store failed: {exc}") from exc
         finally:
-            self._progress_line.end()
-
-    def _next_rendezvous(self) -> RendezvousInfo:
-        # This node, the running round's closer, may be deciding the next round ahead
-        # (its watch thread): join once it is done (joining meanwhile would only race it).
-        self._liveness.ahead_idle.wait(AHEAD_BOUND)
-        self._register()
-        prev_round, held = self._liveness.round, self._liveness.rank
-        prev_rank = self._prev_rank(held)
-        self._liveness.reform = False
-        called, self._liveness.called = self._liveness.called, None
-        protocol = joining.join(self._context(), prev_round, prev_rank, held, called)
-        try:
-            joined = joining.drive(protocol, self._perform)
-        except LeaseExpiredError:
-            # The lease ended since the store last acknowledged it (``renew`` trusts a
-            # recent acknowledgement); the join wrote nothing under it. Take a fresh one.
-            self._liveness.lost = True
-            self._register()
-            protocol = joining.join(self._context(), prev_round, prev_rank, held)
-            joined = joining.drive(protocol, self._perform)
-        assert isinstance(joined, joining.Joined)
-        return self._enter_round(joined)
-
-    def _prev_rank(self, held: int | None) -> int | None:
-        """The group rank this node asks to keep (static: its rank never changes)."""
-        return self._fixed_rank if self._fixed_rank is not None else held
-
-    def _decide_ahead(self, n: int, why: str, joins: bool, defer: float) -> None:
-        """From the watch thread of round ``n``'s closer: decide round n+1 at once
-        (``closing.decide_ahead``), in the handler's own scope (``leave`` ends it)."""
-        prev_rank = self._prev_rank(self._liveness.rank)
-        protocol = joining.decide_ahead(
-            self._context(), n + 1, prev_rank, why, joins=joins, defer=defer
-        )
-        with self._life.child() as scope, scope.active():
-            joining.drive(protocol, self._perform)
-
-    def _register(self) -> None:
-        """Hold a lease before joining: keep a live one, else take a fresh one (a closed
-        run refuses this node)."""
-        if self._liveness.renew():
-            return
-        if self.is_closed():
-            raise self._closed_error()
-        self._liveness.register(self._node_info())
-
-    def _node_info(self) -> dict[str, Any]:
-        me = self._node
-        return {"addr": me.addr, "role": me.role, "local_world_size": me.local_world_size}
-
-    def _context(self) -> joining.Context:
-        return joining.Context(
-            keys=self._keys,
-            node_id=self._node.node_id,
-            info=self._node_info(),
-            bounds=self._settings,
-            join_timeout=self._settings.join_timeout,
-            run_id=self._settings.run_id,
-            clock=self._clock,
-            new_port=free_port,
-        )
-
-    def _perform(self, op: joining.Op) -> Any:
-        """Carry out one operation of the joining protocol (see ``joining``)."""
-        store, lease = self._store, self._liveness.lease
-        match op:
-            case joining.Get(key):
-                return store.get(key)
-            case joining.GetPrefix(prefix):
-                return store.get_prefix(prefix)
-            case joining.Put(key, value, leased):
-                return store.set(key, value, lease=lease if leased else None)
-            case joining.ReadAll(reads):
-                return [self._perform(read) for read in reads]
-            case joining.PutAll(items):
-                for key, value in items:
-                    store.set(key, value)
-                return None
-            case joining.CompareSet(key, expected, value, leased):
-                return store.compare_set(key, expected, value, lease=lease if leased else None)
-            case joining.Watch(prefix, after, timeout):
-                return store.watch(prefix, after, timeout)
-            case joining.Wait(keys, timeout):
-                return store.wait(list(keys), timeout)
-            case joining.Progress(n, status):
-                return self._progress(n, status)
-            case joining.Seen(_, joined):
-                self.seen = joined
-                return None
-            case joining.Closed(n, size):
-                self._progress_line.end()
-                log.info("rendezvous round %d closed with %d node(s)", n, size)
-                return None
-        raise AssertionError(f"unknown rendezvous operation {op!r}")
-
-    def _progress(self, n: int, status: dict[str, Any] | None) -> None:
-        s = self._settings
-        self._progress_line.show(*round_status(n, status, s.min_nodes, s.max_nodes))
-
-    @contextlib.contextmanager
-    def _agent_call(self) -> Iterator[None]:
-        """Run a call made for the agent (joining, the exit barrier, the budget) in a
-        scope of its own below the caller's current one: a signal that cancels the
-        agent's scope, or ``leave`` from another thread, ends its store waits at once."""
-        with cancel.current().child() as calls, calls.active():
-            with self._lock:
-                self._calls.add(calls)
-            try:
-                yield
-            except StoreUnavailableError as exc:  # given up for good: say so once
-                raise RendezvousConnectionError(self._liveness.store_gone(exc)) from exc
-            except Cancelled:
-                if self._stop.is_set():
-                    raise RendezvousClosedError(
-                        "this node left the rendezvous while it was waiting"
-                    ) from None
-                raise
-            finally:
-                with self._lock:
-                    self._calls.discard(calls)
+            self._joiner.progress_line.end()
 
     def _decided_rows(self, n: int, decision: str | None = None) -> list[list[Any]]:
-        rows = joining.drive(joining.decided_rows(self._context(), n, decision), self._perform)
-        assert isinstance(rows, list)
-        return rows
-
-    def _member_infos(self, n: int, decision: str) -> tuple[MemberInfo, ...]:
-        return tuple(
-            MemberInfo(str(r[0]), str(r[1]), str(r[2]), int(r[3]))
-            for r in self._decided_rows(n, decision)
-        )
-
-    def _enter_round(self, joined: joining.Joined) -> RendezvousInfo:
-        n, rank, result = joined.n, joined.rank, joined.result
-        decision, size = str(result["id"]), int(result["size"])
-        shape = tuple((str(r), int(lws), int(c)) for r, lws, c in result.get("shape", ()))
-        self._liveness.enter(
-            n,
-            rank,
-            size,
-            decision,
-            int(result.get("rev", 0)),
-            all_live=bool(result.get("all_live")),
-            watchers=quiet.Watchers.of(result),
-        )
-        return RendezvousInfo(
-            self._store, rank, size, RendezvousStoreInfo(*joined.master), round=n,
-            members=functools.partial(self._member_infos, n, decision), shape=shape,
-        )  # fmt: skip
+        # For the liveness, built before the joiner (which needs it) that reads them.
+        return self._joiner.decided_rows(n, decision)
 
     def _check_reform(self) -> bool:
         """Whether the running round must re-form, from full reads (for tests and
         tools; the watch thread keeps the same answer from events)."""
         return self._liveness.check_reform()
 
-    def _closed_error(self) -> RendezvousClosedError:
-        why = (self._store.get(self._keys.closed) or b"closed").decode(errors="replace")
-        return RendezvousClosedError(
-            f"run {self._settings.run_id!r} has ended ({why}); it accepts no more nodes",
-            reason=why,
-        )
-
     def __repr__(self) -> str:
         return (
             f"DynamicRendezvousHandler(run_id={self._settings.run_id!r}, "
-            f"node={self._node.node_id!r}, round={self._liveness.round}, "
+            f"node={self._joiner.node.node_id!r}, round={self._liveness.round}, "
             f"rank={self._liveness.rank})"
         )

@@ -1,5 +1,31 @@
 """The store keys of one run of the dynamic rendezvous (DESIGN.md section 4): where each
-record lives, and why it lives there (what is under ``ctl/`` wakes every watcher)."""
+record lives, and why it lives there (what is under ``ctl/`` wakes every watcher).
+
+The keys of a run, under ``/elastrun/<run_id>/`` (``RunKeys``):
+
+``ctl/nodes/<node>``         bound to the node's lease: the node is alive
+``ctl/join/<n>/<node>``      bound to the lease: the node asks to be in round n
+``ctl/failed/<n>``           the first node whose worker failed in round n, what failed,
+                             and whether the job restarts
+``ctl/done/<n>/<node>``      exit barrier of round n (kept when the node leaves)
+``ctl/closed``               why the run ended; late agents are refused
+``rounds/<n>/out/closer``    bound to a lease: the one node deciding round n
+``rounds/<n>/out/closer/next``  the call to round n's quiet members: round n+1 was
+                             decided (its result and rank 0's address), or waits for
+                             their joins
+``rounds/<n>/out/result``    the closed round: decision id, size, shape (small)
+``rounds/<n>/members/<id>/<p>``  page p of that decision's members, with their group
+                             ranks (a member is on the page its id hashes to)
+``rounds/<n>/status``        the closer's progress (for the others' log lines)
+``rounds/<n>/out/master``    MASTER_ADDR/PORT of round n, chosen by its rank 0
+``rounds/<n>/inprocess/<r>``  what group rank r offers for an in-process recovery
+``ctl/excluded/<node>``      bound to the lease: the node sits out a cool-down
+``ctl/away/<node>``          bound to the lease: the node re-joins late or never
+``strikes/<node>``           the times of the node's recent failures (``exclusion``)
+``check/...``                node checks: waves, ports, results (``nodecheck.agent.board``)
+``current``                  the newest closed round
+``budget``                   failure restarts used by the whole job
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,76 @@
+"""The agent's calls into the dynamic rendezvous, each in a scope that ``leave`` ends.
+
+A call made for the agent (joining, the exit barrier, the budget) waits on the store. A
+signal that cancels the agent's scope ends it, as any wait; so must ``leave`` from
+another thread, which does not know the caller's scope: each call runs in a child scope
+of its own, kept here while it runs, and ``cancel_all`` cancels them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+from elastrun.core import cancel
+from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    StoreUnavailableError,
+)
+
+
+class AgentCalls:
+    """The agent's calls in progress, and how each one ends.
+
+    Args:
+        stop: set when this node leaves: a call cancelled then says so.
+        give_up: gives the store up for good (``Liveness.store_gone``); the line that
+            says so.
+    """
+
+    def __init__(
+        self, stop: threading.Event, give_up: Callable[[StoreUnavailableError], str]
+    ) -> None:
+        self._stop = stop
+        self._give_up = give_up
+        self._lock = threading.Lock()  # guards ``_calls``
+        self._calls: set[CancelScope] = set()  # the agent's calls in progress
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Run a call made for the agent (joining, the exit barrier, the budget) in a
+        scope of its own below the caller's current one: a signal that cancels the
+        agent's scope, or ``leave`` from another thread, ends its store waits at once.
+
+        Raises:
+            RendezvousConnectionError: the store was given up.
+            RendezvousClosedError: this node left while the call waited.
+        """
+        with cancel.current().child() as calls, calls.active():
+            with self._lock:
+                self._calls.add(calls)
+            try:
+                yield
+            except StoreUnavailableError as exc:  # given up for good: say so once
+                raise RendezvousConnectionError(self._give_up(exc)) from exc
+            except Cancelled:
+                if self._stop.is_set():
+                    raise RendezvousClosedError(
+                        "this node left the rendezvous while it was waiting"
+                    ) from None
+                raise
+            finally:
+                with self._lock:
+                    self._calls.discard(calls)
+
+    def cancel_all(self, reason: str) -> None:
+        """Cancel every call in progress (``leave``)."""
+        with self._lock:
+            calls = list(self._calls)
+        for scope in calls:
+            scope.cancel(reason)
+
+    def __repr__(self) -> str:
+        return f"AgentCalls(in_progress={len(self._calls)}, stopped={self._stop.is_set()})"
