@@ -20,7 +20,9 @@ state back to the last commit, takes the next round's environment, hands the new
 commit to every rank that is behind (the replacement included), tensor by tensor into
 its own tensors, and calls the function again. A commit copies no tensor of the model or
 optimizer on CPU (see ``inprocess.snapshot``).
-Outside elastrun the decorator just calls the function. See docs/inprocess.md.
+Outside elastrun the decorator just calls the function. Sharded training (FSDP2, HSDP)
+keeps its model through a recovery with ``rebind`` and takes its state from a memory
+checkpoint (``elastrun.checkpoint``). See docs/inprocess.md.
 
 This package holds both sides of in-process recovery: ``elastrun.inprocess.worker``
 is the workers' side, ``elastrun.inprocess.agent`` the agent's. The agent imports its
@@ -35,6 +37,7 @@ from elastrun.core.lazy import lazy_getattr
 # As in elastrun/__init__.py: not typing.TYPE_CHECKING, so that workers skip typing.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from elastrun.inprocess.worker.fsdp import FsdpRebindError, rebind
     from elastrun.inprocess.worker.recovery import run
     from elastrun.inprocess.worker.state import State, StateMismatchError
     from elastrun.inprocess.worker.transfer import CommitLostError
@@ -43,10 +46,12 @@ __getattr__ = lazy_getattr(
     __name__,
     {
         "run": "elastrun.inprocess.worker.recovery",
+        "rebind": "elastrun.inprocess.worker.fsdp",
+        "FsdpRebindError": "elastrun.inprocess.worker.fsdp",
         "State": "elastrun.inprocess.worker.state",
         "StateMismatchError": "elastrun.inprocess.worker.state",
         "CommitLostError": "elastrun.inprocess.worker.transfer",
     },
 )
 
-__all__ = ["CommitLostError", "State", "StateMismatchError", "run"]
+__all__ = ["CommitLostError", "FsdpRebindError", "State", "StateMismatchError", "rebind", "run"]

@@ -81,6 +81,7 @@ from elastrun.checkpoint.worker.storage import (
     MemoryStorageWriter,
     default_rank_and_world,
 )
+from elastrun.core.threads import join_thread
 from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV
 
 __all__ = ["MemoryCheckpoint", "Overlap", "StateDict"]
@@ -94,6 +95,9 @@ StateDict = dict[str, Any]
 
 #: Seconds between two log lines about overlapping saves.
 _OVERLAP_LOG_EVERY = 60.0
+#: The longest the background thread of a world rebuilt under it is waited for: its
+#: collectives on the destroyed groups fail at once (their connections are cut).
+_REBUILT_JOIN = 10.0
 
 
 @dataclass(frozen=True)
@@ -377,9 +381,12 @@ class MemoryCheckpoint:
     # -- setting up ----------------------------------------------------------------------
 
     def _start(self) -> RankSteps:
-        """The rank's steps; on the first call, the ranks' group and the thread."""
+        """The rank's steps; on the first call, the ranks' group and the thread (again
+        after an in-process recovery rebuilt the world: ``_forget_world``)."""
         if self._closed:
             raise MemoryCheckpointError("this MemoryCheckpoint is closed")
+        if self._steps is not None and _destroyed(self._group):
+            self._forget_world()
         if self._steps is not None:
             return self._steps
         directory = self._directory or os.environ.get(CHECKPOINT_DIR_ENV)
@@ -404,6 +411,32 @@ class MemoryCheckpoint:
         self._steps = RankSteps(directory, rank, world)
         self._reporter = RankReporter(directory, rank, _local_rank(), os.getpid())
         return self._steps
+
+    def _forget_world(self) -> None:
+        """The ranks' group was destroyed under this object: an in-process recovery
+        (``elastrun.inprocess``) tore every process group down, and the training
+        function runs again in a new world, whose ranks (a replacement among them) make
+        their groups anew. Stop the background thread (its last agreement failed with
+        the group), drop the persister and the save in flight, and set up again at this
+        call. The steps in the node's memory stay: ``load_latest`` finds them."""
+        log.info("memory checkpoint: the process groups were rebuilt; setting up again")
+        thread, self._thread = self._thread, None
+        self._jobs.put(None)
+        if thread is not None and not join_thread(thread, _REBUILT_JOIN):
+            log.warning(
+                "memory checkpoint: the previous world's background thread did not end "
+                "within %.0fs; it is left behind", _REBUILT_JOIN,
+            )  # fmt: skip
+        self._jobs = queue.SimpleQueue()
+        self._persist_group = None  # (destroyed with the world)
+        self._close_persister()
+        self._persister = None
+        self._group = None
+        self._steps = self._reporter = None
+        with self._lock:
+            self._issued = self._done = self._requests = 0
+            self._failure = self._broken = None
+            self._lock.notify_all()
 
     def _check_space(self, rank_bytes: int) -> None:
         steps = self._started()
@@ -478,8 +511,9 @@ class MemoryCheckpoint:
             raise MemoryCheckpointError(f"memory checkpoints stopped: {broken}")
 
     def _serve(self) -> None:
+        jobs = self._jobs  # (its own: a world rebuilt gives the next thread another)
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             if isinstance(job, _PersistRequest):
@@ -645,6 +679,18 @@ class MemoryCheckpoint:
                 self._overlaps,
                 self._overlap_wait,
             )
+
+
+def _destroyed(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` was destroyed (every group is, when an in-process recovery
+    tears the world down); None, a world of one rank, never is."""
+    if group is None:
+        return False
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return True
+    return False
 
 
 def _local_rank() -> int:
