@@ -14,7 +14,7 @@ start (``start_round``). It
    pulls the pieces its ranks need and lack -- their own (a world of the same size: a
    spare that takes a lost node's place) or every rank's (another size: DCP reshards)
    -- into ``gathered/``;
-4. copies, on a thread of its own, each newly complete step of its source node (the
+4. copies, on a thread of its own (``copier``), each newly complete step of its source node (the
    previous one) into ``copies/<source>/``, tells the source, and keeps only the newest
    copy complete on every rank and the one that may become it
    (``holdings.copies_to_keep``). Pieces of other nodes that the round no longer needs
@@ -26,6 +26,10 @@ source's copy (the newest complete, one arriving) and, after a node was lost, th
 pieces it kept or gathered for the round until its ranks agree on a newer step.
 
 The agent never imports torch: pieces are files, moved as bytes.
+
+The listing and the pulls before a round run on the loop's thread, each request bounded
+by ``serve.TIMEOUT``; a stop request (the thread's current cancel scope) ends them
+between two requests, and the loop sees it at its next wait.
 """
 
 from __future__ import annotations
@@ -36,17 +40,13 @@ import logging
 import os
 import secrets
 import shutil
-import threading
 import time
 from collections.abc import Callable, Sequence
 
+from elastrun.checkpoint.agent.copier import COPY_EVERY, Copier, pull_piece, steps_in
 from elastrun.checkpoint.agent.holdings import (
-    Held,
     buddy_roles,
-    copies_to_keep,
-    copy_dir_name,
     newest_complete,
-    next_to_copy,
     pieces_to_pull,
     scan,
 )
@@ -56,22 +56,17 @@ from elastrun.checkpoint.agent.serve import (
     NodeClient,
     NodeServer,
     PeerError,
-    newest_agreed,
 )
+from elastrun.core import cancel
 from elastrun.core.errors import ElastrunError, StoreError
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.elastic import StoreSeat
 from elastrun.wire import checkpoint as layout
 
-__all__ = ["COPY_EVERY", "NodeCopies", "serve_key"]
+__all__ = ["NodeCopies", "serve_key"]
 
 log = logging.getLogger("elastrun.agent")
-
-#: Seconds between two looks at the source's pieces (a copy starts at most this late).
-COPY_EVERY = 0.02
-#: Seconds between two removals of the pieces the node no longer needs.
-TIDY_EVERY = 1.0
 
 
 def serve_key(prefix: str, node: str) -> str:
@@ -105,7 +100,7 @@ class NodeCopies:
         self._every = every
         self._token = secrets.token_hex(16)
         self._server: NodeServer | None = None
-        self._copier: _Copier | None = None
+        self._copier: Copier | None = None
         self._published: StoreSeat | None = None
         self._tokens: dict[str, str] = {}
         self._closed = False
@@ -136,7 +131,7 @@ class NodeCopies:
         _write_buddy(directory, layout.Buddy(info.round, copier, source))
         peers = self._peers(seat)
         self._gather(directory, peers, ranks, world_size)
-        self._copier = _Copier(
+        self._copier = Copier(
             directory,
             ranks,
             source,
@@ -221,15 +216,8 @@ class NodeCopies:
         """Pull the pieces of the job's newest complete step that the node's ranks need
         and its directory lacks (see the module)."""
         local = scan(directory)
-        listings: dict[str, Listing] = {}
-        for peer, (addr, port) in sorted(peers.items()):
-            client = NodeClient(addr, port, self._tokens.get(peer, ""))
-            try:
-                listings[peer] = client.listing()
-            except PeerError as exc:
-                log.debug("memory checkpoints: node %s not listed: %s", peer, exc)
-            finally:
-                client.close()
+        scope = cancel.current()
+        listings = self._listings(peers)
         target = newest_complete([local, *(li.pieces for li in listings.values())])
         if target is None:
             return
@@ -244,11 +232,13 @@ class NodeCopies:
         t0 = time.monotonic()
         moved = 0
         for peer, piece in pulls:
+            if scope.cancelled:
+                return
             addr, port = peers[peer]
             client = NodeClient(addr, port, self._tokens.get(peer, ""))
             dest = os.path.join(directory, layout.GATHERED_DIR, layout.step_dir_name(step))
             try:
-                moved += _pull_piece(client, piece, dest)
+                moved += pull_piece(client, piece, dest)
             except (PeerError, OSError) as exc:
                 log.warning(
                     "memory checkpoint: rank %d's piece of step %d could not be pulled from "
@@ -270,6 +260,22 @@ class NodeCopies:
         )  # fmt: skip
         self._metrics.put("checkpoint.gather.duration_ms", took * 1000)
 
+    def _listings(self, peers: dict[str, tuple[str, int]]) -> dict[str, Listing]:
+        """What each peer that answers holds (a lost node's stale entry does not)."""
+        listings: dict[str, Listing] = {}
+        scope = cancel.current()
+        for peer, (addr, port) in sorted(peers.items()):
+            if scope.cancelled:
+                break
+            client = NodeClient(addr, port, self._tokens.get(peer, ""))
+            try:
+                listings[peer] = client.listing()
+            except PeerError as exc:
+                log.debug("memory checkpoints: node %s not listed: %s", peer, exc)
+            finally:
+                client.close()
+        return listings
+
     def _stop_copier(self) -> None:
         copier, self._copier = self._copier, None
         if copier is not None:
@@ -281,140 +287,6 @@ class NodeCopies:
         )
 
 
-class _Copier:
-    """The thread that copies a source node's newly complete steps, and removes the
-    pieces the node no longer needs (see the module). With no source (the node is
-    alone) it only removes."""
-
-    def __init__(
-        self,
-        directory: str,
-        ranks: Sequence[int],
-        source: str | None,
-        connect: Callable[[], NodeClient | None] | None,
-        every: float,
-        metrics: MetricSink,
-    ) -> None:
-        self._directory = directory
-        self._ranks = set(ranks)
-        self._source = source
-        self._connect = connect
-        self._client: NodeClient | None = None
-        self._every = every
-        self._metrics = metrics
-        name = copy_dir_name(source) if source is not None else ""
-        self._base = os.path.join(directory, layout.COPIES_DIR, name)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="elastrun-checkpoint-copy", daemon=True
-        )
-        self._failing: str | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.ident is not None:
-            self._thread.join(30)
-        if self._client is not None:
-            self._client.close()
-
-    def _run(self) -> None:
-        every = self._every if self._source is not None else TIDY_EVERY
-        tidied = -TIDY_EVERY
-        while not self._stop.wait(every):
-            try:
-                if self._source is not None:
-                    self._copy_new()
-                    self._failing = None
-                if time.monotonic() - tidied >= TIDY_EVERY:
-                    tidied = time.monotonic()
-                    self._tidy()
-            except (PeerError, OSError) as exc:
-                if self._failing is None:
-                    log.info("memory checkpoint: copying node %s's steps: %s", self._source, exc)
-                self._failing = str(exc)
-
-    def _tidy(self) -> None:
-        keep = self._base if self._source is not None else None
-        agreed = newest_agreed(self._directory)
-        _drop_foreign(self._directory, keep, agreed)
-        _drop_left_behind(self._directory, self._ranks, agreed)
-
-    def _copy_new(self) -> None:
-        if self._client is None:
-            self._client = self._connect() if self._connect is not None else None
-            if self._client is None:
-                return  # (the source has not published its server yet)
-        listing = self._client.listing()
-        own = [p for p in listing.pieces if p.own]
-        copied = _steps_in(self._base)
-        step = next_to_copy(own, listing.ranks, copied)
-        if step is not None:
-            self._copy(step, [p for p in own if p.step == step and p.rank in listing.ranks])
-            listing = self._client.listing()
-            own = [p for p in listing.pieces if p.own]
-            copied = _steps_in(self._base)
-        keep = copies_to_keep(copied, listing.newest, {p.step for p in own})
-        for old in set(copied) - keep:
-            shutil.rmtree(os.path.join(self._base, layout.step_dir_name(old)), ignore_errors=True)
-
-    def _copy(self, step: int, pieces: list[Held]) -> None:
-        client = self._client
-        assert client is not None  # (connected by the caller)
-        t0 = time.monotonic()
-        final = os.path.join(self._base, layout.step_dir_name(step))
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        moved = 0
-        try:
-            for piece in pieces:
-                moved += _pull_piece(client, piece, tmp)
-            # The step still there, the same files: none was written again meanwhile.
-            now = {(p.rank, p.version) for p in client.listing().pieces if p.step == step}
-            if not {(p.rank, p.version) for p in pieces} <= now:
-                raise PeerError(f"step {step} changed on node {self._source} while it was copied")
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        client.copied(step)
-        took = time.monotonic() - t0
-        self._metrics.put("checkpoint.copy.duration_ms", took * 1000)
-        if took > 0:
-            self._metrics.put("checkpoint.copy.bytes_per_second", moved / took)
-        log.debug(
-            "memory checkpoint: copied step %d of node %s (%d bytes)", step, self._source, moved
-        )
-
-    def __repr__(self) -> str:
-        return f"_Copier(source={self._source!r}, failing={self._failing!r})"
-
-
-# -- files ---------------------------------------------------------------------------------
-
-
-def _pull_piece(client: NodeClient, piece: Held, dest: str) -> int:
-    """Copy ``piece`` from the peer into the step directory ``dest``: data and metadata,
-    then the marker, by a rename, so that a reader sees a whole piece or none. The
-    bytes moved."""
-    os.makedirs(dest, mode=0o700, exist_ok=True)
-    rank = piece.rank
-    client.fetch(piece.where, layout.data_name(rank), os.path.join(dest, layout.data_name(rank)),
-                 piece.data_bytes)  # fmt: skip
-    client.fetch(piece.where, layout.meta_name(rank), os.path.join(dest, layout.meta_name(rank)),
-                 piece.meta_bytes)  # fmt: skip
-    marker = os.path.join(dest, layout.marker_name(rank))
-    with open(marker + ".tmp", "w", encoding="utf-8") as fh:
-        fh.write(
-            layout.encode_marker(
-                layout.Marker(piece.step, rank, piece.world, piece.data_bytes, piece.meta_bytes)
-            )
-        )
-    os.replace(marker + ".tmp", marker)
-    return piece.data_bytes + piece.meta_bytes
-
-
 def _write_buddy(directory: str, buddy: layout.Buddy) -> None:
     path = os.path.join(directory, layout.BUDDY_FILE)
     with open(path + ".tmp", "w", encoding="utf-8") as fh:
@@ -422,57 +294,9 @@ def _write_buddy(directory: str, buddy: layout.Buddy) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _steps_in(directory: str) -> list[int]:
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    return sorted(s for s in map(layout.step_of_dir, names) if s is not None)
-
-
 def _drop_gathered(directory: str, keep: int) -> None:
     """Remove gathered steps other than ``keep``."""
     base = os.path.join(directory, layout.GATHERED_DIR)
-    for step in _steps_in(base):
+    for step in steps_in(base):
         if step != keep:
             shutil.rmtree(os.path.join(base, layout.step_dir_name(step)), ignore_errors=True)
-
-
-def _drop_left_behind(directory: str, ranks: set[int], agreed: int | None) -> None:
-    """Remove the pieces, in the node's own steps older than ``agreed``, of ranks that
-    are no longer this node's (``ranks``: its workers' now): a round that gave the node
-    other ranks left them, and no worker of the node removes another rank's files."""
-    if agreed is None or not ranks:
-        return
-    for piece in scan(directory):
-        if piece.own and piece.step < agreed and piece.rank not in ranks:
-            where = os.path.join(directory, piece.where)
-            for name in (
-                layout.marker_name(piece.rank),
-                layout.data_name(piece.rank),
-                layout.meta_name(piece.rank),
-            ):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(where, name))
-            with contextlib.suppress(OSError):
-                os.rmdir(where)
-
-
-def _drop_foreign(directory: str, source_dir: str | None, agreed: int | None) -> None:
-    """Remove the pieces of steps older than ``agreed`` (the newest step the node's own
-    ranks agreed on) from ``gathered/`` and from copies of nodes other than the current
-    source (``source_dir``): a restart would load ``agreed`` or newer."""
-    if agreed is None:
-        return
-    bases = [os.path.join(directory, layout.GATHERED_DIR)]
-    copies = os.path.join(directory, layout.COPIES_DIR)
-    with contextlib.suppress(OSError):
-        bases += [os.path.join(copies, n) for n in os.listdir(copies)]
-    for base in bases:
-        if source_dir is not None and os.path.abspath(base) == os.path.abspath(source_dir):
-            continue
-        for step in _steps_in(base):
-            if step < agreed:
-                shutil.rmtree(os.path.join(base, layout.step_dir_name(step)), ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(base)

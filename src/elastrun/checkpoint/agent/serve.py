@@ -129,7 +129,7 @@ class NodeServer:
             OSError: the address cannot be bound.
         """
         if self._server is None:
-            server = _Server((self._addr, 0), _handler(self))
+            server = _Server((self._addr, 0), self)
             self._server = server
             self._thread = threading.Thread(
                 target=server.serve_forever,
@@ -190,75 +190,82 @@ class NodeServer:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
+    def __init__(self, address: tuple[str, int], owner: NodeServer) -> None:
+        self.owner = owner
+        super().__init__(address, _Handler)
+
     def handle_error(self, request: object, client_address: object) -> None:
         # A peer that went away mid-file (its agent stopped, a copy given up): its
         # request ends; nothing here needs more than a debug line.
         log.debug("checkpoint server: a request from %s ended early", client_address)
 
 
-def _handler(owner: NodeServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
 
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("checkpoint server: " + format, *args)
+    @property
+    def _owner(self) -> NodeServer:
+        server = self.server
+        assert isinstance(server, _Server)  # (the only server that takes this handler)
+        return server.owner
 
-        def _refused(self) -> bool:
-            if owner.authorised(self.headers.get(TOKEN_HEADER)):
-                return False
-            self._reply(403, b"")
-            return True
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("checkpoint server: " + format, *args)
 
-        def _reply(self, code: int, body: bytes, kind: str = "application/json") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
+    def _refused(self) -> bool:
+        if self._owner.authorised(self.headers.get(TOKEN_HEADER)):
+            return False
+        self._reply(403, b"")
+        return True
+
+    def _reply(self, code: int, body: bytes, kind: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self._refused():
+            return
+        if self.path == "/list":
+            self._reply(200, json.dumps(self._owner.listing()).encode())
+            return
+        match = _FILE.fullmatch(self.path)
+        if match is None or ".." in self.path:
+            self._reply(404, b"")
+            return
+        self._send_file(self._owner.file_path(match.group(1), match.group(2)))
+
+    def do_POST(self) -> None:
+        if self._refused():
+            return
+        match = _COPIED.fullmatch(self.path)
+        if match is None:
+            self._reply(404, b"")
+            return
+        try:
+            self._owner.copied(int(match.group(1)))
+        except OSError:
+            self._reply(500, b"")
+            return
+        self._reply(200, b"{}")
+
+    def _send_file(self, path: str) -> None:
+        try:
+            fh = open(path, "rb")  # noqa: SIM115 (closed below, after sendfile)
+        except OSError:
+            self._reply(404, b"")
+            return
+        with fh:
+            size = os.fstat(fh.fileno()).st_size
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(size))
             self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            if self._refused():
-                return
-            if self.path == "/list":
-                self._reply(200, json.dumps(owner.listing()).encode())
-                return
-            match = _FILE.fullmatch(self.path)
-            if match is None or ".." in self.path:
-                self._reply(404, b"")
-                return
-            self._send_file(owner.file_path(match.group(1), match.group(2)))
-
-        def do_POST(self) -> None:
-            if self._refused():
-                return
-            match = _COPIED.fullmatch(self.path)
-            if match is None:
-                self._reply(404, b"")
-                return
-            try:
-                owner.copied(int(match.group(1)))
-            except OSError:
-                self._reply(500, b"")
-                return
-            self._reply(200, b"{}")
-
-        def _send_file(self, path: str) -> None:
-            try:
-                fh = open(path, "rb")  # noqa: SIM115 (closed below, after sendfile)
-            except OSError:
-                self._reply(404, b"")
-                return
-            with fh:
-                size = os.fstat(fh.fileno()).st_size
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(size))
-                self.end_headers()
-                self.wfile.flush()
-                if size:
-                    self.connection.sendfile(fh, 0, size)
-
-    return Handler
+            self.wfile.flush()
+            if size:
+                self.connection.sendfile(fh, 0, size)
 
 
 class NodeClient:
