@@ -1,0 +1,166 @@
+"""In-process recovery of sharded training (FSDP2, HSDP) from memory checkpoints, end to
+end: real processes, gloo on the CPU, one node of four ranks.
+
+The script shards a small model with ``fully_shard`` (on a 1-D mesh: FSDP2; on a 2 x 2
+mesh: HSDP), saves a memory checkpoint every N steps, and is decorated with
+``elastrun.inprocess.run``. When a rank is killed, the survivors keep their processes
+and their model (``inprocess.rebind`` points it at the new world's groups), the
+replacement builds and shards its own, and every rank loads the newest step in the
+node's memory (the replacement its predecessor's shards) and goes on from there. A
+step's data is a pure function of the step and the rank, so the run ends with the
+parameters of the run without the failure, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _helpers import finish, start, write_script
+
+pytestmark = pytest.mark.slow
+torch = pytest.importorskip("torch")
+
+SCRIPT = """
+import hashlib, json, os, signal, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import elastrun.inprocess as inprocess
+from elastrun.checkpoint import MemoryCheckpoint
+
+out, mode, plan = sys.argv[1], sys.argv[2], sys.argv[5:]
+steps, every = int(sys.argv[3]), int(sys.argv[4])
+loads = []
+
+class Training(Stateful):
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+    def state_dict(self):
+        model, optim = get_state_dict(self.model, self.opt)
+        return {"model": model, "optim": optim}
+    def load_state_dict(self, sd):
+        set_state_dict(self.model, self.opt,
+                       model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+def once(name):
+    try:
+        os.close(os.open(os.path.join(out, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+opt = None
+ckpt = MemoryCheckpoint()
+state = inprocess.State(step=0)  # the state itself comes from the memory checkpoint
+
+@inprocess.run
+def train(state):
+    global opt
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    if mode == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    if opt is None:  # this process's first call: shard the model
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:  # a survivor's model, after an in-process recovery
+        inprocess.rebind(model)
+    app = {"training": Training(model, opt)}
+    last = ckpt.load_latest(app)
+    loads.append(last)
+    step = 0 if last is None else last + 1
+    while step < steps:
+        if f"{rank}:{step}" in plan and once(f"killed_{rank}_{step}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + rank))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        if step % every == every - 1:
+            ckpt.save(step, app)
+        step += 1
+    ckpt.close()
+    full = [p.full_tensor() for p in model.parameters()]
+    dist.barrier()
+    dist.destroy_process_group()
+    return full
+
+full = train(state)
+h = hashlib.sha256()
+for t in full:
+    h.update(t.detach().numpy().tobytes())
+rank = int(os.environ["RANK"])
+with open(os.path.join(out, f"rank_{rank}_{os.getpid()}.json"), "w") as fh:
+    json.dump({"rank": rank, "pid": os.getpid(), "loads": loads, "sha": h.hexdigest()}, fh)
+"""
+
+STEPS = 24
+
+
+def _run(
+    tmp_path: Path, name: str, mode: str, every: int, plan: list[str]
+) -> tuple[int, str, dict[int, dict[str, Any]]]:
+    out = tmp_path / name
+    out.mkdir()
+    script = write_script(tmp_path / "sharded.py", SCRIPT)
+    proc = start(
+        ["--standalone", "--nproc-per-node", "4", "--max-restarts", "3",
+         str(script), str(out), mode, str(STEPS), str(every), *plan],
+        # (a survivor that gloo leaves blocked in a collective is replaced after 5 s)
+        cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "ELASTRUN_INPROCESS_JOIN_TIMEOUT": "5"},
+    )  # fmt: skip
+    res = finish(proc, 180)
+    results = [json.loads(p.read_text()) for p in out.glob("rank_*.json")]
+    return res.returncode, res.stderr, {r["rank"]: r for r in results}
+
+
+@pytest.mark.parametrize(
+    ("mode", "every", "resumed"),
+    [
+        # FSDP2 on 4 ranks, a save every step: rank 2 killed before step 13, when its
+        # save of step 12 may still be in flight: every rank resumes after step 12 or 11.
+        ("fsdp", 1, (11, 12)),
+        # HSDP 2 x 2, a save every 5 steps (4, 9, 14, ...): rank 1 killed before step
+        # 13: every rank resumes after step 9, in place.
+        ("hsdp", 5, (9,)),
+    ],
+)
+def test_sharded_survivors_keep_their_processes_and_resume_from_memory_in_place(
+    tmp_path: Path, mode: str, every: int, resumed: tuple[int, ...]
+) -> None:
+    code, err, clean = _run(tmp_path, "clean", mode, every, [])
+    assert code == 0, err
+    assert sorted(clean) == [0, 1, 2, 3] and len({r["sha"] for r in clean.values()}) == 1
+    victim = 2 if mode == "fsdp" else 1
+    code, err, ranks = _run(tmp_path, "killed", mode, every, [f"{victim}:13"])
+    assert code == 0, err
+    assert sorted(ranks) == [0, 1, 2, 3], (ranks, err)
+    assert "replacing it in place" in err and "restarting all workers" not in err, err
+    step = ranks[victim]["loads"][0]
+    assert step in resumed, (ranks, err)
+    for r, result in ranks.items():
+        # Each survivor is the same process, called again: it loaded the same step.
+        if r == victim:
+            assert result["loads"] == [step], (result, err)  # the replacement
+        elif result["loads"] != [None, step]:
+            # torch 2.13's gloo now and then leaves a survivor blocked in a collective
+            # whose peer died (see test_inprocess._kept): the agent replaces it, and says
+            # so; it then loads a step of its own as a replacement.
+            assert "did not reach in-process round" in err, (result, err)
+            assert result["loads"][-1] in resumed, (result, err)
+    # The parameters of the run without the failure, on every rank.
+    assert {r["sha"] for r in ranks.values()} == {clean[0]["sha"]}
