@@ -5,10 +5,13 @@ directory holds, and its server and client on loopback. No torch."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from elastrun.checkpoint.agent.copier import Copier
 from elastrun.checkpoint.agent.holdings import (
     Held,
     buddy_roles,
@@ -20,6 +23,7 @@ from elastrun.checkpoint.agent.holdings import (
     scan,
 )
 from elastrun.checkpoint.agent.serve import NodeClient, NodeServer, PeerError, newest_agreed
+from elastrun.observe.sinks import NullMetricSink
 from elastrun.wire import checkpoint as layout
 
 
@@ -231,3 +235,35 @@ def test_what_lives_as_long_as_the_node_directory_stops_before_it_goes(tmp_path:
     node_dir.close()
     assert seen == [True]  # (once, with the directory still there)
     assert not os.path.exists(path)
+
+
+def _until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_the_copier_copies_a_whole_step_confirms_it_and_copies_a_rewritten_step_again(
+    served: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    source, port = served  # (its server's ranks: 0 and 1)
+    here = tmp_path_factory.mktemp("copier")
+    write_piece(source, 5, 0)
+    copier = Copier(str(here), [2, 3], "node-a", lambda: NodeClient("127.0.0.1", port, "tok"),
+                    0.005, NullMetricSink())  # fmt: skip
+    copier.start()
+    try:
+        copy = here / layout.COPIES_DIR / copy_dir_name("node-a") / layout.step_dir_name(5)
+        write_piece(source, 5, 1)  # (a step is copied once every rank of the source has it)
+        _until((source / layout.copied_name(5)).exists, "the copy of step 5")
+        assert sorted(p.rank for p in scan(str(here))) == [0, 1]
+        (source / layout.copied_name(5)).unlink()
+        # A restart loaded an older step and saved step 5 anew: the copy is made again.
+        for rank in (0, 1):
+            (source / layout.step_dir_name(5) / layout.marker_name(rank)).unlink()
+            write_piece(source, 5, rank, data=b"e" * 10)
+        _until((source / layout.copied_name(5)).exists, "the copy of step 5 again")
+        assert (copy / layout.data_name(0)).read_bytes() == b"e" * 10
+    finally:
+        copier.close()

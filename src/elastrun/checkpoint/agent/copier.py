@@ -17,6 +17,7 @@ Plain files, no torch.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -43,6 +44,8 @@ log = logging.getLogger("elastrun.agent")
 COPY_EVERY = 0.02
 #: Seconds between two removals of the pieces the node no longer needs.
 TIDY_EVERY = 1.0
+#: In a copy's step directory: the versions of the source's pieces it was made from.
+_VERSIONS = "made-from.json"
 
 
 class Copier:
@@ -113,6 +116,7 @@ class Copier:
                 return  # (the source has not published its server yet)
         listing = self._client.listing()
         own = [p for p in listing.pieces if p.own]
+        self._drop_stale(own)
         copied = steps_in(self._base)
         step = next_to_copy(own, listing.ranks, copied)
         if step is not None:
@@ -123,6 +127,23 @@ class Copier:
         keep = copies_to_keep(copied, listing.newest, {p.step for p in own})
         for old in set(copied) - keep:
             shutil.rmtree(os.path.join(self._base, layout.step_dir_name(old)), ignore_errors=True)
+
+    def _drop_stale(self, own: list[Held]) -> None:
+        """Remove the copies of steps that the source wrote again since they were made
+        (a restart loaded an older step and saved this one anew): a copy holds the
+        versions of the pieces it was made from, and must match the source's."""
+        listed: dict[int, dict[int, str]] = {}
+        for p in own:
+            listed.setdefault(p.step, {})[p.rank] = p.version
+        for step in steps_in(self._base):
+            if step not in listed:
+                continue  # (the source removed it: kept or dropped by copies_to_keep)
+            where = os.path.join(self._base, layout.step_dir_name(step))
+            made_from = _read_versions(where)
+            if not made_from or any(
+                listed[step].get(rank, version) != version for rank, version in made_from.items()
+            ):
+                shutil.rmtree(where, ignore_errors=True)
 
     def _copy(self, step: int, pieces: list[Held]) -> None:
         client = self._client
@@ -139,6 +160,8 @@ class Copier:
             now = {(p.rank, p.version) for p in client.listing().pieces if p.step == step}
             if not {(p.rank, p.version) for p in pieces} <= now:
                 raise PeerError(f"step {step} changed on node {self._source} while it was copied")
+            with open(os.path.join(tmp, _VERSIONS), "w", encoding="utf-8") as fh:
+                json.dump({str(p.rank): p.version for p in pieces}, fh)
             os.replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -177,6 +200,16 @@ def pull_piece(client: NodeClient, piece: Held, dest: str) -> int:
         )
     os.replace(marker + ".tmp", marker)
     return piece.data_bytes + piece.meta_bytes
+
+
+def _read_versions(where: str) -> dict[int, str]:
+    """The versions a copy was made from (empty: none recorded, or unreadable)."""
+    try:
+        with open(os.path.join(where, _VERSIONS), encoding="utf-8") as fh:
+            doc = json.load(fh)
+        return {int(rank): str(version) for rank, version in doc.items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def steps_in(directory: str) -> list[int]:
