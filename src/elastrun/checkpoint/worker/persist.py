@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import re
 import secrets
 import shutil
@@ -80,6 +79,9 @@ log = logging.getLogger("elastrun.checkpoint")
 
 #: Persisted steps kept by default.
 DEFAULT_KEEP = 2
+
+#: How much lower the persisting thread's CPU priority is than the training's.
+_NICER = 10
 
 _FINAL = re.compile(r"step-(\d+)")
 _LEFTOVER = re.compile(r"\.step-\d+\.(?:tmp|old)-[0-9a-f]+")
@@ -193,7 +195,6 @@ class Persister:
         self._steps = steps
         self._group = group
         self._before_rename = before_rename
-        self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Condition()
         self._busy = False  # a persist began and has not ended
@@ -226,9 +227,9 @@ class Persister:
                 raise RuntimeError("a persist is in flight")  # (the callers agree first)
             self._busy = True
             self._copying = True
-        if self._thread is None:
-            self._thread = start_thread(self._serve, name="elastrun-checkpoint-persist")
-        self._jobs.put(step)
+        previous = self._thread  # (ended: the persister was idle)
+        join_thread(previous, None)
+        self._thread = start_thread(self._run, step, name="elastrun-checkpoint-persist")
 
     def wait_snapshot(self) -> None:
         """Until the step in flight is copied out of the node's memory (it may then be
@@ -244,11 +245,8 @@ class Persister:
                 self._lock.wait()
 
     def close(self) -> None:
-        """Finish the persist in flight and stop the thread (idempotent)."""
+        """Finish the persist in flight (idempotent)."""
         thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._jobs.put(None)
         join_thread(thread, None)
 
     def __repr__(self) -> str:
@@ -261,20 +259,16 @@ class Persister:
 
     # -- the persisting thread -------------------------------------------------------
 
-    def _serve(self) -> None:
-        while True:
-            step = self._jobs.get()
-            if step is None:
-                return
-            try:
-                self._persist(step)
-            except Exception as exc:  # (a persist never ends the training; said here)
-                log.error("memory checkpoint: persisting step %d failed: %s", step, exc)
-            finally:
-                with self._lock:
-                    self._busy = False
-                    self._copying = False
-                    self._lock.notify_all()
+    def _run(self, step: int) -> None:
+        try:
+            self._persist(step)
+        except Exception as exc:  # (a persist never ends the training; said here)
+            log.error("memory checkpoint: persisting step %d failed: %s", step, exc)
+        finally:
+            with self._lock:
+                self._busy = False
+                self._copying = False
+                self._lock.notify_all()
 
     def _snapshot(self, step: int) -> tuple[Snapshot | None, BaseException | None]:
         try:
@@ -290,6 +284,11 @@ class Persister:
         started = time.monotonic()
         snapshot, failure = self._snapshot(step)
         copied = time.monotonic() - started
+        # Writing is never in a hurry: it yields the CPU to training and to the saves
+        # (the copy did not: the saves after it may wait for it). A thread cannot be
+        # made less nice again, hence a thread per persist.
+        nice = _priority()
+        _set_priority(None if nice is None else nice + _NICER)
         nbytes = 0 if snapshot is None else snapshot.nbytes
         directory = self.settings.directory
         lead = self._steps.rank == 0
@@ -465,6 +464,23 @@ def _remove_leftovers(directory: str) -> None:
         if _LEFTOVER.fullmatch(name):
             log.info("memory checkpoint: removing %s (left by a persist that did not finish)", name)
             _remove(os.path.join(directory, name))
+
+
+def _priority() -> int | None:
+    """The calling thread's ``nice`` value (Linux: per thread); None where unknown."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (OSError, AttributeError):
+        return None
+
+
+def _set_priority(nice: int | None) -> None:
+    """Set the calling thread's ``nice`` value (where it can: a thread may always be
+    made nicer, and back to where it started)."""
+    if nice is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, nice))
 
 
 def _remove(path: str) -> None:

@@ -26,13 +26,11 @@ writer and its reader move together).
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import dataclasses
 import io
 import math
-import mmap
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +57,9 @@ from elastrun.checkpoint.worker.metadata import Span, decode_metadata
 from elastrun.checkpoint.worker.steps import RankSteps
 
 __all__ = ["Snapshot", "SnapshotPlanner", "merge_plans", "read_snapshot"]
+
+# preadv moves at most this much per call on Linux (2 GiB less a page).
+_IO_MAX = 0x7FFFF000
 
 
 @dataclass
@@ -96,9 +97,12 @@ def read_snapshot(steps: RankSteps, step: int) -> Snapshot:
         metadata = decode_metadata(fh.read())
     items: list[WriteItem] = []
     data: dict[MetadataIndex, torch.Tensor | bytes] = {}
-    with _mapped(steps.data_path(step)) as mapped:
+    with open(steps.data_path(step), "rb", buffering=0) as fh:
+        size = os.fstat(fh.fileno()).st_size
         for index, span in (metadata.storage_data or {}).items():
-            item, value = _item(metadata, index, span, mapped)
+            if span.offset + span.length > size:
+                raise MemoryCheckpointError(f"{index.fqn}: beyond the end of the step's data")
+            item, value = _item(metadata, index, span, fh.fileno())
             items.append(item)
             data[item.index] = value
     # The marker goes first when a step is removed: still there, nothing was removed
@@ -108,42 +112,26 @@ def read_snapshot(steps: RankSteps, step: int) -> Snapshot:
     return Snapshot(step, items, data, metadata.planner_data)
 
 
-@contextlib.contextmanager
-def _mapped(path: str) -> Iterator[mmap.mmap | None]:
-    """The data file, mapped (copy-on-write, so that torch sees a writable buffer; it
-    is never written), or None when it is empty."""
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size == 0:
-            yield None
-            return
-        mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
-        try:
-            yield mapped
-        finally:
-            mapped.close()
-
-
 def _item(
-    metadata: Metadata, index: MetadataIndex, span: Span, mapped: mmap.mmap | None
+    metadata: Metadata, index: MetadataIndex, span: Span, fd: int
 ) -> tuple[WriteItem, torch.Tensor | bytes]:
     entry = metadata.state_dict_metadata.get(index.fqn)
     if entry is None:
         raise MemoryCheckpointError(f"{index.fqn}: stored, but not in the step's metadata")
-    if span.length and (mapped is None or span.offset + span.length > len(mapped)):
-        raise MemoryCheckpointError(f"{index.fqn}: beyond the end of the step's data file")
     if isinstance(entry, BytesStorageMetadata):
-        raw = b"" if mapped is None else mapped[span.offset : span.offset + span.length]
-        return WriteItem(index=MetadataIndex(index.fqn), type=WriteItemType.BYTE_IO), raw
+        raw = bytearray(span.length)
+        _read_into(fd, memoryview(raw), span.offset)
+        return WriteItem(index=MetadataIndex(index.fqn), type=WriteItemType.BYTE_IO), bytes(raw)
     chunk = _chunk(entry, index)
     if span.dtype is None or span.shape is None:
         raise MemoryCheckpointError(f"{index.fqn}: stored as a value, not a tensor")
-    if span.length == 0 or mapped is None:
-        tensor = torch.empty(span.shape, dtype=span.dtype)
-    else:
-        view = torch.frombuffer(mapped, dtype=torch.uint8, count=span.length, offset=span.offset)
-        tensor = view.clone().view(span.dtype).reshape(span.shape)
-        del view  # (the mapping closes only once no tensor holds it)
+    # Its own storage (DCP's writer saves a tensor's whole storage), read straight
+    # into it: one copy, by the kernel, from the node's memory.
+    tensor = torch.empty(span.shape, dtype=span.dtype)
+    if tensor.numel() * tensor.element_size() != span.length:
+        raise MemoryCheckpointError(f"{index.fqn}: {span.length} bytes stored for {span.shape}")
+    if span.length:
+        _read_into(fd, _bytes_of(tensor), span.offset)
     whole = tuple(chunk.sizes) == tuple(entry.size)
     item = WriteItem(
         index=MetadataIndex(index.fqn, chunk.offsets),
@@ -151,6 +139,20 @@ def _item(
         tensor_data=TensorWriteData(chunk=chunk, properties=entry.properties, size=entry.size),
     )
     return item, tensor
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The memory of a new (contiguous, host) tensor, writable, without a copy."""
+    length = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * length).from_address(tensor.data_ptr())).cast("B")
+
+
+def _read_into(fd: int, into: memoryview, offset: int) -> None:
+    while into:
+        n = os.preadv(fd, [into[:_IO_MAX]], offset)
+        if n == 0:
+            raise MemoryCheckpointError(f"the step's data file ends at {offset}")
+        into, offset = into[n:], offset + n
 
 
 def _chunk(entry: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata:

@@ -106,7 +106,8 @@ def _results(out: Path) -> dict[int, dict[str, object]]:
 def test_an_fsdp2_job_persists_every_n_steps_and_plain_torch_loads_them_into_other_worlds(
     tmp_path: Path,
 ) -> None:
-    # 10 steps, a persist after every 3 complete ones (steps 2, 5 and 8) and the last
+    # 10 steps, a persist after every 3 complete ones (steps 2, 5 and 8; one that falls
+    # due while the last is still being written waits for a later save) and the last
     # step at the end (9); two kept.
     res = run(
         ["--standalone", "--nproc-per-node", "2", str(EXAMPLE), "--steps", "10",
@@ -116,7 +117,10 @@ def test_an_fsdp2_job_persists_every_n_steps_and_plain_torch_loads_them_into_oth
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     persisted = tmp_path / "persisted"
-    assert sorted(os.listdir(persisted)) == ["step-8", "step-9"], res.stderr
+    names = os.listdir(persisted)
+    assert len(names) == 2 and "step-9" in names, (names, res.stderr)
+    (older,) = set(names) - {"step-9"}
+    assert 2 <= int(older.removeprefix("step-")) < 9
     assert sorted(os.listdir(persisted / "step-9")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     ranks = _results(tmp_path / "result")
     assert {r["persisted"] for r in ranks.values()} == {9}
@@ -124,7 +128,7 @@ def test_an_fsdp2_job_persists_every_n_steps_and_plain_torch_loads_them_into_oth
     # Saved by two ranks of FSDP2: loaded by one (whole tensors) and by three (uneven shards).
     assert _load_plain(tmp_path, persisted / "step-9", 1, 24) == trained
     assert _load_plain(tmp_path, persisted / "step-9", 3, 24) == trained
-    assert _load_plain(tmp_path, persisted / "step-8", 1, 24) != trained
+    assert _load_plain(tmp_path, persisted / older, 1, 24) != trained
 
 
 REPLICATED = """\
@@ -234,7 +238,8 @@ def test_a_worker_killed_in_a_persist_leaves_no_step_under_its_final_name(
         cwd=tmp_path, env=ENV, timeout=90,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
-    assert sorted(os.listdir(persisted)) == ["step-3", "step-4"]
+    names = os.listdir(persisted)  # (step 1 or 3 before the last, as the disk allowed)
+    assert len(names) == 2 and "step-4" in names and not any(n.startswith(".") for n in names)
     (trained,) = {r["sha256"] for r in _results(tmp_path / "second").values()}
     assert _load_plain(tmp_path, persisted / "step-4", 1, 16) == trained
 
