@@ -89,6 +89,13 @@ def test_pieces_of_another_world_do_not_complete_a_step() -> None:
     assert newest_complete([]) is None
 
 
+def test_of_one_step_complete_for_two_worlds_the_loading_worlds_is_chosen() -> None:
+    # Step 9 saved by 4 ranks (2 of them copies), then again by the 2 ranks left.
+    pieces = [held(9, 0, 4), held(9, 1, 4), copy(9, 2), copy(9, 3), held(9, 0, 2), held(9, 1, 2)]
+    assert newest_complete([pieces], prefer=2) == (9, 2)
+    assert newest_complete([pieces], prefer=3) == (9, 4)
+
+
 def test_only_the_needed_pieces_missing_here_are_pulled_preferring_a_peers_own() -> None:
     local = [held(7, 0), held(7, 1)]
     peers = {"b": [copy(7, 2), copy(7, 3)], "c": [held(7, 3)]}

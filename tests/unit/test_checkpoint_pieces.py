@@ -114,3 +114,16 @@ def test_the_space_check_counts_a_buddys_copy_when_the_node_holds_one(tmp_path: 
     copies = r"4 steps x 1 local rank.*; 2 of the steps a buddy node's copy"
     with pytest.raises(CheckpointSpaceError, match=copies):
         check_space(str(tmp_path), 1 << 20, rank=0, local_ranks=1, statvfs=lambda _p: free)
+
+
+def test_a_step_saved_again_by_a_smaller_world_loads_from_its_own_pieces(tmp_path: Path) -> None:
+    # Ranks 2 and 3 of a world of 4 left a copy of step 6; the 2 ranks left saved step 6
+    # again: rank 0 of the 2 loads its own piece, and the copy does not get in the way.
+    for rank in (2, 3):
+        _save(tmp_path, 6, rank, 4, {"w": torch.full((2,), float(rank))})
+        _move(tmp_path, 6, rank, tmp_path / layout.COPIES_DIR / "b-1" / layout.step_dir_name(6))
+    _save(tmp_path, 6, 0, 2, {"w": torch.full((2,), 9.0)})
+    needed = RankSteps(str(tmp_path), 0, 2).needed(6)
+    assert needed is not None and list(needed) == [0]
+    assert needed[0].marker.world_size == 2
+    assert RankSteps(str(tmp_path), 1, 2).needed(6) is None  # (rank 1's piece is missing)

@@ -218,7 +218,9 @@ class NodeCopies:
         local = scan(directory)
         scope = cancel.current()
         listings = self._listings(peers)
-        target = newest_complete([local, *(li.pieces for li in listings.values())])
+        target = newest_complete(
+            [local, *(li.pieces for li in listings.values())], prefer=world_size
+        )
         if target is None:
             return
         step, world = target

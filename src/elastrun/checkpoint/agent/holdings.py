@@ -84,15 +84,21 @@ def buddy_roles(order: Sequence[str], node: str) -> tuple[str | None, str | None
     return order[(i + 1) % len(order)], order[(i - 1) % len(order)]
 
 
-def newest_complete(holdings: Iterable[Iterable[Held]]) -> tuple[int, int] | None:
+def newest_complete(
+    holdings: Iterable[Iterable[Held]], prefer: int | None = None
+) -> tuple[int, int] | None:
     """The newest ``(step, world)`` of which ``holdings`` (each node's pieces) hold a
-    piece of every rank of ``world`` together (None: none is complete)."""
+    piece of every rank of ``world`` together (None: none is complete). Of one step
+    complete for several worlds, the world of size ``prefer`` (the one that will load
+    it: its ranks need only their own pieces), else the largest."""
     ranks: dict[tuple[int, int], set[int]] = {}
     for pieces in holdings:
         for p in pieces:
             ranks.setdefault((p.step, p.world), set()).add(p.rank)
     complete = [key for key, got in ranks.items() if got == set(range(key[1]))]
-    return max(complete) if complete else None
+    if not complete:
+        return None
+    return max(complete, key=lambda key: (key[0], key[1] == prefer, key[1]))
 
 
 def pieces_to_pull(

@@ -144,10 +144,10 @@ class RankSteps:
             dirs += [os.path.join(copies, n, name) for n in sorted(os.listdir(copies))]
         return [d for d in dirs if os.path.isdir(d)]
 
-    def pieces(self, step: int) -> dict[int, Piece]:
-        """Every rank's valid piece of ``step`` that the node holds (the first found in
-        :meth:`piece_dirs`' order), by rank."""
-        found: dict[int, Piece] = {}
+    def pieces(self, step: int) -> dict[int, dict[int, Piece]]:
+        """Every valid piece of ``step`` that the node holds, by the size of the world
+        that saved it, then by rank (the first found in :meth:`piece_dirs`' order)."""
+        found: dict[int, dict[int, Piece]] = {}
         for directory in self.piece_dirs(step):
             try:
                 names = os.listdir(directory)
@@ -155,11 +155,13 @@ class RankSteps:
                 continue
             for name in names:
                 rank = layout.rank_of_file(name)
-                if rank is None or rank in found or name != layout.marker_name(rank):
+                if rank is None or name != layout.marker_name(rank):
                     continue
                 marker = _valid_marker(directory, step, rank)
                 if marker is not None:
-                    found[rank] = Piece(directory, marker)
+                    found.setdefault(marker.world_size, {}).setdefault(
+                        rank, Piece(directory, marker)
+                    )
         return found
 
     def every_step(self) -> list[int]:
@@ -174,20 +176,18 @@ class RankSteps:
         return sorted(steps)
 
     def needed(self, step: int) -> dict[int, Piece] | None:
-        """The pieces this rank loads ``step`` from, when the node holds them: its own
-        when a world of this size saved the step, else every rank's (None: the node
-        lacks one, or the pieces disagree on the world that saved them)."""
-        pieces = self.pieces(step)
-        worlds = {p.marker.world_size for p in pieces.values()}
-        if len(worlds) != 1:
-            return None
-        (world,) = worlds
-        if world == self.world_size:
-            own = pieces.get(self.rank)
-            return None if own is None else {self.rank: own}
-        if set(pieces) != set(range(world)):
-            return None
-        return pieces
+        """The pieces this rank loads ``step`` from, when the node holds them: its own,
+        saved by a world of this size; else every rank's of another world that saved
+        the step (the largest such world, when pieces of several are here: a step
+        number a smaller world saved again after a node was lost). None: neither."""
+        by_world = self.pieces(step)
+        own = by_world.get(self.world_size, {}).get(self.rank)
+        if own is not None:
+            return {self.rank: own}
+        for world in sorted(by_world, reverse=True):
+            if world != self.world_size and set(by_world[world]) == set(range(world)):
+                return by_world[world]
+        return None
 
     def loadable_steps(self) -> list[int]:
         """The steps this rank can load from the node's memory (:meth:`needed`), oldest
