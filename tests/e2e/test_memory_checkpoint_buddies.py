@@ -169,8 +169,10 @@ def test_a_spare_takes_a_lost_nodes_place_with_its_shards_from_the_buddy_copy(
     assert int(pulled.group(3)) == resumed, err
     # The step agreed before the kill was on two nodes: nothing agreed is lost.
     assert isinstance(resumed, int) and resumed >= agreed, (resumed, agreed, err)
+    # (The restart count may be 0: a loss the rendezvous noticed first re-forms the round
+    # as a membership change, without charging a restart.)
     for r in ranks.values():
-        assert r["restart"] >= 1 and r["trained"] == list(range(resumed + 1, STEPS))
+        assert r["trained"] == list(range(resumed + 1, STEPS)), err
     _report_recovery("spare", killed_at, ranks, resumed)
 
     # The reference: the same job restarted at the same step on purpose (rank 3 exits 1
