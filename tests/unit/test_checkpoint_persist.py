@@ -288,3 +288,23 @@ def test_a_persist_that_fails_is_logged_and_training_goes_on(
     failures = [r.getMessage() for r in caplog.records if "persisting step" in r.getMessage()]
     assert failures and "failed" in failures[0], caplog.text
     assert sorted(os.listdir(tmp_path)) == ["a-file", "node"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_step_persisted_again_replaces_the_old_one_whole(tmp_path: Path) -> None:
+    # A later run that went back to step 1 (say, from an older checkpoint) persists it
+    # anew: the new step takes the name, the old one goes, nothing is left aside.
+    out = tmp_path / "out"
+    models = []
+    for run in range(2):
+        node = tmp_path / f"node-{run}"
+        node.mkdir()
+        model = _model(10 + run)
+        with MemoryCheckpoint(str(node), persist_dir=out) as ckpt:
+            ckpt.save(1, _state(model, 1))
+            ckpt.persist()
+        models.append(model)
+    assert sorted(os.listdir(out)) == ["step-1"]
+    weights, _extra = _load_plain(out / "step-1")
+    for name, value in models[1].state_dict().items():
+        assert torch.equal(weights[name], value)

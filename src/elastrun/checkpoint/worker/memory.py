@@ -610,34 +610,38 @@ class MemoryCheckpoint:
 
     def _persist_if_due(self, agreed: bool) -> None:
         """After a save: begin a persist of the newest step when one is due and every
-        rank's persister is idle (else at a later save). The same on every rank: it
+        rank's persister is ready (else at a later save). The same on every rank: it
         follows the ranks' agreements."""
         persister = self._persister
-        if persister is None or persister.is_broken():
+        if persister is None:
             return
         if agreed:
             self._schedule.complete()
-        if not self._schedule.due():
-            return
+        if self._schedule.due() and self._all_ready(persister):
+            self._begin_persist(persister)
+
+    def _all_ready(self, persister: Persister) -> bool:
+        """Whether every rank's persister is idle and unbroken: agreed, so that no rank
+        begins a persist (a collective) that another does not."""
         try:
-            idle = ranks.all_hold(self._group, persister.is_idle())
+            ready = ranks.all_hold(self._group, persister.is_idle() and not persister.is_broken())
         except RuntimeError as exc:
             with self._lock:
                 self._broken = f"the ranks lost each other before a persist: {exc}"
             log.warning("memory checkpoint: %s", self._broken)
-            return
-        if idle:
-            self._begin_persist(persister)
-        else:
-            log.info("memory checkpoint: a persist is due; the last one is still being written")
+            return False
+        if not ready:
+            log.debug("memory checkpoint: a persist waits: one is in flight or stopped")
+        return ready
 
     def _serve_persist_request(self) -> None:
         """A ``persist()`` call, on the background thread."""
         try:
             persister = self._persister
-            if persister is not None and not persister.is_broken():
+            if persister is not None:
                 persister.wait()  # (on every rank: then every rank's is idle)
-                self._begin_persist(persister)
+                if self._all_ready(persister):
+                    self._begin_persist(persister)
         finally:
             with self._lock:
                 self._requests -= 1

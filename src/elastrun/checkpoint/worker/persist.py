@@ -437,7 +437,8 @@ def _rename_into_place(tmp: str, final: str) -> None:
     that went back to it) is moved aside first and removed after."""
     aside = None
     if os.path.lexists(final):
-        aside = tmp.replace(".tmp-", ".old-")
+        parent, name = os.path.split(tmp)
+        aside = os.path.join(parent, name.replace(".tmp-", ".old-", 1))
         os.rename(final, aside)
     os.rename(tmp, final)
     _sync_dir(os.path.dirname(final))
