@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 
 from elastrun.checkpoint.agent.copier import COPY_EVERY, Copier, pull_piece, steps_in
 from elastrun.checkpoint.agent.holdings import (
+    Held,
     buddy_roles,
     newest_complete,
     pieces_to_pull,
@@ -103,6 +104,7 @@ class NodeCopies:
         self._copier: Copier | None = None
         self._published: StoreSeat | None = None
         self._tokens: dict[str, str] = {}
+        self._shape: tuple[tuple[str, ...], tuple[int, ...], int] | None = None  # (gathered for)
         self._closed = False
         node_dir.on_close(self.close)
 
@@ -130,7 +132,11 @@ class NodeCopies:
         copier, source = buddy_roles(order, seat.node)
         _write_buddy(directory, layout.Buddy(info.round, copier, source))
         peers = self._peers(seat)
-        self._gather(directory, peers, ranks, world_size)
+        # The same nodes in the same order, with the same ranks here: a plain restart,
+        # after which every rank's pieces are where they were (its own node).
+        shape = (tuple(order), tuple(ranks), world_size)
+        if shape != self._shape and self._gather(directory, peers, ranks, world_size):
+            self._shape = shape
         self._copier = Copier(
             directory,
             ranks,
@@ -212,9 +218,9 @@ class NodeCopies:
         peers: dict[str, tuple[str, int]],
         ranks: Sequence[int],
         world_size: int,
-    ) -> None:
+    ) -> bool:
         """Pull the pieces of the job's newest complete step that the node's ranks need
-        and its directory lacks (see the module)."""
+        and its directory lacks (see the module); whether every one is here now."""
         local = scan(directory)
         scope = cancel.current()
         listings = self._listings(peers)
@@ -222,7 +228,7 @@ class NodeCopies:
             [local, *(li.pieces for li in listings.values())], prefer=world_size
         )
         if target is None:
-            return
+            return True
         step, world = target
         needed = set(ranks) if world == world_size else set(range(world))
         pulls = pieces_to_pull(
@@ -230,17 +236,19 @@ class NodeCopies:
         )
         _drop_gathered(directory, keep=step)
         if not pulls:
-            return
+            return True
         t0 = time.monotonic()
         moved = 0
+        done: list[tuple[str, Held]] = []
         for peer, piece in pulls:
             if scope.cancelled:
-                return
+                return False
             addr, port = peers[peer]
             client = NodeClient(addr, port, self._tokens.get(peer, ""))
             dest = os.path.join(directory, layout.GATHERED_DIR, layout.step_dir_name(step))
             try:
                 moved += pull_piece(client, piece, dest)
+                done.append((peer, piece))
             except (PeerError, OSError) as exc:
                 log.warning(
                     "memory checkpoint: rank %d's piece of step %d could not be pulled from "
@@ -252,15 +260,16 @@ class NodeCopies:
         log.info(
             "memory checkpoint: pulled rank(s) %s of step %d from node(s) %s (%.1f MiB in "
             "%.0f ms) for this node's ranks",
-            ", ".join(str(p.rank) for _, p in pulls), step,
-            ", ".join(sorted({n for n, _ in pulls})), moved / 2**20, took * 1000,
+            ", ".join(str(p.rank) for _, p in done), step,
+            ", ".join(sorted({n for n, _ in done})), moved / 2**20, took * 1000,
         )  # fmt: skip
         self._events.record(
             "agent.checkpoint_gathered",
-            {"step": step, "ranks": ",".join(str(p.rank) for _, p in pulls), "bytes": moved,
+            {"step": step, "ranks": ",".join(str(p.rank) for _, p in done), "bytes": moved,
              "duration_ms": round(took * 1000, 3)},
         )  # fmt: skip
         self._metrics.put("checkpoint.gather.duration_ms", took * 1000)
+        return len(done) == len(pulls)
 
     def _listings(self, peers: dict[str, tuple[str, int]]) -> dict[str, Listing]:
         """What each peer that answers holds (a lost node's stale entry does not)."""
