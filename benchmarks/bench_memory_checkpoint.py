@@ -108,7 +108,7 @@ SCRIPT = textwrap.dedent(
         else:
             inprocess.rebind(model)
 
-    def loop():
+    def loop(commit=None):
         start = 0
         if ckpt is not None:
             resumed = ckpt.load_latest(state)
@@ -142,6 +142,8 @@ SCRIPT = textwrap.dedent(
                 saved = True
             t2 = time.perf_counter()
             record(step=step, at=time.time(), train_s=t1 - t0, save_s=t2 - t1 if saved else None)
+            if commit is not None:
+                commit(step + 1)
         if ckpt is not None:
             ckpt.close()
         dist.barrier()
@@ -151,9 +153,13 @@ SCRIPT = textwrap.dedent(
         import elastrun.inprocess as inprocess
 
         @inprocess.run
-        def train(_state):
+        def train(progress):
+            def commit(step):  # no tensors: how far the training got, for the agent
+                progress.step = step
+                progress.commit()
+
             setup()
-            loop()
+            loop(commit)
 
         train(inprocess.State(step=0))
     else:

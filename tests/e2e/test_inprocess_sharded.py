@@ -93,6 +93,8 @@ def train(state):
         if step % every == every - 1:
             ckpt.save(step, app)
         step += 1
+        state.step = step
+        state.commit()  # (no tensors: tells the agent how far the training got)
     ckpt.close()
     full = [p.full_tensor() for p in model.parameters()]
     dist.barrier()
@@ -118,7 +120,7 @@ def _run(
     out.mkdir()
     script = write_script(tmp_path / "sharded.py", SCRIPT)
     proc = start(
-        ["--standalone", "--nproc-per-node", "4", "--max-restarts", "3",
+        ["--standalone", "--nproc-per-node", "4", "--max-restarts", "10",
          str(script), str(out), mode, str(STEPS), str(every), *plan],
         # (a survivor that gloo leaves blocked in a collective is replaced after 5 s)
         cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "ELASTRUN_INPROCESS_JOIN_TIMEOUT": "5"},
@@ -138,6 +140,7 @@ def _run(
         # 13: every rank resumes after step 9, in place.
         ("hsdp", 5, (9,)),
     ],
+    ids=["fsdp-every-step", "hsdp-every-5"],
 )
 def test_sharded_survivors_keep_their_processes_and_resume_from_memory_in_place(
     tmp_path: Path, mode: str, every: int, resumed: tuple[int, ...]
@@ -163,4 +166,18 @@ def test_sharded_survivors_keep_their_processes_and_resume_from_memory_in_place(
             assert "did not reach in-process round" in err, (result, err)
             assert result["loads"][-1] in resumed, (result, err)
     # The parameters of the run without the failure, on every rank.
+    assert {r["sha"] for r in ranks.values()} == {clean[0]["sha"]}
+
+
+def test_sharded_recoveries_one_after_another_stay_in_place(tmp_path: Path) -> None:
+    # Four ranks killed one after another (rank 0 too, whose agent serves the store):
+    # each recovery is in place, the stall guard sees the training move on (the empty
+    # State's commits), and the parameters are those of the run without failures.
+    code, err, clean = _run(tmp_path, "clean", "fsdp", 1, [])
+    assert code == 0, err
+    plan = ["1:5", "2:9", "3:14", "0:19"]
+    code, err, ranks = _run(tmp_path, "killed", "fsdp", 1, plan)
+    assert code == 0, err
+    assert err.count("replacing it in place") == 4, err
+    assert "restarting all workers" not in err and "no newer commit" not in err, err
     assert {r["sha"] for r in ranks.values()} == {clean[0]["sha"]}
