@@ -4,6 +4,7 @@ directory holds, and its server and client on loopback. No torch."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -190,8 +191,9 @@ def test_a_peer_lists_and_copies_a_piece_byte_for_byte(served: tuple[Path, int])
         dest = directory / "pulled"
         client.fetch(piece.where, layout.data_name(1), str(dest), piece.data_bytes)
         assert dest.read_bytes() == data
-        client.copied(5)
-        assert (directory / layout.copied_name(5)).exists()
+        client.copied(5, {1: piece.version})
+        copied = json.loads((directory / layout.copied_name(5)).read_text())
+        assert copied == {"1": piece.version}
     finally:
         client.close()
 
@@ -220,7 +222,7 @@ def test_only_the_newest_two_copy_confirmations_are_kept(served: tuple[Path, int
     client = NodeClient("127.0.0.1", port, "tok")
     try:
         for step in (1, 2, 3):
-            client.copied(step)
+            client.copied(step, {0: "v"})
     finally:
         client.close()
     assert sorted(n for n in os.listdir(directory) if n.startswith("copied-")) == [

@@ -4,6 +4,7 @@ buddy's copy after a save. One process, no process group."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,18 +89,22 @@ def test_another_world_size_loads_only_when_every_ranks_piece_is_here(tmp_path: 
 
 def test_a_save_waits_for_the_buddys_copy_when_the_agent_names_a_copier(tmp_path: Path) -> None:
     steps = RankSteps(str(tmp_path), 0, 1)
-    assert steps.wait_copied(3, timeout=0)  # no buddy.json: nothing to wait for
+    _save(tmp_path, 3, 0, 1, {"w": torch.zeros(2)})  # (no buddy.json: nothing waited for)
+    marker, data = Path(steps.marker_path(3)).stat(), Path(steps.data_path(3)).stat()
+    version = layout.piece_version(marker, data)
     buddy = layout.Buddy(1, "node-b", "node-b")
     (tmp_path / layout.BUDDY_FILE).write_text(layout.encode_buddy(buddy))
     slept: list[float] = []
 
     def confirm(pause: float) -> None:
         slept.append(pause)
-        if len(slept) == 3:
-            (tmp_path / layout.copied_name(3)).write_text("{}")
+        if len(slept) == 2:  # a word about an earlier writing of the step: not this one
+            (tmp_path / layout.copied_name(3)).write_text(json.dumps({"0": "old"}))
+        if len(slept) == 4:
+            (tmp_path / layout.copied_name(3)).write_text(json.dumps({"0": version}))
 
     assert steps.wait_copied(3, timeout=60, sleep=confirm)
-    assert len(slept) == 3
+    assert len(slept) == 4
     assert not steps.wait_copied(4, timeout=0, sleep=confirm)  # never copied: goes on
     alone = layout.Buddy(2, None, None)
     (tmp_path / layout.BUDDY_FILE).write_text(layout.encode_buddy(alone))

@@ -20,6 +20,7 @@ what both ends agree on: the variable, the names and the marker.
                                         the step it restored from (see below)
         buddy.json                      the agent's word on this round's copies (below)
         copied-000000000042             step 42 of this node's ranks is copied to the buddy
+                                        (rank -> the version copied: ``piece_version``)
         copies/<node>/step-.../rank-5.* another node's pieces, copied here by the agent
         gathered/step-.../rank-5.*      pieces pulled here before a round's workers start
 
@@ -86,6 +87,7 @@ Nothing here imports more than the standard library and core: both sides use it.
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import NamedTuple
 
@@ -116,6 +118,7 @@ __all__ = [
     "encode_report",
     "marker_name",
     "meta_name",
+    "piece_version",
     "rank_of_file",
     "rank_of_report",
     "report_name",
@@ -191,6 +194,14 @@ def step_of_copied(name: str) -> int | None:
     """The step a ``copied-<step>`` file's name holds (None: not such a name)."""
     match = _COPIED.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def piece_version(marker: os.stat_result, data: os.stat_result) -> str:
+    """What tells one writing of a rank's piece from another (a step saved again after a
+    restart loaded an older one): its marker's and its data file's identity. The copier
+    sends it with its word that a step is copied (``copied-<step>`` holds a JSON object
+    of rank -> version), and a rank waits for its own piece's version there."""
+    return f"{marker.st_ino}.{marker.st_mtime_ns}.{data.st_ino}"
 
 
 class Buddy(NamedTuple):

@@ -166,11 +166,8 @@ class NodeCopies:
             self._server = NodeServer(directory, seat.node, seat.addr, self._token)
         self._server.set_ranks(ranks)
         port = self._server.start()
-        # A new round, a new copier: an earlier round's word on copies no longer holds.
-        for name in os.listdir(directory):
-            if layout.step_of_copied(name) is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(directory, name))
+        # (An earlier round's word on copies stays: it names the versions it copied, and
+        # a rank waits for its own piece's; workers kept in place may be waiting now.)
         doc = {"addr": seat.addr, "port": port, "token": self._token}
         seat.store.set(
             serve_key(seat.prefix, seat.node), json.dumps(doc).encode(), lease=seat.lease

@@ -165,7 +165,7 @@ class Copier:
             os.replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        client.copied(step)
+        client.copied(step, {p.rank: p.version for p in pieces})
         took = time.monotonic() - t0
         self._metrics.put("checkpoint.copy.duration_ms", took * 1000)
         if took > 0:

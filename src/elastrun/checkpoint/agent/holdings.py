@@ -211,7 +211,7 @@ def _pieces_in(directory: str, rel: str) -> list[Held]:
             continue
         if (data.st_size, meta.st_size) != (marker.data_bytes, marker.meta_bytes):
             continue
-        version = f"{marker_stat.st_ino}.{marker_stat.st_mtime_ns}.{data.st_ino}"
+        version = layout.piece_version(marker_stat, data)
         held.append(
             Held(step, rank, marker.world_size, rel, marker.data_bytes, marker.meta_bytes, version)
         )

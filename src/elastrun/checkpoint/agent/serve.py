@@ -57,6 +57,8 @@ _FILE = re.compile(
     r"/file/((?:(?:copies/[A-Za-z0-9._-]+|gathered)/)?step-\d{12,})/(rank-\d+\.(?:data|meta\.json|done))"
 )
 _COPIED = re.compile(r"/copied/(\d+)")
+#: The largest body a request may carry (a copy's versions: a few dozen bytes per rank).
+_BODY_MAX = 1 << 20
 
 
 class PeerError(ElastrunError):
@@ -169,12 +171,13 @@ class NodeServer:
     def file_path(self, where: str, name: str) -> str:
         return os.path.join(self._directory, where, name)
 
-    def copied(self, step: int) -> None:
-        """Write ``copied-<step>`` (by a rename) and remove all but the newest two."""
+    def copied(self, step: int, versions: dict[str, str]) -> None:
+        """Write ``copied-<step>`` with the versions copied (rank -> version), by a
+        rename, and remove all but the newest two."""
         final = os.path.join(self._directory, layout.copied_name(step))
         tmp = final + ".tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write("{}")
+            json.dump(versions, fh)
         os.replace(tmp, final)
         marks = sorted(
             s for s in map(layout.step_of_copied, _listdir(self._directory)) if s is not None
@@ -244,8 +247,15 @@ class _Handler(BaseHTTPRequestHandler):
         if match is None:
             self._reply(404, b"")
             return
+        length = int(self.headers.get("Content-Length") or 0)
         try:
-            self._owner.copied(int(match.group(1)))
+            body = json.loads(self.rfile.read(min(length, _BODY_MAX)) or b"{}")
+            versions = {str(rank): str(version) for rank, version in body.items()}
+        except (ValueError, AttributeError):
+            self._reply(400, b"")
+            return
+        try:
+            self._owner.copied(int(match.group(1)), versions)
         except OSError:
             self._reply(500, b"")
             return
@@ -318,13 +328,15 @@ class NodeClient:
 
         self._request("GET", f"/file/{where}/{name}", into_file)
 
-    def copied(self, step: int) -> None:
-        """Tell the peer that its ``step`` is copied here.
+    def copied(self, step: int, versions: dict[int, str]) -> None:
+        """Tell the peer that its ``step`` is copied here: ``versions`` of its ranks'
+        pieces (rank -> ``piece_version``).
 
         Raises:
             PeerError: it cannot be told.
         """
-        self._request("POST", f"/copied/{step}", lambda resp, _n: resp.read())
+        body = json.dumps({str(rank): v for rank, v in versions.items()}).encode()
+        self._request("POST", f"/copied/{step}", lambda resp, _n: resp.read(), body)
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -336,6 +348,7 @@ class NodeClient:
         method: str,
         path: str,
         take: Callable[[http.client.HTTPResponse, int], bytes],
+        body: bytes | None = None,
     ) -> bytes:
         for attempt in (0, 1):  # a kept-alive connection the peer closed: once more
             conn = self._conn or http.client.HTTPConnection(
@@ -343,7 +356,7 @@ class NodeClient:
             )
             self._conn = conn
             try:
-                conn.request(method, path, headers={TOKEN_HEADER: self._token})
+                conn.request(method, path, body=body, headers={TOKEN_HEADER: self._token})
                 resp = conn.getresponse()
                 length = int(resp.getheader("Content-Length") or 0)
                 if resp.status != 200:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import time
@@ -194,6 +195,19 @@ class RankSteps:
         first."""
         return [s for s in self.every_step() if self.needed(s) is not None]
 
+    def _copied(self, path: str, step: int) -> bool:
+        """Whether ``copied-<step>`` names this rank's piece as it is now (a word about
+        an earlier writing of the step, before a restart, does not count)."""
+        try:
+            with open(path, "rb") as fh:
+                copied = json.loads(fh.read())
+            version = layout.piece_version(
+                os.stat(self.marker_path(step)), os.stat(self.data_path(step))
+            )
+        except (OSError, ValueError):
+            return False
+        return isinstance(copied, dict) and copied.get(str(self.rank)) == version
+
     def wait_copied(
         self,
         step: int,
@@ -202,8 +216,9 @@ class RankSteps:
         sleep: Callable[[float], object] = time.sleep,
     ) -> bool:
         """Wait until the agent says ``step`` of this node is copied to its buddy
-        (``copied-<step>``), when ``buddy.json`` names a copier; True at once when it
-        names none. False after ``timeout`` seconds (said once per step).
+        (``copied-<step>``, naming this rank's piece as it is now), when ``buddy.json``
+        names a copier; True at once when it names none. False after ``timeout``
+        seconds (said once per step).
 
         Why a poll: the file is written by another process, and a rank's background
         thread has nothing else to wait on; the first looks are 1 ms apart (a copy on a
@@ -211,7 +226,7 @@ class RankSteps:
         path = os.path.join(self.directory, layout.copied_name(step))
         start = time.monotonic()
         pause = 0.001
-        while not os.path.exists(path):
+        while not self._copied(path, step):
             buddy = read_buddy(self.directory)
             if buddy is None or buddy.copier is None:
                 return True
