@@ -271,9 +271,12 @@ class Persister:
                 self._lock.notify_all()
 
     def _snapshot(self, step: int) -> tuple[Snapshot | None, BaseException | None]:
+        """This rank's step, copied; or why it could not be, for the planner to raise
+        inside DCP's save, where every rank learns of it (a rank that left before the
+        save's collectives would leave its peers waiting in them)."""
         try:
             return read_snapshot(self._steps, step), None
-        except (OSError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # (handed on, not dropped: see above)
             return None, exc
         finally:
             with self._lock:
