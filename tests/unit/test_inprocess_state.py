@@ -50,6 +50,24 @@ def test_a_commit_moves_to_another_rank_with_its_number() -> None:
     assert behind.held_commit() == 3
 
 
+def test_a_process_started_into_a_round_holds_no_commit_until_it_takes_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its commit 0 is what it built, not its peers' commit 0 (which their script may
+    # have loaded from a checkpoint): it must take theirs, not offer its own.
+    survivor = State(c=Counter(), step=0)
+    survivor.c.value, survivor.step = 7, 40  # as loaded from a checkpoint
+    survivor = State(c=survivor.c, step=40)
+    monkeypatch.setenv("ELASTRUN_INPROCESS_ROUND", "3")
+    replacement = State(c=Counter(), step=0)
+    assert survivor.held_commit() == 0 and replacement.held_commit() is None
+    replacement.rollback()  # (a round superseded before it took the commit)
+    assert replacement.held_commit() is None
+    desc = pickle.loads(pickle.dumps(survivor.describe()))
+    replacement.adopt(desc, replacement.targets(desc))
+    assert (replacement.c.value, replacement.step, replacement.held_commit()) == (7, 40, 0)
+
+
 def test_items_are_attributes_and_private_names_are_refused() -> None:
     state = State(step=1)
     state.lr = 0.1

@@ -120,7 +120,11 @@ class State:
             setattr(self, name, value)
         self._take()
         self._after_sync()
-        if _starts_attempt():
+        # A process started into an in-process round (a replacement, a joining node's
+        # worker) holds no commit until it takes one: what it built is not the round's
+        # commit 0, which its peers' script may have loaded from a checkpoint.
+        object.__setattr__(self, "_holds", _starts_attempt())
+        if self._holds:
             self._keep_own()  # over a record an earlier attempt's worker left
 
     # -- attributes -----------------------------------------------------------------------
@@ -192,6 +196,7 @@ class State:
         park_process_groups()  # see inprocess.parking: the training's own group too
         self._take()
         object.__setattr__(self, "_commit", self._commit + 1)
+        object.__setattr__(self, "_holds", True)
         self._keep_own()
 
     def _keep_own(self) -> None:
@@ -244,8 +249,9 @@ class State:
 
     def held_commit(self) -> int | None:
         """The commit this rank can hand to others: its number, or None when the live
-        state moved on since (checked at the last ``rollback``)."""
-        return self.commit_id if self._intact else None
+        state moved on since (checked at the last ``rollback``) or when this process was
+        started into an in-process round and has not taken a commit yet."""
+        return self.commit_id if self._intact and self._holds else None
 
     def rollback(self) -> None:
         """Put every item back as it was at the last commit, as far as the commit holds
@@ -415,6 +421,7 @@ class State:
             )  # fmt: skip
         self._take()
         object.__setattr__(self, "_commit", desc.commit)
+        object.__setattr__(self, "_holds", True)
         self._keep_own()
 
     def __repr__(self) -> str:
