@@ -18,12 +18,9 @@ the whole group.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import logging
-import os
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,7 +41,9 @@ from elastrun.inprocess.agent.answer import (
     hold,
     hold_ends_in,
 )
+from elastrun.inprocess.agent.holders import STATE_LOST, holding
 from elastrun.inprocess.agent.hub import InprocessHub
+from elastrun.inprocess.agent.stuck import end_stuck
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.procset import Exit
 from elastrun.supervise.processes.stacks import request_stacks
@@ -181,42 +180,25 @@ class InprocessRecovery:
             return "a failed worker did not use elastrun.inprocess"
         if not all(self._in_process(hub, lr, pids[lr]) for lr in survivors):
             return "not every worker uses elastrun.inprocess"
-        if alone and not self._holding(hub, attempt):
+        if alone and not holding(hub, self._started, attempt):
             return self._state_lost(attempt)
         return None
 
-    def _holding(self, hub: InprocessHub, attempt: Attempt) -> list[int]:
-        """The running workers of ``attempt`` that hold the training's state: each started
-        with the attempt (it trained from the script's start) or took a round's commit
-        since. A replacement that has not synchronised yet holds nothing: when every
-        worker of a round is one, the newest commit went with the workers that held it,
-        and a round of them would silently train again from the script's start."""
-        pids = attempt.procs.pids()
-        return [
-            lr
-            for lr in attempt.procs.running()
-            if self._started.get(lr) != pids[lr] or hub.has_synced(lr, pids[lr])
-        ]
-
     def _state_lost(self, attempt: Attempt) -> str:
-        why = (
-            "every worker that held the training's state has failed (each running worker "
-            "is a replacement that had not taken a commit yet)"
-        )
-        if self._lost_said != attempt.number:
+        if self._lost_said != attempt.number:  # (said once an attempt)
             self._lost_said = attempt.number
             log.warning(
                 "%s: not recovering in place; the group restarts and the script loads "
-                "its own checkpoint", why,
+                "its own checkpoint", STATE_LOST,
             )  # fmt: skip
-        return why
+        return STATE_LOST
 
     def offer(self, attempt: Attempt, kept: bool) -> Offer:
         """What this node brings to the agreement on a round across nodes, having kept
         the workers of ``attempt`` (``kept``) or not (it then refuses)."""
         if not kept:
             return Offer(False, self._rounds)
-        holds = self._hub is not None and bool(self._holding(self._hub, attempt))
+        holds = self._hub is not None and bool(holding(self._hub, self._started, attempt))
         return Offer(True, self._rounds, tuple(self._listeners(attempt)), holds=holds)
 
     def offer_fresh(self, previous: Attempt | None) -> Offer:
@@ -460,31 +442,12 @@ class InprocessRecovery:
         )
 
     def end_stuck(self, attempt: Attempt, local_ranks: list[int]) -> None:
-        """Keep the stacks of the stuck workers (in their attempt directories), then
-        SIGKILL them (their process groups): the loop replaces them in place as failed
-        workers, in the next round."""
+        """Keep the stacks of the stuck workers, then SIGKILL them: the loop replaces
+        them in place as failed workers, in the next round (``inprocess.agent.stuck``)."""
         current = self._current
         assert current is not None
-        dumps = request_stacks(attempt.stack_requests(local_ranks))
-        pids = attempt.procs.pids()
-        for lr in local_ranks:
-            where = dumps[lr].path if lr in dumps and dumps[lr].text else "no stacks"
-            log.warning(
-                "rank %d (local rank %d, pid %d) did not reach in-process round %d within "
-                "%.0fs (stuck in a collective; stacks: %s): replacing it",
-                attempt.global_rank(lr), lr, pids[lr],
-                current.number, self._join_timeout, where,
-            )  # fmt: skip
-            current.ended.add(lr)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if os.getpgid(pids[lr]) == pids[lr]:  # its own group: its children too
-                    os.killpg(pids[lr], signal.SIGKILL)
-                else:
-                    os.kill(pids[lr], signal.SIGKILL)
-        self._events.record(
-            "agent.inprocess_stuck",
-            {"ranks": ",".join(str(attempt.global_rank(lr)) for lr in local_ranks)},
-        )
+        current.ended.update(local_ranks)
+        end_stuck(attempt, local_ranks, current.number, self._join_timeout, self._events)
 
     def laggards(self) -> list[int]:
         """The local ranks of the round under way that have not synchronised yet."""
