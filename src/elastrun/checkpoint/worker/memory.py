@@ -31,6 +31,11 @@ loads the same step. A skip is one of these agreements too, so the ranks' collec
 stay in step whatever each one decides; every rank must call ``save`` at the same
 steps, as with any collective.
 
+**Persisted to disk** (``persist_dir``): after every ``persist_every`` complete steps,
+or on ``persist()``, the newest complete step is written in DCP's own format to a
+directory, by a thread of its own (``checkpoint.worker.persist``); this thread only
+decides when, in the order of the saves, so every rank persists the same step.
+
 **What the agent is told.** After each save finished in the background, and after each
 load, the rank rewrites its report in the node directory (``checkpoint.worker.report``):
 its totals of time blocked, time until its marker and copy lag (until the ranks agreed
