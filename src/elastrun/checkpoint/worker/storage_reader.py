@@ -1,0 +1,164 @@
+"""``MemoryStorageReader``: DCP's storage reader from the node's shared memory (see
+``checkpoint.worker.storage``): a rank's own piece of a step, or every rank's when the
+world that saved it had another size, read straight into the destination tensors."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from elastrun.checkpoint.worker.errors import MemoryCheckpointError
+from elastrun.checkpoint.worker.metadata import Span, decode_metadata, merge_metadata
+from elastrun.checkpoint.worker.storage_io import ALONE, bytes_of, pread_all, rank_steps
+
+__all__ = ["MemoryStorageReader"]
+
+
+class MemoryStorageReader(StorageReader):
+    """Reads one step of a memory checkpoint from the node directory ``directory``.
+
+    A rank of a world of the size that saved the step reads its own piece (in the
+    node's steps, or a copy another node's agent brought: ``RankSteps.needed``). A rank
+    of a world of another size reads every rank's pieces: its metadata is their union
+    (DCP's global metadata, ``merge_metadata``), so DCP's planner reshards (each item
+    read from the rank's file that holds it).
+
+    Args:
+        directory: the node's checkpoint directory (``ELASTRUN_CHECKPOINT_DIR``).
+        step: the step to read.
+        rank, world_size: this rank's (None: as for the writer).
+
+    Raises (from DCP's calls):
+        MemoryCheckpointError: the node does not hold the pieces this rank needs of the
+            step, a metadata file is unreadable, or a collective load (not
+            ``no_dist=True``).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        step: int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.step = step
+        self._steps = rank_steps(directory, rank, world_size)
+        self._storage: dict[MetadataIndex, Span] = {}
+        self._files: dict[MetadataIndex, str] = {}
+        self._data_paths: dict[int, str] = {}  # rank -> its data file (set at read_metadata)
+        self._where: dict[MetadataIndex, int] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            raise MemoryCheckpointError(
+                "a memory checkpoint's step is given to its reader, not as checkpoint_id"
+            )
+        self._storage = {}
+        self._files = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        steps = self._steps
+        pieces = steps.needed(self.step)
+        if pieces is None:
+            raise MemoryCheckpointError(
+                f"step {self.step} of rank {steps.rank} is not complete in {steps.directory} "
+                f"(no valid marker of its own piece, saved by a world of {steps.world_size}, "
+                f"nor of every rank's piece: its save did not finish, or went with its node)"
+            )
+        metas = {}
+        for rank, piece in pieces.items():
+            with open(piece.meta_path, "rb") as fh:
+                metas[rank] = decode_metadata(fh.read())
+        self._data_paths = {rank: piece.data_path for rank, piece in pieces.items()}
+        if len(metas) == 1:
+            ((rank, metadata),) = metas.items()
+            self._where = dict.fromkeys((metadata.storage_data or {}), rank)
+            return metadata
+        metadata, self._where = merge_metadata(metas)
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if not is_coordinator:
+            raise MemoryCheckpointError(ALONE)
+        self._storage = dict(metadata.storage_data or {})
+        self._files = {
+            index: self._data_paths[rank]
+            for index, rank in self._where.items()
+            if rank in self._data_paths
+        }
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if len(plans) != 1:
+            raise MemoryCheckpointError(ALONE)
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_file: dict[str, list[tuple[ReadItem, Span]]] = {}
+        for item in plan.items:
+            span = self._storage.get(item.storage_index)
+            path = self._files.get(item.storage_index)
+            if span is None or path is None:
+                raise MemoryCheckpointError(
+                    f"{item.storage_index.fqn}: not in step {self.step}'s data"
+                )
+            by_file.setdefault(path, []).append((item, span))
+        for path, items in by_file.items():
+            with open(path, "rb", buffering=0) as fh:
+                for item, span in items:
+                    if item.type == LoadItemType.BYTE_IO:
+                        buf = bytearray(span.length)
+                        pread_all(fh.fileno(), memoryview(buf), span.offset)
+                        planner.load_bytes(item, io.BytesIO(buf))
+                    else:
+                        target = planner.resolve_tensor(item).detach()
+                        _read_tensor(fh.fileno(), item, span, target)
+                        planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"MemoryStorageReader(directory={self._steps.directory!r}, step={self.step}, "
+            f"rank={self._steps.rank}, pieces={sorted(self._data_paths)})"
+        )
+
+
+def _read_tensor(fd: int, item: ReadItem, span: Span, target: torch.Tensor) -> None:
+    """Fill ``target`` with the part of the stored chunk ``item`` names."""
+    if span.dtype is None or span.shape is None:
+        raise MemoryCheckpointError(f"{item.storage_index.fqn}: stored as a value, not a tensor")
+    whole = tuple(item.lengths) == span.shape and not any(item.storage_offsets)
+    if (
+        whole
+        and target.device.type == "cpu"
+        and target.dtype == span.dtype
+        and target.is_contiguous()
+        and tuple(target.shape) == span.shape
+    ):
+        pread_all(fd, bytes_of(target), span.offset)
+        return
+    buf = torch.empty(span.length, dtype=torch.uint8)
+    pread_all(fd, bytes_of(buf), span.offset)
+    stored = buf.view(span.dtype).reshape(span.shape)
+    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+        stored = stored.narrow(dim, start, length)
+    target.copy_(stored)
