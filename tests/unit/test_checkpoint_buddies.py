@@ -15,15 +15,17 @@ import pytest
 from elastrun.checkpoint.agent.copier import Copier
 from elastrun.checkpoint.agent.holdings import (
     Held,
+    PeerError,
     buddy_roles,
     copies_to_keep,
     copy_dir_name,
+    newest_agreed,
     newest_complete,
     next_to_copy,
     pieces_to_pull,
     scan,
 )
-from elastrun.checkpoint.agent.serve import NodeClient, NodeServer, PeerError, newest_agreed
+from elastrun.checkpoint.agent.serve import NodeClient, NodeServer
 from elastrun.observe.sinks import NullMetricSink
 from elastrun.wire import checkpoint as layout
 

@@ -42,28 +42,28 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from elastrun.checkpoint.agent.copier import COPY_EVERY, Copier, pull_piece, steps_in
 from elastrun.checkpoint.agent.holdings import (
     Held,
+    Listing,
+    PeerError,
     buddy_roles,
     newest_complete,
     pieces_to_pull,
     scan,
 )
 from elastrun.checkpoint.agent.node_dir import NodeCheckpointDir
-from elastrun.checkpoint.agent.serve import (
-    Listing,
-    NodeClient,
-    NodeServer,
-    PeerError,
-)
 from elastrun.core import cancel
 from elastrun.core.errors import ElastrunError, StoreError
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.elastic import StoreSeat
 from elastrun.wire import checkpoint as layout
+
+if TYPE_CHECKING:  # (loaded when a round has several nodes: the server's module loads http)
+    from elastrun.checkpoint.agent.serve import NodeClient, NodeServer
 
 __all__ = ["NodeCopies", "serve_key"]
 
@@ -102,7 +102,6 @@ class NodeCopies:
         self._token = secrets.token_hex(16)
         self._server: NodeServer | None = None
         self._copier: Copier | None = None
-        self._published: StoreSeat | None = None
         self._tokens: dict[str, str] = {}
         self._shape: tuple[tuple[str, ...], tuple[int, ...], int] | None = None  # (gathered for)
         self._closed = False
@@ -127,11 +126,16 @@ class NodeCopies:
         seat = self._seat()
         if seat is None:
             return  # (no store of ours to meet the other nodes in)
-        self._serve(directory, seat, ranks)
         order = [m.node_id for m in info.members]
+        alone = len(order) < 2  # (nobody to serve, nobody to copy: no server yet)
+        if not alone:
+            self._serve(directory, seat, ranks)
         copier, source = buddy_roles(order, seat.node)
         _write_buddy(directory, layout.Buddy(info.round, copier, source))
-        peers = self._peers(seat)
+        # Only the round's members: a node that left it (partitioned, or lost with its
+        # lease not yet expired) may still have its address in the store, and would
+        # hold this round up by a listing's timeout.
+        peers = {} if alone else {n: a for n, a in self._peers(seat).items() if n in order}
         # The same nodes in the same order, with the same ranks here: a plain restart,
         # after which every rank's pieces are where they were (its own node).
         shape = (tuple(order), tuple(ranks), world_size)
@@ -148,20 +152,22 @@ class NodeCopies:
         self._copier.start()
 
     def close(self) -> None:
-        """Stop copying and serving, and withdraw the address (idempotent; never raises)."""
+        """Stop copying and serving (idempotent; never raises, never waits on the store).
+
+        The address stays in the store until the node's lease goes, when the node leaves
+        the rendezvous (or it expires): deleting it here could wait on a store that is
+        gone, and a peer that finds no server meanwhile only fails to list it."""
         self._closed = True
         self._stop_copier()
         server, self._server = self._server, None
         if server is not None:
             server.close()
-        seat, self._published = self._published, None
-        if seat is not None:
-            with contextlib.suppress(StoreError, OSError):
-                seat.store.delete(serve_key(seat.prefix, seat.node))
 
     # -- serving ---------------------------------------------------------------------------
 
     def _serve(self, directory: str, seat: StoreSeat, ranks: Sequence[int]) -> None:
+        from elastrun.checkpoint.agent.serve import NodeServer
+
         if self._server is None:
             self._server = NodeServer(directory, seat.node, seat.addr, self._token)
         self._server.set_ranks(ranks)
@@ -172,7 +178,6 @@ class NodeCopies:
         seat.store.set(
             serve_key(seat.prefix, seat.node), json.dumps(doc).encode(), lease=seat.lease
         )
-        self._published = seat
 
     def _peers(self, seat: StoreSeat) -> dict[str, tuple[str, int]]:
         """Every other live node's server, by node id."""
@@ -195,6 +200,8 @@ class NodeCopies:
 
     def _client_of(self, seat: StoreSeat, node: str) -> NodeClient | None:
         """A client of ``node``'s server (None: it has not published one yet)."""
+        from elastrun.checkpoint.agent.serve import NodeClient
+
         try:
             raw = seat.store.get(serve_key(seat.prefix, node))
         except StoreError:
@@ -234,6 +241,8 @@ class NodeCopies:
         _drop_gathered(directory, keep=step)
         if not pulls:
             return True
+        from elastrun.checkpoint.agent.serve import NodeClient
+
         t0 = time.monotonic()
         moved = 0
         done: list[tuple[str, Held]] = []
@@ -270,6 +279,10 @@ class NodeCopies:
 
     def _listings(self, peers: dict[str, tuple[str, int]]) -> dict[str, Listing]:
         """What each peer that answers holds (a lost node's stale entry does not)."""
+        if not peers:
+            return {}
+        from elastrun.checkpoint.agent.serve import NodeClient
+
         listings: dict[str, Listing] = {}
         scope = cancel.current()
         for peer, (addr, port) in sorted(peers.items()):

@@ -24,17 +24,22 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from elastrun.checkpoint.agent.holdings import (
     Held,
+    PeerError,
     copies_to_keep,
     copy_dir_name,
+    newest_agreed,
     next_to_copy,
     scan,
 )
-from elastrun.checkpoint.agent.serve import NodeClient, PeerError, newest_agreed
 from elastrun.observe.sinks import MetricSink
 from elastrun.wire import checkpoint as layout
+
+if TYPE_CHECKING:  # (the server's module loads http: only a job of several nodes needs it)
+    from elastrun.checkpoint.agent.serve import NodeClient
 
 __all__ = ["COPY_EVERY", "TIDY_EVERY", "Copier", "pull_piece", "steps_in"]
 
@@ -42,6 +47,8 @@ log = logging.getLogger("elastrun.agent")
 
 #: Seconds between two looks at the source's pieces (a copy starts at most this late).
 COPY_EVERY = 0.02
+#: The longest ``Copier.close`` waits for its thread (seconds).
+CLOSE_WAIT = 2.0
 #: Seconds between two removals of the pieces the node no longer needs.
 TIDY_EVERY = 1.0
 #: In a copy's step directory: the versions of the source's pieces it was made from.
@@ -81,10 +88,17 @@ class Copier:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop copying, without waiting long: the next round must not wait on a source
+        that stopped answering (a partitioned node holds a request until its timeout).
+        A request in flight is cut; a thread still connecting ends on its own once the
+        connection times out, and does nothing more (it sees the stop first)."""
         self._stop.set()
+        client = self._client
+        if client is not None:
+            client.abort()
         if self._thread.ident is not None:
-            self._thread.join(30)
-        if self._client is not None:
+            self._thread.join(CLOSE_WAIT)
+        if not self._thread.is_alive() and self._client is not None:
             self._client.close()
 
     def _run(self) -> None:
@@ -115,6 +129,8 @@ class Copier:
             if self._client is None:
                 return  # (the source has not published its server yet)
         listing = self._client.listing()
+        if self._stop.is_set():
+            return  # (closed while it listed: the next round's copier takes over)
         own = [p for p in listing.pieces if p.own]
         self._drop_stale(own)
         copied = steps_in(self._base)

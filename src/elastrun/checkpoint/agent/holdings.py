@@ -28,8 +28,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+from elastrun.core.errors import ElastrunError
 from elastrun.wire import checkpoint as layout
-from elastrun.wire.checkpoint import MarkerError
+from elastrun.wire.checkpoint import MarkerError, ReportError
 
 __all__ = [
     "Held",
@@ -222,3 +223,38 @@ def _listdir(path: str) -> list[str]:
     with contextlib.suppress(OSError):
         return os.listdir(path)
     return []
+
+
+class PeerError(ElastrunError):
+    """A peer's node directory could not be read (it is gone, or answered nonsense)."""
+
+
+class Listing:
+    """What a node said it holds (``GET /list``)."""
+
+    def __init__(self, node: str, ranks: Sequence[int], newest: int | None, pieces: list[Held]):
+        self.node = node
+        self.ranks = tuple(ranks)
+        self.newest = newest
+        self.pieces = pieces
+
+    def __repr__(self) -> str:
+        return (
+            f"Listing(node={self.node!r}, ranks={self.ranks}, newest={self.newest}, "
+            f"pieces={len(self.pieces)})"
+        )
+
+
+def newest_agreed(directory: str) -> int | None:
+    """The newest step the node's ranks last reported complete on every rank (their
+    reports in ``directory``; None: none reported one)."""
+    steps = []
+    for name in _listdir(directory):
+        if layout.rank_of_report(name) is None:
+            continue
+        with contextlib.suppress(OSError, ReportError):
+            with open(os.path.join(directory, name), "rb") as fh:
+                newest = layout.decode_report(fh.read()).newest
+            if newest is not None:
+                steps.append(newest)
+    return max(steps) if steps else None

@@ -34,15 +34,14 @@ import logging
 import mmap
 import os
 import re
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from elastrun.checkpoint.agent.holdings import Held, scan
-from elastrun.core.errors import ElastrunError
+from elastrun.checkpoint.agent.holdings import Held, Listing, PeerError, newest_agreed, scan
 from elastrun.wire import checkpoint as layout
-from elastrun.wire.checkpoint import ReportError
 
 __all__ = ["TOKEN_HEADER", "Listing", "NodeClient", "NodeServer", "PeerError"]
 
@@ -59,41 +58,6 @@ _FILE = re.compile(
 _COPIED = re.compile(r"/copied/(\d+)")
 #: The largest body a request may carry (a copy's versions: a few dozen bytes per rank).
 _BODY_MAX = 1 << 20
-
-
-class PeerError(ElastrunError):
-    """A peer's node directory could not be read (it is gone, or answered nonsense)."""
-
-
-class Listing:
-    """What a node said it holds (``GET /list``)."""
-
-    def __init__(self, node: str, ranks: Sequence[int], newest: int | None, pieces: list[Held]):
-        self.node = node
-        self.ranks = tuple(ranks)
-        self.newest = newest
-        self.pieces = pieces
-
-    def __repr__(self) -> str:
-        return (
-            f"Listing(node={self.node!r}, ranks={self.ranks}, newest={self.newest}, "
-            f"pieces={len(self.pieces)})"
-        )
-
-
-def newest_agreed(directory: str) -> int | None:
-    """The newest step the node's ranks last reported complete on every rank (their
-    reports in ``directory``; None: none reported one)."""
-    steps = []
-    for name in _listdir(directory):
-        if layout.rank_of_report(name) is None:
-            continue
-        with contextlib.suppress(OSError, ReportError):
-            with open(os.path.join(directory, name), "rb") as fh:
-                newest = layout.decode_report(fh.read()).newest
-            if newest is not None:
-                steps.append(newest)
-    return max(steps) if steps else None
 
 
 class NodeServer:
@@ -290,6 +254,16 @@ class NodeClient:
         self._token = token
         self._timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
+
+    def abort(self) -> None:
+        """From another thread: end the request in flight at once (its socket is shut
+        down; the request raises ``PeerError``). A connection still being made is not
+        cut: it ends at its timeout."""
+        conn = self._conn
+        sock = getattr(conn, "sock", None) if conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def listing(self) -> Listing:
         """What the peer holds.
