@@ -2,10 +2,9 @@
 
 ``MemoryCheckpoint(persist_dir=..., persist_every=N)`` writes the newest step complete
 on every rank to ``<persist_dir>/step-<S>/`` after every N complete steps, and
-``MemoryCheckpoint.persist()`` on request. The directory is what DCP's
-``FileSystemWriter`` writes (a ``.metadata`` file and one data file per rank), so plain
-``torch.distributed.checkpoint.load(state_dict, checkpoint_id=path)`` loads it, into a
-world of any size (DCP reshards), without elastrun.
+``MemoryCheckpoint.persist()`` on request, as DCP's ``FileSystemWriter`` does (a
+``.metadata`` file, a data file per rank): plain ``torch.distributed.checkpoint.load``
+loads it into a world of any size (DCP reshards), without elastrun.
 
 **Who does what.** The checkpoint's background thread decides when (the same decision on
 every rank: it follows the ranks' agreements, in the order of the saves) and hands the
