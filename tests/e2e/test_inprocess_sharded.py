@@ -14,12 +14,13 @@ parameters of the run without the failure, bit for bit.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from _helpers import finish, start, write_script
+from _helpers import finish, once_per_run, start, write_script
 
 pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
@@ -130,6 +131,29 @@ def _run(
     return res.returncode, res.stderr, {r["rank"]: r for r in results}
 
 
+@pytest.fixture
+def clean_sha(
+    tmp_path_factory: pytest.TempPathFactory, worker_id: str
+) -> Callable[[str, int], str]:
+    """The parameters' SHA-256 of a run without failures, by (mode, save interval): one
+    run each for all the tests (and pytest workers) that compare with it."""
+
+    def get(mode: str, every: int) -> str:
+        def make() -> str:
+            code, err, clean = _run(tmp_path_factory.mktemp("clean"), "out", mode, every, [])
+            assert code == 0, err
+            shas = {str(r["sha"]) for r in clean.values()}
+            assert sorted(clean) == [0, 1, 2, 3] and len(shas) == 1, clean
+            return shas.pop()
+
+        if worker_id == "master":  # not under xdist
+            return make()
+        shared = tmp_path_factory.getbasetemp().parent
+        return once_per_run(shared, f"inprocess-sharded-{mode}-{every}", make)
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("mode", "every", "resumed"),
     [
@@ -143,11 +167,12 @@ def _run(
     ids=["fsdp-every-step", "hsdp-every-5"],
 )
 def test_sharded_survivors_keep_their_processes_and_resume_from_memory_in_place(
-    tmp_path: Path, mode: str, every: int, resumed: tuple[int, ...]
+    tmp_path: Path,
+    clean_sha: Callable[[str, int], str],
+    mode: str,
+    every: int,
+    resumed: tuple[int, ...],
 ) -> None:
-    code, err, clean = _run(tmp_path, "clean", mode, every, [])
-    assert code == 0, err
-    assert sorted(clean) == [0, 1, 2, 3] and len({r["sha"] for r in clean.values()}) == 1
     victim = 2 if mode == "fsdp" else 1
     code, err, ranks = _run(tmp_path, "killed", mode, every, [f"{victim}:13"])
     assert code == 0, err
@@ -166,18 +191,18 @@ def test_sharded_survivors_keep_their_processes_and_resume_from_memory_in_place(
             assert "did not reach in-process round" in err, (result, err)
             assert result["loads"][-1] in resumed, (result, err)
     # The parameters of the run without the failure, on every rank.
-    assert {r["sha"] for r in ranks.values()} == {clean[0]["sha"]}
+    assert {r["sha"] for r in ranks.values()} == {clean_sha(mode, every)}
 
 
-def test_sharded_recoveries_one_after_another_stay_in_place(tmp_path: Path) -> None:
+def test_sharded_recoveries_one_after_another_stay_in_place(
+    tmp_path: Path, clean_sha: Callable[[str, int], str]
+) -> None:
     # Four ranks killed one after another (rank 0 too, whose agent serves the store):
     # each recovery is in place, the stall guard sees the training move on (the empty
     # State's commits), and the parameters are those of the run without failures.
-    code, err, clean = _run(tmp_path, "clean", "fsdp", 1, [])
-    assert code == 0, err
     plan = ["1:5", "2:9", "3:14", "0:19"]
     code, err, ranks = _run(tmp_path, "killed", "fsdp", 1, plan)
     assert code == 0, err
     assert err.count("replacing it in place") == 4, err
     assert "restarting all workers" not in err and "no newer commit" not in err, err
-    assert {r["sha"] for r in ranks.values()} == {clean[0]["sha"]}
+    assert {r["sha"] for r in ranks.values()} == {clean_sha("fsdp", 1)}
