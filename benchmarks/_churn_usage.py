@@ -4,17 +4,20 @@
 are not workers (elastrun's template and guard) and the live workers (the pids the job
 wrote, checked to be this run's). ``summarise`` turns the samples into, for the
 launcher, each helper and the workers (the largest value of the four ranks), three
-points: the first sample (when the killer started, before any kill), the largest value
-over the first third of the killer's window and over its last third. Growth is the last
-third against the first: a survivor holds the previous recovery's process groups until
-its next one (see docs/inprocess.md), so the first recoveries raise a worker's counts
-once, and the allocator settles over them; and the largest value over many samples
-takes a transient (a round's connections) alike at both ends.
+points: the first sample (when the killer started, before any kill), and the typical
+value (the median of the samples) over the first third of the killer's window and over
+its last third. Growth is the last third against the first: a survivor holds the
+previous recovery's process groups for a while (see docs/inprocess.md), so the first
+recoveries raise a worker's counts once, and the allocator settles over them. A leak
+raises the typical value with the kills; a transient (a chain of overlapping rounds
+holds a few groups' connections for a second or two) does not, where the largest value
+would count it at whichever end it fell.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,8 +103,9 @@ def _largest(rows: Sequence[Sample]) -> dict[str, float]:
 
 
 def summarise(samples: Sequence[Sample], w0: float, w1: float) -> dict[str, dict[str, object]]:
-    """Per process kind: ``start`` (the first sample), ``early`` and ``end`` (the largest
-    values over the first and the last third of the window), and the growth."""
+    """Per process kind: ``start`` (the first sample), ``early`` and ``end`` (the median
+    over the first and the last third of the window of the largest value at each
+    sample), and the growth."""
     if not samples:
         return {}
     third = max((w1 - w0) / 3, 1e-3)
@@ -111,11 +115,22 @@ def summarise(samples: Sequence[Sample], w0: float, w1: float) -> dict[str, dict
         rows = [s for s in samples if s.role == role]
         born = rows[0].t
         start = _largest([s for s in rows if s.t == born])
-        early = _largest([s for s in rows if s.t <= first_t + third]) or start
-        end = _largest([s for s in rows if s.t >= w1 - third]) or _largest(rows[-1:])
+        early = _typical([s for s in rows if s.t <= first_t + third]) or start
+        end = _typical([s for s in rows if s.t >= w1 - third]) or _largest(rows[-1:])
         growth = {k: round(end[k] - early[k], 2) for k in KEYS if k in early and k in end}
         out[role] = {"start": start, "early": early, "end": end, "growth": growth}
     return out
+
+
+def _typical(rows: Sequence[Sample]) -> dict[str, float]:
+    """The median over the sample times of the largest value at each."""
+    at: dict[float, list[Sample]] = {}
+    for r in rows:
+        at.setdefault(r.t, []).append(r)
+    per_time = [_largest(group) for group in at.values()]
+    if not per_time:
+        return {}
+    return {k: float(statistics.median(v[k] for v in per_time)) for k in KEYS}
 
 
 def oldest_worker(

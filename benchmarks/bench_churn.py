@@ -596,8 +596,8 @@ def grew(res: Mapping[str, Any]) -> list[str]:
 
 def _resource_table(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
     lines = [
-        "**descriptors, threads and RSS: when the killer started / the largest over the "
-        "first third of its window / over the last third**",
+        "**descriptors, threads and RSS: when the killer started / typical (the median) "
+        "over the first third of its window / over the last third**",
         "",
         "| mode | process | fds | threads | RSS (MB) |",
         "|---|---|---|---|---|",
@@ -696,9 +696,11 @@ NOTES = [
     "Resources are read from /proc every few seconds: the launcher (elastrun's agent or "
     "torchrun), elastrun's helpers (the template and the guard) and the workers; "
     f"'growing' means more than {GROWTH['fds']} descriptors or {GROWTH['threads']} "
-    f"threads or {GROWTH['rss_mb']:g} MB more over the last third of the killer's window "
-    "than over its first third (a survivor keeps the previous recovery's process groups "
-    "until its next recovery: its first recovery raises its counts once).",
+    f"threads or {GROWTH['rss_mb']:g} MB more, typically (the median of the samples), over "
+    "the last third of the killer's window than over its first third (a survivor keeps "
+    "the previous recovery's process groups for a while: its first recovery raises its "
+    "counts once; a chain of overlapping rounds holds a few more groups for a second or "
+    "two, a transient that the median leaves out and a leak would not).",
     "elastrun in place runs with `--stalled-restarts 0`: overlapping kills that land just "
     "after a recovery completed can make three recoveries in a row restore the same commit, "
     "and the guard would end the soak, which measures survival; a recovery that restores "

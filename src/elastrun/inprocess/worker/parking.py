@@ -15,8 +15,11 @@ either: the broken group's collectives may still be failing, and a pause on the
 recovery's critical path is what in-process recovery is there to avoid. They are *kept*
 and released at the next recovery, when a whole call of the training function ran since
 (``next_generation``): by then their collectives have ended and their threads are idle.
-So what a recovery leaves (the groups' threads, connections and memory) stays for one
-recovery and does not grow with the number of recoveries.
+A chain of overlapping failures runs no call between its rounds, so a group kept more
+than ``IDLE_AFTER`` seconds ago is freed too (a collective with a dead or cut peer fails
+within milliseconds): a chain's rounds do not pile their groups up. So what a recovery
+leaves (the groups' threads, connections and memory) stays for about one recovery and
+does not grow with the number of recoveries.
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ import time
 
 #: Long enough for a worker thread to drop a finished collective's state.
 PAUSE = 0.1
+#: A kept group is idle this long after it was kept, whether or not a call ran since.
+IDLE_AFTER = 2.0
 
 _parked: dict[int, object] = {}
-# Kept until idle, with the generation they were kept in (each holds its extra reference).
-_kept: list[tuple[int, object]] = []
+# Kept until idle: the generation and the time they were kept in (each holds its extra
+# reference).
+_kept: list[tuple[int, float, object]] = []
 _generation = 0
 
 
@@ -62,7 +68,8 @@ def keep_parked() -> None:
     their destructors could wait for collectives or threads that need the GIL); their
     connections are cut (``inprocess.cut``). ``release_idle`` frees them once a whole
     call of the training function ran since."""
-    _kept.extend((_generation, pg) for pg in _parked.values())
+    now = time.monotonic()
+    _kept.extend((_generation, now, pg) for pg in _parked.values())
     _parked.clear()
 
 
@@ -73,16 +80,24 @@ def next_generation() -> None:
     _generation += 1
 
 
-def release_idle() -> int:
-    """Free the kept groups of earlier generations (idle since); returns how many."""
-    idle = [pg for gen, pg in _kept if gen < _generation]
-    if not idle:
+def release_idle(*, generations: bool = True) -> int:
+    """Free the kept groups kept over ``IDLE_AFTER`` seconds ago or, unless
+    ``generations`` is false (a commit, in the call right after a recovery), in an
+    earlier generation: idle since. Returns how many."""
+    since = time.monotonic() - IDLE_AFTER
+    last = _generation if generations else -1
+
+    def idle(gen: int, at: float) -> bool:
+        return gen < last or at < since
+
+    if not any(idle(gen, at) for gen, at, _ in _kept):
         return 0
-    _kept[:] = [(gen, pg) for gen, pg in _kept if gen >= _generation]
-    for pg in idle:
+    freed = [pg for gen, at, pg in _kept if idle(gen, at)]
+    _kept[:] = [(gen, at, pg) for gen, at, pg in _kept if not idle(gen, at)]
+    for pg in freed:
         ctypes.pythonapi.Py_DecRef(ctypes.py_object(pg))
-    count = len(idle)
-    del idle, pg
+    count = len(freed)
+    del freed, pg
     return count
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from elastrun.core.errors import ElastrunError
 from elastrun.inprocess.worker import own as own_part
 from elastrun.inprocess.worker import rng
-from elastrun.inprocess.worker.parking import park_process_groups
+from elastrun.inprocess.worker.parking import park_process_groups, release_idle
 from elastrun.inprocess.worker.snapshot import ItemSnapshot, TensorSpec, rebuild, specs, take, walk
 
 if TYPE_CHECKING:
@@ -194,6 +194,7 @@ class State:
     def commit(self) -> None:
         """Mark the point a recovery comes back to (see the class docstring)."""
         park_process_groups()  # see inprocess.parking: the training's own group too
+        release_idle(generations=False)  # what an earlier chain of recoveries kept
         self._take()
         object.__setattr__(self, "_commit", self._commit + 1)
         object.__setattr__(self, "_holds", True)

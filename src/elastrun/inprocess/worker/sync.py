@@ -132,16 +132,23 @@ def _form(
             dist.distributed_c10d._world.group_count = 0
         else:
             formed, what = True, "a peer's try failed"
-            park_process_groups()  # see inprocess.parking
         tried.set(f"formed/{rank}", "1" if formed else "0")
         keys = [f"formed/{r}" for r in range(world)]
-        _await(tried, keys, round_no, superseded, "the end of the group's formation")
-        if all(v == b"1" for v in tried.multi_get(keys)):
+        try:
+            _await(tried, keys, round_no, superseded, "the end of the group's formation")
+            everyone = all(v == b"1" for v in tried.multi_get(keys))
+        except BaseException:
+            if formed:
+                park_process_groups()  # the caller's teardown keeps it (inprocess.parking)
+            raise
+        if everyone:
+            park_process_groups()  # see inprocess.parking
             dist.distributed_c10d._set_pg_timeout(SYNC_TIMEOUT)
             return
         if formed:
+            # No collective ever ran on it, so its threads are idle: freed at once
+            # rather than kept (see inprocess.parking).
             dist.destroy_process_group()
-            keep_parked()
         if attempt + 1 < FORM_TRIES:
             log.info(
                 "in-process round %d: the synchronisation's group did not form within "
