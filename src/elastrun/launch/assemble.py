@@ -91,24 +91,12 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         interruptible=interruptible, events=events, metrics=metrics, clock=world.clock,
         host=host,
     )  # fmt: skip
-    in_place = InPlaceRung(
-        inprocess,
-        InprocessSteps(inprocess, rounds, group, budget, pace, interruptible),
-        progress,
-        lambda: handler.num_nodes_waiting() > 0,
-        enabled=options.inprocess,
-    )
-    # The rules that end the run first (no recovery overrides them), then the cheapest
-    # recovery that can take the failure (see agent.ladder).
-    policy = world.policy if world.policy is not None else RestartAll()
-    crash_loop = CrashLoopRung(progress, budget, rdzv, interruptible, events)
-    rungs: list[Rung] = [
-        StallRung(progress, events),
-        *([crash_loop] if options.crash_loop_stop else []),
-        BudgetRung(policy, budget, interruptible),
-        in_place,
-        GroupRestartRung(nodecheck, checkpoint_reports),
-    ]
+    ladder = _ladder(
+        options, world, inprocess, handler, rdzv,
+        steps=InprocessSteps(inprocess, rounds, group, budget, pace, interruptible),
+        progress=progress, budget=budget, interruptible=interruptible, events=events,
+        group_restart=GroupRestartRung(nodecheck, checkpoint_reports),
+    )  # fmt: skip
     watches = AttemptWatches(
         progress, stuck=world.stuck_watch, file_timer=world.file_timer,
         stuck_exit_timeout=options.stuck_exit_timeout, events=events, clock=world.clock,
@@ -123,10 +111,46 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         budget=budget, clock=world.clock, events=events, metrics=metrics, guard=guard,
         file_timer=world.file_timer, host=host, lifecycle=Lifecycle(group, events, metrics),
         interruptible=interruptible, progress=progress, pace=pace, report=report,
-        workers=workers, rounds=rounds, ladder=Ladder(rungs, in_place), watches=watches,
+        workers=workers, rounds=rounds, ladder=ladder, watches=watches,
         cooldown=cooldown, nodecheck=nodecheck, checkpoints=checkpoints,
         checkpoint_reports=checkpoint_reports,
     )  # fmt: skip
+
+
+def _ladder(
+    options: AgentOptions,
+    world: World,
+    inprocess: InprocessRecovery,
+    handler: RendezvousHandler,
+    rdzv: ElasticRendezvous,
+    *,
+    steps: InprocessSteps,
+    progress: ProgressWatch,
+    budget: RestartBudget,
+    interruptible: Interruptible,
+    events: EventSink,
+    group_restart: GroupRestartRung,
+) -> Ladder:
+    """The recovery ladder: the rules that end the run first (no recovery overrides
+    them), then the cheapest recovery that can take the failure (see agent.ladder),
+    the in-place rung following the workers between failures."""
+    in_place = InPlaceRung(
+        inprocess,
+        steps,
+        progress,
+        lambda: handler.num_nodes_waiting() > 0,
+        enabled=options.inprocess,
+    )
+    policy = world.policy if world.policy is not None else RestartAll()
+    crash_loop = CrashLoopRung(progress, budget, rdzv, interruptible, events)
+    rungs: list[Rung] = [
+        StallRung(progress, events),
+        *([crash_loop] if options.crash_loop_stop else []),
+        BudgetRung(policy, budget, interruptible),
+        in_place,
+        group_restart,
+    ]
+    return Ladder(rungs, in_place)
 
 
 def _checkpoints(
