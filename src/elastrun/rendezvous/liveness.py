@@ -56,6 +56,39 @@ class Liveness:
         decided_rows: reads a round's full member list.
     """
 
+    #: When the store last acknowledged the lease (monotonic; None: never).
+    acked_at: float | None
+    # The running round (``enter``), guarded by ``lock``: its number, this node's rank in
+    # it, its size in nodes, the id of its decision, the store revision it was decided
+    # at (``since``), whether every node alive then is a member (``all_live``), and its
+    # closer, when a member, and deputy, who watch for it (``watchers``); and whether it
+    # must re-form (``reform``).
+    round: int | None
+    rank: int | None
+    size: int
+    _decision: str
+    since: int
+    all_live: bool
+    watchers: quiet.Watchers
+    reform: bool
+    _membership: dict[str, bool]  # nodes known to be in the round, or not
+    _member_list: tuple[str, ...] | None  # read only when needed
+    #: The round in which this node gave notice (``Outcome.step_away``).
+    away: int | None
+    #: Decides round n+1 at once (``closing.decide_ahead``); called by the watch thread
+    #: of round n's closer once round n must re-form, with why, whether this node takes
+    #: part (not when it is kept out itself or its workers finished: then it only calls
+    #: the quiet members to join), and how long to leave the decision to rank 0 first.
+    ahead: Callable[[int, str, bool, float], None] | None
+    #: What the call that woke this quiet member brought of the next round (its join
+    #: takes it: ``joining.join``).
+    called: Called | None
+    #: Set once the store is given up (it stopped answering for its whole reconnect
+    #: window): the one line saying so; every later call ends with it.
+    gone: str | None
+    #: Why the running round must re-form (for the agent's log line).
+    change_reason: str
+
     def __init__(
         self,
         store: Store,
@@ -76,41 +109,19 @@ class Liveness:
         self._decided_rows = decided_rows
         self.lock = threading.Lock()
         self.lease: int | None = None
-        #: When the store last acknowledged the lease (monotonic; None: never).
-        self.acked_at: float | None = None
-        self.round: int | None = None
-        self.rank: int | None = None
-        self.size = 0  # nodes in the current round
-        self._decision = ""  # the id of the current round's decision
-        self._membership: dict[str, bool] = {}  # nodes known to be in it, or not
-        self._member_list: tuple[str, ...] | None = None  # read only when needed
-        self.since = 0  # the store revision the current round was decided at
-        self.all_live = False  # every node alive at ``since`` is a member
+        self.acked_at = None
         self.entered = threading.Event()  # set while a round runs and has not re-formed
+        self._set_round(None, None, 0, "", 0, all_live=False, watchers=quiet.EVERYONE)
         self._threads: list[threading.Thread] = []
-        # The current round's closer, when a member, and its deputy: they watch for it.
-        self.watchers = quiet.EVERYONE
-        #: The round in which this node gave notice (``Outcome.step_away``).
-        self.away: int | None = None
+        self.away = None
         self.callback: Callable[[], None] | None = None
-        #: Decides round n+1 at once (``closing.decide_ahead``); called by the watch
-        #: thread of round n's closer once round n must re-form, with why, whether this
-        #: node takes part (not when it is kept out itself or its workers finished: then
-        #: it only calls the quiet members to join), and how long to leave the decision
-        #: to rank 0 first.
-        self.ahead: Callable[[int, str, bool, float], None] | None = None
+        self.ahead = None
         #: Clear while ``ahead`` runs: the node's own join waits for it.
         self.ahead_idle = threading.Event()
         self.ahead_idle.set()
-        #: What the call that woke this quiet member brought of the next round (its
-        #: join takes it: ``joining.join``).
-        self.called: Called | None = None
-        self.reform = False
+        self.called = None
         self.lost = False
-        # Set once the store is given up (it stopped answering for its whole reconnect
-        # window): the one line saying so; every later call ends with it.
-        self.gone: str | None = None
-        #: Why the running round must re-form (for the agent's log line).
+        self.gone = None
         self.change_reason = ""
         self._lease = LeaseKeeper(
             self, store, keys, node_id, ttl=ttl, clock=clock, stop=stop, life=life
@@ -197,16 +208,30 @@ class Liveness:
         ``all_live``, every node alive then is a member; ``watchers``: who watches it for
         the others): watch it."""
         with self.lock:
-            self.round, self.rank, self.size, self._decision = n, rank, size, decision
-            self.watchers = watchers
+            self._set_round(n, rank, size, decision, since, all_live=all_live, watchers=watchers)
             self._membership = {self._node_id: True}
-            self._member_list = None
-            self.since = since
-            self.all_live = all_live
-            self.reform = False
             self.entered.set()
         if not any(t.name.endswith("watch") for t in self._threads):
             self._spawn(self._watch.watch_loop, "watch")
+
+    def _set_round(
+        self,
+        n: int | None,
+        rank: int | None,
+        size: int,
+        decision: str,
+        since: int,
+        *,
+        all_live: bool,
+        watchers: quiet.Watchers,
+    ) -> None:
+        """Hold round ``n`` as the running one (none yet: when made), not re-forming,
+        with no member known but what ``enter`` adds (the caller holds ``lock``)."""
+        self.round, self.rank, self.size, self._decision = n, rank, size, decision
+        self.since, self.all_live, self.watchers = since, all_live, watchers
+        self._membership = {}
+        self._member_list = None
+        self.reform = False
 
     def forget_round(self) -> None:
         """This node sat out rounds (a cool-down): it joins the next as a newcomer, not
