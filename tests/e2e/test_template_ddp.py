@@ -11,6 +11,7 @@ import pytest
 
 from _helpers import REPO
 from elastrun import DefaultLogsSpecs, LocalElasticAgent, WorkerSpec
+from elastrun.agent.parts import World
 from elastrun.template.agent.starter import TemplateStarter
 
 pytestmark = pytest.mark.torch
@@ -52,8 +53,8 @@ def test_ddp_job_recovers_from_a_sigkilled_rank_through_the_template(tmp_path: P
     agent = LocalElasticAgent(
         spec,
         DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
-        starter=starter,
-        events=events,  # type: ignore[arg-type]  # its record() takes dict[str, object]
+        # arg-type: its record() takes dict[str, object]
+        world=World(starter=starter, events=events),  # type: ignore[arg-type]
     )
     try:
         result = agent.run()

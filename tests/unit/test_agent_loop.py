@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import signal
 from pathlib import Path
 
 import pytest
 
+from elastrun.agent.options import AgentOptions
+from elastrun.agent.parts import World
 from elastrun.agent.spec import WorkerSpec, WorkerState
 from elastrun.core.errors import ProcessStartError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
@@ -18,18 +21,21 @@ from elastrun.testing import FakeClock, FakeStarter, NullGuard
 
 
 def _agent(
-    tmp_path: Path, starter: FakeStarter, max_restarts: int, **kw: object
+    tmp_path: Path,
+    starter: FakeStarter,
+    max_restarts: int,
+    world: World | None = None,
+    *,
+    shutdown_timeout: float = 30.0,
 ) -> LocalElasticAgent:
     spec = WorkerSpec(local_world_size=3, entrypoint="/bin/prog", max_restarts=max_restarts)
     return LocalElasticAgent(
         spec,
         logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
-        starter=starter,
-        guard=NullGuard(),
-        clock=FakeClock(),
-        environ={},
-        run_id="unit",
-        **kw,  # type: ignore[arg-type]  # kw: object, the agent options each test passes
+        options=AgentOptions(environ={}, run_id="unit", shutdown_timeout=shutdown_timeout),
+        world=dataclasses.replace(
+            world or World(), starter=starter, guard=NullGuard(), clock=FakeClock()
+        ),
     )
 
 
@@ -44,7 +50,7 @@ def test_failure_restarts_every_worker_and_counts_restarts(tmp_path: Path) -> No
     # Rank 2 fails in attempts 0 and 1; the others keep running until stopped.
     starter = FakeStarter(script=lambda a, r: (1 if r == 2 else None) if a < 2 else 0)
     events = MemoryEventSink()
-    agent = _agent(tmp_path, starter, 3, events=events)
+    agent = _agent(tmp_path, starter, 3, World(events=events))
     result = agent.run()
     assert result.state is WorkerState.SUCCEEDED
     assert starter.attempt == 2
@@ -94,7 +100,7 @@ def test_a_shutdown_request_stops_workers_with_that_signal(tmp_path: Path) -> No
 
     starter.start = start_then_signal  # type: ignore[method-assign]  # a fake's method, wrapped
     with pytest.raises(ShutdownRequested) as info:
-        _agent(tmp_path, starter, 3, shutdown=request).run()
+        _agent(tmp_path, starter, 3, World(shutdown=request)).run()
     assert info.value.signum == signal.SIGINT
     assert all(p.signals[0] == signal.SIGINT for p in starter.started)
     request.close()
@@ -119,7 +125,8 @@ class _StuckAfterStart:
 
 def test_a_worker_stuck_in_d_state_fails_the_run_without_restart(tmp_path: Path) -> None:
     starter = FakeStarter(script=lambda a, r: None)
-    agent = _agent(tmp_path, starter, 3, stuck_watch=_StuckAfterStart())
+    # arg-type: a fake of the watch's two methods
+    agent = _agent(tmp_path, starter, 3, World(stuck_watch=_StuckAfterStart()))  # type: ignore[arg-type]
     result = agent.run()
     assert result.state is WorkerState.FAILED
     assert starter.attempt == 0  # not restarted: restarting cannot free it
@@ -148,7 +155,7 @@ def test_a_restart_out_of_descriptors_ends_with_the_failure_report(
 
     starter.start = start  # type: ignore[method-assign]  # a fake's method, wrapped
     events = MemoryEventSink()
-    agent = _agent(tmp_path, starter, 3, events=events)
+    agent = _agent(tmp_path, starter, 3, World(events=events))
     result = agent.run()
     assert result.state is WorkerState.FAILED
     assert result.failures[1].exitcode == 7 and not result.failures[1].terminated_by_agent

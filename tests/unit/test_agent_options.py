@@ -73,3 +73,15 @@ def test_the_agents_face_refuses_settings_given_beside_the_options_that_hold_the
     options = AgentOptions.from_environ({})
     with pytest.raises(ConfigError, match=r"set them in options \(got 'shutdown_timeout, start"):
         LocalElasticAgent(spec, options=options, shutdown_timeout=5, start_method="fork")
+
+
+def test_the_agents_face_refuses_logs_given_both_as_its_argument_and_in_its_world() -> None:
+    from elastrun.agent.parts import World
+    from elastrun.agent.spec import WorkerSpec
+    from elastrun.launch.local_agent import LocalElasticAgent
+    from elastrun.supervise.processes.logs import DefaultLogsSpecs
+
+    spec = WorkerSpec(local_world_size=1, entrypoint="/bin/true")
+    world = World(logs=DefaultLogsSpecs())
+    with pytest.raises(ConfigError, match=r"logs_specs.*given together with world\.logs"):
+        LocalElasticAgent(spec, DefaultLogsSpecs(), options=AgentOptions(), world=world)

@@ -5,6 +5,7 @@ node out in (a torch-style rendezvous) the node joins anyway."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ import pytest
 
 from _helpers import wait_for
 from elastrun.agent.options import AgentOptions
+from elastrun.agent.parts import World
 from elastrun.agent.spec import WorkerSpec, WorkerState
 from elastrun.core.errors import ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
@@ -48,7 +50,12 @@ echo '{answer}'
 
 
 def _agent(
-    tmp_path: Path, starter: FakeStarter, *, ok: bool, before: str = "", **kw: object
+    tmp_path: Path,
+    starter: FakeStarter,
+    world: World | None = None,
+    *,
+    ok: bool,
+    before: str = "",
 ) -> tuple[LocalElasticAgent, Path]:
     calls = tmp_path / "calls"
     good, bad = '{"ok": true, "seconds": 0.01}', '{"ok": false, "error": "bad GPU"}'
@@ -61,11 +68,11 @@ def _agent(
         environ={}, run_id="unit", python=str(python), hostname="node-a",
         node_check=NodeCheckRule(enabled=True, timeout=30.0),
     )  # fmt: skip
-    agent = LocalElasticAgent(
-        spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), starter=starter,
-        # arg-type: kw: object, the agent options each test passes
-        guard=NullGuard(), clock=FakeClock(), options=options, **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
+    world = dataclasses.replace(
+        world or World(), starter=starter, guard=NullGuard(), clock=FakeClock()
+    )
+    logs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"))
+    agent = LocalElasticAgent(spec, logs, options=options, world=world)
     return agent, calls
 
 
@@ -75,7 +82,7 @@ def test_a_node_is_checked_before_its_first_round_and_after_its_own_failure(
     # Rank 1 fails in attempt 0: one restart after a failure of this node's workers.
     starter = FakeStarter(script=lambda a, r: 1 if (a, r) == (0, 1) else 0)
     metrics = Metrics()
-    agent, calls = _agent(tmp_path, starter, ok=True, metrics=metrics)
+    agent, calls = _agent(tmp_path, starter, World(metrics=metrics), ok=True)
     assert agent.run().state is WorkerState.SUCCEEDED
     checks = calls.read_text().splitlines()
     assert len(checks) == 2 and all(c.endswith(" compute") for c in checks)
@@ -87,7 +94,7 @@ def test_a_failed_check_is_told_and_with_nowhere_to_be_kept_out_the_node_joins(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     events, metrics = MemoryEventSink(), Metrics()
-    agent, _ = _agent(tmp_path, FakeStarter(), ok=False, events=events, metrics=metrics)
+    agent, _ = _agent(tmp_path, FakeStarter(), World(events=events, metrics=metrics), ok=False)
     with caplog.at_level(logging.ERROR, logger="elastrun.agent"):
         assert agent.run().state is WorkerState.SUCCEEDED
     (failed,) = [meta for name, meta in events.events if name == "agent.node_check_failed"]
@@ -104,7 +111,7 @@ def test_a_signal_ends_the_check_at_once_and_its_process_with_it(tmp_path: Path)
     # The check never answers (its process sleeps far past the test's time).
     pid_file = tmp_path / "pid"
     before = f"echo $$ > {pid_file}; exec sleep 600"
-    agent, calls = _agent(tmp_path, starter, ok=True, before=before, shutdown=request)
+    agent, calls = _agent(tmp_path, starter, World(shutdown=request), ok=True, before=before)
 
     def signal_once_it_runs() -> None:
         wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the check")

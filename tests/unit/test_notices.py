@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from elastrun.agent.notices import Notices
+from elastrun.agent.options import AgentOptions
+from elastrun.agent.parts import World
 from elastrun.agent.spec import WorkerSpec
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import Deadline
@@ -99,11 +101,8 @@ def test_a_stop_request_ends_the_agents_wait_for_running_workers(tmp_path: Path)
     agent = LocalElasticAgent(
         spec,
         logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
-        starter=starter,
-        guard=NullGuard(),
-        environ={},
-        run_id="unit",
-        shutdown=request,
+        options=AgentOptions(environ={}, run_id="unit"),
+        world=World(starter=starter, guard=NullGuard(), shutdown=request),
     )
     timer = threading.Timer(0.2, request.request, args=(15,))
     try:

@@ -22,6 +22,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from elastrun.agent.options import AgentOptions
+from elastrun.agent.parts import World
 from elastrun.agent.spec import WorkerSpec
 from elastrun.core.errors import RendezvousClosedError, ShutdownRequested
 from elastrun.core.shutdown import ShutdownRequest
@@ -393,8 +395,9 @@ def test_an_agent_stopped_by_a_signal_gives_notice_before_its_workers_stop(
     starter.start = start_then_signal  # type: ignore[method-assign]  # a fake's method, wrapped
     spec = WorkerSpec(local_world_size=1, entrypoint="/bin/prog", rdzv_handler=handler)
     agent = LocalElasticAgent(
-        spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), starter=starter,
-        guard=NullGuard(), clock=FakeClock(), environ={}, run_id="job", shutdown=request,
+        spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+        options=AgentOptions(environ={}, run_id="job"),
+        world=World(starter=starter, guard=NullGuard(), clock=FakeClock(), shutdown=request),
     )  # fmt: skip
     try:
         with pytest.raises(ShutdownRequested):

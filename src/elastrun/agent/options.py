@@ -90,14 +90,35 @@ def inprocess_timeout(
 
 @dataclass(frozen=True)
 class AgentOptions:
-    """Everything an agent is configured with, checked once (see the module docstring;
-    ``LocalElasticAgent`` documents the fields it shares with its arguments).
+    """Everything an agent is configured with, checked once (see the module docstring).
 
     Attributes:
         environ: the workers' base environment (the agent's own, as the launcher saw it).
+        start_method: for function workers: ``spawn`` (fresh interpreter; the default,
+            ``forkserver`` behaves the same) or ``fork``.
+        exit_barrier_timeout: how long a finished node waits for its peers.
+        log_line_prefix_template: template for tee'd lines (``${role_name}``,
+            ``${rank}``, ``${local_rank}``).
+        shutdown_timeout: grace between the stop signal and SIGKILL, for restarts and
+            the final stop alike.
         run_id: the run id when the spec has no rendezvous handler (None: a new one).
         python: the interpreter that runs script workers and the agent's helpers.
         hostname: this node's name in reports (None: the fully qualified host name).
+        stuck_exit_timeout: seconds a worker may keep running after every other local
+            worker exited successfully before its stacks are dumped and a warning
+            names it (it is not stopped); None turns the check off.
+        hang_timeout: seconds without progress after which a worker that reported
+            progress is hung (``AutoTimeout``: derived from its step times); its stacks
+            are dumped, then it is killed and counts as a failure. None: off.
+        stalled_restarts: stop restarting (the loop's ``stalled`` is then set) after
+            this many consecutive attempts in which no rank passed the step it had
+            reached before; None turns it off. Scripts that report no progress are
+            never stopped by it.
+        crash_loop_stop: stop restarting (the loop's ``crash_loop`` is then set) when a
+            rank fails twice in a row with the same error at the same step
+            (``elastrun.supervise.failures.crashloop``); False: spend the whole budget.
+        stragglers: how ranks (and nodes) slower than their peers are found and
+            reported (never stopped); None: off (step metrics are still put).
         inprocess: the in-process recovery socket listens (``ELASTRUN_INPROCESS``).
         signals_to_handle: what the launcher set ``TORCHELASTIC_SIGNALS_TO_HANDLE`` to
             (None: not launched so).

@@ -43,8 +43,19 @@ class World:
     Attributes:
         logs: where worker output and error files go (None: a temporary directory).
         shutdown: the request the launcher's signal handlers set (None: the agent's own).
-        starter, policy, budget, clock, events, metrics, guard, file_timer, stuck_watch,
-        console: see ``LocalElasticAgent``.
+        starter: starts the worker processes (None: chosen per plan).
+        policy: whether a failure is restarted or ends the run (None: ``RestartAll``,
+            while budget remains).
+        budget: the restart budget (None: job-wide when the rendezvous keeps one in its
+            store, else this agent's own, of ``spec.max_restarts``).
+        clock: the agent's.
+        events, metrics: where the agent's events and metrics go (None: nowhere).
+        guard: ends the workers when the agent dies (None: the orphan guard).
+        file_timer: the expiration-timer watchdog (TORCHELASTIC_ENABLE_FILE_TIMER=1).
+        stuck_watch: ends the run when a worker stays in uninterruptible sleep.
+        console: where tee'd lines are shown: ``sys.stdout``/``sys.stderr`` as they are
+            at each start of the workers (torch's behaviour, so ``redirect_stdout`` or a
+            notebook cell sees them) by default; the CLI passes ``FD_CONSOLE``.
         checkpoints: the node's memory checkpoint directory (None: one in /dev/shm).
     """
 
