@@ -15,9 +15,13 @@ directory:
   the job would have needed without failures, at its own pace), ``ettr_in_steps`` the
   time spent inside them (a rank waiting in a step's all-reduce for a peer that saves a
   checkpoint is inside a step: this one credits part of a checkpoint's cost);
-* the **rebuild steps**: every step at which a call or a process started (a new DDP
-  wrapper), for the reference run, and the largest **rollback** (a call or process that
-  resumed behind the newest completed step).
+* the **rebuild steps**, for the reference run: each step whose last completion (the one
+  the final parameters descend from) was the first step of its call or process (a new
+  DDP wrapper, whose first step buckets the gradients in another order). A call that
+  began at a step later rolled back over (a group restart from the checkpoint, or a
+  commit whose only holder died) is not one: the steps done again ran in a wrapper that
+  had stepped before; and the largest **rollback** (a call or process that resumed
+  behind the newest completed step).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class RankLog:
     ends: list[tuple[int, int, float, float]] = field(default_factory=list)  # pid, step, t0, t1
     # Each step end's time and the start of the call (or process) it belongs to, by time.
     stepped: list[tuple[float, float]] = field(default_factory=list)
+    # Each step end's time, its step, and whether it was its call's (or process's) first.
+    firsts: list[tuple[float, int, bool]] = field(default_factory=list)
     stepped_t: list[float] = field(default_factory=list)
     # Per pid, its events' times and kinds (C, S, A, E), in order.
     times: dict[int, list[float]] = field(default_factory=dict)
@@ -63,6 +69,7 @@ def read_ranks(out: Path, workers: int) -> list[RankLog]:
         log = RankLog()
         path = out / f"steps_{rank}.log"
         text = path.read_text() if path.exists() else ""
+        began: dict[int, int] = {}  # each pid's current call's first step
         call: dict[int, float] = {}  # each pid's current call began at (a process's lines
         for line in text.splitlines():  # are in its own order)
             f = line.split()
@@ -71,10 +78,11 @@ def read_ranks(out: Path, workers: int) -> list[RankLog]:
             pid, step, t = int(f[1]), int(f[2]), float(f[-1])
             if f[0] == "C":
                 log.calls.append((pid, step, t))
-                call[pid] = t
+                call[pid], began[pid] = t, step
             elif f[0] == "E":
                 log.ends.append((pid, step, float(f[3]), t))
                 log.stepped.append((t, call.get(pid, 0.0)))
+                log.firsts.append((t, step, began.get(pid) == step))
             log.times.setdefault(pid, []).append(t)
             log.kinds.setdefault(pid, []).append(f[0])
         log.index()
@@ -99,7 +107,13 @@ def max_step(logs: Sequence[RankLog]) -> int:
 
 
 def rebuild_steps(logs: Sequence[RankLog]) -> list[int]:
-    return sorted({step for log in logs for _, step, _ in log.calls})
+    """The steps whose last completion, on any rank, was its call's first step."""
+    last: dict[int, tuple[float, bool]] = {}
+    for log in logs:
+        for t, step, first in log.firsts:
+            if step not in last or t > last[step][0]:
+                last[step] = (t, first)
+    return sorted(step for step, (_, first) in last.items() if first)
 
 
 def largest_rollback(logs: Sequence[RankLog]) -> int:

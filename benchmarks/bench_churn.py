@@ -23,7 +23,8 @@ against restarts that do not help turned off that a churn trips (``GROUP_FLAGS``
 each: failures injected and survived (every rank completed a step after it; the job
 survived them all when it ended with exit 0 and every rank at the last step), the final
 parameters against a reference (a fault-free run of the same steps that builds a new DDP
-wrapper at every step where the soak started a call or a process: bit for bit), each
+wrapper at every step the surviving history computed first in a call or a process: bit
+for bit), each
 kill's recovery (kill -> every rank completed a step in a call started after it) and
 what the job was doing when it came, descriptors, threads and RSS of the launcher (and
 of elastrun's helper processes) and of the workers over the killer's window, and the
@@ -677,11 +678,14 @@ NOTES = [
     "process) that started after the kill. The job survived them all when, after the "
     "last, it ended with exit 0 and every rank reached the last step.",
     "Exact: the reference is a fault-free run (elastrun, no kills, no sleep) to the same "
-    "last step that builds a new DDP wrapper at every step where the soak started a call "
-    "of the training function (in place) or processes (group restarts). A new wrapper's "
-    "first step buckets the gradients in the parameters' order and later steps in the "
-    "order they became ready; gloo sums a bucket in another order then, which changes the "
-    "last bits. A fault-free run without those rebuilds differs by ~1e-4 after 2,000 steps.",
+    "last step that builds a new DDP wrapper at every step whose surviving computation "
+    "(its last completion, which the final parameters descend from) was the first step of "
+    "a call of the training function (in place) or of processes (group restarts); a call "
+    "whose steps a group restart later did again from the checkpoint is not one. A new "
+    "wrapper's first step buckets the gradients in the parameters' order and later steps "
+    "in the order they became ready; gloo sums a bucket in another order then, which "
+    "changes the last bits. A fault-free run without those rebuilds differs by ~1e-4 "
+    "after 2,000 steps.",
     "Effective training time: over the killer's window (its start, after 10 warm-up "
     "steps, to one more interval after its last kill), per rank the steps that count "
     "(each step's last completion: steps done again after a rollback count once) times "

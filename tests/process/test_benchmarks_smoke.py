@@ -285,3 +285,46 @@ def test_run_all_writes_the_report_and_the_charts_of_the_launch_benchmark(
     _check_launch(launch)
     pytest.importorskip("matplotlib")
     assert (tmp_path / "results" / "launch.png").stat().st_size > 1000
+
+
+def test_churn_reference_rebuilds_ddp_only_where_the_surviving_history_began_a_call(
+    bench_path: None, tmp_path: Path
+) -> None:
+    from _churn_logs import read_ranks, rebuild_steps
+
+    # Two ranks. Processes start at 0 (step 0 is their first); a call begins at 5 and
+    # completes step 5; a call begins at 7 and dies in it; the group restarts from the
+    # checkpoint at 4 and steps 4..8 again: of the calls at 5 and 7 nothing survives.
+    # Then a call begins at 9, its first step done twice (a rollback to 9 in place).
+    def lines(pid: int) -> list[str]:
+        out, t = [], 0.0
+
+        def call(p: int, step: int) -> None:
+            nonlocal t
+            t += 1
+            out.append(f"C {p} {step} {t}")
+
+        def done(p: int, step: int) -> None:
+            nonlocal t
+            t += 1
+            out.append(f"E {p} {step} {t - 0.5} {t}")
+
+        call(pid, 0)
+        for s in range(5):
+            done(pid, s)
+        call(pid, 5)
+        done(pid, 5)
+        done(pid, 6)
+        call(pid, 7)
+        call(pid + 10, 4)
+        for s in range(4, 9):
+            done(pid + 10, s)
+        call(pid + 10, 9)
+        call(pid + 10, 9)
+        done(pid + 10, 9)
+        done(pid + 10, 10)
+        return out
+
+    for rank in range(2):
+        (tmp_path / f"steps_{rank}.log").write_text("\n".join(lines(100 + rank)) + "\n")
+    assert rebuild_steps(read_ranks(tmp_path, 2)) == [0, 4, 9]
