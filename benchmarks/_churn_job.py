@@ -13,7 +13,13 @@ then a forward, backward and optimizer step. Modes:
 * ``group``: a plain script; rank 0 saves a checkpoint (``torch.save``, written aside and
   renamed) every ``CHECKPOINT_EVERY`` steps, and every process starts from it;
 * ``reference``: no failures; DDP is built anew at each step listed in
-  ``OUT/rebuild.txt``, as the recovered run built it anew at each of its restarts.
+  ``OUT/rebuild.txt``, as the recovered run built it anew at each of its restarts;
+* ``sharded``: the model sharded with FSDP2 (``fully_shard`` on a 1-D mesh) instead of
+  DDP, ``elastrun.inprocess`` with a memory checkpoint (``elastrun.checkpoint``) saved
+  after every step: a survivor keeps its sharded model (``inprocess.rebind``), and every
+  rank, a replacement too, loads the newest step in the node's memory;
+* ``sharded-reference``: the same without failures (FSDP2's reductions do not depend on
+  when its groups were made, so no rebuild is mirrored).
 
 The job runs until the step written in ``OUT/stop`` (the benchmark writes it when its
 killer is done). Every process writes, for the benchmark:
@@ -81,7 +87,7 @@ model = torch.nn.Sequential(
 opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
 
 
-def one_step(ddp, step):
+def one_step(net, step):
     t0 = time.time()
     event("S", PID, step, f"{t0:.6f}")
     time.sleep(SLEEP)
@@ -90,18 +96,19 @@ def one_step(ddp, step):
     g = torch.Generator().manual_seed(step * world + RANK)
     x = torch.randn(32, 32, generator=g)
     opt.zero_grad()
-    loss = torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True))
+    loss = torch.nn.functional.mse_loss(net(x), x.sum(1, keepdim=True))
     loss.backward()
     opt.step()
     event("E", PID, step, f"{t0:.6f}", f"{time.time():.6f}")
 
 
-def finish(step):
+def finish(step, params=None):
+    params = [p.detach() for p in model.parameters()] if params is None else params
     h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+    for p in params:
+        h.update(p.numpy().tobytes())
     if RANK == 0:
-        torch.save([p.detach().clone() for p in model.parameters()], os.path.join(OUT, "final.pt"))
+        torch.save([p.clone() for p in params], os.path.join(OUT, "final.pt"))
     _write_atomically(
         os.path.join(OUT, f"final_{RANK}.json"),
         json.dumps({"rank": RANK, "pid": PID, "step": step, "sha": h.hexdigest()}),
@@ -186,4 +193,65 @@ def reference():
     finish(step)
 
 
-{"inplace": inplace, "group": group, "reference": reference}[MODE]()
+def sharded(failures=True):
+    """FSDP2 in place from memory checkpoints (``failures``), or its reference."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.stateful import Stateful
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import elastrun.inprocess as ip
+    from elastrun.checkpoint import MemoryCheckpoint
+
+    class Training(Stateful):
+        def state_dict(self):
+            sd_model, sd_optim = get_state_dict(model, opt)
+            return {"model": sd_model, "optim": sd_optim}
+
+        def load_state_dict(self, sd):
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    ckpt, app, sharded_yet = MemoryCheckpoint(), {"training": Training()}, []
+
+    def train(state):
+        global opt
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+        if not sharded_yet:  # this process's first call
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
+            sharded_yet.append(True)
+        else:  # a survivor's model, after an in-process recovery
+            ip.rebind(model)
+        last = ckpt.load_latest(app) if failures else None
+        step = 0 if last is None else last + 1
+        event("C", PID, step, f"{time.time():.6f}")
+        while step < last_step():
+            one_step(model, step)
+            if failures:
+                ckpt.save(step, app)
+            step += 1
+            state.step = step
+            state.commit()  # no tensors: tells the agent how far the training got
+        ckpt.close()
+        full = [p.full_tensor().detach() for p in model.parameters()]
+        dist.barrier()
+        dist.destroy_process_group()
+        return step, full
+
+    state = ip.State(step=0)  # the model's state comes from the memory checkpoint
+    step, full = (ip.run(train) if failures else train)(state)
+    finish(step, full)
+
+
+MODES = {
+    "inplace": inplace,
+    "group": group,
+    "reference": reference,
+    "sharded": sharded,
+    "sharded-reference": lambda: sharded(failures=False),
+}
+MODES[MODE]()

@@ -4,14 +4,17 @@
 are not workers (elastrun's template and guard) and the live workers (the pids the job
 wrote, checked to be this run's). ``summarise`` turns the samples into, for the
 launcher, each helper and the workers (the largest value of the four ranks), three
-points: the first sample (when the killer started, before any kill), and the typical
-value (the median of the samples) over the first third of the killer's window and over
-its last third. Growth is the last third against the first: a survivor holds the
-previous recovery's process groups for a while (see docs/inprocess.md), so the first
-recoveries raise a worker's counts once, and the allocator settles over them. A leak
-raises the typical value with the kills; a transient (a chain of overlapping rounds
-holds a few groups' connections for a second or two) does not, where the largest value
-would count it at whichever end it fell.
+points: the first sample (when the killer started, before any kill), and the level
+over the first third of the killer's window and over its last third: the 80th
+percentile of the samples, what a process holds most of the time when it holds the
+most. Growth is the last third against the first: a survivor holds the previous
+recovery's process groups for a while (see docs/inprocess.md), so the first recoveries
+raise a worker's counts once, and the allocator settles over them. A leak raises the
+level with the kills; a transient (a chain of overlapping rounds holds a few groups'
+connections for a second or two) does not, where the largest value would count it at
+whichever end it fell. A worker's counts alternate between two levels (holding a
+recovery's groups, and not), in proportions that vary with the kills' timing: the
+median would jump between them, the 80th percentile stays on the upper one.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def _largest(rows: Sequence[Sample]) -> dict[str, float]:
 
 
 def summarise(samples: Sequence[Sample], w0: float, w1: float) -> dict[str, dict[str, object]]:
-    """Per process kind: ``start`` (the first sample), ``early`` and ``end`` (the median
+    """Per process kind: ``start`` (the first sample), ``early`` and ``end`` (the level
     over the first and the last third of the window of the largest value at each
     sample), and the growth."""
     if not samples:
@@ -115,22 +118,25 @@ def summarise(samples: Sequence[Sample], w0: float, w1: float) -> dict[str, dict
         rows = [s for s in samples if s.role == role]
         born = rows[0].t
         start = _largest([s for s in rows if s.t == born])
-        early = _typical([s for s in rows if s.t <= first_t + third]) or start
-        end = _typical([s for s in rows if s.t >= w1 - third]) or _largest(rows[-1:])
+        early = _level([s for s in rows if s.t <= first_t + third]) or start
+        end = _level([s for s in rows if s.t >= w1 - third]) or _largest(rows[-1:])
         growth = {k: round(end[k] - early[k], 2) for k in KEYS if k in early and k in end}
         out[role] = {"start": start, "early": early, "end": end, "growth": growth}
     return out
 
 
-def _typical(rows: Sequence[Sample]) -> dict[str, float]:
-    """The median over the sample times of the largest value at each."""
+def _level(rows: Sequence[Sample]) -> dict[str, float]:
+    """The 80th percentile over the sample times of the largest value at each."""
     at: dict[float, list[Sample]] = {}
     for r in rows:
         at.setdefault(r.t, []).append(r)
     per_time = [_largest(group) for group in at.values()]
-    if not per_time:
-        return {}
-    return {k: float(statistics.median(v[k] for v in per_time)) for k in KEYS}
+    if len(per_time) < 2:
+        return per_time[0] if per_time else {}
+    return {
+        k: round(statistics.quantiles([v[k] for v in per_time], n=5, method="inclusive")[-1], 2)
+        for k in KEYS
+    }
 
 
 def oldest_worker(

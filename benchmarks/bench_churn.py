@@ -15,9 +15,13 @@ processes of this run below its launcher. Modes, each run in turn:
   with ``torch.save`` every 20 steps); elastrun forks the restarted workers from its
   template, which imported torch once;
 * ``torchrun``: the same plain script under torchrun (with
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which it cannot restart this job).
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which it cannot restart this job);
+* ``sharded`` (run only when named): elastrun, the model sharded with FSDP2 instead of
+  DDP, ``elastrun.inprocess`` with a memory checkpoint after every step
+  (``elastrun.checkpoint``): survivors keep their sharded model, every rank loads the
+  newest step in the node's memory; its reference is a plain fault-free FSDP2 run.
 
-All three run with ``--max-restarts`` 10x the failures, elastrun with those of its guards
+All of them run with ``--max-restarts`` 10x the failures, elastrun with those of its guards
 against restarts that do not help turned off that a churn trips (``GROUP_FLAGS``,
 ``INPLACE_FLAGS``). Reported for
 each: failures injected and survived (every rank completed a step after it; the job
@@ -34,6 +38,7 @@ survived, exact, nothing growing, in place ETTR >= 95 % at one failure per
 
     .venv/bin/python benchmarks/bench_churn.py           # ETTR: 3 modes, 20 failures, 1 per 15 s
     .venv/bin/python benchmarks/bench_churn.py --smoke   # 50 failures in place, 1 per ~0.7 s
+    .venv/bin/python benchmarks/bench_churn.py --smoke --modes sharded   # the same, FSDP2
     nice -n 10 .venv/bin/python benchmarks/bench_churn.py --name soak_inplace --modes \\
         inplace --failures 2000 --interval 1.5 --step-sleep 0.05 --mix 3,1,1 --after-progress
 
@@ -100,6 +105,7 @@ COLUMNS = {
     "torchrun": "torchrun",
     "group": "elastrun group restart",
     "inplace": "elastrun in place",
+    "sharded": "elastrun in place, FSDP2 from memory",
 }
 # elastrun's guards against restarts that do not help judge a plain script by its
 # optimizer steps counted from 1 in each attempt: three attempts in a row shorter than the
@@ -170,13 +176,13 @@ def _command(
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     elif opts.join_timeout is not None:
         env["ELASTRUN_INPROCESS_JOIN_TIMEOUT"] = f"{opts.join_timeout:g}"
-    script_args = [str(out), "inplace" if mode == "inplace" else "group"]
+    script_args = [str(out), mode if mode in ("inplace", "sharded") else "group"]
     script_args += [str(opts.step_sleep), str(opts.checkpoint_every)]
     restarts = str(10 * opts.failures + 100)
     extra = ["--max-restarts", restarts, "--log-dir", str(run_dir / "logs")]
     if mode == "group":
         extra += GROUP_FLAGS
-    elif mode == "inplace":
+    else:
         extra += INPLACE_FLAGS
     return lch.command(opts.workers, JOB, script_args, *extra), env
 
@@ -314,7 +320,7 @@ def _soak(mode: str, opts: Options, work: Path) -> dict[str, Any]:
         notable=_notable(run_dir / "launcher.stderr"),
         command=display_command(cmd, env, work),
     )
-    result["reference"] = _reference(out, last, opts, run_dir) if result["completed"] else {}
+    result["reference"] = _reference(mode, out, last, opts, run_dir) if result["completed"] else {}
     clean = result["status"] == "done" and bool(result["reference"].get("exact"))
     if not clean or _unusual(mode, result):
         _keep_evidence(run_dir, evidence)
@@ -330,7 +336,7 @@ def _unusual(mode: str, result: Mapping[str, Any]) -> bool:
     if mode == "torchrun":
         return False  # its recoveries take longer than 5 s: nothing unusual
     notable = result["notable"]
-    in_place = mode == "inplace" and notable["group restarts"] > 0
+    in_place = mode in ("inplace", "sharded") and notable["group restarts"] > 0
     slow = result["recovery_s"].get("over_5s", 0) > 0
     return slow or notable["survivors replaced as stuck"] > 0 or in_place
 
@@ -433,14 +439,16 @@ def _spread(values: list[float]) -> dict[str, float]:
 # --------------------------------------------------------------------------- reference
 
 
-def _reference(out: Path, last: int, opts: Options, run_dir: Path) -> dict[str, object]:
+def _reference(mode: str, out: Path, last: int, opts: Options, run_dir: Path) -> dict[str, object]:
     """A fault-free run to the same step, with a new DDP wrapper at each rebuild step."""
     ref = run_dir / "reference"
     ref.mkdir()
-    steps = rebuild_steps(read_ranks(out, opts.workers))
+    # FSDP2's reductions do not depend on when its groups were made: nothing to mirror.
+    steps = [] if mode == "sharded" else rebuild_steps(read_ranks(out, opts.workers))
     (ref / "rebuild.txt").write_text(" ".join(map(str, steps)))
     (ref / "stop").write_text(str(last))
-    cmd = elastrun().command(opts.workers, JOB, [str(ref), "reference", "0", "0"])
+    job = "sharded-reference" if mode == "sharded" else "reference"
+    cmd = elastrun().command(opts.workers, JOB, [str(ref), job, "0", "0"])
     running = Running(cmd, marker=new_marker(), log_dir=ref, env_extra={"OMP_NUM_THREADS": "1"})
     outcome = running.finish(120 + 0.05 * last)
     if outcome.failure():
@@ -469,8 +477,10 @@ def _max_abs_diff(a: Path, b: Path) -> float:
 
 def body(section: Section, opts: Options) -> None:
     section.intro = (
-        f"{opts.workers} gloo DDP workers on {os.cpu_count()} CPUs, a step = {opts.step_sleep} s "
-        f"of sleep + ~10 ms of compute; {opts.failures} SIGKILLs of a random rank, one per "
+        f"{opts.workers} gloo DDP workers on {os.cpu_count()} CPUs (FSDP2 ones, with a memory "
+        f"checkpoint after every step, in the mode '{COLUMNS['sharded']}'), a step = "
+        f"{opts.step_sleep} s of sleep + ~10 ms of compute; {opts.failures} SIGKILLs of a "
+        "random rank, one per "
         f"{opts.interval:g} s on average before the overlapping ones (moments random, "
         f"between steps, during a recovery weighted {opts.mix}); checkpoints every "
         f"{opts.checkpoint_every} steps for the group restarts. "
@@ -597,8 +607,8 @@ def grew(res: Mapping[str, Any]) -> list[str]:
 
 def _resource_table(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
     lines = [
-        "**descriptors, threads and RSS: when the killer started / typical (the median) "
-        "over the first third of its window / over the last third**",
+        "**descriptors, threads and RSS: when the killer started / the level (80th "
+        "percentile) over the first third of its window / over the last third**",
         "",
         "| mode | process | fds | threads | RSS (MB) |",
         "|---|---|---|---|---|",
@@ -700,11 +710,12 @@ NOTES = [
     "Resources are read from /proc every few seconds: the launcher (elastrun's agent or "
     "torchrun), elastrun's helpers (the template and the guard) and the workers; "
     f"'growing' means more than {GROWTH['fds']} descriptors or {GROWTH['threads']} "
-    f"threads or {GROWTH['rss_mb']:g} MB more, typically (the median of the samples), over "
-    "the last third of the killer's window than over its first third (a survivor keeps "
-    "the previous recovery's process groups for a while: its first recovery raises its "
-    "counts once; a chain of overlapping rounds holds a few more groups for a second or "
-    "two, a transient that the median leaves out and a leak would not).",
+    f"threads or {GROWTH['rss_mb']:g} MB more at the level (the 80th percentile of the "
+    "samples) of the last third of the killer's window than at that of its first third "
+    "(a survivor keeps the previous recovery's process groups for a while: its first "
+    "recovery raises its counts once, and its counts alternate between holding them and "
+    "not; a chain of overlapping rounds holds a few more groups for a second or two, a "
+    "transient that the level leaves out and a leak would not).",
     "elastrun in place runs with `--stalled-restarts 0`: overlapping kills that land just "
     "after a recovery completed can make three recoveries in a row restore the same commit, "
     "and the guard would end the soak, which measures survival; a recovery that restores "

@@ -32,7 +32,7 @@ mypy_pid=$!
 # descriptor check per worker process). `-n 0` after it runs serially.
 echo "== pytest"
 status=0
-"$py/python" -m pytest -n 3 --dist worksteal "$@" || status=$?
+"$py/python" -m pytest -n 3 --dist worksteal --durations=25 "$@" || status=$?
 echo "== mypy (strict)"
 wait "$mypy_pid" || status=1
 cat "$mypy_log"

@@ -246,7 +246,7 @@ def test_churn_benchmark_survives_fifty_kills_in_place_exactly_with_nothing_grow
     assert res["phases"].get("during a recovery", 0) > 0, res["phases"]
     for who in ("agent", "worker"):  # the launcher, and the largest worker
         growth = res["resources"][who]["growth"]
-        # Typical counts (the median over each third of the window): a recovery keeps
+        # The level (80th percentile over each third of the window): a recovery keeps
         # the groups it broke or used for a while (see inprocess.worker.parking), so the
         # first recoveries raise a worker's counts once; a leak would raise them with
         # the kills.
