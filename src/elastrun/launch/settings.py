@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import check_number, parse_int, parse_port, parse_seconds
@@ -50,9 +49,9 @@ def sizes(values: Values, environ: Mapping[str, str], notices: list[str]) -> tup
     return min_nodes, max_nodes, nproc
 
 
-@dataclass(frozen=True)
-class Runtime:
-    """How the agent runs and restarts the workers, and what it reports where."""
+class Runtime(TypedDict):
+    """How the agent runs and restarts the workers, and what it reports where: fields
+    of ``LaunchConfig``, which takes them as they are (``LaunchConfig(**runtime, ...)``)."""
 
     max_restarts: int
     monitor_interval: float
