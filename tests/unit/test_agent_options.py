@@ -85,3 +85,20 @@ def test_the_agents_face_refuses_logs_given_both_as_its_argument_and_in_its_worl
     world = World(logs=DefaultLogsSpecs())
     with pytest.raises(ConfigError, match=r"logs_specs.*given together with world\.logs"):
         LocalElasticAgent(spec, DefaultLogsSpecs(), options=AgentOptions(), world=world)
+
+
+def test_a_launch_config_gives_its_agent_options_and_zero_turns_a_check_off() -> None:
+    from elastrun.launch.config import LaunchConfig
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=2, start_method="fork",
+        exit_barrier_timeout=7, shutdown_timeout=3, stuck_exit_timeout=0,
+        stalled_restarts=0, crash_loop_stop=False, hang_timeout="9",
+    )  # fmt: skip
+    options = config.agent_options({INPROCESS_JOIN_TIMEOUT_ENV: "4"})
+    assert (options.start_method, options.exit_barrier_timeout) == ("fork", 7)
+    assert (options.shutdown_timeout, options.hang_timeout) == (3, 9)
+    assert options.stuck_exit_timeout is None and options.stalled_restarts is None
+    assert options.crash_loop_stop is False and options.inprocess_join_timeout == 4
+    assert options.inprocess_timeout == 9  # a fixed hang timeout bounds an in-process round
+    assert dict(options.environ) == {INPROCESS_JOIN_TIMEOUT_ENV: "4"}

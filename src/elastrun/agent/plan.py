@@ -29,13 +29,12 @@ from elastrun.wire.env import (
     SIGNALS_TO_HANDLE_ENV,
     STACKS_FILE_ENV,
     TIMER_FILE_ENV,
-    inprocess_wanted,
 )
 from elastrun.wire.inprocess import SOCKET_ENV as INPROCESS_SOCKET_ENV
 from elastrun.wire.progress import PROGRESS_FILE_ENV, PROGRESS_SLOT_ENV
-from elastrun.wire.timer import file_timer_enabled
 
 if TYPE_CHECKING:  # annotations only: ``--dry-run`` plans without a rendezvous
+    from elastrun.agent.options import AgentOptions
     from elastrun.agent.spec import WorkerSpec
     from elastrun.rendezvous.api import RendezvousInfo
 
@@ -134,16 +133,13 @@ class WorkerServices:
     signals_to_handle: str | None = None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str], signals_to_handle: str | None) -> WorkerServices:
-        """The services an agent with the environment ``environ`` provides.
-
-        Raises:
-            ConfigError: ``TORCHELASTIC_ENABLE_FILE_TIMER`` is neither empty, 0 nor 1.
-        """
+    def of(cls, options: AgentOptions, *, file_timer: bool) -> WorkerServices:
+        """The services an agent with ``options`` provides (``file_timer``: it runs the
+        expiration-timer watchdog)."""
         return cls(
-            file_timer=file_timer_enabled(environ),
-            inprocess=inprocess_wanted(environ),
-            signals_to_handle=signals_to_handle,
+            file_timer=file_timer,
+            inprocess=options.inprocess,
+            signals_to_handle=options.signals_to_handle,
         )
 
 
@@ -374,21 +370,22 @@ def node_slots(info: RendezvousInfo, role: str, local_world_size: int) -> list[N
 
 
 def round_plan(
-    info: RendezvousInfo,
     facts: RoundFacts,
     spec: WorkerSpec,
+    nodes: Sequence[NodeSlot],
     *,
     base_env: Mapping[str, str],
     python: str,
     services: WorkerServices = WorkerServices(),
 ) -> LaunchPlan:
-    """This node's plan for the round ``info`` (whose decisions ``facts`` holds)."""
+    """This node's plan for a round whose decisions ``facts`` holds, and ``nodes`` every
+    node's share of the world (``node_slots``)."""
     assert spec.entrypoint is not None
     return build_plan(
         facts,
         role=spec.role,
         local_world_size=spec.local_world_size,
-        nodes=node_slots(info, spec.role, spec.local_world_size),
+        nodes=nodes,
         entrypoint=spec.entrypoint,
         args=spec.args,
         base_env=base_env,

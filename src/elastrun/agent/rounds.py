@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from elastrun.agent.bootstrap_store import BootstrapStore
-from elastrun.agent.plan import LaunchPlan, RoundFacts, WorkerServices, round_plan
+from elastrun.agent.plan import LaunchPlan, RoundFacts, WorkerServices, node_slots, round_plan
 from elastrun.agent.policy import RestartBudget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
@@ -128,9 +128,9 @@ class Rounds:
             or self._handler.agent_hosts_bootstrap_store,
         )
         return round_plan(
-            info,
             facts,
             spec,
+            node_slots(info, spec.role, spec.local_world_size),
             base_env=self._environ,
             python=self._python,
             services=self._services,

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from elastrun.agent.spec import Entrypoint, RunResult, WorkerSpec
+from elastrun.agent.spec import Entrypoint, RunResult
 from elastrun.core.cancel import Cancelled
 from elastrun.core.errors import ConfigError, ShutdownRequested, WorkerFailure
 from elastrun.core.shutdown import ShutdownRequest
@@ -68,30 +68,6 @@ def build_handler(config: LaunchConfig, run_id: str) -> RendezvousHandler:
     return rendezvous_handler_registry.create_handler(config.rendezvous_parameters(run_id))
 
 
-def worker_spec(
-    config: LaunchConfig,
-    handler: RendezvousHandler,
-    entrypoint: Entrypoint,
-    args: Sequence[object],
-) -> WorkerSpec:
-    """What this node's agent runs, for ``config``."""
-    return WorkerSpec(
-        role=config.role,
-        local_world_size=config.nproc_per_node,
-        rdzv_handler=handler,
-        entrypoint=entrypoint,
-        args=tuple(args),
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
-        local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
-    )
-
-
 def build_agent(
     config: LaunchConfig,
     entrypoint: Entrypoint,
@@ -106,7 +82,6 @@ def build_agent(
     """Wire the agent for ``config`` (no process is started); ``console``: see
     ``launch_agent``."""
     from elastrun.agent.loop import ElasticLoop
-    from elastrun.agent.options import AgentOptions
     from elastrun.agent.parts import World
     from elastrun.launch.assemble import assemble
     from elastrun.launch.local_agent import LocalElasticAgent
@@ -116,23 +91,9 @@ def build_agent(
 
     # The edge: the agent's settings are read from the environment here, once.
     env = os.environ if environ is None else environ
-    spec = worker_spec(config, build_handler(config, run_id), entrypoint, args)
+    spec = config.worker_spec(build_handler(config, run_id), entrypoint, args)
     stuck_after = timeout_from_env(env)
-    starter = extras.starter if extras else None
-    options = AgentOptions.from_environ(
-        env,
-        start_method=config.start_method,
-        exit_barrier_timeout=config.exit_barrier_timeout,
-        log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.effective_shutdown_timeout,
-        stuck_exit_timeout=config.stuck_exit_timeout or None,
-        stalled_restarts=config.stalled_restarts or None,
-        crash_loop_stop=config.crash_loop_stop,
-        exclusion=config.exclusion,
-        node_check=config.node_check,
-        stragglers=config.stragglers,
-        hang_timeout=config.hang_timeout,
-    )
+    options = config.agent_options(env)
     world = World(
         logs=config.logs_specs if config.logs_specs is not None else DefaultLogsSpecs(),
         shutdown=shutdown,
@@ -140,7 +101,7 @@ def build_agent(
         metrics=extras.metrics if extras else None,
         file_timer=AgentFileTimer.from_env(env),
         stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
-        starter=starter,
+        starter=extras.starter if extras else None,
         console=PYTHON_CONSOLE if console is None else console,
     )
     # The composition root of the command line: the agent's parts, assembled here.
@@ -213,7 +174,7 @@ class _Extras:
         starter = self.starter
         if starter is None or not isinstance(entrypoint, str):
             return
-        from elastrun.agent.plan import NodeSlot, RoundFacts, build_plan
+        from elastrun.agent.plan import NodeSlot, RoundFacts, round_plan
         from elastrun.supervise.processes.spawn import ProcessSpec
 
         base = dict(os.environ if environ is None else environ)
@@ -221,18 +182,10 @@ class _Extras:
             run_id="", round=0, group_rank=0, group_world_size=1, master_addr="",
             master_port=0, restart_count=0, max_restarts=config.max_restarts,
         )  # fmt: skip
+        nodes = [NodeSlot(config.role, config.nproc_per_node)]
         try:
-            plan = build_plan(
-                facts,
-                role=config.role,
-                local_world_size=config.nproc_per_node,
-                nodes=[NodeSlot(config.role, config.nproc_per_node)],
-                entrypoint=entrypoint,
-                args=args,
-                base_env=base,
-                python=sys.executable,
-                virtual_local_rank=config.virtual_local_rank,
-            )
+            spec = config.worker_spec(None, entrypoint, args)
+            plan = round_plan(facts, spec, nodes, base_env=base, python=sys.executable)
         except ConfigError:
             return  # the real plan reports it, with the round's facts
         worker = plan.workers[0]

@@ -221,11 +221,7 @@ def _rounds(
     on_round: Callable[[RendezvousInfo, LaunchPlan], None],
 ) -> Rounds:
     """The rendezvous rounds this node joins, and how each becomes a plan."""
-    services = WorkerServices(
-        file_timer=world.file_timer is not None,
-        inprocess=options.inprocess,
-        signals_to_handle=options.signals_to_handle,
-    )
+    services = WorkerServices.of(options, file_timer=world.file_timer is not None)
     return Rounds(
         handler,
         rdzv,

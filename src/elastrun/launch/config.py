@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,7 +29,9 @@ from elastrun.pace.agent.straggler import StragglerSettings
 from elastrun.rendezvous.exclusion import ExclusionRule
 
 if TYPE_CHECKING:
-    from elastrun.rendezvous.api import RendezvousParameters
+    from elastrun.agent.options import AgentOptions
+    from elastrun.agent.spec import Entrypoint, WorkerSpec
+    from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
     from elastrun.supervise.processes.logs import LogsSpecs
     from elastrun.supervise.processes.numa import NumaOptions
 
@@ -198,6 +200,56 @@ class LaunchConfig:
             self.max_nodes,
             self.local_addr,
             **self.rdzv_configs,
+        )
+
+    def worker_spec(
+        self,
+        handler: RendezvousHandler | None,
+        entrypoint: Entrypoint,
+        args: Sequence[object],
+    ) -> WorkerSpec:
+        """What this node's agent runs (``handler`` None: this node runs alone)."""
+        from elastrun.agent.spec import WorkerSpec
+
+        return WorkerSpec(
+            role=self.role,
+            local_world_size=self.nproc_per_node,
+            rdzv_handler=handler,
+            entrypoint=entrypoint,
+            args=tuple(args),
+            max_restarts=self.max_restarts,
+            monitor_interval=self.monitor_interval,
+            local_addr=self.local_addr,
+            event_log_handler=self.event_log_handler,
+            numa_options=self.numa_options,
+            duplicate_stdout_filters=self.duplicate_stdout_filters,
+            duplicate_stderr_filters=self.duplicate_stderr_filters,
+            virtual_local_rank=self.virtual_local_rank,
+        )
+
+    def agent_options(self, environ: Mapping[str, str]) -> AgentOptions:
+        """The options of this node's agent, whose environment is ``environ`` (the
+        settings it holds are read from it: ``AgentOptions.from_environ``). A zero
+        ``stuck_exit_timeout`` or ``stalled_restarts`` turns that check off.
+
+        Raises:
+            ConfigError: a variable of ``environ`` with a bad value, named.
+        """
+        from elastrun.agent.options import AgentOptions
+
+        return AgentOptions.from_environ(
+            environ,
+            start_method=self.start_method,
+            exit_barrier_timeout=self.exit_barrier_timeout,
+            log_line_prefix_template=self.log_line_prefix_template,
+            shutdown_timeout=self.effective_shutdown_timeout,
+            stuck_exit_timeout=self.stuck_exit_timeout or None,
+            stalled_restarts=self.stalled_restarts or None,
+            crash_loop_stop=self.crash_loop_stop,
+            exclusion=self.exclusion,
+            node_check=self.node_check,
+            stragglers=self.stragglers,
+            hang_timeout=self.hang_timeout,
         )
 
     def check_before_start(self, environ: Mapping[str, str]) -> None:

@@ -1,9 +1,10 @@
 """``--dry-run``: print the launch plan of the first round; start nothing, write nothing.
 
-The plan is the one the agent computes (``agent.plan.build_plan``), with the services the
-agent would provide, so the ``env`` line lists exactly the variables elastrun sets for
-the worker. A value that exists only at run time (a port chosen per round, a temporary
-path, a generated run id) is shown as ``<run time: ...>``.
+The plan is the one the agent computes, through the agent's own constructors (the
+config's ``worker_spec`` and ``agent_options``, ``WorkerServices.of``, ``round_plan``),
+so the ``env`` line lists exactly the variables elastrun sets for the worker. A value
+that exists only at run time (a port chosen per round, a temporary path, a generated run
+id) is shown as ``<run time: ...>``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from elastrun.agent.plan import (
     RoundFacts,
     WorkerPlan,
     WorkerServices,
-    build_plan,
+    round_plan,
 )
 from elastrun.agent.spec import Entrypoint
 from elastrun.checkpoint.agent.capacity import capacity_lines
 from elastrun.launch.cli import Launch
 from elastrun.launch.config import LaunchConfig
 from elastrun.supervise.processes.logs import Std, to_map
+from elastrun.wire.env import SIGNALS_TO_HANDLE_ENV
+from elastrun.wire.timer import file_timer_enabled
 
 _PORT_PLACEHOLDER = 0
 
@@ -86,19 +89,18 @@ def render_plan(
         max_restarts=cfg.max_restarts,
         use_agent_store=True,  # the built-in backends: group rank 0's agent serves it
     )
-    import sys
-
-    plan = build_plan(
+    # The agent's own constructors: its spec and options from the config (with the
+    # variable the launcher sets in its own environment first: api.launch_agent), the
+    # services they provide, and the plan of a round (agent.rounds).
+    options = cfg.agent_options({**environ, SIGNALS_TO_HANDLE_ENV: cfg.signals_to_handle})
+    services = WorkerServices.of(options, file_timer=file_timer_enabled(options.environ))
+    plan = round_plan(
         facts,
-        role=cfg.role,
-        local_world_size=cfg.nproc_per_node,
-        nodes=[NodeSlot(cfg.role, cfg.nproc_per_node)] * cfg.max_nodes,
-        entrypoint=entrypoint,
-        args=args,
-        base_env=environ,
-        python=sys.executable,
-        virtual_local_rank=cfg.virtual_local_rank,
-        services=WorkerServices.from_env(environ, cfg.signals_to_handle),
+        cfg.worker_spec(None, entrypoint, args),
+        [NodeSlot(cfg.role, cfg.nproc_per_node)] * cfg.max_nodes,
+        base_env=options.environ,
+        python=options.python,
+        services=services,
     )
     out = [
         "elastrun launch plan (dry run: nothing was started)",
