@@ -2,16 +2,24 @@
 training thread copied the step into the node's memory.
 
 For each save, in the order of the calls: publish the step (its metadata, then its
-marker), agree with the other ranks whether it is complete on all (one all-reduce, MIN,
-over the checkpoint's gloo group), keep either it or the step before it, rewrite the
-rank's report, and begin a persist when one is due (``checkpoint.worker.persisting``).
-A skipped step is agreed on all the same, so the ranks' collectives stay in step.
+marker), agree with the other ranks whether it is complete on all (one vote in the
+workers' store, ``checkpoint.worker.agreement``), keep either it or the step before it,
+rewrite the rank's report, and begin a persist when one is due
+(``checkpoint.worker.persisting``). A skipped step is voted on all the same, so the
+ranks' votes stay in step.
 ``persist()`` calls come through the same queue, so that every rank takes them at the
 same point between the saves.
 
 The training thread waits here for the saves in flight and raises what failed in the
 background; what both threads read is under one lock. A save that overlaps the one in
 flight is said in the log (:class:`Overlaps`).
+
+A vote that fails stops the votes of this world: nothing more is removed (which step
+the ranks share is unknown here). When the world's end explains it (the store closed
+by the agent at a restart or an in-process round, or the world rebuilt under the
+checkpoint) it is said once at info level and the saves are skipped: the training goes
+on until its own collectives fail, and a rebuilt world sets up again. Otherwise (a
+rank did not vote in time) it is a warning, and the training thread's next call raises.
 """
 
 from __future__ import annotations
@@ -24,14 +32,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
-from elastrun.checkpoint.worker import ranks
+from elastrun.checkpoint.worker.agreement import Agreement, ended_with_world
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.persisting import PersistScheduler
 from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.checkpoint.worker.storage import MemoryStorageWriter
+from elastrun.core.cancel import Cancelled
 from elastrun.core.threads import join_thread
 
 __all__ = ["Finisher", "Overlaps"]
@@ -41,7 +48,8 @@ log = logging.getLogger("elastrun.checkpoint")
 #: Seconds between two log lines about overlapping saves.
 _OVERLAP_LOG_EVERY = 60.0
 #: The longest the background thread of a world rebuilt under it is waited for: its
-#: collectives on the destroyed groups fail at once (their connections are cut).
+#: vote ends at once when the store closed with the old world, else at its next look at
+#: the stop request (``agreement.WAIT_SLICE``) or when its persist request ends.
 _REBUILT_JOIN = 10.0
 
 
@@ -86,7 +94,7 @@ class Finisher:
         self._before_marker = before_marker
         self._steps: RankSteps | None = None
         self._reporter: RankReporter | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._agreement: Agreement | None = None
         self._jobs: queue.SimpleQueue[_Job | _PersistRequest | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # Shared with the background thread, under the lock:
@@ -97,15 +105,14 @@ class Finisher:
         self._newest: int | None = None
         self._failure: BaseException | None = None
         self._broken: str | None = None
+        self._ended = False  # (the votes failed as the world ended: see the module)
 
     # -- the training thread's -----------------------------------------------------------
 
-    def start(
-        self, steps: RankSteps, reporter: RankReporter, group: dist.ProcessGroup | None
-    ) -> None:
+    def start(self, steps: RankSteps, reporter: RankReporter, agreement: Agreement | None) -> None:
         """Start the thread, for the rank's ``steps`` and ``reporter``; the ranks agree
-        over ``group`` (None: a world of one rank)."""
-        self._steps, self._reporter, self._group = steps, reporter, group
+        through ``agreement`` (None: a world of one rank)."""
+        self._steps, self._reporter, self._agreement = steps, reporter, agreement
         self._thread = threading.Thread(target=self._serve, name="elastrun-checkpoint", daemon=True)
         self._thread.start()
 
@@ -119,11 +126,12 @@ class Finisher:
         return True
 
     def forget(self) -> None:
-        """The ranks' group was destroyed under the checkpoint (an in-process recovery
-        rebuilt the world): end the thread (its last agreement failed with the group),
-        waiting a bounded time, and drop the saves in flight, their failures and the
-        group. The newest step stays."""
+        """The world was rebuilt under the checkpoint (an in-process recovery): stop the
+        vote in flight, end the thread, waiting a bounded time, and drop the saves in
+        flight, their failures and the votes. The newest step stays."""
         thread, self._thread = self._thread, None
+        if self._agreement is not None:
+            self._agreement.cancel("the world was rebuilt")
         self._jobs.put(None)
         if thread is not None and not join_thread(thread, _REBUILT_JOIN):
             log.warning(
@@ -131,11 +139,12 @@ class Finisher:
                 "within %.0fs; it is left behind", _REBUILT_JOIN,
             )  # fmt: skip
         self._jobs = queue.SimpleQueue()
-        self._group = None
+        self._agreement = None
         self._steps = self._reporter = None
         with self._lock:
             self._issued = self._done = self._requests = 0
             self._failure = self._broken = None
+            self._ended = False
             self._lock.notify_all()
 
     def newest(self) -> int | None:
@@ -186,16 +195,22 @@ class Finisher:
                 self._lock.wait()
         self._persisting.wait()
 
+    def ended(self) -> bool:
+        """Whether the votes stopped as the world ended (see the module): saves are
+        skipped until the world is set up again."""
+        with self._lock:
+            return self._ended
+
     def raise_failure(self) -> None:
         """Raise what failed in the background since the last call (once), and, from
-        then on, that the ranks lost each other.
+        then on, that the ranks lost each other (unless the world's end explains it).
 
         Raises:
             MemoryCheckpointError: either.
         """
         with self._lock:
             failure, self._failure = self._failure, None
-            broken = self._broken
+            broken = None if self._ended else self._broken
         if failure is not None:
             raise MemoryCheckpointError(f"a memory checkpoint save failed: {failure}") from failure
         if broken is not None:
@@ -276,15 +291,32 @@ class Finisher:
         return self._agree(complete_here, f"agreeing on step {step}")
 
     def _agree(self, here: bool, what: str) -> bool | None:
-        """Whether every rank says ``here``; None when the ranks lost each other
-        (``what``: what for, in the message), which the training thread's calls then
-        raise."""
+        """Whether every rank says ``here``; None when the ranks lost each other, now
+        or before (``what``: what for, in the message; see the module)."""
+        agreement = self._agreement
+        if agreement is None:
+            return here
+        with self._lock:
+            if self._broken is not None:
+                return None
         try:
-            return ranks.all_hold(self._group, here)
-        except RuntimeError as exc:
+            return agreement.all_hold(here)
+        except (RuntimeError, Cancelled) as exc:
+            ended = ended_with_world(exc)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             with self._lock:
-                self._broken = f"the ranks lost each other {what}: {exc}"
-            log.warning("memory checkpoint: %s", self._broken)
+                self._broken = f"the ranks lost each other {what}: {first}"
+                self._ended = ended
+            if isinstance(exc, Cancelled):
+                pass  # (the training thread, which rebuilt the world, says so)
+            elif ended:
+                log.info(
+                    "memory checkpoint: the workers' store went away %s (the group "
+                    "restarts or a new in-process round begins): saves are skipped until "
+                    "the checkpoint is set up again", what,
+                )  # fmt: skip
+            else:
+                log.warning("memory checkpoint: %s", self._broken)
             return None
 
     def _started(self) -> RankSteps:

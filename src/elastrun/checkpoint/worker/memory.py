@@ -20,16 +20,20 @@ the background waits for it (``on_overlap="wait"``, the default) or is skipped
 the count).
 
 **The newest complete step wins, and memory use is bounded.** After each save, the
-background threads of all ranks agree (one all-reduce, MIN, over a gloo group of their
-own) whether the step is complete on every rank. If it is, each rank removes its older
+background threads of all ranks agree (one vote through the rendezvous store, the
+workers' store of ``init_process_group``: ``checkpoint.worker.agreement``) whether the
+step is complete on every rank. If it is, each rank removes its older
 step; if not (a rank skipped it, or failed to write it), each rank removes the new one.
 So a rank holds at most two steps -- the newest complete on every rank and the one in
 progress -- and never removes a step some rank may still need: at any moment, some step
-is held complete by every rank. ``load_latest`` finds it: the ranks exchange the steps
-each holds complete (an all-gather) and load the newest that all hold, so every rank
-loads the same step. A skip is one of these agreements too, so the ranks' collectives
-stay in step whatever each one decides; every rank must call ``save`` at the same
-steps, as with any collective.
+is held complete by every rank. ``load_latest`` finds it: the ranks vote for the steps
+each holds complete and load the newest that all hold, so every rank loads the same
+step. A skip is one of these votes too, so the ranks' votes stay in step whatever each
+one decides; every rank must call ``save`` at the same steps, as with any collective.
+A vote waits a bounded time for a rank that never comes, and ends at once when the
+store closes (elastrun's agent closes it when the round ends); then the saves of that
+world are skipped, and a world rebuilt in place (``elastrun.inprocess``) sets up
+again.
 
 **Persisted to disk** (``persist_dir``): after every ``persist_every`` complete steps,
 or on ``persist()``, the newest complete step is written in DCP's own format to a
@@ -46,8 +50,9 @@ into events and metrics without importing torch.
 Rejected: each rank loading its own newest step (ranks would resume at different
 steps); MIN of each rank's newest step without the agreement after each save (a rank
 that finished step N and removed N-1 while a peer died before finishing N would leave
-no common step); the rendezvous store for the agreement (a key per step per rank, and a
-client the workers do not otherwise hold).
+no common step); a gloo group of the checkpoint's own for the agreements (made again
+by every rank after every in-process round, and one more full mesh of connections; see
+``checkpoint.worker.agreement``).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -62,7 +68,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from elastrun.checkpoint.worker import ranks
+from elastrun.checkpoint.worker import agreement, ranks
+from elastrun.checkpoint.worker.agreement import Agreement
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.finishing import Finisher, Overlaps
 from elastrun.checkpoint.worker.persist import DEFAULT_KEEP, persist_settings
@@ -118,8 +125,8 @@ class MemoryCheckpoint:
 
     The first :meth:`load_latest` or :meth:`save` call sets up (after
     ``init_process_group`` when the world has more than one rank: the ranks agree
-    through a gloo group that every rank makes then). Call :meth:`close` (or use the
-    object as a context manager) before ``destroy_process_group``.
+    through its store, on a connection of the checkpoint's own). Call :meth:`close` (or
+    use the object as a context manager) before ``destroy_process_group``.
 
     Every rank passes the same arguments.
 
@@ -151,7 +158,9 @@ class MemoryCheckpoint:
         self._statvfs = statvfs
         self._steps: RankSteps | None = None
         self._reporter: RankReporter | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._agreement: Agreement | None = None
+        # The default group the checkpoint was set up in (None: a world of one rank).
+        self._world: weakref.ref[dist.ProcessGroup] | None = None
         self._closed = False
         self._space_checked = False
         self._last: int | None = None  # the last step saved (or skipped) or loaded here
@@ -183,6 +192,9 @@ class MemoryCheckpoint:
             CheckpointSpaceError: the node's shared memory cannot hold the checkpoints.
             MemoryCheckpointError: no directory, a failure of an earlier save, or the
                 step could not be read.
+            RuntimeError: torch's ``DistError``: the ranks lost each other as they
+                agreed on the step (the store closed, or a rank did not come in time),
+                as a collective that failed (which ``elastrun.inprocess`` recovers from).
         """
         started = time.monotonic()
         steps = self._start()
@@ -215,11 +227,14 @@ class MemoryCheckpoint:
         Every rank calls it at the same steps. Returns False when the step was skipped
         (``on_overlap="skip"`` and the previous save still in flight).
 
+        Also False, and nothing is written, once the ranks' store went away (this world
+        ended: the group restarts, or an in-process round rebuilds it; see the module).
+
         Raises:
             CheckpointSpaceError: at the first save, the node's shared memory cannot
                 hold two steps of this state on each local rank (nothing is written).
             MemoryCheckpointError: ``step`` is not after the last one, an earlier save
-                failed in the background, or the ranks lost each other.
+                failed in the background, or a rank did not agree in time.
         """
         started = time.monotonic()
         steps = self._start()
@@ -228,6 +243,9 @@ class MemoryCheckpoint:
             raise MemoryCheckpointError(
                 f"step {step} comes after step {self._last}: a memory checkpoint's steps grow"
             )
+        if self._finisher.ended():
+            self._last = step
+            return False
         if self._finisher.in_flight():
             if self._on_overlap == "skip":
                 self._last = step
@@ -299,7 +317,8 @@ class MemoryCheckpoint:
 
     def close(self) -> None:
         """Finish the save in flight, stop the background thread and release the
-        ranks' group (idempotent). The checkpoints stay: they belong to the node."""
+        persister's group and the connection to the store (idempotent). The
+        checkpoints stay: they belong to the node."""
         if self._closed:
             return
         self._closed = True
@@ -308,9 +327,7 @@ class MemoryCheckpoint:
         self._persisting.close()
         if self._steps is not None:
             self._steps.drop_spare()
-        group, self._group = self._group, None
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)
+        self._agreement = None  # (its connection closes with it)
 
     def __enter__(self) -> MemoryCheckpoint:
         return self
@@ -331,11 +348,11 @@ class MemoryCheckpoint:
     # -- setting up ----------------------------------------------------------------------
 
     def _start(self) -> RankSteps:
-        """The rank's steps; on the first call, the ranks' group and the thread (again
-        after an in-process recovery rebuilt the world: ``_forget_world``)."""
+        """The rank's steps; on the first call, the ranks' agreement and the thread
+        (again after an in-process recovery rebuilt the world: ``_forget_world``)."""
         if self._closed:
             raise MemoryCheckpointError("this MemoryCheckpoint is closed")
-        if self._steps is not None and _destroyed(self._group):
+        if self._steps is not None and _rebuilt(self._world):
             self._forget_world()
         if self._steps is not None:
             return self._steps
@@ -352,26 +369,27 @@ class MemoryCheckpoint:
             if not dist.is_initialized():
                 raise MemoryCheckpointError(
                     f"a world of {world} ranks: call init_process_group before the first "
-                    f"load_latest or save (the ranks agree on steps through it)"
+                    f"load_latest or save (the ranks agree on steps through its store)"
                 )
-            self._group = dist.new_group(backend="gloo")
+            self._world = weakref.ref(dist.distributed_c10d._get_default_group())
+            self._agreement = agreement.for_world(rank, world)
         self._persisting.start(rank, world, directory)
         self._steps = RankSteps(directory, rank, world)
         self._reporter = RankReporter(directory, rank, _local_rank(), os.getpid())
-        self._finisher.start(self._steps, self._reporter, self._group)
+        self._finisher.start(self._steps, self._reporter, self._agreement)
         return self._steps
 
     def _forget_world(self) -> None:
-        """The ranks' group was destroyed under this object: an in-process recovery
+        """The default group this object was set up in is gone: an in-process recovery
         (``elastrun.inprocess``) tore every process group down, and the training
-        function runs again in a new world, whose ranks (a replacement among them) make
-        their groups anew. Stop the background thread (its last agreement failed with
-        the group), drop the persister and the save in flight, and set up again at this
+        function runs again in a new world, whose ranks (a replacement among them) set
+        up anew, on the new world's store. Stop the background thread (and its vote in
+        flight), drop the persister and the save in flight, and set up again at this
         call. The steps in the node's memory stay: ``load_latest`` finds them."""
         log.info("memory checkpoint: the process groups were rebuilt; setting up again")
         self._finisher.forget()
         self._persisting.forget()
-        self._group = None
+        self._agreement = self._world = None
         self._steps = self._reporter = None
 
     def _check_space(self, rank_bytes: int) -> None:
@@ -405,23 +423,22 @@ class MemoryCheckpoint:
 
     def _agree_on_step(self, complete: list[int]) -> int | None:
         """The newest step every rank holds complete (None: there is none)."""
-        return ranks.newest_common(self._group, self._started().world_size, complete)
+        if self._agreement is None:
+            return max(complete, default=None)
+        return self._agreement.newest_common(complete)
 
     def _barrier(self) -> None:
-        if self._group is not None:
-            dist.barrier(group=self._group)
+        if self._agreement is not None:
+            self._agreement.barrier()
 
 
-def _destroyed(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` was destroyed (every group is, when an in-process recovery
-    tears the world down); None, a world of one rank, never is."""
-    if group is None:
+def _rebuilt(world: weakref.ref[dist.ProcessGroup] | None) -> bool:
+    """Whether the default group that ``world`` names is no longer the default group
+    (an in-process recovery destroys every group, and the training function makes
+    them anew); None, a world of one rank, never is."""
+    if world is None:
         return False
-    try:
-        dist.get_backend(group)
-    except (ValueError, RuntimeError):
-        return True
-    return False
+    return not dist.is_initialized() or dist.distributed_c10d._get_default_group() is not world()
 
 
 def _local_rank() -> int:

@@ -67,10 +67,14 @@ class PersistScheduler:
 
     def start(self, rank: int, world: int, directory: str) -> None:
         """With ``persist_dir``: the persister, with a gloo group of its own (made
-        here, by every rank, after the agreements' group)."""
+        here, by every rank, at the checkpoint's setting up)."""
         settings = self.settings
         if settings is None:
             return
+        # A group, unlike the checkpoint's agreements (which go through the store): the
+        # persist is DCP's collective save, which needs one; its own, so that it never
+        # interleaves with the training's collectives from another thread. It is made
+        # again, as this persister, when a world rebuilt in place sets up again.
         group = dist.new_group(backend="gloo") if world > 1 else None
         self._persister = Persister(
             settings,
