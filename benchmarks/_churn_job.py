@@ -33,6 +33,8 @@ killer is done). Every process writes, for the benchmark:
   ``final.pt``, the parameters).
 """
 
+from __future__ import annotations
+
 import os
 import sys
 import time
@@ -42,7 +44,7 @@ SLEEP, CHECKPOINT_EVERY = float(sys.argv[3]), int(sys.argv[4])
 RANK, PID = int(os.environ["RANK"]), os.getpid()
 
 
-def _write_atomically(path, text):
+def _write_atomically(path: str, text: str) -> None:
     with open(f"{path}.{PID}", "w") as fh:
         fh.write(text)
     os.replace(f"{path}.{PID}", path)
@@ -53,6 +55,8 @@ _write_atomically(os.path.join(OUT, f"pid_{RANK}"), str(PID))
 import gc  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any, cast  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -61,14 +65,14 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 LOG = os.open(os.path.join(OUT, f"steps_{RANK}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 STOP = os.path.join(OUT, "stop")
 CKPT = os.path.join(OUT, "ckpt.pt")
-_last = []
+_last: list[int] = []
 
 
-def event(*fields):
+def event(*fields: object) -> None:
     os.write(LOG, (" ".join(str(f) for f in fields) + "\n").encode())
 
 
-def last_step():
+def last_step() -> int:
     """The step to stop at, once the benchmark wrote it (a very large one until then)."""
     if not _last and os.path.exists(STOP):
         with open(STOP) as fh:
@@ -87,7 +91,7 @@ model = torch.nn.Sequential(
 opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
 
 
-def one_step(net, step):
+def one_step(net: torch.nn.Module, step: int) -> None:
     t0 = time.time()
     event("S", PID, step, f"{t0:.6f}")
     time.sleep(SLEEP)
@@ -97,12 +101,12 @@ def one_step(net, step):
     x = torch.randn(32, 32, generator=g)
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(net(x), x.sum(1, keepdim=True))
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     opt.step()
     event("E", PID, step, f"{t0:.6f}", f"{time.time():.6f}")
 
 
-def finish(step, params=None):
+def finish(step: int, params: list[torch.Tensor] | None = None) -> None:
     params = [p.detach() for p in model.parameters()] if params is None else params
     h = hashlib.sha256()
     for p in params:
@@ -115,17 +119,18 @@ def finish(step, params=None):
     )
 
 
-def load_checkpoint():
+def load_checkpoint() -> int:
     """The step of the checkpoint loaded into the model and optimizer (0: none yet)."""
     if not os.path.exists(CKPT):
         return 0
     saved = torch.load(CKPT, weights_only=True)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
-    return saved["step"]
+    step: int = saved["step"]
+    return step
 
 
-def save_checkpoint(step):
+def save_checkpoint(step: int) -> None:
     """Rank 0 saves a checkpoint every ``CHECKPOINT_EVERY`` steps (written aside, renamed)."""
     if RANK == 0 and step % CHECKPOINT_EVERY == 0:
         saved = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
@@ -133,7 +138,7 @@ def save_checkpoint(step):
         os.replace(CKPT + ".tmp", CKPT)
 
 
-def inplace():
+def inplace() -> None:
     import elastrun.inprocess as ip
 
     # A process started into an in-process round takes the survivors' commit; one that
@@ -143,7 +148,7 @@ def inplace():
     state = ip.State(model=model, optimizer=opt, step=load_checkpoint() if fresh else 0)
 
     @ip.run
-    def train(state):
+    def train(state: ip.State) -> None:
         event("C", PID, state.step, f"{time.time():.6f}")
         dist.init_process_group("gloo")
         ddp = DistributedDataParallel(model)
@@ -159,7 +164,7 @@ def inplace():
     finish(state.step)
 
 
-def group():
+def group() -> None:
     step = load_checkpoint()
     event("C", PID, step, f"{time.time():.6f}")
     dist.init_process_group("gloo")
@@ -173,7 +178,7 @@ def group():
     finish(step)
 
 
-def reference():
+def reference() -> None:
     with open(os.path.join(OUT, "rebuild.txt")) as fh:
         rebuild = {int(s) for s in fh.read().split()}
     dist.init_process_group("gloo")
@@ -193,27 +198,29 @@ def reference():
     finish(step)
 
 
-def sharded(failures=True):
+def sharded(failures: bool = True) -> None:
     """FSDP2 in place from memory checkpoints (``failures``), or its reference."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.stateful import Stateful
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     import elastrun.inprocess as ip
     from elastrun.checkpoint import MemoryCheckpoint
 
     class Training(Stateful):
-        def state_dict(self):
+        def state_dict(self) -> dict[str, Any]:
             sd_model, sd_optim = get_state_dict(model, opt)
             return {"model": sd_model, "optim": sd_optim}
 
-        def load_state_dict(self, sd):
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
             set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
-    ckpt, app, sharded_yet = MemoryCheckpoint(), {"training": Training()}, []
+    ckpt, app = MemoryCheckpoint(), {"training": Training()}
+    sharded_yet: list[bool] = []
 
-    def train(state):
+    def train(state: ip.State) -> tuple[int, list[torch.Tensor]]:
         global opt
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
@@ -237,7 +244,8 @@ def sharded(failures=True):
             state.step = step
             state.commit()  # no tensors: tells the agent how far the training got
         ckpt.close()
-        full = [p.full_tensor().detach() for p in model.parameters()]
+        # fully_shard made every parameter a DTensor (the type only says Parameter).
+        full = [cast(DTensor, p).full_tensor().detach() for p in model.parameters()]
         dist.barrier()
         dist.destroy_process_group()
         return step, full
@@ -247,7 +255,7 @@ def sharded(failures=True):
     finish(step, full)
 
 
-MODES = {
+MODES: dict[str, Callable[[], None]] = {
     "inplace": inplace,
     "group": group,
     "reference": reference,

@@ -172,7 +172,8 @@ class Killer:
         return True
 
     def pause(self) -> float:
-        return self.args.interval * self.timing.uniform(0.2, 1.8)
+        interval: float = self.args.interval
+        return interval * self.timing.uniform(0.2, 1.8)
 
     def run(self) -> None:
         weights = [float(w) for w in self.args.mix.split(",")]

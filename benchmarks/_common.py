@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil  # type: ignore[import-untyped]  # no stubs in the venv
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -384,6 +384,7 @@ class AsyncNode:
 
     async def _reload(self, view: RoundWatch, n: int) -> int:
         k = self._keys
+        rev: int  # the store's revision (the store is duck-typed: Any)
         nodes, rev = await self._store.get_prefix(k.nodes)
         joins, _ = await self._store.get_prefix(k.join_prefix(n + 1))
         done, _ = await self._store.get_prefix(k.done(n))

@@ -417,7 +417,7 @@ def run_torch(args: argparse.Namespace, cmds: Commands) -> None:
     import pickle
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore  # torch.distributed's, re-exported untyped
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
         C10dRendezvousBackend,
     )

@@ -30,10 +30,10 @@ def main(argv: list[str]) -> int:
         return 0
     if kind in ("torchwire", "torchwire-python"):  # the workers' store: torch's wire
         from elastrun.core.collector import calm_full_collections
-        from elastrun.store.tcp import raise_fd_limit
+        from elastrun.store.tcp import raise_fd_limit as raise_agent_fd_limit
         from elastrun.store.torchwire import TorchWireServer
 
-        raise_fd_limit()
+        raise_agent_fd_limit()
         calm_full_collections()  # as in the agent that serves it (``launch.entry``)
         # "torchwire": the engine the agent picks (the compiled one where it was built).
         engine = "python" if kind == "torchwire-python" else "auto"
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
         import resource
         from datetime import timedelta
 
-        from torch.distributed import TCPStore
+        from torch._C._distributed_c10d import TCPStore  # torch.distributed's, re-exported untyped
 
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

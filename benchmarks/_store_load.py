@@ -39,7 +39,7 @@ def _client(impl: str, port: int) -> Any:
         return store
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore  # torch.distributed's, re-exported untyped
 
     return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
 

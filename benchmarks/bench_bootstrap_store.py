@@ -118,6 +118,7 @@ class _Proc:
     """A child speaking JSON lines on stdin/stdout."""
 
     def __init__(self, argv: list[str], env: dict[str, str], nice: int = 0) -> None:
+        self.argv = argv
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
@@ -138,7 +139,7 @@ class _Proc:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            raise ScenarioFailure(f"no answer from {self.proc.args[1]} within {timeout_s:.0f} s")
+            raise ScenarioFailure(f"no answer from {self.argv[1]} within {timeout_s:.0f} s")
         msg = json.loads(line)
         assert isinstance(msg, dict)
         if msg.get("ev") == "error":
@@ -460,12 +461,15 @@ def _where(section: Section, opts: Options) -> None:
     burst, diag = section.tables[2], section.tables[3]
     for clients in opts.bursts:
         for col in burst.columns:
+            # Only what was measured: a burst that reached the barrier measured every
+            # phase and the CPU (``Rig.burst``); the kernel's counters may be missing.
             med = {
-                k: row.medians().get(col)
+                k: value
                 for k in (*(p for p, _ in PHASES), "cpu", "client cpu", *NSTAT)
                 if (row := (burst.rows | diag.rows).get(f"{k}{clients}")) is not None
+                and (value := row.medians().get(col)) is not None
             }
-            if med.get("barrier") is None:
+            if "barrier" not in med:
                 continue
             drops = sum(int(med.get(k) or 0) for k in NSTAT[:4])
             retrans = med.get("TcpExtTCPSynRetrans")

@@ -58,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -320,8 +320,9 @@ def _soak(mode: str, opts: Options, work: Path) -> dict[str, Any]:
         notable=_notable(run_dir / "launcher.stderr"),
         command=display_command(cmd, env, work),
     )
-    result["reference"] = _reference(mode, out, last, opts, run_dir) if result["completed"] else {}
-    clean = result["status"] == "done" and bool(result["reference"].get("exact"))
+    reference = _reference(mode, out, last, opts, run_dir) if result["completed"] else {}
+    result["reference"] = reference
+    clean = result["status"] == "done" and bool(reference.get("exact"))
     if not clean or _unusual(mode, result):
         _keep_evidence(run_dir, evidence)
         result["evidence"] = str(evidence)
@@ -512,7 +513,8 @@ def body(section: Section, opts: Options) -> None:
     _conclude(section, opts, results)
 
 
-ROWS = [  # key, label, format, how to read it from a result
+#: Key, label, format, how to read it from a result (None: not measured).
+ROWS: list[tuple[str, str, str, Callable[[Mapping[str, Any]], float | None]]] = [
     ("injected", "failures injected", ".0f", lambda r: r["injected"]),
     ("survived", "failures survived (every rank stepped again)", ".0f", lambda r: r["survived"]),
     (

@@ -132,7 +132,7 @@ def simulate(nodes: int, bad_part: str, costs: Costs, seed: int) -> tuple[float,
     iso = Isolation(names, slowdown=3.0)
     iso.feed_compute({n: timed[n] + extra[n] for n in names})
     while not iso.done:
-        link: dict[str, float | None] = {}
+        link: dict[str, float] = {}
         for pair in iso.pairs:
             t = GOOD_LINK_S * rng.uniform(0.8, 1.25)
             if bad_part == "link" and bad in pair.nodes:

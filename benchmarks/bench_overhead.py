@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil  # type: ignore[import-untyped]  # no stubs in the venv
+import psutil
 from _collect import WORKER_SNIPPET, Collector, Conn
 from _common import (
     MB,

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,7 +167,7 @@ def body(section: Section, opts: Options) -> None:
     )
     long = steps.row("step10_ms", "10 ms training step (ms)", fmt=".4f")
 
-    def record(column: str, measured: dict[str, float]) -> None:
+    def record(column: str, measured: Mapping[str, float]) -> None:
         tight.add(column, measured["opt_step_us"])
         call.add(column, measured["progress_us"])
         if "step10_hook_ms" in measured:

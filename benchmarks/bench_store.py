@@ -58,6 +58,7 @@ class _Proc:
     """A child speaking JSON lines on stdin/stdout."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.argv = argv
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
@@ -74,7 +75,7 @@ class _Proc:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            raise ScenarioFailure(f"no answer from {self.proc.args[1]} within {timeout_s:.0f} s")
+            raise ScenarioFailure(f"no answer from {self.argv[1]} within {timeout_s:.0f} s")
         msg = json.loads(line)
         assert isinstance(msg, dict)
         return msg
