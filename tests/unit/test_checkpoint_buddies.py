@@ -4,17 +4,20 @@ directory holds, and its server and client on loopback. No torch."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from elastrun.checkpoint.agent.copier import Copier
+from elastrun.checkpoint.agent.copier import LIST_HOLD, Copier
 from elastrun.checkpoint.agent.holdings import (
     Held,
+    Listing,
     PeerError,
     buddy_roles,
     copies_to_keep,
@@ -262,7 +265,7 @@ def test_the_copier_copies_a_whole_step_confirms_it_and_copies_a_rewritten_step_
     here = tmp_path_factory.mktemp("copier")
     write_piece(source, 5, 0)
     copier = Copier(str(here), [2, 3], "node-a", lambda: NodeClient("127.0.0.1", port, "tok"),
-                    0.005, NullMetricSink())  # fmt: skip
+                    LIST_HOLD, NullMetricSink())  # fmt: skip
     copier.start()
     try:
         copy = here / layout.COPIES_DIR / copy_dir_name("node-a") / layout.step_dir_name(5)
@@ -278,3 +281,114 @@ def test_the_copier_copies_a_whole_step_confirms_it_and_copies_a_rewritten_step_
         assert (copy / layout.data_name(0)).read_bytes() == b"e" * 10
     finally:
         copier.close()
+
+
+# -- a held listing, not a poll -------------------------------------------------------------
+
+
+def test_a_held_listing_answers_as_soon_as_a_step_is_written_or_at_its_hold(
+    served: tuple[Path, int],
+) -> None:
+    directory, port = served
+    write_piece(directory, 5, 0)
+    client = NodeClient("127.0.0.1", port, "tok")
+    try:
+        first = client.listing()
+        assert first.changes
+        # Nothing changes: held for the hold, then the same state.
+        t0 = time.monotonic()
+        same = client.listing(after=first.changes, hold=0.3)
+        assert time.monotonic() - t0 >= 0.3
+        assert same.changes == first.changes
+        # A rank's marker appears while the listing is held: answered at once.
+        writer = threading.Timer(0.2, write_piece, (directory, 5, 1))
+        writer.start()
+        t0 = time.monotonic()
+        new = client.listing(after=first.changes, hold=5.0)
+        took = time.monotonic() - t0
+        writer.join()
+        assert sorted(p.rank for p in new.pieces) == [0, 1]
+        assert 0.15 < took < 2.0, took
+        # A state the client did not see (an older one): answered at once.
+        t0 = time.monotonic()
+        client.listing(after=first.changes, hold=5.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        client.close()
+
+
+def test_every_writing_that_a_copier_waits_for_changes_the_listed_state(tmp_path: Path) -> None:
+    from elastrun.checkpoint.agent.serve import changes
+
+    seen = [changes(str(tmp_path), [0, 1])]
+
+    def changed() -> bool:
+        seen.append(changes(str(tmp_path), [0, 1]))
+        return seen[-1] != seen[-2]
+
+    write_piece(tmp_path, 5, 0)
+    assert changed()
+    assert not changed()
+    marker = tmp_path / layout.step_dir_name(5) / layout.marker_name(0)
+    marker.with_suffix(".tmp").write_text(marker.read_text())
+    os.replace(marker.with_suffix(".tmp"), marker)  # (written again, by a rename)
+    assert changed()
+    (tmp_path / layout.report_name(0)).write_text("{}")
+    assert changed()
+    assert changes(str(tmp_path), [2, 3]) != seen[-1]  # (another round's ranks)
+
+
+def test_closing_the_server_ends_a_held_listing_at_once(tmp_path: Path) -> None:
+    server = NodeServer(str(tmp_path), "node-a", "127.0.0.1", "tok")
+    port = server.start()
+    client = NodeClient("127.0.0.1", port, "tok")
+    try:
+        first = client.listing()
+        threading.Timer(0.2, server.close).start()
+        t0 = time.monotonic()
+        with contextlib.suppress(PeerError):
+            client.listing(after=first.changes, hold=5.0)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        client.close()
+        server.close()
+
+
+class _Counting(NodeClient):
+    """A client that counts its listings."""
+
+    listings = 0
+
+    def listing(self, after: str | None = None, hold: float = 0.0) -> Listing:
+        type(self).listings += 1
+        return super().listing(after, hold)
+
+
+def test_an_idle_copier_asks_its_source_about_once_a_hold_and_closes_at_once(
+    served: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    source, port = served
+    here = tmp_path_factory.mktemp("copier")
+    write_piece(source, 5, 0)
+    write_piece(source, 5, 1)
+    _Counting.listings = 0
+    copier = Copier(str(here), [2, 3], "node-a", lambda: _Counting("127.0.0.1", port, "tok"),
+                    0.5, NullMetricSink())  # fmt: skip
+    copier.start()
+    try:
+        _until((source / layout.copied_name(5)).exists, "the copy of step 5")
+        time.sleep(0.2)  # (the copier's word changed the source: one more listing)
+        before = _Counting.listings
+        time.sleep(1.2)
+        # Polled every 20 ms, it asked 60 times; held 0.5 s, about 2 or 3.
+        assert _Counting.listings - before <= 4, _Counting.listings - before
+        # A new step while a listing is held: copied within the watch's look.
+        t0 = time.monotonic()
+        write_piece(source, 6, 0)
+        write_piece(source, 6, 1)
+        _until((source / layout.copied_name(6)).exists, "the copy of step 6")
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        t0 = time.monotonic()
+        copier.close()  # (a listing is held now: closing cuts it)
+        assert time.monotonic() - t0 < 1.0

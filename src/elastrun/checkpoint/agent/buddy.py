@@ -14,8 +14,9 @@ start (``start_round``). It
    pulls the pieces its ranks need and lack -- their own (a world of the same size: a
    spare that takes a lost node's place) or every rank's (another size: DCP reshards)
    -- into ``gathered/``;
-4. copies, on a thread of its own (``copier``), each newly complete step of its source node (the
-   previous one) into ``copies/<source>/``, tells the source, and keeps only the newest
+4. copies, on a thread of its own (``copier``), each newly complete step of its source
+   node (the previous one; its server holds the copier's listing until a step changes)
+   into ``copies/<source>/``, tells the source, and keeps only the newest
    copy complete on every rank and the one that may become it
    (``holdings.copies_to_keep``). Pieces of other nodes that the round no longer needs
    (a lost node's copy, gathered pieces) go once the node's own ranks agreed on a newer
@@ -44,7 +45,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from elastrun.checkpoint.agent.copier import COPY_EVERY, Copier, pull_piece, steps_in
+from elastrun.checkpoint.agent.copier import LIST_HOLD, Copier, pull_piece, steps_in
 from elastrun.checkpoint.agent.holdings import (
     Held,
     Listing,
@@ -83,7 +84,8 @@ class NodeCopies:
         seat: this node's place in the run's store (None: no store of ours, so no
             copies: a torch-style rendezvous).
         events, metrics: where what was copied and gathered is recorded.
-        every: seconds between two looks at the source's pieces.
+        hold: the longest the source holds the copier's listing while none of its
+            steps changes (seconds).
     """
 
     def __init__(
@@ -92,13 +94,13 @@ class NodeCopies:
         seat: Callable[[], StoreSeat | None],
         events: EventSink,
         metrics: MetricSink,
-        every: float = COPY_EVERY,
+        hold: float = LIST_HOLD,
     ) -> None:
         self._node_dir = node_dir
         self._seat = seat
         self._events = events
         self._metrics = metrics
-        self._every = every
+        self._hold = hold
         self._token = secrets.token_hex(16)
         self._server: NodeServer | None = None
         self._copier: Copier | None = None
@@ -146,7 +148,7 @@ class NodeCopies:
             ranks,
             source,
             (lambda: self._client_of(seat, source)) if source is not None else None,
-            self._every,
+            self._hold,
             self._metrics,
         )
         self._copier.start()

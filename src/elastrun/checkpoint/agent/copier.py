@@ -1,15 +1,18 @@
 """The thread that copies a source node's newly complete steps into this node, and
 removes what the node no longer needs (``buddy`` starts one per round).
 
-Every ``COPY_EVERY`` seconds it lists the source's pieces (``serve.NodeClient``); a step
-of which every one of the source's ranks wrote its piece (``holdings.next_to_copy``) is
-pulled into ``copies/<source>/step-<S>.tmp/``, checked against a second listing (the
-same files: none written again meanwhile), renamed into place and confirmed to the
-source, whose ranks' saves wait for that word. It keeps the newest copy complete on every
-rank and the one that may become it (``holdings.copies_to_keep``). About once a second it
-also removes the copies of nodes no longer its source, the pieces gathered before the
-round, and pieces its own steps hold of ranks no longer the node's, once the node's
-ranks agreed on a newer step (a restart would load that one or a newer).
+It lists the source's pieces (``serve.NodeClient``), each listing held by the source
+until its steps changed since the last one, or ``LIST_HOLD`` seconds (``serve``: no
+poll); a step of which every one of the source's ranks wrote its piece
+(``holdings.next_to_copy``) is pulled into ``copies/<source>/step-<S>.tmp/``, checked
+against a second listing (the same files: none written again meanwhile), renamed into
+place and confirmed to the source, whose ranks' saves wait for that word. It keeps the
+newest copy complete on every rank and the one that may become it
+(``holdings.copies_to_keep``). Between two listings, at most once every ``TIDY_EVERY``
+seconds (at least once every ``LIST_HOLD``), it also removes the copies of nodes no
+longer its source, the pieces gathered before the round, and pieces its own steps hold
+of ranks no longer the node's, once the node's ranks agreed on a newer step (a restart
+would load that one or a newer).
 
 Plain files, no torch.
 """
@@ -41,12 +44,16 @@ from elastrun.wire import checkpoint as layout
 if TYPE_CHECKING:  # (the server's module loads http: only a job of several nodes needs it)
     from elastrun.checkpoint.agent.serve import NodeClient
 
-__all__ = ["COPY_EVERY", "TIDY_EVERY", "Copier", "pull_piece", "steps_in"]
+__all__ = ["LIST_HOLD", "TIDY_EVERY", "Copier", "pull_piece", "steps_in"]
 
 log = logging.getLogger("elastrun.agent")
 
-#: Seconds between two looks at the source's pieces (a copy starts at most this late).
-COPY_EVERY = 0.02
+#: The longest the source holds a listing while none of its steps changes (seconds).
+LIST_HOLD = 2.0
+#: After a look at the source that failed (or found no server yet): the first pause
+#: before the next, in seconds, doubled at each failure in a row up to ``_RETRY_MAX``.
+_RETRY_FIRST = 0.02
+_RETRY_MAX = 0.5
 #: The longest ``Copier.close`` waits for its thread (seconds).
 CLOSE_WAIT = 2.0
 #: Seconds between two removals of the pieces the node no longer needs.
@@ -58,7 +65,16 @@ _VERSIONS = "made-from.json"
 class Copier:
     """The thread that copies a source node's newly complete steps, and removes the
     pieces the node no longer needs (see the module). With no source (the node is
-    alone) it only removes."""
+    alone) it only removes.
+
+    Args:
+        directory: the node directory.
+        ranks: the global ranks of the node's workers in this round.
+        source: the node whose steps are copied here (None: none).
+        connect: a client of the source's server (None: it published none yet).
+        hold: the longest the source holds a listing while nothing changes (seconds).
+        metrics: where each copy's duration and rate go.
+    """
 
     def __init__(
         self,
@@ -66,7 +82,7 @@ class Copier:
         ranks: Sequence[int],
         source: str | None,
         connect: Callable[[], NodeClient | None] | None,
-        every: float,
+        hold: float,
         metrics: MetricSink,
     ) -> None:
         self._directory = directory
@@ -74,7 +90,8 @@ class Copier:
         self._source = source
         self._connect = connect
         self._client: NodeClient | None = None
-        self._every = every
+        self._hold = hold
+        self._seen: str | None = None  # (the source's state at the last listing)
         self._metrics = metrics
         name = copy_dir_name(source) if source is not None else ""
         self._base = os.path.join(directory, layout.COPIES_DIR, name)
@@ -102,20 +119,34 @@ class Copier:
             self._client.close()
 
     def _run(self) -> None:
-        every = self._every if self._source is not None else TIDY_EVERY
         tidied = -TIDY_EVERY
-        while not self._stop.wait(every):
-            try:
-                if self._source is not None:
-                    self._copy_new()
-                    self._failing = None
-                if time.monotonic() - tidied >= TIDY_EVERY:
-                    tidied = time.monotonic()
+        pause = 0.0 if self._source is not None else TIDY_EVERY
+        while not self._stop.wait(pause):
+            if self._source is not None:
+                pause = self._look(pause)
+            if time.monotonic() - tidied >= TIDY_EVERY:
+                tidied = time.monotonic()
+                try:
                     self._tidy()
-            except (PeerError, OSError) as exc:
-                if self._failing is None:
-                    log.info("memory checkpoint: copying node %s's steps: %s", self._source, exc)
-                self._failing = str(exc)
+                except OSError as exc:
+                    log.info("memory checkpoint: removing what the node no longer needs: %s", exc)
+
+    def _look(self, pause: float) -> float:
+        """One held listing of the source, and the copy it calls for: the pause before
+        the next (none after a listing; growing while the source fails or has no server
+        yet, said once)."""
+        try:
+            looked = self._copy_new()
+        except (PeerError, OSError) as exc:
+            if self._stop.is_set():
+                return pause  # (closing cut the held request: nothing to say)
+            if self._failing is None:
+                log.info("memory checkpoint: copying node %s's steps: %s", self._source, exc)
+            self._failing = str(exc)
+            looked = False
+        else:
+            self._failing = None
+        return 0.0 if looked else min(_RETRY_MAX, max(_RETRY_FIRST, pause * 2))
 
     def _tidy(self) -> None:
         keep = self._base if self._source is not None else None
@@ -123,14 +154,16 @@ class Copier:
         _drop_foreign(self._directory, keep, agreed)
         _drop_left_behind(self._directory, self._ranks, agreed)
 
-    def _copy_new(self) -> None:
+    def _copy_new(self) -> bool:
+        """Whether the source was listed (False: it has no server yet)."""
         if self._client is None:
             self._client = self._connect() if self._connect is not None else None
             if self._client is None:
-                return  # (the source has not published its server yet)
-        listing = self._client.listing()
+                return False  # (the source has not published its server yet)
+        listing = self._client.listing(after=self._seen, hold=self._hold)
+        self._seen = listing.changes
         if self._stop.is_set():
-            return  # (closed while it listed: the next round's copier takes over)
+            return True  # (closed while it listed: the next round's copier takes over)
         own = [p for p in listing.pieces if p.own]
         self._drop_stale(own)
         copied = steps_in(self._base)
@@ -138,11 +171,13 @@ class Copier:
         if step is not None:
             self._copy(step, [p for p in own if p.step == step and p.rank in listing.ranks])
             listing = self._client.listing()
+            self._seen = listing.changes
             own = [p for p in listing.pieces if p.own]
             copied = steps_in(self._base)
         keep = copies_to_keep(copied, listing.newest, {p.step for p in own})
         for old in set(copied) - keep:
             shutil.rmtree(os.path.join(self._base, layout.step_dir_name(old)), ignore_errors=True)
+        return True
 
     def _drop_stale(self, own: list[Held]) -> None:
         """Remove the copies of steps that the source wrote again since they were made

@@ -230,18 +230,27 @@ class PeerError(ElastrunError):
 
 
 class Listing:
-    """What a node said it holds (``GET /list``)."""
+    """What a node said it holds (``GET /list``); ``changes``: what names this state of
+    its steps, for a later listing held until they change (``serve``)."""
 
-    def __init__(self, node: str, ranks: Sequence[int], newest: int | None, pieces: list[Held]):
+    def __init__(
+        self,
+        node: str,
+        ranks: Sequence[int],
+        newest: int | None,
+        pieces: list[Held],
+        changes: str = "",
+    ):
         self.node = node
         self.ranks = tuple(ranks)
         self.newest = newest
         self.pieces = pieces
+        self.changes = changes
 
     def __repr__(self) -> str:
         return (
             f"Listing(node={self.node!r}, ranks={self.ranks}, newest={self.newest}, "
-            f"pieces={len(self.pieces)})"
+            f"pieces={len(self.pieces)}, changes={self.changes!r})"
         )
 
 

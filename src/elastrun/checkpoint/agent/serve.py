@@ -7,7 +7,10 @@ needs a lost node's pieces. Three requests, over HTTP/1.1 (the standard library'
 server and client, kept alive across a step's files):
 
 - ``GET /list``: what the node holds (``holdings.scan``), the global ranks of its
-  workers in the current round and the newest step they agreed on (their reports);
+  workers in the current round, the newest step they agreed on (their reports), and
+  ``changes``, which names this state of the node's own steps; with
+  ``?after=<changes>&hold=<seconds>`` the answer waits until that state changed, at
+  most ``hold`` seconds (``HOLD_MAX`` at most), or the server closes;
 - ``GET /file/<where>/<name>``: one piece's file (``where``: a step directory under the
   node directory; ``name``: ``rank-<R>.data``, ``.meta.json`` or ``.done``), sent with
   ``sendfile`` (no copy through Python);
@@ -22,20 +25,37 @@ directories can be named (a path is matched against the layout, never joined bli
 
 Why HTTP: the standard library has both ends, with keep-alive and ``sendfile``; the
 agent never imports torch, and a worker never talks to it.
+
+**A held listing, not a poll.** The buddy's copier must start a copy as soon as the
+node's ranks wrote a step, and a step can come every few milliseconds. It asked for the
+listing every 20 ms: 50 requests a second per node, each a scan of the pieces and a
+JSON document, whether or not anything was saved. Now it names the state it last saw
+and the server holds its request until the state changes: one request per change (or
+per ``hold`` when nothing happens). The server tells a change by the names in the node
+directory and in its own step directories, with their inodes (:func:`changes`; every
+file there appears by a rename or goes by an unlink: a marker, a report, a copy's
+confirmation), looked at every ``WATCH_EVERY`` seconds on the node itself: a few
+``getdents`` calls, no request, no scan of the markers. The standard library has no
+file-change notification (inotify), and a worker never talks to its agent, so the
+server looks; it does so only while a request is held.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import http.client
 import json
 import logging
+import math
 import mmap
 import os
 import re
 import socket
 import threading
+import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -43,13 +63,27 @@ from typing import Any
 from elastrun.checkpoint.agent.holdings import Held, Listing, PeerError, newest_agreed, scan
 from elastrun.wire import checkpoint as layout
 
-__all__ = ["TOKEN_HEADER", "Listing", "NodeClient", "NodeServer", "PeerError"]
+__all__ = [
+    "HOLD_MAX",
+    "TOKEN_HEADER",
+    "WATCH_EVERY",
+    "Listing",
+    "NodeClient",
+    "NodeServer",
+    "PeerError",
+    "changes",
+]
 
 log = logging.getLogger("elastrun.agent")
 
 TOKEN_HEADER = "X-Elastrun-Token"
 #: Seconds a peer's request may take to connect or to move its next bytes.
 TIMEOUT = 10.0
+#: The longest a listing is held (seconds): well within a client's ``TIMEOUT``.
+HOLD_MAX = 5.0
+#: Seconds between two looks at the node directory while a listing is held (a new step
+#: is answered at most this late).
+WATCH_EVERY = 0.01
 #: Bytes read from the socket at a time when a file is pulled.
 _CHUNK = 8 << 20
 _FILE = re.compile(
@@ -79,6 +113,7 @@ class NodeServer:
         self._ranks: tuple[int, ...] = ()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._closing = threading.Event()  # (ends the held listings)
 
     @property
     def port(self) -> int | None:
@@ -95,6 +130,7 @@ class NodeServer:
             OSError: the address cannot be bound.
         """
         if self._server is None:
+            self._closing.clear()
             server = _Server((self._addr, 0), self)
             self._server = server
             self._thread = threading.Thread(
@@ -113,6 +149,7 @@ class NodeServer:
         server, self._server = self._server, None
         if server is None:
             return
+        self._closing.set()
         server.shutdown()
         server.server_close()
         if self._thread is not None:
@@ -123,13 +160,25 @@ class NodeServer:
     def authorised(self, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(token, self._token)
 
-    def listing(self) -> dict[str, Any]:
+    def listing(self, after: str | None = None, hold: float = 0.0) -> dict[str, Any]:
+        """What the node holds; once its state differs from ``after`` (a listing's
+        ``changes``), waiting at most ``hold`` seconds (and ``HOLD_MAX``) for that, or
+        until the server closes."""
+        deadline = time.monotonic() + min(max(hold, 0.0), HOLD_MAX)
+        mark = changes(self._directory, self._ranks)
+        while mark == after:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closing.wait(min(WATCH_EVERY, left)):
+                break
+            mark = changes(self._directory, self._ranks)
+        # (read after the mark: a change meanwhile makes the next request answer at once)
         return {
             "version": layout.VERSION,
             "node": self._node,
             "ranks": list(self._ranks),
             "newest": newest_agreed(self._directory),
             "pieces": [p.as_json() for p in scan(self._directory)],
+            "changes": mark,
         }
 
     def file_path(self, where: str, name: str) -> str:
@@ -169,6 +218,10 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # A reply is its headers, then its body (or a file) in a second send: with Nagle's
+    # algorithm the second waits for the peer's delayed acknowledgement of the first,
+    # 40 ms on Linux, for each of a copy's requests.
+    disable_nagle_algorithm = True
 
     @property
     def _owner(self) -> NodeServer:
@@ -195,8 +248,18 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self._refused():
             return
-        if self.path == "/list":
-            self._reply(200, json.dumps(self._owner.listing()).encode())
+        path, _, query = self.path.partition("?")
+        if path == "/list":
+            asked = urllib.parse.parse_qs(query)
+            after = asked.get("after", [None])[0]
+            try:
+                hold = float(asked.get("hold", ["0"])[0])
+            except ValueError:
+                hold = math.nan
+            if math.isnan(hold):
+                self._reply(400, b"")
+                return
+            self._reply(200, json.dumps(self._owner.listing(after, hold)).encode())
             return
         match = _FILE.fullmatch(self.path)
         if match is None or ".." in self.path:
@@ -254,30 +317,38 @@ class NodeClient:
         self._token = token
         self._timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
+        self._aborted = False
 
     def abort(self) -> None:
         """From another thread: end the request in flight at once (its socket is shut
-        down; the request raises ``PeerError``). A connection still being made is not
-        cut: it ends at its timeout."""
+        down; the request raises ``PeerError``, and so does every later one, without
+        trying again). A connection still being made is not cut: it ends at its
+        timeout."""
+        self._aborted = True
         conn = self._conn
         sock = getattr(conn, "sock", None) if conn is not None else None
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def listing(self) -> Listing:
-        """What the peer holds.
+    def listing(self, after: str | None = None, hold: float = 0.0) -> Listing:
+        """What the peer holds; with ``after`` (an earlier listing's ``changes``), once
+        that changed, or after ``hold`` seconds (see the module).
 
         Raises:
             PeerError: it cannot be reached, or answered nonsense.
         """
-        body = self._request("GET", "/list", lambda resp, _n: resp.read())
+        path = "/list"
+        if after is not None:
+            path += "?" + urllib.parse.urlencode({"after": after, "hold": f"{hold:.3f}"})
+        body = self._request("GET", path, lambda resp, _n: resp.read())
         try:
             doc = json.loads(body)
             pieces = [Held(**p) for p in doc["pieces"]]
             newest = doc["newest"]
             return Listing(str(doc["node"]), [int(r) for r in doc["ranks"]],
-                           None if newest is None else int(newest), pieces)  # fmt: skip
+                           None if newest is None else int(newest), pieces,
+                           str(doc.get("changes", "")))  # fmt: skip
         except (ValueError, KeyError, TypeError) as exc:
             raise PeerError(f"{self.addr}:{self.port} listed nonsense: {exc!r}") from exc
 
@@ -325,11 +396,17 @@ class NodeClient:
         body: bytes | None = None,
     ) -> bytes:
         for attempt in (0, 1):  # a kept-alive connection the peer closed: once more
+            if self._aborted:
+                raise PeerError(f"{self.addr}:{self.port}{path}: the client was stopped")
             conn = self._conn or http.client.HTTPConnection(
                 self.addr, self.port, timeout=self._timeout
             )
             self._conn = conn
             try:
+                if conn.sock is None:
+                    conn.connect()
+                    if self._aborted:  # (stopped while it connected: its socket was not cut)
+                        raise PeerError(f"{self.addr}:{self.port}{path}: the client was stopped")
                 conn.request(method, path, body=body, headers={TOKEN_HEADER: self._token})
                 resp = conn.getresponse()
                 length = int(resp.getheader("Content-Length") or 0)
@@ -370,6 +447,32 @@ def _receive(resp: http.client.HTTPResponse, fd: int, size: int) -> None:
                 done += n
         finally:
             view.release()
+
+
+def changes(directory: str, ranks: Sequence[int]) -> str:
+    """What names the present state of the node directory ``directory`` for a held
+    listing: the names and inodes of its entries and of its own step directories' (a
+    file there appears by a rename and goes by an unlink, so each writing of a marker,
+    a report or a copy's confirmation changes it), each of these directories' last
+    change (a name and an inode freed and taken again: the time differs), and the
+    round's ``ranks``."""
+    digest = hashlib.blake2b(repr(tuple(ranks)).encode(), digest_size=12)
+    for name, inode in _entries(directory, digest):
+        digest.update(f"{name}\0{inode}\0".encode())
+        if layout.step_of_dir(name) is not None:
+            digest.update(b"/")
+            for inner, inner_inode in _entries(os.path.join(directory, name), digest):
+                digest.update(f"{inner}\0{inner_inode}\0".encode())
+    return digest.hexdigest()
+
+
+def _entries(path: str, digest: hashlib.blake2b) -> list[tuple[str, int]]:
+    """The names in the directory ``path`` with their inodes, sorted (none: it cannot
+    be read); its last change goes into ``digest`` first."""
+    with contextlib.suppress(OSError), os.scandir(path) as it:
+        digest.update(f"{os.stat(path).st_mtime_ns}\0".encode())
+        return sorted((e.name, e.inode()) for e in it)
+    return []
 
 
 def _listdir(path: str) -> list[str]:
