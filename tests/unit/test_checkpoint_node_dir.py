@@ -3,6 +3,7 @@ every worker, removed with what it holds; no torch."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import stat
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastrun.checkpoint.agent.node_dir import NodeCheckpointDir
+from elastrun.checkpoint.agent.node_dir import LOCK_FILE, NodeCheckpointDir, remove_left_behind
 from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV, DIR_PREFIX
 
 
@@ -66,3 +67,37 @@ def test_the_worker_template_serves_workers_whatever_their_node_directory() -> N
     before = TemplateKey.of(cmd, {"HOME": "/h"}, ())
     after = TemplateKey.of(cmd, {"HOME": "/h", CHECKPOINT_DIR_ENV: "/dev/shm/x"}, ())
     assert before == after
+
+
+def test_a_directory_whose_agent_died_with_its_guard_goes_when_another_agent_opens_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    live = NodeCheckpointDir(str(tmp_path))
+    live_path = Path(live.open("live")[CHECKPOINT_DIR_ENV])
+    assert (live_path / LOCK_FILE).exists()
+    # An agent killed with its guard: its directory and (unlocked) lock file stay.
+    dead = tmp_path / f"{DIR_PREFIX}dead-x"
+    (dead / "step-000000000001").mkdir(parents=True)
+    (dead / LOCK_FILE).write_bytes(b"")
+    # A directory with no lock file: an older elastrun's agent, or one being made.
+    older = tmp_path / f"{DIR_PREFIX}older-y"
+    older.mkdir()
+    # Somebody else's lock held: its agent lives (flock: per open file, even here).
+    held = tmp_path / f"{DIR_PREFIX}held-z"
+    held.mkdir()
+    fd = os.open(held / LOCK_FILE, os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with caplog.at_level(logging.INFO, "elastrun.agent"):
+            other = NodeCheckpointDir(str(tmp_path))
+            other.open("other")
+        assert not dead.exists()
+        assert older.is_dir() and held.is_dir() and live_path.is_dir()
+        assert f"removed {dead}, left behind by an agent that died" in caplog.text
+        assert remove_left_behind(str(tmp_path)) == []  # (the live ones stay)
+        other.close()
+        live.close()
+    finally:
+        os.close(fd)
+    assert remove_left_behind(str(tmp_path)) == [str(held)]  # (its holder is gone now)
+    assert sorted(os.listdir(tmp_path)) == [older.name]
