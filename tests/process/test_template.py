@@ -857,6 +857,35 @@ def test_default_preload_adds_what_an_optimizer_imports_lazily(tmp_path: Path) -
     assert default_preload(_argv(str(both))) == ["torch", "torch.nn.parallel", "torch._dynamo"]
 
 
+def test_default_preload_adds_a_recovering_scripts_nested_imports_and_the_recovery(
+    tmp_path: Path,
+) -> None:
+    # A script with in-process recovery starts a replacement at every failure: what it
+    # imports inside its functions, and what a recovery imports, is on that path.
+    script = _write(
+        tmp_path / "recovering.py",
+        """\
+        import json
+        import torch
+        def main():
+            import elastrun.inprocess as ip
+            from elastrun.checkpoint import MemoryCheckpoint
+            from torch.distributed.fsdp import fully_shard
+            import yaml
+        """,
+    )
+    assert default_preload(_argv(str(script))) == [
+        "torch",
+        "elastrun.inprocess",
+        "elastrun.checkpoint",
+        "torch.distributed.fsdp",
+        "elastrun.inprocess.worker.sync",
+    ]
+    # Without elastrun.inprocess, nested imports stay where they are.
+    plain = _write(tmp_path / "plain.py", "import torch\ndef f():\n    import numpy\n")
+    assert default_preload(_argv(str(plain))) == ["torch"]
+
+
 def test_default_preload_reads_a_module_relative_to_the_cwd(tmp_path: Path) -> None:
     _write(tmp_path / "pkg" / "train.py", "import numpy\n")
     assert default_preload(_argv("-m", "pkg.train"), cwd=str(tmp_path)) == ["numpy"]

@@ -6,11 +6,14 @@ survivor's connections close -- and destroying the survivor's group does not clo
 until its own pending collectives end, which wait on the first rank: each waits for the
 other. So a recovering worker shuts down its connections to the other workers:
 
-- before tearing its group down, those to the workers of its own node (processes with
-  the same parent, the agent), found in ``/proc``;
 - when the round comes, those to (and from) every endpoint the round's workers listen
   on, on every node: the agents collect them (``core.tcp_sockets``) and the round's
-  message carries them.
+  message carries them; the channel's thread cuts them as the message arrives, also
+  while the training function still runs;
+- before tearing its group down, when no round came yet (the agent may wait on the
+  other nodes, or not know of the failure yet), those to the workers of its own node
+  (processes with the same parent, the agent), found in ``/proc``: reading the TCP
+  table costs milliseconds, so this is skipped once the round's cut was made.
 
 The peers' blocked reads then fail at once and they recover too. Linux only; elsewhere
 nothing is cut and a stuck round ends at the agent's bound with a whole-group restart.
@@ -37,7 +40,7 @@ def cut_peer_connections() -> int:
                      for inode in socket_fds(pid).values() if inode in table}  # fmt: skip
     except OSError:
         return 0
-    return shut_down_own(lambda s: s.remote in peer_ends)
+    return shut_down_own(lambda s: s.remote in peer_ends, table)
 
 
 def cut_connections(listeners: Iterable[str]) -> int:

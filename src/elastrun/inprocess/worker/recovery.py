@@ -181,16 +181,17 @@ def _next_round(channel: Channel, state: State, round_no: int, wait: float, fail
     """Tear the broken group down, roll back, and take the agent's next round (its
     environment); returns its number. Raises when no round comes (``failure``: the
     first line of the error that a peer's failure caused)."""
-    _teardown()
+    # Peers blocked reading from this worker's broken group must fail too: the round's
+    # message names every worker's listeners, and the channel's thread cut the
+    # connections to them as it came (``_interrupt``); before it comes, the ones to
+    # this node's other workers are cut here.
+    _teardown(cut_siblings=not channel.newer_than(round_no))
     state.rollback()
     message = channel.wait_round(round_no, wait)
     if message is None:
         raise RuntimeError(
             f"{failure}; a peer failed, but the agent announced no new round within {wait:.0f}s"
         )
-    # Peers on other nodes may still be blocked reading from this worker's broken group:
-    # the round names every worker's listeners, and the connections go.
-    cut_connections(message.get("cut") or ())
     _apply_env(message.get("env") or {})
     channel.send("joined", round=int(message["round"]))
     return int(message["round"])
@@ -212,13 +213,15 @@ def _interrupt(message: dict[str, Any]) -> None:
             pg.abort()
 
 
-def _teardown() -> None:
+def _teardown(*, cut_siblings: bool) -> None:
     """Drop the broken process group (NCCL: abort its communicators first) and the
-    objects of the failed call that still hold it."""
+    objects of the failed call that still hold it; ``cut_siblings``: first cut the
+    connections to this node's other workers (see ``inprocess.cut``)."""
     import torch.distributed as dist
 
     release_idle()  # the groups the last recovery kept (see inprocess.parking)
-    cut_peer_connections()  # peers blocked on us must fail too (see inprocess.cut)
+    if cut_siblings:
+        cut_peer_connections()
     if dist.is_available() and dist.is_initialized():
         park_process_groups()
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)

@@ -27,6 +27,15 @@ AUTO_PRELOAD_ROOTS = ("torch", "numpy")
 LAZY_TORCH_IMPORTS = {"DistributedDataParallel": "torch._dynamo", "optim": "torch._dynamo"}
 
 
+#: A script that uses in-process recovery starts a replacement worker at every failure,
+#: and each import on the replacement's way to its first step is on the recovery's
+#: critical path: for such a script the imports inside its functions are preloaded too
+#: (those of ``AUTO_PRELOAD_ROOTS`` and elastrun's worker side), and so are the modules
+#: a recovery imports only when it starts (tens of milliseconds a replacement).
+INPROCESS_MODULE = "elastrun.inprocess"
+INPROCESS_PRELOAD = ("elastrun.inprocess", "elastrun.inprocess.worker.sync")
+_WORKER_SIDE = ("elastrun.inprocess", "elastrun.checkpoint")
+
 # Interpreter options that take a separate value (``-W error``, ``-X dev``).
 _OPTS_WITH_VALUE = frozenset({"-W", "-X", "--check-hash-based-pycs"})
 # Scripts larger than this are not scanned for imports (a generated file, not a script).
@@ -139,9 +148,32 @@ def _scan_imports(path: str) -> list[str]:
                     found.append(name)
 
     visit(tree.body)
+    _add_recovery_path(tree, found)
     if any(name.split(".")[0] == "torch" for name in found):
         used = {_name_of(n) for n in ast.walk(tree)}
         for name, mod in LAZY_TORCH_IMPORTS.items():
             if name in used and mod not in found:
                 found.append(mod)
     return found
+
+
+def _imported_anywhere(tree: ast.AST) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def _add_recovery_path(tree: ast.AST, found: list[str]) -> None:
+    """For a script that imports ``elastrun.inprocess`` (anywhere): add what it imports
+    inside functions too, and what a recovery imports (see ``INPROCESS_PRELOAD``)."""
+    anywhere = _imported_anywhere(tree)
+    if not any(n == INPROCESS_MODULE or n.startswith(INPROCESS_MODULE + ".") for n in anywhere):
+        return
+    for name in [*anywhere, *INPROCESS_PRELOAD]:
+        ours = name.split(".")[0] in AUTO_PRELOAD_ROOTS or name.startswith(_WORKER_SIDE)
+        if ours and name not in found:
+            found.append(name)
