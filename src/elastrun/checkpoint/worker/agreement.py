@@ -101,7 +101,7 @@ def for_world(rank: int, world: int) -> Agreement:
 
     default = dist.distributed_c10d._get_default_store()
     try:
-        # (torch's stubs lack ``clone``: a new client of the same store)
+        # attr-defined: torch's stubs lack ``clone`` (a new client of the same store)
         store: VoteStore = default.clone()  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError):  # a store that cannot be cloned: share it
         store = default
