@@ -31,7 +31,14 @@ between two saves costs on average half the interval). From the kill: until ever
 has loaded its checkpoint, completed its next step, and is back at the killed step, and
 the steps lost (done again). Targets at 0.4 GB per rank (issue 43): blocked <= 0.1 s per
 save, throughput cost <= 10 % with a save every step, <= 2 s from the kill to the next
-step and <= 1 step lost. Run from the repository root::
+step and <= 1 step lost.
+
+Then, for the memory checkpoints, a node killed whole (its agent and its workers) while
+a spare waits: two agents of one worker each and a spare on loopback
+(``_memory_checkpoint_node``); from the kill until every rank's next step, and the
+steps lost. torchrun's figure there is its own restart from DCP on disk (the same files
+and the same restart of every worker whichever process was lost; not run again).
+Run from the repository root::
 
     .venv/bin/python benchmarks/bench_memory_checkpoint.py [--quick | --smoke]
 """
@@ -51,12 +58,15 @@ from pathlib import Path
 from typing import Any
 
 from _common import Running, ScenarioFailure, elastrun, new_marker, require_clean, torchrun
+from _memory_checkpoint_node import node_killed
 from _report import Benchmark, Headline, Row, Section, alternate
 
 WARMUP = 2  # steps left out of the step-time figures (first allocations, first gathers)
 EVERY = 20  # torchrun's checkpoint interval
 BLOCK = 4  # memory checkpoints without a failure: blocks without and with saves
 KILL_MEMORY = 6  # memory checkpoints: the step rank 1 is killed at
+#: A node killed: the steps of the job, and its pause after each until the kill (s).
+NODE_STEPS, NODE_PACE = 20, 0.1
 
 SCRIPT = textwrap.dedent(
     """\
@@ -71,6 +81,7 @@ SCRIPT = textwrap.dedent(
     out, mode, features, batch, steps, every, block, kill_at = sys.argv[1:9]
     features, batch, steps, every, block, kill_at = map(
         int, (features, batch, steps, every, block, kill_at))
+    pace = float(sys.argv[9]) if len(sys.argv) > 9 else 0.0  # (while out/PACE_FILE exists)
     rank = int(os.environ["RANK"])
     log = os.open(os.path.join(out, f"steps_{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 
@@ -118,7 +129,7 @@ SCRIPT = textwrap.dedent(
                 resumed = int(fh.read())
             dcp.load(state, checkpoint_id=os.path.join(disk, f"step-{resumed}"))
             start = resumed + 1
-        record(loaded_at=time.time())
+        record(loaded_at=time.time(), pid=os.getpid())
         for step in range(start, steps):
             if rank == 1 and step == kill_at and not os.path.exists(os.path.join(out, "killed")):
                 with open(os.path.join(out, "killed"), "w") as fh:
@@ -144,6 +155,8 @@ SCRIPT = textwrap.dedent(
             record(step=step, at=time.time(), train_s=t1 - t0, save_s=t2 - t1 if saved else None)
             if commit is not None:
                 commit(step + 1)
+            if pace and os.path.exists(os.path.join(out, "pace")):  # (PACE_FILE)
+                time.sleep(pace)
         if ckpt is not None:
             ckpt.close()
         dist.barrier()
@@ -228,6 +241,19 @@ def _run(column: str, features: int, opts: Options, work: Path, kill: bool) -> l
     return lines
 
 
+def _node_killed(features: int, opts: Options, work: Path) -> dict[str, float]:
+    """Memory checkpoints, a node killed whole with a spare waiting (see the module)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="ckpt-node-", dir=work))
+    out = run_dir / "out"
+    out.mkdir()
+    script = run_dir / "job.py"
+    script.write_text(SCRIPT)
+    # (a kill step past the end: rank 1 never kills itself, and every step saves)
+    job = [str(script), str(out), "memory", str(features), str(opts.batch), str(NODE_STEPS),
+           str(opts.every), str(BLOCK), str(NODE_STEPS), str(NODE_PACE)]  # fmt: skip
+    return node_killed(job, out, run_dir, KILL_MEMORY)
+
+
 def _steady(lines: list[dict[str, Any]], column: str, every: int) -> dict[str, float]:
     """Step and save times, and the throughput cost, of a run without a failure."""
     measured = [ln for ln in lines if ln.get("step", -1) >= WARMUP]
@@ -299,6 +325,17 @@ def body(section: Section, opts: Options) -> None:
         "load the newest step in the node's memory; the group restart starts both "
         "processes again (from elastrun's template)."
     )
+    section.notes.append(
+        "Node killed: elastrun on two nodes of one worker each and a spare node waiting "
+        "(three agents on loopback, a standalone elastrun store); the job saves every step "
+        f"(paused {NODE_PACE} s after each until the kill, so that the spare waits first); once "
+        f"every rank recorded step {KILL_MEMORY}, the process group of rank 1's agent is "
+        "SIGKILLed (its workers die with it); the spare takes its place with rank 1's "
+        "piece from the copy on the other node. Next step: every rank of the new world "
+        "completed its first step. torchrun's figures there are those of its restart from "
+        "DCP on disk above (every worker restarts from the same files whichever process "
+        "was lost; not run again with a node killed)."
+    )
     section.commands[MEMORY] = (
         "elastrun --standalone --nproc-per-node=2 --max-restarts 1 job.py OUT memory F 64 N 20 4 K"
     )
@@ -322,11 +359,21 @@ def _one_size(section: Section, features: int, opts: Options, work: Path) -> Non
         table.row("next_s", "kill -> every rank's next step (s)", fmt=".2f"),
         table.row("back_s", "kill -> every rank back at the killed step (s)", fmt=".2f"),
         table.row("lost", "steps lost (done again)", fmt=".0f"),
+        table.row(
+            "node_next_s",
+            "node killed, a spare waiting: kill -> every rank's next step (s)",
+            fmt=".2f",
+        ),
+        table.row("node_lost", "node killed, a spare waiting: steps lost", fmt=".0f"),
     ]
 
     def measure(col: str, _rep: int) -> dict[str, float]:
         m = _steady(_run(col, features, opts, work, kill=False), col, opts.every)
         m.update(_after_kill(_run(col, features, opts, work, kill=True)))
+        if col == MEMORY:
+            m.update(_node_killed(features, opts, work))
+        elif col == DISK:  # (its restart from DCP on disk: see the module)
+            m.update(node_next_s=m["next_s"], node_lost=m["lost"])
         return m
 
     def record(col: str, m: Mapping[str, float]) -> None:
