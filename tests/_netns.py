@@ -186,7 +186,12 @@ class Topology:
             except subprocess.TimeoutExpired:
                 pass  # stuck in the kernel; the leak check will name it
         # Anything left inside our private namespaces descends from what we started
-        # (e.g. a worker whose agent was SIGKILLed): end it by pid.
+        # (e.g. a worker whose agent was SIGKILLed, or that agent's orphan guard, which
+        # ends the workers and removes the node's checkpoint directory): a moment to end
+        # on its own, then ended by pid.
+        settle = time.monotonic() + 3.0
+        while time.monotonic() < settle and any(self._pids_in(ns) for ns in self._created):
+            time.sleep(0.05)
         for ns in self._created:
             for pid in self._pids_in(ns):
                 _signal(pid, signal.SIGKILL)

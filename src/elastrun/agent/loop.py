@@ -107,19 +107,25 @@ class ElasticLoop:
     def _start_services(self, exits: contextlib.ExitStack) -> None:
         """Start what runs for the whole loop; push each one's undoing on ``exits``."""
         p = self._p
+        # Undone in the reverse order. The orphan guard is told goodbye last: an agent
+        # killed during its own teardown (a second signal's SIGKILL) leaves its workers
+        # and its node's checkpoint directory to the guard, until the very end.
+        exits.callback(p.guard.close)
         exits.callback(p.workers.close)
-        exits.callback(p.checkpoints.close)  # (runs after the attempt stops: pushed before)
-        exits.callback(p.checkpoint_reports.finish)  # the workers' last reports, before it
         if p.owns_shutdown:
             exits.callback(p.shutdown.close)
         exits.callback(p.notices.close)
         if p.file_timer is not None:
             exits.callback(p.file_timer.stop)
-        exits.callback(p.guard.close)
         exits.callback(p.progress.close)
         exits.callback(p.pace.close)
         exits.callback(p.ladder.follower.close)
         exits.callback(p.rounds.end)
+        # Right after the attempt stops, before the closes that may wait on other nodes
+        # (a partitioned node's pace exchange takes seconds): the node's checkpoints,
+        # after the workers' last reports.
+        exits.callback(p.checkpoints.close)
+        exits.callback(p.checkpoint_reports.finish)
         exits.callback(self._finish_attempt, signal.SIGTERM)
         p.rdzv.set_node_info(p.spec.role, p.spec.local_world_size)
         p.cooldown.start()
