@@ -182,7 +182,7 @@ def _command(
     extra = ["--max-restarts", restarts, "--log-dir", str(run_dir / "logs")]
     if mode == "group":
         extra += GROUP_FLAGS
-    else:
+    elif mode in ("inplace", "sharded"):
         extra += INPLACE_FLAGS
     return lch.command(opts.workers, JOB, script_args, *extra), env
 
