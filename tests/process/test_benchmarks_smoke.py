@@ -328,3 +328,20 @@ def test_churn_reference_rebuilds_ddp_only_where_the_surviving_history_began_a_c
     for rank in range(2):
         (tmp_path / f"steps_{rank}.log").write_text("\n".join(lines(100 + rank)) + "\n")
     assert rebuild_steps(read_ranks(tmp_path, 2)) == [0, 4, 9]
+
+
+def test_churn_benchmark_gives_each_launcher_only_its_own_flags(
+    bench_path: None, tmp_path: Path
+) -> None:
+    import bench_churn
+
+    opts = bench_churn.PROFILE_OPTIONS["full"]
+    for mode in bench_churn.COLUMNS:
+        argv, env = bench_churn._command(mode, opts, tmp_path / "out", tmp_path)
+        elastrun_only = {"--stalled-restarts", "--no-crash-loop-stop"}
+        if mode == "torchrun":
+            assert not elastrun_only & set(argv), argv
+            assert env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
+        else:
+            assert elastrun_only <= set(argv), (mode, argv)
+        assert argv[-3] == (mode if mode in ("inplace", "sharded") else "group"), argv
