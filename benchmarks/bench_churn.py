@@ -477,9 +477,14 @@ def _max_abs_diff(a: Path, b: Path) -> float:
 
 
 def body(section: Section, opts: Options) -> None:
+    sharded = (
+        f" (FSDP2 ones, with a memory checkpoint after every step, in the mode "
+        f"'{COLUMNS['sharded']}')"
+        if "sharded" in opts.modes
+        else ""
+    )
     section.intro = (
-        f"{opts.workers} gloo DDP workers on {os.cpu_count()} CPUs (FSDP2 ones, with a memory "
-        f"checkpoint after every step, in the mode '{COLUMNS['sharded']}'), a step = "
+        f"{opts.workers} gloo DDP workers on {os.cpu_count()} CPUs{sharded}, a step = "
         f"{opts.step_sleep} s of sleep + ~10 ms of compute; {opts.failures} SIGKILLs of a "
         "random rank, one per "
         f"{opts.interval:g} s on average before the overlapping ones (moments random, "
