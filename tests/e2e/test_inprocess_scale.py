@@ -105,7 +105,7 @@ def move(tensors, moving, me, world, *rest):
         os.kill(os.getpid(), signal.SIGKILL)
     real_move(tensors, moving, me, world, *rest)
     with open(os.path.join(out, f"moved_{round_no}_{me}.json"), "w") as fh:
-        json.dump({"sources": list(moving.sources), "receivers": list(moving.receivers),
+        json.dump({"sources": list(moving[0].sources), "receivers": list(moving[0].receivers),
                    "local": transfer.LOCAL and read[-1:] == [True]}, fh)
 
 read = []

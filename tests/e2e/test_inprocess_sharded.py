@@ -206,3 +206,163 @@ def test_sharded_recoveries_one_after_another_stay_in_place(
     assert err.count("replacing it in place") == 4, err
     assert "restarting all workers" not in err and "no newer commit" not in err, err
     assert {r["sha"] for r in ranks.values()} == {clean_sha("fsdp", 1)}
+
+
+# -- the state in the State: a replacement takes its shard from a replica ---------------
+
+REPLICA_SCRIPT = """
+import hashlib, json, logging, os, signal, sys, warnings
+warnings.filterwarnings("ignore")
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("elastrun.inprocess").setLevel(logging.INFO)
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+import elastrun.inprocess as inprocess
+
+out, mode, steps, plan = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+calls = []
+
+def once(name):
+    try:
+        os.close(os.open(os.path.join(out, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+state = inprocess.State(model=model, optimizer=None, step=0)
+
+@inprocess.run
+def train(state):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    if mode == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    if not isinstance(state.model, FSDPModule):  # this process's first call
+        for layer in state.model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(state.model, mesh=mesh)
+        state.optimizer = torch.optim.Adam(state.model.parameters(), lr=1e-2)
+    if f"{rank}:restore" in plan and os.environ.get("ELASTRUN_INPROCESS_ROUND", "0") != "0":
+        if once(f"killed_{rank}_restore"):  # a survivor killed as the shards are to move
+            os.kill(os.getpid(), signal.SIGKILL)
+    state.restore()
+    calls.append(state.step)
+    while state.step < steps:
+        step = state.step
+        if f"{rank}:{step}" in plan and once(f"killed_{rank}_{step}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + rank))
+        state.optimizer.zero_grad()
+        state.model(x).pow(2).mean().backward()
+        state.optimizer.step()
+        state.step += 1
+        state.commit()
+    full = [p.full_tensor() for p in state.model.parameters()]
+    dist.barrier()
+    dist.destroy_process_group()
+    return full
+
+full = train(state)
+h = hashlib.sha256()
+for t in full:
+    h.update(t.detach().numpy().tobytes())
+rank = int(os.environ["RANK"])
+with open(os.path.join(out, f"rank_{rank}_{os.getpid()}.json"), "w") as fh:
+    json.dump({"rank": rank, "pid": os.getpid(), "calls": calls, "sha": h.hexdigest()}, fh)
+"""
+
+
+def _run_replica(
+    tmp_path: Path, name: str, mode: str, steps: int, plan: list[str]
+) -> tuple[int, str, dict[int, list[dict[str, Any]]]]:
+    out = tmp_path / name
+    out.mkdir()
+    script = write_script(tmp_path / "replica.py", REPLICA_SCRIPT)
+    proc = start(
+        ["--standalone", "--nproc-per-node", "4", "--max-restarts", "10",
+         str(script), str(out), mode, str(steps), *plan],
+        cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "ELASTRUN_INPROCESS_JOIN_TIMEOUT": "5"},
+    )  # fmt: skip
+    res = finish(proc, 180)
+    ranks: dict[int, list[dict[str, Any]]] = {}
+    for p in out.glob("rank_*.json"):
+        result = json.loads(p.read_text())
+        ranks.setdefault(result["rank"], []).append(result)
+    return res.returncode, res.stderr, ranks
+
+
+@pytest.fixture
+def clean_replica_sha(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> str:
+    """The parameters' SHA-256 of the HSDP run without failures (one run for all)."""
+
+    def make() -> str:
+        code, err, clean = _run_replica(tmp_path_factory.mktemp("clean"), "out", "hsdp", 24, [])
+        assert code == 0, err
+        shas = {str(r["sha"]) for results in clean.values() for r in results}
+        assert sorted(clean) == [0, 1, 2, 3] and len(shas) == 1, clean
+        return shas.pop()
+
+    if worker_id == "master":  # not under xdist
+        return make()
+    return once_per_run(tmp_path_factory.getbasetemp().parent, "inprocess-replica", make)
+
+
+@pytest.mark.parametrize(
+    ("plan", "victims"),
+    [
+        # HSDP 2 x 2 (replica groups {0, 1} and {2, 3}; rank r's shard is also rank
+        # (r + 2) % 4's): rank 1 killed before step 13 takes its shard from rank 3.
+        (["1:13"], (1,)),
+        # Both ranks of one replica group killed together: their shards come from the
+        # other group (ranks 2 and 3).
+        (["0:13", "1:13"], (0, 1)),
+        # Rank 0 killed in the recovery of rank 1, as the shards are about to move: the
+        # round fails on every rank, the next replaces rank 0 too, and both take their
+        # shards from the other group.
+        (["1:13", "0:restore"], (0, 1)),
+    ],
+    ids=["one-rank", "a-whole-replica-group", "a-kill-during-the-transfer"],
+)
+def test_hsdp_replacement_takes_its_shard_from_a_replica_and_no_step_is_lost(
+    tmp_path: Path, clean_replica_sha: str, plan: list[str], victims: tuple[int, ...]
+) -> None:
+    code, err, ranks = _run_replica(tmp_path, "killed", "hsdp", 24, plan)
+    assert code == 0, err
+    assert sorted(ranks) == [0, 1, 2, 3], (ranks, err)
+    assert "restarting all workers" not in err, err
+    for rank, results in ranks.items():
+        assert len(results) == 1, (results, err)  # one process per rank finished
+        calls = results[0]["calls"]
+        if rank in victims:
+            # The replacement: its first call starts at step 13 (a commit every step:
+            # nothing lost), its shard from the other replica group's rank.
+            assert calls == [13], (rank, results, err)
+            source = (rank + 2) % 4
+            assert f"rank {rank} took commit 13 of its shard from rank {source}" in err, err
+        elif calls != [0, 13]:
+            # See test_sharded_survivors_keep_their_processes_and_resume_from_memory_in_place.
+            assert "did not reach in-process round" in err, (rank, results, err)
+            assert calls[-1] == 13, (rank, results, err)
+    # No survivor took anything: each kept its own shard, rolled back to its commit.
+    survivors = sorted(set(range(4)) - set(victims))
+    assert not any(f"rank {r} took commit" in err for r in survivors), err
+    assert {r[0]["sha"] for r in ranks.values()} == {clean_replica_sha}
+
+
+def test_fsdp2_state_without_replicas_restarts_the_group_once_saying_why(tmp_path: Path) -> None:
+    # FSDP2 on 4 ranks: a rank's shard is in no other rank. A killed rank's replacement
+    # finds it lost; every rank says so, and the agent restarts the group at once (one
+    # restart from the budget, not one per rank ending with the error).
+    code, err, ranks = _run_replica(tmp_path, "killed", "fsdp", 8, ["2:5"])
+    assert code == 0, err
+    assert sorted(ranks) == [0, 1, 2, 3], (ranks, err)
+    assert "no rank holding the shard of rank 2 holds commit 5 intact" in err, err
+    assert "newest commit held by no rank (CommitLostError)" in err, err
+    assert err.count("restarting all workers") == 1 and "(restart 2 of 10)" in err, err
+    assert all(results[-1]["calls"] == [0] for results in ranks.values()), ranks

@@ -12,7 +12,13 @@ import pytest
 
 from elastrun.inprocess import State
 from elastrun.inprocess.worker.state import StateMismatchError
-from elastrun.inprocess.worker.transfer import CHUNK, CommitLostError, chunks, decide
+from elastrun.inprocess.worker.transfer import (
+    CHUNK,
+    CommitLostError,
+    chunks,
+    decide,
+    decide_sharded,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -235,6 +241,33 @@ def test_the_newest_intact_commit_is_taken_from_every_rank_that_holds_it() -> No
     assert (plan.sources, plan.receivers) == ((1,), (0, 2))
     with pytest.raises(CommitLostError, match="rank 0's state moved on past its commit 7"):
         decide([(7, False), (0, True)])
+
+
+def test_a_sharded_commit_moves_only_between_the_ranks_of_one_shard() -> None:
+    # HSDP 2 x 2: ranks 0 and 2 hold shard "a", ranks 1 and 3 shard "b". Rank 1 is a
+    # replacement (commit 0, held by nobody): it takes commit 7 from rank 3 only.
+    plans = decide_sharded([(7, True, "a"), (0, False, "b"), (7, True, "a"), (7, True, "b")])
+    assert [(p.commit, p.sources, p.receivers) for p in plans] == [
+        (7, (0, 2), ()), (7, (3,), (1,)),
+    ]  # fmt: skip
+    # A whole replica group replaced: each takes its shard from the other group.
+    plans = decide_sharded([(0, False, "a"), (0, False, "b"), (7, True, "a"), (7, True, "b")])
+    assert [(p.sources, p.receivers) for p in plans] == [((2,), (0,)), ((3,), (1,))]
+    # A rank of a shard one commit behind takes the newest from its replica.
+    plans = decide_sharded([(7, True, "a"), (6, True, "b"), (7, True, "a"), (7, True, "b")])
+    assert [(p.sources, p.receivers) for p in plans] == [((0, 2), ()), ((3,), (1,))]
+
+
+def test_a_shard_that_no_rank_holds_at_the_newest_commit_is_lost() -> None:
+    # FSDP2: every rank its own shard; the replacement's is nowhere.
+    with pytest.raises(CommitLostError, match="shard of rank 2 holds commit 7 intact"):
+        decide_sharded([(7, True, 0), (7, True, 1), (0, False, 2), (7, True, 3)])
+    # Both replicas of shard "b" lost.
+    with pytest.raises(CommitLostError, match="shard of ranks 1, 3 holds commit 7"):
+        decide_sharded([(7, True, "a"), (0, False, "b"), (7, True, "a"), (0, False, "b")])
+    # Every rank must end on the same commit: shard "b" holds only an older one.
+    with pytest.raises(CommitLostError, match="shard of ranks 1, 3 holds commit 7"):
+        decide_sharded([(7, True, "a"), (6, True, "b"), (7, True, "a"), (6, True, "b")])
 
 
 def test_the_chunks_are_split_across_the_sources() -> None:

@@ -21,8 +21,9 @@ commit to every rank that is behind (the replacement included), tensor by tensor
 its own tensors, and calls the function again. A commit copies no tensor of the model or
 optimizer on CPU (see ``inprocess.snapshot``).
 Outside elastrun the decorator just calls the function. Sharded training (FSDP2, HSDP)
-keeps its model through a recovery with ``rebind`` and takes its state from a memory
-checkpoint (``elastrun.checkpoint``). See docs/inprocess.md.
+calls ``state.restore()`` once its model is sharded: a replacement takes its shard
+from a replica (HSDP); without one, the state comes from a memory checkpoint
+(``elastrun.checkpoint``, with ``rebind``). See docs/inprocess.md.
 
 This package holds both sides of in-process recovery: ``elastrun.inprocess.worker``
 is the workers' side, ``elastrun.inprocess.agent`` the agent's. The agent imports its
@@ -39,7 +40,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from elastrun.inprocess.worker.fsdp import FsdpRebindError, rebind
     from elastrun.inprocess.worker.recovery import run
-    from elastrun.inprocess.worker.state import State, StateMismatchError
+    from elastrun.inprocess.worker.state import RestoreMissingError, State, StateMismatchError
     from elastrun.inprocess.worker.transfer import CommitLostError
 
 __getattr__ = lazy_getattr(
@@ -50,8 +51,17 @@ __getattr__ = lazy_getattr(
         "FsdpRebindError": "elastrun.inprocess.worker.fsdp",
         "State": "elastrun.inprocess.worker.state",
         "StateMismatchError": "elastrun.inprocess.worker.state",
+        "RestoreMissingError": "elastrun.inprocess.worker.state",
         "CommitLostError": "elastrun.inprocess.worker.transfer",
     },
 )
 
-__all__ = ["CommitLostError", "FsdpRebindError", "State", "StateMismatchError", "rebind", "run"]
+__all__ = [
+    "CommitLostError",
+    "FsdpRebindError",
+    "RestoreMissingError",
+    "State",
+    "StateMismatchError",
+    "rebind",
+    "run",
+]

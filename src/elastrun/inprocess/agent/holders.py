@@ -15,19 +15,23 @@ from collections.abc import Mapping
 from elastrun.agent.attempt import Attempt
 from elastrun.inprocess.agent.hub import InprocessHub
 
-__all__ = ["STATE_LOST", "holding"]
+__all__ = ["COMMIT_LOST", "STATE_LOST", "holding"]
 
 #: Why a failure is not recovered in place when no running worker holds the state.
 STATE_LOST = (
     "every worker that held the training's state has failed (each running worker is a "
     "replacement that had not taken a commit yet)"
 )
+#: Why, when a worker said so (``CommitLostError``; its traceback says which commit).
+COMMIT_LOST = "a worker found the round's newest commit held by no rank (CommitLostError)"
 
 
 def holding(hub: InprocessHub, started: Mapping[int, int], attempt: Attempt) -> list[int]:
     """The local ranks of ``attempt``'s running workers that hold the training's state;
     ``started``: local rank -> pid of the workers started into an in-process round."""
     pids = attempt.procs.pids()
+    if hub.said_lost(pids):  # a worker found the newest commit lost: nobody holds it
+        return []
     return [
         lr
         for lr in attempt.procs.running()

@@ -17,7 +17,7 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,7 @@ class InprocessHub:
         self._joined: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round)
         self._commits: dict[int, int] = {}  # local rank -> the commit it synchronised to
         self._asked: dict[int, tuple[int, int]] = {}  # local rank -> (pid, round) unanswered
+        self._lost: dict[int, int] = {}  # local rank -> pid: it found the newest commit lost
         # local rank -> (pid, round, message): the newest round announced to that worker,
         # also when its hello had not come yet (a replacement started for a round that was
         # abandoned before it said hello): its hello is answered with it (see _note).
@@ -85,6 +86,12 @@ class InprocessHub:
         with self._lock:
             said = self._synced.get(local_rank)
         return said is not None and said[0] == pid
+
+    def said_lost(self, pids: Mapping[int, int]) -> bool:
+        """Whether any of the workers ``pids`` (local rank -> pid) found the round's
+        newest commit lost (``CommitLostError``): no in-place round can restore it."""
+        with self._lock:
+            return any(self._lost.get(lr) == pid for lr, pid in pids.items())
 
     def commit(self, local_rank: int) -> int:
         """The commit that worker holds since its last synchronisation (0: none)."""
@@ -220,6 +227,8 @@ class InprocessHub:
                 self._joined[lr] = (peer.pid, round_no)
             elif op == "ask" and peer.pid is not None:
                 self._asked[lr] = (peer.pid, round_no)
+            elif op == "lost" and peer.pid is not None:
+                self._lost[lr] = peer.pid
         return True
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ from elastrun.inprocess.agent.answer import (
     hold,
     hold_ends_in,
 )
-from elastrun.inprocess.agent.holders import STATE_LOST, holding
+from elastrun.inprocess.agent.holders import COMMIT_LOST, STATE_LOST, holding
 from elastrun.inprocess.agent.hub import InprocessHub
 from elastrun.inprocess.agent.stuck import end_stuck
 from elastrun.observe.sinks import EventSink, MetricSink
@@ -185,13 +185,15 @@ class InprocessRecovery:
         return None
 
     def _state_lost(self, attempt: Attempt) -> str:
+        lost = self._hub is not None and self._hub.said_lost(attempt.procs.pids())
+        why = COMMIT_LOST if lost else STATE_LOST
         if self._lost_said != attempt.number:  # (said once an attempt)
             self._lost_said = attempt.number
             log.warning(
                 "%s: not recovering in place; the group restarts and the script loads "
-                "its own checkpoint", STATE_LOST,
+                "its own checkpoint", why,
             )  # fmt: skip
-        return STATE_LOST
+        return why
 
     def offer(self, attempt: Attempt, kept: bool) -> Offer:
         """What this node brings to the agreement on a round across nodes, having kept

@@ -106,6 +106,7 @@ def _recovering(
                 release_parked()
                 return result
             except Exception as exc:
+                _say_lost(channel, exc, round_no)
                 if not _peer_failed(channel, exc, round_no, wait):
                     raise  # the worker's own error: the original, as it was raised
                 failure = _first_line(exc)  # not the exception: its frames hold the old group
@@ -120,6 +121,7 @@ def _synchronised(channel: Channel, state: State, round_no: int, wait: float) ->
     try:
         _synchronise(state, round_no, channel)
     except Exception as exc:
+        _say_lost(channel, exc, round_no)
         if not _peer_failed(channel, exc, round_no, wait):
             raise
         failure = _first_line(exc)
@@ -129,6 +131,16 @@ def _synchronised(channel: Channel, state: State, round_no: int, wait: float) ->
         return None
     log.warning("the state synchronisation failed (%s); waiting for the next round", failure)
     return failure
+
+
+def _say_lost(channel: Channel, exc: Exception, round_no: int) -> None:
+    """Tell the agent when ``exc`` says that no rank holds the round's newest commit
+    (every rank finds so at once): it then restarts the group rather than replace the
+    workers one by one as they end with it."""
+    from elastrun.inprocess.worker.transfer import CommitLostError
+
+    if isinstance(exc, CommitLostError):
+        channel.send("lost", round=round_no)
 
 
 def _peer_failed(channel: Channel, exc: Exception, round_no: int, wait: float) -> bool:

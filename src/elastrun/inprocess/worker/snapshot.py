@@ -57,6 +57,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str  # str(torch.dtype), e.g. "torch.float32"
     device_type: str  # "cpu" or "cuda": where the sender keeps it
+    sharded: bool = False  # a DTensor's local shard (``shape`` is the shard's)
 
     @property
     def numel(self) -> int:
@@ -66,22 +67,34 @@ class TensorSpec:
         return n
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes a commit holds: a DTensor's local shard (FSDP2, HSDP),
+    else the tensor itself."""
+    inner: torch.Tensor | None = getattr(t, "_local_tensor", None)
+    return t if inner is None else inner
+
+
 @dataclass
 class Leaf:
-    """One tensor of a commit: the live tensor, its version then, and a copy where the
-    live tensor may move on before a failure is seen."""
+    """One tensor of a commit: the live tensor (a DTensor's bytes are its local
+    shard's: ``data``), its version then, and a copy where the live tensor may move on
+    before a failure is seen."""
 
     live: torch.Tensor
     version: int
     saved: torch.Tensor | None = None
 
+    @property
+    def data(self) -> torch.Tensor:
+        return local(self.live)
+
     def intact(self) -> bool:
-        return self.saved is not None or self.live._version == self.version
+        return self.saved is not None or self.data._version == self.version
 
     def restore(self) -> None:
         if self.saved is not None:
-            self.live.copy_(self.saved)
-            self.version = self.live._version
+            self.data.copy_(self.saved)
+            self.version = self.data._version
 
 
 @dataclass
@@ -95,7 +108,15 @@ class ItemSnapshot:
     is_module: bool
 
     def tensors(self) -> list[torch.Tensor]:
+        """The commit's tensors as its state dict holds them (DTensors, where sharded)."""
         return [leaf.live for leaf in self.leaves]
+
+    def data(self) -> list[torch.Tensor]:
+        """The tensors whose bytes the commit holds (a DTensor's local shard)."""
+        return [leaf.data for leaf in self.leaves]
+
+    def sharded(self) -> bool:
+        return any(leaf.data is not leaf.live for leaf in self.leaves)
 
     def nbytes_copied(self) -> int:
         return sum(_nbytes(leaf.saved) for leaf in self.leaves if leaf.saved is not None)
@@ -140,16 +161,17 @@ def take(
     old = previous.leaves if previous is not None else []
     leaves = []
     for i, (path, tensor) in enumerate(found):
-        leaf = Leaf(tensor, tensor._version)
+        data = local(tensor)
+        leaf = Leaf(tensor, data._version)
         wanted = (
             copy_all
-            or tensor.is_cuda
-            or _nbytes(tensor) <= SMALL
+            or data.is_cuda
+            or _nbytes(data) <= SMALL
             or (bool(path) and path[0] in copy_names)
         )
         if wanted:
             reuse = old[i].saved if i < len(old) else None
-            leaf.saved = _copy_into(tensor, reuse)
+            leaf.saved = _copy_into(data, reuse)
         leaves.append(leaf)
     return ItemSnapshot(skeleton, leaves, [p for p, _ in found], is_module)
 
@@ -198,8 +220,8 @@ def _slots(value: object) -> Iterator[Slot]:
 def specs(snapshot: ItemSnapshot) -> list[TensorSpec]:
     """What a receiver must allocate or find for each tensor of ``snapshot``."""
     return [
-        TensorSpec(path, tuple(t.shape), str(t.dtype), t.device.type)
-        for path, t in zip(snapshot.paths, snapshot.tensors(), strict=True)
+        TensorSpec(path, tuple(d.shape), str(d.dtype), d.device.type, d is not t)
+        for path, t, d in zip(snapshot.paths, snapshot.tensors(), snapshot.data(), strict=True)
     ]
 
 

@@ -20,7 +20,15 @@ from elastrun.core.errors import ElastrunError
 from elastrun.inprocess.worker import own as own_part
 from elastrun.inprocess.worker import rng
 from elastrun.inprocess.worker.parking import park_process_groups, release_idle
-from elastrun.inprocess.worker.snapshot import ItemSnapshot, TensorSpec, rebuild, specs, take, walk
+from elastrun.inprocess.worker.snapshot import (
+    ItemSnapshot,
+    TensorSpec,
+    local,
+    rebuild,
+    specs,
+    take,
+    walk,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +39,10 @@ log = logging.getLogger("elastrun.inprocess")
 class StateMismatchError(ElastrunError, ValueError):
     """A rank's objects do not have the shapes of the commit it must take (it built
     its model or optimizer differently from the rank that sends the commit)."""
+
+
+class RestoreMissingError(ElastrunError, RuntimeError):
+    """A sharded state was not restored after an in-process recovery (``restore``)."""
 
 
 def _stateful(value: object) -> bool:
@@ -116,6 +128,7 @@ class State:
         object.__setattr__(self, "_own", own_names)
         object.__setattr__(self, "_own_saved", b"")  # the own items, pickled at the commit
         object.__setattr__(self, "_own_path", own_part.record_path())
+        object.__setattr__(self, "_pending", False)  # a sharded commit awaits restore()
         for name, value in items.items():
             setattr(self, name, value)
         self._take()
@@ -181,7 +194,7 @@ class State:
         for snap in self._snap.values():
             for leaf in snap.leaves:
                 if leaf.saved is None:
-                    leaf.version = leaf.live._version
+                    leaf.version = leaf.data._version
 
     # -- commits --------------------------------------------------------------------------
 
@@ -192,13 +205,51 @@ class State:
         return int(self._commit)
 
     def commit(self) -> None:
-        """Mark the point a recovery comes back to (see the class docstring)."""
+        """Mark the point a recovery comes back to (see the class docstring).
+
+        Raises:
+            RestoreMissingError: the state is sharded and this call of the training
+                function did not call ``restore()`` after a recovery.
+        """
+        if self._pending:
+            raise RestoreMissingError(
+                "a sharded state (FSDP2, HSDP) was not restored after an in-process "
+                "recovery: call state.restore() in the training function once the model "
+                "is sharded and its optimizer made, before the first step"
+            )
         park_process_groups()  # see inprocess.parking: the training's own group too
         release_idle(generations=False)  # what an earlier chain of recoveries kept
         self._take()
         object.__setattr__(self, "_commit", self._commit + 1)
         object.__setattr__(self, "_holds", True)
         self._keep_own()
+
+    def restore(self) -> None:
+        """After an in-process recovery of a sharded state (FSDP2, HSDP): bring every
+        rank to the round's commit, in the training's own process group. A survivor's
+        model is rebound to the new world's groups (``inprocess.rebind``) and keeps its
+        shards (rolled back to its commit); a rank that lacks the commit (the
+        replacement) takes its shards from a replica of the same shard.
+
+        Call it in the training function after ``init_process_group``, the device
+        mesh, and (in a process's first call) ``fully_shard`` and the optimizer, before
+        the first step; it does nothing else where nothing is to restore, so call it on
+        every call (see docs/inprocess.md).
+
+        Raises:
+            CommitLostError: a shard's every replica is lost (or it has none): the
+                workers are started again from the checkpoint.
+        """
+        from elastrun.inprocess.worker.sharded import restore
+
+        restore(self)
+
+    def _defer_restore(self) -> None:
+        """The round's commit is sharded: it moves at ``restore`` (inprocess.transfer)."""
+        object.__setattr__(self, "_pending", True)
+
+    def _restored(self) -> None:
+        object.__setattr__(self, "_pending", False)
 
     def _keep_own(self) -> None:
         """Write this rank's own part of its last commit for a replacement (see
@@ -313,9 +364,15 @@ class State:
         )
 
     def commit_tensors(self) -> list[torch.Tensor]:
-        """The last commit's tensors, item by item in ``describe``'s order (call after
-        ``rollback``, when the live tensors are the commit's)."""
-        return [t for snap in self._snap.values() for t in snap.tensors()]
+        """The last commit's tensors' bytes (a DTensor's local shard), item by item in
+        ``describe``'s order (call after ``rollback``, when the live tensors are the
+        commit's)."""
+        return [t for snap in self._snap.values() for t in snap.data()]
+
+    def sharded(self) -> bool:
+        """Whether the last commit holds sharded tensors (DTensors: FSDP2, HSDP), which
+        only the ranks of the same shard hold too (see ``inprocess.worker.sharded``)."""
+        return any(snap.sharded() for snap in self._snap.values())
 
     def lacking_specs(self) -> dict[str, list[TensorSpec]]:
         """The specs of the last commit's tensors that a fresh rank has none of: those of
@@ -345,14 +402,14 @@ class State:
         """Where this rank receives each tensor of ``desc``: its own tensor at the same
         place of the same item, written in place, or a new one where it has none yet
         (an optimizer's state, created at its first step): taken from ``pool``
-        (``allocate``) where one of the same shape and dtype is there.
+        (``allocate``) where one of the same shape and dtype is there. A sharded
+        tensor's bytes go into its local shard (``snapshot.local``); a new one is a
+        DTensor sharded as its parameter is.
 
         Raises:
             StateMismatchError: an item is missing, or a tensor has another shape or
                 dtype here.
         """
-        import torch
-
         # From here on the live state is no longer this rank's commit, until ``adopt``
         # (a transfer that fails half way leaves it half written).
         self._mark_stepped()
@@ -366,30 +423,20 @@ class State:
                     f"{'none' if value is None else type(value).__name__}"
                 )
             own = dict(walk(value.state_dict()))
-            home = _home_device(value, own)
             for spec in item_specs:
                 mine = own.get(spec.path)
-                dtype = _dtype(spec.dtype)
                 if mine is None:
                     if name in desc.modules:
                         raise StateMismatchError(
                             f"{name}: the commit has {_where(spec.path)} "
                             f"{list(spec.shape)}; this rank's module has no such entry"
                         )
-                    device = home if spec.device_type != "cpu" else torch.device("cpu")
-                    early = (pool or {}).pop((name, spec.path), None)
-                    if not (
-                        early is not None
-                        and tuple(early.shape) == spec.shape
-                        and early.dtype == dtype
-                        and early.device == device
-                    ):
-                        early = torch.empty(spec.shape, dtype=dtype, device=device)
-                    out.append(early)
+                    out.append(_new_tensor(name, value, own, spec, pool or {}))
                     continue
-                if tuple(mine.shape) != spec.shape or mine.dtype != dtype:
+                data, dtype = local(mine), _dtype(spec.dtype)
+                if tuple(data.shape) != spec.shape or data.dtype != dtype:
                     raise StateMismatchError(
-                        f"{name}: {_where(spec.path)} is {list(mine.shape)} {mine.dtype} "
+                        f"{name}: {_where(spec.path)} is {list(data.shape)} {data.dtype} "
                         f"here and {list(spec.shape)} {spec.dtype} in the commit (build the "
                         f"model and optimizer the same way on every rank)"
                     )
@@ -427,6 +474,54 @@ class State:
 
     def __repr__(self) -> str:
         return f"State({', '.join(self.names())}; commit {self._commit})"
+
+
+def _new_tensor(
+    name: str, value: Any, own: dict[Any, torch.Tensor], spec: TensorSpec, pool: dict[Any, Any]
+) -> torch.Tensor:
+    """A tensor for an entry of ``spec`` that item ``value`` lacks (an optimizer's state
+    before its first step): from ``pool`` where it fits; a DTensor sharded as its
+    parameter is where the sender's was one."""
+    import torch
+
+    dtype = _dtype(spec.dtype)
+    home = _home_device(value, own)
+    device = home if spec.device_type != "cpu" else torch.device("cpu")
+    early: torch.Tensor | None = pool.pop((name, spec.path), None)
+    if early is None or not (
+        early is not None
+        and tuple(early.shape) == spec.shape
+        and early.dtype == dtype
+        and early.device == device
+    ):
+        early = torch.empty(spec.shape, dtype=dtype, device=device)
+    if not spec.sharded:
+        return early
+    param = _param_of(value, spec.path)
+    if param is None or tuple(local(param).shape) != spec.shape:
+        raise StateMismatchError(
+            f"{name}: the commit has a shard {list(spec.shape)} at {_where(spec.path)}; "
+            f"this rank has no parameter sharded so (shard the model the same way on "
+            f"every rank, before State.restore())"
+        )
+    from torch.distributed.tensor import DTensor
+
+    made: torch.Tensor = DTensor.from_local(
+        early, param.device_mesh, param.placements, run_check=False,
+        shape=param.size(), stride=param.stride(),
+    )  # fmt: skip
+    return made
+
+
+def _param_of(value: Any, path: tuple[object, ...]) -> Any:
+    """The parameter an optimizer's state entry at ``path`` (``("state", index,
+    name)``) belongs to: torch numbers an optimizer's parameters in its groups'
+    order."""
+    if len(path) < 2 or path[0] != "state" or not isinstance(path[1], int):
+        return None
+    params = [p for group in getattr(value, "param_groups", ()) for p in group["params"]]
+    index = path[1]
+    return params[index] if 0 <= index < len(params) else None
 
 
 def _starts_attempt() -> bool:
@@ -468,7 +563,8 @@ def _home_device(value: object, own: dict[Any, torch.Tensor]) -> torch.device:
 
 
 def _place(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
-    return t.data_ptr(), tuple(t.shape)
+    d = local(t)
+    return d.data_ptr(), tuple(d.shape)
 
 
 def _dtype(name: str) -> torch.dtype:

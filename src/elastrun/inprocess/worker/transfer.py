@@ -28,13 +28,14 @@ The groups are gloo for CPU tensors and NCCL for CUDA ones where the machine has
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastrun.core.errors import ElastrunError
 from elastrun.inprocess.worker import early, local_copy, prefault
 from elastrun.inprocess.worker.parking import park_process_groups
+from elastrun.inprocess.worker.snapshot import local
 from elastrun.inprocess.worker.state import CommitDescription, State
 
 if TYPE_CHECKING:
@@ -119,7 +120,47 @@ def chunks(sizes: Sequence[tuple[int, int]], sources: Sequence[int]) -> list[Chu
     return out
 
 
-def move_commit(state: State, rank: int, world: int, pool: early.Pool | None = None) -> Plan:
+def decide_sharded(held: Sequence[tuple[int, bool, Hashable]]) -> list[Plan]:
+    """The plans for sharded ranks holding ``held[rank]`` = (commit number, intact,
+    shard key): the ranks of one key hold the same tensors (``sharded.shard_key``: an
+    HSDP shard's replicas), so each key's newest commit goes to that key's ranks only.
+    Every rank must end on the same commit: the newest intact one of all.
+
+    Raises:
+        CommitLostError: no rank of some key holds that commit intact (its shard is
+            nowhere else: FSDP2 without replicas, or every replica lost).
+    """
+    intact = [c for c, ok, _ in held if ok]
+    if not intact:
+        raise CommitLostError("no rank holds its last commit intact")
+    newest = max(intact)
+    plans = []
+    for key in dict.fromkeys(k for _, _, k in held):
+        ranks = [r for r, (_, _, k) in enumerate(held) if k == key]
+        if not any(held[r][1] and held[r][0] == newest for r in ranks):
+            raise CommitLostError(
+                f"no rank holding the shard of rank{'s' if len(ranks) > 1 else ''} "
+                f"{', '.join(map(str, ranks))} holds commit {newest} intact (a shard "
+                f"without a surviving replica: restarting from the checkpoint)"
+            )
+        sub = decide([(held[r][0], held[r][1]) for r in ranks])
+        plans.append(
+            Plan(
+                sub.commit,
+                tuple(ranks[i] for i in sub.sources),
+                tuple(ranks[i] for i in sub.receivers),
+            )
+        )
+    return plans
+
+
+def move_commit(
+    state: State,
+    rank: int,
+    world: int,
+    pool: early.Pool | None = None,
+    key: Hashable | None = None,
+) -> list[Plan]:
     """Hand the newest commit of the round to every rank that lacks it (run by every
     rank of the round's synchronisation group, the default group).
 
@@ -127,7 +168,12 @@ def move_commit(state: State, rank: int, world: int, pool: early.Pool | None = N
     for a reader on the same machine), the commit's description, and every receiver's
     report once it has read the bytes or could not. Only a receiver that could not read
     them all from memory brings the gloo streams in. ``pool``: tensors this rank
-    allocated ahead (``inprocess.early``), taken where the description agrees."""
+    allocated ahead (``inprocess.early``), taken where the description agrees.
+
+    ``key``: this rank's shard (``sharded.shard_key``) when a sharded commit moves in the
+    training's own group (``State.restore``), a plan per shard. Without it, a round in
+    which any rank holds a sharded commit moves nothing: every rank's state waits for
+    ``State.restore`` (returns no plan)."""
     import torch.distributed as dist
 
     intact = state.held_commit() is not None
@@ -137,27 +183,51 @@ def move_commit(state: State, rank: int, world: int, pool: early.Pool | None = N
         local_copy.allow_readers()
     try:
         held: list[Any] = [None] * world
-        dist.all_gather_object(held, (state.commit_id, intact, offer))
-        plan = decide([(int(c), bool(ok)) for c, ok, _ in held])
-        if not plan.receivers:
-            return plan
-        box: list[Any] = [state.describe() if rank == plan.sources[0] else None]
-        dist.broadcast_object_list(box, src=plan.sources[0])
-        desc: CommitDescription = box[0]
-        receiving = rank in plan.receivers
+        mark = key if key is not None else state.sharded()
+        dist.all_gather_object(held, (state.commit_id, intact, offer, mark))
+        if key is None and any(h[3] for h in held):
+            state._defer_restore()
+            return []
+        if key is None:
+            plans = [decide([(int(c), bool(ok)) for c, ok, _, _ in held])]
+        else:
+            plans = decide_sharded([(int(c), bool(ok), k) for c, ok, _, k in held])
+        active = [p for p in plans if p.receivers]
+        if not active:
+            return plans
+        mine = next((p for p in active if rank in (*p.sources, *p.receivers)), None)
+        desc = _description(state, active, mine, rank, world)
+        receiving = desc is not None and mine is not None and rank in mine.receivers
         ahead = {id(t) for t in (pool or {}).values()}  # already being faulted in
-        targets, error = _prepare(state, desc, pool) if receiving else ([], None)
-        offers = {s: held[s][2] for s in plan.sources}
-        new = [t for t in targets if id(t) not in ahead]
+        targets, error = _prepare(state, desc, pool) if desc and receiving else ([], None)
+        offers = {s: held[s][2] for p in active for s in p.sources}
+        data = [local(t) for t in targets] if receiving else state.commit_tensors()
+        new = [t for t in data if id(t) not in ahead] if receiving else []
         with prefault.populating(new):  # new tensors' pages, while the rest goes on
-            tensors = targets if receiving else state.commit_tensors()
-            _move_bytes(tensors, plan, rank, world, offers, error)
+            _move_bytes(data, active, rank, world, offers, error)
     finally:
         if offered:
             local_copy.forbid_readers()
-    if receiving:
+    if receiving and desc is not None:
         state.adopt(desc, targets)
-    return plan
+    return plans
+
+
+def _description(
+    state: State, active: list[Plan], mine: Plan | None, rank: int, world: int
+) -> CommitDescription | None:
+    """The description of the commit this rank's plan moves, from the plan's first
+    source (one broadcast, or with a plan per shard every first source's at once)."""
+    import torch.distributed as dist
+
+    if len(active) == 1:
+        box: list[Any] = [state.describe() if rank == active[0].sources[0] else None]
+        dist.broadcast_object_list(box, src=active[0].sources[0])
+        return box[0] if mine is not None else None
+    firsts = {p.sources[0] for p in active}
+    descs: list[Any] = [None] * world
+    dist.all_gather_object(descs, state.describe() if rank in firsts else None)
+    return descs[mine.sources[0]] if mine is not None else None
 
 
 def _prepare(
@@ -171,23 +241,25 @@ def _prepare(
 
 def _move_bytes(
     tensors: list[torch.Tensor],
-    plan: Plan,
+    plans: list[Plan],
     rank: int,
     world: int,
     offers: dict[int, local_copy.Whereabouts | None],
     error: ElastrunError | None,
 ) -> None:
-    """The commit's bytes, from the sources' ``tensors`` into the receivers'.
+    """The commit's bytes, from the sources' ``tensors`` into the receivers', plan by
+    plan (a rank is in one plan at most).
 
     A receiver reads them from its sources' memory where it can, then every rank reports
     (the sources' tensors stay as they are until then); if any receiver could not
-    prepare its tensors the round ends, else if any could not read them all, the whole
-    commit goes over gloo."""
+    prepare its tensors the round ends, else if any could not read them all, every
+    plan's commit goes over gloo."""
     import torch.distributed as dist
 
     read = False
-    if rank in plan.receivers and error is None and LOCAL:
-        read = _read_locally(tensors, plan, offers)
+    mine = next((p for p in plans if rank in p.receivers), None)
+    if mine is not None and error is None and LOCAL:
+        read = _read_locally(tensors, mine, offers)
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, str(error) if error is not None else read)
     failed = [(r, e) for r, e in enumerate(reports) if isinstance(e, str)]
@@ -195,9 +267,10 @@ def _move_bytes(
         if error is not None:
             raise error  # this rank's own: it ends with it, and is replaced
         r, e = failed[0]
-        raise TransferAborted(f"processgroup: rank {r} could not take commit {plan.commit}: {e}")
-    if not all(reports[r] is True for r in plan.receivers):
-        _stream(tensors, plan, rank)
+        commit = plans[0].commit
+        raise TransferAborted(f"processgroup: rank {r} could not take commit {commit}: {e}")
+    if not all(reports[r] is True for p in plans for r in p.receivers):
+        _stream(tensors, plans, rank)
 
 
 def _read_locally(
@@ -216,11 +289,16 @@ def _read_locally(
     return local_copy.read_chunks(tensors, parts, sources)
 
 
-def _stream(tensors: list[torch.Tensor], plan: Plan, rank: int) -> None:
-    """Broadcast every chunk from its source into the receivers' tensors."""
+def _stream(tensors: list[torch.Tensor], plans: list[Plan], rank: int) -> None:
+    """Broadcast every chunk of this rank's plan from its source into the receivers'
+    tensors."""
     import torch.distributed as dist
 
-    groups = _groups(plan)
+    groups = _groups(plans)
+    at = next((i for i, p in enumerate(plans) if rank in (*p.sources, *p.receivers)), None)
+    if at is None:
+        return
+    plan = plans[at]
     flat, staged = [], []
     for t in tensors:
         if t.is_contiguous():
@@ -241,7 +319,8 @@ def _stream(tensors: list[torch.Tensor], plan: Plan, rank: int) -> None:
         if len(queue) >= WINDOW:
             queue.popleft().wait()
         part = flat[c.tensor][c.start : c.stop]
-        queue.append(dist.broadcast(part, src=c.source, group=groups[key], async_op=True))
+        group = groups[(at, c.source, c.stream)]
+        queue.append(dist.broadcast(part, src=c.source, group=group, async_op=True))
     for queue in pending.values():
         while queue:
             queue.popleft().wait()
@@ -250,15 +329,16 @@ def _stream(tensors: list[torch.Tensor], plan: Plan, rank: int) -> None:
             target.copy_(tmp)
 
 
-def _groups(plan: Plan) -> dict[tuple[int, int], Any]:
-    """A group per (source, stream): the source and every receiver. Every rank makes
-    every group, in the same order (torch requires it), members or not."""
+def _groups(plans: list[Plan]) -> dict[tuple[int, int, int], Any]:
+    """A group per (plan, source, stream): the source and its plan's receivers. Every
+    rank makes every group, in the same order (torch requires it), members or not."""
     import torch.distributed as dist
 
     out = {}
-    for source in plan.sources:
-        ranks = sorted({source, *plan.receivers})
-        for stream in range(STREAMS):
-            out[(source, stream)] = dist.new_group(ranks)
+    for at, plan in enumerate(plans):
+        for source in plan.sources:
+            ranks = sorted({source, *plan.receivers})
+            for stream in range(STREAMS):
+                out[(at, source, stream)] = dist.new_group(ranks)
     park_process_groups()  # freed with the synchronisation's group (see inprocess.parking)
     return out
