@@ -416,11 +416,11 @@ def test_a_lease_that_ended_behind_a_recent_acknowledgement_is_replaced_when_joi
     h = _node(store, "a", 1, 1)
     try:
         first = _all([h])
-        lease = h._liveness.lease
+        lease = h._liveness.now.lease
         assert lease is not None
         store.revoke_lease(lease)  # ended since the last acknowledgement, moments ago
         second = _all([h])
         assert second["a"].round == first["a"].round + 1 and second["a"].rank == 0
-        assert h._liveness.lease not in (None, lease)
+        assert h._liveness.now.lease not in (None, lease)
     finally:
         h.leave()

@@ -34,7 +34,7 @@ def test_a_stop_request_ends_the_wait_for_the_other_nodes_to_leave() -> None:
         timer.start()
         t0 = time.monotonic()
         with stop.active():
-            liveness.wait_for_others_to_leave(None)  # returns: leaving goes on
+            liveness.keeper.wait_for_others_to_leave(None)  # returns: leaving goes on
         assert time.monotonic() - t0 < 2.0
     finally:
         timer.cancel()

@@ -4,6 +4,7 @@ refused, and a move that comes late changes nothing."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import FrozenInstanceError
 
@@ -11,10 +12,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from elastrun.core.cancel import CancelScope
+from elastrun.core.clock import SYSTEM_CLOCK
 from elastrun.core.errors import IllegalTransitionError
 from elastrun.rendezvous import condition as c
 from elastrun.rendezvous.closing import Called
 from elastrun.rendezvous.condition import CurrentRound, NodeCondition
+from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.liveness import Liveness
+from elastrun.store.memory import MemoryStore
 
 FRESH = NodeCondition()
 CALLED = Called(4, {}, 17)
@@ -178,3 +184,52 @@ def test_any_sequence_of_events_keeps_the_conditions_rules(moves: list[Move]) ->
         # Whether a round runs follows from the round and its re-formation alone.
         assert after.running == (after.round is not None and not after.reform)
         now = after
+
+
+# -- Liveness applies the moves, and wakes the watch of a round that starts --------------
+
+
+def _liveness() -> Liveness:
+    return Liveness(
+        MemoryStore(),
+        RunKeys.of_run("condition"),
+        "me",
+        ttl=10.0,
+        max_nodes=2,
+        clock=SYSTEM_CLOCK,
+        stop=threading.Event(),
+        life=CancelScope(),
+        decided_rows=lambda n, since: [],
+    )
+
+
+def test_a_snapshot_stays_as_it_was_taken_while_the_node_moves_on() -> None:
+    live = _liveness()
+    first = live.now
+    before, after = live.move(c.registered, 5, 1.0)
+    assert before is first and after is live.now
+    assert first == NodeCondition() and live.now.lease == 5
+
+
+def test_the_watch_sleeps_between_a_re_formation_and_the_next_round() -> None:
+    live = _liveness()
+    live.move(c.entered, CurrentRound(0, 0, 2, "d", 0))
+    assert live.entered.is_set()
+    live.move(c.reform_flagged, 0, "lost 1 node(s): b")
+    assert not live.entered.is_set()
+    live.move(c.joining)  # the join runs no watch: it watches what it needs itself
+    live.move(c.reform_flagged, 0, "late")
+    assert not live.entered.is_set()
+    live.move(c.entered, CurrentRound(1, 0, 2, "e", 0))
+    assert live.entered.is_set()
+    live.move(c.forgotten)
+    assert not live.entered.is_set()
+
+
+def test_a_refused_move_leaves_the_condition_as_it_was() -> None:
+    live = _liveness()
+    live.move(c.registered, 5, 1.0)
+    held = live.now
+    with pytest.raises(IllegalTransitionError):
+        live.move(c.registered, 6, 2.0)
+    assert live.now is held

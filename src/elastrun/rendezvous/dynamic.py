@@ -125,11 +125,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     @property
     def change_reason(self) -> str:
         """Why the running round must re-form (for the agent's log line)."""
-        return self._liveness.change_reason
-
-    @change_reason.setter
-    def change_reason(self, reason: str) -> None:
-        self._liveness.change_reason = reason
+        return self._liveness.now.change_reason
 
     @property
     def refusal(self) -> str | None:
@@ -164,10 +160,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """1 when the running round must re-form (nodes waiting, lost, or a failure).
         ``RendezvousConnectionError`` once the store is given up, as torch's handler: the
         agent then stops its workers and exits instead of re-forming without a store."""
-        live = self._liveness
-        if live.gone is not None:
-            raise RendezvousConnectionError(live.gone)
-        return 1 if (live.reform or live.lost) else 0
+        now = self._liveness.now
+        if now.gone is not None:
+            raise RendezvousConnectionError(now.gone)
+        return 1 if (now.reform or now.lost) else 0
 
     def shutdown(self, close: bool = True) -> bool:
         """Close the run (once a job ends, late agents are refused) and leave.
@@ -176,13 +172,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         nodes to leave before its store goes away under them.
         """
         left_unfinished = self._outcome.left_unfinished
-        if self._liveness.gone is not None:
+        if self._liveness.now.gone is not None:
             self.leave()  # nothing to close: the store is gone
             return False
         if not close and not left_unfinished:
             # This node ends on an error of its own; the others decide for themselves.
             if self._hosting:
-                self._liveness.wait_for_others_to_leave(self._settings.close_timeout)
+                self._liveness.keeper.wait_for_others_to_leave(self._settings.close_timeout)
             self.leave()
             return False
         if left_unfinished:
@@ -192,14 +188,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     "this node serves the rendezvous store: it keeps serving until the "
                     "other nodes leave"
                 )
-                self._liveness.wait_for_others_to_leave(None)
+                self._liveness.keeper.wait_for_others_to_leave(None)
             self.leave()
             return False
         closed = self._outcome.close_within("finished", self._life, self._settings.close_timeout)
         if not closed:
             log.warning("could not close the rendezvous (the store is unreachable)")
         if self._hosting and closed:
-            self._liveness.wait_for_others_to_leave(self._settings.close_timeout)
+            self._liveness.keeper.wait_for_others_to_leave(self._settings.close_timeout)
         self.leave()
         return closed
 
@@ -209,7 +205,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._liveness.wake()  # wake the watch thread so that it sees the stop
         self._life.cancel("this node left the rendezvous")
         self._calls.cancel_all("this node left the rendezvous")
-        self._liveness.revoke()
+        self._liveness.keeper.revoke()
         self._liveness.join()
         if self._on_shutdown is not None:
             self._on_shutdown()
@@ -293,7 +289,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """This node's place in this run's store, once this node holds a lease."""
         with self._calls.call():
             self._joiner.register()
-        me, lease, clock = self._joiner.node, self._liveness.lease, self._clock
+        me, lease, clock = self._joiner.node, self._liveness.now.lease, self._clock
         return StoreSeat(self._store, self._keys.prefix, me.node_id, me.addr, lease, clock)
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
@@ -311,8 +307,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         try:
-            if self._liveness.gone is not None:
-                raise RendezvousConnectionError(self._liveness.gone)
+            if (gone := self._liveness.now.gone) is not None:
+                raise RendezvousConnectionError(gone)
             with self._calls.call():
                 return self._joiner.next_rendezvous()
         except StoreError as exc:
@@ -327,11 +323,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _check_reform(self) -> bool:
         """Whether the running round must re-form, from full reads (for tests and
         tools; the watch thread keeps the same answer from events)."""
-        return self._liveness.check_reform()
+        return self._liveness.watcher.check_reform()
 
     def __repr__(self) -> str:
         return (
             f"DynamicRendezvousHandler(run_id={self._settings.run_id!r}, "
-            f"node={self._joiner.node.node_id!r}, round={self._liveness.round}, "
-            f"rank={self._liveness.rank})"
+            f"node={self._joiner.node.node_id!r}, round={self._liveness.now.n}, "
+            f"rank={self._liveness.now.rank})"
         )

@@ -62,13 +62,15 @@ class ElasticRendezvous(Protocol):
     keeps_job_budget: bool
     #: Whether ``exit_barrier`` waits for the other nodes (else there is none).
     has_exit_barrier: bool
-    #: Why the running round must re-form (for the agent's log line).
-    change_reason: str
     #: Why ``report_failure`` refused a restart other than an exhausted budget.
     refusal: str | None
     #: The longest a node whose agent died unannounced (killed with its workers) stays a
     #: member before the others learn it is lost (its lease's TTL; 0: not known).
     loss_bound: float
+
+    @property
+    def change_reason(self) -> str:
+        """Why the running round must re-form (for the agent's log line)."""
 
     def set_node_info(self, role: str, local_world_size: int) -> None: ...
 

@@ -16,8 +16,9 @@ from typing import Any
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
 from elastrun.core.errors import LeaseExpiredError, RendezvousClosedError
-from elastrun.rendezvous import joining, quiet
+from elastrun.rendezvous import condition, joining, quiet
 from elastrun.rendezvous.api import MemberInfo, RendezvousInfo, RendezvousStoreInfo
+from elastrun.rendezvous.condition import CurrentRound
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
 from elastrun.rendezvous.local import free_port
@@ -85,17 +86,16 @@ class Joiner:
         # (its watch thread): join once it is done (joining meanwhile would only race it).
         self._liveness.ahead_idle.wait(AHEAD_BOUND)
         self.register()
-        prev_round, held = self._liveness.round, self._liveness.rank
+        was, _ = self._liveness.move(condition.joining)  # it takes the call that woke it
+        prev_round, held, called = was.n, was.rank, was.called
         prev_rank = self._prev_rank(held)
-        self._liveness.reform = False
-        called, self._liveness.called = self._liveness.called, None
         protocol = joining.join(self._context(), prev_round, prev_rank, held, called)
         try:
             joined = joining.drive(protocol, self._perform)
         except LeaseExpiredError:
             # The lease ended since the store last acknowledged it (``renew`` trusts a
             # recent acknowledgement); the join wrote nothing under it. Take a fresh one.
-            self._liveness.lost = True
+            self._liveness.move(condition.expired)
             self.register()
             protocol = joining.join(self._context(), prev_round, prev_rank, held)
             joined = joining.drive(protocol, self._perform)
@@ -109,7 +109,7 @@ class Joiner:
     def decide_ahead(self, n: int, why: str, joins: bool, defer: float) -> None:
         """From the watch thread of round ``n``'s closer: decide round n+1 at once
         (``closing.decide_ahead``), in the handler's own scope (``leave`` ends it)."""
-        prev_rank = self._prev_rank(self._liveness.rank)
+        prev_rank = self._prev_rank(self._liveness.now.rank)
         protocol = joining.decide_ahead(
             self._context(), n + 1, prev_rank, why, joins=joins, defer=defer
         )
@@ -119,7 +119,7 @@ class Joiner:
     def register(self) -> None:
         """Hold a lease before joining: keep a live one, else take a fresh one (a closed
         run refuses this node)."""
-        if self._liveness.renew():
+        if self._liveness.keeper.renew():
             return
         if self.is_closed():
             raise self.closed_error()
@@ -143,7 +143,7 @@ class Joiner:
 
     def _perform(self, op: joining.Op) -> Any:
         """Carry out one operation of the joining protocol (see ``joining``)."""
-        store, lease = self._store, self._liveness.lease
+        store, lease = self._store, self._liveness.now.lease
         match op:
             case joining.Get(key):
                 return store.get(key)
@@ -193,15 +193,9 @@ class Joiner:
         n, rank, result = joined.n, joined.rank, joined.result
         decision, size = str(result["id"]), int(result["size"])
         shape = tuple((str(r), int(lws), int(c)) for r, lws, c in result.get("shape", ()))
-        self._liveness.enter(
-            n,
-            rank,
-            size,
-            decision,
-            int(result.get("rev", 0)),
-            all_live=bool(result.get("all_live")),
-            watchers=quiet.Watchers.of(result),
-        )
+        rev, all_live = int(result.get("rev", 0)), bool(result.get("all_live"))
+        watchers = quiet.Watchers.of(result)
+        self._liveness.enter(CurrentRound(n, rank, size, decision, rev, all_live, watchers))
         return RendezvousInfo(
             self._store, rank, size, RendezvousStoreInfo(*joined.master), round=n,
             members=functools.partial(self._member_infos, n, decision), shape=shape,
@@ -216,6 +210,6 @@ class Joiner:
 
     def __repr__(self) -> str:
         return (
-            f"Joiner(node={self.node.node_id!r}, round={self._liveness.round}, "
-            f"rank={self._liveness.rank}, seen={self.seen})"
+            f"Joiner(node={self.node.node_id!r}, round={self._liveness.now.n}, "
+            f"rank={self._liveness.now.rank}, seen={self.seen})"
         )

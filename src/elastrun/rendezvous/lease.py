@@ -2,8 +2,8 @@
 
 A node is alive while its lease is: ``ctl/nodes/<node>`` is bound to it and the
 keep-alive thread (``LeaseKeeper.keep_alive_loop``, started by ``Liveness``) renews it,
-with no writes at all. The lease's state (``lease``, ``acked_at``, ``lost``) is the
-node's ``Liveness``'s, which the agent's calls and the watch thread read too.
+with no writes at all. The lease's state (``lease``, ``acked_at``, ``lost``) is part of the
+node's condition (``Liveness.now``), which the agent's calls and the watch thread read too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError, StoreError, StoreUnavailableError
+from elastrun.rendezvous import condition
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.store.api import EventKind, Store
 
@@ -42,7 +43,7 @@ class LeaseKeeper:
     """Takes, renews and revokes this node's lease, on the node's ``Liveness``.
 
     Args:
-        live: the node's liveness, whose ``lease``, ``acked_at`` and ``lost`` it keeps.
+        live: the node's liveness, whose ``lease``, ``acked_at`` and ``lost`` it moves.
         store: the run's store.
         keys: the run's keys.
         node_id: this node.
@@ -75,35 +76,30 @@ class LeaseKeeper:
 
     def renew(self) -> bool:
         """Whether this node still holds its lease (a joining node asks first)."""
-        live = self._live
-        if live.lease is not None and not live.lost:
+        live, now = self._live, self._live.now
+        if now.lease is not None and not now.lost:
             # The store acknowledged it moments ago (the keep-alive thread asks every
             # TTL/3): no need to ask again. After a loss among N nodes, N survivors
             # asking at once was a tenth of the re-formation's requests. A lease that
             # ended since shows when the join writes under it (the handler then takes
             # a fresh one), or at the keep-alive thread's next ask.
-            acked = live.acked_at
+            acked = now.acked_at
             if acked is not None and self._clock.monotonic() - acked < self._ttl / 3:
                 return True
             # A node thawed after SIGSTOP (or back from a partition) may re-form before
             # its keep-alive thread noticed that the lease ended: ask the store.
-            if self._store.keep_alive(live.lease):
-                live.acked_at = self._clock.monotonic()
+            if self._store.keep_alive(now.lease):
+                live.move(condition.renewed, now.lease, self._clock.monotonic())
                 return True
             live.mark_lost("this node's lease expired: the others consider it gone")
         return False
 
     def register(self, info: dict[str, object]) -> None:
         """Take a fresh lease and announce this node (``info``) under it."""
-        live = self._live
-        live.lost = False
-        live.lease = self._store.grant_lease(self._ttl)
-        live.acked_at = self._clock.monotonic()
-        self._store.set(
-            self._keys.nodes + self._node_id,
-            json.dumps(info, sort_keys=True).encode(),
-            lease=live.lease,
-        )
+        lease = self._store.grant_lease(self._ttl)
+        self._live.move(condition.registered, lease, self._clock.monotonic())
+        info_bytes = json.dumps(info, sort_keys=True).encode()
+        self._store.set(self._keys.nodes + self._node_id, info_bytes, lease=lease)
 
     def revoke(self) -> None:
         """Forget the lease and revoke it (``leave``: this node's keys vanish at once).
@@ -113,9 +109,9 @@ class LeaseKeeper:
         honours: a store that is already gone must not hold the exit for its whole
         reconnect window (the lease then expires by itself).
         """
-        live = self._live
-        lease, live.lease = live.lease, None
-        if lease is None or live.gone is not None:
+        was, _ = self._live.move(condition.revoked)
+        lease = was.lease
+        if lease is None or was.gone is not None:
             return
         with CancelScope(deadline=Deadline.after(REVOKE_BOUND)) as scope, scope.active():
             try:
@@ -157,15 +153,15 @@ class LeaseKeeper:
         interval = ttl / 3
         last_ack = self._clock.monotonic()
         while not self._stop.wait(interval):
-            lease = live.lease
-            if lease is None or live.lost:
+            held = live.now
+            if (lease := held.lease) is None or held.lost:
                 last_ack = self._clock.monotonic()
                 continue
             answer = self._ask_keep_alive(lease, interval)
             now = self._clock.monotonic()
             if answer is _Ack.ALIVE:
                 last_ack = now
-                live.acked_at = now
+                live.move(condition.renewed, lease, now)
             elif answer is _Ack.EXPIRED:
                 live.mark_lost("this node's lease expired: the others consider it gone")
             elif answer is _Ack.NONE and now - last_ack >= ttl - interval:
@@ -199,4 +195,4 @@ class LeaseKeeper:
         return _Ack.ALIVE if alive else _Ack.EXPIRED
 
     def __repr__(self) -> str:
-        return f"LeaseKeeper(node={self._node_id!r}, lease={self._live.lease}, ttl={self._ttl})"
+        return f"LeaseKeeper(node={self._node_id!r}, lease={self._live.now.lease}, ttl={self._ttl})"

@@ -18,6 +18,7 @@ import logging
 from elastrun.core.cancel import Cancelled, CancelScope, current
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError, StoreError
+from elastrun.rendezvous import condition
 from elastrun.rendezvous.api import BarrierResult, RoundOutcome
 from elastrun.rendezvous.decide import Away
 from elastrun.rendezvous.exclusion import (
@@ -115,10 +116,11 @@ class Outcome:
         spares the others a re-formation, and a store that does not answer must not hold
         the stop of this node's workers.
         """
-        n, lease = self._live.round, self._live.lease
-        if n is None or lease is None or self._live.gone is not None:
+        now = self._live.now
+        n, lease = now.n, now.lease
+        if n is None or lease is None or now.gone is not None:
             return
-        self._live.away = n  # (as a watcher of the round, it decides nothing ahead)
+        self._live.move(condition.stepped_away)  # (as a watcher, it decides nothing ahead)
         with CancelScope(deadline=Deadline.after(STEP_AWAY_BOUND)) as scope, scope.active():
             try:
                 self._store.set(self._keys.away(self._node_id), Away(n, why).dump(), lease=lease)
@@ -133,11 +135,11 @@ class Outcome:
 
     def report_failure(self, max_restarts: int, what: str) -> bool:
         """A local worker failed in the current round (see the handler's method)."""
-        live = self._live
-        assert live.round is not None
+        live, now = self._live, self._live.now
+        assert now.n is not None
         self.refusal = None
-        if live.lost:
-            self.refusal = "this node was dropped from the run (" + live.change_reason + ")"
+        if now.lost:
+            self.refusal = "this node was dropped from the run (" + now.change_reason + ")"
             return False
         if not set(live.member_ids()) - self._finished() <= live.live_nodes():
             # A member is gone: the failure is the loss of a node (its peers' collectives
@@ -147,8 +149,8 @@ class Outcome:
         # it may check itself, be excluded and sit out a cool-down first (``must_join``).
         # Its watch, woken by the claim below, must not join it ahead: the round would
         # then count it in, and wait for workers it never starts.
-        live.away = live.round
-        key = self._keys.failed(live.round)
+        live.move(condition.stepped_away)
+        key = self._keys.failed(now.n)
         note = {"node": self._node_id, "addr": self._addr, "what": what}
         won, _ = self._store.compare_set(key, None, dump(note))
         if not won:
@@ -170,10 +172,10 @@ class Outcome:
         The run is closed first: a node that claimed the round's failure before this one
         (its own workers failed too) then finds it closed when it re-forms."""
         self.close(f"{why}: {self._where(what)}")
-        if self._live.round is not None:
+        if (n := self._live.now.n) is not None:
             note = {"node": self._node_id, "addr": self._addr, "what": what}
             self._store.compare_set(
-                self._keys.failed(self._live.round),
+                self._keys.failed(n),
                 None,
                 dump({**note, "restart": False, "why": why}),
             )
@@ -242,7 +244,8 @@ class Outcome:
             reason = f"{reason}; excluded {repeats + 1} times in a row, {cooldown:.0f}s this time"
         exclusion = Exclusion(me, now + cooldown, reason, self._addr)
         # Compare-and-set: an exclusion that holds keeps its cool-down.
-        won, current = self._store.compare_set(key, None, exclusion.dump(), lease=self._live.lease)
+        lease = self._live.now.lease
+        won, current = self._store.compare_set(key, None, exclusion.dump(), lease=lease)
         if not won:
             return load_exclusion(me, current)
         self._store.set(self._keys.strikes(me), after.dump())
@@ -260,7 +263,7 @@ class Outcome:
         record = load_record(self._store.get(key))
         self._store.set(key, Strikes(record.at, record.repeats, self._clock.time()).dump())
         self._store.delete(self._keys.excluded(self._node_id))
-        self._live.forget_round()
+        self._live.move(condition.forgotten)
 
     def excluded_nodes(self) -> list[Exclusion]:
         """The job's excluded nodes, by node id."""
@@ -270,9 +273,9 @@ class Outcome:
         return [r for r in records if r is not None]
 
     def _finished(self) -> set[str]:
-        if self._live.round is None:
+        if (n := self._live.now.n) is None:
             return set()
-        done = self._keys.done(self._live.round)
+        done = self._keys.done(n)
         found, _ = self._store.get_prefix(done)
         return {k[len(done) :] for k in found}
 
@@ -294,33 +297,33 @@ class Outcome:
         again, as in a whole-group restart; FAILED when the run was closed because the
         budget is spent. TIMED_OUT leaves without deciding for the others.
         """
-        live = self._live
-        if live.round is None or live.size <= 1:
+        live, r = self._live, self._live.now.round
+        if r is None or r.size <= 1:
             return BarrierResult(RoundOutcome.SUCCEEDED)
-        n, k = live.round, self._keys
+        n, k = r.n, self._keys
         self._store.set(k.done(n) + self._node_id, b"1")
         deadline = Deadline.after(timeout, self._clock)
-        view = live.round_watch(n, live.size)
-        rev = live.reload(view, n)
+        view = live.watcher.round_watch(r)
+        rev = live.watcher.reload(view, n)
         while True:
-            result = self._verdict(n, view)
+            result = self._verdict(r, view)
             if result is not None:
                 return result
             if deadline.expired():
                 self.left_unfinished = True
                 return BarrierResult(
                     RoundOutcome.TIMED_OUT,
-                    f"{len(view.finished)} of {live.size} node(s) finished within {timeout:.0f}s",
+                    f"{len(view.finished)} of {r.size} node(s) finished within {timeout:.0f}s",
                 )
             try:
                 res = self._store.watch(k.ctl, rev, deadline.remaining())
             except StoreCompactedError:
-                rev = live.reload(view, n)
+                rev = live.watcher.reload(view, n)
                 continue
             view.apply(res.events)
             rev = res.revision
 
-    def _verdict(self, n: int, view: RoundWatch) -> BarrierResult | None:
+    def _verdict(self, r: condition.CurrentRound, view: RoundWatch) -> BarrierResult | None:
         """The round's outcome as far as ``view`` shows it; None while it is open."""
         if view.closed:
             reason = (self._store.get(self._keys.closed) or b"closed").decode(errors="replace")
@@ -328,11 +331,11 @@ class Outcome:
                 return BarrierResult(RoundOutcome.SUCCEEDED)
             return BarrierResult(RoundOutcome.FAILED, reason)
         if view.failed:
-            verdict = self._failure_verdict(n)
+            verdict = self._failure_verdict(r.n)
             if verdict is not None:
                 return verdict
             # The failing node is deciding; its verdict (or the run's closing) follows.
-        if len(view.finished) >= self._live.size:
+        if len(view.finished) >= r.size:
             self.close("finished")
             return BarrierResult(RoundOutcome.SUCCEEDED)
         if view.lost:
@@ -357,7 +360,7 @@ class Outcome:
 
     def __repr__(self) -> str:
         return (
-            f"Outcome(node={self._node_id!r}, round={self._live.round}, "
+            f"Outcome(node={self._node_id!r}, round={self._live.now.n}, "
             f"refusal={self.refusal!r}, left_unfinished={self.left_unfinished}, "
             f"rule={self.rule!r}, kept_at_min={self.kept_at_min!r})"
         )

@@ -3,7 +3,8 @@
 While a round runs, the watch thread (``RoundWatcher.watch_loop``, started by
 ``Liveness``) follows ``ctl/`` from the revision the round was decided at, or, as a
 quiet member, only the closer's claim (``quiet``). The round it watches, and whether it
-must re-form, are the node's ``Liveness``'s, which the agent's calls read too.
+must re-form, are part of the node's condition (``Liveness.now``), which the agent's
+calls read too.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from elastrun.core.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from elastrun.rendezvous import quiet
+from elastrun.rendezvous import condition, quiet
 from elastrun.rendezvous.closing import Called
+from elastrun.rendezvous.condition import CurrentRound
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.running import RoundWatch
 from elastrun.store.api import Store
@@ -78,20 +80,18 @@ class RoundWatcher:
         watching: tuple[int, RoundWatch, int] | None = None  # round, view, revision
         following: tuple[int, int] | None = None  # round, revision (a quiet member)
         while not self._stop.is_set():
-            with live.lock:
-                n, size, since, idle = live.round, live.size, live.since, live.reform
-                watchers = live.watchers
-            if n is None or idle:
+            now = live.now
+            if (r := now.round) is None or now.reform:
                 live.entered.wait()  # set by the next round, and by ``leave``
                 continue
-            me = self._node_id
+            n, size, since, watchers, me = r.n, r.size, r.since, r.watchers, self._node_id
             try:
                 if watchers.quiet(me):
                     rev = following[1] if following is not None and following[0] == n else since
                     following = (n, self._follow_closer(n, size, watchers, rev))
                     continue
                 if watching is None or watching[0] != n:
-                    watching = (n, self.round_watch(n, size), since)
+                    watching = (n, self.round_watch(r), since)
                 _, view, rev = watching
                 try:
                     # Long: ``leave`` cancels it, and a new round's events reach the
@@ -100,7 +100,7 @@ class RoundWatcher:
                 except StoreCompactedError as exc:
                     # The store dropped old history (etcd auto-compaction): re-read.
                     log.debug("rendezvous watch resumes after compaction: %s", exc)
-                    view = self.round_watch(n, size)
+                    view = self.round_watch(r)
                     watching = (n, view, self.reload(view, n))
                     continue
                 view.apply(res.events)
@@ -109,7 +109,7 @@ class RoundWatcher:
                 if reason is not None:
                     # Kept out, its workers finished (it re-forms only if its exit
                     # barrier says so), or it gave notice: it only calls the others.
-                    joins = me not in view.excluded | view.finished and live.away != n
+                    joins = me not in view.excluded | view.finished and live.now.away != n
                     defer = watchers.defer(me, view.lost)
                     self.flag_reform(
                         n, reason, ahead=watchers.watches(me), joins=joins, defer=defer
@@ -131,14 +131,15 @@ class RoundWatcher:
             self._store, self._keys, n, watchers, rev, scope=self._life, span=WATCH_SPAN, size=size
         )
         if why is not None:
-            self._live.called = None if call is None else Called.of(self._keys, n + 1, call)
+            called = None if call is None else Called.of(self._keys, n + 1, call)
+            self._live.move(condition.woken, called)
             self.flag_reform(n, why)
         return rev
 
-    def round_watch(self, n: int, size: int) -> RoundWatch:
-        live = self._live
+    def round_watch(self, r: CurrentRound) -> RoundWatch:
+        """A view of round ``r`` that events keep up to date."""
         return RoundWatch(
-            self._keys, n, size, self._max_nodes, live.is_member, all_live=live.all_live
+            self._keys, r.n, r.size, self._max_nodes, self._live.is_member, all_live=r.all_live
         )
 
     def reload(self, view: RoundWatch, n: int) -> int:
@@ -162,14 +163,13 @@ class RoundWatcher:
         long it leaves the decision to rank 0 first)."""
         live = self._live
         ahead = ahead and live.ahead is not None
-        with live.lock:
-            if live.round != n or live.reform:
-                return
-            live.change_reason = reason
-            live.reform = True
-            live.entered.clear()
+        if ahead:
+            live.ahead_idle.clear()  # before the agent can see the re-formation and join
+        before, after = live.move(condition.reform_flagged, n, reason)
+        if after is before:  # flagged already, or late: the node is in another round
             if ahead:
-                live.ahead_idle.clear()  # before the agent hears of it and joins
+                live.ahead_idle.set()
+            return
         live.notify()
         if ahead and live.ahead is not None:
             try:
@@ -183,17 +183,15 @@ class RoundWatcher:
     def check_reform(self) -> bool:
         """Whether the running round must re-form, from full reads (for tests and
         tools; the watch thread keeps the same answer from events)."""
-        live = self._live
-        with live.lock:
-            n, size = live.round, live.size
-        if n is None or live.reform:
-            return live.reform
-        view = self.round_watch(n, size)
-        self.reload(view, n)
+        now = self._live.now
+        if (r := now.round) is None or now.reform:
+            return now.reform
+        view = self.round_watch(r)
+        self.reload(view, r.n)
         reason = view.reason()
         if reason is not None:
-            self.flag_reform(n, reason)
-        return live.reform
+            self.flag_reform(r.n, reason)
+        return self._live.now.reform
 
     def __repr__(self) -> str:
-        return f"RoundWatcher(node={self._node_id!r}, round={self._live.round})"
+        return f"RoundWatcher(node={self._node_id!r}, round={self._live.now.n})"
