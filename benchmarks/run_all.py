@@ -25,6 +25,7 @@ import bench_bootstrap_store
 import bench_gpu_recovery
 import bench_hang
 import bench_inprocess
+import bench_inprocess_sharded
 import bench_inprocess_state
 import bench_launch
 import bench_memory_checkpoint
@@ -52,6 +53,7 @@ SECTIONS: dict[str, Callable[[str], Section]] = {
     "inprocess": bench_inprocess.run,
     "inprocess_state": bench_inprocess_state.run,
     "memory_checkpoint": bench_memory_checkpoint.run,
+    "inprocess_sharded": bench_inprocess_sharded.run,
 }
 
 

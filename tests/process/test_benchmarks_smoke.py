@@ -10,6 +10,7 @@ yield the moments of its recovery timeline.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,13 @@ BENCH = REPO / "benchmarks"
 pytestmark = pytest.mark.slow
 
 
-def _run_module(script: str, out: Path, *extra: str, timeout: float = 240) -> dict[str, object]:
+def _run_module(
+    script: str,
+    out: Path,
+    *extra: str,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> dict[str, object]:
     proc = subprocess.run(
         [sys.executable, str(BENCH / script), "--smoke", "--output-dir", str(out), *extra],
         cwd=REPO,
@@ -32,6 +39,7 @@ def _run_module(script: str, out: Path, *extra: str, timeout: float = 240) -> di
         text=True,
         timeout=timeout,
         check=False,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = script.removeprefix("bench_").removesuffix(".py")
@@ -210,6 +218,27 @@ def test_inprocess_state_benchmark_moves_the_commit_as_tensors(tmp_path: Path) -
     assert rate["in place"] and all(v > 0 for v in rate["in place"]), rate
     assert not rate.get("group restart"), rate  # nothing moves: it reloads a checkpoint
     assert _samples(data, "next_s")["group restart"], data
+
+
+@pytest.mark.torch
+def test_inprocess_sharded_benchmark_loses_no_step_taking_an_hsdp_shard_from_a_replica(
+    tmp_path: Path,
+) -> None:
+    # The two in-place columns only (about 35 s on 2 loaded cores; the group restart's
+    # and torchrun's columns add a minute, torchrun's restart most of it).
+    replica, memory = (
+        "elastrun HSDP, in place from a replica",
+        "elastrun FSDP2, in place from memory",
+    )
+    env = {**os.environ, "ELASTRUN_BENCH_COLUMNS": "replica,memory_inplace"}
+    data = _run_module("bench_inprocess_sharded.py", tmp_path, env=env)
+    lost = _samples(data, "lost")
+    assert set(lost) == {replica, memory}, lost
+    assert lost[replica] == [0.0], lost  # a commit every step, the shard from rank 3
+    assert lost[memory][0] <= 1, lost  # a save every step
+    following = _samples(data, "next_s")
+    assert set(following) == {replica, memory}, following
+    assert all(0 < v < 60 for vs in following.values() for v in vs), following
 
 
 @pytest.mark.torch
