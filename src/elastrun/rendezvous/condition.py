@@ -81,7 +81,8 @@ def registered(c: NodeCondition, lease: int, at: float) -> NodeCondition:
 
 
 def renewed(c: NodeCondition, lease: int, at: float) -> NodeCondition:
-    """The store acknowledged ``lease`` at ``at``."""
+    """The store acknowledged ``lease`` at ``at`` (late, for a lease no longer held: no
+    change)."""
     return replace(c, acked_at=at) if c.lease == lease else c
 
 

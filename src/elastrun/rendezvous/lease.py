@@ -12,6 +12,7 @@ import enum
 import json
 import logging
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from elastrun.core.cancel import Cancelled, CancelScope
@@ -39,8 +40,10 @@ class _Ack(enum.Enum):
     GONE = "the store was given up, or this node left"
 
 
+@dataclass(frozen=True, eq=False)
 class LeaseKeeper:
-    """Takes, renews and revokes this node's lease, on the node's ``Liveness``.
+    """Takes, renews and revokes this node's lease: moves of the node's condition
+    (``Liveness.move``). It holds no state of its own.
 
     Args:
         live: the node's liveness, whose ``lease``, ``acked_at`` and ``lost`` it moves.
@@ -53,30 +56,18 @@ class LeaseKeeper:
         life: the threads' cancel scope (``leave`` cancels it).
     """
 
-    def __init__(
-        self,
-        live: Liveness,
-        store: Store,
-        keys: RunKeys,
-        node_id: str,
-        *,
-        ttl: float,
-        clock: Clock,
-        stop: threading.Event,
-        life: CancelScope,
-    ) -> None:
-        self._live = live
-        self._store = store
-        self._keys = keys
-        self._node_id = node_id
-        self._ttl = ttl
-        self._clock = clock
-        self._stop = stop
-        self._life = life
+    live: Liveness
+    store: Store
+    keys: RunKeys
+    node_id: str
+    ttl: float
+    clock: Clock
+    stop: threading.Event
+    life: CancelScope
 
     def renew(self) -> bool:
         """Whether this node still holds its lease (a joining node asks first)."""
-        live, now = self._live, self._live.now
+        live, now = self.live, self.live.now
         if now.lease is not None and not now.lost:
             # The store acknowledged it moments ago (the keep-alive thread asks every
             # TTL/3): no need to ask again. After a loss among N nodes, N survivors
@@ -84,22 +75,22 @@ class LeaseKeeper:
             # ended since shows when the join writes under it (the handler then takes
             # a fresh one), or at the keep-alive thread's next ask.
             acked = now.acked_at
-            if acked is not None and self._clock.monotonic() - acked < self._ttl / 3:
+            if acked is not None and self.clock.monotonic() - acked < self.ttl / 3:
                 return True
             # A node thawed after SIGSTOP (or back from a partition) may re-form before
             # its keep-alive thread noticed that the lease ended: ask the store.
-            if self._store.keep_alive(now.lease):
-                live.move(condition.renewed, now.lease, self._clock.monotonic())
+            if self.store.keep_alive(now.lease):
+                live.move(condition.renewed, now.lease, self.clock.monotonic())
                 return True
             live.mark_lost("this node's lease expired: the others consider it gone")
         return False
 
     def register(self, info: dict[str, object]) -> None:
         """Take a fresh lease and announce this node (``info``) under it."""
-        lease = self._store.grant_lease(self._ttl)
-        self._live.move(condition.registered, lease, self._clock.monotonic())
+        lease = self.store.grant_lease(self.ttl)
+        self.live.move(condition.registered, lease, self.clock.monotonic())
         info_bytes = json.dumps(info, sort_keys=True).encode()
-        self._store.set(self._keys.nodes + self._node_id, info_bytes, lease=lease)
+        self.store.set(self.keys.nodes + self.node_id, info_bytes, lease=lease)
 
     def revoke(self) -> None:
         """Forget the lease and revoke it (``leave``: this node's keys vanish at once).
@@ -109,13 +100,13 @@ class LeaseKeeper:
         honours: a store that is already gone must not hold the exit for its whole
         reconnect window (the lease then expires by itself).
         """
-        was, _ = self._live.move(condition.revoked)
+        was, _ = self.live.move(condition.revoked)
         lease = was.lease
         if lease is None or was.gone is not None:
             return
         with CancelScope(deadline=Deadline.after(REVOKE_BOUND)) as scope, scope.active():
             try:
-                self._store.revoke_lease(lease)
+                self.store.revoke_lease(lease)
             except StoreError as exc:
                 log.debug("could not revoke lease %d (it expires by itself): %s", lease, exc)
 
@@ -123,22 +114,22 @@ class LeaseKeeper:
         """Wait until no other node holds a lease (None: for as long as it takes), in the
         calling thread's current scope: its cancellation (the launcher's stop request)
         ends only this wait, and leaving goes on."""
-        deadline = Deadline.after(timeout if timeout is not None else 1e9, self._clock)
-        nodes = self._keys.nodes
+        deadline = Deadline.after(timeout if timeout is not None else 1e9, self.clock)
+        nodes = self.keys.nodes
         try:
-            found, rev = self._store.get_prefix(nodes)
-            others = set(found) - {nodes + self._node_id}
+            found, rev = self.store.get_prefix(nodes)
+            others = set(found) - {nodes + self.node_id}
             while others and not deadline.expired():
                 try:
-                    res = self._store.watch(nodes, rev, min(deadline.remaining(), 5.0))
+                    res = self.store.watch(nodes, rev, min(deadline.remaining(), 5.0))
                 except StoreCompactedError:
-                    found, rev = self._store.get_prefix(nodes)
-                    others = set(found) - {nodes + self._node_id}
+                    found, rev = self.store.get_prefix(nodes)
+                    others = set(found) - {nodes + self.node_id}
                     continue
                 rev = res.revision
                 for e in res.events:
                     (others.add if e.kind is EventKind.PUT else others.discard)(e.key)
-                others.discard(nodes + self._node_id)
+                others.discard(nodes + self.node_id)
             if others:
                 log.warning("%d node(s) still attached to the store; closing it", len(others))
         except StoreError as exc:
@@ -148,17 +139,17 @@ class LeaseKeeper:
 
     def keep_alive_loop(self) -> None:
         """The keep-alive thread: renew the lease every TTL/3 until this node leaves."""
-        live = self._live
-        ttl = self._ttl
+        live = self.live
+        ttl = self.ttl
         interval = ttl / 3
-        last_ack = self._clock.monotonic()
-        while not self._stop.wait(interval):
+        last_ack = self.clock.monotonic()
+        while not self.stop.wait(interval):
             held = live.now
             if (lease := held.lease) is None or held.lost:
-                last_ack = self._clock.monotonic()
+                last_ack = self.clock.monotonic()
                 continue
             answer = self._ask_keep_alive(lease, interval)
-            now = self._clock.monotonic()
+            now = self.clock.monotonic()
             if answer is _Ack.ALIVE:
                 last_ack = now
                 live.move(condition.renewed, lease, now)
@@ -181,11 +172,11 @@ class LeaseKeeper:
         request owed, and once an owed answer is ``read_timeout`` overdue the next call
         that notices -- a keep-alive here, the watch thread's watch, the agent's next
         call -- gives the store up with ``StoreUnavailableError`` (``store_gone``)."""
-        with self._life.child(interval) as scope, scope.active():
+        with self.life.child(interval) as scope, scope.active():
             try:
-                alive = self._store.keep_alive(lease)
+                alive = self.store.keep_alive(lease)
             except StoreUnavailableError as exc:
-                self._live.store_gone(exc)
+                self.live.store_gone(exc)
                 return _Ack.GONE
             except StoreError as exc:  # StoreTimeoutError: no answer within the interval
                 log.debug("keep-alive of lease %d not acknowledged: %s", lease, exc)
@@ -195,4 +186,4 @@ class LeaseKeeper:
         return _Ack.ALIVE if alive else _Ack.EXPIRED
 
     def __repr__(self) -> str:
-        return f"LeaseKeeper(node={self._node_id!r}, lease={self._live.now.lease}, ttl={self._ttl})"
+        return f"LeaseKeeper(node={self.node_id!r}, lease={self.live.now.lease}, ttl={self.ttl})"

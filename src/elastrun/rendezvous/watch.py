@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from elastrun.core.cancel import Cancelled, CancelScope
@@ -37,8 +38,10 @@ log = logging.getLogger("elastrun.rendezvous")
 WATCH_SPAN = 60.0
 
 
+@dataclass(frozen=True, eq=False)
 class RoundWatcher:
-    """Watches the round this node is in (the node's ``Liveness``) for a re-formation.
+    """Watches the round this node is in for a re-formation, flagged as a move of the
+    node's condition (``Liveness.move``). It holds no state of its own.
 
     Args:
         live: the node's liveness: the round, and where a re-formation is flagged.
@@ -50,24 +53,13 @@ class RoundWatcher:
         life: the threads' cancel scope (``leave`` cancels it: the watch ends at once).
     """
 
-    def __init__(
-        self,
-        live: Liveness,
-        store: Store,
-        keys: RunKeys,
-        node_id: str,
-        *,
-        max_nodes: int,
-        stop: threading.Event,
-        life: CancelScope,
-    ) -> None:
-        self._live = live
-        self._store = store
-        self._keys = keys
-        self._node_id = node_id
-        self._max_nodes = max_nodes
-        self._stop = stop
-        self._life = life
+    live: Liveness
+    store: Store
+    keys: RunKeys
+    node_id: str
+    max_nodes: int
+    stop: threading.Event
+    life: CancelScope
 
     def watch_loop(self) -> None:
         """Follow ``ctl/`` while a round runs; flag a re-formation when one is due.
@@ -76,15 +68,15 @@ class RoundWatcher:
         watches what it needs, and N members reading every join of the next round would
         cost O(N^2).
         """
-        live = self._live
+        live = self.live
         watching: tuple[int, RoundWatch, int] | None = None  # round, view, revision
         following: tuple[int, int] | None = None  # round, revision (a quiet member)
-        while not self._stop.is_set():
+        while not self.stop.is_set():
             now = live.now
             if (r := now.round) is None or now.reform:
                 live.entered.wait()  # set by the next round, and by ``leave``
                 continue
-            n, size, since, watchers, me = r.n, r.size, r.since, r.watchers, self._node_id
+            n, size, since, watchers, me = r.n, r.size, r.since, r.watchers, self.node_id
             try:
                 if watchers.quiet(me):
                     rev = following[1] if following is not None and following[0] == n else since
@@ -96,7 +88,7 @@ class RoundWatcher:
                 try:
                     # Long: ``leave`` cancels it, and a new round's events reach the
                     # old watch too (then the loop moves on to the new round's view).
-                    res = self._store.watch(self._keys.ctl, rev, WATCH_SPAN, scope=self._life)
+                    res = self.store.watch(self.keys.ctl, rev, WATCH_SPAN, scope=self.life)
                 except StoreCompactedError as exc:
                     # The store dropped old history (etcd auto-compaction): re-read.
                     log.debug("rendezvous watch resumes after compaction: %s", exc)
@@ -118,39 +110,39 @@ class RoundWatcher:
                 return
             except StoreUnavailableError as exc:
                 live.store_gone(exc)
-                self._stop.wait(1.0)
+                self.stop.wait(1.0)
             except StoreError as exc:
-                if not self._stop.is_set():
+                if not self.stop.is_set():
                     log.warning("rendezvous watch interrupted: %s", exc)
-                    self._stop.wait(1.0)
+                    self.stop.wait(1.0)
 
     def _follow_closer(self, n: int, size: int, watchers: quiet.Watchers, rev: int) -> int:
         """As a quiet member, one watch of round ``n`` (of ``size``)'s closer
         (``quiet.follow_closer``); the revision to watch on from."""
         rev, why, call = quiet.follow_closer(
-            self._store, self._keys, n, watchers, rev, scope=self._life, span=WATCH_SPAN, size=size
+            self.store, self.keys, n, watchers, rev, scope=self.life, span=WATCH_SPAN, size=size
         )
         if why is not None:
-            called = None if call is None else Called.of(self._keys, n + 1, call)
-            self._live.move(condition.woken, called)
+            called = None if call is None else Called.of(self.keys, n + 1, call)
+            self.live.move(condition.woken, called)
             self.flag_reform(n, why)
         return rev
 
     def round_watch(self, r: CurrentRound) -> RoundWatch:
         """A view of round ``r`` that events keep up to date."""
         return RoundWatch(
-            self._keys, r.n, r.size, self._max_nodes, self._live.is_member, all_live=r.all_live
+            self.keys, r.n, r.size, self.max_nodes, self.live.is_member, all_live=r.all_live
         )
 
     def reload(self, view: RoundWatch, n: int) -> int:
         """Load ``view`` of round ``n`` from full reads; the revision to watch from."""
-        k = self._keys
-        nodes, rev = self._store.get_prefix(k.nodes)
-        joins, _ = self._store.get_prefix(k.join_prefix(n + 1))
-        done, _ = self._store.get_prefix(k.done(n))
-        failed = self._store.get(k.failed(n)) is not None
-        members = self._live.member_ids()
-        closed = self._store.get(k.closed) is not None
+        k = self.keys
+        nodes, rev = self.store.get_prefix(k.nodes)
+        joins, _ = self.store.get_prefix(k.join_prefix(n + 1))
+        done, _ = self.store.get_prefix(k.done(n))
+        failed = self.store.get(k.failed(n)) is not None
+        members = self.live.member_ids()
+        closed = self.store.get(k.closed) is not None
         view.load(members, list(nodes), list(joins), failed, closed, list(done))
         return rev
 
@@ -161,7 +153,7 @@ class RoundWatcher:
         for the others: its closer or deputy), then decide the next round at once for
         everyone (``live.ahead``; ``joins``: this node takes part in it; ``defer``: how
         long it leaves the decision to rank 0 first)."""
-        live = self._live
+        live = self.live
         ahead = ahead and live.ahead is not None
         if ahead:
             live.ahead_idle.clear()  # before the agent can see the re-formation and join
@@ -183,7 +175,7 @@ class RoundWatcher:
     def check_reform(self) -> bool:
         """Whether the running round must re-form, from full reads (for tests and
         tools; the watch thread keeps the same answer from events)."""
-        now = self._live.now
+        now = self.live.now
         if (r := now.round) is None or now.reform:
             return now.reform
         view = self.round_watch(r)
@@ -191,7 +183,7 @@ class RoundWatcher:
         reason = view.reason()
         if reason is not None:
             self.flag_reform(r.n, reason)
-        return self._live.now.reform
+        return self.live.now.reform
 
     def __repr__(self) -> str:
-        return f"RoundWatcher(node={self._node_id!r}, round={self._live.now.n})"
+        return f"RoundWatcher(node={self.node_id!r}, round={self.live.now.n})"
