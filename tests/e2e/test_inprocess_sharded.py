@@ -219,6 +219,7 @@ import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 import elastrun.inprocess as inprocess
+from elastrun.checkpoint import MemoryCheckpoint
 
 out, mode, steps, plan = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 calls = []
@@ -233,6 +234,8 @@ def once(name):
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 state = inprocess.State(model=model, optimizer=None, step=0)
+# fsdp-memory: the State saved into a memory checkpoint every 5 steps, restore's way back
+ckpt = MemoryCheckpoint() if mode == "fsdp-memory" else None
 
 @inprocess.run
 def train(state):
@@ -251,7 +254,7 @@ def train(state):
     if f"{rank}:restore" in plan and os.environ.get("ELASTRUN_INPROCESS_ROUND", "0") != "0":
         if once(f"killed_{rank}_restore"):  # a survivor killed as the shards are to move
             os.kill(os.getpid(), signal.SIGKILL)
-    state.restore()
+    state.restore(ckpt)
     calls.append(state.step)
     while state.step < steps:
         step = state.step
@@ -263,6 +266,10 @@ def train(state):
         state.optimizer.step()
         state.step += 1
         state.commit()
+        if ckpt is not None and state.step % 5 == 0:
+            ckpt.save(state.step, {"state": state})
+    if ckpt is not None:
+        ckpt.close()
     full = [p.full_tensor() for p in state.model.parameters()]
     dist.barrier()
     dist.destroy_process_group()
@@ -353,6 +360,31 @@ def test_hsdp_replacement_takes_its_shard_from_a_replica_and_no_step_is_lost(
     survivors = sorted(set(range(4)) - set(victims))
     assert not any(f"rank {r} took commit" in err for r in survivors), err
     assert {r[0]["sha"] for r in ranks.values()} == {clean_replica_sha}
+
+
+def test_fsdp2_state_without_replicas_resumes_in_place_from_the_memory_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # FSDP2 on 4 ranks, the State saved into a memory checkpoint every 5 steps (after
+    # steps 5, 10, 15, ...): rank 2 killed at step 13 has no replica, so every rank
+    # loads step 10 from the node's memory, in place, and goes on from there.
+    code, err, ranks = _run_replica(tmp_path, "clean", "fsdp-memory", 24, [])
+    assert code == 0, err
+    clean = {r[0]["sha"] for r in ranks.values()}
+    code, err, ranks = _run_replica(tmp_path, "killed", "fsdp-memory", 24, ["2:13"])
+    assert code == 0, err
+    assert sorted(ranks) == [0, 1, 2, 3], (ranks, err)
+    assert "restarting all workers" not in err, err
+    assert "every rank loaded step 10 from the memory checkpoint instead, in place" in err, err
+    for rank, results in ranks.items():
+        assert len(results) == 1, (results, err)
+        calls = results[0]["calls"]
+        if rank == 2:
+            assert calls == [10], (results, err)
+        elif calls != [0, 10]:
+            assert "did not reach in-process round" in err, (rank, results, err)
+            assert calls[-1] == 10, (rank, results, err)
+    assert len(clean) == 1 and {r[0]["sha"] for r in ranks.values()} == clean
 
 
 def test_fsdp2_state_without_replicas_restarts_the_group_once_saying_why(tmp_path: Path) -> None:

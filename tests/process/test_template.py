@@ -907,6 +907,7 @@ def test_default_preload_adds_a_recovering_scripts_nested_imports_and_the_recove
         "elastrun.checkpoint",
         "torch.distributed.fsdp",
         "elastrun.inprocess.worker.sync",
+        "elastrun.inprocess.worker.sharded",
     ]
     # Without elastrun.inprocess, nested imports stay where they are.
     plain = _write(tmp_path / "plain.py", "import torch\ndef f():\n    import numpy\n")

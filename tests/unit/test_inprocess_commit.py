@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from elastrun.inprocess import State
-from elastrun.inprocess.worker.state import StateMismatchError
+from elastrun.inprocess.worker.receive import StateMismatchError
 from elastrun.inprocess.worker.transfer import (
     CHUNK,
     CommitLostError,

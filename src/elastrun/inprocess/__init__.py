@@ -39,8 +39,9 @@ from elastrun.core.lazy import lazy_getattr
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from elastrun.inprocess.worker.fsdp import FsdpRebindError, rebind
+    from elastrun.inprocess.worker.receive import StateMismatchError
     from elastrun.inprocess.worker.recovery import run
-    from elastrun.inprocess.worker.state import RestoreMissingError, State, StateMismatchError
+    from elastrun.inprocess.worker.state import RestoreMissingError, State
     from elastrun.inprocess.worker.transfer import CommitLostError
 
 __getattr__ = lazy_getattr(
@@ -50,7 +51,7 @@ __getattr__ = lazy_getattr(
         "rebind": "elastrun.inprocess.worker.fsdp",
         "FsdpRebindError": "elastrun.inprocess.worker.fsdp",
         "State": "elastrun.inprocess.worker.state",
-        "StateMismatchError": "elastrun.inprocess.worker.state",
+        "StateMismatchError": "elastrun.inprocess.worker.receive",
         "RestoreMissingError": "elastrun.inprocess.worker.state",
         "CommitLostError": "elastrun.inprocess.worker.transfer",
     },

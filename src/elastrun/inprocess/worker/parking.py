@@ -67,7 +67,7 @@ def keep_parked() -> None:
     """Keep the groups parked now until they are idle (they are broken, or just used:
     their destructors could wait for collectives or threads that need the GIL); their
     connections are cut (``inprocess.cut``). ``release_idle`` frees them once a whole
-    call of the training function ran since."""
+    call of the training function ran since, or ``IDLE_AFTER`` seconds passed."""
     now = time.monotonic()
     _kept.extend((_generation, now, pg) for pg in _parked.values())
     _parked.clear()
@@ -84,15 +84,17 @@ def release_idle(*, generations: bool = True) -> int:
     """Free the kept groups kept over ``IDLE_AFTER`` seconds ago or, unless
     ``generations`` is false (a commit, in the call right after a recovery), in an
     earlier generation: idle since. Returns how many."""
+    if not _kept:  # (at every commit: nothing to look at, nearly always)
+        return 0
     since = time.monotonic() - IDLE_AFTER
     last = _generation if generations else -1
 
     def idle(gen: int, at: float) -> bool:
         return gen < last or at < since
 
-    if not any(idle(gen, at) for gen, at, _ in _kept):
-        return 0
     freed = [pg for gen, at, pg in _kept if idle(gen, at)]
+    if not freed:
+        return 0
     _kept[:] = [(gen, at, pg) for gen, at, pg in _kept if not idle(gen, at)]
     for pg in freed:
         ctypes.pythonapi.Py_DecRef(ctypes.py_object(pg))

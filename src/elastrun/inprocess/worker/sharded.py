@@ -33,13 +33,13 @@ __all__ = ["restore", "shard_key"]
 log = logging.getLogger("elastrun.inprocess")
 
 
-def restore(state: State) -> None:
+def restore(state: State, checkpoint: Any = None) -> None:
     """See ``State.restore``."""
     import torch
     import torch.distributed as dist
 
     from elastrun.inprocess.worker.parking import park_process_groups
-    from elastrun.inprocess.worker.transfer import move_commit
+    from elastrun.inprocess.worker.transfer import CommitLostError, move_commit
 
     items = [getattr(state, name) for name in state.names()]
     for item in items:
@@ -51,7 +51,15 @@ def restore(state: State) -> None:
     state._restored()  # (a failure from here on leads to the next round, which defers again)
     park_process_groups()  # the training's groups: see inprocess.parking
     rank = dist.get_rank()
-    plans = move_commit(state, rank, dist.get_world_size(), key=key)
+    try:
+        plans = move_commit(state, rank, dist.get_world_size(), key=key)
+    except CommitLostError as lost:  # (every rank finds so, at once)
+        if checkpoint is None or lost.newest is None:
+            raise
+        from elastrun.inprocess.worker.checkpointing import load_instead
+
+        load_instead(state, checkpoint, lost)
+        plans = []
     state._after_sync()
     for plan in plans:
         if rank in plan.receivers:

@@ -13,13 +13,21 @@ import logging
 import os
 import pickle
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastrun.core.errors import ElastrunError
 from elastrun.inprocess.worker import own as own_part
 from elastrun.inprocess.worker import rng
 from elastrun.inprocess.worker.parking import park_process_groups, release_idle
+from elastrun.inprocess.worker.receive import (
+    CommitDescription,
+    StateMismatchError,
+    dtype_of,
+    is_module,
+    new_tensor,
+    stateful,
+    where,
+)
 from elastrun.inprocess.worker.snapshot import (
     ItemSnapshot,
     TensorSpec,
@@ -36,42 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("elastrun.inprocess")
 
 
-class StateMismatchError(ElastrunError, ValueError):
-    """A rank's objects do not have the shapes of the commit it must take (it built
-    its model or optimizer differently from the rank that sends the commit)."""
-
-
 class RestoreMissingError(ElastrunError, RuntimeError):
     """A sharded state was not restored after an in-process recovery (``restore``)."""
-
-
-def _stateful(value: object) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )
-
-
-@dataclass(frozen=True)
-class CommitDescription:
-    """A commit as the ranks that take it first learn of it: everything but the
-    tensors' bytes (plain values, small enough to pickle), and each tensor's spec."""
-
-    commit: int
-    plain: dict[str, Any]  # the items that are plain values
-    skeletons: dict[str, Any]  # each stateful item's state dict, tensors as slots
-    specs: dict[str, list[TensorSpec]]
-    modules: frozenset[str]
-    rng: rng.RngState | None
-
-    @property
-    def nbytes(self) -> int:
-        import torch
-
-        return sum(
-            s.numel * torch.empty((), dtype=_dtype(s.dtype)).element_size()
-            for item in self.specs.values()
-            for s in item
-        )
 
 
 class State:
@@ -224,25 +198,37 @@ class State:
         object.__setattr__(self, "_holds", True)
         self._keep_own()
 
-    def restore(self) -> None:
+    def restore(self, checkpoint: Any = None) -> None:
         """After an in-process recovery of a sharded state (FSDP2, HSDP): bring every
         rank to the round's commit, in the training's own process group. A survivor's
         model is rebound to the new world's groups (``inprocess.rebind``) and keeps its
         shards (rolled back to its commit); a rank that lacks the commit (the
-        replacement) takes its shards from a replica of the same shard.
+        replacement) takes its shards from a replica of the same shard. Where a shard
+        has none, every rank loads the newest step of ``checkpoint`` (a
+        ``MemoryCheckpoint`` the job saves this State into as ``{"state": state}``).
 
-        Call it in the training function after ``init_process_group``, the device
-        mesh, and (in a process's first call) ``fully_shard`` and the optimizer, before
-        the first step; it does nothing else where nothing is to restore, so call it on
-        every call (see docs/inprocess.md).
+        Call it in every call of the training function once the model is sharded and
+        its optimizer made, before the first step (see docs/inprocess.md).
 
         Raises:
-            CommitLostError: a shard's every replica is lost (or it has none): the
-                workers are started again from the checkpoint.
+            CommitLostError: a shard has no replica left, and no step of ``checkpoint``
+                to load: the workers are started again from the script's checkpoint.
         """
         from elastrun.inprocess.worker.sharded import restore
 
-        restore(self)
+        restore(self, checkpoint)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The items as a checkpoint takes them (a ``Stateful`` of
+        ``torch.distributed.checkpoint``: see ``inprocess.worker.checkpointing``)."""
+        from elastrun.inprocess.worker.checkpointing import state_dict
+
+        return state_dict(self._items)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from elastrun.inprocess.worker.checkpointing import load_state_dict
+
+        load_state_dict(self._items, state_dict)
 
     def _defer_restore(self) -> None:
         """The round's commit is sharded: it moves at ``restore`` (inprocess.transfer)."""
@@ -250,6 +236,13 @@ class State:
 
     def _restored(self) -> None:
         object.__setattr__(self, "_pending", False)
+
+    def _loaded(self, commit: int) -> None:
+        """The live state, loaded from a checkpoint on every rank, is commit ``commit``."""
+        self._take()
+        object.__setattr__(self, "_commit", commit)
+        object.__setattr__(self, "_holds", True)
+        self._keep_own()
 
     def _keep_own(self) -> None:
         """Write this rank's own part of its last commit for a replacement (see
@@ -280,7 +273,7 @@ class State:
             if name not in self._own:
                 continue
             item = self._items.get(name)
-            if _stateful(item):
+            if stateful(item):
                 item.load_state_dict(value)
             else:
                 self._items[name] = value
@@ -308,7 +301,14 @@ class State:
     def rollback(self) -> None:
         """Put every item back as it was at the last commit, as far as the commit holds
         it: a tensor kept by reference that moved on stays as it is, and the rank then
-        no longer holds its commit (``held_commit``): it takes a peer's."""
+        no longer holds its commit (``held_commit``): it takes a peer's.
+
+        A process started into an in-process round that has not taken a commit yet
+        (its round failed before) is left as it is: what it made since it was
+        constructed (a sharded model, the optimizer of it) is no commit's, and the
+        next round's commit comes from a peer."""
+        if not self._holds:
+            return
         self._before_forward()  # a failure before the first forward pass (in DDP's setup)
         object.__setattr__(self, "_intact", self.intact())
         for name, snap in self._snap.items():
@@ -329,12 +329,12 @@ class State:
         own: dict[str, Any] = {}
         for name, value in self._items.items():
             if name in self._own:
-                own[name] = value.state_dict() if _stateful(value) else value
-            elif _stateful(value):
+                own[name] = value.state_dict() if stateful(value) else value
+            elif stateful(value):
                 state_dict = value.state_dict()
                 snaps[name] = take(
                     state_dict,
-                    is_module=_is_module(value),
+                    is_module=is_module(value),
                     copy_names=_buffer_names(value, state_dict),
                     copy_all=self._copy_all,
                     previous=self._snap.get(name),
@@ -388,12 +388,12 @@ class State:
         out: dict[tuple[str, Any], torch.Tensor] = {}
         for name, item_specs in published.items():
             value = self._items.get(name)
-            if not _stateful(value) or _is_module(value):
+            if not stateful(value) or is_module(value):
                 continue
             own = dict(walk(value.state_dict()))
             for spec in item_specs:
                 if spec.path not in own and spec.device_type == "cpu":
-                    out[(name, spec.path)] = torch.empty(spec.shape, dtype=_dtype(spec.dtype))
+                    out[(name, spec.path)] = torch.empty(spec.shape, dtype=dtype_of(spec.dtype))
         return out
 
     def targets(
@@ -417,7 +417,7 @@ class State:
         out: list[torch.Tensor] = []
         for name, item_specs in desc.specs.items():
             value = self._items.get(name)
-            if not _stateful(value):
+            if not stateful(value):
                 raise StateMismatchError(
                     f"the commit has a stateful item {name!r}; this rank has "
                     f"{'none' if value is None else type(value).__name__}"
@@ -428,15 +428,15 @@ class State:
                 if mine is None:
                     if name in desc.modules:
                         raise StateMismatchError(
-                            f"{name}: the commit has {_where(spec.path)} "
+                            f"{name}: the commit has {where(spec.path)} "
                             f"{list(spec.shape)}; this rank's module has no such entry"
                         )
-                    out.append(_new_tensor(name, value, own, spec, pool or {}))
+                    out.append(new_tensor(name, value, own, spec, pool or {}))
                     continue
-                data, dtype = local(mine), _dtype(spec.dtype)
+                data, dtype = local(mine), dtype_of(spec.dtype)
                 if tuple(data.shape) != spec.shape or data.dtype != dtype:
                     raise StateMismatchError(
-                        f"{name}: {_where(spec.path)} is {list(data.shape)} {data.dtype} "
+                        f"{name}: {where(spec.path)} is {list(data.shape)} {data.dtype} "
                         f"here and {list(spec.shape)} {spec.dtype} in the commit (build the "
                         f"model and optimizer the same way on every rank)"
                     )
@@ -476,66 +476,12 @@ class State:
         return f"State({', '.join(self.names())}; commit {self._commit})"
 
 
-def _new_tensor(
-    name: str, value: Any, own: dict[Any, torch.Tensor], spec: TensorSpec, pool: dict[Any, Any]
-) -> torch.Tensor:
-    """A tensor for an entry of ``spec`` that item ``value`` lacks (an optimizer's state
-    before its first step): from ``pool`` where it fits; a DTensor sharded as its
-    parameter is where the sender's was one."""
-    import torch
-
-    dtype = _dtype(spec.dtype)
-    home = _home_device(value, own)
-    device = home if spec.device_type != "cpu" else torch.device("cpu")
-    early: torch.Tensor | None = pool.pop((name, spec.path), None)
-    if early is None or not (
-        early is not None
-        and tuple(early.shape) == spec.shape
-        and early.dtype == dtype
-        and early.device == device
-    ):
-        early = torch.empty(spec.shape, dtype=dtype, device=device)
-    if not spec.sharded:
-        return early
-    param = _param_of(value, spec.path)
-    if param is None or tuple(local(param).shape) != spec.shape:
-        raise StateMismatchError(
-            f"{name}: the commit has a shard {list(spec.shape)} at {_where(spec.path)}; "
-            f"this rank has no parameter sharded so (shard the model the same way on "
-            f"every rank, before State.restore())"
-        )
-    from torch.distributed.tensor import DTensor
-
-    made: torch.Tensor = DTensor.from_local(
-        early, param.device_mesh, param.placements, run_check=False,
-        shape=param.size(), stride=param.stride(),
-    )  # fmt: skip
-    return made
-
-
-def _param_of(value: Any, path: tuple[object, ...]) -> Any:
-    """The parameter an optimizer's state entry at ``path`` (``("state", index,
-    name)``) belongs to: torch numbers an optimizer's parameters in its groups'
-    order."""
-    if len(path) < 2 or path[0] != "state" or not isinstance(path[1], int):
-        return None
-    params = [p for group in getattr(value, "param_groups", ()) for p in group["params"]]
-    index = path[1]
-    return params[index] if 0 <= index < len(params) else None
-
-
 def _starts_attempt() -> bool:
     """Whether this process starts an attempt (not a replacement started into an
     in-process round, which takes its predecessor's own part first)."""
     from elastrun.wire.inprocess import ROUND_ENV
 
     return os.environ.get(ROUND_ENV, "0") in ("", "0")
-
-
-def _is_module(value: object) -> bool:
-    import torch
-
-    return isinstance(value, torch.nn.Module)
 
 
 def _buffer_names(value: object, state_dict: dict[str, Any]) -> frozenset[str]:
@@ -549,32 +495,6 @@ def _buffer_names(value: object, state_dict: dict[str, Any]) -> frozenset[str]:
     return frozenset(key for key in state_dict if key not in params)
 
 
-def _home_device(value: object, own: dict[Any, torch.Tensor]) -> torch.device:
-    """Where a new tensor of ``value`` goes: its parameters' device."""
-    import torch
-
-    for group in getattr(value, "param_groups", None) or ():
-        for p in group.get("params", ()):
-            if isinstance(p, torch.Tensor):
-                return p.device
-    for t in own.values():
-        return t.device
-    return torch.device("cpu")
-
-
 def _place(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     d = local(t)
     return d.data_ptr(), tuple(d.shape)
-
-
-def _dtype(name: str) -> torch.dtype:
-    import torch
-
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise StateMismatchError(f"unknown dtype in the commit: {name!r}")
-    return dtype
-
-
-def _where(path: tuple[object, ...]) -> str:
-    return "/".join(str(p) for p in path)

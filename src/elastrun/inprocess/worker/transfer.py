@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 from elastrun.core.errors import ElastrunError
 from elastrun.inprocess.worker import early, local_copy, prefault
 from elastrun.inprocess.worker.parking import park_process_groups
+from elastrun.inprocess.worker.receive import CommitDescription
 from elastrun.inprocess.worker.snapshot import local
-from elastrun.inprocess.worker.state import CommitDescription, State
+from elastrun.inprocess.worker.state import State
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,12 @@ LOCAL = True
 
 class CommitLostError(ElastrunError, RuntimeError):
     """No rank of the round holds the newest commit intact: the ranks whose state moved
-    on past their commit are ahead of every intact one (see docs/inprocess.md)."""
+    on past their commit are ahead of every intact one, or a shard has no replica that
+    holds it (see docs/inprocess.md). ``newest``: that commit, where one is known."""
+
+    def __init__(self, message: str, newest: int | None = None) -> None:
+        super().__init__(message)
+        self.newest = newest
 
 
 class TransferAborted(RuntimeError):
@@ -141,7 +147,8 @@ def decide_sharded(held: Sequence[tuple[int, bool, Hashable]]) -> list[Plan]:
             raise CommitLostError(
                 f"no rank holding the shard of rank{'s' if len(ranks) > 1 else ''} "
                 f"{', '.join(map(str, ranks))} holds commit {newest} intact (a shard "
-                f"without a surviving replica: restarting from the checkpoint)"
+                f"without a surviving replica)",
+                newest,
             )
         sub = decide([(held[r][0], held[r][1]) for r in ranks])
         plans.append(

@@ -33,7 +33,11 @@ LAZY_TORCH_IMPORTS = {"DistributedDataParallel": "torch._dynamo", "optim": "torc
 #: (those of ``AUTO_PRELOAD_ROOTS`` and elastrun's worker side), and so are the modules
 #: a recovery imports only when it starts (tens of milliseconds a replacement).
 INPROCESS_MODULE = "elastrun.inprocess"
-INPROCESS_PRELOAD = ("elastrun.inprocess", "elastrun.inprocess.worker.sync")
+INPROCESS_PRELOAD = (
+    "elastrun.inprocess",
+    "elastrun.inprocess.worker.sync",
+    "elastrun.inprocess.worker.sharded",
+)
 _WORKER_SIDE = ("elastrun.inprocess", "elastrun.checkpoint")
 
 # Interpreter options that take a separate value (``-W error``, ``-X dev``).
