@@ -256,6 +256,25 @@ def test_memory_checkpoint_benchmark_times_saves_and_restarts_from_memory(tmp_pa
         assert lost and all(v <= 1 for v in lost), (column, lost)  # a save every step
 
 
+def test_memory_checkpoint_node_killed_figures_count_from_the_kill_and_the_last_common_step(
+    bench_path: None,
+) -> None:
+    # The node-killed scenario runs in the quick and full profiles, not in the smoke run
+    # (tests/e2e/test_memory_checkpoint_buddies.py runs a node killed with a spare): its
+    # figures from the job's records. Before the kill at t=10, rank 0 completed step 7
+    # and rank 1 step 6; both loaded step 5 at t=11 (rank 1 on the spare) and completed
+    # step 6 at t=12 and t=12.5.
+    from _memory_checkpoint_node import _figures
+
+    lines: list[dict[str, Any]] = []
+    for rank, done in ((0, 7), (1, 6)):
+        lines += [{"rank": rank, "loaded_at": 1.0, "pid": 100 + rank}]
+        lines += [{"rank": rank, "step": s, "at": 2.0 + s} for s in range(done + 1)]
+        lines += [{"rank": rank, "loaded_at": 11.0, "pid": 200 + rank}]
+        lines += [{"rank": rank, "step": 6, "at": 12.0 + rank / 2}]
+    assert _figures(lines, 10.0) == {"node_next_s": 2.5, "node_lost": 1.0}
+
+
 @pytest.mark.torch
 @pytest.mark.timeout(330)  # the run's own bound is 300 s; beside two other test workers
 # on 2 cores it took over the default 120 s once (a minute alone)
