@@ -19,7 +19,13 @@ then a forward, backward and optimizer step. Modes:
   after every step: a survivor keeps its sharded model (``inprocess.rebind``), and every
   rank, a replacement too, loads the newest step in the node's memory;
 * ``sharded-reference``: the same without failures (FSDP2's reductions do not depend on
-  when its groups were made, so no rebuild is mirrored).
+  when its groups were made, so no rebuild is mirrored);
+* ``hsdp``: HSDP (a 2 x 2 mesh) with the model and optimizer in the ``State``
+  (``state.restore(ckpt)`` at every call, a commit after every step): a replacement
+  takes its shard from the other replica group; where both replicas of a shard were
+  lost, every rank loads the memory checkpoint the State is saved into every
+  ``CHECKPOINT_EVERY`` steps, as a group restart's processes do;
+* ``hsdp-reference``: the same without failures.
 
 The job runs until the step written in ``OUT/stop`` (the benchmark writes it when its
 killer is done). Every process writes, for the benchmark:
@@ -255,11 +261,58 @@ def sharded(failures: bool = True) -> None:
     finish(step, full)
 
 
+def hsdp(failures: bool = True) -> None:
+    """HSDP from a replica, else from a memory checkpoint (``failures``), or its
+    reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import elastrun.inprocess as ip
+    from elastrun.checkpoint import MemoryCheckpoint
+
+    ckpt = MemoryCheckpoint() if failures else None
+
+    def train(state: ip.State) -> tuple[int, list[torch.Tensor]]:
+        global opt
+        dist.init_process_group("gloo")
+        world = int(os.environ["WORLD_SIZE"])
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        if not isinstance(model, FSDPModule):  # this process's first call
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.002, momentum=0.9)
+            state.optimizer = opt
+        state.restore(ckpt)
+        event("C", PID, state.step, f"{time.time():.6f}")
+        while state.step < last_step():
+            one_step(model, state.step)
+            state.step += 1
+            state.commit()
+            if ckpt is not None and state.step % CHECKPOINT_EVERY == 0:
+                ckpt.save(state.step, {"state": state})
+        if ckpt is not None:
+            ckpt.close()
+        # fully_shard made every parameter a DTensor (the type only says Parameter).
+        full = [cast(DTensor, p).full_tensor().detach() for p in model.parameters()]
+        dist.barrier()
+        dist.destroy_process_group()
+        return int(state.step), full
+
+    state = ip.State(model=model, optimizer=None, step=0)
+    step, full = (ip.run(train) if failures else train)(state)
+    finish(step, full)
+
+
 MODES: dict[str, Callable[[], None]] = {
     "inplace": inplace,
     "group": group,
     "reference": reference,
     "sharded": sharded,
     "sharded-reference": lambda: sharded(failures=False),
+    "hsdp": hsdp,
+    "hsdp-reference": lambda: hsdp(failures=False),
 }
 MODES[MODE]()

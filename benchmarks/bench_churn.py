@@ -39,6 +39,7 @@ survived, exact, nothing growing, in place ETTR >= 95 % at one failure per
     .venv/bin/python benchmarks/bench_churn.py           # ETTR: 3 modes, 20 failures, 1 per 15 s
     .venv/bin/python benchmarks/bench_churn.py --smoke   # 50 failures in place, 1 per ~0.7 s
     .venv/bin/python benchmarks/bench_churn.py --smoke --modes sharded   # the same, FSDP2
+    .venv/bin/python benchmarks/bench_churn.py --smoke --modes hsdp      # HSDP, replicas
     nice -n 10 .venv/bin/python benchmarks/bench_churn.py --name soak_inplace --modes \\
         inplace --failures 2000 --interval 1.5 --step-sleep 0.05 --mix 3,1,1 --after-progress
 
@@ -106,7 +107,12 @@ COLUMNS = {
     "group": "elastrun group restart",
     "inplace": "elastrun in place",
     "sharded": "elastrun in place, FSDP2 from memory",
+    "hsdp": "elastrun in place, HSDP from a replica",
 }
+#: The modes whose job recovers in place, and the sharded ones' reference jobs (FSDP2's
+#: reductions do not depend on when its groups were made: no rebuild is mirrored).
+IN_PLACE = ("inplace", "sharded", "hsdp")
+SHARDED_REFERENCE = {"sharded": "sharded-reference", "hsdp": "hsdp-reference"}
 # elastrun's guards against restarts that do not help judge a plain script by its
 # optimizer steps counted from 1 in each attempt: three attempts in a row shorter than the
 # longest one so far end the job (exit 93), and so may the same rank killed twice at the
@@ -176,13 +182,13 @@ def _command(
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     elif opts.join_timeout is not None:
         env["ELASTRUN_INPROCESS_JOIN_TIMEOUT"] = f"{opts.join_timeout:g}"
-    script_args = [str(out), mode if mode in ("inplace", "sharded") else "group"]
+    script_args = [str(out), mode if mode in IN_PLACE else "group"]
     script_args += [str(opts.step_sleep), str(opts.checkpoint_every)]
     restarts = str(10 * opts.failures + 100)
     extra = ["--max-restarts", restarts, "--log-dir", str(run_dir / "logs")]
     if mode == "group":
         extra += GROUP_FLAGS
-    elif mode in ("inplace", "sharded"):
+    elif mode in IN_PLACE:
         extra += INPLACE_FLAGS
     return lch.command(opts.workers, JOB, script_args, *extra), env
 
@@ -337,7 +343,7 @@ def _unusual(mode: str, result: Mapping[str, Any]) -> bool:
     if mode == "torchrun":
         return False  # its recoveries take longer than 5 s: nothing unusual
     notable = result["notable"]
-    in_place = mode in ("inplace", "sharded") and notable["group restarts"] > 0
+    in_place = mode in IN_PLACE and notable["group restarts"] > 0
     slow = result["recovery_s"].get("over_5s", 0) > 0
     return slow or notable["survivors replaced as stuck"] > 0 or in_place
 
@@ -444,11 +450,11 @@ def _reference(mode: str, out: Path, last: int, opts: Options, run_dir: Path) ->
     """A fault-free run to the same step, with a new DDP wrapper at each rebuild step."""
     ref = run_dir / "reference"
     ref.mkdir()
-    # FSDP2's reductions do not depend on when its groups were made: nothing to mirror.
-    steps = [] if mode == "sharded" else rebuild_steps(read_ranks(out, opts.workers))
+    sharded = mode in SHARDED_REFERENCE
+    steps = [] if sharded else rebuild_steps(read_ranks(out, opts.workers))
     (ref / "rebuild.txt").write_text(" ".join(map(str, steps)))
     (ref / "stop").write_text(str(last))
-    job = "sharded-reference" if mode == "sharded" else "reference"
+    job = SHARDED_REFERENCE.get(mode, "reference")
     cmd = elastrun().command(opts.workers, JOB, [str(ref), job, "0", "0"])
     running = Running(cmd, marker=new_marker(), log_dir=ref, env_extra={"OMP_NUM_THREADS": "1"})
     outcome = running.finish(120 + 0.05 * last)
@@ -477,12 +483,18 @@ def _max_abs_diff(a: Path, b: Path) -> float:
 
 
 def body(section: Section, opts: Options) -> None:
-    sharded = (
-        f" (FSDP2 ones, with a memory checkpoint after every step, in the mode "
-        f"'{COLUMNS['sharded']}')"
-        if "sharded" in opts.modes
-        else ""
-    )
+    sharded = ""
+    if "sharded" in opts.modes:
+        sharded += (
+            f" (FSDP2 ones, with a memory checkpoint after every step, in the mode "
+            f"'{COLUMNS['sharded']}')"
+        )
+    if "hsdp" in opts.modes:
+        sharded += (
+            f" (HSDP 2 x 2 ones, the model and optimizer in the State, a replacement's "
+            f"shard from a replica, else from a memory checkpoint saved every "
+            f"{opts.checkpoint_every} steps, in the mode '{COLUMNS['hsdp']}')"
+        )
     section.intro = (
         f"{opts.workers} gloo DDP workers on {os.cpu_count()} CPUs{sharded}, a step = "
         f"{opts.step_sleep} s of sleep + ~10 ms of compute; {opts.failures} SIGKILLs of a "
@@ -753,7 +765,7 @@ def run(profile: str, overrides: Mapping[str, Any] | None = None) -> Section:
 def main(argv: list[str] | None = None) -> int:
     p = common_parser(__doc__ or "")
     p.set_defaults(output_dir=RESULTS_DIR / "churn")
-    p.add_argument("--modes", help="comma list of inplace, group, torchrun")
+    p.add_argument("--modes", help="comma list of inplace, group, torchrun, sharded, hsdp")
     p.add_argument("--failures", type=int, help="kills per mode")
     p.add_argument("--interval", type=float, help="mean seconds between kills")
     p.add_argument("--step-sleep", type=float, help="seconds of sleep in each step")

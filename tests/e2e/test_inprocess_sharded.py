@@ -286,7 +286,7 @@ with open(os.path.join(out, f"rank_{rank}_{os.getpid()}.json"), "w") as fh:
 
 
 def _run_replica(
-    tmp_path: Path, name: str, mode: str, steps: int, plan: list[str]
+    tmp_path: Path, name: str, mode: str, steps: int, plan: list[str], inprocess: bool = True
 ) -> tuple[int, str, dict[int, list[dict[str, Any]]]]:
     out = tmp_path / name
     out.mkdir()
@@ -294,7 +294,8 @@ def _run_replica(
     proc = start(
         ["--standalone", "--nproc-per-node", "4", "--max-restarts", "10",
          str(script), str(out), mode, str(steps), *plan],
-        cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "ELASTRUN_INPROCESS_JOIN_TIMEOUT": "5"},
+        cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "ELASTRUN_INPROCESS_JOIN_TIMEOUT": "5",
+                           "ELASTRUN_INPROCESS": "1" if inprocess else "0"},
     )  # fmt: skip
     res = finish(proc, 180)
     ranks: dict[int, list[dict[str, Any]]] = {}
@@ -305,19 +306,27 @@ def _run_replica(
 
 
 @pytest.fixture
-def clean_replica_sha(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> str:
-    """The parameters' SHA-256 of the HSDP run without failures (one run for all)."""
+def clean_replica_sha(
+    tmp_path_factory: pytest.TempPathFactory, worker_id: str
+) -> Callable[[str], str]:
+    """The parameters' SHA-256 of the run without failures, by mode (one run each for
+    all the tests and pytest workers that compare with it)."""
 
-    def make() -> str:
-        code, err, clean = _run_replica(tmp_path_factory.mktemp("clean"), "out", "hsdp", 24, [])
-        assert code == 0, err
-        shas = {str(r["sha"]) for results in clean.values() for r in results}
-        assert sorted(clean) == [0, 1, 2, 3] and len(shas) == 1, clean
-        return shas.pop()
+    def get(mode: str) -> str:
+        def make() -> str:
+            out = tmp_path_factory.mktemp("clean")
+            code, err, clean = _run_replica(out, "out", mode, 24, [])
+            assert code == 0, err
+            shas = {str(r["sha"]) for results in clean.values() for r in results}
+            assert sorted(clean) == [0, 1, 2, 3] and len(shas) == 1, clean
+            return shas.pop()
 
-    if worker_id == "master":  # not under xdist
-        return make()
-    return once_per_run(tmp_path_factory.getbasetemp().parent, "inprocess-replica", make)
+        if worker_id == "master":  # not under xdist
+            return make()
+        shared = tmp_path_factory.getbasetemp().parent
+        return once_per_run(shared, f"inprocess-replica-{mode}", make)
+
+    return get
 
 
 @pytest.mark.parametrize(
@@ -337,7 +346,10 @@ def clean_replica_sha(tmp_path_factory: pytest.TempPathFactory, worker_id: str) 
     ids=["one-rank", "a-whole-replica-group", "a-kill-during-the-transfer"],
 )
 def test_hsdp_replacement_takes_its_shard_from_a_replica_and_no_step_is_lost(
-    tmp_path: Path, clean_replica_sha: str, plan: list[str], victims: tuple[int, ...]
+    tmp_path: Path,
+    clean_replica_sha: Callable[[str], str],
+    plan: list[str],
+    victims: tuple[int, ...],
 ) -> None:
     code, err, ranks = _run_replica(tmp_path, "killed", "hsdp", 24, plan)
     assert code == 0, err
@@ -359,21 +371,27 @@ def test_hsdp_replacement_takes_its_shard_from_a_replica_and_no_step_is_lost(
     # No survivor took anything: each kept its own shard, rolled back to its commit.
     survivors = sorted(set(range(4)) - set(victims))
     assert not any(f"rank {r} took commit" in err for r in survivors), err
-    assert {r[0]["sha"] for r in ranks.values()} == {clean_replica_sha}
+    assert {r[0]["sha"] for r in ranks.values()} == {clean_replica_sha("hsdp")}
 
 
-def test_fsdp2_state_without_replicas_resumes_in_place_from_the_memory_checkpoint(
-    tmp_path: Path,
+@pytest.mark.parametrize("inprocess", [True, False], ids=["in-place", "group-restart"])
+def test_fsdp2_state_without_replicas_resumes_from_the_memory_checkpoint(
+    tmp_path: Path, clean_replica_sha: Callable[[str], str], inprocess: bool
 ) -> None:
     # FSDP2 on 4 ranks, the State saved into a memory checkpoint every 5 steps (after
-    # steps 5, 10, 15, ...): rank 2 killed at step 13 has no replica, so every rank
-    # loads step 10 from the node's memory, in place, and goes on from there.
-    code, err, ranks = _run_replica(tmp_path, "clean", "fsdp-memory", 24, [])
-    assert code == 0, err
-    clean = {r[0]["sha"] for r in ranks.values()}
-    code, err, ranks = _run_replica(tmp_path, "killed", "fsdp-memory", 24, ["2:13"])
+    # steps 5, 10, 15, ...), rank 2 killed at step 13. In place: it has no replica, so
+    # every rank loads step 10 from the node's memory, in place, and goes on from there.
+    # With in-process recovery off: the group restarts, and every new process loads
+    # step 10 in state.restore() too.
+    clean = {clean_replica_sha("fsdp-memory")}
+    code, err, ranks = _run_replica(tmp_path, "killed", "fsdp-memory", 24, ["2:13"], inprocess)
     assert code == 0, err
     assert sorted(ranks) == [0, 1, 2, 3], (ranks, err)
+    if not inprocess:
+        assert err.count("restarting all workers") == 1, err
+        assert all(r[-1]["calls"] == [10] for r in ranks.values()), (ranks, err)
+        assert {r[-1]["sha"] for r in ranks.values()} == clean
+        return
     assert "restarting all workers" not in err, err
     assert "every rank loaded step 10 from the memory checkpoint instead, in place" in err, err
     for rank, results in ranks.items():
@@ -384,7 +402,7 @@ def test_fsdp2_state_without_replicas_resumes_in_place_from_the_memory_checkpoin
         elif calls != [0, 10]:
             assert "did not reach in-process round" in err, (rank, results, err)
             assert calls[-1] == 10, (rank, results, err)
-    assert len(clean) == 1 and {r[0]["sha"] for r in ranks.values()} == clean
+    assert {r[0]["sha"] for r in ranks.values()} == clean
 
 
 def test_fsdp2_state_without_replicas_restarts_the_group_once_saying_why(tmp_path: Path) -> None:

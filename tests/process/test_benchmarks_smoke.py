@@ -392,4 +392,4 @@ def test_churn_benchmark_gives_each_launcher_only_its_own_flags(
             assert env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
         else:
             assert elastrun_only <= set(argv), (mode, argv)
-        assert argv[-3] == (mode if mode in ("inplace", "sharded") else "group"), argv
+        assert argv[-3] == (mode if mode in bench_churn.IN_PLACE else "group"), argv

@@ -91,6 +91,16 @@ def load_instead(state: State, checkpoint: Any, lost: CommitLostError) -> int:
     return int(step)
 
 
+def load_at_start(state: State, checkpoint: Any) -> int | None:
+    """At an attempt's start (every process new: the job's start, a group restart),
+    every rank loads the newest step of ``checkpoint`` into ``state`` (a collective),
+    which becomes its commit; the step (None: there is none, nothing is loaded)."""
+    step = checkpoint.load_latest({KEY: state})
+    if step is not None:
+        state._loaded(state.commit_id)
+    return None if step is None else int(step)
+
+
 def _model_of(value: object, items: dict[str, Any]) -> torch.nn.Module | None:
     """The module item whose parameters ``value`` (an optimizer) steps (None: it is no
     optimizer, or steps no module of the State)."""

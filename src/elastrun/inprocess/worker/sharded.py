@@ -46,6 +46,10 @@ def restore(state: State, checkpoint: Any = None) -> None:
         if isinstance(item, torch.nn.Module):
             rebind(item)  # a survivor's model; a model sharded in this world is left as is
     if not state._pending:
+        if checkpoint is not None and _starts_attempt():
+            from elastrun.inprocess.worker.checkpointing import load_at_start
+
+            load_at_start(state, checkpoint)
         return
     key = shard_key(items)
     state._restored()  # (a failure from here on leads to the next round, which defers again)
@@ -67,6 +71,16 @@ def restore(state: State, checkpoint: Any = None) -> None:
                 "rank %d took commit %d of its shard from rank %s", rank, plan.commit,
                 ", ".join(map(str, plan.sources)),
             )  # fmt: skip
+
+
+def _starts_attempt() -> bool:
+    """Whether the training function runs in its attempt's first round: every process
+    of the job is new (a group restart, or the job's start), none recovered in place."""
+    import os
+
+    from elastrun.wire.inprocess import ROUND_ENV
+
+    return os.environ.get(ROUND_ENV, "0") in ("", "0")
 
 
 def shard_key(items: list[Any]) -> Hashable:

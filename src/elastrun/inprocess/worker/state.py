@@ -205,14 +205,14 @@ class State:
         shards (rolled back to its commit); a rank that lacks the commit (the
         replacement) takes its shards from a replica of the same shard. Where a shard
         has none, every rank loads the newest step of ``checkpoint`` (a
-        ``MemoryCheckpoint`` the job saves this State into as ``{"state": state}``).
+        ``MemoryCheckpoint`` the job saves this State into as ``{"state": state}``),
+        as it does at an attempt's start (the job's, a group restart's).
 
         Call it in every call of the training function once the model is sharded and
         its optimizer made, before the first step (see docs/inprocess.md).
 
         Raises:
-            CommitLostError: a shard has no replica left, and no step of ``checkpoint``
-                to load: the workers are started again from the script's checkpoint.
+            CommitLostError: a shard has no replica left, nor ``checkpoint`` a step.
         """
         from elastrun.inprocess.worker.sharded import restore
 
