@@ -18,15 +18,9 @@ PACKAGE_DIR = Path(elastrun.__file__).resolve().parent
 
 #: The helper itself.
 HELPER = "core/threads.py"
-#: Places that still start their own threads, each for a reason; a place that no longer
-#: does must leave the list (checked below), so that it only shrinks.
-ALLOWED = {
-    # Being reworked elsewhere (the memory checkpoints, in-process recovery's worker
-    # side); they move to the helper with that work.
-    "checkpoint/": "the memory checkpoint's servers, reworked elsewhere",
-    "inprocess/worker/": "in-process recovery's worker side, reworked elsewhere",
-    "inprocess/agent/hub.py": "in-process recovery's agent side, reworked elsewhere",
-}
+#: Places that start their own threads, each for a reason: none now. One added must say
+#: why, and leave the list once it uses the helper (checked below).
+ALLOWED: dict[str, str] = {}
 
 
 def thread_starts(source: str, filename: str = "<source>") -> list[int]:

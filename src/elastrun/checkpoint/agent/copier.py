@@ -38,6 +38,7 @@ from elastrun.checkpoint.agent.holdings import (
     next_to_copy,
     scan,
 )
+from elastrun.core.threads import new_thread
 from elastrun.observe.sinks import MetricSink
 from elastrun.wire import checkpoint as layout
 
@@ -96,9 +97,7 @@ class Copier:
         name = copy_dir_name(source) if source is not None else ""
         self._base = os.path.join(directory, layout.COPIES_DIR, name)
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="elastrun-checkpoint-copy", daemon=True
-        )
+        self._thread = new_thread(self._run, name="elastrun-checkpoint-copy")
         self._failing: str | None = None
 
     def start(self) -> None:

@@ -61,6 +61,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from elastrun.checkpoint.agent.holdings import Held, Listing, PeerError, newest_agreed, scan
+from elastrun.core.threads import start_thread
 from elastrun.wire import checkpoint as layout
 
 __all__ = [
@@ -133,13 +134,8 @@ class NodeServer:
             self._closing.clear()
             server = _Server((self._addr, 0), self)
             self._server = server
-            self._thread = threading.Thread(
-                target=server.serve_forever,
-                kwargs={"poll_interval": 0.5},
-                name="elastrun-checkpoint-serve",
-                daemon=True,
-            )
-            self._thread.start()
+            # (serve_forever's poll interval: how soon it sees a shutdown)
+            self._thread = start_thread(server.serve_forever, 0.5, name="elastrun-checkpoint-serve")
         port = self.port
         assert port is not None
         return port

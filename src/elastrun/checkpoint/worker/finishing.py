@@ -39,7 +39,7 @@ from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.checkpoint.worker.storage import MemoryStorageWriter
 from elastrun.core.cancel import Cancelled
-from elastrun.core.threads import join_thread
+from elastrun.core.threads import join_thread, start_thread
 
 __all__ = ["Finisher", "Overlaps"]
 
@@ -113,8 +113,7 @@ class Finisher:
         """Start the thread, for the rank's ``steps`` and ``reporter``; the ranks agree
         through ``agreement`` (None: a world of one rank)."""
         self._steps, self._reporter, self._agreement = steps, reporter, agreement
-        self._thread = threading.Thread(target=self._serve, name="elastrun-checkpoint", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._serve, name="elastrun-checkpoint")
 
     def stop(self) -> bool:
         """Finish the saves in flight and end the thread; False when there was none."""

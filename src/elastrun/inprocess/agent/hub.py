@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastrun.core.threads import start_thread
 from elastrun.core.waker import Waker
 from elastrun.wire import inprocess as wire
 
@@ -62,8 +63,7 @@ class InprocessHub:
         # abandoned before it said hello): its hello is answered with it (see _note).
         self._announced: dict[int, tuple[int, int, bytes]] = {}
         self._stop = Waker()
-        self._thread = threading.Thread(target=self._serve, name="elastrun-inprocess", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._serve, name="elastrun-inprocess")
 
     # -- what the agent asks ------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastrun.core.threads import start_thread
 from elastrun.wire import inprocess as wire
 
 
@@ -56,10 +57,7 @@ class Channel:
     def start(self) -> None:
         """Start reading the agent's messages (a daemon thread). Idempotent."""
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._read, name="elastrun-inprocess-channel", daemon=True
-            )
-            self._thread.start()
+            self._thread = start_thread(self._read, name="elastrun-inprocess-channel")
 
     def send(self, op: str, **fields: Any) -> None:
         try:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from elastrun.core import linux
+from elastrun.core.threads import start_thread
 
 if TYPE_CHECKING:
     import torch
@@ -78,10 +79,7 @@ def populating(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
         yield
         return
     stop = threading.Event()
-    thread = threading.Thread(
-        target=_populate, args=(madvise, work, stop), name="elastrun-prefault", daemon=True
-    )
-    thread.start()
+    thread = start_thread(_populate, madvise, work, stop, name="elastrun-prefault")
     try:
         yield
     finally:
