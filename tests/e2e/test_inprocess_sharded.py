@@ -333,17 +333,15 @@ def clean_replica_sha(
     ("plan", "victims"),
     [
         # HSDP 2 x 2 (replica groups {0, 1} and {2, 3}; rank r's shard is also rank
-        # (r + 2) % 4's): rank 1 killed before step 13 takes its shard from rank 3.
-        (["1:13"], (1,)),
-        # Both ranks of one replica group killed together: their shards come from the
-        # other group (ranks 2 and 3).
+        # (r + 2) % 4's). Both ranks of one replica group killed together: their shards
+        # come from the other group (ranks 2 and 3).
         (["0:13", "1:13"], (0, 1)),
-        # Rank 0 killed in the recovery of rank 1, as the shards are about to move: the
-        # round fails on every rank, the next replaces rank 0 too, and both take their
-        # shards from the other group.
+        # Rank 1 killed before step 13, and rank 0 in its recovery, as the shards are
+        # about to move: the round fails on every rank, the next replaces rank 0 too,
+        # and each takes its shard from the other group (rank 1's from rank 3).
         (["1:13", "0:restore"], (0, 1)),
     ],
-    ids=["one-rank", "a-whole-replica-group", "a-kill-during-the-transfer"],
+    ids=["a-whole-replica-group", "a-kill-during-the-transfer"],
 )
 def test_hsdp_replacement_takes_its_shard_from_a_replica_and_no_step_is_lost(
     tmp_path: Path,
