@@ -26,7 +26,8 @@ from elastrun.core.errors import ConfigError
 from elastrun.store.torchwire import TorchWireServer
 from elastrun.store.torchwire import codec as c
 from elastrun.store.torchwire.codec import Op, Request
-from elastrun.store.torchwire.engine import ENGINE_ENV, choose_engine, compiled_engine_available
+from elastrun.store.torchwire.engine import choose_engine, compiled_engine_available
+from elastrun.wire.env import STORE_ENGINE_ENV as ENGINE_ENV
 
 _COMPILED = pytest.mark.skipif(
     not compiled_engine_available(), reason="the compiled engine was not built"

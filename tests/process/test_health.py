@@ -12,11 +12,11 @@ import pytest
 
 from elastrun.core.errors import ConfigError
 from elastrun.observe.health import (
-    HEALTH_CHECK_PORT_ENV,
     HealthCheckServer,
     create_healthcheck_server,
     port_from_env,
 )
+from elastrun.wire.env import HEALTH_CHECK_PORT_ENV
 
 NOW = 1_700_000_000.0
 

@@ -10,12 +10,15 @@ import pytest
 
 from elastrun.agent.options import (
     DEFAULT_INPROCESS_JOIN_TIMEOUT,
-    INPROCESS_JOIN_TIMEOUT_ENV,
-    INPROCESS_TIMEOUT_ENV,
     AgentOptions,
 )
 from elastrun.core.errors import ConfigError
-from elastrun.wire.env import INPROCESS_ENV, SIGNALS_TO_HANDLE_ENV
+from elastrun.wire.env import (
+    INPROCESS_ENV,
+    INPROCESS_JOIN_TIMEOUT_ENV,
+    INPROCESS_TIMEOUT_ENV,
+    SIGNALS_TO_HANDLE_ENV,
+)
 
 
 def test_the_settings_come_from_the_mapping_given_not_the_process() -> None:

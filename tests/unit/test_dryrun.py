@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from elastrun.agent.options import INPROCESS_TIMEOUT_ENV
 from elastrun.core.errors import ConfigError
 from elastrun.launch.cli import parse_launch
 from elastrun.launch.dryrun import render_plan
 from elastrun.launch.main import command_of
+from elastrun.wire.env import INPROCESS_TIMEOUT_ENV
 
 
 @pytest.fixture(autouse=True)

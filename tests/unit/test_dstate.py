@@ -9,12 +9,12 @@ import pytest
 
 from elastrun.core.errors import ConfigError
 from elastrun.supervise.processes.dstate import (
-    UNINTERRUPTIBLE_STATE_TIMEOUT_ENV,
     UninterruptibleWatch,
     read_proc_state,
     timeout_from_env,
 )
 from elastrun.testing import FakeClock
+from elastrun.wire.env import UNINTERRUPTIBLE_STATE_TIMEOUT_ENV
 
 
 class FakeProc:

@@ -9,7 +9,6 @@ import pytest
 
 from elastrun.agent.options import (
     DEFAULT_INPROCESS_TIMEOUT,
-    INPROCESS_TIMEOUT_ENV,
     inprocess_timeout,
 )
 from elastrun.core.cancel import CancelScope
@@ -17,6 +16,7 @@ from elastrun.core.errors import ConfigError
 from elastrun.inprocess.agent.agree import Agreement, Offer, agree
 from elastrun.pace import AutoTimeout
 from elastrun.store.memory import MemoryStore
+from elastrun.wire.env import INPROCESS_TIMEOUT_ENV
 
 PREFIX = "/elastrun/r/rounds/3/inprocess/"
 

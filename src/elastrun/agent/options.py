@@ -27,13 +27,16 @@ from elastrun.core.values import parse_seconds
 from elastrun.nodecheck.agent.verdicts import NodeCheckRule
 from elastrun.pace import AutoTimeout, StragglerSettings
 from elastrun.rendezvous.exclusion import ExclusionRule
-from elastrun.wire.env import SIGNALS_TO_HANDLE_ENV, inprocess_wanted
+from elastrun.wire.env import (
+    INPROCESS_JOIN_TIMEOUT_ENV,
+    INPROCESS_TIMEOUT_ENV,
+    SIGNALS_TO_HANDLE_ENV,
+    inprocess_wanted,
+)
 
 __all__ = [
     "DEFAULT_INPROCESS_JOIN_TIMEOUT",
     "DEFAULT_INPROCESS_TIMEOUT",
-    "INPROCESS_JOIN_TIMEOUT_ENV",
-    "INPROCESS_TIMEOUT_ENV",
     "START_METHODS",
     "AgentOptions",
     "inprocess_timeout",
@@ -43,13 +46,11 @@ __all__ = [
 #: How long the survivors and the replacements of an in-process round have to
 #: synchronise (seconds) by default; ``ELASTRUN_INPROCESS_TIMEOUT`` sets it.
 DEFAULT_INPROCESS_TIMEOUT = 60.0
-INPROCESS_TIMEOUT_ENV = "ELASTRUN_INPROCESS_TIMEOUT"
 #: How long a worker kept through a round may take to reach it (its collectives fail, or
 #: the cut makes them fail) before it counts as stuck and is replaced (seconds);
 #: ``ELASTRUN_INPROCESS_JOIN_TIMEOUT`` sets it. Generous: a worker computing without
 #: collectives (gradient accumulation) reaches the round only at its next collective.
 DEFAULT_INPROCESS_JOIN_TIMEOUT = 30.0
-INPROCESS_JOIN_TIMEOUT_ENV = "ELASTRUN_INPROCESS_JOIN_TIMEOUT"
 
 #: How function workers may be started (``forkserver`` behaves as ``spawn``).
 START_METHODS = ("spawn", "fork", "forkserver")

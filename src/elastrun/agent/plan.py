@@ -26,9 +26,14 @@ from elastrun.wire.bootstrap import BOOTSTRAP_MODULE
 from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV
 from elastrun.wire.env import (
     ERROR_FILE_ENV,
+    MAX_RESTARTS_ENV,
+    NCCL_ASYNC_ERROR_HANDLING_ENV,
+    RESTART_COUNT_ENV,
+    RUN_ID_ENV,
     SIGNALS_TO_HANDLE_ENV,
     STACKS_FILE_ENV,
     TIMER_FILE_ENV,
+    USE_AGENT_STORE_ENV,
 )
 from elastrun.wire.inprocess import SOCKET_ENV as INPROCESS_SOCKET_ENV
 from elastrun.wire.progress import PROGRESS_FILE_ENV, PROGRESS_SLOT_ENV
@@ -278,11 +283,11 @@ def worker_env(
         "ROLE_WORLD_SIZE": str(ranks.role_world_size),
         "MASTER_ADDR": facts.master_addr,
         "MASTER_PORT": str(facts.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(facts.restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(facts.max_restarts),
-        "TORCHELASTIC_RUN_ID": facts.run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": str(facts.use_agent_store),
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        RESTART_COUNT_ENV: str(facts.restart_count),
+        MAX_RESTARTS_ENV: str(facts.max_restarts),
+        RUN_ID_ENV: facts.run_id,
+        USE_AGENT_STORE_ENV: str(facts.use_agent_store),
+        NCCL_ASYNC_ERROR_HANDLING_ENV: base_env.get(NCCL_ASYNC_ERROR_HANDLING_ENV, "1"),
     }
     if "OMP_NUM_THREADS" not in base_env and local_world_size > 1:
         env["OMP_NUM_THREADS"] = "1"

@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable, Iterator
 
 from elastrun.core.errors import ElastrunError
+from elastrun.wire.env import TORCH_WORKER_SERVER_SOCKET_ENV as TORCH_WORKER_SERVER_SOCKET
+from elastrun.wire.env import WORKER_SERVER_SOCKET_ENV as ELASTRUN_WORKER_SERVER_SOCKET
 
 __all__ = [
     "ELASTRUN_WORKER_SERVER_SOCKET",
@@ -20,12 +22,6 @@ __all__ = [
     "WorkerServerError",
     "reachable",
 ]
-
-TORCH_WORKER_SERVER_SOCKET = "TORCH_WORKER_SERVER_SOCKET"
-#: Where elastrun's bootstrap serves for *every* worker (see ``serve_from_env``); a
-#: separate variable so that a script calling torch's own ``worker_main`` (whose C++
-#: server refuses a path that exists) can still use ``TORCH_WORKER_SERVER_SOCKET``.
-ELASTRUN_WORKER_SERVER_SOCKET = "ELASTRUN_WORKER_SERVER_SOCKET"
 
 #: ``HANDLER_PREFIX + name`` calls a handler; the prefix alone lists them.
 HANDLER_PREFIX = "/handler/"

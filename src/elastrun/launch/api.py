@@ -21,6 +21,7 @@ from elastrun.rendezvous.api import RendezvousHandler
 from elastrun.rendezvous.registry import rendezvous_handler_registry
 from elastrun.supervise.failures.report import ChildFailedError, NoProgressError
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
+from elastrun.wire.env import HEALTH_CHECK_PORT_ENV, SIGNALS_TO_HANDLE_ENV
 
 if TYPE_CHECKING:
     # Imported when the agent is built, after the worker template was started: loading
@@ -202,9 +203,8 @@ class _Extras:
         try:
             server.start()
         except OSError as exc:
-            raise ConfigError(
-                "TORCHELASTIC_HEALTH_CHECK_PORT", port, f"cannot serve: {exc.strerror or exc}"
-            ) from exc
+            why = f"cannot serve: {exc.strerror or exc}"
+            raise ConfigError(HEALTH_CHECK_PORT_ENV, port, why) from exc
         self.health = server
 
     def close(self) -> None:
@@ -243,7 +243,7 @@ def launch_agent(
         raise ConfigError("entrypoint", None, "nothing to launch")
     config.check_before_start(os.environ if environ is None else environ)
     run_id = config.run_id or str(uuid.uuid4().int)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    os.environ[SIGNALS_TO_HANDLE_ENV] = config.signals_to_handle
     restore: Callable[[], None] = lambda: None  # noqa: E731
     owned = shutdown is None
     if shutdown is None:

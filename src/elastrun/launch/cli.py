@@ -48,6 +48,7 @@ from elastrun.launch.rdzv_policy import (
 from elastrun.launch.script import ScriptKind, check_script, interpreter, script_kind
 from elastrun.launch.settings import Runtime, runtime_settings, sizes
 from elastrun.supervise.processes.logs import LogsSpecs
+from elastrun.wire.env import LOG_LINE_PREFIX_TEMPLATE_ENV
 
 if TYPE_CHECKING:
     from elastrun.launch.slurm import SlurmSettings
@@ -158,7 +159,7 @@ def _config(
             rdzv_endpoint=rdzv.endpoint,
             rdzv_backend=rdzv.backend,
             rdzv_configs=rdzv.configs,
-            log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+            log_line_prefix_template=environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV),
             local_addr=values.text("local_addr")[0] or (slurm.local_addr if slurm else None),
             use_template=not values.flag("no_template"),
             duplicate_stdout_filters=duplicate_filters(values, "duplicate_stdout_filters"),

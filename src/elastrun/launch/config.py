@@ -27,6 +27,7 @@ from elastrun.nodecheck.agent.verdicts import NodeCheckRule
 from elastrun.pace.agent.hang import AutoTimeout, parse_hang_timeout
 from elastrun.pace.agent.straggler import StragglerSettings
 from elastrun.rendezvous.exclusion import ExclusionRule
+from elastrun.wire.env import SHUTDOWN_TIMEOUT_ENV, STORE_ENGINE_ENV
 
 if TYPE_CHECKING:
     from elastrun.agent.options import AgentOptions
@@ -40,7 +41,6 @@ C10D_DEFAULT_PORT = 29400
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 START_METHODS = ("spawn", "fork", "forkserver")
-SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 #: Upper bounds: beyond them a value is a typo (and some would take minutes to plan).
 MAX_NODES = 100_000
 MAX_NPROC_PER_NODE = 1024
@@ -335,7 +335,7 @@ def check_agent_environment(environ: Mapping[str, str]) -> None:
     port_from_env(environ)
     timeout_from_env(environ)
     # The store's package only for a name other than the default (empty counts as unset).
-    if environ.get("ELASTRUN_STORE_ENGINE", "") not in ("", "auto"):
+    if environ.get(STORE_ENGINE_ENV, "") not in ("", "auto"):
         from elastrun.store.torchwire.engine import choose_engine
 
         choose_engine(environ=environ)

@@ -28,20 +28,18 @@ from typing import TYPE_CHECKING
 from elastrun.core.serving import serve_until_woken
 from elastrun.core.threads import join_thread, start_thread
 from elastrun.core.values import parse_port
+from elastrun.wire.env import HEALTH_CHECK_PORT_ENV
 
 if TYPE_CHECKING:
     from elastrun.observe.health_http import HealthHTTPServer
 
 __all__ = [
-    "HEALTH_CHECK_PORT_ENV",
     "HealthCheckServer",
     "create_healthcheck_server",
     "port_from_env",
 ]
 
 log = logging.getLogger(__name__)
-
-HEALTH_CHECK_PORT_ENV = "TORCHELASTIC_HEALTH_CHECK_PORT"
 
 AliveCallback = Callable[[], float]
 StateCallback = Callable[[], Mapping[str, object]]

@@ -21,13 +21,13 @@ from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.local import LOOPBACK, LocalRendezvousHandler
 from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
+from elastrun.wire.env import STORE_TOKEN_ENV
 
 log = logging.getLogger("elastrun.rendezvous")
 
 DEFAULT_PORT = 29400
 DEFAULT_READ_TIMEOUT = 60.0
 MAX_KEEP_ALIVE_ATTEMPTS = 1000
-TOKEN_ENV = "ELASTRUN_STORE_TOKEN"
 #: ``--rdzv-conf`` keys the c10d backend understands (torch's names plus ours).
 KNOWN_KEYS = frozenset(
     {
@@ -98,7 +98,7 @@ def read_token(params: RendezvousParameters, environ: dict[str, str] | None = No
             raise ConfigError("--rdzv-conf token_file", path, "is empty")
         return token
     env = os.environ if environ is None else environ
-    return env.get(TOKEN_ENV) or None
+    return env.get(STORE_TOKEN_ENV) or None
 
 
 def settings_from(params: RendezvousParameters) -> RendezvousSettings:

@@ -39,13 +39,15 @@ torchrun does; the worker's channel ends, so its own errors propagate. A hello w
 the key is version 2's, from before the key was added. Version 2 added ``ask`` and
 ``answer`` (version 1: hello, joined, synced, round).
 
-Nothing here imports more than the standard library: both sides use it.
+Nothing here imports more than the standard library and :mod:`.env`: both sides use it.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from elastrun.wire.env import RANK_VARIABLES, RESTART_COUNT_ENV, RUN_ID_ENV, USE_AGENT_STORE_ENV
 
 #: The channel's version, carried in the hello.
 VERSION = 2
@@ -74,22 +76,7 @@ WAIT_ENV = "ELASTRUN_INPROCESS_WAIT"
 ANSWER_HOLD = 5.0
 
 #: The variables a round message may change (the rest of the environment stays).
-ROUND_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    ROUND_ENV,
-)
+ROUND_VARIABLES = (*RANK_VARIABLES, RESTART_COUNT_ENV, RUN_ID_ENV, USE_AGENT_STORE_ENV, ROUND_ENV)
 
 MAX_LINE = 1 << 20
 

@@ -21,6 +21,7 @@ from typing import cast
 
 from elastrun.core.errors import ConfigError, ElastrunError
 from elastrun.core.timers import TimerRequest
+from elastrun.wire.env import TIMER_FILE_ENV as TORCHELASTIC_TIMER_FILE
 
 __all__ = [
     "TORCHELASTIC_ENABLE_FILE_TIMER",
@@ -35,7 +36,6 @@ __all__ = [
 VERSION = 1
 
 TORCHELASTIC_ENABLE_FILE_TIMER = "TORCHELASTIC_ENABLE_FILE_TIMER"
-TORCHELASTIC_TIMER_FILE = "TORCHELASTIC_TIMER_FILE"
 
 
 class TimerRequestError(ElastrunError, ValueError):

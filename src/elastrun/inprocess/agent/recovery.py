@@ -48,6 +48,7 @@ from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.procset import Exit
 from elastrun.supervise.processes.stacks import request_stacks
 from elastrun.wire import inprocess as wire
+from elastrun.wire.env import RESTART_COUNT_ENV
 
 log = logging.getLogger("elastrun.agent")
 
@@ -320,7 +321,7 @@ class InprocessRecovery:
         self._rounds += 1
         port = self._store.rehost(attempt.plan.facts.master_addr)
         envs = {
-            lr: {**env, "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
+            lr: {**env, "MASTER_PORT": str(port), RESTART_COUNT_ENV: str(restart_count)}
             for lr, env in attempt.setup.envs.items()
         }
         setup = dataclasses.replace(attempt.setup, envs=envs)
@@ -347,7 +348,7 @@ class InprocessRecovery:
             envs[w.local_rank] = {
                 **attempt.setup.envs[w.local_rank],
                 **{k: v for k, v in w.env.items() if k in wire.ROUND_VARIABLES},
-                "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+                RESTART_COUNT_ENV: str(restart_count),
             }
         setup = dataclasses.replace(attempt.setup, plan=plan, envs=envs)
         self._lead(attempt, setup, list(agreement.listeners), after_failure=after_failure)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elastrun.core.exitcodes import ExitStatus
+from elastrun.wire.env import POD_RUN_ID_ENV
 
 __all__ = [
     "CONTAINER",
@@ -129,7 +130,7 @@ def agent_args(spec: ManifestSpec) -> list[str]:
         "--max-restarts", str(spec.max_restarts),
         "--rdzv-backend", backend,
         "--rdzv-endpoint", spec.endpoint,
-        "--rdzv-id", "$(ELASTRUN_RUN_ID)",
+        "--rdzv-id", f"$({POD_RUN_ID_ENV})",
         "--local-addr", "$(POD_IP)",
     ]  # fmt: skip
     if conf:
@@ -158,7 +159,7 @@ def _worker_pod(spec: ManifestSpec) -> Doc:
     env: list[JSON] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {
-            "name": "ELASTRUN_RUN_ID",
+            "name": POD_RUN_ID_ENV,
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{RUN_ID_LABEL}']"}},
         },
     ]

@@ -63,11 +63,10 @@ from types import FrameType
 from typing import Any
 
 from elastrun.core.linux import die_with_parent, set_child_subreaper
+from elastrun.wire.env import NODE_CHECK_FAULT_ENV
 
-__all__ = ["FAULT_ENV", "PAYLOAD", "ROUNDS", "main", "run_script"]
+__all__ = ["PAYLOAD", "ROUNDS", "main", "run_script"]
 
-#: The test-only fault injection: ``fail`` or ``slow:SECONDS``.
-FAULT_ENV = "ELASTRUN_TEST_NODE_CHECK"
 #: Bytes sent each way per exchange, and how many exchanges the link part times.
 PAYLOAD = 1 << 20
 ROUNDS = 4
@@ -85,7 +84,7 @@ class CheckFailed(Exception):
 
 def _fault() -> tuple[bool, float]:
     """(fail, extra seconds) from the test-only variable."""
-    raw = os.environ.get(FAULT_ENV, "")
+    raw = os.environ.get(NODE_CHECK_FAULT_ENV, "")
     if raw == "fail":
         return True, 0.0
     if raw.startswith("slow:"):
@@ -285,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fail, extra = _fault()
     try:
         if fail:
-            raise CheckFailed(f"failure injected by {FAULT_ENV} (tests only)")
+            raise CheckFailed(f"failure injected by {NODE_CHECK_FAULT_ENV} (tests only)")
         if args.command == "compute":
             result = compute(extra)
         elif args.command == "serve":

@@ -11,9 +11,8 @@ import os
 from collections.abc import Mapping
 
 from elastrun.core.errors import ConfigError
+from elastrun.wire.env import STORE_ENGINE_ENV
 
-#: Names the engine a server runs on; overrides ``"auto"``.
-ENGINE_ENV = "ELASTRUN_STORE_ENGINE"
 ENGINES = ("auto", "compiled", "python")
 _CORE_MODULE = "elastrun.store.torchwire.wirecore"
 
@@ -36,9 +35,9 @@ def choose_engine(engine: str = "auto", environ: Mapping[str, str] | None = None
     built.
     """
     source = "engine"
-    named = (os.environ if environ is None else environ).get(ENGINE_ENV) or "auto"
+    named = (os.environ if environ is None else environ).get(STORE_ENGINE_ENV) or "auto"
     if engine == "auto" and named != "auto":
-        engine, source = named, ENGINE_ENV
+        engine, source = named, STORE_ENGINE_ENV
     if engine not in ENGINES:
         raise ConfigError(source, engine, f"must be one of {', '.join(ENGINES)}")
     if engine == "compiled" and not compiled_engine_available():

@@ -20,17 +20,15 @@ from collections.abc import Mapping
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.values import MAX_SECONDS, check_number
+from elastrun.wire.env import UNINTERRUPTIBLE_STATE_TIMEOUT_ENV
 
 __all__ = [
-    "UNINTERRUPTIBLE_STATE_TIMEOUT_ENV",
     "UninterruptibleWatch",
     "read_proc_state",
     "timeout_from_env",
 ]
 
 log = logging.getLogger(__name__)
-
-UNINTERRUPTIBLE_STATE_TIMEOUT_ENV = "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT"
 
 
 def read_proc_state(pid: int, proc_root: str = "/proc") -> str | None:

@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastrun.wire.env import ERROR_FILE_ENV
+from elastrun.wire.env import ERROR_FILE_ENV, RUN_ID_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -408,7 +408,7 @@ class DefaultLogsSpecs(LogsSpecs):
         if self._run_log_dir is None:
             root = self._ensure_root()
             first_env = envs[min(envs)] if envs else {}
-            run_id = _safe_dir_part(first_env.get("TORCHELASTIC_RUN_ID", "none") or "none")
+            run_id = _safe_dir_part(first_env.get(RUN_ID_ENV, "none") or "none")
             self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
             logger.info("log directory set to: %s", self._run_log_dir)
         k = self._next_attempt

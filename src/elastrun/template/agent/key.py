@@ -11,51 +11,33 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from elastrun.template.agent.preload import BootstrapCommand
+from elastrun.wire import env as wire_env
 from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV
-from elastrun.wire.env import ERROR_FILE_ENV, PROGRESS_FILE_ENV, PROGRESS_SLOT_ENV, STACKS_FILE_ENV
 from elastrun.wire.inprocess import ROUND_ENV, SOCKET_ENV
 
 #: Variables that differ between the workers of one node or between restarts (and every
 #: ``TORCHELASTIC_*`` one). They are not part of the template's own environment (a worker
 #: gets its complete environment when it is forked), so one template serves every worker
 #: and every restart. Any other difference starts a new template.
-PER_WORKER_VARIABLES = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "ROLE_NAME",
-        "LOCAL_WORLD_SIZE",
-        "WORLD_SIZE",
-        "GROUP_WORLD_SIZE",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT",
-        "TORCHELASTIC_MAX_RESTARTS",
-        "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_USE_AGENT_STORE",
-        ERROR_FILE_ENV,
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-        # Per-rank files under the attempt's log directory.
-        STACKS_FILE_ENV,
-        # Each worker's progress record (the file is the agent's, the same for all).
-        PROGRESS_SLOT_ENV,
-        # The in-process round a replacement worker starts in (elastrun.inprocess).
-        ROUND_ENV,
-        # The agent's own paths (its progress board, its in-process channel, its node's
-        # memory checkpoints), made when it runs and read by elastrun's worker side only
-        # when it runs, never at import: so the launcher can start the template before
-        # the agent made them.
-        PROGRESS_FILE_ENV,
-        SOCKET_ENV,
-        CHECKPOINT_DIR_ENV,
-        # Read by CUDA when it initialises, which the template never does; it differs
-        # per worker with --virtual-local-rank.
-        "CUDA_VISIBLE_DEVICES",
-    }
-)
+PER_WORKER_VARIABLES = frozenset({
+    *wire_env.RANK_VARIABLES, "ROLE_NAME", wire_env.RESTART_COUNT_ENV, wire_env.RUN_ID_ENV,
+    wire_env.MAX_RESTARTS_ENV, wire_env.USE_AGENT_STORE_ENV, wire_env.ERROR_FILE_ENV,
+    wire_env.NCCL_ASYNC_ERROR_HANDLING_ENV,
+    # Per-rank files under the attempt's log directory.
+    wire_env.STACKS_FILE_ENV,
+    # Each worker's progress record (the file is the agent's, the same for all).
+    wire_env.PROGRESS_SLOT_ENV,
+    # The in-process round a replacement worker starts in (elastrun.inprocess).
+    ROUND_ENV,
+    # The agent's own paths (its progress board, its in-process channel, its node's
+    # memory checkpoints), made when it runs and read by elastrun's worker side only
+    # when it runs, never at import: so the launcher can start the template before
+    # the agent made them.
+    wire_env.PROGRESS_FILE_ENV, SOCKET_ENV, CHECKPOINT_DIR_ENV,
+    # Read by CUDA when it initialises, which the template never does; it differs
+    # per worker with --virtual-local-rank.
+    "CUDA_VISIBLE_DEVICES",
+})  # fmt: skip
 
 
 def is_per_worker_variable(name: str, extra: Collection[str] = ()) -> bool:
