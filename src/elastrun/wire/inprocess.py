@@ -45,6 +45,7 @@ Nothing here imports more than the standard library and :mod:`.env`: both sides 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from elastrun.wire.env import RANK_VARIABLES, RESTART_COUNT_ENV, RUN_ID_ENV, USE_AGENT_STORE_ENV
@@ -83,6 +84,13 @@ MAX_LINE = 1 << 20
 
 class WireError(Exception):
     """A line that is not a message of this channel."""
+
+
+def first_round() -> bool:
+    """Whether this process runs in its attempt's first round (every process of the job
+    new: its start, a group restart), not one started or recovered into an in-process
+    round."""
+    return os.environ.get(ROUND_ENV, "0") in ("", "0")
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastrun.inprocess.worker.fsdp import rebind
 from elastrun.inprocess.worker.snapshot import walk
+from elastrun.wire.inprocess import first_round
 
 if TYPE_CHECKING:
     from elastrun.inprocess.worker.state import State
@@ -46,7 +47,7 @@ def restore(state: State, checkpoint: Any = None) -> None:
         if isinstance(item, torch.nn.Module):
             rebind(item)  # a survivor's model; a model sharded in this world is left as is
     if not state._pending:
-        if checkpoint is not None and _starts_attempt():
+        if checkpoint is not None and first_round():
             from elastrun.inprocess.worker.checkpointing import load_at_start
 
             load_at_start(state, checkpoint)
@@ -71,16 +72,6 @@ def restore(state: State, checkpoint: Any = None) -> None:
                 "rank %d took commit %d of its shard from rank %s", rank, plan.commit,
                 ", ".join(map(str, plan.sources)),
             )  # fmt: skip
-
-
-def _starts_attempt() -> bool:
-    """Whether the training function runs in its attempt's first round: every process
-    of the job is new (a group restart, or the job's start), none recovered in place."""
-    import os
-
-    from elastrun.wire.inprocess import ROUND_ENV
-
-    return os.environ.get(ROUND_ENV, "0") in ("", "0")
 
 
 def shard_key(items: list[Any]) -> Hashable:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import pickle
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,7 @@ from elastrun.inprocess.worker.snapshot import (
     take,
     walk,
 )
+from elastrun.wire.inprocess import first_round
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +110,7 @@ class State:
         # A process started into an in-process round (a replacement, a joining node's
         # worker) holds no commit until it takes one: what it built is not the round's
         # commit 0, which its peers' script may have loaded from a checkpoint.
-        object.__setattr__(self, "_holds", _starts_attempt())
+        object.__setattr__(self, "_holds", first_round())
         if self._holds:
             self._keep_own()  # over a record an earlier attempt's worker left
 
@@ -474,14 +474,6 @@ class State:
 
     def __repr__(self) -> str:
         return f"State({', '.join(self.names())}; commit {self._commit})"
-
-
-def _starts_attempt() -> bool:
-    """Whether this process starts an attempt (not a replacement started into an
-    in-process round, which takes its predecessor's own part first)."""
-    from elastrun.wire.inprocess import ROUND_ENV
-
-    return os.environ.get(ROUND_ENV, "0") in ("", "0")
 
 
 def _buffer_names(value: object, state_dict: dict[str, Any]) -> frozenset[str]:
