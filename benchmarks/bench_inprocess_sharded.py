@@ -38,7 +38,8 @@ checkpoint <= 2 s.
 
 ``ELASTRUN_BENCH_SIZES=1.6`` (a comma list, GB per rank) measures those sizes only,
 ``ELASTRUN_BENCH_COLUMNS`` (a comma list of ``replica``, ``memory_inplace``,
-``memory_restart``, ``dcp``) those columns only. Run from
+``memory_restart``, ``dcp``) those columns only, ``ELASTRUN_BENCH_REPS`` that many runs
+of each. Run from
 the repository root::
 
     .venv/bin/python benchmarks/bench_inprocess_sharded.py [--quick | --smoke]
@@ -338,6 +339,7 @@ def _done_again(lines: list[dict[str, Any]], rank: int) -> int:
 
 def body(section: Section, opts: Options) -> None:
     columns = _columns(opts)
+    reps = int(os.environ.get("ELASTRUN_BENCH_REPS", "0")) or opts.reps
     section.intro = (
         f"Four gloo ranks on one node, {LAYERS} linear layers F x F (each sharded with "
         "fully_shard, then the model), Adam (a rank's state: three times its parameter "
@@ -345,14 +347,14 @@ def body(section: Section, opts: Options) -> None:
         f"saving) step {KILL_AT}. HSDP 2 x 2: a commit every step. FSDP2 over 4 ranks: a "
         f"memory checkpoint every step; torchrun: dcp.save to disk after every "
         f"{CHECKPOINT_EVERY}th step (the kill one step after a save). "
-        f"{opts.reps} alternating run(s) each, on {os.cpu_count()} CPUs, load average "
+        f"{reps} alternating run(s) each, on {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f} at the start, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
     )
     blocked: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="elastrun-inprocess-sharded-") as tmp:
         for gb in _sizes(opts):
-            _one_size(section, gb, columns, opts.reps, Path(tmp), blocked)
+            _one_size(section, gb, columns, reps, Path(tmp), blocked)
     section.raw["survivors_blocked_in_gloo"] = blocked
     section.extra += _targets(section)
     section.notes.append(
