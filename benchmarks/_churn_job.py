@@ -125,6 +125,16 @@ def finish(step: int, params: list[torch.Tensor] | None = None) -> None:
     )
 
 
+def end_world() -> None:
+    """The last barrier, then the process group destroyed after a pause: freeing a gloo
+    group joins its threads holding the GIL, and one still finishing the barrier needs
+    the GIL (torch 2.13; see elastrun.inprocess.worker.parking). Freed at once, a
+    reference job hung so once, a rank's main thread waiting in that join."""
+    dist.barrier()
+    time.sleep(0.2)
+    dist.destroy_process_group()
+
+
 def load_checkpoint() -> int:
     """The step of the checkpoint loaded into the model and optimizer (0: none yet)."""
     if not os.path.exists(CKPT):
@@ -163,8 +173,7 @@ def inplace() -> None:
             state.step += 1
             state.commit()
             save_checkpoint(state.step)
-        dist.barrier()
-        dist.destroy_process_group()
+        end_world()
 
     train(state)
     finish(state.step)
@@ -179,8 +188,7 @@ def group() -> None:
         one_step(ddp, step)
         step += 1
         save_checkpoint(step)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_world()
     finish(step)
 
 
@@ -199,8 +207,7 @@ def reference() -> None:
             ddp = DistributedDataParallel(model)
         one_step(ddp, step)
         step += 1
-    dist.barrier()
-    dist.destroy_process_group()
+    end_world()
     finish(step)
 
 
@@ -252,8 +259,7 @@ def sharded(failures: bool = True) -> None:
         ckpt.close()
         # fully_shard made every parameter a DTensor (the type only says Parameter).
         full = [cast(DTensor, p).full_tensor().detach() for p in model.parameters()]
-        dist.barrier()
-        dist.destroy_process_group()
+        end_world()
         return step, full
 
     state = ip.State(step=0)  # the model's state comes from the memory checkpoint
@@ -297,8 +303,7 @@ def hsdp(failures: bool = True) -> None:
             ckpt.close()
         # fully_shard made every parameter a DTensor (the type only says Parameter).
         full = [cast(DTensor, p).full_tensor().detach() for p in model.parameters()]
-        dist.barrier()
-        dist.destroy_process_group()
+        end_world()
         return int(state.step), full
 
     state = ip.State(model=model, optimizer=None, step=0)
