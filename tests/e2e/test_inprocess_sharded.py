@@ -141,17 +141,28 @@ def clean_sha(
     def get(mode: str, every: int) -> str:
         def make() -> str:
             code, err, clean = _run(tmp_path_factory.mktemp("clean"), "out", mode, every, [])
-            assert code == 0, err
-            shas = {str(r["sha"]) for r in clean.values()}
-            assert sorted(clean) == [0, 1, 2, 3] and len(shas) == 1, clean
-            return shas.pop()
+            return _the_sha(code, err, {r: [v] for r, v in clean.items()})
 
-        if worker_id == "master":  # not under xdist
-            return make()
-        shared = tmp_path_factory.getbasetemp().parent
-        return once_per_run(shared, f"inprocess-sharded-{mode}-{every}", make)
+        return _once(tmp_path_factory, worker_id, f"inprocess-sharded-{mode}-{every}", make)
 
     return get
+
+
+def _once(
+    factory: pytest.TempPathFactory, worker_id: str, key: str, make: Callable[[], str]
+) -> str:
+    """``make()``, run once for all the tests (and pytest workers) that ask for ``key``."""
+    if worker_id == "master":  # not under xdist
+        return make()
+    return once_per_run(factory.getbasetemp().parent, key, make)
+
+
+def _the_sha(code: int, err: str, ranks: dict[int, list[dict[str, Any]]]) -> str:
+    """The one parameters' SHA-256 of a run without failures that every rank ended with."""
+    assert code == 0, err
+    shas = {str(r["sha"]) for results in ranks.values() for r in results}
+    assert sorted(ranks) == [0, 1, 2, 3] and len(shas) == 1, ranks
+    return shas.pop()
 
 
 @pytest.mark.parametrize(
@@ -318,16 +329,9 @@ def clean_replica_sha(
     def get(mode: str) -> str:
         def make() -> str:
             out = tmp_path_factory.mktemp("clean")
-            code, err, clean = _run_replica(out, "out", mode, 24, [])
-            assert code == 0, err
-            shas = {str(r["sha"]) for results in clean.values() for r in results}
-            assert sorted(clean) == [0, 1, 2, 3] and len(shas) == 1, clean
-            return shas.pop()
+            return _the_sha(*_run_replica(out, "out", mode, 24, []))
 
-        if worker_id == "master":  # not under xdist
-            return make()
-        shared = tmp_path_factory.getbasetemp().parent
-        return once_per_run(shared, f"inprocess-replica-{mode}", make)
+        return _once(tmp_path_factory, worker_id, f"inprocess-replica-{mode}", make)
 
     return get
 
