@@ -2,19 +2,26 @@
 directory; and when the guard is killed too (a sweep that ends every process of a
 container or of a test's namespace), the next agent on the node removes it.
 
-Each test lists the node directories of its own run id in /dev/shm before and after
-(other jobs may use the same /dev/shm meanwhile).
+The first test lists the node directories of its own run id in /dev/shm before and
+after (other jobs may use the same /dev/shm meanwhile). The second gives its agents a
+/dev/shm of their own (a directory bound there in a mount namespace the test makes):
+in the shared one, any agent that another test starts meanwhile removes the directory
+left behind first, as it should, and this test's agent would find nothing to remove.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
-from _helpers import finish, free_port, pid_alive, start, wait_for, write_script
+import pytest
+
+from _helpers import ELASTRUN, finish, free_port, pid_alive, start, wait_for, write_script
 
 # The worker says where its node directory is and who it is, then waits to be killed.
 WORKER = """
@@ -26,20 +33,46 @@ time.sleep(120)
 """
 
 
-def _node_dirs(run_id: str) -> set[str]:
-    return set(glob.glob(f"/dev/shm/elastrun-ckpt-{run_id}-*"))
+def _node_dirs(run_id: str, shm: str = "/dev/shm") -> set[str]:
+    return set(glob.glob(f"{shm}/elastrun-ckpt-{run_id}-*"))
 
 
-def _agent(tmp_path: Path, run_id: str) -> tuple[subprocess.Popen[str], str, int]:
+def _start(args: Sequence[str], *, cwd: Path, shm: Path | None) -> subprocess.Popen[str]:
+    """``elastrun ARGS``, with ``shm`` bound on /dev/shm for it and its children alone
+    (None: the node's own /dev/shm). The process is elastrun's itself (each wrapper
+    execs the next), so its pid is the agent's."""
+    if shm is None:
+        return start(args, cwd=cwd)
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("needs unshare(1) (util-linux) for a /dev/shm of the test's own")
+    prefix = [unshare, "--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        prefix[1:1] = ["--user", "--map-root-user"]  # (root in a user namespace may bind)
+    script = 'mount --bind "$1" /dev/shm && shift && exec "$@"'
+    return subprocess.Popen(
+        [*prefix, "--", "sh", "-c", script, "sh", str(shm), *ELASTRUN, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _agent(
+    tmp_path: Path, run_id: str, shm: Path | None = None
+) -> tuple[subprocess.Popen[str], str, int]:
     """An agent of one worker, the agent hosting its run's store: the agent, its node
-    directory and its worker's pid, once the worker runs."""
+    directory (as the agent names it: in /dev/shm) and its worker's pid, once the
+    worker runs."""
     script = write_script(tmp_path / "worker.py", WORKER)
     said = tmp_path / f"{run_id}.said"
-    agent = start(
+    agent = _start(
         ["--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
          str(script), str(said)],
-        cwd=tmp_path,
+        cwd=tmp_path, shm=shm,
     )  # fmt: skip
     wait_for(said.exists, 60, "the worker")
     directory, worker = said.read_text().split()
@@ -82,18 +115,23 @@ def test_a_node_directory_left_by_an_agent_killed_with_its_guard_goes_with_the_n
     tmp_path: Path,
 ) -> None:
     run_id = f"leftover-swept-{os.getpid()}"
-    before = _node_dirs(run_id)
-    agent, directory, worker = _agent(tmp_path, run_id)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    agent, directory, worker = _agent(tmp_path, run_id, shm)
+    assert directory.startswith("/dev/shm/")
+    seen = shm / os.path.basename(directory)  # (where the test sees it)
     # Everything killed at once, as a sweep does: the guard first, so it cannot clean.
     _kill(_guard_of(agent.pid))
     _kill(agent.pid, group=True)
     _kill(worker, group=True)  # (its own session)
     agent.communicate()
     wait_for(lambda: not pid_alive(worker), 20, "the worker to end")
-    assert _node_dirs(run_id) - before == {directory}  # nobody left to remove it
+    assert _node_dirs(run_id, str(shm)) == {str(seen)}  # nobody left to remove it
     # The next agent on the node (any job) removes it before it makes its own.
     script = write_script(tmp_path / "quick.py", "print('done')\n")
-    res = finish(start(["--standalone", "--nproc-per-node", "1", str(script)], cwd=tmp_path))
+    quick = ["--standalone", "--nproc-per-node", "1", str(script)]
+    res = finish(_start(quick, cwd=tmp_path, shm=shm))
     assert res.returncode == 0, res.stderr
     assert f"removed {directory}, left behind by an agent that died" in res.stderr
-    assert _node_dirs(run_id) == before
+    assert not seen.exists()
+    assert os.listdir(shm) == []  # (and its own, removed as it ended)
