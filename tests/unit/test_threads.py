@@ -1,10 +1,14 @@
-"""core.threads: named daemon threads by default, and a join that is bounded and safe."""
+"""core.threads: named daemon threads by default, a join that is bounded and safe, and
+nurseries that stop and join their threads."""
 
 from __future__ import annotations
 
 import threading
 
-from elastrun.core.threads import join_thread, new_thread, start_thread
+import pytest
+
+from elastrun.core.cancel import CancelScope, current
+from elastrun.core.threads import Nursery, join_thread, new_thread, start_thread
 
 
 def test_a_started_thread_is_named_a_daemon_by_default_and_gets_its_arguments() -> None:
@@ -48,3 +52,59 @@ def test_there_is_nothing_to_wait_for_without_a_thread_or_from_the_thread_itself
     thread.start()
     assert join_thread(thread, 5.0)
     assert answers == [True]
+
+
+def test_a_nursery_runs_each_target_in_its_scope_and_close_stops_and_joins_them() -> None:
+    seen: list[object] = []
+
+    def tick(scope: CancelScope, label: str) -> None:
+        seen.append((label, current() is scope))
+        while True:
+            scope.sleep(30)  # (raises Cancelled at close: the thread's normal end)
+
+    nursery = Nursery(join_timeout=5)
+    threads = [nursery.start(tick, str(i), name=f"elastrun-test-{i}") for i in range(3)]
+    assert [t.name for t in threads] == ["elastrun-test-0", "elastrun-test-1", "elastrun-test-2"]
+    assert all(t.daemon for t in threads)
+    assert nursery.close("owner closed") == []
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(seen) == [("0", True), ("1", True), ("2", True)]
+    assert nursery.scope.reason == "owner closed"
+    assert nursery.close() == []  # idempotent
+
+
+def test_a_closed_nursery_starts_nothing_and_a_parents_cancel_stops_its_threads() -> None:
+    parent = CancelScope()
+    nursery = Nursery(parent)
+    thread = nursery.start(lambda scope: scope.sleep(30), name="elastrun-test")
+    parent.cancel("the owner's owner stopped")
+    thread.join(5)
+    assert not thread.is_alive()
+    assert nursery.running() == []
+    nursery.close()
+    with pytest.raises(RuntimeError, match="nursery is closed"):
+        nursery.start(lambda scope: None, name="elastrun-test-late")
+
+
+def test_close_gives_up_at_its_bound_on_a_thread_that_ignores_its_scope_and_names_it() -> None:
+    release = threading.Event()
+    nursery = Nursery(join_timeout=0.05)
+    nursery.start(lambda scope: release.wait(), name="elastrun-test-deaf")
+    try:
+        assert nursery.close() == ["elastrun-test-deaf"]
+    finally:
+        release.set()
+    assert nursery.close(timeout=5) == []
+
+
+def test_a_thread_may_close_its_own_nursery_and_its_siblings_end() -> None:
+    nursery = Nursery()
+    sibling = nursery.start(lambda scope: scope.sleep(30), name="elastrun-test-sibling")
+    left: list[list[str]] = []
+
+    def closer(scope: CancelScope) -> None:
+        left.append(nursery.close("done"))
+
+    closing = nursery.start(closer, name="elastrun-test-closer")
+    closing.join(5)
+    assert left == [[]] and not sibling.is_alive()

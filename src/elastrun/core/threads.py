@@ -3,8 +3,17 @@
 Every background thread of ours is named (``elastrun-...``: a stack dump, ``py-spy`` or
 a leak check tells whose it is) and is a daemon unless its owner says otherwise: a
 thread left behind by a store that stopped answering must never keep the process alive.
-How each thread is asked to stop stays its owner's (an event, a waker, a closed
-socket): it depends on what the thread blocks in, which only the owner knows.
+
+**Nurseries.** An owner whose threads live as long as it does starts them in a
+:class:`Nursery`: each thread runs in the nursery's cancel scope (``core.cancel``),
+current for the thread, and closing the nursery cancels the scope and joins every
+thread it started, within one bound. A thread stops by the scope it was handed: it
+sleeps with ``scope.sleep``, waits for a descriptor with ``scope.wait_readable``, or
+wires what it blocks in to ``scope.on_cancel`` (shut a socket down); a store call it
+makes observes the scope by itself. So an owner keeps no stop event, waker or pipe of
+its own, and cannot forget to join what it started. ``start_thread`` stays for a
+thread whose owner waits for its result (the rendezvous join) or hands it a socket's
+life (a connection's reader).
 
 Nothing here logs a thread's failure: every target either handles its own errors or
 hands them to the thread that waits for it (the rendezvous join, the store server's
@@ -13,8 +22,18 @@ start), and the interpreter's ``threading.excepthook`` reports the rest.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
+from typing import Concatenate, ParamSpec
+
+from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.clock import SYSTEM_CLOCK, Deadline
+
+__all__ = ["Nursery", "join_thread", "new_thread", "start_thread"]
+
+log = logging.getLogger("elastrun.threads")
+P = ParamSpec("P")
 
 
 def new_thread(
@@ -53,3 +72,95 @@ def join_thread(thread: threading.Thread | None, timeout: float | None) -> bool:
         return True
     thread.join(timeout)
     return not thread.is_alive()
+
+
+class Nursery:
+    """Threads that share one cancel scope and end with their owner.
+
+    Args:
+        parent: the owner's scope, if it has one: cancelling it stops the threads too.
+        join_timeout: how long :meth:`close` waits, in all, for the threads to end
+            (None: without a bound).
+    """
+
+    def __init__(self, parent: CancelScope | None = None, *, join_timeout: float | None = 5.0):
+        self.scope = CancelScope() if parent is None else parent.child()
+        self._join_timeout = join_timeout
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def start(
+        self,
+        target: Callable[Concatenate[CancelScope, P], object],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> threading.Thread:
+        """Start ``target(scope, *args)`` on a thread, the scope current in it; give the
+        thread its ``name=`` (and ``daemon=``, True unless given). A target that raises
+        ``Cancelled`` has ended normally.
+
+        Raises:
+            RuntimeError: the nursery is closed, or no thread can be started.
+        """
+        name = str(kwargs.pop("name"))
+        daemon = bool(kwargs.pop("daemon", True))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"cannot start {name}: its nursery is closed")
+            self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
+            thread = new_thread(self._run, target, args, kwargs, name=name, daemon=daemon)
+            self._threads.append(thread)
+        thread.start()
+        return thread
+
+    def _run(
+        self, target: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> None:
+        with self.scope.active():
+            try:
+                target(self.scope, *args, **kwargs)
+            except Cancelled:
+                pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def running(self) -> list[str]:
+        """The names of the threads still running."""
+        with self._lock:
+            return [t.name for t in self._threads if t.is_alive()]
+
+    def close(self, reason: str = "closed", timeout: float | None = None) -> list[str]:
+        """Cancel the scope and join every thread, within ``timeout`` in all (None: the
+        nursery's own bound); idempotent. The names of the threads still running after
+        it (daemons, left to the process's end; logged), never the calling thread's."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        self.scope.cancel(reason)
+        bound = self._join_timeout if timeout is None else timeout
+        deadline = Deadline.never(SYSTEM_CLOCK) if bound is None else Deadline.after(bound)
+        left = []
+        for thread in threads:
+            wait = deadline.remaining()
+            if not join_thread(thread, None if wait == float("inf") else wait):
+                left.append(thread.name)
+        if left:  # (only with a bound: without one, every join above waited to the end)
+            log.warning(
+                "threads still running %s s after their nursery closed: %s", bound, ", ".join(left)
+            )
+        else:
+            self.scope.close()
+        return left
+
+    def __enter__(self) -> Nursery:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Nursery({state}, running={self.running()})"
