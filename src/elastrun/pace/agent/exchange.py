@@ -20,8 +20,9 @@ import dataclasses
 import logging
 import threading
 
+from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import StoreError
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.threads import Nursery
 from elastrun.pace.agent.straggler import NodeSummary
 from elastrun.store.api import Store
 
@@ -30,7 +31,7 @@ log = logging.getLogger("elastrun.agent")
 #: A node whose summary did not change in this many reads in a row is left out (its
 #: agent stopped publishing: frozen, or its workers are done).
 STALE_READS = 3
-#: How long :meth:`NodeExchange.close` waits for a store call under way.
+#: How long :meth:`NodeExchange.close` waits for the thread to end.
 CLOSE_WAIT = 2.0
 
 
@@ -54,18 +55,17 @@ class NodeExchange:
         self.reader = reader
         self._every = every
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._nursery = Nursery(join_timeout=CLOSE_WAIT)
         self._offered: NodeSummary | None = None
         self._seq = 0
         self._read: list[NodeSummary] | None = None
         self._seen: dict[str, tuple[int, int]] = {}  # node -> (seq, reads unchanged)
         self._failed = False
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Start exchanging (a daemon thread). Idempotent."""
-        if self._thread is None:
-            self._thread = start_thread(self._run, name=f"elastrun-pace-{self._node}")
+        if not self._nursery.running() and not self._nursery.closed:
+            self._nursery.start(self._run, name=f"elastrun-pace-{self._node}")
 
     def offer(self, summary: NodeSummary) -> None:
         """This node's latest summary, published at the next exchange."""
@@ -78,8 +78,9 @@ class NodeExchange:
             read, self._read = self._read, None
         return read
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._every):
+    def _run(self, scope: CancelScope) -> None:
+        while True:  # until closing cancels the scope (its sleep, or a store call, raises)
+            scope.sleep(self._every)
             try:
                 self._exchange_once()
             except (StoreError, OSError) as exc:  # OSError: a closed connection
@@ -115,10 +116,8 @@ class NodeExchange:
             self._read = fresh
 
     def close(self) -> None:
-        """Stop exchanging; waits briefly for a store call under way. Never raises."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        join_thread(thread, CLOSE_WAIT)  # a store call hung past this: the daemon thread is left
+        """Stop exchanging (a store call under way is cancelled). Never raises."""
+        self._nursery.close()  # a thread still running past CLOSE_WAIT is left (a daemon)
 
     def __repr__(self) -> str:
         return (
