@@ -19,14 +19,14 @@ from __future__ import annotations
 import abc
 import logging
 import sys
-import threading
 import time
 from collections.abc import Hashable
 from types import TracebackType
 
+from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError, ElastrunError
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.threads import Nursery
 from elastrun.core.timers import TimerRequest, TimerTable, expired_timers
 
 __all__ = [
@@ -103,13 +103,12 @@ class TimerServer(abc.ABC):
         self._max_interval = max_interval
         self._daemon = daemon
         self._clock = clock
-        self._watchdog_thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._nursery: Nursery | None = None  # a fresh one per start(): stop() closes it
 
     @property
     def _stop_signaled(self) -> bool:
         # torch's name for the stop flag; subclasses written against torch read it.
-        return self._stopping.is_set()
+        return self._nursery is not None and self._nursery.scope.cancelled
 
     @abc.abstractmethod
     def register_timers(self, timer_requests: list[TimerRequest]) -> None:
@@ -132,7 +131,8 @@ class TimerServer(abc.ABC):
         """
 
     def _wakeup(self) -> None:  # noqa: B027  # reason: optional hook, no-op by default
-        """Make a blocked ``get`` on the request queue return early (used by ``stop``)."""
+        """Make a blocked ``get`` on the request queue return early (when ``stop`` cancels
+        the watchdog's scope)."""
 
     def _reap_worker_no_throw(self, worker_id: Hashable) -> bool:
         try:
@@ -155,33 +155,31 @@ class TimerServer(abc.ABC):
                 log.error("could not reap worker %r; retrying at the next round", worker_id)
         self.clear_timers(reaped)
 
-    def _watchdog_loop(self) -> None:
-        while not self._stopping.is_set():
+    def _watchdog_loop(self, scope: CancelScope) -> None:
+        while not scope.cancelled:
             try:
                 self._run_watchdog()
             except Exception:
                 log.exception("timer watchdog round failed")
                 # Back off so that a persistently failing queue does not spin the CPU.
-                self._stopping.wait(self._max_interval)
+                scope.sleep(self._max_interval)
 
     def start(self) -> None:
         """Start the watchdog thread."""
-        if self._watchdog_thread is not None:
+        if self._nursery is not None and not self._nursery.closed:
             return
-        self._stopping.clear()
         log.info("starting %r", self)
-        self._watchdog_thread = start_thread(
+        self._nursery = Nursery(join_timeout=self._max_interval)
+        self._nursery.scope.on_cancel(self._wakeup)
+        self._nursery.start(
             self._watchdog_loop, name=f"{type(self).__name__}-watchdog", daemon=self._daemon
         )
 
     def stop(self) -> None:
         """Stop the watchdog thread and wait (up to ``max_interval``) for it to exit."""
-        self._stopping.set()
-        thread, self._watchdog_thread = self._watchdog_thread, None
-        if thread is None:
+        if self._nursery is None or self._nursery.closed:
             return
-        self._wakeup()
-        if not join_thread(thread, self._max_interval):
+        if self._nursery.close("stopped"):
             log.warning(
                 "%s watchdog thread did not exit within %ss",
                 type(self).__name__,
@@ -189,7 +187,7 @@ class TimerServer(abc.ABC):
             )
 
     def __repr__(self) -> str:
-        running = self._watchdog_thread is not None and self._watchdog_thread.is_alive()
+        running = self._nursery is not None and bool(self._nursery.running())
         return (
             f"{type(self).__name__}(max_interval={self._max_interval}, daemon={self._daemon}, "
             f"running={running})"
