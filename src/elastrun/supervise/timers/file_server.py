@@ -31,9 +31,10 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
+from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.threads import Nursery
 from elastrun.core.timers import TimerTable
 from elastrun.wire.timer import FileTimerRequest, TimerRequestError
 
@@ -143,10 +144,9 @@ class FileTimerServer:
         self._clock = clock
         self._timers: TimerTable[FileTimerRequest] = TimerTable()
         self._lock = threading.Lock()  # guards _timers against readers on other threads
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._nursery: Nursery | None = None  # a fresh one per start(); stop() closes it
         self._rfd = -1
-        self._wfd = -1  # our own writer: the FIFO never reads EOF, and stop() wakes poll
+        self._wfd = -1  # our own writer: the FIFO never reads EOF (poll would spin on POLLHUP)
         self._pending = b""
         self._request_count = 0  # torch's tests read this name
         self._client_seen = False
@@ -178,7 +178,7 @@ class FileTimerServer:
         Raises:
             OSError: the FIFO could not be created or opened.
         """
-        if self._thread is not None:
+        if self._nursery is not None:
             return
         self._make_fifo()
         try:
@@ -190,10 +190,10 @@ class FileTimerServer:
         except OSError:
             self._close_and_remove()
             raise
-        self._stopping.clear()
         self._pending = b""
         log.info("starting %r", self)
-        self._thread = start_thread(
+        self._nursery = Nursery(join_timeout=max(self._max_interval, 1.0))
+        self._nursery.start(
             self._watchdog_loop, name="FileTimerServer-watchdog", daemon=self._daemon
         )
         self._emit("watchdog started", None)
@@ -203,16 +203,13 @@ class FileTimerServer:
 
         Idempotent; never raises for cleanup problems (they are logged).
         """
-        self._stopping.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._wake()
-            if not join_thread(thread, max(self._max_interval, 1.0)):
-                # Closing descriptors under a live thread could make it read a reused fd.
-                log.error("timer watchdog thread did not stop; leaving its FIFO open")
-                return
+        nursery, self._nursery = self._nursery, None
+        if nursery is not None and nursery.close("stopped"):
+            # Closing descriptors under a live thread could make it read a reused fd.
+            log.error("timer watchdog thread did not stop; leaving its FIFO open")
+            return
         self._close_and_remove()
-        if thread is not None:
+        if nursery is not None:
             self._emit("watchdog stopped", None)
 
     def run_once(self) -> None:
@@ -253,23 +250,19 @@ class FileTimerServer:
             self._private_dir = None
             self._file_path = None
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wfd, b"\n")  # an empty line, skipped by the parser
-        except OSError as exc:  # full pipe (poll is readable anyway) or already closed
-            log.debug("waking the timer watchdog: %s", exc)
-
     # -- the watchdog ----------------------------------------------------------------
 
-    def _watchdog_loop(self) -> None:
+    def _watchdog_loop(self, scope: CancelScope) -> None:
         poller = select.poll()
         poller.register(self._rfd, select.POLLIN)
-        while not self._stopping.is_set():
+        # Woken by stop() through the scope, the pass still reads what the FIFO holds.
+        poller.register(scope.fileno(), select.POLLIN)
+        while not scope.cancelled:
             try:
                 self._run_watchdog(poller)
             except Exception:
                 log.exception("timer watchdog pass failed")
-                self._stopping.wait(self._max_interval)
+                scope.sleep(self._max_interval)
 
     def _wait_timeout(self) -> float:
         """How long to wait for requests: until the next timer runs out, at most max_interval."""
@@ -437,7 +430,7 @@ class FileTimerServer:
         return self._last_progress_time if self._client_seen else int(self._clock.time())
 
     def __repr__(self) -> str:
-        running = self._thread is not None and self._thread.is_alive()
+        running = self._nursery is not None and bool(self._nursery.running())
         return (
             f"FileTimerServer(file_path={self._file_path!r}, run_id={self._run_id!r}, "
             f"max_interval={self._max_interval}, running={running}, timers={len(self._timers)})"
