@@ -6,21 +6,19 @@ call that holds the GIL cannot reply (collectives, sleeps and I/O release it).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import socket
 import stat
-import threading
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler
 from socketserver import ThreadingMixIn, UnixStreamServer
 
 from elastrun.control_plane.handlers import DEFAULT_HANDLERS, SERVER_THREAD
 from elastrun.control_plane.protocol import HANDLER_PREFIX, Handler, WorkerServerError, reachable
-from elastrun.core.serving import serve_until_woken
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.serving import serve_until_cancelled
+from elastrun.core.threads import Nursery
 
 __all__ = ["WorkerServer"]
 
@@ -31,7 +29,7 @@ _MAX_REQUEST_BODY = 1 << 20
 
 class _UnixHTTPServer(ThreadingMixIn, UnixStreamServer):
     daemon_threads = True  # a request being answered must not keep the worker alive
-    timeout = 0.0  # see serve_until_woken: handle_request() must never block
+    timeout = 0.0  # see serve_until_cancelled: handle_request() must never block
     handlers: Mapping[str, Handler]
 
     def server_bind(self) -> None:
@@ -115,8 +113,7 @@ class WorkerServer:
         self.socket_path = socket_path
         self.handlers = dict(DEFAULT_HANDLERS if handlers is None else handlers)
         self._server: _UnixHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self._wake: tuple[socket.socket, socket.socket] | None = None
+        self._nursery: Nursery | None = None  # a fresh one per start(); shutdown() closes it
         self._inode: int | None = None
 
     def start(self) -> None:
@@ -138,23 +135,18 @@ class WorkerServer:
         server.handlers = self.handlers
         self._inode = os.stat(self.socket_path).st_ino
         self._server = server
-        self._wake = socket.socketpair()
-        self._thread = start_thread(serve_until_woken, server, self._wake[0], name=SERVER_THREAD)
+        self._nursery = Nursery(join_timeout=5)
+        self._nursery.start(serve_until_cancelled, server, name=SERVER_THREAD)
 
     def shutdown(self) -> None:
         """Stop serving and remove the socket file. Idempotent; never raises."""
-        server, thread, wake = self._server, self._thread, self._wake
-        self._server = self._thread = self._wake = None
-        if wake is not None:
-            with contextlib.suppress(OSError):  # the thread is gone already: fine
-                wake[1].send(b"x")
-        join_thread(thread, 5)
+        server, nursery = self._server, self._nursery
+        self._server = self._nursery = None
+        if nursery is not None:
+            nursery.close("shut down")
         if server is not None:
             server.server_close()
             self._remove_socket_file()
-        if wake is not None:
-            for end in wake:
-                end.close()
 
     def _remove_socket_file(self) -> None:
         # Only our own socket: a later server may have replaced the file meanwhile.

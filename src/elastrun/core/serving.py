@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import selectors
-import socket
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import socketserver
 
+    from elastrun.core.cancel import CancelScope
 
-def serve_until_woken(server: socketserver.BaseServer, wake: socket.socket) -> None:
-    """Handle ``server``'s requests until ``wake`` becomes readable.
 
-    Used instead of ``serve_forever()``: stopping wakes this loop at once through
-    ``wake``, rather than after ``serve_forever``'s polling interval on every exit.
+def serve_until_cancelled(scope: CancelScope, server: socketserver.TCPServer) -> None:
+    """Handle ``server``'s requests until ``scope`` is cancelled (raises ``Cancelled``).
+
+    Used instead of ``serve_forever()``: cancelling the scope (closing the nursery the
+    loop runs in) wakes it at once, rather than after ``serve_forever``'s polling
+    interval on every exit. ``handle_request()`` runs only once the listening socket is
+    readable: the server should give it a zero ``timeout`` (and a non-blocking socket),
+    so that a connection gone in between cannot block the loop, and so its stop.
     """
-    with selectors.DefaultSelector() as selector:
-        selector.register(server, selectors.EVENT_READ)  # type: ignore[arg-type]  # has fileno()
-        selector.register(wake, selectors.EVENT_READ)
-        while True:
-            ready = selector.select()
-            if any(key.fileobj is wake for key, _ in ready):
-                return
-            server.handle_request()
+    while True:
+        scope.wait_readable(server.fileno())
+        server.handle_request()

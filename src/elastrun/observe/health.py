@@ -19,14 +19,12 @@ against torch's API keeps working.
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from elastrun.core.serving import serve_until_woken
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.serving import serve_until_cancelled
+from elastrun.core.threads import Nursery
 from elastrun.core.values import parse_port
 from elastrun.wire.env import HEALTH_CHECK_PORT_ENV
 
@@ -92,8 +90,7 @@ class HealthCheckServer:
         self._state_callback = state_callback
         self._clock = clock
         self._server: HealthHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self._wake: tuple[socket.socket, socket.socket] | None = None
+        self._nursery: Nursery | None = None  # a fresh one per start(); stop() closes it
 
     @property
     def alive_callback(self) -> AliveCallback:
@@ -133,27 +130,18 @@ class HealthCheckServer:
         server = HealthHTTPServer((self.host, self._requested_port), HealthHandler)
         server.health = self
         self._server = server
-        self._wake = socket.socketpair()
-        self._thread = start_thread(
-            serve_until_woken, server, self._wake[0], name="elastrun-health"
-        )
+        self._nursery = Nursery(join_timeout=5)
+        self._nursery.start(serve_until_cancelled, server, name="elastrun-health")
         log.info("health check server listening on %s:%d", self.host, self.port)
 
     def stop(self) -> None:
         """Stop serving and free the port. Idempotent; never raises."""
-        server, thread, wake = self._server, self._thread, self._wake
-        self._server = self._thread = self._wake = None
-        if wake is not None:
-            try:
-                wake[1].send(b"x")
-            except OSError as exc:
-                log.debug("could not wake the health server thread: %s", exc)
-        join_thread(thread, 5)
+        server, nursery = self._server, self._nursery
+        self._server = self._nursery = None
+        if nursery is not None:
+            nursery.close("stopped")
         if server is not None:
             server.server_close()
-        if wake is not None:
-            for end in wake:
-                end.close()
 
     def __enter__(self) -> HealthCheckServer:
         self.start()
