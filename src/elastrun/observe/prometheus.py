@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from elastrun.core.errors import ConfigError
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.serving import serve_until_cancelled
+from elastrun.core.threads import Nursery
 from elastrun.observe.sinks import split_labels
 
 if TYPE_CHECKING:
@@ -346,6 +347,11 @@ class _Server(ThreadingMixIn, WSGIServer):
     # Daemon request threads: a scraper that never finishes its request cannot hold
     # up the agent's exit.
     daemon_threads = True
+    timeout = 0.0  # see serve_until_cancelled: handle_request() must never block
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.socket.setblocking(False)
 
 
 class _Server6(_Server):
@@ -369,10 +375,6 @@ class MetricsServer:
         ConfigError: for a port outside 0..65535, or when prometheus-client is missing.
     """
 
-    #: How often the serving thread checks for a stop request: this bounds how long
-    #: :meth:`stop` takes, at the cost of a few idle wakeups a second.
-    POLL_INTERVAL = 0.1
-
     def __init__(self, port: int, host: str = "127.0.0.1", *, field: str = "--metrics-port"):
         if not 0 <= port <= 65535:
             raise ConfigError(field, port, "a TCP port must be between 0 and 65535")
@@ -381,7 +383,7 @@ class MetricsServer:
         self.host = host
         self.sink = PrometheusMetricSink(field=field)
         self._httpd: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self._nursery: Nursery | None = None  # a fresh one per start(); stop() closes it
 
     @property
     def port(self) -> int:
@@ -420,22 +422,19 @@ class MetricsServer:
                 f"{exc.strerror or exc}",
             ) from exc
         self._httpd = httpd
-        self._thread = start_thread(
-            httpd.serve_forever, self.POLL_INTERVAL, name="elastrun-metrics"
-        )
+        self._nursery = Nursery(join_timeout=5.0)
+        self._nursery.start(serve_until_cancelled, httpd, name="elastrun-metrics")
         log.info("serving metrics at %s", self.url)
         return self.port
 
     def stop(self) -> None:
         """Stop serving and free the port. Idempotent; never raises."""
-        httpd, thread = self._httpd, self._thread
-        if httpd is None:
+        httpd, nursery = self._httpd, self._nursery
+        if httpd is None or nursery is None:
             return
-        self._httpd = None
-        self._thread = None
-        httpd.shutdown()
+        self._httpd = self._nursery = None
+        nursery.close("stopped")
         httpd.server_close()
-        join_thread(thread, 5.0)
 
     def __enter__(self) -> MetricsServer:
         self.start()
