@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -38,7 +37,8 @@ from elastrun.checkpoint.agent.holdings import (
     next_to_copy,
     scan,
 )
-from elastrun.core.threads import new_thread
+from elastrun.core.cancel import CancelScope
+from elastrun.core.threads import Nursery
 from elastrun.observe.sinks import MetricSink
 from elastrun.wire import checkpoint as layout
 
@@ -96,31 +96,25 @@ class Copier:
         self._metrics = metrics
         name = copy_dir_name(source) if source is not None else ""
         self._base = os.path.join(directory, layout.COPIES_DIR, name)
-        self._stop = threading.Event()
-        self._thread = new_thread(self._run, name="elastrun-checkpoint-copy")
+        self._nursery = Nursery(join_timeout=CLOSE_WAIT)
         self._failing: str | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._nursery.start(self._run, name="elastrun-checkpoint-copy")
 
     def close(self) -> None:
         """Stop copying, without waiting long: the next round must not wait on a source
         that stopped answering (a partitioned node holds a request until its timeout).
         A request in flight is cut; a thread still connecting ends on its own once the
         connection times out, and does nothing more (it sees the stop first)."""
-        self._stop.set()
-        client = self._client
-        if client is not None:
-            client.abort()
-        if self._thread.ident is not None:
-            self._thread.join(CLOSE_WAIT)
-        if not self._thread.is_alive() and self._client is not None:
+        if not self._nursery.close() and self._client is not None:
             self._client.close()
 
-    def _run(self) -> None:
+    def _run(self, scope: CancelScope) -> None:
         tidied = -TIDY_EVERY
         pause = 0.0 if self._source is not None else TIDY_EVERY
-        while not self._stop.wait(pause):
+        while True:
+            scope.sleep(pause)  # (raises Cancelled when closed)
             if self._source is not None:
                 pause = self._look(pause)
             if time.monotonic() - tidied >= TIDY_EVERY:
@@ -137,7 +131,7 @@ class Copier:
         try:
             looked = self._copy_new()
         except (PeerError, OSError) as exc:
-            if self._stop.is_set():
+            if self._nursery.scope.cancelled:
                 return pause  # (closing cut the held request: nothing to say)
             if self._failing is None:
                 log.info("memory checkpoint: copying node %s's steps: %s", self._source, exc)
@@ -159,9 +153,10 @@ class Copier:
             self._client = self._connect() if self._connect is not None else None
             if self._client is None:
                 return False  # (the source has not published its server yet)
+            self._nursery.scope.on_cancel(self._client.abort)  # (closing cuts a request)
         listing = self._client.listing(after=self._seen, hold=self._hold)
         self._seen = listing.changes
-        if self._stop.is_set():
+        if self._nursery.scope.cancelled:
             return True  # (closed while it listed: the next round's copier takes over)
         own = [p for p in listing.pieces if p.own]
         self._drop_stale(own)

@@ -53,15 +53,14 @@ import mmap
 import os
 import re
 import socket
-import threading
-import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from elastrun.checkpoint.agent.holdings import Held, Listing, PeerError, newest_agreed, scan
-from elastrun.core.threads import start_thread
+from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.threads import Nursery
 from elastrun.wire import checkpoint as layout
 
 __all__ = [
@@ -113,8 +112,7 @@ class NodeServer:
         self._token = token
         self._ranks: tuple[int, ...] = ()
         self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self._closing = threading.Event()  # (ends the held listings)
+        self._nursery = Nursery(join_timeout=5.0)  # (its scope ends the held listings too)
 
     @property
     def port(self) -> int | None:
@@ -131,11 +129,10 @@ class NodeServer:
             OSError: the address cannot be bound.
         """
         if self._server is None:
-            self._closing.clear()
             server = _Server((self._addr, 0), self)
             self._server = server
-            # (serve_forever's poll interval: how soon it sees a shutdown)
-            self._thread = start_thread(server.serve_forever, 0.5, name="elastrun-checkpoint-serve")
+            self._nursery = Nursery(join_timeout=5.0)  # (a closed one does not open again)
+            self._nursery.start(_serve, server, name="elastrun-checkpoint-serve")
         port = self.port
         assert port is not None
         return port
@@ -143,13 +140,9 @@ class NodeServer:
     def close(self) -> None:
         """Stop serving (idempotent; never raises)."""
         server, self._server = self._server, None
-        if server is None:
-            return
-        self._closing.set()
-        server.shutdown()
-        server.server_close()
-        if self._thread is not None:
-            self._thread.join(5)
+        if server is not None:
+            self._nursery.close()
+            server.server_close()
 
     # -- what the handler asks ---------------------------------------------------------
 
@@ -160,13 +153,12 @@ class NodeServer:
         """What the node holds; once its state differs from ``after`` (a listing's
         ``changes``), waiting at most ``hold`` seconds (and ``HOLD_MAX``) for that, or
         until the server closes."""
-        deadline = time.monotonic() + min(max(hold, 0.0), HOLD_MAX)
         mark = changes(self._directory, self._ranks)
-        while mark == after:
-            left = deadline - time.monotonic()
-            if left <= 0 or self._closing.wait(min(WATCH_EVERY, left)):
-                break
-            mark = changes(self._directory, self._ranks)
+        scope = self._nursery.scope.child(min(max(hold, 0.0), HOLD_MAX))
+        with contextlib.suppress(Cancelled), scope:
+            while mark == after and not scope.expired():
+                scope.sleep(WATCH_EVERY)  # (cut at the hold's end)
+                mark = changes(self._directory, self._ranks)
         # (read after the mark: a change meanwhile makes the next request answer at once)
         return {
             "version": layout.VERSION,
@@ -199,8 +191,16 @@ class NodeServer:
         return f"NodeServer(node={self._node!r}, addr={self._addr!r}, port={self.port})"
 
 
+def _serve(scope: CancelScope, server: _Server) -> None:
+    """Answer requests until closed (``serve_forever``'s ``shutdown`` waits a poll)."""
+    while True:
+        scope.wait_readable(server.fileno())  # (raises Cancelled once closed)
+        server.handle_request()
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    timeout = 0  # (handle_request, once the socket is readable: no wait of its own)
 
     def __init__(self, address: tuple[str, int], owner: NodeServer) -> None:
         self.owner = owner
