@@ -24,8 +24,9 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from types import FrameType
 
+from elastrun.core.cancel import CancelScope
 from elastrun.core.shutdown import ShutdownRequest
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.threads import Nursery
 from elastrun.core.waker import Waker
 
 log = logging.getLogger("elastrun.launch")
@@ -76,30 +77,28 @@ class _SignalRelay:
     def __init__(self, signals: Collection[int], request: Callable[[int], None]) -> None:
         self._signals = frozenset(int(s) for s in signals)
         self._request = request
-        self._pipe = Waker()
-        self._closing = False
-        self._thread = start_thread(self._run, name="elastrun-signal-relay")
+        self._pipe = Waker()  # the interpreter's wake-up descriptor, not a stop flag
+        self._nursery = Nursery(join_timeout=_RELAY_JOIN)
+        self._nursery.start(self._run, name="elastrun-signal-relay")
 
     def install(self) -> int:
         """Make the pipe the interpreter's wake-up descriptor; returns the previous one."""
         return self._pipe.install_as_signal_wakeup()
 
-    def _run(self) -> None:
+    def _run(self, scope: CancelScope) -> None:
         with selectors.DefaultSelector() as sel:
             sel.register(self._pipe.fileno(), selectors.EVENT_READ)
+            sel.register(scope.fileno(), selectors.EVENT_READ)  # cancelled by ``close``
             while True:
                 sel.select()
-                for signum in self._pipe.drain():  # 0: ``close`` woke it
+                for signum in self._pipe.drain():  # relayed even when ``close`` woke it
                     if signum in self._signals:
                         self._request(signum)
-                if self._closing:
-                    return
+                scope.raise_if_cancelled()
 
     def close(self) -> None:
         """Stop the thread (after the wake-up descriptor was restored) and close the pipe."""
-        self._closing = True
-        self._pipe.wake()
-        join_thread(self._thread, _RELAY_JOIN)
+        self._nursery.close("closed")
         self._pipe.close()
 
     def __repr__(self) -> str:
