@@ -38,8 +38,8 @@ from elastrun.checkpoint.worker.persisting import PersistScheduler
 from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.checkpoint.worker.storage import MemoryStorageWriter
-from elastrun.core.cancel import Cancelled
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.threads import Nursery
 
 __all__ = ["Finisher", "Overlaps"]
 
@@ -96,7 +96,7 @@ class Finisher:
         self._reporter: RankReporter | None = None
         self._agreement: Agreement | None = None
         self._jobs: queue.SimpleQueue[_Job | _PersistRequest | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._nursery: Nursery | None = None  # (a new one at each start)
         # Shared with the background thread, under the lock:
         self._lock = threading.Condition()
         self._issued = 0
@@ -113,26 +113,26 @@ class Finisher:
         """Start the thread, for the rank's ``steps`` and ``reporter``; the ranks agree
         through ``agreement`` (None: a world of one rank)."""
         self._steps, self._reporter, self._agreement = steps, reporter, agreement
-        self._thread = start_thread(self._serve, name="elastrun-checkpoint")
+        self._nursery = Nursery(join_timeout=None)
+        self._nursery.start(self._serve, name="elastrun-checkpoint")
 
     def stop(self) -> bool:
         """Finish the saves in flight and end the thread; False when there was none."""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return False
-        self._jobs.put(None)
-        thread.join()
-        return True
+        nursery, self._nursery = self._nursery, None
+        if nursery is not None:
+            self._jobs.put(None)  # (after the saves in flight: the thread ends at it)
+            nursery.close()
+        return nursery is not None
 
     def forget(self) -> None:
         """The world was rebuilt under the checkpoint (an in-process recovery): stop the
         vote in flight, end the thread, waiting a bounded time, and drop the saves in
         flight, their failures and the votes. The newest step stays."""
-        thread, self._thread = self._thread, None
+        nursery, self._nursery = self._nursery, None
         if self._agreement is not None:
             self._agreement.cancel("the world was rebuilt")
         self._jobs.put(None)
-        if thread is not None and not join_thread(thread, _REBUILT_JOIN):
+        if nursery is not None and nursery.close(timeout=_REBUILT_JOIN):
             log.warning(
                 "memory checkpoint: the previous world's background thread did not end "
                 "within %.0fs; it is left behind", _REBUILT_JOIN,
@@ -217,7 +217,7 @@ class Finisher:
 
     # -- the background thread -------------------------------------------------------------
 
-    def _serve(self) -> None:
+    def _serve(self, _scope: CancelScope) -> None:
         jobs = self._jobs  # (its own: a world rebuilt gives the next thread another)
         while True:
             job = jobs.get()
@@ -331,7 +331,7 @@ class Finisher:
     def __repr__(self) -> str:
         with self._lock:
             return (
-                f"Finisher(running={self._thread is not None}, "
+                f"Finisher(running={self._nursery is not None}, "
                 f"in_flight={self._issued - self._done}, requests={self._requests}, "
                 f"newest={self._newest}, broken={self._broken is not None})"
             )

@@ -60,8 +60,9 @@ from elastrun.checkpoint.worker import ranks
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.persist_plan import Snapshot, SnapshotPlanner, read_snapshot
 from elastrun.checkpoint.worker.steps import RankSteps
+from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import ConfigError
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.threads import Nursery
 from elastrun.core.values import size_text
 
 __all__ = [
@@ -194,7 +195,7 @@ class Persister:
         self._steps = steps
         self._group = group
         self._before_rename = before_rename
-        self._thread: threading.Thread | None = None
+        self._nursery = Nursery(join_timeout=None)  # (a thread per persist: see _persist)
         self._lock = threading.Condition()
         self._busy = False  # a persist began and has not ended
         self._copying = False  # its step is being copied out of the node's memory
@@ -226,9 +227,7 @@ class Persister:
                 raise RuntimeError("a persist is in flight")  # (the callers agree first)
             self._busy = True
             self._copying = True
-        previous = self._thread  # (ended: the persister was idle)
-        join_thread(previous, None)
-        self._thread = start_thread(self._run, step, name="elastrun-checkpoint-persist")
+        self._nursery.start(self._run, step, name="elastrun-checkpoint-persist")
 
     def wait_snapshot(self) -> None:
         """Until the step in flight is copied out of the node's memory (it may then be
@@ -245,8 +244,7 @@ class Persister:
 
     def close(self) -> None:
         """Finish the persist in flight (idempotent)."""
-        thread, self._thread = self._thread, None
-        join_thread(thread, None)
+        self._nursery.close()  # (nothing there observes its scope: it waits for the end)
 
     def __repr__(self) -> str:
         with self._lock:
@@ -258,7 +256,7 @@ class Persister:
 
     # -- the persisting thread -------------------------------------------------------
 
-    def _run(self, step: int) -> None:
+    def _run(self, _scope: CancelScope, step: int) -> None:
         try:
             self._persist(step)
         except Exception as exc:  # (a persist never ends the training; said here)
