@@ -55,7 +55,7 @@ def test_there_is_nothing_to_wait_for_without_a_thread_or_from_the_thread_itself
 
 
 def test_a_nursery_runs_each_target_in_its_scope_and_close_stops_and_joins_them() -> None:
-    seen: list[object] = []
+    seen: list[tuple[str, bool]] = []
 
     def tick(scope: CancelScope, label: str) -> None:
         seen.append((label, current() is scope))

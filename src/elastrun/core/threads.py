@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Concatenate, ParamSpec
+from typing import TypeVarTuple
 
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Deadline
@@ -33,7 +33,7 @@ from elastrun.core.clock import SYSTEM_CLOCK, Deadline
 __all__ = ["Nursery", "join_thread", "new_thread", "start_thread"]
 
 log = logging.getLogger("elastrun.threads")
-P = ParamSpec("P")
+Ts = TypeVarTuple("Ts")
 
 
 def new_thread(
@@ -92,9 +92,10 @@ class Nursery:
 
     def start(
         self,
-        target: Callable[Concatenate[CancelScope, P], object],
-        *args: P.args,
-        **kwargs: P.kwargs,
+        target: Callable[[CancelScope, *Ts], object],
+        *args: *Ts,
+        name: str,
+        daemon: bool = True,
     ) -> threading.Thread:
         """Start ``target(scope, *args)`` on a thread, the scope current in it; give the
         thread its ``name=`` (and ``daemon=``, True unless given). A target that raises
@@ -103,23 +104,19 @@ class Nursery:
         Raises:
             RuntimeError: the nursery is closed, or no thread can be started.
         """
-        name = str(kwargs.pop("name"))
-        daemon = bool(kwargs.pop("daemon", True))
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"cannot start {name}: its nursery is closed")
             self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
-            thread = new_thread(self._run, target, args, kwargs, name=name, daemon=daemon)
+            thread = new_thread(self._run, target, args, name=name, daemon=daemon)
             self._threads.append(thread)
         thread.start()
         return thread
 
-    def _run(
-        self, target: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
-    ) -> None:
+    def _run(self, target: Callable[..., object], args: tuple[object, ...]) -> None:
         with self.scope.active():
             try:
-                target(self.scope, *args, **kwargs)
+                target(self.scope, *args)
             except Cancelled:
                 pass
 
