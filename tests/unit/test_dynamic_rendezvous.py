@@ -82,6 +82,18 @@ def test_three_nodes_form_one_world_with_consistent_ranks() -> None:
             h.leave()
 
 
+def test_leave_ends_the_keep_alive_and_the_watch_at_once() -> None:
+    before = set(threading.enumerate())
+    h = _node(MemoryStore(), "solo", 1, 1)
+    _all([h])
+    mine = [t for t in threading.enumerate() if t not in before and t.name.startswith("elastrun")]
+    assert sorted(t.name for t in mine) == ["elastrun-rdzv-keepalive", "elastrun-rdzv-watch"]
+    t0 = time.monotonic()
+    h.leave()
+    assert time.monotonic() - t0 < 1.0  # neither the keep-alive's sleep nor the watch's span
+    assert not [t.name for t in mine if t.is_alive()]
+
+
 @pytest.mark.parametrize("lost_rank", [2, 0])
 def test_a_lost_node_makes_survivors_reform_without_it(lost_rank: int) -> None:
     store = MemoryStore()

@@ -24,7 +24,6 @@ def test_a_stop_request_ends_the_wait_for_the_other_nodes_to_leave() -> None:
         ttl=10.0,
         max_nodes=2,
         clock=SYSTEM_CLOCK,
-        stop=threading.Event(),
         life=CancelScope(),
         decided_rows=lambda n, since: [],
     )

@@ -4,7 +4,6 @@ refused, and a move that comes late changes nothing."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import FrozenInstanceError
 
@@ -197,7 +196,6 @@ def _liveness() -> Liveness:
         ttl=10.0,
         max_nodes=2,
         clock=SYSTEM_CLOCK,
-        stop=threading.Event(),
         life=CancelScope(),
         decided_rows=lambda n, since: [],
     )

@@ -94,7 +94,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._liveness = Liveness(
             store, self._keys, node.node_id,
             ttl=settings.heartbeat_timeout, max_nodes=settings.max_nodes, clock=clock,
-            stop=self._stop, life=self._life, decided_rows=self._decided_rows,
+            life=self._life, decided_rows=self._decided_rows,
         )  # fmt: skip
         self._joiner = Joiner(
             store, settings, node, self._keys, self._liveness,
@@ -201,8 +201,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def leave(self) -> None:
         """Stop watching, revoke the lease (our keys vanish at once), close the store."""
-        self._stop.set()
-        self._liveness.wake()  # wake the watch thread so that it sees the stop
+        self._stop.set()  # the agent's calls (``AgentCalls``)
         self._life.cancel("this node left the rendezvous")
         self._calls.cancel_all("this node left the rendezvous")
         self._liveness.keeper.revoke()

@@ -1,7 +1,7 @@
 """One node's lease in the dynamic rendezvous: taking it, keeping it alive, giving it up.
 
 A node is alive while its lease is: ``ctl/nodes/<node>`` is bound to it and the
-keep-alive thread (``LeaseKeeper.keep_alive_loop``, started by ``Liveness``) renews it,
+keep-alive thread (``LeaseKeeper.keep_alive_loop``, in ``Liveness``'s nursery) renews it,
 with no writes at all. The lease's state (``lease``, ``acked_at``, ``lost``) is part of the
 node's condition (``Liveness.now``), which the agent's calls and the watch thread read too.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,8 +51,6 @@ class LeaseKeeper:
         node_id: this node.
         ttl: the lease's time to live (``heartbeat_timeout``): a silent node is dropped.
         clock: for the keep-alive's pacing.
-        stop: set when this node leaves; ends the keep-alive thread.
-        life: the threads' cancel scope (``leave`` cancels it).
     """
 
     live: Liveness
@@ -62,8 +59,6 @@ class LeaseKeeper:
     node_id: str
     ttl: float
     clock: Clock
-    stop: threading.Event
-    life: CancelScope
 
     def renew(self) -> bool:
         """Whether this node still holds its lease (a joining node asks first)."""
@@ -137,18 +132,20 @@ class LeaseKeeper:
         except Cancelled as exc:
             log.warning("stopped waiting for the other nodes to leave (%s)", exc.reason)
 
-    def keep_alive_loop(self) -> None:
-        """The keep-alive thread: renew the lease every TTL/3 until this node leaves."""
+    def keep_alive_loop(self, life: CancelScope) -> None:
+        """The keep-alive thread: renew the lease every TTL/3 until this node leaves
+        (``leave`` cancels ``life``: its sleep raises ``Cancelled``)."""
         live = self.live
         ttl = self.ttl
         interval = ttl / 3
         last_ack = self.clock.monotonic()
-        while not self.stop.wait(interval):
+        while True:
+            life.sleep(interval)
             held = live.now
             if (lease := held.lease) is None or held.lost:
                 last_ack = self.clock.monotonic()
                 continue
-            answer = self._ask_keep_alive(lease, interval)
+            answer = self._ask_keep_alive(life, lease, interval)
             now = self.clock.monotonic()
             if answer is _Ack.ALIVE:
                 last_ack = now
@@ -163,7 +160,7 @@ class LeaseKeeper:
                     "node was dropped (network partition or store down)"
                 )
 
-    def _ask_keep_alive(self, lease: int, interval: float) -> _Ack:
+    def _ask_keep_alive(self, life: CancelScope, lease: int, interval: float) -> _Ack:
         """One keep-alive, ended by the interval: a store that does not answer (a
         partition leaves the connection open and silent) must not hold this loop for
         its timeout. The deadline is the call's own scope's, which the store honours;
@@ -172,7 +169,7 @@ class LeaseKeeper:
         request owed, and once an owed answer is ``read_timeout`` overdue the next call
         that notices -- a keep-alive here, the watch thread's watch, the agent's next
         call -- gives the store up with ``StoreUnavailableError`` (``store_gone``)."""
-        with self.life.child(interval) as scope, scope.active():
+        with life.child(interval) as scope, scope.active():
             try:
                 alive = self.store.keep_alive(lease)
             except StoreUnavailableError as exc:
@@ -181,7 +178,7 @@ class LeaseKeeper:
             except StoreError as exc:  # StoreTimeoutError: no answer within the interval
                 log.debug("keep-alive of lease %d not acknowledged: %s", lease, exc)
                 return _Ack.NONE
-            except Cancelled:  # ``leave``: the loop sees the stop
+            except Cancelled:  # ``leave``: the loop's next sleep ends it
                 return _Ack.GONE
         return _Ack.ALIVE if alive else _Ack.EXPIRED
 

@@ -5,9 +5,10 @@ thread renews it (no writes at all). While a round runs, a watch thread flags a
 re-formation when one is due. What both threads and the agent's calls share (the lease,
 the round this node is in, whether it must re-form, whether the node was lost or the
 store is gone) is one value, ``condition.NodeCondition``: ``Liveness.move`` changes it
-under a lock, every reader takes the snapshot ``Liveness.now``. ``Liveness`` starts and
-joins the two threads; what each does is its part's: the lease's (``lease.LeaseKeeper``)
-and the watch's (``watch.RoundWatcher``).
+under a lock, every reader takes the snapshot ``Liveness.now``. ``Liveness`` runs the two
+threads in a nursery under its owner's scope (``leave`` cancels it, ``join`` closes the
+nursery); what each does is its part's: the lease's (``lease.LeaseKeeper``) and the
+watch's (``watch.RoundWatcher``).
 
 Who watches the round for whom (its closer and deputy for the quiet members) is
 ``quiet``'s.
@@ -23,7 +24,7 @@ from typing import Any, Concatenate, ParamSpec
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
 from elastrun.core.errors import StoreUnavailableError
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.threads import Nursery
 from elastrun.rendezvous import condition
 from elastrun.rendezvous.condition import CurrentRound, NodeCondition
 from elastrun.rendezvous.keys import RunKeys
@@ -54,8 +55,7 @@ class Liveness:
         ttl: the lease's time to live (``heartbeat_timeout``): a silent node is dropped.
         max_nodes: the run's upper bound (a spare's join is no reason to re-form).
         clock: for the keep-alive's pacing.
-        stop: set when this node leaves; ends both threads.
-        life: the threads' cancel scope (``leave`` cancels it: the watch ends at once).
+        life: the owner's scope: ``leave`` cancels it, which ends both threads at once.
         decided_rows: reads a round's full member list.
     """
 
@@ -68,14 +68,12 @@ class Liveness:
         ttl: float,
         max_nodes: int,
         clock: Clock,
-        stop: threading.Event,
         life: CancelScope,
         decided_rows: DecidedRows,
     ) -> None:
         self._store = store
         self._keys = keys
         self._node_id = node_id
-        self._stop = stop
         self._decided_rows = decided_rows
         # Guards ``_now`` and what is known of the round's members. Re-entrant: ``enter``
         # moves into a round and forgets the last one's members in one step.
@@ -84,7 +82,9 @@ class Liveness:
         self._membership: dict[str, bool] = {}  # nodes known to be in the round, or not
         self._member_list: tuple[str, ...] | None = None  # read only when needed
         self.entered = threading.Event()  # set while a round runs and has not re-formed
-        self._threads: list[threading.Thread] = []
+        self._nursery = Nursery(life, join_timeout=5)
+        self._nursery.scope.on_cancel(self.entered.set)  # the sleeping watch sees the stop
+        self._started: set[str] = set()  # each thread runs once
         self.callback: Callable[[], None] | None = None
         #: Decides round n+1 at once (``closing.decide_ahead``); called by the watch thread
         #: of round n's closer once round n must re-form, with why, whether this node takes
@@ -95,12 +95,8 @@ class Liveness:
         self.ahead_idle = threading.Event()
         self.ahead_idle.set()
         #: Its parts, each with its thread: the lease's and the watch of the round.
-        self.keeper = LeaseKeeper(
-            self, store, keys, node_id, ttl=ttl, clock=clock, stop=stop, life=life
-        )
-        self.watcher = RoundWatcher(
-            self, store, keys, node_id, max_nodes=max_nodes, stop=stop, life=life
-        )
+        self.keeper = LeaseKeeper(self, store, keys, node_id, ttl=ttl, clock=clock)
+        self.watcher = RoundWatcher(self, store, keys, node_id, max_nodes=max_nodes)
 
     # -- the condition (``condition``) ---------------------------------------------------
 
@@ -136,21 +132,16 @@ class Liveness:
     def register(self, info: dict[str, object]) -> None:
         """Take a fresh lease and announce this node (``info``) under it; keep it alive."""
         self.keeper.register(info)
-        if not self._threads:
-            self._spawn(self.keeper.keep_alive_loop, "keepalive")
+        self._spawn(self.keeper.keep_alive_loop, "keepalive")
 
-    def _spawn(self, target: Callable[[], None], name: str) -> None:
-        self._threads.append(start_thread(target, name=f"elastrun-rdzv-{name}"))
-
-    def wake(self) -> None:
-        """Wake the watch thread (``leave``: so that it sees the stop)."""
-        self.entered.set()
+    def _spawn(self, target: Callable[[CancelScope], None], name: str) -> None:
+        if name not in self._started and not self._nursery.closed:
+            self._started.add(name)
+            self._nursery.start(target, name=f"elastrun-rdzv-{name}")
 
     def join(self) -> None:
-        """Wait (briefly) for the threads to end once ``stop`` is set."""
-        for t in self._threads:
-            join_thread(t, 5)
-        self._threads.clear()
+        """Stop the threads (if ``leave`` has not yet) and wait (briefly) for them."""
+        self._nursery.close("this node left the rendezvous")
 
     def store_gone(self, exc: StoreUnavailableError) -> str:
         """The store stopped answering for its whole reconnect window (``read_timeout``
@@ -161,7 +152,7 @@ class Liveness:
         before, after = self.move(condition.store_gone, line)
         if before.gone is None:
             log.debug("giving up the store: %s", exc)
-        if not self._stop.is_set():  # after ``leave``: nobody to wake any more
+        if not self._nursery.scope.cancelled:  # after ``leave``: nobody to wake any more
             self.notify()
         return after.change_reason
 
@@ -179,8 +170,7 @@ class Liveness:
             self.move(condition.entered, new)
             self._membership = {self._node_id: True}
             self._member_list = None
-        if not any(t.name.endswith("watch") for t in self._threads):
-            self._spawn(self.watcher.watch_loop, "watch")
+        self._spawn(self.watcher.watch_loop, "watch")
 
     def notify(self) -> None:
         """Tell the agent (``callback``) that the running round must re-form."""

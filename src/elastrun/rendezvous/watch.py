@@ -1,7 +1,7 @@
 """The watch of the running round: the thread that flags a re-formation when one is due.
 
-While a round runs, the watch thread (``RoundWatcher.watch_loop``, started by
-``Liveness``) follows ``ctl/`` from the revision the round was decided at, or, as a
+While a round runs, the watch thread (``RoundWatcher.watch_loop``, in ``Liveness``'s
+nursery) follows ``ctl/`` from the revision the round was decided at, or, as a
 quiet member, only the closer's claim (``quiet``). The round it watches, and whether it
 must re-form, are part of the node's condition (``Liveness.now``), which the agent's
 calls read too.
@@ -10,7 +10,6 @@ calls read too.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,8 +48,6 @@ class RoundWatcher:
         keys: the run's keys.
         node_id: this node.
         max_nodes: the run's upper bound (a spare's join is no reason to re-form).
-        stop: set when this node leaves; ends the watch thread.
-        life: the threads' cancel scope (``leave`` cancels it: the watch ends at once).
     """
 
     live: Liveness
@@ -58,11 +55,10 @@ class RoundWatcher:
     keys: RunKeys
     node_id: str
     max_nodes: int
-    stop: threading.Event
-    life: CancelScope
 
-    def watch_loop(self) -> None:
-        """Follow ``ctl/`` while a round runs; flag a re-formation when one is due.
+    def watch_loop(self, life: CancelScope) -> None:
+        """Follow ``ctl/`` while a round runs; flag a re-formation when one is due;
+        until this node leaves (``leave`` cancels ``life``, and sets ``entered``).
 
         Between a re-formation and the next round this thread sleeps: the joining code
         watches what it needs, and N members reading every join of the next round would
@@ -71,7 +67,7 @@ class RoundWatcher:
         live = self.live
         watching: tuple[int, RoundWatch, int] | None = None  # round, view, revision
         following: tuple[int, int] | None = None  # round, revision (a quiet member)
-        while not self.stop.is_set():
+        while not life.cancelled:
             now = live.now
             if (r := now.round) is None or now.reform:
                 live.entered.wait()  # set by the next round, and by ``leave``
@@ -80,7 +76,7 @@ class RoundWatcher:
             try:
                 if watchers.quiet(me):
                     rev = following[1] if following is not None and following[0] == n else since
-                    following = (n, self._follow_closer(n, size, watchers, rev))
+                    following = (n, self._follow_closer(life, n, size, watchers, rev))
                     continue
                 if watching is None or watching[0] != n:
                     watching = (n, self.round_watch(r), since)
@@ -88,7 +84,7 @@ class RoundWatcher:
                 try:
                     # Long: ``leave`` cancels it, and a new round's events reach the
                     # old watch too (then the loop moves on to the new round's view).
-                    res = self.store.watch(self.keys.ctl, rev, WATCH_SPAN, scope=self.life)
+                    res = self.store.watch(self.keys.ctl, rev, WATCH_SPAN, scope=life)
                 except StoreCompactedError as exc:
                     # The store dropped old history (etcd auto-compaction): re-read.
                     log.debug("rendezvous watch resumes after compaction: %s", exc)
@@ -110,17 +106,19 @@ class RoundWatcher:
                 return
             except StoreUnavailableError as exc:
                 live.store_gone(exc)
-                self.stop.wait(1.0)
+                life.sleep(1.0)
             except StoreError as exc:
-                if not self.stop.is_set():
+                if not life.cancelled:
                     log.warning("rendezvous watch interrupted: %s", exc)
-                    self.stop.wait(1.0)
+                    life.sleep(1.0)
 
-    def _follow_closer(self, n: int, size: int, watchers: quiet.Watchers, rev: int) -> int:
+    def _follow_closer(
+        self, life: CancelScope, n: int, size: int, watchers: quiet.Watchers, rev: int
+    ) -> int:
         """As a quiet member, one watch of round ``n`` (of ``size``)'s closer
         (``quiet.follow_closer``); the revision to watch on from."""
         rev, why, call = quiet.follow_closer(
-            self.store, self.keys, n, watchers, rev, scope=self.life, span=WATCH_SPAN, size=size
+            self.store, self.keys, n, watchers, rev, scope=life, span=WATCH_SPAN, size=size
         )
         if why is not None:
             called = None if call is None else Called.of(self.keys, n + 1, call)
