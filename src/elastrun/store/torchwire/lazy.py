@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import select
 import socket
 import threading
 from typing import TYPE_CHECKING
 
+from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import StoreError
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.threads import Nursery
 
 if TYPE_CHECKING:
     from elastrun.store.torchwire.server import TorchWireServer
@@ -86,10 +86,8 @@ class LazyTorchWireServer:
         self._requested_port = port
         self._socks: list[socket.socket] = []
         self._server: TorchWireServer | None = None
-        self._thread: threading.Thread | None = None
-        self._wake: tuple[int, int] | None = None
-        self._lock = threading.Lock()
-        self._closed = False
+        self._nursery = Nursery(join_timeout=_JOIN_TIMEOUT)  # close() closes it
+        self._lock = threading.Lock()  # the thread starts no server once it is cancelled
 
     @property
     def port(self) -> int:
@@ -111,26 +109,21 @@ class LazyTorchWireServer:
         """
         self._socks = listen_now(self._host, self._requested_port)
         try:
-            self._wake = os.pipe2(os.O_CLOEXEC)
-            self._thread = start_thread(self._serve_on_first_client, name="elastrun-workers-store")
+            self._nursery.scope.fileno()  # made here: out of descriptors is start()'s error
+            self._nursery.start(self._serve_on_first_client, name="elastrun-workers-store")
         except (OSError, RuntimeError) as exc:  # out of descriptors, or of threads
             where = f"{self._host or '*'}:{self.port}"
-            self._thread = None
             self.close()
             raise StoreError(f"cannot serve the workers' store on {where}: {exc}") from exc
         return self.port
 
-    def _serve_on_first_client(self) -> None:
-        assert self._wake is not None
-        try:
-            fds = [s.fileno() for s in self._socks] + [self._wake[0]]
-            ready, _, _ = select.select(fds, [], [])
+    def _serve_on_first_client(self, scope: CancelScope) -> None:
+        try:  # until a client connects, or close() cancels the scope
+            select.select([s.fileno() for s in self._socks] + [scope.fileno()], [], [])
         except (OSError, ValueError):
             return  # closed under us
-        if self._wake[0] in ready:
-            return
         with self._lock:
-            if self._closed:
+            if scope.cancelled:
                 return
             try:
                 from elastrun.store.torchwire.server import TorchWireServer
@@ -148,24 +141,19 @@ class LazyTorchWireServer:
     def close(self) -> None:
         """Stop serving and listening; idempotent, never raises."""
         with self._lock:
-            if self._closed:
+            if self._nursery.scope.cancelled:
                 return
-            self._closed = True
+            self._nursery.scope.cancel("closed")  # wakes the thread's select
             server = self._server
-        if self._wake is not None:
-            os.write(self._wake[1], b"x")
-        join_thread(self._thread, _JOIN_TIMEOUT)
+        self._nursery.close()  # joins it (and frees the scope's descriptor)
         if server is not None:
             server.close()  # it owns the sockets now
         else:
             for sock in self._socks:
                 sock.close()
-        if self._wake is not None:
-            for fd in self._wake:
-                os.close(fd)
-            self._wake = None
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "serving" if self._server else "listening"
+        closed = self._nursery.scope.cancelled
+        state = "closed" if closed else "serving" if self._server else "listening"
         where = f"{self._host or '*'}:{self.port if self._socks else self._requested_port}"
         return f"LazyTorchWireServer({where}, {state})"
