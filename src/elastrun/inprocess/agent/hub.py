@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastrun.core.threads import start_thread
-from elastrun.core.waker import Waker
+from elastrun.core.cancel import CancelScope
+from elastrun.core.threads import Nursery
 from elastrun.wire import inprocess as wire
 
 log = logging.getLogger("elastrun.agent")
@@ -62,8 +62,8 @@ class InprocessHub:
         # also when its hello had not come yet (a replacement started for a round that was
         # abandoned before it said hello): its hello is answered with it (see _note).
         self._announced: dict[int, tuple[int, int, bytes]] = {}
-        self._stop = Waker()
-        self._thread = start_thread(self._serve, name="elastrun-inprocess")
+        self._nursery = Nursery(join_timeout=5)
+        self._nursery.start(self._serve, name="elastrun-inprocess")
 
     # -- what the agent asks ------------------------------------------------------------
 
@@ -151,10 +151,10 @@ class InprocessHub:
 
     # -- serving -------------------------------------------------------------------------
 
-    def _serve(self) -> None:
+    def _serve(self, scope: CancelScope) -> None:
         with selectors.DefaultSelector() as sel:
             sel.register(self._listener, selectors.EVENT_READ, "listen")
-            sel.register(self._stop.fileno(), selectors.EVENT_READ, "stop")
+            sel.register(scope.fileno(), selectors.EVENT_READ, "stop")
             while True:
                 for key, _ in sel.select():
                     if key.data == "stop":
@@ -232,15 +232,13 @@ class InprocessHub:
         return True
 
     def close(self) -> None:
-        self._stop.wake()
-        self._thread.join(timeout=5)
+        self._nursery.close()
         with self._lock:
             peers = list(self._peers)
             self._peers.clear()
         for sock in peers:
             sock.close()
         self._listener.close()
-        self._stop.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __repr__(self) -> str:

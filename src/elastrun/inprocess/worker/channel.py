@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastrun.core.threads import start_thread
+from elastrun.core.cancel import CancelScope
+from elastrun.core.threads import Nursery
 from elastrun.wire import inprocess as wire
 
 
@@ -37,6 +38,7 @@ class Channel:
         self.local_rank = local_rank
         #: Called from the reading thread with each round newer than any before it.
         self.on_round: Callable[[dict[str, Any]], object] | None = None
+        self._nursery = Nursery(join_timeout=5)
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -56,8 +58,8 @@ class Channel:
 
     def start(self) -> None:
         """Start reading the agent's messages (a daemon thread). Idempotent."""
-        if self._thread is None:
-            self._thread = start_thread(self._read, name="elastrun-inprocess-channel")
+        if self._thread is None and not self._nursery.closed:
+            self._thread = self._nursery.start(self._read, name="elastrun-inprocess-channel")
 
     def send(self, op: str, **fields: Any) -> None:
         try:
@@ -110,7 +112,7 @@ class Channel:
         with self._cond:
             return self._newest > round_no
 
-    def _read(self) -> None:
+    def _read(self, _scope: CancelScope) -> None:  # (a recv: close ends it, see there)
         while True:
             try:
                 data = self._sock.recv(65536)
@@ -155,9 +157,7 @@ class Channel:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # ends the reading thread's recv
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(5)
+        self._nursery.close()
         self._sock.close()
 
     def __repr__(self) -> str:

@@ -32,12 +32,12 @@ import ctypes
 import functools
 import mmap
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from elastrun.core import linux
-from elastrun.core.threads import start_thread
+from elastrun.core.cancel import CancelScope
+from elastrun.core.threads import Nursery
 
 if TYPE_CHECKING:
     import torch
@@ -78,22 +78,18 @@ def populating(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     if madvise is None:
         yield
         return
-    stop = threading.Event()
-    thread = start_thread(_populate, madvise, work, stop, name="elastrun-prefault")
-    try:
+    with Nursery(join_timeout=None) as nursery:  # (closed, and joined, however it ends)
+        nursery.start(_populate, madvise, work, name="elastrun-prefault")
         yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 #: madvise(2): (address, length, advice) -> 0 or -1.
 _Madvise = Callable[[int, int, int], int]
 
 
-def _populate(madvise: _Madvise, work: list[tuple[int, int]], stop: threading.Event) -> None:
+def _populate(scope: CancelScope, madvise: _Madvise, work: list[tuple[int, int]]) -> None:
     for start, length in work:
-        if stop.is_set() or madvise(start, length, _MADV_POPULATE_WRITE) != 0:
+        if scope.cancelled or madvise(start, length, _MADV_POPULATE_WRITE) != 0:
             return
 
 
