@@ -108,18 +108,20 @@ def test_a_crash_loop_on_one_node_ends_the_job_on_every_node() -> None:
             t.start()
         for t in joined:
             t.join(30)
-        assert a.restarts_used() == 0 and not a.is_closed()
-        a.report_final_failure("rank 1 (local 1) exited with code 1", "crash loop: rank 1 ...")
+        assert a.outcome.restarts_used() == 0 and not a.is_closed()
+        a.outcome.report_final_failure(
+            "rank 1 (local 1) exited with code 1", "crash loop: rank 1 ..."
+        )
         # b's workers finished: its exit barrier learns the job's end at once.
-        result = b.exit_barrier(5)
+        result = b.outcome.exit_barrier(5)
         assert result.outcome is RoundOutcome.FAILED
         assert "crash loop" in result.reason and "restart budget" not in result.reason
         # b's workers failed too: no restart, and why.
-        assert b.report_failure(5) is False
-        assert b.refusal is not None and "crash loop" in b.refusal
+        assert b.outcome.report_failure(5) is False
+        assert b.outcome.refusal is not None and "crash loop" in b.outcome.refusal
         with pytest.raises(RendezvousClosedError, match="crash loop"):
             b.next_rendezvous()
-        assert a.restarts_used() == 0  # no restart was taken from the budget
+        assert a.outcome.restarts_used() == 0  # no restart was taken from the budget
     finally:
         a.leave()
         b.leave()

@@ -191,11 +191,11 @@ def test_the_restart_budget_is_shared_and_counted_once_per_round() -> None:
     hs = [_node(store, n, 2, 2) for n in "ab"]
     try:
         _all(hs)
-        assert hs[0].report_failure(1) is True
-        assert hs[1].report_failure(1) is True  # same round: not counted again
-        assert hs[0].restarts_used() == 1
+        assert hs[0].outcome.report_failure(1) is True
+        assert hs[1].outcome.report_failure(1) is True  # same round: not counted again
+        assert hs[0].outcome.restarts_used() == 1
         _all(hs)
-        assert hs[1].report_failure(1) is False  # round 1: the budget of 1 is spent
+        assert hs[1].outcome.report_failure(1) is False  # round 1: the budget of 1 is spent
         assert hs[0].is_closed()
     finally:
         for h in hs:

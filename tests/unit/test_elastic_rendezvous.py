@@ -9,10 +9,17 @@ import pytest
 
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.errors import RendezvousClosedError
-from elastrun.rendezvous.api import RendezvousInfo, RoundOutcome
+from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
-from elastrun.rendezvous.elastic import ElasticRendezvous, PlainRendezvous, as_elastic
+from elastrun.rendezvous.elastic import (
+    ElasticRendezvous,
+    NoExclusions,
+    PlainRendezvous,
+    as_elastic,
+)
+from elastrun.rendezvous.excluding import Exclusions
 from elastrun.rendezvous.local import LocalRendezvousHandler
+from elastrun.rendezvous.outcome import Outcome
 from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.memory import MemoryStore
 
@@ -25,7 +32,8 @@ def test_the_dynamic_handler_is_elastic_itself() -> None:
     rdzv = as_elastic(handler)
     assert rdzv is handler
     assert isinstance(handler, ElasticRendezvous)
-    assert rdzv.observes_cancel_scope and rdzv.keeps_job_budget and rdzv.has_exit_barrier
+    # It keeps the job's outcome (budget, exit barrier) and exclusions in its store.
+    assert isinstance(rdzv.outcome, Outcome) and isinstance(rdzv.exclusions, Exclusions)
     assert rdzv.loss_bound == settings.heartbeat_timeout
 
 
@@ -33,13 +41,16 @@ def test_a_torch_style_handler_gets_torchruns_answers() -> None:
     handler = LocalRendezvousHandler("job")
     rdzv = as_elastic(handler)
     assert isinstance(rdzv, PlainRendezvous) and rdzv.handler is handler
-    assert not (rdzv.observes_cancel_scope or rdzv.keeps_job_budget or rdzv.has_exit_barrier)
-    assert rdzv.change_reason == "" and rdzv.refusal is None and rdzv.loss_bound == 0.0
+    # No job-wide outcome: the agent keeps its own budget and has no exit barrier.
+    assert rdzv.outcome is None
+    assert rdzv.change_reason == "" and rdzv.loss_bound == 0.0
     rdzv.set_node_info("trainer", 4)  # accepted and ignored
     rdzv.set_change_callback(lambda: None)
-    assert rdzv.exit_barrier(5.0).outcome is RoundOutcome.SUCCEEDED
-    with pytest.raises(NotImplementedError):
-        rdzv.report_failure(3)
+    assert rdzv.store_seat() is None  # a node is checked alone
+    board = rdzv.exclusions  # no record to keep a node out in
+    assert isinstance(board, NoExclusions)
+    assert board.exclude("its node check failed") is None and board.take_kept_at_min() is None
+    assert board.exclusion() is None and board.excluded_nodes() == []
 
 
 class _BlockedHandler(LocalRendezvousHandler):

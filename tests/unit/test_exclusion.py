@@ -152,28 +152,30 @@ def test_two_strikes_exclude_a_node_and_the_others_go_on_without_it() -> None:
     store, clock = MemoryStore(), FakeClock()
     a, c = _handler(store, "a", 2, 3), _handler(store, "c", 2, 3)
     b = _handler(store, "b", 2, 3, clock)
-    b.set_exclusion(RULE)
+    b.exclusions.set_rule(RULE)
     try:
         _join([a, b, c])
-        assert b.report_failure(5, "rank 1 exited with code 1") is True
-        assert b.exclusion() is None  # one strike
+        assert b.outcome.report_failure(5, "rank 1 exited with code 1") is True
+        assert b.exclusions.exclusion() is None  # one strike
         _join([a, b, c])
         clock.advance(10)
-        assert b.report_failure(5, "rank 1 exited with code 1") is True
-        excluded = b.exclusion()
+        assert b.outcome.report_failure(5, "rank 1 exited with code 1") is True
+        excluded = b.exclusions.exclusion()
         assert excluded is not None and excluded.until == clock.time() + RULE.cooldown
         assert "failed 2 times within 60s" in excluded.reason
-        assert [e.node for e in a.excluded_nodes()] == ["b"]
+        assert [e.node for e in a.exclusions.excluded_nodes()] == ["b"]
         assert sorted(_join([a, c])) == [0, 1]  # at once: no one waits for "b"
-        b.readmit()
-        assert b.exclusion() is None and a.excluded_nodes() == []
+        b.exclusions.readmit()
+        assert b.exclusions.exclusion() is None and a.exclusions.excluded_nodes() == []
         # A failed node check feeds the same decision (the minimum still holds: a, b).
-        checked = c.exclude("its node check failed")
-        assert checked is not None and [e.node for e in a.excluded_nodes()] == ["c"]
-        assert c.exclude("again") == checked  # an exclusion that holds keeps its cool-down
-        assert b.wait_closed(0.01) is False
+        checked = c.exclusions.exclude("its node check failed")
+        assert checked is not None and [e.node for e in a.exclusions.excluded_nodes()] == ["c"]
+        assert (
+            c.exclusions.exclude("again") == checked
+        )  # an exclusion that holds keeps its cool-down
+        assert b.exclusions.wait_closed(0.01) is False
         a.set_closed("finished")
-        assert b.wait_closed(10) is True  # a node sitting out learns that the job ended
+        assert b.exclusions.wait_closed(10) is True  # a node sitting out learns that the job ended
     finally:
         for h in (a, b, c):
             h.leave()
@@ -188,36 +190,36 @@ def test_a_node_failing_again_after_its_readmission_goes_out_for_longer_at_no_co
     store, clock = MemoryStore(), FakeClock()
     a, c = _handler(store, "a", 2, 3), _handler(store, "c", 2, 3)
     b = _handler(store, "b", 2, 3, clock)
-    b.set_exclusion(RULE)
+    b.exclusions.set_rule(RULE)
     try:
         _join([a, b, c])
-        assert b.report_failure(5, "rank 1 exited with code 1") is True
-        assert a.restarts_used() == 1  # the first strike is charged
+        assert b.outcome.report_failure(5, "rank 1 exited with code 1") is True
+        assert a.outcome.restarts_used() == 1  # the first strike is charged
         cooldowns, reasons = [], []
         for _ in range(3):  # excluded, readmitted at once, failing again: three times
             _join([a, b, c])
             clock.advance(1)
-            assert b.report_failure(5, "rank 1 exited with code 1") is True
-            excluded = b.exclusion()
+            assert b.outcome.report_failure(5, "rank 1 exited with code 1") is True
+            excluded = b.exclusions.exclusion()
             assert excluded is not None
             cooldowns.append(excluded.until - clock.time())
             reasons.append(excluded.reason)
             clock.advance(cooldowns[-1])
-            b.readmit()
+            b.exclusions.readmit()
         assert cooldowns == [30.0, 60.0, 120.0]
         assert "excluded 3 times in a row, 120s this time" in reasons[-1]
         # The failures that excluded it cost the job no restart: the others went on
         # without it, as after the loss of a node.
-        assert a.restarts_used() == 1
+        assert a.outcome.restarts_used() == 1
         # Healthy for a window after it came back: its next exclusion is the rule's again.
         clock.advance(RULE.window)
         for _ in range(2):
             _join([a, b, c])
-            assert b.report_failure(5, "rank 1 exited with code 1") is True
+            assert b.outcome.report_failure(5, "rank 1 exited with code 1") is True
             clock.advance(1)
-        again = b.exclusion()
+        again = b.exclusions.exclusion()
         assert again is not None and again.until - clock.time() == 30.0 - 1
-        assert a.restarts_used() == 2  # its first strike of the new window
+        assert a.outcome.restarts_used() == 2  # its first strike of the new window
         assert "in a row" not in again.reason
     finally:
         for h in (a, b, c):
@@ -227,14 +229,14 @@ def test_a_node_failing_again_after_its_readmission_goes_out_for_longer_at_no_co
 def test_a_node_stays_when_the_others_alone_are_below_the_minimum() -> None:
     store = MemoryStore()
     a, b = _handler(store, "a", 2, 2), _handler(store, "b", 2, 2)
-    b.set_exclusion(ExclusionRule(after=1))
+    b.exclusions.set_rule(ExclusionRule(after=1))
     try:
         _join([a, b])
-        assert b.report_failure(5, "rank 1 exited with code 1") is True
-        assert b.exclusion() is None
-        kept = b.take_kept_at_min()
+        assert b.outcome.report_failure(5, "rank 1 exited with code 1") is True
+        assert b.exclusions.exclusion() is None
+        kept = b.exclusions.take_kept_at_min()
         assert kept is not None and "without it 1 node(s) would remain (--nnodes minimum 2)" in kept
-        assert b.take_kept_at_min() is None  # said once
+        assert b.exclusions.take_kept_at_min() is None  # said once
     finally:
         for h in (a, b):
             h.leave()
@@ -243,19 +245,22 @@ def test_a_node_stays_when_the_others_alone_are_below_the_minimum() -> None:
 # --- the agent's side: sitting out the cool-down ------------------------------------------
 
 
-class _Rdzv:
-    """The rendezvous as the cool-down sees it: one exclusion record of this node."""
+class _Board:
+    """The rendezvous' exclusions as the cool-down sees them: one record of this node."""
 
     def __init__(self, until: float) -> None:
         self.record: Exclusion | None = Exclusion("me", until, "its workers failed 2 times")
         self.kept: str | None = None
 
-    def set_exclusion(self, rule: ExclusionRule) -> None:
+    def set_rule(self, rule: ExclusionRule) -> None:
         pass
 
     def take_kept_at_min(self) -> str | None:
         kept, self.kept = self.kept, None
         return kept
+
+    def exclude(self, reason: str) -> Exclusion | None:
+        raise AssertionError("the cool-down never excludes a node (the node check does)")
 
     def exclusion(self) -> Exclusion | None:
         return self.record
@@ -287,10 +292,10 @@ def shutdown() -> Iterator[ShutdownRequest]:
 
 
 def _cooldown(
-    rdzv: _Rdzv, clock: FakeClock, shutdown: ShutdownRequest, events: MemoryEventSink
+    board: _Board, clock: FakeClock, shutdown: ShutdownRequest, events: MemoryEventSink
 ) -> CoolDown:
     return CoolDown(
-        rdzv,  # type: ignore[arg-type]  # the part of ElasticRendezvous it uses
+        board,
         RULE,
         interruptible=Interruptible(shutdown),
         events=events,
@@ -304,30 +309,30 @@ def test_an_excluded_node_says_why_it_waits_then_rejoins(
     caplog: pytest.LogCaptureFixture, shutdown: ShutdownRequest
 ) -> None:
     clock, events = _Ticking(), MemoryEventSink()
-    rdzv = _Rdzv(until=clock.time() + 4)
-    rdzv.kept = "an earlier failure, but it stays"
+    board = _Board(until=clock.time() + 4)
+    board.kept = "an earlier failure, but it stays"
     caplog.set_level(logging.INFO, "elastrun.agent")
-    _cooldown(rdzv, clock, shutdown, events).before_round()
+    _cooldown(board, clock, shutdown, events).before_round()
     lines = [r.getMessage() for r in caplog.records]
     waiting = [m for m in lines if "kept out of the job's rounds" in m]
     assert len(waiting) >= 2 and "(its workers failed 2 times): it rejoins in" in waiting[0]
     assert "this node's cool-down is over: it joins the job again" in lines
-    assert rdzv.record is None  # readmitted
+    assert board.record is None  # readmitted
     assert events.names() == ["agent.exclusion_skipped", "agent.excluded", "agent.readmitted"]
 
 
 def test_a_signal_ends_the_cool_down_at_once(shutdown: ShutdownRequest) -> None:
     clock = FakeClock()  # the cool-down never ends by itself
-    rdzv = _Rdzv(until=clock.time() + 3600)
+    board = _Board(until=clock.time() + 3600)
     timer = threading.Timer(0.05, shutdown.scope.cancel, ("SIGTERM",))
     timer.start()
     try:
         with pytest.raises(ShutdownRequested) as stop:
-            _cooldown(rdzv, clock, shutdown, MemoryEventSink()).before_round()
+            _cooldown(board, clock, shutdown, MemoryEventSink()).before_round()
     finally:
         timer.join()
     assert stop.value.signum == signal.SIGTERM
-    assert rdzv.record is not None  # still excluded: it did not rejoin
+    assert board.record is not None  # still excluded: it did not rejoin
 
 
 def test_with_the_rule_off_nothing_is_read(shutdown: ShutdownRequest) -> None:
@@ -347,9 +352,9 @@ def test_with_the_rule_off_nothing_is_read(shutdown: ShutdownRequest) -> None:
 
 def test_with_exits_an_excluded_node_leaves_instead_of_waiting(shutdown: ShutdownRequest) -> None:
     clock, events = FakeClock(), MemoryEventSink()
-    rdzv = _Rdzv(until=clock.time() + 3600)
+    board = _Board(until=clock.time() + 3600)
     cooldown = CoolDown(
-        rdzv,  # type: ignore[arg-type]  # the part of ElasticRendezvous it uses
+        board,
         ExclusionRule(after=1, exits=True),
         interruptible=Interruptible(shutdown),
         events=events,

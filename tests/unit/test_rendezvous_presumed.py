@@ -342,8 +342,8 @@ def test_a_node_readmitted_before_the_next_round_is_decided_joins_behind_the_spa
         first = _join_all({n: nodes[n] for n in ("a", "b")}, "b", store)
         join("spare")  # waits for room in round 1, and decides it
         _wait_for(lambda: store.get(K.closer(1)) == b"spare", "the spare's claim")
-        assert nodes["b"].exclude("its node check failed") is not None
-        nodes["b"].readmit()  # its cool-down is over before "a" re-forms
+        assert nodes["b"].exclusions.exclude("its node check failed") is not None
+        nodes["b"].exclusions.readmit()  # its cool-down is over before "a" re-forms
         join("b")
         _wait_for(lambda: store.get(K.result(1)) is not None, "round 1 decided")
         joined = json.loads(store.get(K.join_prefix(1) + "b") or b"{}")

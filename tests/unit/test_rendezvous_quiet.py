@@ -151,7 +151,7 @@ def test_a_failed_round_calls_the_quiet_members_to_join_themselves() -> None:
     try:
         _join(hs, "a", store)
         flags = _flags(hs)
-        assert hs["b"].report_failure(max_restarts=3, what="worker 0 exited with 1")
+        assert hs["b"].outcome.report_failure(max_restarts=3, what="worker 0 exited with 1")
         # "a" sees the failure, and the round after a failure waits for every member's
         # join: "a" calls "c" to join, not to wait for a decision.
         assert flags["a"].wait(5) and flags["c"].wait(5)

@@ -26,7 +26,7 @@ from elastrun.core.clock import Clock
 from elastrun.core.errors import NodeExcludedError
 from elastrun.core.interrupt import Interruptible
 from elastrun.observe.sinks import EventSink, MetricSink
-from elastrun.rendezvous.elastic import ElasticRendezvous
+from elastrun.rendezvous.elastic import ExclusionBoard
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 
 __all__ = ["LINE_EVERY", "CoolDown"]
@@ -41,7 +41,7 @@ class CoolDown:
     """This node's part in exclusions: sit out a cool-down, and know the excluded nodes.
 
     Args:
-        rdzv: the rendezvous (it keeps the records).
+        board: the rendezvous' exclusions (it keeps the records).
         rule: when nodes are excluded (``rule.enabled`` False: nothing is read, ever).
         interruptible: runs the store reads and the wait so that a signal ends them.
         events, metrics: where exclusions are told.
@@ -53,7 +53,7 @@ class CoolDown:
 
     def __init__(
         self,
-        rdzv: ElasticRendezvous,
+        board: ExclusionBoard,
         rule: ExclusionRule,
         *,
         interruptible: Interruptible,
@@ -63,7 +63,7 @@ class CoolDown:
         line_every: float = LINE_EVERY,
         node_check: bool = False,
     ) -> None:
-        self._rdzv = rdzv
+        self._board = board
         self._rule = rule
         self._interruptible = interruptible
         self._events = events
@@ -81,7 +81,7 @@ class CoolDown:
 
     def start(self) -> None:
         """Tell the rendezvous the rule (before the first failure can be reported)."""
-        self._rdzv.set_exclusion(self._rule)
+        self._board.set_rule(self._rule)
 
     def before_round(self) -> bool:
         """Before this node joins a round: say whether a failure should have excluded it
@@ -95,11 +95,11 @@ class CoolDown:
         """
         if not self._enabled:
             return False
-        kept = self._rdzv.take_kept_at_min()
+        kept = self._board.take_kept_at_min()
         if kept is not None:
             log.warning("this node is not excluded: %s", kept)
             self._events.record("agent.exclusion_skipped", {"reason": kept})
-        own = self._interruptible(lambda _scope: self._rdzv.exclusion(), "exclusion record")
+        own = self._interruptible(lambda _scope: self._board.exclusion(), "exclusion record")
         readmitted = own is not None and self._sit_out(own)
         self._read_excluded()
         return readmitted
@@ -121,7 +121,7 @@ class CoolDown:
             )
         self._metrics.put("agent.excluded", 1)
         ended = self._interruptible(self._wait, "end of this node's cool-down")
-        self._interruptible(lambda _scope: self._rdzv.readmit(), "exclusion record")
+        self._interruptible(lambda _scope: self._board.readmit(), "exclusion record")
         self.own = None
         self._metrics.put("agent.excluded", 0)
         if ended:
@@ -142,12 +142,12 @@ class CoolDown:
                 own.reason,
                 left,
             )
-            if self._rdzv.wait_closed(min(left, self._line_every)):
+            if self._board.wait_closed(min(left, self._line_every)):
                 return True
         return False
 
     def _read_excluded(self) -> None:
-        found = self._interruptible(lambda _scope: self._rdzv.excluded_nodes(), "exclusions")
+        found = self._interruptible(lambda _scope: self._board.excluded_nodes(), "exclusions")
         self.excluded = found
         self._metrics.put("agent.excluded_nodes", len(found))
 

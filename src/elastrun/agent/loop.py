@@ -389,10 +389,10 @@ class ElasticLoop:
         self._finish_attempt(signal.SIGTERM)
         p.lifecycle.enter(AgentPhase.EXIT_BARRIER)
         action, reason = BarrierAction.FINISH, ""
-        if p.rdzv.has_exit_barrier and (p.group.group_world_size or 1) > 1:
+        if (job := p.rdzv.outcome) is not None and (p.group.group_world_size or 1) > 1:
             log.info("workers finished; waiting for the other nodes (exit barrier)")
             timeout = p.options.exit_barrier_timeout
-            outcome = p.interruptible(lambda _scope: p.rdzv.exit_barrier(timeout), "exit barrier")
+            outcome = p.interruptible(lambda _scope: job.exit_barrier(timeout), "exit barrier")
             action, reason = barrier_action(outcome), outcome.reason
         if action is BarrierAction.REFORM:
             p.report.membership_change(reason)

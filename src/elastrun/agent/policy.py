@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from elastrun.core import cancel
 from elastrun.core.errors import StoreError
 from elastrun.supervise.processes.procset import Exit
-
-if TYPE_CHECKING:
-    from elastrun.rendezvous.elastic import ElasticRendezvous
 
 
 class RestartBudget(Protocol):
@@ -59,7 +56,8 @@ class LocalRestartBudget:
 
 
 class JobBudgetSource(Protocol):
-    """A rendezvous that keeps the job-wide restart budget (the dynamic rendezvous)."""
+    """Where the job-wide restart budget is kept (the part of a rendezvous's
+    ``elastic.JobOutcome`` that the budget reads)."""
 
     #: Why the last failure got no restart, when the budget was not the reason.
     refusal: str | None
@@ -113,10 +111,11 @@ class JobRestartBudget:
         return f"JobRestartBudget(limit={self._limit})"
 
 
-def default_budget(rdzv: ElasticRendezvous, max_restarts: int) -> RestartBudget:
-    """Job-wide when the rendezvous keeps a budget in its store, else this agent's own."""
-    if rdzv.keeps_job_budget:
-        return JobRestartBudget(rdzv, max_restarts)
+def default_budget(source: JobBudgetSource | None, max_restarts: int) -> RestartBudget:
+    """Job-wide when the rendezvous keeps a budget in its store (``source``: its
+    ``outcome``), else this agent's own."""
+    if source is not None:
+        return JobRestartBudget(source, max_restarts)
     return LocalRestartBudget(max_restarts)
 
 

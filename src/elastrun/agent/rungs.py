@@ -14,7 +14,7 @@ from elastrun.core.interrupt import Interruptible
 from elastrun.nodecheck.agent.check import NodeCheck
 from elastrun.observe.sinks import EventSink
 from elastrun.pace.agent.stall_watch import ProgressWatch
-from elastrun.rendezvous.elastic import ElasticRendezvous
+from elastrun.rendezvous.elastic import JobOutcome
 from elastrun.supervise.failures.crashloop import CrashLoopGuard
 
 __all__ = ["BudgetRung", "CrashLoopRung", "GroupRestartRung", "StallRung"]
@@ -62,14 +62,14 @@ class CrashLoopRung:
         self,
         progress: ProgressWatch,
         budget: RestartBudget,
-        rdzv: ElasticRendezvous,
+        outcome: JobOutcome | None,
         interruptible: Interruptible,
         events: EventSink,
     ) -> None:
         self._guard = CrashLoopGuard()
         self._progress = progress
         self._budget = budget
-        self._rdzv = rdzv
+        self._outcome = outcome
         self._interruptible = interruptible
         self._events = events
 
@@ -100,10 +100,12 @@ class CrashLoopRung:
         )
         why = f"crash loop: {repeated.describe()} twice in a row"
         # Every node ends: the failure is claimed for the round with no restart, and the
-        # run is closed with why (a signal must not wait for the store).
-        self._interruptible(
-            lambda _scope: self._rdzv.report_final_failure(failure.what, why), "ending the job"
-        )
+        # run is closed with why (a signal must not wait for the store). With no job-wide
+        # outcome each node ends on its own.
+        if (outcome := self._outcome) is not None:
+            self._interruptible(
+                lambda _scope: outcome.report_final_failure(failure.what, why), "ending the job"
+            )
         return Reaction.stop(crash_loop=crash_loop)
 
 

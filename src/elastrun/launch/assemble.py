@@ -64,7 +64,11 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     handler = spec.rdzv_handler or LocalRendezvousHandler(options.run_id or str(uuid.uuid4()))
     rdzv = as_elastic(handler)
     shutdown = world.shutdown if world.shutdown is not None else ShutdownRequest()
-    budget = world.budget if world.budget is not None else default_budget(rdzv, spec.max_restarts)
+    budget = (
+        world.budget
+        if world.budget is not None
+        else default_budget(rdzv.outcome, spec.max_restarts)
+    )
     events = world.events if world.events is not None else NullEventSink()
     metrics = world.metrics if world.metrics is not None else NullMetricSink()
     group = WorkerGroup(spec)
@@ -87,7 +91,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         workers, rounds, options, world.clock, events, metrics, notices, rdzv.loss_bound
     )
     nodecheck = NodeCheck(
-        rdzv, options.node_check, python=options.python, environ=options.environ,
+        rdzv, rdzv.exclusions, options.node_check, python=options.python, environ=options.environ,
         interruptible=interruptible, events=events, metrics=metrics, clock=world.clock,
         host=host,
     )  # fmt: skip
@@ -102,7 +106,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         stuck_exit_timeout=options.stuck_exit_timeout, events=events, clock=world.clock,
     )  # fmt: skip
     cooldown = CoolDown(
-        rdzv, options.exclusion, interruptible=interruptible, events=events,
+        rdzv.exclusions, options.exclusion, interruptible=interruptible, events=events,
         metrics=metrics, clock=world.clock, node_check=options.node_check.enabled,
     )  # fmt: skip
     return AgentParts(
@@ -142,7 +146,7 @@ def _ladder(
         enabled=options.inprocess,
     )
     policy = world.policy if world.policy is not None else RestartAll()
-    crash_loop = CrashLoopRung(progress, budget, rdzv, interruptible, events)
+    crash_loop = CrashLoopRung(progress, budget, rdzv.outcome, interruptible, events)
     rungs: list[Rung] = [
         StallRung(progress, events),
         *([crash_loop] if options.crash_loop_stop else []),

@@ -28,8 +28,10 @@ result and rank 0's address, and enters reading nothing.
 
 The handler is a facade over its parts: ``Joiner`` (joining rounds), ``Liveness`` (the
 lease and the round, with ``LeaseKeeper`` and ``RoundWatcher`` on their threads),
-``Outcome`` (the budget, the exit barrier, exclusion and the run's closing) and
-``AgentCalls`` (the agent's calls in progress, which ``leave`` ends).
+``Outcome`` (the budget, the exit barrier and the run's closing), ``Exclusions`` (the
+nodes that sit out a cool-down) and ``AgentCalls`` (the agent's calls in progress, which
+``leave`` ends). The agent is handed the outcome and the exclusions as objects of their
+own (``outcome``, ``exclusions``: ``elastic.JobOutcome`` and ``elastic.ExclusionBoard``).
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ from typing import Any
 
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
-from elastrun.core.errors import RendezvousConnectionError, StoreError, StoreTimeoutError
-from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo
+from elastrun.core.errors import RendezvousConnectionError, StoreError
+from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
 from elastrun.rendezvous.calls import AgentCalls
 from elastrun.rendezvous.elastic import StoreSeat
-from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
+from elastrun.rendezvous.excluding import Exclusions
 from elastrun.rendezvous.joiner import AHEAD_BOUND, Joiner
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
@@ -61,13 +63,14 @@ log = logging.getLogger("elastrun.rendezvous")
 class DynamicRendezvousHandler(RendezvousHandler):
     """One node's side of the dynamic rendezvous over any ``Store``.
 
-    Beyond torch's handler methods it offers what the agent uses for elasticity:
-    ``set_change_callback`` (called from a watch thread when the running round must
-    re-form), ``report_failure`` (the job-wide restart budget) and ``exit_barrier``.
+    Beyond torch's handler methods it offers what the agent uses for elasticity
+    (``elastic.ElasticRendezvous``): ``set_change_callback`` (called from a watch thread
+    when the running round must re-form), ``outcome`` (the job-wide restart budget and
+    the exit barrier) and ``exclusions``.
 
     It composes its parts and delegates to them: ``Joiner`` (driving ``joining``),
     ``Liveness`` (the lease, the round it is in and the watch of it), ``Outcome`` (the
-    budget, the exit barrier, the run's closing) and ``AgentCalls``.
+    budget, the exit barrier, the run's closing), ``Exclusions`` and ``AgentCalls``.
     """
 
     def __init__(
@@ -101,21 +104,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
             clock=clock, life=self._life, fixed_rank=fixed_rank,
         )  # fmt: skip
         self._liveness.ahead = self._joiner.decide_ahead
-        self._outcome = Outcome(
-            store, self._keys, self._liveness,
+        self._calls = AgentCalls(self._stop, self._liveness.store_gone)
+        #: The nodes that sit out a cool-down (``elastic.ExclusionBoard``).
+        self.exclusions = Exclusions(
+            store, self._keys, self._liveness, self._calls,
             node_id=node.node_id, addr=node.addr, clock=clock, min_nodes=settings.min_nodes,
         )  # fmt: skip
-        self._calls = AgentCalls(self._stop, self._liveness.store_gone)
+        #: How the job's rounds end: its restart budget and the exit barrier
+        #: (``elastic.JobOutcome``).
+        self.outcome = Outcome(
+            store, self._keys, self._liveness, self._calls, self.exclusions,
+            node_id=node.node_id, addr=node.addr, clock=clock,
+        )  # fmt: skip
         self.loss_bound = settings.heartbeat_timeout  # a vanished node's lease then ends
 
     # -- torch-compatible surface ------------------------------------------------------
-
-    # ``elastic.ElasticRendezvous``: its store waits observe the caller's current cancel
-    # scope (the agent runs it in its shutdown scope), it keeps the job-wide budget in
-    # its store and it has an exit barrier.
-    observes_cancel_scope = True
-    keeps_job_budget = True
-    has_exit_barrier = True
 
     @property
     def seen(self) -> int:
@@ -126,15 +129,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def change_reason(self) -> str:
         """Why the running round must re-form (for the agent's log line)."""
         return self._liveness.now.change_reason
-
-    @property
-    def refusal(self) -> str | None:
-        """Why ``report_failure`` refused a restart other than an exhausted budget."""
-        return self._outcome.refusal
-
-    @refusal.setter
-    def refusal(self, reason: str | None) -> None:
-        self._outcome.refusal = reason
 
     def get_backend(self) -> str:
         return self._backend
@@ -154,7 +148,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._joiner.is_closed()
 
     def set_closed(self, reason: str = "closed") -> None:
-        self._outcome.close(reason)
+        self.outcome.close(reason)
 
     def num_nodes_waiting(self) -> int:
         """1 when the running round must re-form (nodes waiting, lost, or a failure).
@@ -171,7 +165,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         The node that serves the store waits (up to ``close_timeout``) for the other
         nodes to leave before its store goes away under them.
         """
-        left_unfinished = self._outcome.left_unfinished
+        left_unfinished = self.outcome.left_unfinished
         if self._liveness.now.gone is not None:
             self.leave()  # nothing to close: the store is gone
             return False
@@ -191,7 +185,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._liveness.keeper.wait_for_others_to_leave(None)
             self.leave()
             return False
-        closed = self._outcome.close_within("finished", self._life, self._settings.close_timeout)
+        closed = self.outcome.close_within("finished", self._life, self._settings.close_timeout)
         if not closed:
             log.warning("could not close the rendezvous (the store is unreachable)")
         if self._hosting and closed:
@@ -220,69 +214,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def set_change_callback(self, callback: Callable[[], None]) -> None:
         self._liveness.callback = callback
 
-    def restarts_used(self) -> int:
-        with self._calls.call():
-            return self._outcome.restarts_used()
-
-    def report_failure(self, max_restarts: int, what: str = "") -> bool:
-        """A local worker failed in the current round: take one restart from the job's
-        budget, once per round however many nodes see the failure. Returns False (and
-        closes the run) when the budget is exhausted.
-
-        ``what`` says which worker failed and how; every node of the round learns it
-        (``ctl/failed/<n>``), also nodes whose workers already finished.
-        """
-        with self._calls.call():
-            return self._outcome.report_failure(max_restarts, what)
-
-    def report_final_failure(self, what: str, why: str) -> None:
-        """No restart can help a local worker's failure (``why``, e.g. a crash loop):
-        close the run and claim the round's failure with no restart, as a spent budget."""
-        with self._calls.call():
-            self._outcome.report_final_failure(what, why)
-
     def step_away(self, why: str) -> None:
         """This node does not re-join at once (``decide.Away``); bounded, never raises."""
-        self._outcome.step_away(why)
-
-    # -- exclusion with a cool-down (``exclusion``) ----------------------------------------
-    def set_exclusion(self, rule: ExclusionRule) -> None:
-        """When a failing node is kept out of the rounds (the agent tells it once)."""
-        self._outcome.rule = rule
-
-    def take_kept_at_min(self) -> str | None:
-        """Why this node was to be excluded but stayed (the minimum), once."""
-        note, self._outcome.kept_at_min = self._outcome.kept_at_min, None
-        return note
-
-    def exclude(self, reason: str) -> Exclusion | None:
-        """Keep this node out for a cool-down; None when the minimum keeps it in."""
-        with self._calls.call():
-            return self._outcome.exclude(reason)
-
-    def exclusion(self) -> Exclusion | None:
-        """This node's exclusion while it holds (it must not join until then)."""
-        with self._calls.call():
-            return self._outcome.exclusion()
-
-    def readmit(self) -> None:
-        """This node's cool-down is over: it joins rounds again."""
-        with self._calls.call():
-            self._outcome.readmit()
-
-    def excluded_nodes(self) -> list[Exclusion]:
-        """The nodes of the job that sit out a cool-down."""
-        with self._calls.call():
-            return self._outcome.excluded_nodes()
-
-    def wait_closed(self, timeout: float) -> bool:
-        """Whether the run closed within ``timeout`` s (ends an excluded node's wait)."""
-        with self._calls.call():
-            try:
-                self._store.wait([self._keys.closed], timeout)
-            except StoreTimeoutError:
-                return False
-            return True
+        self.outcome.step_away(why)
 
     def store_seat(self) -> StoreSeat:
         """This node's place in this run's store, once this node holds a lease."""
@@ -290,12 +224,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._joiner.register()
         me, lease, clock = self._joiner.node, self._liveness.now.lease, self._clock
         return StoreSeat(self._store, self._keys.prefix, me.node_id, me.addr, lease, clock)
-
-    def exit_barrier(self, timeout: float) -> BarrierResult:
-        """This node's workers finished: wait (up to ``timeout``) for the round's
-        outcome (``Outcome.exit_barrier``)."""
-        with self._calls.call():
-            return self._outcome.exit_barrier(timeout)
 
     # -- joining -------------------------------------------------------------------------
 

@@ -1,13 +1,19 @@
-"""What the agent needs from an elastic rendezvous, as one typed interface.
+"""What the agent needs from an elastic rendezvous, as small typed interfaces.
 
 torch's handler interface (``api.RendezvousHandler``) knows rounds, but not the rest of
-an elastic job: who this node is, news that the running round must re-form, the
-job-wide restart budget, the exit barrier, the nodes kept out for a cool-down, and a
-wait for the next round that a cancel scope ends. ``ElasticRendezvous`` names those;
+an elastic job. ``ElasticRendezvous`` names the rounds' part: who this node is, news
+that the running round must re-form, stepping away, this node's seat in the run's store
+and a wait for the next round that a cancel scope ends. Its two other parts are objects
+of their own, each handed to the agent parts that use it and to no other:
+``JobOutcome`` (how the job's rounds end: the job-wide restart budget and the exit
+barrier) and ``ExclusionBoard`` (the nodes kept out for a cool-down). What a rendezvous
+can do is told by these types, not by flags: ``outcome`` is None for a rendezvous that
+keeps no job-wide record (each node then ends as torchrun's would: a budget of the
+agent's own, no exit barrier).
+
 elastrun's dynamic handler implements them, and ``as_elastic`` wraps any other handler
-(torch-style plugins, the standalone one) in ``PlainRendezvous``, which answers as
-torchrun would: no barrier, a per-agent budget, no news between rounds other than
-``num_nodes_waiting``.
+(torch-style plugins, the standalone one) in ``PlainRendezvous``: no outcome, an empty
+exclusion board, no news between rounds other than ``num_nodes_waiting``.
 
 A torch-style handler's ``next_rendezvous`` takes no scope and may block for minutes in
 code we do not own. The adapter alone runs it in a thread of its own and waits for it in
@@ -31,7 +37,7 @@ from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
 from elastrun.core.errors import RendezvousTimeoutError
 from elastrun.core.threads import start_thread
-from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo, RoundOutcome
+from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 from elastrun.store.api import Store
 
@@ -51,58 +57,36 @@ class StoreSeat:
     clock: Clock
 
 
-@runtime_checkable
-class ElasticRendezvous(Protocol):
-    """The agent's side of an elastic rendezvous, beyond torch's handler methods."""
+class JobOutcome(Protocol):
+    """How the job's rounds end, the same for every node: the restart budget of the
+    whole job and the exit barrier (elastrun's dynamic rendezvous keeps both in its
+    store)."""
 
-    #: Whether its own waits observe the caller's current cancel scope (``core.cancel``);
-    #: else only ``next_round`` ends with the scope (the adapter waits in a thread).
-    observes_cancel_scope: bool
-    #: Whether ``report_failure``/``restarts_used`` keep a budget for the whole job.
-    keeps_job_budget: bool
-    #: Whether ``exit_barrier`` waits for the other nodes (else there is none).
-    has_exit_barrier: bool
     #: Why ``report_failure`` refused a restart other than an exhausted budget.
     refusal: str | None
-    #: The longest a node whose agent died unannounced (killed with its workers) stays a
-    #: member before the others learn it is lost (its lease's TTL; 0: not known).
-    loss_bound: float
 
-    @property
-    def change_reason(self) -> str:
-        """Why the running round must re-form (for the agent's log line)."""
+    def restarts_used(self) -> int: ...
 
-    def set_node_info(self, role: str, local_world_size: int) -> None: ...
-
-    def next_round(self, scope: CancelScope) -> RendezvousInfo:
-        """The next round (torch's ``next_rendezvous``), waited for in ``scope``.
-
-        Raises:
-            Cancelled: ``scope`` was cancelled first.
-        """
+    def report_failure(self, max_restarts: int, what: str = "") -> bool:
+        """A local worker failed (``what``): take one restart from the job's budget, once
+        per round however many nodes see it; False when none is left (or ``refusal``)."""
         ...
-
-    def set_change_callback(self, callback: Callable[[], None]) -> None: ...
-
-    def report_failure(self, max_restarts: int, what: str = "") -> bool: ...
 
     def report_final_failure(self, what: str, why: str) -> None:
         """A local worker failed so that no restart can help (``why``): end the job on
         every node, as an exhausted budget does."""
         ...
 
-    def restarts_used(self) -> int: ...
-
-    def step_away(self, why: str) -> None:
-        """This node will not re-join the round after its current one at once (``why``: a
-        signal stops it, its agent gave up, it checks itself first): no one may count it
-        in that round before it joins. Bounded; never raises."""
+    def exit_barrier(self, timeout: float) -> BarrierResult:
+        """This node's workers finished: wait (up to ``timeout``) for the round's outcome."""
         ...
 
-    def exit_barrier(self, timeout: float) -> BarrierResult: ...
 
-    def set_exclusion(self, rule: ExclusionRule) -> None:
-        """When a node whose workers keep failing sits out a cool-down (``exclusion``)."""
+class ExclusionBoard(Protocol):
+    """The job's record of the nodes that sit out a cool-down (``exclusion``)."""
+
+    def set_rule(self, rule: ExclusionRule) -> None:
+        """When a node whose workers keep failing sits out a cool-down."""
         ...
 
     def take_kept_at_min(self) -> str | None:
@@ -131,6 +115,46 @@ class ElasticRendezvous(Protocol):
         current cancel scope); whether it is."""
         ...
 
+
+@runtime_checkable
+class ElasticRendezvous(Protocol):
+    """The agent's side of an elastic rendezvous's rounds, beyond torch's handler
+    methods, with its other parts (``outcome``, ``exclusions``)."""
+
+    #: The longest a node whose agent died unannounced (killed with its workers) stays a
+    #: member before the others learn it is lost (its lease's TTL; 0: not known).
+    loss_bound: float
+
+    @property
+    def outcome(self) -> JobOutcome | None:
+        """How the job's rounds end; None: each node ends on its own, as torchrun's."""
+
+    @property
+    def exclusions(self) -> ExclusionBoard:
+        """The nodes kept out for a cool-down."""
+
+    @property
+    def change_reason(self) -> str:
+        """Why the running round must re-form (for the agent's log line)."""
+
+    def set_node_info(self, role: str, local_world_size: int) -> None: ...
+
+    def next_round(self, scope: CancelScope) -> RendezvousInfo:
+        """The next round (torch's ``next_rendezvous``), waited for in ``scope``.
+
+        Raises:
+            Cancelled: ``scope`` was cancelled first.
+        """
+        ...
+
+    def set_change_callback(self, callback: Callable[[], None]) -> None: ...
+
+    def step_away(self, why: str) -> None:
+        """This node will not re-join the round after its current one at once (``why``: a
+        signal stops it, its agent gave up, it checks itself first): no one may count it
+        in that round before it joins. Bounded; never raises."""
+        ...
+
     def store_seat(self) -> StoreSeat | None:
         """This node's place in the run's store, with its lease taken first (the node
         check meets the other nodes there); None: no store to meet in (the node is
@@ -138,53 +162,11 @@ class ElasticRendezvous(Protocol):
         ...
 
 
-class PlainRendezvous:
-    """``ElasticRendezvous`` for a handler that has only torch's methods."""
+class NoExclusions:
+    """``ExclusionBoard`` with no job-wide record to keep a node out in: a torch-style
+    job excludes no one."""
 
-    observes_cancel_scope = False
-    keeps_job_budget = False
-    has_exit_barrier = False
-    change_reason = ""
-    refusal: str | None = None
-    loss_bound = 0.0  # (torch's handlers keep their liveness to themselves)
-
-    def __init__(self, handler: RendezvousHandler) -> None:
-        self.handler = handler
-
-    def set_node_info(self, role: str, local_world_size: int) -> None:
-        pass  # a torch-style handler learns nothing of the node
-
-    def next_round(self, scope: CancelScope) -> RendezvousInfo:
-        """The handler's ``next_rendezvous``, in a thread of its own, ended by ``scope``
-        (see the module docstring).
-
-        Raises:
-            Cancelled: ``scope`` was cancelled first.
-            RendezvousTimeoutError: ``scope``'s deadline passed first.
-        """
-        return _join_in_thread(self.handler.next_rendezvous, scope)
-
-    def set_change_callback(self, callback: Callable[[], None]) -> None:
-        pass  # re-formation is noticed through num_nodes_waiting on the agent's tick
-
-    def report_failure(self, max_restarts: int, what: str = "") -> bool:
-        raise NotImplementedError("a torch-style rendezvous keeps no job-wide budget")
-
-    def report_final_failure(self, what: str, why: str) -> None:
-        pass  # nothing job-wide to end: each node ends on its own
-
-    def restarts_used(self) -> int:
-        raise NotImplementedError("a torch-style rendezvous keeps no job-wide budget")
-
-    def step_away(self, why: str) -> None:
-        pass  # (torch's handlers count no one in a round before it joins)
-
-    def exit_barrier(self, timeout: float) -> BarrierResult:
-        return BarrierResult(RoundOutcome.SUCCEEDED)  # none: each node ends on its own
-
-    # No job-wide record to keep a node out in: a torch-style job excludes no one.
-
-    def set_exclusion(self, rule: ExclusionRule) -> None:
+    def set_rule(self, rule: ExclusionRule) -> None:
         pass
 
     def take_kept_at_min(self) -> str | None:
@@ -205,6 +187,41 @@ class PlainRendezvous:
     def wait_closed(self, timeout: float) -> bool:
         cancel.current().sleep(timeout)  # (never asked: no one is excluded here)
         return False
+
+    def __repr__(self) -> str:
+        return "NoExclusions()"
+
+
+class PlainRendezvous:
+    """``ElasticRendezvous`` for a handler that has only torch's methods: no job-wide
+    outcome (a budget of the agent's own, no exit barrier) and no exclusions."""
+
+    change_reason = ""
+    loss_bound = 0.0  # (torch's handlers keep their liveness to themselves)
+    outcome: JobOutcome | None = None
+
+    def __init__(self, handler: RendezvousHandler) -> None:
+        self.handler = handler
+        self.exclusions: ExclusionBoard = NoExclusions()
+
+    def set_node_info(self, role: str, local_world_size: int) -> None:
+        pass  # a torch-style handler learns nothing of the node
+
+    def next_round(self, scope: CancelScope) -> RendezvousInfo:
+        """The handler's ``next_rendezvous``, in a thread of its own, ended by ``scope``
+        (see the module docstring).
+
+        Raises:
+            Cancelled: ``scope`` was cancelled first.
+            RendezvousTimeoutError: ``scope``'s deadline passed first.
+        """
+        return _join_in_thread(self.handler.next_rendezvous, scope)
+
+    def set_change_callback(self, callback: Callable[[], None]) -> None:
+        pass  # re-formation is noticed through num_nodes_waiting on the agent's tick
+
+    def step_away(self, why: str) -> None:
+        pass  # (torch's handlers count no one in a round before it joins)
 
     def store_seat(self) -> StoreSeat | None:
         return None  # no store of ours: a node is checked alone, for compute only

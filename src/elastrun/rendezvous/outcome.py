@@ -6,9 +6,13 @@ its verdict there for the others. Members whose workers finished wait in the exi
 barrier (``ctl/done/<n>/<node>``) for the round's outcome. When the budget is spent or
 the job is done, the run is closed (``ctl/closed``, with why) and late agents are refused.
 The node that claims a failure also counts a strike against itself, and may exclude
-itself for a cool-down (``exclusion``: the rule, and why the claim makes it job-wide).
-A failure that excludes its node takes nothing from the budget: the others go on
-without it, as after the loss of a node.
+itself for a cool-down (``excluding``; ``exclusion``: the rule, and why the claim makes
+it job-wide). A failure that excludes its node takes nothing from the budget: the others
+go on without it, as after the loss of a node.
+
+``Outcome`` is the dynamic rendezvous' ``elastic.JobOutcome``: the agent's calls (the
+budget and the barrier) each run in a scope of their own (``calls.AgentCalls``), which a
+signal or ``leave`` ends.
 """
 
 from __future__ import annotations
@@ -20,18 +24,9 @@ from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError, StoreError
 from elastrun.rendezvous import condition
 from elastrun.rendezvous.api import BarrierResult, RoundOutcome
+from elastrun.rendezvous.calls import AgentCalls
 from elastrun.rendezvous.decide import Away
-from elastrun.rendezvous.exclusion import (
-    Exclusion,
-    ExclusionRule,
-    ExclusionVerdict,
-    Strikes,
-    check_failed,
-    exclusion_verdict,
-    load_exclusion,
-    load_record,
-    strikes_within,
-)
+from elastrun.rendezvous.excluding import Exclusions
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.liveness import Liveness
 from elastrun.rendezvous.ops import dump, load
@@ -52,10 +47,11 @@ class Outcome:
         store: the run's store.
         keys: the run's keys.
         liveness: the round this node is in and who its members are.
+        calls: the agent's calls in progress (each public call runs as one).
+        exclusions: this node's exclusions (a failure it claims counts a strike).
         node_id: this node.
         addr: this node's address (named in a failure's note).
-        clock: for the exit barrier's deadline, and the strikes' times.
-        min_nodes: the job's --nnodes minimum (no exclusion leaves fewer nodes).
+        clock: for the exit barrier's deadline.
     """
 
     def __init__(
@@ -63,15 +59,18 @@ class Outcome:
         store: Store,
         keys: RunKeys,
         liveness: Liveness,
+        calls: AgentCalls,
+        exclusions: Exclusions,
         *,
         node_id: str,
         addr: str,
         clock: Clock,
-        min_nodes: int = 1,
     ) -> None:
         self._store = store
         self._keys = keys
         self._live = liveness
+        self._calls = calls
+        self._exclusions = exclusions
         self._node_id = node_id
         self._addr = addr
         self._clock = clock
@@ -80,11 +79,6 @@ class Outcome:
         # This node left a round whose other members were still working (its exit
         # barrier timed out): leaving must not close the run under them.
         self.left_unfinished = False
-        #: When this node is kept out of rounds (``exclusion``); off by default.
-        self.rule = ExclusionRule()
-        self._min_nodes = min_nodes
-        #: Why this node should have been excluded but stayed (the minimum), once.
-        self.kept_at_min: str | None = None
 
     def close(self, reason: str) -> None:
         """Close the run with ``reason`` (the first reason stays)."""
@@ -128,149 +122,71 @@ class Outcome:
                 log.debug("could not give notice of stepping away: %s", exc)
 
     def restarts_used(self) -> int:
-        raw = self._store.get(self._keys.budget)
-        return int(raw) if raw else 0
+        with self._calls.call():
+            raw = self._store.get(self._keys.budget)
+            return int(raw) if raw else 0
 
     # -- a failure against the budget ------------------------------------------------------
 
-    def report_failure(self, max_restarts: int, what: str) -> bool:
-        """A local worker failed in the current round (see the handler's method)."""
-        live, now = self._live, self._live.now
-        assert now.n is not None
-        self.refusal = None
-        if now.lost:
-            self.refusal = "this node was dropped from the run (" + now.change_reason + ")"
-            return False
-        if not set(live.member_ids()) - self._finished() <= live.live_nodes():
-            # A member is gone: the failure is the loss of a node (its peers' collectives
-            # broke), which re-forms the group without spending the restart budget.
-            return self._open_or_refuse()
-        # The node whose workers failed joins the next round itself, once it is ready:
-        # it may check itself, be excluded and sit out a cool-down first (``must_join``).
-        # Its watch, woken by the claim below, must not join it ahead: the round would
-        # then count it in, and wait for workers it never starts.
-        live.move(condition.stepped_away)
-        key = self._keys.failed(now.n)
-        note = {"node": self._node_id, "addr": self._addr, "what": what}
-        won, _ = self._store.compare_set(key, None, dump(note))
-        if not won:
-            return self._open_or_refuse()
-        # Before the verdict, which nodes in the exit barrier re-form on. A closer
-        # already forming the next round (it woke on the claim) learns of the exclusion
-        # from its watch of ``ctl/`` and stops waiting for this node.
-        excluded = self.rule.enabled and self._strike()
-        restart = excluded or self._store.add(self._keys.budget, 1) <= max_restarts
-        if not restart:
-            self.close(f"restart budget exhausted ({max_restarts}): {self._where(what)}")
-        # The verdict, for nodes waiting in the exit barrier of this round.
-        self._store.set(key, dump({**note, "restart": restart}))
-        return restart
+    def report_failure(self, max_restarts: int, what: str = "") -> bool:
+        """A local worker failed in the current round: take one restart from the job's
+        budget, once per round however many nodes see the failure. Returns False (and
+        closes the run) when the budget is exhausted.
+
+        ``what`` says which worker failed and how; every node of the round learns it
+        (``ctl/failed/<n>``), also nodes whose workers already finished.
+        """
+        with self._calls.call():
+            live, now = self._live, self._live.now
+            assert now.n is not None
+            self.refusal = None
+            if now.lost:
+                self.refusal = "this node was dropped from the run (" + now.change_reason + ")"
+                return False
+            if not set(live.member_ids()) - self._finished() <= live.live_nodes():
+                # A member is gone: the failure is the loss of a node (its peers' collectives
+                # broke), which re-forms the group without spending the restart budget.
+                return self._open_or_refuse()
+            # The node whose workers failed joins the next round itself, once it is ready:
+            # it may check itself, be excluded and sit out a cool-down first (``must_join``).
+            # Its watch, woken by the claim below, must not join it ahead: the round would
+            # then count it in, and wait for workers it never starts.
+            live.move(condition.stepped_away)
+            key = self._keys.failed(now.n)
+            note = {"node": self._node_id, "addr": self._addr, "what": what}
+            won, _ = self._store.compare_set(key, None, dump(note))
+            if not won:
+                return self._open_or_refuse()
+            # Before the verdict, which nodes in the exit barrier re-form on. A closer
+            # already forming the next round (it woke on the claim) learns of the exclusion
+            # from its watch of ``ctl/`` and stops waiting for this node.
+            excluded = self._exclusions.rule.enabled and self._exclusions.strike()
+            restart = excluded or self._store.add(self._keys.budget, 1) <= max_restarts
+            if not restart:
+                self.close(f"restart budget exhausted ({max_restarts}): {self._where(what)}")
+            # The verdict, for nodes waiting in the exit barrier of this round.
+            self._store.set(key, dump({**note, "restart": restart}))
+            return restart
 
     def report_final_failure(self, what: str, why: str) -> None:
-        """A local worker failed so that no restart can help (see the handler's method).
+        """No restart can help a local worker's failure (``why``, e.g. a crash loop):
+        close the run and claim the round's failure with no restart, as a spent budget.
 
         The run is closed first: a node that claimed the round's failure before this one
         (its own workers failed too) then finds it closed when it re-forms."""
-        self.close(f"{why}: {self._where(what)}")
-        if (n := self._live.now.n) is not None:
-            note = {"node": self._node_id, "addr": self._addr, "what": what}
-            self._store.compare_set(
-                self._keys.failed(n),
-                None,
-                dump({**note, "restart": False, "why": why}),
-            )
+        with self._calls.call():
+            self.close(f"{why}: {self._where(what)}")
+            if (n := self._live.now.n) is not None:
+                note = {"node": self._node_id, "addr": self._addr, "what": what}
+                self._store.compare_set(
+                    self._keys.failed(n),
+                    None,
+                    dump({**note, "restart": False, "why": why}),
+                )
 
     def _where(self, what: str) -> str:
         """The failure and this node's address, for the reason the run closes."""
         return f"{what} on {self._addr}" if what else f"a worker on {self._addr}"
-
-    # -- exclusion with a cool-down (``exclusion``) ------------------------------------------
-
-    def _strike(self) -> bool:
-        """Count this node's failure (it claimed the round's); exclude it at the limit.
-        Returns whether it is excluded now."""
-        rule, now = self.rule, self._clock.time()
-        key = self._keys.strikes(self._node_id)
-        record = load_record(self._store.get(key))
-        times = strikes_within((*record.at, now), now, rule.window)
-        record = Strikes(times, record.repeats, record.back)
-        self._store.set(key, record.dump())
-        count = len(times)
-        if record.on_probation(now, rule.window):
-            count = max(count, rule.after)  # back lately from an exclusion: out again
-        if count < rule.after:
-            return False  # (no store reads for the others on the way)
-        others = self._others()
-        verdict = exclusion_verdict(count, rule, others=others, min_nodes=self._min_nodes)
-        why = f"its workers failed {len(times)} times within {rule.window:.0f}s"
-        return self._apply(verdict, why, others, record) is not None
-
-    def exclude(self, reason: str) -> Exclusion | None:
-        """Keep this node out of the rounds for the rule's cool-down (longer for a repeat
-        offender), for ``reason`` (a failed node check), unless the other nodes alone
-        would be fewer than the minimum (then ``kept_at_min`` says so). Returns the
-        exclusion that holds."""
-        others = self._others()
-        verdict = check_failed(others=others, min_nodes=self._min_nodes)
-        record = load_record(self._store.get(self._keys.strikes(self._node_id)))
-        return self._apply(verdict, reason, others, record)
-
-    def _others(self) -> int:
-        """The live nodes other than this one that are not excluded themselves."""
-        found, _ = self._store.get_prefix(self._keys.excluded_prefix)
-        excluded = {k[len(self._keys.excluded_prefix) :] for k in found}
-        return len(self._live.live_nodes() - excluded - {self._node_id})
-
-    def _apply(
-        self, verdict: ExclusionVerdict, reason: str, others: int, record: Strikes
-    ) -> Exclusion | None:
-        me = self._node_id
-        if verdict is ExclusionVerdict.KEPT_AT_MIN:
-            self.kept_at_min = (
-                f"{reason}, but it stays: without it {others} node(s) would remain "
-                f"(--nnodes minimum {self._min_nodes})"
-            )
-            return None
-        if verdict is ExclusionVerdict.STAYS:
-            return None
-        key = self._keys.excluded(me)
-        current = self._store.get(key)
-        if current is not None and (held := load_exclusion(me, current)) is not None:
-            return held  # an exclusion that holds keeps its cool-down
-        now = self._clock.time()
-        after, repeats = record.excluded(now, self.rule.window)
-        cooldown = self.rule.cooldown_after(repeats)
-        if repeats:
-            reason = f"{reason}; excluded {repeats + 1} times in a row, {cooldown:.0f}s this time"
-        exclusion = Exclusion(me, now + cooldown, reason, self._addr)
-        # Compare-and-set: an exclusion that holds keeps its cool-down.
-        lease = self._live.now.lease
-        won, current = self._store.compare_set(key, None, exclusion.dump(), lease=lease)
-        if not won:
-            return load_exclusion(me, current)
-        self._store.set(self._keys.strikes(me), after.dump())
-        return exclusion
-
-    def exclusion(self) -> Exclusion | None:
-        """This node's exclusion, while it holds."""
-        return load_exclusion(self._node_id, self._store.get(self._keys.excluded(self._node_id)))
-
-    def readmit(self) -> None:
-        """This node's cool-down is over: it may join rounds again, as a newcomer (its
-        rank went to the node that replaced it; asking for it back with its last round's
-        rank, it would be ordered ahead of spares that waited longer)."""
-        key = self._keys.strikes(self._node_id)
-        record = load_record(self._store.get(key))
-        self._store.set(key, Strikes(record.at, record.repeats, self._clock.time()).dump())
-        self._store.delete(self._keys.excluded(self._node_id))
-        self._live.move(condition.forgotten)
-
-    def excluded_nodes(self) -> list[Exclusion]:
-        """The job's excluded nodes, by node id."""
-        found, _ = self._store.get_prefix(self._keys.excluded_prefix)
-        cut = len(self._keys.excluded_prefix)
-        records = (load_exclusion(k[cut:], v) for k, v in sorted(found.items()))
-        return [r for r in records if r is not None]
 
     def _finished(self) -> set[str]:
         if (n := self._live.now.n) is None:
@@ -297,31 +213,32 @@ class Outcome:
         again, as in a whole-group restart; FAILED when the run was closed because the
         budget is spent. TIMED_OUT leaves without deciding for the others.
         """
-        live, r = self._live, self._live.now.round
-        if r is None or r.size <= 1:
-            return BarrierResult(RoundOutcome.SUCCEEDED)
-        n, k = r.n, self._keys
-        self._store.set(k.done(n) + self._node_id, b"1")
-        deadline = Deadline.after(timeout, self._clock)
-        view = live.watcher.round_watch(r)
-        rev = live.watcher.reload(view, n)
-        while True:
-            result = self._verdict(r, view)
-            if result is not None:
-                return result
-            if deadline.expired():
-                self.left_unfinished = True
-                return BarrierResult(
-                    RoundOutcome.TIMED_OUT,
-                    f"{len(view.finished)} of {r.size} node(s) finished within {timeout:.0f}s",
-                )
-            try:
-                res = self._store.watch(k.ctl, rev, deadline.remaining())
-            except StoreCompactedError:
-                rev = live.watcher.reload(view, n)
-                continue
-            view.apply(res.events)
-            rev = res.revision
+        with self._calls.call():
+            live, r = self._live, self._live.now.round
+            if r is None or r.size <= 1:
+                return BarrierResult(RoundOutcome.SUCCEEDED)
+            n, k = r.n, self._keys
+            self._store.set(k.done(n) + self._node_id, b"1")
+            deadline = Deadline.after(timeout, self._clock)
+            view = live.watcher.round_watch(r)
+            rev = live.watcher.reload(view, n)
+            while True:
+                result = self._verdict(r, view)
+                if result is not None:
+                    return result
+                if deadline.expired():
+                    self.left_unfinished = True
+                    return BarrierResult(
+                        RoundOutcome.TIMED_OUT,
+                        f"{len(view.finished)} of {r.size} node(s) finished within {timeout:.0f}s",
+                    )
+                try:
+                    res = self._store.watch(k.ctl, rev, deadline.remaining())
+                except StoreCompactedError:
+                    rev = live.watcher.reload(view, n)
+                    continue
+                view.apply(res.events)
+                rev = res.revision
 
     def _verdict(self, r: condition.CurrentRound, view: RoundWatch) -> BarrierResult | None:
         """The round's outcome as far as ``view`` shows it; None while it is open."""
@@ -361,6 +278,5 @@ class Outcome:
     def __repr__(self) -> str:
         return (
             f"Outcome(node={self._node_id!r}, round={self._live.now.n}, "
-            f"refusal={self.refusal!r}, left_unfinished={self.left_unfinished}, "
-            f"rule={self.rule!r}, kept_at_min={self.kept_at_min!r})"
+            f"refusal={self.refusal!r}, left_unfinished={self.left_unfinished})"
         )

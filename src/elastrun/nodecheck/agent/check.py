@@ -15,7 +15,7 @@ overruns it fails the node. Waiting for peers does not: a peer that never report
 marked missing when this node's time is up, and this node then passes unless it was
 already found bad (it is not at fault for a silent peer).
 
-A node that fails is kept out as an excluded node is (``rdzv.exclude``: a cool-down,
+A node that fails is kept out as an excluded node is (``board.exclude``: a cool-down,
 never below the ``--nnodes`` minimum) and sits it out before it joins (``cooldown``);
 one line names it and why, with an ``agent.node_check_failed`` event and the
 ``agent.node_check_failed`` metric. After its cool-down it is checked again before it
@@ -46,7 +46,7 @@ from elastrun.core.interrupt import Interruptible
 from elastrun.nodecheck.agent.board import CheckBoard, LinkResult, Wave
 from elastrun.nodecheck.agent.verdicts import Isolation, NodeCheckRule
 from elastrun.observe.sinks import EventSink, MetricSink
-from elastrun.rendezvous.elastic import ElasticRendezvous
+from elastrun.rendezvous.elastic import ElasticRendezvous, ExclusionBoard
 from elastrun.supervise.processes.helper import CUT, Helper
 
 __all__ = ["QUOTE", "CheckOutcome", "NodeCheck", "quote"]
@@ -77,7 +77,8 @@ class NodeCheck:
     """Checks this node before it joins, when due.
 
     Args:
-        rdzv: the rendezvous (its store is where checks meet; it keeps exclusions).
+        rdzv: the rendezvous's rounds (its store is where checks meet).
+        board: its exclusions (a node that fails is kept out there).
         rule: whether and how nodes are checked (``rule.enabled`` False: never).
         python: the workers' interpreter (it runs the check).
         environ: the workers' base environment (the check's).
@@ -90,6 +91,7 @@ class NodeCheck:
     def __init__(
         self,
         rdzv: ElasticRendezvous,
+        board: ExclusionBoard,
         rule: NodeCheckRule,
         *,
         python: str,
@@ -102,6 +104,7 @@ class NodeCheck:
     ) -> None:
         self._host = host
         self._rdzv = rdzv
+        self._board = board
         self._rule = rule
         self._python = python
         self._environ = environ
@@ -157,8 +160,8 @@ class NodeCheck:
                 "peers": outcome.peers,
             },
         )
-        held = self._interruptible(lambda _scope: self._rdzv.exclude(reason), "exclusion")
-        kept = None if held is not None else self._rdzv.take_kept_at_min()
+        held = self._interruptible(lambda _scope: self._board.exclude(reason), "exclusion")
+        kept = None if held is not None else self._board.take_kept_at_min()
         log.error(
             "node %s (%s) failed its check: %s; %s",
             self._host,
