@@ -66,11 +66,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     Beyond torch's handler methods it offers what the agent uses for elasticity
     (``elastic.ElasticRendezvous``): ``set_change_callback`` (called from a watch thread
     when the running round must re-form), ``outcome`` (the job-wide restart budget and
-    the exit barrier) and ``exclusions``.
-
-    It composes its parts and delegates to them: ``Joiner`` (driving ``joining``),
-    ``Liveness`` (the lease, the round it is in and the watch of it), ``Outcome`` (the
-    budget, the exit barrier, the run's closing), ``Exclusions`` and ``AgentCalls``.
+    the exit barrier) and ``exclusions``. It composes its parts (the module docstring
+    names them) and delegates to them.
     """
 
     def __init__(
@@ -110,8 +107,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             store, self._keys, self._liveness, self._calls,
             node_id=node.node_id, addr=node.addr, clock=clock, min_nodes=settings.min_nodes,
         )  # fmt: skip
-        #: How the job's rounds end: its restart budget and the exit barrier
-        #: (``elastic.JobOutcome``).
+        #: The job's restart budget and the exit barrier (``elastic.JobOutcome``).
         self.outcome = Outcome(
             store, self._keys, self._liveness, self._calls, self.exclusions,
             node_id=node.node_id, addr=node.addr, clock=clock,

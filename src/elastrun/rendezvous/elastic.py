@@ -3,13 +3,11 @@
 torch's handler interface (``api.RendezvousHandler``) knows rounds, but not the rest of
 an elastic job. ``ElasticRendezvous`` names the rounds' part: who this node is, news
 that the running round must re-form, stepping away, this node's seat in the run's store
-and a wait for the next round that a cancel scope ends. Its two other parts are objects
-of their own, each handed to the agent parts that use it and to no other:
-``JobOutcome`` (how the job's rounds end: the job-wide restart budget and the exit
-barrier) and ``ExclusionBoard`` (the nodes kept out for a cool-down). What a rendezvous
-can do is told by these types, not by flags: ``outcome`` is None for a rendezvous that
-keeps no job-wide record (each node then ends as torchrun's would: a budget of the
-agent's own, no exit barrier).
+and a wait for the next round that a cancel scope ends. Its other parts are objects of
+their own, each handed only to the agent parts that use it: ``JobOutcome`` (the
+job-wide restart budget and the exit barrier) and ``ExclusionBoard`` (the nodes kept out
+for a cool-down). Types tell what a rendezvous can do, not flags: ``outcome`` is None
+where each node ends on its own, as torchrun's (a budget of the agent's, no barrier).
 
 elastrun's dynamic handler implements them, and ``as_elastic`` wraps any other handler
 (torch-style plugins, the standalone one) in ``PlainRendezvous``: no outcome, an empty
@@ -187,9 +185,6 @@ class NoExclusions:
     def wait_closed(self, timeout: float) -> bool:
         cancel.current().sleep(timeout)  # (never asked: no one is excluded here)
         return False
-
-    def __repr__(self) -> str:
-        return "NoExclusions()"
 
 
 class PlainRendezvous:

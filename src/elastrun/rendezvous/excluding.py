@@ -1,13 +1,9 @@
-"""One node's side of the job's exclusions, in the run's store (the dynamic rendezvous'
-``ExclusionBoard``).
+"""The dynamic rendezvous' ``ExclusionBoard``: one node's exclusions, in the run's store.
 
 The decisions are ``exclusion``'s pure functions; this reads and writes their records.
-The node that claims a round's failure counts a strike against itself (``strike``,
-asked by ``outcome`` while it decides whether the failure takes a restart: one that
-excludes its node takes none); a failed node check excludes the node at once
-(``exclude``). The agent's calls (every public method but ``set_rule`` and
-``take_kept_at_min``, which read no store) each run in a scope of their own
-(``calls.AgentCalls``): a signal or ``leave`` ends their store waits.
+A failure this node claims counts a strike (``strike``, within ``outcome``'s call: a
+failure that excludes its node takes no restart); a failed node check excludes it at
+once (``exclude``). Each call that reads the store runs as one of ``calls.AgentCalls``.
 """
 
 from __future__ import annotations
