@@ -34,7 +34,7 @@ and deleted by that node when its cool-down is over. Every node of a round sees 
 the watch it already keeps of ``ctl/``.
 
 This module holds the decisions as pure functions and the records' versioned JSON; the
-rendezvous (``outcome.py``) reads and writes the store.
+rendezvous (``excluding``) reads and writes the store.
 """
 
 from __future__ import annotations
