@@ -59,7 +59,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from elastrun.checkpoint.agent.holdings import Held, Listing, PeerError, newest_agreed, scan
-from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.cancel import Cancelled
+from elastrun.core.serving import serve_until_cancelled
 from elastrun.core.threads import Nursery
 from elastrun.wire import checkpoint as layout
 
@@ -132,7 +133,7 @@ class NodeServer:
             server = _Server((self._addr, 0), self)
             self._server = server
             self._nursery = Nursery(join_timeout=5.0)  # (a closed one does not open again)
-            self._nursery.start(_serve, server, name="elastrun-checkpoint-serve")
+            self._nursery.start(serve_until_cancelled, server, name="elastrun-checkpoint-serve")
         port = self.port
         assert port is not None
         return port
@@ -191,20 +192,17 @@ class NodeServer:
         return f"NodeServer(node={self._node!r}, addr={self._addr!r}, port={self.port})"
 
 
-def _serve(scope: CancelScope, server: _Server) -> None:
-    """Answer requests until closed (``serve_forever``'s ``shutdown`` waits a poll)."""
-    while True:
-        scope.wait_readable(server.fileno())  # (raises Cancelled once closed)
-        server.handle_request()
-
-
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
-    timeout = 0  # (handle_request, once the socket is readable: no wait of its own)
+    timeout = 0.0  # see serve_until_cancelled: handle_request() must never block
 
     def __init__(self, address: tuple[str, int], owner: NodeServer) -> None:
         self.owner = owner
         super().__init__(address, _Handler)
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.socket.setblocking(False)  # (what it accepts is blocking: sendfile needs it)
 
     def handle_error(self, request: object, client_address: object) -> None:
         # A peer that went away mid-file (its agent stopped, a copy given up): its
