@@ -1,10 +1,12 @@
-"""Every thread in the package starts through ``elastrun.core.threads``.
+"""Every thread in the package starts through ``elastrun.core.threads``, and in a
+``Nursery`` unless a listed reason says otherwise.
 
 One place names the threads, picks the daemon flag and bounds the joins; a
 ``threading.Thread(...)`` anywhere else is a thread the next reader has to audit alone.
 The check reads the source's syntax tree, so a type annotation (``threading.Thread |
 None``) is not a start, while a subclass of ``Thread`` or ``from threading import
-Thread`` is.
+Thread`` is. A thread started with ``start_thread``/``new_thread`` rather than in a
+nursery is stopped by an idiom of its owner's: each such place says why.
 """
 
 from __future__ import annotations
@@ -21,6 +23,20 @@ HELPER = "core/threads.py"
 #: Places that start their own threads, each for a reason: none now. One added must say
 #: why, and leave the list once it uses the helper (checked below).
 ALLOWED: dict[str, str] = {}
+#: Places that start a thread outside a nursery (``start_thread``/``new_thread``), each
+#: for a reason; one that moves into a nursery leaves the list (checked below).
+OUTSIDE_NURSERY: dict[str, str] = {
+    "rendezvous/elastic.py": "the join thread's owner waits for its result, not its end",
+    "store/tcp/link.py": "a connection's reader lives as long as its socket: closing the "
+    "socket ends it, and the socket's owner is the connection, not a scope",
+    "store/tcp/server.py": "an asyncio loop's thread, stopped through its loop "
+    "(call_soon_threadsafe); stop() also runs in a signal handler of serve_forever's "
+    "thread, where cancelling a scope (it takes locks) must not run",
+    "store/torchwire/server.py": "the same: an asyncio loop, and close() may run in a "
+    "signal handler of the thread in start()",
+    "supervise/processes/relay/output.py": "its close is no stop: the relay drains every "
+    "stream until it ends or a deadline passes, then ends by itself",
+}
 
 
 def thread_starts(source: str, filename: str = "<source>") -> list[int]:
@@ -93,3 +109,50 @@ def test_the_check_sees_calls_subclasses_and_imports_but_not_annotations() -> No
         "u = start_thread(f, name='x')",
     ])  # fmt: skip
     assert thread_starts(source) == [3, 4, 6]
+
+
+def nursery_bypasses(source: str, filename: str = "<source>") -> list[int]:
+    """The lines of ``source`` that start a thread with ``start_thread`` or
+    ``new_thread`` (by name or as an attribute), not in a nursery."""
+    lines = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = (
+                f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            )
+            if name in ("start_thread", "new_thread"):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def _bypasses_by_file() -> dict[str, list[int]]:
+    found = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        where = _where(path)
+        lines = nursery_bypasses(path.read_text(encoding="utf-8"), str(path))
+        if lines and where != HELPER:
+            found[where] = lines
+    return found
+
+
+def test_threads_outside_a_nursery_are_only_where_a_reason_is_listed() -> None:
+    found = _bypasses_by_file()
+    strays = {where: lines for where, lines in found.items() if where not in OUTSIDE_NURSERY}
+    assert strays == {}, (
+        "start an owner's threads in an elastrun.core.threads.Nursery (or list the place "
+        f"in OUTSIDE_NURSERY with the reason): {strays}"
+    )
+    stale = [where for where in OUTSIDE_NURSERY if where not in found]
+    assert stale == [], f"these places use a nursery now; drop them from OUTSIDE_NURSERY: {stale}"
+
+
+def test_the_nursery_check_sees_calls_by_name_and_by_attribute() -> None:
+    source = "\n".join([
+        "from elastrun.core import threads",
+        "t = start_thread(f, name='x')",  # 2
+        "u = threads.new_thread(f, name='y')",  # 3
+        "nursery.start(f, name='z')",
+        "start_thread",
+    ])  # fmt: skip
+    assert nursery_bypasses(source) == [2, 3]
