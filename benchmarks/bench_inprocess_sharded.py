@@ -326,6 +326,7 @@ def after_kill(lines: list[dict[str, Any]], t_kill: float) -> dict[str, float]:
         "step_s": statistics.median(before),
         "restored_s": max(back.values()) - t_kill,
         "next_s": max(first.values()) - t_kill,
+        "over_s": max(first.values()) - t_kill - statistics.median(before),
         "lost": float(max(_done_again(lines, r) for r in ranks)),
     }
 
@@ -415,6 +416,12 @@ def _one_size(
             fmt=".2f",
             target=_target_text("next") if targeted else "",
             check=next_check,
+        ),
+        # What the recovery adds to the step it interrupts (informative: the targets are
+        # the row above; where one step takes longer than a target, as on 2 CPUs at 0.4
+        # GB, this row shows the recovery's own share).
+        "over_s": table.row(
+            "over_s", "kill -> every rank's next step, less one training step (s)", fmt=".2f"
         ),
         "lost": table.row(
             "lost",
