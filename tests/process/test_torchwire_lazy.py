@@ -27,6 +27,8 @@ def test_closing_before_any_client_ends_the_waiting_thread_at_once_and_frees_the
     assert not [t.name for t in mine if t.is_alive()]
     assert not server.serving
     server.close()  # idempotent
+    # What it says of itself and its port outlives its sockets (a log line after close).
+    assert (server.port, repr(server)) == (port, f"LazyTorchWireServer(127.0.0.1:{port}, closed)")
     with socket.socket() as sock:  # the listening socket is closed
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))

@@ -85,15 +85,16 @@ class LazyTorchWireServer:
         self._host = host
         self._requested_port = port
         self._socks: list[socket.socket] = []
+        self._port: int | None = None  # (read once: the sockets close with the server)
         self._server: TorchWireServer | None = None
         self._nursery = Nursery(join_timeout=_JOIN_TIMEOUT)  # close() closes it
         self._lock = threading.Lock()  # the thread starts no server once it is cancelled
 
     @property
     def port(self) -> int:
-        if not self._socks:
+        if self._port is None:
             raise StoreError("the workers' store is not listening yet")
-        return int(self._socks[0].getsockname()[1])
+        return self._port
 
     @property
     def serving(self) -> bool:
@@ -108,6 +109,7 @@ class LazyTorchWireServer:
                 descriptors or threads.
         """
         self._socks = listen_now(self._host, self._requested_port)
+        self._port = int(self._socks[0].getsockname()[1])
         try:
             self._nursery.scope.fileno()  # made here: out of descriptors is start()'s error
             self._nursery.start(self._serve_on_first_client, name="elastrun-workers-store")
@@ -155,5 +157,5 @@ class LazyTorchWireServer:
     def __repr__(self) -> str:
         closed = self._nursery.scope.cancelled
         state = "closed" if closed else "serving" if self._server else "listening"
-        where = f"{self._host or '*'}:{self.port if self._socks else self._requested_port}"
+        where = f"{self._host or '*'}:{self._port or self._requested_port}"
         return f"LazyTorchWireServer({where}, {state})"
