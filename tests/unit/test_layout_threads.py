@@ -29,11 +29,9 @@ OUTSIDE_NURSERY: dict[str, str] = {
     "rendezvous/elastic.py": "the join thread's owner waits for its result, not its end",
     "store/tcp/link.py": "a connection's reader lives as long as its socket: closing the "
     "socket ends it, and the socket's owner is the connection, not a scope",
-    "store/tcp/server.py": "an asyncio loop's thread, stopped through its loop "
-    "(call_soon_threadsafe); stop() also runs in a signal handler of serve_forever's "
-    "thread, where cancelling a scope (it takes locks) must not run",
-    "store/torchwire/server.py": "the same: an asyncio loop, and close() may run in a "
-    "signal handler of the thread in start()",
+    "store/torchwire/server.py": "an asyncio loop's thread, stopped through its loop "
+    "(call_soon_threadsafe); close() may run in a signal handler of the thread in start(), "
+    "where cancelling a scope (it takes locks) must not run",
     "supervise/processes/relay/output.py": "its close is no stop: the relay drains every "
     "stream until it ends or a deadline passes, then ends by itself",
 }

@@ -10,11 +10,12 @@ import argparse
 import logging
 import signal
 import sys
-from types import FrameType
 from typing import NoReturn
 
 from elastrun.core.errors import ConfigError, StoreError
+from elastrun.core.shutdown import ShutdownRequest
 from elastrun.core.values import parse_int, parse_port, parse_seconds
+from elastrun.launch.signals import install_signal_handlers
 from elastrun.store.tcp.limits import raise_fd_limit
 from elastrun.store.tcp.protocol import DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME
 from elastrun.store.tcp.server import (
@@ -115,10 +116,11 @@ def store_main(argv: list[str]) -> int:
         )
     raise_fd_limit()
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        server.stop()  # only asks the loop to stop; it runs in this very thread
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # A signal stops the server from the launcher's relay thread (``launch.signals``),
+    # not in a handler that would interrupt the loop it stops.
+    shutdown = ShutdownRequest()
+    shutdown.scope.on_cancel(server.stop)
+    restore = install_signal_handlers((signal.SIGTERM, signal.SIGINT), shutdown)
 
     def on_ready(port: int) -> None:
         if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -135,6 +137,5 @@ def store_main(argv: list[str]) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore()
     return 0

@@ -14,8 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import ConfigError, StoreError
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.threads import Nursery
 from elastrun.core.values import parse_int, parse_port, parse_seconds
 from elastrun.store.memory import HISTORY, MemoryStore
 from elastrun.store.tcp import protocol as p
@@ -71,14 +72,16 @@ class TcpStoreServer:
         self._grace = disconnect_grace
         self._history = history
         self._port: int | None = None
-        # Re-entrant: stop() may run in a signal handler of the thread that holds it.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._started = False
-        self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_event: asyncio.Event | None = None
+        self._stop_event: asyncio.Event | None = None  # the loop's, set on its thread
         self._service: Service | None = None
-        self._thread: threading.Thread | None = None
+        # One start per server, so one nursery: stop() closes it, and its scope's cancel
+        # wakes the loop (from whichever thread stops it: ``elastrun store`` stops its
+        # server from the launcher's signal relay, never in a signal handler).
+        self._nursery = Nursery(join_timeout=None)
+        self._nursery.scope.on_cancel(self._wake_loop)
 
     @property
     def port(self) -> int:
@@ -100,9 +103,9 @@ class TcpStoreServer:
         ready = threading.Event()
         failure: list[BaseException] = []
 
-        def run() -> None:
+        def run(scope: CancelScope) -> None:
             try:
-                asyncio.run(self._main(ready.set))
+                asyncio.run(self._main(ready.set, scope))
             except BaseException as exc:
                 if ready.is_set():  # it failed while serving: nobody to hand it to
                     log.error("the store server stopped on an error", exc_info=exc)
@@ -110,12 +113,17 @@ class TcpStoreServer:
                     failure.append(exc)
                     ready.set()
 
-        self._thread = start_thread(
-            run, name=f"elastrun-store-server {self._host}:{self._requested_port}"
-        )
+        try:
+            thread = self._nursery.start(
+                run, name=f"elastrun-store-server {self._host}:{self._requested_port}"
+            )
+        except RuntimeError:
+            if self._nursery.closed:
+                return  # stopped before it started: nothing to serve
+            raise
         ready.wait()
         if failure:
-            self._thread.join()
+            thread.join()
             raise self._bind_error(failure[0])
 
     def serve_forever(self, on_ready: Callable[[int], None] | None = None) -> None:
@@ -131,23 +139,24 @@ class TcpStoreServer:
                 on_ready(self.port)
 
         try:
-            asyncio.run(self._main(ready))
+            asyncio.run(self._main(ready, self._nursery.scope))
         except OSError as exc:
             raise self._bind_error(exc) from exc
 
     def stop(self) -> None:
         """Close every connection and stop serving; idempotent, and never raises.
 
-        From another thread it also waits for the server thread to finish. It is safe
-        to call from a signal handler of the thread running :meth:`serve_forever`.
+        From another thread it also waits for the server thread to finish. Not from a
+        signal handler: cancelling takes locks (``elastrun store`` relays its signals).
         """
+        self._nursery.close("stopped")  # without a bound, as the thread's owner waits
+
+    def _wake_loop(self) -> None:
         with self._lock:
-            self._stopping = True
             loop, event = self._loop, self._stop_event
         if loop is not None and event is not None:
             with contextlib.suppress(RuntimeError):  # the loop has already closed
                 loop.call_soon_threadsafe(event.set)
-        join_thread(self._thread, None)
 
     def _claim_start(self) -> None:
         with self._lock:
@@ -161,7 +170,7 @@ class TcpStoreServer:
         where = format_addr(self._host, self._requested_port)
         return StoreError(f"cannot listen on {where}: {exc}")
 
-    async def _main(self, ready: Callable[[], None]) -> None:
+    async def _main(self, ready: Callable[[], None], scope: CancelScope) -> None:
         loop = asyncio.get_running_loop()
         store = MemoryStore(history=self._history)
         # Wall-clock microseconds: numbering must keep growing across restarts of the
@@ -172,7 +181,7 @@ class TcpStoreServer:
         acceptor = await self._listen(service)
         with self._lock:
             self._loop, self._stop_event, self._service = loop, stop, service
-            if self._stopping:
+            if scope.cancelled:  # stopped before the loop could be woken
                 stop.set()
         ready()
         try:
@@ -205,7 +214,7 @@ class TcpStoreServer:
     def __repr__(self) -> str:
         service = self._service
         conns = len(service.conns) if service is not None else 0
-        state = "stopped" if self._stopping else "running" if self._port else "new"
+        state = "stopped" if self._nursery.scope.cancelled else "running" if self._port else "new"
         return (
             f"TcpStoreServer({format_addr(self._host, self._port or self._requested_port)}, "
             f"{state}, connections={conns}, auth={self._token is not None})"
