@@ -9,11 +9,13 @@ other. So a recovering worker shuts down its connections to the other workers:
 - when the round comes, those to (and from) every endpoint the round's workers listen
   on, on every node: the agents collect them (``core.tcp_sockets``) and the round's
   message carries them; the channel's thread cuts them as the message arrives, also
-  while the training function still runs;
+  while the training function still runs, and with them those to the workers of its
+  own node (below): under load a survivor was now and then left blocked for good on a
+  same-node peer whose connection the listeners' cut had not reached;
 - before tearing its group down, when no round came yet (the agent may wait on the
   other nodes, or not know of the failure yet), those to the workers of its own node
-  (processes with the same parent, the agent), found in ``/proc``: reading the TCP
-  table costs milliseconds, so this is skipped once the round's cut was made.
+  (processes with the same parent), found in ``/proc`` (reading the TCP table costs
+  milliseconds); skipped when the round's message came first and cut them.
 
 The peers' blocked reads then fail at once and they recover too. Linux only; elsewhere
 nothing is cut and a stuck round ends at the agent's bound with a whole-group restart.

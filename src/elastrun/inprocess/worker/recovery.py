@@ -195,8 +195,8 @@ def _next_round(channel: Channel, state: State, round_no: int, wait: float, fail
     first line of the error that a peer's failure caused)."""
     # Peers blocked reading from this worker's broken group must fail too: the round's
     # message names every worker's listeners, and the channel's thread cut the
-    # connections to them as it came (``_interrupt``); before it comes, the ones to
-    # this node's other workers are cut here.
+    # connections to them and to this node's other workers as it came (``_interrupt``);
+    # before it comes, the ones to this node's other workers are cut here.
     _teardown(cut_siblings=not channel.newer_than(round_no))
     state.rollback()
     message = channel.wait_round(round_no, wait)
@@ -215,6 +215,7 @@ def _interrupt(message: dict[str, Any]) -> None:
     round's workers. NCCL's do not (and a collective with a dead peer hangs rather than
     fails): abort the communicators, as NCCL allows from another thread."""
     cut_connections(message.get("cut") or ())
+    cut_peer_connections()  # this node's workers too, whatever the list missed (see cut)
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
