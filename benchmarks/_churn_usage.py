@@ -7,7 +7,8 @@ launcher, each helper and the workers (the largest value of the four ranks), thr
 points: the first sample (when the killer started, before any kill), and the level
 over the first third of the killer's window and over its last third: the 80th
 percentile of the samples, what a process holds most of the time when it holds the
-most. Growth is the last third against the first: a survivor holds the previous
+most. Growth is the last third against the first, the smaller of the level's and the
+floor's (the smallest value; see ``summarise``): a survivor holds the previous
 recovery's process groups for a while (see docs/inprocess.md), so the first recoveries
 raise a worker's counts once, and the allocator settles over them. A leak raises the
 level with the kills; a transient (a chain of overlapping rounds holds a few groups'
@@ -118,11 +119,31 @@ def summarise(samples: Sequence[Sample], w0: float, w1: float) -> dict[str, dict
         rows = [s for s in samples if s.role == role]
         born = rows[0].t
         start = _largest([s for s in rows if s.t == born])
-        early = _level([s for s in rows if s.t <= first_t + third]) or start
-        end = _level([s for s in rows if s.t >= w1 - third]) or _largest(rows[-1:])
-        growth = {k: round(end[k] - early[k], 2) for k in KEYS if k in early and k in end}
+        first = [s for s in rows if s.t <= first_t + third]
+        last = [s for s in rows if s.t >= w1 - third]
+        early = _level(first) or start
+        end = _level(last) or _largest(rows[-1:])
+        # Growth: the level's and the floor's, whichever is smaller. A leak raises both;
+        # a process whose counts alternate between two states (a recovery's groups held
+        # or not, a request in flight or not) moves its level with the states'
+        # proportions in each third, and not its floor.
+        low, high = _floor(first), _floor(last)
+        growth = {
+            k: round(min(end[k] - early[k], high.get(k, end[k]) - low.get(k, early[k])), 2)
+            for k in KEYS
+            if k in early and k in end
+        }
         out[role] = {"start": start, "early": early, "end": end, "growth": growth}
     return out
+
+
+def _floor(rows: Sequence[Sample]) -> dict[str, float]:
+    """The smallest, over the sample times, of the largest value at each."""
+    at: dict[float, list[Sample]] = {}
+    for r in rows:
+        at.setdefault(r.t, []).append(r)
+    per_time = [_largest(group) for group in at.values()]
+    return {k: min(v[k] for v in per_time) for k in KEYS} if per_time else {}
 
 
 def _level(rows: Sequence[Sample]) -> dict[str, float]:
