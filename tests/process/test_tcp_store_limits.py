@@ -229,6 +229,12 @@ def test_every_call_waiting_on_a_dead_store_gives_up_at_one_deadline(tmp_path: P
         client.set("k", b"v", lease=lease)
         store.proc.kill()
         store.proc.wait()
+        # Its port stays taken (bound, not listening: a connection is refused) so that no
+        # server of another test listens there meanwhile: one did once, and the client,
+        # connected to it and dropped, said "keeps dropping" instead of giving up.
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", store.port))
         lost = time.monotonic()
         ended: list[tuple[float, BaseException | None]] = []
 
@@ -245,6 +251,7 @@ def test_every_call_waiting_on_a_dead_store_gives_up_at_one_deadline(tmp_path: P
             t.start()
         for t in threads:
             t.join(30)
+        held.close()
     store.stop()
     assert len(ended) == 8
     assert all(isinstance(exc, StoreUnavailableError) for _, exc in ended), ended
