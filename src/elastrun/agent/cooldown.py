@@ -99,7 +99,7 @@ class CoolDown:
         if kept is not None:
             log.warning("this node is not excluded: %s", kept)
             self._events.record("agent.exclusion_skipped", {"reason": kept})
-        own = self._interruptible(lambda _scope: self._board.exclusion(), "exclusion record")
+        own = self._interruptible.run(self._board.exclusion, "exclusion record")
         readmitted = own is not None and self._sit_out(own)
         self._read_excluded()
         return readmitted
@@ -121,7 +121,7 @@ class CoolDown:
             )
         self._metrics.put("agent.excluded", 1)
         ended = self._interruptible(self._wait, "end of this node's cool-down")
-        self._interruptible(lambda _scope: self._board.readmit(), "exclusion record")
+        self._interruptible.run(self._board.readmit, "exclusion record")
         self.own = None
         self._metrics.put("agent.excluded", 0)
         if ended:
@@ -147,7 +147,7 @@ class CoolDown:
         return False
 
     def _read_excluded(self) -> None:
-        found = self._interruptible(lambda _scope: self._board.excluded_nodes(), "exclusions")
+        found = self._interruptible.run(self._board.excluded_nodes, "exclusions")
         self.excluded = found
         self._metrics.put("agent.excluded_nodes", len(found))
 

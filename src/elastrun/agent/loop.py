@@ -83,7 +83,7 @@ class ElasticLoop:
                 # The shutdown scope is the thread's current one while the loop runs, so
                 # that every wait in it observes the scope, also the store calls deep in
                 # the rendezvous that name no scope; the teardown runs outside it.
-                return self._p.interruptible(lambda _scope: self._run(), "agent's next step")
+                return self._p.interruptible.run(self._run, "agent's next step")
             except ShutdownRequested as stop:
                 self._stopped_by(stop.signum)
                 raise
@@ -392,7 +392,7 @@ class ElasticLoop:
         if (job := p.rdzv.outcome) is not None and (p.group.group_world_size or 1) > 1:
             log.info("workers finished; waiting for the other nodes (exit barrier)")
             timeout = p.options.exit_barrier_timeout
-            outcome = p.interruptible(lambda _scope: job.exit_barrier(timeout), "exit barrier")
+            outcome = p.interruptible.run(lambda: job.exit_barrier(timeout), "exit barrier")
             action, reason = barrier_action(outcome), outcome.reason
         if action is BarrierAction.REFORM:
             p.report.membership_change(reason)

@@ -82,7 +82,7 @@ class CrashLoopRung:
         if repeated is None:
             return None
         budget = self._budget
-        left = self._interruptible(lambda _scope: budget.limit - budget.used(), "restart budget")
+        left = self._interruptible.run(lambda: budget.limit - budget.used(), "restart budget")
         if left <= 0:
             return None
         crash_loop = (
@@ -103,8 +103,8 @@ class CrashLoopRung:
         # run is closed with why (a signal must not wait for the store). With no job-wide
         # outcome each node ends on its own.
         if (outcome := self._outcome) is not None:
-            self._interruptible(
-                lambda _scope: outcome.report_final_failure(failure.what, why), "ending the job"
+            self._interruptible.run(
+                lambda: outcome.report_final_failure(failure.what, why), "ending the job"
             )
         return Reaction.stop(crash_loop=crash_loop)
 
@@ -122,10 +122,8 @@ class BudgetRung:
 
     def decide(self, failure: Failure) -> Reaction | None:
         # The job-wide budget lives in the store: a signal must not wait for it.
-        decision = self._interruptible(
-            lambda _scope: self._policy.on_failure(
-                list(failure.failed), self._budget, failure.what
-            ),
+        decision = self._interruptible.run(
+            lambda: self._policy.on_failure(list(failure.failed), self._budget, failure.what),
             "restart budget",
         )
         return None if decision is Decision.RESTART_ALL else Reaction.stop()

@@ -52,8 +52,18 @@ class Interruptible:
         return self._shutdown.scope
 
     def __call__(self, call: Callable[[CancelScope], T], what: str) -> T:
-        """``call(scope)``'s value, unless a signal comes first; the scope is also the
-        calling thread's current one while ``call`` runs.
+        """``call(scope)``'s value, unless a signal comes first: for a wait that takes
+        its scope (a select on the scope's descriptor, a wait with a deadline of its
+        own). The scope is also the calling thread's current one while ``call`` runs.
+
+        Raises:
+            ShutdownRequested: a signal was received before or during the call.
+        """
+        return self.run(lambda: call(self._shutdown.scope), what)
+
+    def run(self, call: Callable[[], T], what: str) -> T:
+        """``call()``'s value, unless a signal comes first: for a call whose store waits
+        observe the thread's current scope (the shutdown scope, while ``call`` runs).
 
         Raises:
             ShutdownRequested: a signal was received before or during the call.
@@ -61,7 +71,7 @@ class Interruptible:
         scope = self._shutdown.scope
         try:
             with scope.active():
-                return call(scope)
+                return call()
         except Cancelled:
             log.info("stopped while waiting for the %s", what)
             signum = self._shutdown.signum

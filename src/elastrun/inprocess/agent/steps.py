@@ -142,10 +142,8 @@ class InprocessSteps:
             return None  # (a node alone that kept its workers agrees with itself)
         prefix = RunKeys.of_run(facts.run_id).inprocess(facts.round)
         bound = min(self._recovery.timeout, AGREE_TIMEOUT)
-        return self._interruptible(
-            lambda _scope: agree(
-                store, prefix, facts.group_rank, facts.group_world_size, offer, bound
-            ),
+        return self._interruptible.run(
+            lambda: agree(store, prefix, facts.group_rank, facts.group_world_size, offer, bound),
             "other nodes' in-process offers",
         )
 
