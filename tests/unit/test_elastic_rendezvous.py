@@ -8,7 +8,7 @@ import time
 import pytest
 
 from elastrun.core.cancel import Cancelled, CancelScope
-from elastrun.core.errors import RendezvousClosedError
+from elastrun.core.errors import RendezvousClosedError, RendezvousTimeoutError
 from elastrun.rendezvous.api import RendezvousInfo
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.elastic import (
@@ -83,3 +83,12 @@ def test_a_cancelled_scope_ends_a_blocked_torch_style_join_at_once() -> None:
         as_elastic(handler).next_round(scope)
     assert time.monotonic() - t0 < 5  # not the handler's 30 s
     handler.release.set()  # (the abandoned call ends)
+
+
+def test_a_blocked_torch_style_join_ends_at_the_scopes_deadline_as_a_rendezvous_timeout() -> None:
+    handler = _BlockedHandler()
+    rdzv = as_elastic(handler)
+    with CancelScope().child(0.05) as scope, pytest.raises(RendezvousTimeoutError):
+        rdzv.next_round(scope)
+    assert "elastrun-rendezvous-join" in repr(rdzv)  # the abandoned call, still running
+    handler.release.set()

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from elastrun.core.cancel import CancelScope, current
+from elastrun.core.cancel import Cancelled, CancelScope, current
 from elastrun.core.threads import Nursery, join_thread, new_thread, start_thread
 
 
@@ -108,3 +108,47 @@ def test_a_thread_may_close_its_own_nursery_and_its_siblings_end() -> None:
     closing = nursery.start(closer, name="elastrun-test-closer")
     closing.join(5)
     assert left == [[]] and not sibling.is_alive()
+
+
+def test_a_call_hands_its_value_or_its_exception_to_the_thread_that_waits() -> None:
+    nursery = Nursery(join_timeout=5)
+    call = nursery.call(lambda scope, x: (x, current() is scope), 7, name="elastrun-test-call")
+    assert call.wait(CancelScope()) and call.done
+    assert call.result() == (7, True)  # (run in the nursery's scope, as start's targets)
+    assert call.thread.name == "elastrun-test-call" and call.thread.daemon
+
+    def fails(scope: CancelScope) -> None:
+        raise KeyError("lost")
+
+    failing = nursery.call(fails, name="elastrun-test-call")
+    assert failing.wait(CancelScope())
+    with pytest.raises(KeyError, match="lost"):
+        failing.result()
+    assert nursery.close() == []
+
+
+def test_none_is_a_calls_value_and_no_result_is_given_before_its_end() -> None:
+    release = threading.Event()
+    nursery = Nursery(join_timeout=5)
+    call = nursery.call(lambda scope: None if release.wait(30) else 0, name="elastrun-test")
+    with pytest.raises(RuntimeError, match="has not ended"):
+        call.result()
+    release.set()
+    assert call.wait(CancelScope()) and call.result() is None
+    nursery.close()
+
+
+def test_a_cancelled_or_expired_wait_leaves_the_call_running_in_its_nursery() -> None:
+    release = threading.Event()
+    nursery = Nursery(join_timeout=5)
+    call = nursery.call(lambda scope: release.wait(30), name="elastrun-test-deaf")
+    scope = CancelScope()
+    threading.Timer(0.05, scope.cancel, ("received SIGTERM",)).start()
+    with pytest.raises(Cancelled, match="SIGTERM"):
+        call.wait(scope)
+    with CancelScope().child(0.05) as short:
+        assert not call.wait(short)  # its deadline: False, nothing raised
+    assert not call.done and nursery.running() == ["elastrun-test-deaf"]
+    release.set()
+    assert call.wait(CancelScope()) and call.result() is True
+    assert nursery.close() == []

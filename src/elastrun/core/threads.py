@@ -11,9 +11,17 @@ thread it started, within one bound. A thread stops by the scope it was handed: 
 sleeps with ``scope.sleep``, waits for a descriptor with ``scope.wait_readable``, or
 wires what it blocks in to ``scope.on_cancel`` (shut a socket down); a store call it
 makes observes the scope by itself. So an owner keeps no stop event, waker or pipe of
-its own, and cannot forget to join what it started. ``start_thread`` stays for a
-thread whose owner waits for its result (the rendezvous join) or hands it a socket's
-life (a connection's reader).
+its own, and cannot forget to join what it started.
+
+Two kinds of thread do not stop when asked, and are nursery threads all the same:
+
+* A thread whose owner waits for its *result* (:meth:`Nursery.call`): the wait takes
+  the caller's scope, and a cancelled scope ends the wait, not the call. A call into
+  code that takes no scope (a torch-style rendezvous handler's join) cannot be
+  interrupted; it is left to end on its own, in its nursery.
+* A thread that ends on its own (the output relay drains its pipes until they end or
+  its owner's deadline): its target leaves the scope aside, and closing the nursery
+  with that deadline (``close(timeout=...)``) is only its bounded join.
 
 Nothing here logs a thread's failure: every target either handles its own errors or
 hands them to the thread that waits for it (the rendezvous join, the store server's
@@ -25,14 +33,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TypeVarTuple
+from typing import Generic, TypeVar, TypeVarTuple
 
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Deadline
 
-__all__ = ["Nursery", "join_thread", "new_thread", "start_thread"]
+__all__ = ["Call", "Nursery", "join_thread", "new_thread", "start_thread"]
 
 log = logging.getLogger("elastrun.threads")
+T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 
@@ -113,6 +122,25 @@ class Nursery:
         thread.start()
         return thread
 
+    def call(
+        self,
+        target: Callable[[CancelScope, *Ts], T],
+        *args: *Ts,
+        name: str,
+        daemon: bool = True,
+    ) -> Call[T]:
+        """Start ``target(scope, *args)`` as :meth:`start` does, for its value: the
+        :class:`Call` returned waits for it in the caller's scope and hands over what it
+        returned or raised. A wait that ends first leaves the thread running; closing the
+        nursery cancels its scope and joins it as any other.
+
+        Raises:
+            RuntimeError: the nursery is closed, or no thread can be started.
+        """
+        call: Call[T] = Call()
+        call.thread = self.start(call._run, target, args, name=name, daemon=daemon)
+        return call
+
     def _run(self, target: Callable[..., object], args: tuple[object, ...]) -> None:
         with self.scope.active():
             try:
@@ -161,3 +189,70 @@ class Nursery:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"Nursery({state}, running={self.running()})"
+
+
+class Call(Generic[T]):
+    """What a target started by :meth:`Nursery.call` returned or raised, once it did."""
+
+    thread: threading.Thread
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._done = False
+        self._value: list[T] = []  # (a box: T may itself be None)
+        self._error: BaseException | None = None
+
+    def _run(self, scope: CancelScope, target: Callable[..., T], args: tuple[object, ...]) -> None:
+        try:
+            value = target(scope, *args)
+        except BaseException as exc:  # handed to whoever waits for it (``result``)
+            with self._cond:
+                self._error, self._done = exc, True
+                self._cond.notify_all()
+        else:
+            with self._cond:
+                self._value.append(value)
+                self._done = True
+                self._cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        """Whether the target returned or raised."""
+        return self._done
+
+    def wait(self, scope: CancelScope) -> bool:
+        """Wait in ``scope`` for the target to end: True once it has; False when the
+        scope's deadline came first. Neither ends the target's thread.
+
+        Raises:
+            Cancelled: ``scope`` was cancelled first.
+        """
+
+        def wake() -> None:
+            with self._cond:
+                self._cond.notify_all()
+
+        with scope.wakes(wake), self._cond:
+            while not self._done:
+                scope.raise_if_cancelled()
+                if scope.expired():
+                    return False
+                self._cond.wait(scope.deadline.timeout())
+        return True
+
+    def result(self) -> T:
+        """The target's value; what it raised is raised here.
+
+        Raises:
+            RuntimeError: the target has not ended (``wait`` first).
+        """
+        with self._cond:
+            if not self._done:
+                raise RuntimeError(f"{self.thread.name} has not ended yet")
+            if self._error is not None:
+                raise self._error
+            return self._value[0]
+
+    def __repr__(self) -> str:
+        state = "raised" if self._error is not None else "returned" if self._done else "running"
+        return f"Call({self.thread.name}, {state})"

@@ -14,18 +14,17 @@ elastrun's dynamic handler implements them, and ``as_elastic`` wraps any other h
 exclusion board, no news between rounds other than ``num_nodes_waiting``.
 
 A torch-style handler's ``next_rendezvous`` takes no scope and may block for minutes in
-code we do not own. The adapter alone runs it in a thread of its own and waits for it in
-the caller's scope (``_join_in_thread``): the agent above never starts a thread to make
-a wait end, and a cancelled scope ends the wait at once (the abandoned call ends with the
-process or when the handler shuts down). Why not interrupt the call itself: nothing in
-torch's interface allows it, and a signal raised into foreign code leaves its state
-unknown.
+code we do not own. The adapter alone runs it on a thread of its nursery and waits for
+its result in the caller's scope (``Nursery.call``): the agent above never starts a
+thread to make a wait end, and a cancelled scope ends the wait at once (the abandoned
+call ends with the process or when the handler shuts down). Why not interrupt the call
+itself: nothing in torch's interface allows it, and a signal raised into foreign code
+leaves its state unknown. Nothing closes that nursery: the adapter lives as long as the
+agent, and nobody has a reason to wait for an abandoned call.
 """
 
 from __future__ import annotations
 
-import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -34,7 +33,7 @@ from elastrun.core import cancel
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
 from elastrun.core.errors import RendezvousTimeoutError
-from elastrun.core.threads import start_thread
+from elastrun.core.threads import Nursery
 from elastrun.rendezvous.api import BarrierResult, RendezvousHandler, RendezvousInfo
 from elastrun.rendezvous.exclusion import Exclusion, ExclusionRule
 from elastrun.store.api import Store
@@ -198,6 +197,7 @@ class PlainRendezvous:
     def __init__(self, handler: RendezvousHandler) -> None:
         self.handler = handler
         self.exclusions: ExclusionBoard = NoExclusions()
+        self._joins = Nursery()  # (never closed: see the module docstring)
 
     def set_node_info(self, role: str, local_world_size: int) -> None:
         pass  # a torch-style handler learns nothing of the node
@@ -210,7 +210,10 @@ class PlainRendezvous:
             Cancelled: ``scope`` was cancelled first.
             RendezvousTimeoutError: ``scope``'s deadline passed first.
         """
-        return _join_in_thread(self.handler.next_rendezvous, scope)
+        join = self._joins.call(_next_rendezvous, self.handler, name="elastrun-rendezvous-join")
+        if not join.wait(scope):
+            raise RendezvousTimeoutError("the rendezvous did not complete before the deadline")
+        return join.result()
 
     def set_change_callback(self, callback: Callable[[], None]) -> None:
         pass  # re-formation is noticed through num_nodes_waiting on the agent's tick
@@ -222,33 +225,11 @@ class PlainRendezvous:
         return None  # no store of ours: a node is checked alone, for compute only
 
     def __repr__(self) -> str:
-        return f"PlainRendezvous({self.handler!r})"
+        return f"PlainRendezvous({self.handler!r}, joins={self._joins.running()})"
 
 
-def _join_in_thread(call: Callable[[], RendezvousInfo], scope: CancelScope) -> RendezvousInfo:
-    """``call()``'s value (or its exception), unless ``scope`` ends first."""
-    box: list[RendezvousInfo | BaseException] = []
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box.append(call())
-        except BaseException as exc:  # handed to the waiting thread below
-            box.append(exc)
-        finally:
-            done.set()
-
-    start_thread(run, name="elastrun-rendezvous-join")
-    with scope.wakes(done.set):
-        left = scope.remaining()
-        done.wait(None if math.isinf(left) else left)
-    if not box:
-        scope.raise_if_cancelled()
-        raise RendezvousTimeoutError("the rendezvous did not complete before the deadline")
-    (value,) = box
-    if isinstance(value, BaseException):
-        raise value
-    return value
+def _next_rendezvous(scope: CancelScope, handler: RendezvousHandler) -> RendezvousInfo:
+    return handler.next_rendezvous()  # (takes no scope: see the module docstring)
 
 
 def as_elastic(handler: RendezvousHandler) -> ElasticRendezvous:
