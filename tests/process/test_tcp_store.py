@@ -691,3 +691,30 @@ def test_the_server_listens_on_every_loopback_its_host_names(
             assert store.get("visits") == str(len(reachable_as)).encode()
     finally:
         server.stop()
+
+
+def test_closing_a_client_cuts_its_connection_and_joins_every_reader_it_started() -> None:
+    server = TcpStoreServer("127.0.0.1", 0)
+    server.start()
+
+    def readers() -> list[str]:  # (this server's: by its port)
+        return [t.name for t in threading.enumerate() if t.name.endswith(f":{server.port}")]
+
+    try:
+        store = TcpStore("127.0.0.1", server.port)
+        lease = store.grant_lease(30.0)  # a client with a lease reconnects at once
+        store.set("held", b"1", lease=lease)
+        first = store._dialer.current
+        assert first is not None and first.reading
+        first.abort()  # lost: its reader dials the next connection
+        deadline = time.monotonic() + 10
+        while store._dialer.current is first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = store._dialer.current
+        assert second is not None and second is not first
+        assert readers() != []
+        store.close()
+        assert not first.reading and not second.reading and not second.alive
+        assert readers() == []
+    finally:
+        server.stop()

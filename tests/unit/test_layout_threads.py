@@ -26,8 +26,6 @@ ALLOWED: dict[str, str] = {}
 #: Places that start a thread outside a nursery (``start_thread``/``new_thread``), each
 #: for a reason; one that moves into a nursery leaves the list (checked below).
 OUTSIDE_NURSERY: dict[str, str] = {
-    "store/tcp/link.py": "a connection's reader lives as long as its socket: closing the "
-    "socket ends it, and the socket's owner is the connection, not a scope",
     "store/torchwire/server.py": "an asyncio loop's thread, stopped through its loop "
     "(call_soon_threadsafe); close() may run in a signal handler of the thread in start(), "
     "where cancelling a scope (it takes locks) must not run",

@@ -19,13 +19,13 @@ import threading
 import time
 
 from elastrun.core.cancel import Cancelled, CancelScope
+from elastrun.core.clock import Deadline
 from elastrun.core.errors import (
     StoreAuthError,
     StoreError,
     StoreTimeoutError,
     StoreUnavailableError,
 )
-from elastrun.core.threads import join_thread
 from elastrun.store.tcp import protocol as p
 from elastrun.store.tcp.link import Connection, Refused, connect, handshake
 
@@ -67,13 +67,13 @@ class Dialer:
         self._where = where
         self._token = token
         self._connect_timeout = connect_timeout
-        self._lock = threading.Lock()  # guards _conn, _leases, _threads, _dialing
+        self._lock = threading.Lock()  # guards _conn, _leases, _readers, _dialing
         self._dialer = threading.Condition()  # one dialer at a time (``_dial_busy``)
         self._dial_busy = False
         self._life = CancelScope()  # cancelled by ``close``: ends every wait
         self._conn: Connection | None = None
         self._leases: set[int] = set()
-        self._threads: list[threading.Thread] = []
+        self._readers: list[Connection] = []  # whose reader threads may still run
         self._dialing: socket.socket | None = None
         self._closed = threading.Event()
         # The outage: when the server stopped answering (None while connected), whether
@@ -142,9 +142,11 @@ class Dialer:
                     conn.sock.close()
                     raise StoreError(f"the client of the store at {self._where} is closed")
                 self._conn = conn
-                self._threads = [t for t in self._threads if t.is_alive()]
-                self._threads.append(conn.thread)
-            conn.thread.start()
+                self._readers = [c for c in self._readers if c.reading]
+                self._readers.append(conn)
+                # Started under the lock: ``close`` either finds it reading, or ran
+                # before and was seen above.
+                conn.start_reading()
             return conn
         finally:
             with self._dialer:
@@ -272,18 +274,18 @@ class Dialer:
             )
 
     def close(self) -> None:
-        """Drop the connection, end every wait and join the reader threads; idempotent."""
+        """Drop the connection, end every wait and join the reader threads (within
+        ``_JOIN_TIMEOUT`` in all); idempotent."""
         self._closed.set()
         self._life.cancel("the client was closed")
         with self._lock:
-            conn, dialing, threads = self._conn, self._dialing, list(self._threads)
+            dialing, readers = self._dialing, list(self._readers)
         if dialing is not None:
             with contextlib.suppress(OSError):
                 dialing.shutdown(socket.SHUT_RDWR)
-        if conn is not None:
-            conn.abort()
-        for thread in threads:
-            join_thread(thread, _JOIN_TIMEOUT)
+        deadline = Deadline.after(_JOIN_TIMEOUT)
+        for conn in readers:
+            conn.close(deadline.remaining())
         self._life.close()
 
     def __repr__(self) -> str:

@@ -2,7 +2,10 @@
 
 A :class:`Connection` is one authenticated socket shared by every thread of a client:
 requests carry ids, callers send under a lock and wait on their own :class:`Pending`,
-and one reader thread hands each answer to its caller. Reconnecting, backoff and the
+and one reader thread hands each answer to its caller. The reader lives as long as the
+socket: it runs in the connection's own nursery, whose cancel cuts the socket, and it
+ends when the socket does (the server hung up, a caller gave up on it, or the client
+closed it). Reconnecting, backoff and the
 outage window belong to the client (:mod:`elastrun.store.tcp.client`), which dials
 with :func:`connect` and authenticates with :func:`handshake`.
 """
@@ -22,7 +25,7 @@ from typing import NamedTuple
 
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import StoreAuthError
-from elastrun.core.threads import new_thread
+from elastrun.core.threads import Nursery
 from elastrun.store.tcp import protocol as p
 
 # The client's logger: a connection is part of the client, not a component of its own.
@@ -86,8 +89,28 @@ class Connection:
         self._lock = threading.Lock()  # guards _pending, alive, and closing the socket
         self._send_lock = threading.Lock()  # one frame at a time on the wire
         self.alive = True
-        # Started by the dialer once it has published it: ``close`` must find it.
-        self.thread = new_thread(self._read_loop, name=f"elastrun-store-client {label}")
+        self._label = label
+        self._nursery = Nursery()  # the reader's: see start_reading and close
+
+    def start_reading(self) -> None:
+        """Start the reader thread (the dialer does, once it has published the
+        connection: its ``close`` must find it).
+
+        Raises:
+            RuntimeError: the connection is closed, or no thread can be started.
+        """
+        self._nursery.start(self._read_loop, name=f"elastrun-store-client {self._label}")
+
+    @property
+    def reading(self) -> bool:
+        """Whether the reader thread still runs (it may outlive the socket a while: it
+        reconnects a client that holds leases, see the dialer's ``_on_lost``)."""
+        return bool(self._nursery.running())
+
+    def close(self, timeout: float) -> bool:
+        """Cut the connection and wait up to ``timeout`` for its reader to end (pending
+        calls failed, the socket closed); whether it did. Idempotent; never raises."""
+        return not self._nursery.close("the client was closed", timeout)
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "closed"
@@ -129,15 +152,16 @@ class Connection:
                 with contextlib.suppress(OSError):
                     self.sock.shutdown(socket.SHUT_RDWR)
 
-    def _read_loop(self) -> None:
+    def _read_loop(self, scope: CancelScope) -> None:
         try:
-            while True:
-                answer = p.recv_frame(self.sock, self.max_frame, self._buf)
-                rid = answer.get("id")
-                with self._lock:
-                    pending = self._pending.pop(rid, None) if isinstance(rid, int) else None
-                if pending is not None:
-                    pending.resolve(answer)
+            with scope.wakes(self.abort):  # (the recv below ends with the socket)
+                while True:
+                    answer = p.recv_frame(self.sock, self.max_frame, self._buf)
+                    rid = answer.get("id")
+                    with self._lock:
+                        pending = self._pending.pop(rid, None) if isinstance(rid, int) else None
+                    if pending is not None:
+                        pending.resolve(answer)
         except (OSError, p.FrameError) as exc:  # ConnectionError is an OSError
             log.debug("store connection closed: %r", exc)
         finally:
