@@ -683,6 +683,22 @@ def test_close_before_start_is_harmless_and_start_after_close_refuses(loop_name:
         server.port  # noqa: B018
 
 
+def test_a_close_while_start_binds_serves_nothing_and_leaves_nothing_open() -> None:
+    # (The Python engine: its loop factory runs in start(), after the start is claimed.)
+    def closing_first() -> asyncio.AbstractEventLoop:
+        server.close()  # from another thread in life; here, between claim and bind
+        return asyncio.new_event_loop()
+
+    server = TorchWireServer("127.0.0.1", 0, loop_factory=closing_first, engine="python")
+    threads = set(threading.enumerate())
+    port = server.start()  # binds, then ends what it made at once
+    assert repr(server).startswith(f"TorchWireServer(127.0.0.1:{port}, closed")
+    assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("elastrun")]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    server.close()  # idempotent
+
+
 def test_starting_twice_is_refused(server: TorchWireServer) -> None:
     server.start()
     with pytest.raises(StoreError, match="already started"):

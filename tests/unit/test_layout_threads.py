@@ -26,9 +26,6 @@ ALLOWED: dict[str, str] = {}
 #: Places that start a thread outside a nursery (``start_thread``/``new_thread``), each
 #: for a reason; one that moves into a nursery leaves the list (checked below).
 OUTSIDE_NURSERY: dict[str, str] = {
-    "store/torchwire/server.py": "an asyncio loop's thread, stopped through its loop "
-    "(call_soon_threadsafe); close() may run in a signal handler of the thread in start(), "
-    "where cancelling a scope (it takes locks) must not run",
     "supervise/processes/relay/output.py": "its close is no stop: the relay drains every "
     "stream until it ends or a deadline passes, then ends by itself",
 }

@@ -2,7 +2,9 @@
 
 ``start()`` binds and listens in the caller's thread -- the port is known when it
 returns, and a client may connect at once (the kernel queues it until the loop runs)
--- then one daemon thread serves every connection, on one of two engines:
+-- then one daemon thread, in the server's nursery, serves every connection, on one of
+two engines (``close()`` cancels the nursery's scope, which asks the engine to stop, and
+joins the thread):
 
 * ``compiled``: ``wirecore``, the same rules in C on an epoll loop of its own, with no
   Python per request and the GIL given up while it serves. Built by the install where a
@@ -25,9 +27,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import ConfigError, StoreError
 from elastrun.core.eventloop import new_event_loop
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.threads import Nursery
 
 # The tcp store's acceptor (who may connect, within a descriptor budget) and its
 # listening helpers: one address or all of a name's, one port for all, IPv6 sockets
@@ -145,14 +148,16 @@ class TorchWireServer:
         self._host = host
         self._requested_port = port
         self._port: int | None = None
-        # Re-entrant: close() may run in a signal handler of the thread in start().
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._started = False
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._hub: Hub | None = None
-        self._thread: threading.Thread | None = None
+        # The serving thread's; close() closes it, and its scope's cancel reaches the
+        # engine (``_request_stop``) from whichever thread closes the server.
+        self._nursery = Nursery(join_timeout=CLOSE_TIMEOUT)
+        self._nursery.scope.on_cancel(self._request_stop)
 
     @property
     def host(self) -> str:
@@ -232,34 +237,39 @@ class TorchWireServer:
         return socks
 
     def _serve_from(self, target: Callable[..., None], args: tuple[object, ...]) -> int:
-        """Start the serving thread (its engine's state already published); the port."""
+        """Start the serving thread (its engine's state already published); the port.
+
+        Under the lock that close() takes first: either the thread starts before
+        close() closes the nursery, or close() came while start() bound, and what it
+        made is ended here (the engine stops at once: the request was made first).
+        """
         where = format_addr(self._host or "*", self.port)
-        thread = start_thread(target, *args, name=f"elastrun-torchwire {where}")
-        with self._lock:  # published once started: close() may join it
-            self._thread = thread
-        if self.closed:  # close() ran meanwhile: make sure the request reaches the engine
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._nursery.start(target, *args, name=f"elastrun-torchwire {where}")
+        if closed:
             self._request_stop()
-        log.debug("serving torch store clients on %s (%s engine)", where, self._engine)
+            target(self._nursery.scope, *args)
+        else:
+            log.debug("serving torch store clients on %s (%s engine)", where, self._engine)
         return self.port
 
     def close(self) -> None:
         """Stop accepting, close every connection and end the thread; never raises.
 
         Idempotent. Waits for the server thread up to ``CLOSE_TIMEOUT`` seconds (not
-        when called from that thread).
+        when called from that thread; the nursery warns of a thread that outlives it).
+        Not from a signal handler: cancelling the scope takes locks. None of ours calls
+        it there: the workers' store (``lazy``) closes it from the agent's loop, and
+        starts it on a thread of its own, where Python runs no signal handler.
         """
         with self._lock:
-            already = self._closed
             self._closed = True
-            thread = self._thread
-        if already and thread is None:
-            return
-        self._request_stop()
-        if not join_thread(thread, CLOSE_TIMEOUT):
-            log.warning("the torch store server thread did not end in %ss", CLOSE_TIMEOUT)
+        self._nursery.close("closed")
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "serving" if self._thread is not None else "new"
+        state = "closed" if self._closed else "serving" if self._nursery.running() else "new"
         where = format_addr(self._host or "*", self._port or self._requested_port)
         return (
             f"TorchWireServer({where}, {state}, keys={self.num_keys}, "
@@ -306,7 +316,7 @@ class TorchWireServer:
         return self._serve_from(self._run_compiled, (core, socks))
 
     @staticmethod
-    def _run_compiled(core: wirecore.Core, socks: list[socket.socket]) -> None:
+    def _run_compiled(scope: CancelScope, core: wirecore.Core, socks: list[socket.socket]) -> None:
         try:
             core.serve()
         except Exception:
@@ -350,12 +360,14 @@ class TorchWireServer:
 
     def _run(
         self,
+        scope: CancelScope,
         loop: asyncio.AbstractEventLoop,
         acceptor: Acceptor[Connection],
         hub: Hub,
         stop: asyncio.Event,
     ) -> None:
-        asyncio.set_event_loop(loop)
+        # (No set_event_loop: nothing here asks for the thread's loop outside of it, and
+        # a close() during start() runs this in start()'s thread, whose loop is not ours.)
         try:
             loop.run_until_complete(self._serve(acceptor, hub, stop))
         except Exception:
