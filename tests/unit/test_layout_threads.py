@@ -1,12 +1,14 @@
-"""Every thread in the package starts through ``elastrun.core.threads``, and in a
-``Nursery`` unless a listed reason says otherwise.
+"""Every thread in the package starts in an ``elastrun.core.threads.Nursery``.
 
 One place names the threads, picks the daemon flag and bounds the joins; a
 ``threading.Thread(...)`` anywhere else is a thread the next reader has to audit alone.
 The check reads the source's syntax tree, so a type annotation (``threading.Thread |
 None``) is not a start, while a subclass of ``Thread`` or ``from threading import
-Thread`` is. A thread started with ``start_thread``/``new_thread`` rather than in a
-nursery is stopped by an idiom of its owner's: each such place says why.
+Thread`` is. The helper's own thread makers (``start_thread``/``new_thread``) are not
+for use elsewhere either: a thread outside a nursery is stopped by an idiom of its
+owner's, which is what the nursery replaced (a thread whose owner waits for its result
+is ``Nursery.call``; one that ends on its own is joined by closing its nursery with a
+deadline).
 """
 
 from __future__ import annotations
@@ -23,12 +25,6 @@ HELPER = "core/threads.py"
 #: Places that start their own threads, each for a reason: none now. One added must say
 #: why, and leave the list once it uses the helper (checked below).
 ALLOWED: dict[str, str] = {}
-#: Places that start a thread outside a nursery (``start_thread``/``new_thread``), each
-#: for a reason; one that moves into a nursery leaves the list (checked below).
-OUTSIDE_NURSERY: dict[str, str] = {
-    "supervise/processes/relay/output.py": "its close is no stop: the relay drains every "
-    "stream until it ends or a deadline passes, then ends by itself",
-}
 
 
 def thread_starts(source: str, filename: str = "<source>") -> list[int]:
@@ -77,8 +73,7 @@ def _starts_by_file() -> dict[str, list[int]]:
 def test_no_thread_is_started_outside_the_helper_and_the_allow_list() -> None:
     strays = {where: lines for where, lines in _starts_by_file().items() if not _allowed(where)}
     assert strays == {}, (
-        "start threads with elastrun.core.threads.start_thread (or new_thread), not "
-        f"threading.Thread: {strays}"
+        f"start threads in an elastrun.core.threads.Nursery, not threading.Thread: {strays}"
     )
 
 
@@ -128,15 +123,12 @@ def _bypasses_by_file() -> dict[str, list[int]]:
     return found
 
 
-def test_threads_outside_a_nursery_are_only_where_a_reason_is_listed() -> None:
-    found = _bypasses_by_file()
-    strays = {where: lines for where, lines in found.items() if where not in OUTSIDE_NURSERY}
+def test_every_thread_starts_in_a_nursery() -> None:
+    strays = _bypasses_by_file()
     assert strays == {}, (
-        "start an owner's threads in an elastrun.core.threads.Nursery (or list the place "
-        f"in OUTSIDE_NURSERY with the reason): {strays}"
+        "start an owner's threads in an elastrun.core.threads.Nursery (start, or call "
+        f"for a thread whose result the owner waits for): {strays}"
     )
-    stale = [where for where in OUTSIDE_NURSERY if where not in found]
-    assert stale == [], f"these places use a nursery now; drop them from OUTSIDE_NURSERY: {stale}"
 
 
 def test_the_nursery_check_sees_calls_by_name_and_by_attribute() -> None:

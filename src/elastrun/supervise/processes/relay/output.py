@@ -12,8 +12,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import ElastrunError
-from elastrun.core.threads import join_thread, start_thread
+from elastrun.core.threads import Nursery
 from elastrun.core.waker import Waker
 from elastrun.supervise.processes.logs import LogsDest, Std, describe_os_error
 from elastrun.supervise.processes.relay.console import FD_CONSOLE, Console
@@ -72,7 +73,12 @@ class OutputRelay:
         self._filtered: dict[str, Sink | None] = {}
         self._lock = threading.Lock()
         self._pending: list[Stream] = []
-        self._thread: threading.Thread | None = None
+        # The relay thread's. Its close is no stop: the thread drains every stream until
+        # it ends or close()'s deadline passes, then ends by itself (it leaves the scope
+        # aside), so closing the nursery is only its join, bounded by that deadline.
+        self._nursery = Nursery()
+        self._started = False
+        # Wakes the thread for new streams, and at close() for its deadline.
         self._waker: Waker | None = None
         self._close_at: float | None = None  # monotonic; set once by close()
         self._n_streams = 0
@@ -142,7 +148,7 @@ class OutputRelay:
                     )
                     for kind, bit, files, tees in _streams_of(dest)
                 ]
-                if new_streams and self._thread is None:
+                if new_streams and not self._started:
                     self._start_thread()
             except BaseException:
                 _release(child_fds, new_streams)
@@ -279,12 +285,12 @@ class OutputRelay:
     def _start_thread(self) -> None:
         self._waker = Waker()
         try:
-            self._thread = start_thread(self._run, name="elastrun-output-relay")
+            self._nursery.start(self._run, name="elastrun-output-relay")
         except BaseException:
             self._waker.close()
             self._waker = None
-            self._thread = None
             raise
+        self._started = True
 
     # ---------------------------------------------------------------- closing
     def close(self, timeout: float = 5.0) -> None:
@@ -300,17 +306,14 @@ class OutputRelay:
                 if self._close_at is None:
                     self._close_at = time.monotonic() + max(0.0, timeout)
                 close_at = self._close_at
-                thread = self._thread
-                if thread is None:
+                if not self._started:
                     self._close_filtered()
                     return
                 if self._waker is not None:
                     self._waker.wake()
-            if not join_thread(thread, max(0.0, close_at - time.monotonic()) + _JOIN_GRACE):
-                logger.warning(
-                    "output relay did not stop in time (blocked writing to the console?); "
-                    "leaving it to finish on its own"
-                )
+            # A thread still running after it is left to finish on its own (blocked
+            # writing to the console?); the nursery says so.
+            self._nursery.close("closed", max(0.0, close_at - time.monotonic()) + _JOIN_GRACE)
         except Exception:
             logger.exception("error while closing the output relay")
 
@@ -320,7 +323,7 @@ class OutputRelay:
                 sink.close()
 
     # ------------------------------------------------------------ the thread
-    def _run(self) -> None:
+    def _run(self, _scope: CancelScope) -> None:  # (it ends by itself: see __init__)
         waker = self._waker
         if waker is None:  # cannot happen: set before the thread starts
             return
@@ -448,11 +451,10 @@ class OutputRelay:
                 )
 
     def __repr__(self) -> str:
-        thread = self._thread
         state = "closing" if self._close_at is not None else "open"
         return (
             f"OutputRelay({state}, streams={self._n_streams}, "
-            f"thread={'alive' if thread is not None and thread.is_alive() else 'none'})"
+            f"thread={'alive' if self._nursery.running() else 'none'})"
         )
 
 
