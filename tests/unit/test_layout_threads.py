@@ -4,11 +4,11 @@ One place names the threads, picks the daemon flag and bounds the joins; a
 ``threading.Thread(...)`` anywhere else is a thread the next reader has to audit alone.
 The check reads the source's syntax tree, so a type annotation (``threading.Thread |
 None``) is not a start, while a subclass of ``Thread`` or ``from threading import
-Thread`` is. The helper's own thread makers (``start_thread``/``new_thread``) are not
-for use elsewhere either: a thread outside a nursery is stopped by an idiom of its
-owner's, which is what the nursery replaced (a thread whose owner waits for its result
-is ``Nursery.call``; one that ends on its own is joined by closing its nursery with a
-deadline).
+Thread`` is. The helper's thread makers outside a nursery (``start_thread``,
+``new_thread``) went: such a thread was stopped by an idiom of its owner's, which is
+what the nursery replaced (a thread whose owner waits for its result is
+``Nursery.call``; one that ends on its own is joined by closing its nursery with a
+deadline). The second check keeps them from coming back under those names.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""core.threads: named daemon threads by default, a join that is bounded and safe, and
-nurseries that stop and join their threads."""
+"""core.threads: nurseries that start named daemon threads by default, stop and join
+them, and hand a call's result to its waiter; a join that is bounded and safe."""
 
 from __future__ import annotations
 
@@ -8,35 +8,27 @@ import threading
 import pytest
 
 from elastrun.core.cancel import Cancelled, CancelScope, current
-from elastrun.core.threads import Nursery, join_thread, new_thread, start_thread
+from elastrun.core.threads import Nursery, join_thread
 
 
-def test_a_started_thread_is_named_a_daemon_by_default_and_gets_its_arguments() -> None:
+def test_a_nursery_thread_is_named_a_daemon_by_default_and_gets_its_arguments() -> None:
     got: list[tuple[object, ...]] = []
-    thread = start_thread(lambda *args: got.append(args), 1, "two", name="elastrun-test")
-    assert join_thread(thread, 5.0)
-    assert (thread.name, thread.daemon, got) == ("elastrun-test", True, [(1, "two")])
+    with Nursery() as nursery:
+        thread = nursery.start(lambda scope, *args: got.append(args), 1, "two", name="elastrun-t")
+        assert join_thread(thread, 5.0)
+    assert (thread.name, thread.daemon, got) == ("elastrun-t", True, [(1, "two")])
 
 
 def test_the_owner_may_ask_for_a_thread_that_keeps_the_process_alive() -> None:
-    thread = start_thread(lambda: None, name="elastrun-test", daemon=False)
-    assert join_thread(thread, 5.0)
-    assert not thread.daemon
-
-
-def test_a_new_thread_is_not_started_until_its_owner_starts_it() -> None:
-    ran = threading.Event()
-    thread = new_thread(ran.set, name="elastrun-test")
-    assert (thread.ident, thread.name, thread.daemon) == (None, "elastrun-test", True)
-    assert join_thread(thread, 5.0)  # nothing to wait for, and no RuntimeError
-    assert not ran.is_set()
-    thread.start()
-    assert join_thread(thread, 5.0) and ran.is_set()
+    with Nursery() as nursery:
+        thread = nursery.start(lambda scope: None, name="elastrun-test", daemon=False)
+    assert not thread.is_alive() and not thread.daemon
 
 
 def test_joining_a_thread_that_does_not_end_gives_up_at_the_bound_and_says_so() -> None:
     release = threading.Event()
-    thread = start_thread(release.wait, name="elastrun-test")
+    thread = threading.Thread(target=release.wait, name="elastrun-test", daemon=True)
+    thread.start()
     try:
         assert not join_thread(thread, 0.01)
         assert thread.is_alive()
@@ -48,7 +40,8 @@ def test_joining_a_thread_that_does_not_end_gives_up_at_the_bound_and_says_so() 
 def test_there_is_nothing_to_wait_for_without_a_thread_or_from_the_thread_itself() -> None:
     assert join_thread(None, 0.0)
     answers: list[bool] = []
-    thread = new_thread(lambda: answers.append(join_thread(thread, None)), name="elastrun-test")
+    thread = threading.Thread(target=lambda: answers.append(join_thread(thread, None)))
+    assert join_thread(thread, 5.0)  # never started: nothing to wait for, no RuntimeError
     thread.start()
     assert join_thread(thread, 5.0)
     assert answers == [True]

@@ -38,35 +38,11 @@ from typing import Generic, TypeVar, TypeVarTuple
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Deadline
 
-__all__ = ["Call", "Nursery", "join_thread", "new_thread", "start_thread"]
+__all__ = ["Call", "Nursery", "join_thread"]
 
 log = logging.getLogger("elastrun.threads")
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
-
-
-def new_thread(
-    target: Callable[..., object], *args: object, name: str, daemon: bool = True
-) -> threading.Thread:
-    """A thread that will run ``target(*args)``, not yet started.
-
-    For an owner that must publish the thread before it runs (so that closing, on
-    another thread, can find it); everyone else calls :func:`start_thread`.
-    """
-    return threading.Thread(target=target, args=args, name=name, daemon=daemon)
-
-
-def start_thread(
-    target: Callable[..., object], *args: object, name: str, daemon: bool = True
-) -> threading.Thread:
-    """Start ``target(*args)`` on a thread called ``name``; the thread, started.
-
-    Raises:
-        RuntimeError: the process cannot start another thread.
-    """
-    thread = new_thread(target, *args, name=name, daemon=daemon)
-    thread.start()
-    return thread
 
 
 def join_thread(thread: threading.Thread | None, timeout: float | None) -> bool:
@@ -117,7 +93,10 @@ class Nursery:
             if self._closed:
                 raise RuntimeError(f"cannot start {name}: its nursery is closed")
             self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
-            thread = new_thread(self._run, target, args, name=name, daemon=daemon)
+            # (The one threading.Thread of the package: tests/unit/test_layout_threads.py.)
+            thread = threading.Thread(
+                target=self._run, args=(target, args), name=name, daemon=daemon
+            )
             self._threads.append(thread)
         thread.start()
         return thread
