@@ -132,7 +132,8 @@ class NodeServer:
         if self._server is None:
             server = _Server((self._addr, 0), self)
             self._server = server
-            self._nursery = Nursery(join_timeout=5.0)  # (a closed one does not open again)
+            if self._nursery.closed:  # (started again after close: a closed one stays shut)
+                self._nursery = Nursery(join_timeout=5.0)
             self._nursery.start(serve_until_cancelled, server, name="elastrun-checkpoint-serve")
         port = self.port
         assert port is not None

@@ -39,7 +39,6 @@ class Channel:
         #: Called from the reading thread with each round newer than any before it.
         self.on_round: Callable[[dict[str, Any]], object] | None = None
         self._nursery = Nursery(join_timeout=5)
-        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_env(cls) -> Channel | None:
@@ -57,9 +56,10 @@ class Channel:
         return cls(sock, int(os.environ.get("LOCAL_RANK", "0")))
 
     def start(self) -> None:
-        """Start reading the agent's messages (a daemon thread). Idempotent."""
-        if self._thread is None and not self._nursery.closed:
-            self._thread = self._nursery.start(self._read, name="elastrun-inprocess-channel")
+        """Start reading the agent's messages (a daemon thread), unless it reads already,
+        the agent ended the channel, or it is closed. Idempotent."""
+        if not (self._ended or self._nursery.closed or self._nursery.running()):
+            self._nursery.start(self._read, name="elastrun-inprocess-channel")
 
     def send(self, op: str, **fields: Any) -> None:
         try:
