@@ -685,11 +685,14 @@ def test_close_before_start_is_harmless_and_start_after_close_refuses(loop_name:
 
 def test_a_close_while_start_binds_serves_nothing_and_leaves_nothing_open() -> None:
     # (The Python engine: its loop factory runs in start(), after the start is claimed.)
+    made: list[TorchWireServer] = []
+
     def closing_first() -> asyncio.AbstractEventLoop:
-        server.close()  # from another thread in life; here, between claim and bind
+        made[0].close()  # from another thread in life; here, between claim and bind
         return asyncio.new_event_loop()
 
     server = TorchWireServer("127.0.0.1", 0, loop_factory=closing_first, engine="python")
+    made.append(server)
     threads = set(threading.enumerate())
     port = server.start()  # binds, then ends what it made at once
     assert repr(server).startswith(f"TorchWireServer(127.0.0.1:{port}, closed")
