@@ -1,20 +1,19 @@
 """Joining a round: the rendezvous, this node's launch plan for it, the workers' store.
 
-``Rounds.join`` waits for the next round (the wait ends on a signal), records the round
-in the worker group, plans this node's workers, starts the round's progress exchange and
-serves the workers' bootstrap store when this node is to. Starting the workers is the
-loop's next step.
+``Rounds.join`` waits for the next round (the wait ends on a signal), has the round
+recorded in the worker group and this node's workers planned (``RoundPlanner``,
+agent.planner), starts the round's progress exchange and serves the workers' bootstrap
+store when this node is to. Starting the workers is the loop's next step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from elastrun.agent.bootstrap_store import BootstrapStore
-from elastrun.agent.plan import LaunchPlan, RoundFacts, WorkerServices, node_slots, round_plan
-from elastrun.agent.policy import RestartBudget
+from elastrun.agent.plan import LaunchPlan
+from elastrun.agent.planner import RoundPlanner
 from elastrun.agent.report import AgentReport
-from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.core.clock import Clock
 from elastrun.core.interrupt import Interruptible
 from elastrun.pace.agent.step_watch import PaceWatch
@@ -28,10 +27,7 @@ class Rounds:
     Args:
         handler: the rendezvous handler.
         rdzv: its elastic view (``next_round`` waits in the shutdown scope).
-        spec, group: what runs, and the worker group the round is recorded in.
-        budget: the restart budget (its counts go into every worker's environment).
-        environ, python: the agent's environment and interpreter (for the plan).
-        services: what the agent provides every worker (its variables are planned too).
+        planner: records each round in the worker group and plans this node's workers.
         pace: the straggler watch (it exchanges step times through the round's store).
         report: reports the rendezvous.
         interruptible: runs the rendezvous wait so that a signal ends it.
@@ -45,13 +41,8 @@ class Rounds:
         self,
         handler: RendezvousHandler,
         rdzv: ElasticRendezvous,
-        spec: WorkerSpec,
-        group: WorkerGroup,
+        planner: RoundPlanner,
         *,
-        budget: RestartBudget,
-        environ: Mapping[str, str],
-        python: str,
-        services: WorkerServices,
         pace: PaceWatch,
         report: AgentReport,
         interruptible: Interruptible,
@@ -60,12 +51,7 @@ class Rounds:
     ) -> None:
         self._handler = handler
         self._rdzv = rdzv
-        self._spec = spec
-        self._group = group
-        self._budget = budget
-        self._environ = environ
-        self._python = python
-        self._services = services
+        self._planner = planner
         self._pace = pace
         self._report = report
         self._interruptible = interruptible
@@ -86,7 +72,7 @@ class Rounds:
         t0 = self._clock.monotonic()
         info = self._interruptible(self._rdzv.next_round, "rendezvous")
         rdzv_ms = (self._clock.monotonic() - t0) * 1000
-        plan = self._plan(info)
+        plan = self._planner.plan(info)
         self._pace.start_round(
             info.store, self._handler.get_run_id(), info.round, info.rank, info.world_size
         )
@@ -105,39 +91,5 @@ class Rounds:
         """Stop serving the current round's workers' store, if this node serves it."""
         self._bootstrap_store.close()
 
-    def _plan(self, info: RendezvousInfo) -> LaunchPlan:
-        spec = self._spec
-        group = self._group
-        group.group_rank = info.rank
-        group.group_world_size = info.world_size
-        group.store = info.store
-        group.master_addr = spec.master_addr or info.bootstrap_store_info.master_addr
-        group.master_port = spec.master_port or info.bootstrap_store_info.master_port
-        facts = RoundFacts(
-            run_id=self._handler.get_run_id(),
-            round=info.round,
-            group_rank=info.rank,
-            group_world_size=info.world_size,
-            master_addr=group.master_addr,
-            master_port=group.master_port,
-            restart_count=self._budget.used(),
-            max_restarts=self._budget.limit,
-            # The workers bootstrap from a store the agents host with elastrun's own
-            # handlers: every node's workers use it; only rank 0's agent serves it.
-            use_agent_store=self._handler.use_agent_store
-            or self._handler.agent_hosts_bootstrap_store,
-        )
-        return round_plan(
-            facts,
-            spec,
-            node_slots(info, spec.role, spec.local_world_size),
-            base_env=self._environ,
-            python=self._python,
-            services=self._services,
-        )
-
     def __repr__(self) -> str:
-        return (
-            f"Rounds(run_id={self._handler.get_run_id()!r}, "
-            f"group_rank={self._group.group_rank}, store={self._bootstrap_store!r})"
-        )
+        return f"Rounds(planner={self._planner!r}, store={self._bootstrap_store!r})"

@@ -2,47 +2,34 @@
 rank's worker, and stopping them.
 
 ``WorkerProcesses`` is the one place that turns a launch plan into running processes
-(and back): per attempt it computes the setup once (environments, CPUs, log
-destinations, relay, starter), starts the workers of every local rank together (all or
-none: see ``supervise.processes.group``), records which process
-serves which local rank (the ``ProcessSet`` keyed by local rank, the worker group's ids,
-``workers.json`` for ``elastrun stacks``) and stops the attempt with the one shutdown
-ladder.
+(and back): per attempt it has the setup computed once (environments, CPUs, log
+destinations, relay, starter: ``AttemptSetups``, agent.setups), starts the workers of
+every local rank together (all or none: see ``supervise.processes.group``), records
+which process serves which local rank (the ``ProcessSet`` keyed by local rank, the
+worker group's ids, ``workers.json`` for ``elastrun stacks``) and stops the attempt with
+the one shutdown ladder.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from typing import Protocol
 
 from elastrun.agent.attempt import Attempt, AttemptSetup
-from elastrun.agent.plan import LaunchPlan, resolve_env, stacks_file_beside
-from elastrun.agent.spec import WorkerGroup, WorkerSpec
-from elastrun.agent.watches import FileTimer
+from elastrun.agent.plan import LaunchPlan
+from elastrun.agent.setups import AttemptSetups
+from elastrun.agent.spec import WorkerGroup
 from elastrun.core.clock import Clock
 from elastrun.core.procinfo import process_start_time
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.observe.sinks import MetricSink
-from elastrun.pace.agent.stall_watch import ProgressWatch
-from elastrun.supervise.processes.group import GroupMember, start_group, start_worker
-from elastrun.supervise.processes.logs import LogsSpecs, format_line_prefix, reify_or_console
-from elastrun.supervise.processes.numa import binding_cpus, numa_options_from
+from elastrun.supervise.processes.group import start_group, start_worker
 from elastrun.supervise.processes.procset import ProcessSet
-from elastrun.supervise.processes.relay import Console, OutputRelay, WorkerStdio
-from elastrun.supervise.processes.spawn import (
-    ForkStarter,
-    FunctionCall,
-    ProcessSpec,
-    ProcessStarter,
-    SubprocessStarter,
-    WorkerProcess,
-)
+from elastrun.supervise.processes.spawn import WorkerProcess
 from elastrun.wire import workers as workers_file
-from elastrun.wire.env import ERROR_FILE_ENV, STACKS_FILE_ENV, TIMER_FILE_ENV
+from elastrun.wire.env import STACKS_FILE_ENV
 
 log = logging.getLogger("elastrun.agent")
 
@@ -65,18 +52,9 @@ class WorkerProcesses:
     """Starts and stops the worker processes of the agent's attempts.
 
     Args:
-        spec: what to run (local world size, NUMA options, duplicate filters).
         group: the worker group whose workers' ids and ranks are kept current.
-        logs: where worker output and error files go.
-        start_method: ``fork`` runs function workers in a fork, else a fresh interpreter.
-        prefix_template: template for tee'd lines (see ``format_line_prefix``).
-        console: where tee'd lines are shown (its sinks are made at each attempt).
-        starter: the injected process starter (None: chosen per plan).
-        environ: the agent's environment, under every worker's own variables.
-        python: the interpreter of subprocess workers.
+        setups: what each attempt's workers are started from.
         guard: told of every worker's process group.
-        file_timer: the expiration-timer watchdog, if on (its variables go to workers).
-        progress: the progress board (its variables go to workers).
         shutdown: the agent's stop request (a second one cuts a stop's grace short:
             its ``grace`` scope).
         shutdown_timeout: grace between the stop signal and SIGKILL.
@@ -85,43 +63,22 @@ class WorkerProcesses:
 
     def __init__(
         self,
-        spec: WorkerSpec,
         group: WorkerGroup,
-        logs: LogsSpecs,
+        setups: AttemptSetups,
         *,
-        start_method: str,
-        prefix_template: str | None,
-        console: Console,
-        starter: ProcessStarter | None,
-        environ: Mapping[str, str],
-        python: str,
         guard: Guard,
-        file_timer: FileTimer | None,
-        progress: ProgressWatch,
         shutdown: ShutdownRequest,
         shutdown_timeout: float,
         clock: Clock,
         metrics: MetricSink,
     ) -> None:
-        self._spec = spec
         self._group = group
-        self._logs = logs
-        self._start_method = start_method
-        self._prefix_template = prefix_template
-        self._console = console
-        self._starter = starter
-        self._environ = environ
-        self._python = python
+        self._setups = setups
         self._guard = guard
-        self._file_timer = file_timer
-        self._progress = progress
         self._shutdown = shutdown
         self._shutdown_timeout = shutdown_timeout
         self._clock = clock
         self._metrics = metrics
-        self._numa = numa_options_from(spec.numa_options)
-        self._return_dir: str | None = None  # function workers' return values
-        self._provided: dict[str, str] = {}
 
     # -- starting --------------------------------------------------------------------
 
@@ -130,8 +87,8 @@ class WorkerProcesses:
 
         Raises whatever a start raises, after killing the workers already started.
         """
-        setup = self._setup(plan, number)
-        members = [self._member(setup, w.local_rank) for w in plan.workers]
+        setup = self._setups.setup(plan, number)
+        members = [self._setups.member(setup, w.local_rank) for w in plan.workers]
         try:
             procs = start_group(setup.starter, setup.relay, setup.dest, members)
         except BaseException:
@@ -156,21 +113,8 @@ class WorkerProcesses:
         the attempt's relay); the guard and the worker group are not told.
         ``replacing``: the rank's previous worker of this attempt exited (in-process
         recovery): its log files are added to, not started anew."""
-        member = self._member(setup, local_rank, append=replacing)
+        member = self._setups.member(setup, local_rank, append=replacing)
         return start_worker(setup.starter, setup.relay, setup.dest, member)
-
-    def _member(self, setup: AttemptSetup, local_rank: int, append: bool = False) -> GroupMember:
-        w = setup.plan.workers[local_rank]
-        shown = self._logs.local_ranks_filter
-        return GroupMember(
-            local_rank,
-            prefix=format_line_prefix(
-                self._prefix_template, setup.plan.role, w.ranks.global_rank, local_rank
-            ),
-            show_on_console=shown is None or local_rank in shown,
-            make_spec=lambda stdio: self._process_spec(setup, local_rank, stdio),
-            append=append,
-        )
 
     def replace_worker(self, attempt: Attempt, setup: AttemptSetup, local_rank: int) -> int:
         """Start a new worker for ``local_rank``, whose worker of ``attempt`` exited, from
@@ -185,69 +129,10 @@ class WorkerProcesses:
         _write_workers_file(setup.envs, list(attempt.procs.processes.values()))
         return proc.pid
 
-    def _setup(self, plan: LaunchPlan, number: int) -> AttemptSetup:
-        """Everything the attempt's workers need, before the first one starts (a NUMA
-        binding that cannot be made fails here, with nothing started)."""
-        envs = self._worker_envs(plan)
-        lws = self._spec.local_world_size
-        cpus = {w.local_rank: binding_cpus(self._numa, w.local_rank, lws) for w in plan.workers}
-        # A log directory that fails now (full disk, removed) must not end the agent.
-        # The logs specs fill in TORCHELASTIC_ERROR_FILE themselves (torch's LogsSpecs
-        # protocol: ``reify`` writes into the environments it is given).
-        dest = reify_or_console(self._logs, envs)
-        for w in plan.workers:
-            stacks = stacks_file_beside(envs[w.local_rank].get(ERROR_FILE_ENV, ""))
-            if stacks is not None and STACKS_FILE_ENV in w.runtime:
-                envs[w.local_rank][STACKS_FILE_ENV] = stacks
-        relay = OutputRelay(
-            console=self._console,
-            filtered_stdout=dest.filtered_stdout,
-            filtered_stderr=dest.filtered_stderr,
-            stdout_filters=self._spec.duplicate_stdout_filters or (),
-            stderr_filters=self._spec.duplicate_stderr_filters or (),
-        )
-        return AttemptSetup(number, plan, envs, cpus, dest, relay, self._starter_for(plan))
-
     def provide(self, values: Mapping[str, str]) -> None:
         """Values of run-time variables that the agent's other parts hold (the in-process
         recovery socket), for every later attempt's workers that the plan names them for."""
-        self._provided.update(values)
-
-    def _starter_for(self, plan: LaunchPlan) -> ProcessStarter:
-        if self._starter is not None:
-            return self._starter
-        if plan.function is not None and self._start_method == "fork":
-            return ForkStarter()
-        return SubprocessStarter(self._python)
-
-    def _worker_envs(self, plan: LaunchPlan) -> dict[int, dict[str, str]]:
-        """Each worker's environment before its log directory is made: the plan applied
-        over the agent's environment, with the values of its run-time variables that the
-        file timer, the progress board and :meth:`provide` hold."""
-        provided = dict(self._provided)
-        if self._file_timer is not None:
-            provided[TIMER_FILE_ENV] = self._file_timer.start(plan.facts.run_id)
-        slots = self._progress.worker_values(w.local_rank for w in plan.workers)
-        return {
-            w.local_rank: resolve_env(self._environ, w, {**provided, **slots.get(w.local_rank, {})})
-            for w in plan.workers
-        }
-
-    def _process_spec(
-        self, setup: AttemptSetup, local_rank: int, stdio: WorkerStdio
-    ) -> ProcessSpec:
-        plan = setup.plan
-        env = setup.envs[local_rank]
-        cpus = setup.cpus[local_rank]
-        out, err = stdio.stdout_fd, stdio.stderr_fd
-        if plan.function is None:
-            argv = plan.workers[local_rank].argv
-            return ProcessSpec(local_rank, env, argv=argv, stdout_fd=out, stderr_fd=err, cpus=cpus)
-        if self._return_dir is None:
-            self._return_dir = tempfile.mkdtemp(prefix="elastrun-ret-")
-        ret = os.path.join(self._return_dir, f"a{setup.number}_r{local_rank}.pkl")
-        call = FunctionCall(plan.function, plan.workers[local_rank].args, ret)
-        return ProcessSpec(local_rank, env, call=call, stdout_fd=out, stderr_fd=err, cpus=cpus)
+        self._setups.provide(values)
 
     def update_ranks(self, plan: LaunchPlan) -> None:
         """Record the plan's ranks in the worker group (a new attempt, or an in-process
@@ -284,13 +169,12 @@ class WorkerProcesses:
 
     def close(self) -> None:
         """Remove the function workers' return values (after the last attempt)."""
-        if self._return_dir:
-            shutil.rmtree(self._return_dir, ignore_errors=True)
+        self._setups.close()
 
     def __repr__(self) -> str:
         return (
-            f"WorkerProcesses(local_world_size={self._spec.local_world_size}, "
-            f"start_method={self._start_method!r}, starter={self._starter!r})"
+            f"WorkerProcesses(local_world_size={self._group.spec.local_world_size}, "
+            f"setups={self._setups!r})"
         )
 
 

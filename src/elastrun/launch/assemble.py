@@ -3,14 +3,18 @@
 ``assemble`` builds the parts the loop (agent.loop) works with (``AgentParts``,
 agent.parts), once, from the frozen ``AgentOptions`` (agent.options) and the injected
 ``World`` (agent.parts: clock, process starter, sinks...; production defaults where a
-field is None): the worker processes
-(agent.workers), the rounds (agent.rounds), the recovery ladder (agent.ladder: its
+field is None): the worker processes (agent.workers, started from agent.setups), the
+rounds (agent.rounds, planned by agent.planner), the recovery ladder (agent.ladder: its
 rungs in agent.rungs and inprocess.agent.rung), the watches (agent.watches,
-pace.agent.stall_watch, pace.agent.step_watch), the report, the node's memory checkpoints
-(checkpoint.agent: their directory, the workers' reports in it, and their copies on
-another node, told of each round) and the one state
-machine (agent.phases). The parts know nothing of the loop: none is handed it, and none
-calls back into it.
+pace.agent.stall_watch, pace.agent.step_watch), the report, the node's memory
+checkpoints (checkpoint.agent: their directory, the workers' reports in it, and their
+copies on another node, told of each round) and the one state machine (agent.phases).
+The parts know nothing of the loop: none is handed it, and none calls back into it.
+
+The settings the parts read are taken from the options here, once, into frozen values:
+the workers' interpreter and environment (``WorkerInterpreter``, for the workers, their
+plans and the node check), how workers start (``WorkerSettings``) and the in-process
+recovery's bounds (``RecoveryBounds``).
 
 It lives in the launch layer, above the agent and the recovery strategies it composes
 (in-process recovery's agent side uses the agent's parts), so that neither imports the
@@ -30,10 +34,12 @@ from elastrun.agent.options import AgentOptions
 from elastrun.agent.parts import AgentParts, World
 from elastrun.agent.phases import Lifecycle
 from elastrun.agent.plan import LaunchPlan, WorkerServices
+from elastrun.agent.planner import RoundPlanner
 from elastrun.agent.policy import RestartAll, RestartBudget, default_budget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.rounds import Rounds
 from elastrun.agent.rungs import BudgetRung, CrashLoopRung, GroupRestartRung, StallRung
+from elastrun.agent.setups import AttemptSetups, WorkerSettings
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
 from elastrun.agent.watches import AttemptWatches
 from elastrun.agent.workers import Guard, WorkerProcesses
@@ -43,6 +49,7 @@ from elastrun.checkpoint.agent.reports import CheckpointReports
 from elastrun.core.clock import Clock
 from elastrun.core.interrupt import Interruptible
 from elastrun.core.shutdown import ShutdownRequest
+from elastrun.inprocess.agent.bounds import RecoveryBounds
 from elastrun.inprocess.agent.recovery import InprocessRecovery
 from elastrun.inprocess.agent.rung import InPlaceRung
 from elastrun.inprocess.agent.steps import InprocessSteps
@@ -54,6 +61,7 @@ from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo
 from elastrun.rendezvous.elastic import ElasticRendezvous, as_elastic
 from elastrun.rendezvous.local import LocalRendezvousHandler
 from elastrun.supervise.processes.guard import OrphanGuard
+from elastrun.supervise.processes.interpreter import WorkerInterpreter
 from elastrun.supervise.processes.logs import DefaultLogsSpecs, LogsSpecs
 
 __all__ = ["assemble"]
@@ -76,24 +84,24 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     interruptible = Interruptible(shutdown)
     host = options.hostname or socket.getfqdn()
     logs = world.logs if world.logs is not None else DefaultLogsSpecs()
+    interpreter = WorkerInterpreter(options.python, options.environ)
     guard: Guard = (
         world.guard if world.guard is not None else OrphanGuard(options.python, options.environ)
     )
-    workers = _workers(spec, group, logs, options, world, guard, progress, shutdown, metrics)
+    workers = _workers(group, logs, options, world, interpreter, guard, progress, shutdown, metrics)
     checkpoints, checkpoint_reports = _checkpoints(world, guard, events, metrics)
     copies = NodeCopies(checkpoints, rdzv.store_seat, events, metrics)
     rounds = _rounds(
-        handler, rdzv, spec, group, options, world, budget, pace, report, interruptible,
-        _round_part(copies),
+        handler, rdzv, group, budget, interpreter, options, world, pace=pace, report=report,
+        interruptible=interruptible, on_round=_round_part(copies),
     )  # fmt: skip
     notices = Notices()
     inprocess = _inprocess(
         workers, rounds, options, world.clock, events, metrics, notices, rdzv.loss_bound
     )
     nodecheck = NodeCheck(
-        rdzv, rdzv.exclusions, options.node_check, python=options.python, environ=options.environ,
-        interruptible=interruptible, events=events, metrics=metrics, clock=world.clock,
-        host=host,
+        rdzv, options.node_check, interpreter=interpreter, interruptible=interruptible,
+        events=events, metrics=metrics, clock=world.clock, host=host,
     )  # fmt: skip
     ladder = _ladder(
         options, world, inprocess, handler, rdzv,
@@ -180,30 +188,28 @@ def _round_part(copies: NodeCopies) -> Callable[[RendezvousInfo, LaunchPlan], No
 
 
 def _workers(
-    spec: WorkerSpec,
     group: WorkerGroup,
     logs: LogsSpecs,
     options: AgentOptions,
     world: World,
+    interpreter: WorkerInterpreter,
     guard: Guard,
     progress: ProgressWatch,
     shutdown: ShutdownRequest,
     metrics: MetricSink,
 ) -> WorkerProcesses:
-    """What starts and stops each attempt's worker processes."""
+    """What starts and stops each attempt's worker processes, and what they are started
+    from."""
+    settings = WorkerSettings(
+        interpreter, options.start_method, prefix_template=options.log_line_prefix_template
+    )
+    setups = AttemptSetups(
+        group.spec, settings, logs, world.console, world.starter, world.file_timer, progress
+    )
     return WorkerProcesses(
-        spec,
         group,
-        logs,
-        start_method=options.start_method,
-        prefix_template=options.log_line_prefix_template,
-        console=world.console,
-        starter=world.starter,
-        environ=options.environ,
-        python=options.python,
+        setups,
         guard=guard,
-        file_timer=world.file_timer,
-        progress=progress,
         shutdown=shutdown,
         shutdown_timeout=options.shutdown_timeout,
         clock=world.clock,
@@ -214,11 +220,12 @@ def _workers(
 def _rounds(
     handler: RendezvousHandler,
     rdzv: ElasticRendezvous,
-    spec: WorkerSpec,
     group: WorkerGroup,
+    budget: RestartBudget,
+    interpreter: WorkerInterpreter,
     options: AgentOptions,
     world: World,
-    budget: RestartBudget,
+    *,
     pace: PaceWatch,
     report: AgentReport,
     interruptible: Interruptible,
@@ -226,15 +233,11 @@ def _rounds(
 ) -> Rounds:
     """The rendezvous rounds this node joins, and how each becomes a plan."""
     services = WorkerServices.of(options, file_timer=world.file_timer is not None)
+    planner = RoundPlanner(handler, group, budget, interpreter, services)
     return Rounds(
         handler,
         rdzv,
-        spec,
-        group,
-        budget=budget,
-        environ=options.environ,
-        python=options.python,
-        services=services,
+        planner,
         pace=pace,
         report=report,
         interruptible=interruptible,
@@ -272,6 +275,11 @@ def _inprocess(
 ) -> InprocessRecovery:
     """The in-process recovery: replacements started by ``workers``, the workers' store
     of ``rounds`` re-hosted per in-process round (``loss_bound``: the rendezvous')."""
+    bounds = RecoveryBounds(
+        timeout=options.inprocess_timeout,
+        join_timeout=options.inprocess_join_timeout,
+        loss_bound=loss_bound,
+    )
     return InprocessRecovery(
         workers=workers,
         store=rounds.bootstrap_store,
@@ -279,7 +287,5 @@ def _inprocess(
         metrics=metrics,
         clock=clock,
         wake=notices.post,  # (the hub wakes the loop on every worker message)
-        timeout=options.inprocess_timeout,
-        join_timeout=options.inprocess_join_timeout,
-        loss_bound=loss_bound,
+        bounds=bounds,
     )

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 from elastrun.agent.attempt import Attempt, AttemptSetup
 from elastrun.agent.bootstrap_store import BootstrapStore
-from elastrun.agent.options import DEFAULT_INPROCESS_JOIN_TIMEOUT, DEFAULT_INPROCESS_TIMEOUT
 from elastrun.agent.plan import LaunchPlan
 from elastrun.agent.workers import WorkerProcesses
 from elastrun.core.clock import Clock
@@ -41,6 +40,7 @@ from elastrun.inprocess.agent.answer import (
     hold,
     hold_ends_in,
 )
+from elastrun.inprocess.agent.bounds import RecoveryBounds
 from elastrun.inprocess.agent.holders import COMMIT_LOST, STATE_LOST, holding
 from elastrun.inprocess.agent.hub import InprocessHub
 from elastrun.inprocess.agent.stuck import end_stuck
@@ -88,11 +88,8 @@ class InprocessRecovery:
         events, metrics: where the recovery is recorded.
         clock: the agent's.
         wake: wakes the agent loop (the hub calls it on every worker message).
-        timeout: the bound on a round's synchronisation.
-        join_timeout: the bound on a kept worker's reaching a round (then it is stuck).
-        answer_hold: the longest "no peer failed" is held back for news of a failure
-            in flight (see ``inprocess.agent.answer``), alone in the round.
-        loss_bound: the rendezvous' ``loss_bound`` (with other nodes, the hold covers it).
+        bounds: how long a round may take, a kept worker may take to reach it, and "no
+            peer failed" is held back.
     """
 
     def __init__(
@@ -104,10 +101,7 @@ class InprocessRecovery:
         metrics: MetricSink,
         clock: Clock,
         wake: Callable[[], None],
-        timeout: float = DEFAULT_INPROCESS_TIMEOUT,
-        join_timeout: float = DEFAULT_INPROCESS_JOIN_TIMEOUT,
-        answer_hold: float = wire.ANSWER_HOLD,
-        loss_bound: float = 0.0,
+        bounds: RecoveryBounds,
     ) -> None:
         self._workers = workers
         self._store = store
@@ -115,10 +109,10 @@ class InprocessRecovery:
         self._metrics = metrics
         self._clock = clock
         self._wake = wake
-        self._timeout = timeout
-        self._join_timeout = join_timeout
-        self._answer_hold = self._hold = answer_hold
-        self._loss_bound = loss_bound
+        self._timeout = bounds.timeout
+        self._join_timeout = bounds.join_timeout
+        self._answer_hold = self._hold = bounds.answer_hold
+        self._loss_bound = bounds.loss_bound
         self._asked: dict[tuple[int, int, int], float] = {}  # (lr, pid, round) -> first seen
         self._told_own: dict[int, tuple[int, float]] = {}  # lr -> (pid, when it was told)
         self._hub: InprocessHub | None = None

@@ -36,7 +36,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastrun.core.cancel import CancelScope
@@ -48,6 +47,7 @@ from elastrun.nodecheck.agent.verdicts import Isolation, NodeCheckRule
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.rendezvous.elastic import ElasticRendezvous, ExclusionBoard
 from elastrun.supervise.processes.helper import CUT, Helper
+from elastrun.supervise.processes.interpreter import WorkerInterpreter
 
 __all__ = ["QUOTE", "CheckOutcome", "NodeCheck", "quote"]
 
@@ -77,11 +77,10 @@ class NodeCheck:
     """Checks this node before it joins, when due.
 
     Args:
-        rdzv: the rendezvous's rounds (its store is where checks meet).
-        board: its exclusions (a node that fails is kept out there).
+        rdzv: the rendezvous's rounds (its store is where checks meet; a node that fails
+            is kept out on its exclusion board).
         rule: whether and how nodes are checked (``rule.enabled`` False: never).
-        python: the workers' interpreter (it runs the check).
-        environ: the workers' base environment (the check's).
+        interpreter: the workers' interpreter and base environment (the check's).
         interruptible: runs every wait in the shutdown scope.
         events, metrics: where a failed check is told.
         clock: the agent's.
@@ -91,11 +90,9 @@ class NodeCheck:
     def __init__(
         self,
         rdzv: ElasticRendezvous,
-        board: ExclusionBoard,
         rule: NodeCheckRule,
         *,
-        python: str,
-        environ: Mapping[str, str],
+        interpreter: WorkerInterpreter,
         interruptible: Interruptible,
         events: EventSink,
         metrics: MetricSink,
@@ -104,10 +101,9 @@ class NodeCheck:
     ) -> None:
         self._host = host
         self._rdzv = rdzv
-        self._board = board
+        self._board: ExclusionBoard = rdzv.exclusions
         self._rule = rule
-        self._python = python
-        self._environ = environ
+        self._interpreter = interpreter
         self._interruptible = interruptible
         self._events = events
         self._metrics = metrics
@@ -193,7 +189,7 @@ class NodeCheck:
     def _start(self, args: list[str], deadline: float, helpers: contextlib.ExitStack) -> Helper:
         left = max(1.0, deadline - time.monotonic())
         argv = [
-            self._python,
+            self._interpreter.python,
             "-m",
             MODULE,
             "--deadline",
@@ -201,7 +197,7 @@ class NodeCheck:
             "--parent",
             str(os.getpid()),
         ]
-        helper = Helper.start([*argv, *args], self._environ)
+        helper = Helper.start([*argv, *args], self._interpreter.environ)
         helpers.callback(helper.close)
         return helper
 
@@ -235,7 +231,7 @@ class NodeCheck:
         assert script is not None, "called with a script"
         # A bare name is a file here (the launcher checked), not a command on PATH.
         path = script if os.sep in script else os.path.join(os.curdir, script)
-        argv = [self._python, path] if script.endswith(".py") else [path]
+        argv = [self._interpreter.python, path] if script.endswith(".py") else [path]
         # Run by the runner, which ends whatever the script leaves running.
         helper = self._start(["script", "--", *argv], deadline, helpers)
         status = helper.finish(scope, deadline)
