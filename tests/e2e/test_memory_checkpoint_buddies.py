@@ -21,11 +21,8 @@ and a SHA-256 of the full parameters.
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -34,15 +31,14 @@ from typing import Any
 
 import pytest
 
-from _helpers import elastrun_store, finish, start, wait_for
+from _helpers import elastrun_store, start, wait_for
+from _node_loss import end_all, kill_a_node, node_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 pytest.importorskip("torch")
 
 JOB = Path(__file__).resolve().parent / "_buddy_job.py"
 STEPS = 24
-#: The node is killed once its ranks agreed on this step (about a third of the run).
-KILL_AT = 6
 _NODES = "\n=====\n"
 
 
@@ -56,68 +52,6 @@ def _args(endpoint: str, token: Path, run_id: str, nnodes: str, job: Sequence[st
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     return start(args, cwd=cwd, env={"OMP_NUM_THREADS": "1"})
-
-
-def _end(procs: list[subprocess.Popen[str]], timeout: float = 180) -> list[Any]:
-    try:
-        return [finish(p, timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-
-
-def _node_dirs(run_id: str) -> list[str]:
-    return glob.glob(f"/dev/shm/elastrun-ckpt-{run_id}-*")
-
-
-def _agreed(directory: str) -> int | None:
-    """The newest step the node's ranks reported agreed on (None: none yet)."""
-    steps = []
-    for path in glob.glob(os.path.join(directory, "report-rank-*.json")):
-        try:
-            newest = json.loads(Path(path).read_text())["newest"]
-        except (OSError, ValueError, KeyError):
-            continue
-        if newest is not None:
-            steps.append(newest)
-    return max(steps) if steps else None
-
-
-def _agent_of(directory: str, agents: dict[int, subprocess.Popen[str]]) -> int:
-    """The pid of the agent whose node directory ``directory`` is: a worker's (from its
-    report) ancestor."""
-    for path in glob.glob(os.path.join(directory, "report-rank-*.json")):
-        pid = int(json.loads(Path(path).read_text())["pid"])
-        while pid > 1:
-            if pid in agents:
-                return pid
-            status = Path(f"/proc/{pid}/status").read_text()
-            pid = int(next(ln for ln in status.splitlines() if ln.startswith("PPid:")).split()[1])
-    raise AssertionError(f"no agent of {directory}")
-
-
-def _kill_a_node(run_id: str, agents: list[subprocess.Popen[str]]) -> tuple[int, float, int]:
-    """Once the ranks agreed on ``KILL_AT``, SIGKILL the agent of the node that holds
-    rank 3 (its workers die with it): its pid, the time, and the newest step agreed
-    just before."""
-
-    def rank3_dir() -> str | None:
-        found = [d for d in _node_dirs(run_id) if os.path.exists(f"{d}/report-rank-3.json")]
-        return found[0] if found else None
-
-    def trained() -> bool:
-        where = rank3_dir()
-        return where is not None and (_agreed(where) or -1) >= KILL_AT
-
-    wait_for(trained, 120, "training")
-    where = rank3_dir()
-    assert where is not None
-    victim = _agent_of(where, {a.pid: a for a in agents})
-    agreed = max(_agreed(d) or -1 for d in _node_dirs(run_id))
-    os.killpg(victim, signal.SIGKILL)
-    return victim, time.time(), agreed
 
 
 def _results(out: Path) -> dict[int, dict[str, Any]]:
@@ -147,19 +81,19 @@ def test_a_spare_takes_a_lost_nodes_place_with_its_shards_from_the_buddy_copy(
         time.sleep(0.3)
         agents.append(_start(args, tmp_path))
         try:
-            wait_for(lambda: len(_node_dirs(run_id)) == 2, 60, "two node directories")
+            wait_for(lambda: len(node_dirs(run_id)) == 2, 60, "two node directories")
             spare = _start(args, tmp_path)  # waits: the job runs at its maximum
-            victim, killed_at, agreed = _kill_a_node(run_id, agents)
+            victim, killed_at, agreed = kill_a_node(run_id, agents, after=6)
         except BaseException:
-            _end(agents, 1)
+            end_all(agents, 1)
             raise
         survivors = [a for a in agents if a.pid != victim]
-        results = _end([*survivors, spare])
+        results = end_all([*survivors, spare])
         lost = next(a for a in agents if a.pid == victim)
         lost.communicate(timeout=10)
     err = _NODES.join(r.stderr for r in results)
     assert [r.returncode for r in results] == [0, 0], err
-    assert _node_dirs(run_id) == [], err
+    assert node_dirs(run_id) == [], err
     ranks = _results(out)
     assert sorted(ranks) == [0, 1, 2, 3], err
     resumed = _one({r["resumed_from"] for r in ranks.values()}, "resumed", ranks)
@@ -185,7 +119,7 @@ def test_a_spare_takes_a_lost_nodes_place_with_its_shards_from_the_buddy_copy(
         agents = [_start(args, tmp_path)]
         time.sleep(0.3)
         agents.append(_start(args, tmp_path))
-        again = _end(agents)
+        again = end_all(agents)
     assert [r.returncode for r in again] == [0, 0], _NODES.join(r.stderr for r in again)
     reference = _results(ref)
     assert {r["resumed_from"] for r in reference.values()} == {resumed}
@@ -204,13 +138,13 @@ def test_a_lost_node_with_no_spare_resumes_on_the_other_resharded(tmp_path: Path
         time.sleep(0.3)
         agents.append(_start(args, tmp_path))
         try:
-            wait_for(lambda: len(_node_dirs(run_id)) == 2, 60, "two node directories")
-            victim, killed_at, agreed = _kill_a_node(run_id, agents)
+            wait_for(lambda: len(node_dirs(run_id)) == 2, 60, "two node directories")
+            victim, killed_at, agreed = kill_a_node(run_id, agents, after=6)
         except BaseException:
-            _end(agents, 1)
+            end_all(agents, 1)
             raise
         (survivor,) = [a for a in agents if a.pid != victim]
-        (result,) = _end([survivor])
+        (result,) = end_all([survivor])
         next(a for a in agents if a.pid == victim).communicate(timeout=10)
     assert result.returncode == 0, result.stderr
     now = _results(out)  # (the killed ranks wrote none)
@@ -233,11 +167,11 @@ def test_a_lost_node_with_no_spare_resumes_on_the_other_resharded(tmp_path: Path
         agents = [_start(args, tmp_path)]
         time.sleep(0.3)
         agents.append(_start(args, tmp_path))
-        done = _end(agents)
+        done = end_all(agents)
         assert [r.returncode for r in done] == [0, 0], _NODES.join(r.stderr for r in done)
         job = ["--steps", str(STEPS), "--dcp-dir", str(dcp_dir), "--result-dir", str(second)]
         args = _args(endpoint, token, f"bud-r2-{tmp_path.name}"[:40], "1", job)
-        (done2,) = _end([_start(args, tmp_path)])
+        (done2,) = end_all([_start(args, tmp_path)])
         assert done2.returncode == 0, done2.stderr
     reference = _results(second)
     assert sorted(reference) == [0, 1]

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from elastrun.inprocess.worker.receive import StateMismatchError
     from elastrun.inprocess.worker.recovery import run
     from elastrun.inprocess.worker.state import RestoreMissingError, State
-    from elastrun.inprocess.worker.transfer import CommitLostError
+    from elastrun.inprocess.worker.transfer import CommitLostError, ShardedWorldChangedError
 
 __getattr__ = lazy_getattr(
     __name__,
@@ -54,6 +54,7 @@ __getattr__ = lazy_getattr(
         "StateMismatchError": "elastrun.inprocess.worker.receive",
         "RestoreMissingError": "elastrun.inprocess.worker.state",
         "CommitLostError": "elastrun.inprocess.worker.transfer",
+        "ShardedWorldChangedError": "elastrun.inprocess.worker.transfer",
     },
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "CommitLostError",
     "FsdpRebindError",
     "RestoreMissingError",
+    "ShardedWorldChangedError",
     "State",
     "StateMismatchError",
     "rebind",

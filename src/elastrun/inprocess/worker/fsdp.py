@@ -55,6 +55,9 @@ def rebind(model: torch.nn.Module) -> int:
 
     Raises:
         FsdpRebindError: FSDP2's state is not where torch 2.13 keeps it.
+        ShardedWorldChangedError: the world's size changed (a node was lost, or one
+            joined): the shards are laid out for the old one, and the group restarts
+            (a memory checkpoint then loads them resharded).
     """
     states = _fsdp_states(model)
     groups = [g for state in states for g in _param_groups(state)]
@@ -103,11 +106,28 @@ def _resolve_again(info: Any) -> None:
         raise FsdpRebindError("an FSDP2 mesh information without its mesh (torch changed)")
     shard_dim = getattr(info, "shard_mesh_dim", None)
     if shard_dim is not None:
-        info.shard_process_group = mesh.get_group(shard_dim)
+        info.shard_process_group = _group_of(mesh, shard_dim)
         info.shard_mesh_rank = info.shard_process_group.rank()
         if hasattr(info, "reduce_scatter_process_group"):
             info.reduce_scatter_process_group = None
     replicate_dim = getattr(info, "replicate_mesh_dim", None)
     if replicate_dim is not None:
-        info.replicate_process_group = mesh.get_group(replicate_dim)
+        info.replicate_process_group = _group_of(mesh, replicate_dim)
         info.replicate_mesh_rank = info.replicate_process_group.rank()
+
+
+def _group_of(mesh: Any, dim: int) -> Any:
+    """The new world's group of the mesh's dimension ``dim``, of the size the shards
+    were laid out for.
+
+    Raises:
+        ShardedWorldChangedError: the new world's group has another size (a node was
+            lost, or one joined): the shards of this model cannot be kept.
+    """
+    group = mesh.get_group(dim)
+    laid_out, now = mesh.size(dim), group.size()
+    if now != laid_out:
+        from elastrun.inprocess.worker.transfer import ShardedWorldChangedError
+
+        raise ShardedWorldChangedError(laid_out, now)
+    return group

@@ -63,6 +63,21 @@ class CommitLostError(ElastrunError, RuntimeError):
         self.newest = newest
 
 
+class ShardedWorldChangedError(CommitLostError):
+    """The world's size changed under a sharded model (``rebind``): its shards are laid
+    out for ``laid_out`` ranks along a mesh dimension that now has ``now``. A survivor
+    cannot keep them; the group restarts, and a memory checkpoint loads the state
+    resharded (DCP) into the new world."""
+
+    def __init__(self, laid_out: int, now: int) -> None:
+        super().__init__(
+            f"the model's shards are laid out for {laid_out} ranks along a mesh "
+            f"dimension that has {now} in the new world (a node was lost or joined): "
+            "they cannot be kept in place"
+        )
+        self.laid_out, self.now = laid_out, now
+
+
 class TransferAborted(RuntimeError):
     """Another rank of the round could not take the commit; this one waits for the
     next round (the agent, asked, names the other rank's failure)."""
