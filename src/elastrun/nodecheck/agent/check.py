@@ -156,7 +156,7 @@ class NodeCheck:
                 "peers": outcome.peers,
             },
         )
-        held = self._interruptible(lambda _scope: self._board.exclude(reason), "exclusion")
+        held = self._interruptible.run(lambda: self._board.exclude(reason), "exclusion")
         kept = None if held is not None else self._board.take_kept_at_min()
         log.error(
             "node %s (%s) failed its check: %s; %s",
