@@ -13,12 +13,11 @@ import socket
 import stat
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler
-from socketserver import ThreadingMixIn, UnixStreamServer
+from socketserver import UnixStreamServer
 
 from elastrun.control_plane.handlers import DEFAULT_HANDLERS, SERVER_THREAD
 from elastrun.control_plane.protocol import HANDLER_PREFIX, Handler, WorkerServerError, reachable
-from elastrun.core.serving import serve_until_cancelled
-from elastrun.core.threads import Nursery
+from elastrun.core.serving import NurseryRequests, Served
 
 __all__ = ["WorkerServer"]
 
@@ -27,18 +26,12 @@ log = logging.getLogger(__name__)
 _MAX_REQUEST_BODY = 1 << 20
 
 
-class _UnixHTTPServer(ThreadingMixIn, UnixStreamServer):
-    daemon_threads = True  # a request being answered must not keep the worker alive
-    timeout = 0.0  # see serve_until_cancelled: handle_request() must never block
+class _UnixHTTPServer(NurseryRequests, UnixStreamServer):
     handlers: Mapping[str, Handler]
 
     def server_bind(self) -> None:
         with reachable(str(self.server_address)) as short:
             self.socket.bind(short)
-
-    def server_activate(self) -> None:
-        super().server_activate()
-        self.socket.setblocking(False)
 
 
 class _RequestHandler(BaseHTTPRequestHandler):
@@ -112,8 +105,7 @@ class WorkerServer:
     def __init__(self, socket_path: str, handlers: Mapping[str, Handler] | None = None) -> None:
         self.socket_path = socket_path
         self.handlers = dict(DEFAULT_HANDLERS if handlers is None else handlers)
-        self._server: _UnixHTTPServer | None = None
-        self._nursery: Nursery | None = None  # a fresh one per start(); shutdown() closes it
+        self._served: Served | None = None  # a fresh one per start(); shutdown() closes it
         self._inode: int | None = None
 
     def start(self) -> None:
@@ -123,7 +115,7 @@ class WorkerServer:
             WorkerServerError: the path is in use by a live server or is not a socket,
                 or the socket cannot be created (missing directory, permissions).
         """
-        if self._server is not None:
+        if self._served is not None:
             return
         _clear_stale_socket(self.socket_path)
         try:
@@ -134,18 +126,13 @@ class WorkerServer:
             ) from exc
         server.handlers = self.handlers
         self._inode = os.stat(self.socket_path).st_ino
-        self._server = server
-        self._nursery = Nursery(join_timeout=5)
-        self._nursery.start(serve_until_cancelled, server, name=SERVER_THREAD)
+        self._served = Served(server, SERVER_THREAD)
 
     def shutdown(self) -> None:
         """Stop serving and remove the socket file. Idempotent; never raises."""
-        server, nursery = self._server, self._nursery
-        self._server = self._nursery = None
-        if nursery is not None:
-            nursery.close("shut down")
-        if server is not None:
-            server.server_close()
+        served, self._served = self._served, None
+        if served is not None:
+            served.close("shut down")
             self._remove_socket_file()
 
     def _remove_socket_file(self) -> None:
@@ -158,7 +145,7 @@ class WorkerServer:
 
     @property
     def running(self) -> bool:
-        return self._server is not None
+        return self._served is not None
 
     def __enter__(self) -> WorkerServer:
         self.start()

@@ -23,12 +23,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from elastrun.core.serving import serve_until_cancelled
-from elastrun.core.threads import Nursery
 from elastrun.core.values import parse_port
 from elastrun.wire.env import HEALTH_CHECK_PORT_ENV
 
 if TYPE_CHECKING:
+    from elastrun.core.serving import Served
     from elastrun.observe.health_http import HealthHTTPServer
 
 __all__ = [
@@ -90,7 +89,7 @@ class HealthCheckServer:
         self._state_callback = state_callback
         self._clock = clock
         self._server: HealthHTTPServer | None = None
-        self._nursery: Nursery | None = None  # a fresh one per start(); stop() closes it
+        self._served: Served | None = None  # a fresh one per start(); stop() closes it
 
     @property
     def alive_callback(self) -> AliveCallback:
@@ -125,23 +124,21 @@ class HealthCheckServer:
             return
         # http.server (with http.client, email and ssl) is loaded only for a server that
         # is started: every launch reads TORCHELASTIC_HEALTH_CHECK_PORT, few serve it.
+        from elastrun.core.serving import Served
         from elastrun.observe.health_http import HealthHandler, HealthHTTPServer
 
         server = HealthHTTPServer((self.host, self._requested_port), HealthHandler)
         server.health = self
         self._server = server
-        self._nursery = Nursery(join_timeout=5)
-        self._nursery.start(serve_until_cancelled, server, name="elastrun-health")
+        self._served = Served(server, "elastrun-health")
         log.info("health check server listening on %s:%d", self.host, self.port)
 
     def stop(self) -> None:
         """Stop serving and free the port. Idempotent; never raises."""
-        server, nursery = self._server, self._nursery
-        self._server = self._nursery = None
-        if nursery is not None:
-            nursery.close("stopped")
-        if server is not None:
-            server.server_close()
+        served, self._served = self._served, None
+        self._server = None
+        if served is not None:
+            served.close("stopped")
 
     def __enter__(self) -> HealthCheckServer:
         self.start()

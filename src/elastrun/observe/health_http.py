@@ -10,8 +10,10 @@ import json
 import logging
 from collections.abc import Mapping
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import TYPE_CHECKING
+
+from elastrun.core.serving import NurseryRequests
 
 if TYPE_CHECKING:
     from elastrun.observe.health import HealthCheckServer
@@ -22,18 +24,11 @@ __all__ = ["HealthHTTPServer", "HealthHandler"]
 log = logging.getLogger("elastrun.observe.health")
 
 
-class HealthHTTPServer(ThreadingHTTPServer):
-    # Handler threads must never keep the agent alive at exit.
-    daemon_threads = True
-    # handle_request() is only called once the socket is readable; a zero timeout (and
-    # a non-blocking listening socket) make sure a connection that vanished in between
-    # cannot block the serving loop, and so stop().
-    timeout = 0.0
+class HealthHTTPServer(NurseryRequests, HTTPServer):
+    # (A client that never finishes its request cannot hold up the agent's exit: its
+    # socket is shut down when the server stops.)
+    request_thread = "elastrun-health-request"
     health: HealthCheckServer
-
-    def server_activate(self) -> None:
-        super().server_activate()
-        self.socket.setblocking(False)
 
 
 class HealthHandler(BaseHTTPRequestHandler):

@@ -22,13 +22,11 @@ import math
 import socket
 import threading
 from dataclasses import dataclass
-from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Literal, TypeVar
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from elastrun.core.errors import ConfigError
-from elastrun.core.serving import serve_until_cancelled
-from elastrun.core.threads import Nursery
+from elastrun.core.serving import NurseryRequests, Served
 from elastrun.observe.sinks import split_labels
 
 if TYPE_CHECKING:
@@ -343,15 +341,10 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    # Daemon request threads: a scraper that never finishes its request cannot hold
-    # up the agent's exit.
-    daemon_threads = True
-    timeout = 0.0  # see serve_until_cancelled: handle_request() must never block
-
-    def server_activate(self) -> None:
-        super().server_activate()
-        self.socket.setblocking(False)
+class _Server(NurseryRequests, WSGIServer):
+    # (A scraper that never finishes its request cannot hold up the agent's exit: its
+    # socket is shut down when the server stops.)
+    request_thread = "elastrun-metrics-request"
 
 
 class _Server6(_Server):
@@ -382,8 +375,8 @@ class MetricsServer:
         self._requested_port = port
         self.host = host
         self.sink = PrometheusMetricSink(field=field)
-        self._httpd: WSGIServer | None = None
-        self._nursery: Nursery | None = None  # a fresh one per start(); stop() closes it
+        self._httpd: _Server | None = None
+        self._served: Served | None = None  # a fresh one per start(); stop() closes it
 
     @property
     def port(self) -> int:
@@ -411,9 +404,7 @@ class MetricsServer:
         app = prom.make_wsgi_app(self.sink.registry)
         server_class = _Server6 if ":" in self.host else _Server
         try:
-            httpd = make_server(
-                self.host, self._requested_port, app, server_class, handler_class=_QuietHandler
-            )
+            httpd = server_class((self.host, self._requested_port), _QuietHandler)
         except OSError as exc:
             raise ConfigError(
                 self._field,
@@ -421,20 +412,18 @@ class MetricsServer:
                 f"cannot serve metrics on {self.host}:{self._requested_port}: "
                 f"{exc.strerror or exc}",
             ) from exc
+        httpd.set_app(app)
         self._httpd = httpd
-        self._nursery = Nursery(join_timeout=5.0)
-        self._nursery.start(serve_until_cancelled, httpd, name="elastrun-metrics")
+        self._served = Served(httpd, "elastrun-metrics")
         log.info("serving metrics at %s", self.url)
         return self.port
 
     def stop(self) -> None:
         """Stop serving and free the port. Idempotent; never raises."""
-        httpd, nursery = self._httpd, self._nursery
-        if httpd is None or nursery is None:
-            return
-        self._httpd = self._nursery = None
-        nursery.close("stopped")
-        httpd.server_close()
+        served, self._served = self._served, None
+        self._httpd = None
+        if served is not None:
+            served.close("stopped")
 
     def __enter__(self) -> MetricsServer:
         self.start()

@@ -55,13 +55,13 @@ import re
 import socket
 import urllib.parse
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 from elastrun.checkpoint.agent.holdings import Held, Listing, PeerError, newest_agreed, scan
+from elastrun.core import cancel
 from elastrun.core.cancel import Cancelled
-from elastrun.core.serving import serve_until_cancelled
-from elastrun.core.threads import Nursery
+from elastrun.core.serving import NurseryRequests, Served
 from elastrun.wire import checkpoint as layout
 
 __all__ = [
@@ -112,12 +112,11 @@ class NodeServer:
         self._addr = addr
         self._token = token
         self._ranks: tuple[int, ...] = ()
-        self._server: ThreadingHTTPServer | None = None
-        self._nursery = Nursery(join_timeout=5.0)  # (its scope ends the held listings too)
+        self._served: Served | None = None  # a fresh one per start(); close() closes it
 
     @property
     def port(self) -> int | None:
-        return None if self._server is None else int(self._server.server_address[1])
+        return None if self._served is None else int(self._served.server.socket.getsockname()[1])
 
     def set_ranks(self, ranks: Sequence[int]) -> None:
         """The global ranks of the node's workers in the current round."""
@@ -129,22 +128,17 @@ class NodeServer:
         Raises:
             OSError: the address cannot be bound.
         """
-        if self._server is None:
-            server = _Server((self._addr, 0), self)
-            self._server = server
-            if self._nursery.closed:  # (started again after close: a closed one stays shut)
-                self._nursery = Nursery(join_timeout=5.0)
-            self._nursery.start(serve_until_cancelled, server, name="elastrun-checkpoint-serve")
+        if self._served is None:
+            self._served = Served(_Server((self._addr, 0), self), "elastrun-checkpoint-serve")
         port = self.port
         assert port is not None
         return port
 
     def close(self) -> None:
         """Stop serving (idempotent; never raises)."""
-        server, self._server = self._server, None
-        if server is not None:
-            self._nursery.close()
-            server.server_close()
+        served, self._served = self._served, None
+        if served is not None:
+            served.close()
 
     # -- what the handler asks ---------------------------------------------------------
 
@@ -156,7 +150,9 @@ class NodeServer:
         ``changes``), waiting at most ``hold`` seconds (and ``HOLD_MAX``) for that, or
         until the server closes."""
         mark = changes(self._directory, self._ranks)
-        scope = self._nursery.scope.child(min(max(hold, 0.0), HOLD_MAX))
+        # (On a thread of the server's nursery: its scope is current, and a close ends
+        # the hold.)
+        scope = cancel.current().child(min(max(hold, 0.0), HOLD_MAX))
         with contextlib.suppress(Cancelled), scope:
             while mark == after and not scope.expired():
                 scope.sleep(WATCH_EVERY)  # (cut at the hold's end)
@@ -193,17 +189,12 @@ class NodeServer:
         return f"NodeServer(node={self._node!r}, addr={self._addr!r}, port={self.port})"
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    timeout = 0.0  # see serve_until_cancelled: handle_request() must never block
+class _Server(NurseryRequests, HTTPServer):
+    request_thread = "elastrun-checkpoint-request"
 
     def __init__(self, address: tuple[str, int], owner: NodeServer) -> None:
         self.owner = owner
         super().__init__(address, _Handler)
-
-    def server_activate(self) -> None:
-        super().server_activate()
-        self.socket.setblocking(False)  # (what it accepts is blocking: sendfile needs it)
 
     def handle_error(self, request: object, client_address: object) -> None:
         # A peer that went away mid-file (its agent stopped, a copy given up): its
