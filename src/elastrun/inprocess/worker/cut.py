@@ -10,16 +10,12 @@ other. So a recovering worker shuts down its connections to the other workers:
   on, on every node: the agents collect them (``core.tcp_sockets``) and the round's
   message carries them; the channel's thread cuts them as the message arrives, also
   while the training function still runs, and with them those to the workers of its
-  own node (below) and those its own listeners accepted as they are then. The agent's
-  list can miss a group that a worker made after the agent read its listeners (a round
-  that supersedes one whose groups were still being made): under load a survivor was
-  now and then left blocked for good on a peer whose connection the list had not
-  reached;
-- before tearing its group down, whether a round came or not (the agent may wait on
-  the other nodes, or not know of the failure yet), those to the workers of its own
-  node (processes with the same parent), found in ``/proc``, and those its own
-  listeners accepted (reading the TCP table costs milliseconds): a group made since the
-  message came is cut too.
+  own node (below): under load a survivor was now and then left blocked for good on a
+  same-node peer whose connection the listeners' cut had not reached;
+- before tearing its group down, when no round came yet (the agent may wait on the
+  other nodes, or not know of the failure yet), those to the workers of its own node
+  (processes with the same parent), found in ``/proc`` (reading the TCP table costs
+  milliseconds); skipped when the round's message came first and cut them.
 
 The peers' blocked reads then fail at once and they recover too. Linux only; elsewhere
 nothing is cut and a stuck round ends at the agent's bound with a whole-group restart.
@@ -51,18 +47,11 @@ def cut_peer_connections() -> int:
 
 def cut_connections(listeners: Iterable[str]) -> int:
     """Shut down this process's TCP connections to or from any of ``listeners`` (the
-    round's workers' listening endpoints) or from this process's own listeners as they
-    are now; returns how many were cut."""
-    try:
-        table = tcp_table()
-        own = [table[inode].local for inode in socket_fds(os.getpid()).values()
-               if inode in table and table[inode].listening]  # fmt: skip
-    except OSError:
-        return 0
-    ends = Endpoints([*listeners, *own])
+    round's workers' listening endpoints); returns how many were cut."""
+    ends = Endpoints(listeners)
     if not ends:
         return 0
-    return shut_down_own(lambda s: s.local in ends or s.remote in ends, table)
+    return shut_down_own(lambda s: s.local in ends or s.remote in ends)
 
 
 def _siblings(me: int, parent: int) -> list[int]:

@@ -195,10 +195,9 @@ def _next_round(channel: Channel, state: State, round_no: int, wait: float, fail
     first line of the error that a peer's failure caused)."""
     # Peers blocked reading from this worker's broken group must fail too: the round's
     # message names every worker's listeners, and the channel's thread cut the
-    # connections to them, to this node's other workers and from its own listeners as it
-    # came (``_interrupt``); the last two are cut here again (a group made since), or
-    # first, before the message comes.
-    _teardown()
+    # connections to them and to this node's other workers as it came (``_interrupt``);
+    # before it comes, the ones to this node's other workers are cut here.
+    _teardown(cut_siblings=not channel.newer_than(round_no))
     state.rollback()
     message = channel.wait_round(round_no, wait)
     if message is None:
@@ -227,15 +226,15 @@ def _interrupt(message: dict[str, Any]) -> None:
             pg.abort()
 
 
-def _teardown() -> None:
+def _teardown(*, cut_siblings: bool) -> None:
     """Drop the broken process group (NCCL: abort its communicators first) and the
-    objects of the failed call that still hold it; first cut the connections to this
-    node's other workers and from this worker's own listeners (see ``inprocess.cut``)."""
+    objects of the failed call that still hold it; ``cut_siblings``: first cut the
+    connections to this node's other workers (see ``inprocess.cut``)."""
     import torch.distributed as dist
 
     release_idle()  # the groups the last recovery kept (see inprocess.parking)
-    cut_peer_connections()
-    cut_connections(())
+    if cut_siblings:
+        cut_peer_connections()
     if dist.is_available() and dist.is_initialized():
         park_process_groups()
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
