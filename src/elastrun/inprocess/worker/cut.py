@@ -12,10 +12,11 @@ other. So a recovering worker shuts down its connections to the other workers:
   while the training function still runs, and with them those to the workers of its
   own node (below): under load a survivor was now and then left blocked for good on a
   same-node peer whose connection the listeners' cut had not reached;
-- before tearing its group down, when no round came yet (the agent may wait on the
-  other nodes, or not know of the failure yet), those to the workers of its own node
-  (processes with the same parent), found in ``/proc`` (reading the TCP table costs
-  milliseconds); skipped when the round's message came first and cut them.
+- before tearing its group down, those to the workers of its own node (processes with
+  the same parent), found in ``/proc`` (reading the TCP table costs milliseconds):
+  when no round came yet (the agent may wait on the other nodes, or not know of the
+  failure yet), and again when it came first, for a group made since (the round's list
+  names the listeners the agent found when it led the round).
 
 The peers' blocked reads then fail at once and they recover too. Linux only; elsewhere
 nothing is cut and a stuck round ends at the agent's bound with a whole-group restart.

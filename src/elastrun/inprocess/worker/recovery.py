@@ -196,8 +196,9 @@ def _next_round(channel: Channel, state: State, round_no: int, wait: float, fail
     # Peers blocked reading from this worker's broken group must fail too: the round's
     # message names every worker's listeners, and the channel's thread cut the
     # connections to them and to this node's other workers as it came (``_interrupt``);
-    # before it comes, the ones to this node's other workers are cut here.
-    _teardown(cut_siblings=not channel.newer_than(round_no))
+    # the ones to this node's other workers are cut here too: before the message comes,
+    # or again after it (a group made since, which its list does not name).
+    _teardown()
     state.rollback()
     message = channel.wait_round(round_no, wait)
     if message is None:
@@ -226,15 +227,14 @@ def _interrupt(message: dict[str, Any]) -> None:
             pg.abort()
 
 
-def _teardown(*, cut_siblings: bool) -> None:
+def _teardown() -> None:
     """Drop the broken process group (NCCL: abort its communicators first) and the
-    objects of the failed call that still hold it; ``cut_siblings``: first cut the
-    connections to this node's other workers (see ``inprocess.cut``)."""
+    objects of the failed call that still hold it; first cut the connections to this
+    node's other workers (see ``inprocess.cut``)."""
     import torch.distributed as dist
 
     release_idle()  # the groups the last recovery kept (see inprocess.parking)
-    if cut_siblings:
-        cut_peer_connections()
+    cut_peer_connections()
     if dist.is_available() and dist.is_initialized():
         park_process_groups()
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
