@@ -31,15 +31,7 @@ from elastrun.agent.workers import WorkerProcesses
 from elastrun.core.clock import Clock
 from elastrun.core.tcp_sockets import listening_endpoints
 from elastrun.inprocess.agent.agree import Agreement, Offer
-from elastrun.inprocess.agent.answer import (
-    ANY_TIME,
-    Answer,
-    Known,
-    Question,
-    answer,
-    hold,
-    hold_ends_in,
-)
+from elastrun.inprocess.agent.answering import Answering
 from elastrun.inprocess.agent.bounds import RecoveryBounds
 from elastrun.inprocess.agent.holders import COMMIT_LOST, STATE_LOST, holding
 from elastrun.inprocess.agent.hub import InprocessHub
@@ -111,10 +103,7 @@ class InprocessRecovery:
         self._wake = wake
         self._timeout = bounds.timeout
         self._join_timeout = bounds.join_timeout
-        self._answer_hold = self._hold = bounds.answer_hold
-        self._loss_bound = bounds.loss_bound
-        self._asked: dict[tuple[int, int, int], float] = {}  # (lr, pid, round) -> first seen
-        self._told_own: dict[int, tuple[int, float]] = {}  # lr -> (pid, when it was told)
+        self._answering = Answering(clock, bounds.answer_hold, bounds.loss_bound)
         self._hub: InprocessHub | None = None
         self._rounds = 0
         self._current: _Round | None = None
@@ -240,69 +229,15 @@ class InprocessRecovery:
     # -- answering: did a peer fail? -------------------------------------------------------
 
     def answer(self, attempt: Attempt, reforming: Callable[[], bool]) -> None:
-        """Answer the workers' questions that can be answered now (see
-        ``inprocess.agent.answer``); ``reforming``: whether the rendezvous says the
-        group re-forms (asked only while a question waits)."""
-        questions = self._questions(attempt)
-        if not questions:
-            return
-        hub = self._hub
-        assert hub is not None  # (questions come through it)
-        failed = self._failed_since(attempt)
-        known = Known(self._rounds, failed, reforming())
-        nodes = attempt.plan.facts.group_world_size
-        self._hold = hold(nodes, self._answer_hold, self._loss_bound)
-        now = self._clock.monotonic()
-        for q in questions:
-            verdict = answer(q, known, now, self._hold)
-            if verdict is Answer.WAIT:
-                continue
-            del self._asked[(q.local_rank, q.pid, q.round)]
-            peer_failed = verdict is Answer.PEER_FAILED
-            if not peer_failed:
-                self._told_own[q.local_rank] = (q.pid, now)
-                log.info(
-                    "rank %d (local rank %d) raised an error of its own in round %d: no "
-                    "peer failed within %.1fs", attempt.global_rank(q.local_rank),
-                    q.local_rank, q.round, self._hold,
-                )  # fmt: skip
-            hub.answer(q.local_rank, q.pid, q.round, peer_failed)
-
-    def _failed_since(self, attempt: Attempt) -> dict[int, float]:
-        """The local ranks whose worker failed, each with the time from which its
-        failure can explain another's error (see ``inprocess_answer.Known``)."""
-        failed = {}
-        for e in attempt.procs.exits.values():
-            if e.exitcode != 0:
-                pid, told = self._told_own.get(e.local_rank, (None, ANY_TIME))
-                failed[e.local_rank] = told if pid == e.pid else ANY_TIME
-        return failed
+        """Answer the workers' questions that can be answered now (see ``Answering``);
+        ``reforming``: whether the rendezvous says the group re-forms."""
+        if self._hub is not None:
+            self._answering.answer(self._hub, attempt, self._rounds, reforming)
 
     def next_answer_in(self) -> float | None:
         """Seconds until a question's hold ends (None: none waits): the loop wakes by
         then to answer it."""
-        now = self._clock.monotonic()
-        waiting = [Question(lr, pid, n, since) for (lr, pid, n), since in self._asked.items()]
-        return hold_ends_in(waiting, now, self._hold)
-
-    def _questions(self, attempt: Attempt) -> list[Question]:
-        """The questions of the attempt's running workers, each stamped when first seen
-        (the hub wakes the loop on every message, so at once)."""
-        hub = self._hub
-        if hub is None:
-            return []
-        pids = attempt.procs.pids()
-        running = set(attempt.procs.running())
-        now = self._clock.monotonic()
-        asked: dict[tuple[int, int, int], float] = {}
-        for lr, (pid, round_no) in hub.questions().items():
-            if lr not in running or pids.get(lr) != pid:
-                hub.forget(lr, pid)  # it exited, or was replaced: nobody waits for the answer
-                continue
-            key = (lr, pid, round_no)
-            asked[key] = self._asked.get(key, now)
-        self._asked = asked
-        return [Question(lr, pid, n, since) for (lr, pid, n), since in asked.items()]
+        return self._answering.next_in()
 
     # -- recovering -----------------------------------------------------------------------
 
