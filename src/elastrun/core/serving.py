@@ -97,6 +97,11 @@ class Served:
         self._lock = threading.Lock()
         self.nursery.start(serve_until_cancelled, server, name=name)
 
+    @property
+    def port(self) -> int:
+        """The port the server listens on (a TCP server's)."""
+        return int(self.server.socket.getsockname()[1])
+
     def close(self, reason: str = "closed") -> None:
         """Stop serving, answer no more requests and close the listening socket;
         idempotent, never raises (a thread still running after the bound is logged)."""

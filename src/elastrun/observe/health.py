@@ -28,7 +28,6 @@ from elastrun.wire.env import HEALTH_CHECK_PORT_ENV
 
 if TYPE_CHECKING:
     from elastrun.core.serving import Served
-    from elastrun.observe.health_http import HealthHTTPServer
 
 __all__ = [
     "HealthCheckServer",
@@ -88,7 +87,6 @@ class HealthCheckServer:
         self.host = host
         self._state_callback = state_callback
         self._clock = clock
-        self._server: HealthHTTPServer | None = None
         self._served: Served | None = None  # a fresh one per start(); stop() closes it
 
     @property
@@ -99,8 +97,8 @@ class HealthCheckServer:
     @property
     def port(self) -> int:
         """The port being served (the one the kernel picked when 0 was asked for)."""
-        if self._server is not None:
-            return int(self._server.server_address[1])
+        if self._served is not None:
+            return self._served.port
         return self._requested_port
 
     def snapshot(self) -> dict[str, object]:
@@ -120,7 +118,7 @@ class HealthCheckServer:
         Raises:
             OSError: the port cannot be bound (in use, no permission).
         """
-        if self._server is not None:
+        if self._served is not None:
             return
         # http.server (with http.client, email and ssl) is loaded only for a server that
         # is started: every launch reads TORCHELASTIC_HEALTH_CHECK_PORT, few serve it.
@@ -129,14 +127,12 @@ class HealthCheckServer:
 
         server = HealthHTTPServer((self.host, self._requested_port), HealthHandler)
         server.health = self
-        self._server = server
         self._served = Served(server, "elastrun-health")
         log.info("health check server listening on %s:%d", self.host, self.port)
 
     def stop(self) -> None:
         """Stop serving and free the port. Idempotent; never raises."""
         served, self._served = self._served, None
-        self._server = None
         if served is not None:
             served.close("stopped")
 
@@ -148,7 +144,7 @@ class HealthCheckServer:
         self.stop()
 
     def __repr__(self) -> str:
-        running = self._server is not None
+        running = self._served is not None
         return (
             f"HealthCheckServer(host={self.host!r}, port={self.port}, "
             f"timeout={self.timeout}, running={running})"

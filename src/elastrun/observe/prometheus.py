@@ -375,14 +375,13 @@ class MetricsServer:
         self._requested_port = port
         self.host = host
         self.sink = PrometheusMetricSink(field=field)
-        self._httpd: _Server | None = None
         self._served: Served | None = None  # a fresh one per start(); stop() closes it
 
     @property
     def port(self) -> int:
         """The bound port once started (the requested one before)."""
-        if self._httpd is not None:
-            return int(self._httpd.server_port)
+        if self._served is not None:
+            return self._served.port
         return self._requested_port
 
     @property
@@ -397,7 +396,7 @@ class MetricsServer:
         Raises:
             ConfigError: naming the option when the address cannot be bound.
         """
-        if self._httpd is not None:
+        if self._served is not None:
             return self.port
         import prometheus_client as prom
 
@@ -413,7 +412,6 @@ class MetricsServer:
                 f"{exc.strerror or exc}",
             ) from exc
         httpd.set_app(app)
-        self._httpd = httpd
         self._served = Served(httpd, "elastrun-metrics")
         log.info("serving metrics at %s", self.url)
         return self.port
@@ -421,7 +419,6 @@ class MetricsServer:
     def stop(self) -> None:
         """Stop serving and free the port. Idempotent; never raises."""
         served, self._served = self._served, None
-        self._httpd = None
         if served is not None:
             served.close("stopped")
 
@@ -433,5 +430,5 @@ class MetricsServer:
         self.stop()
 
     def __repr__(self) -> str:
-        state = "serving" if self._httpd is not None else "stopped"
+        state = "serving" if self._served is not None else "stopped"
         return f"MetricsServer(host={self.host!r}, port={self.port}, {state}, sink={self.sink!r})"

@@ -116,7 +116,7 @@ class NodeServer:
 
     @property
     def port(self) -> int | None:
-        return None if self._served is None else int(self._served.server.socket.getsockname()[1])
+        return None if self._served is None else self._served.port
 
     def set_ranks(self, ranks: Sequence[int]) -> None:
         """The global ranks of the node's workers in the current round."""
