@@ -182,7 +182,9 @@ def rss_mb(pid: int) -> float | None:
         return None
 
 
-def _tail(path: Path, lines: int = 40) -> str:
+def _tail(path: Path, lines: int = 120) -> str:
+    # (torchrun's own report of a failed worker takes about 35 lines: the worker's last
+    # words, an abort's reason among them, come before it.)
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
