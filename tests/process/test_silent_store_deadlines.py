@@ -43,7 +43,7 @@ class FrozenStore:
     def __init__(self, tmp: Path) -> None:
         self._err = (tmp / "store.err").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elastrun.store.tcp", "--host", "127.0.0.1", "--port", "0"],
+            [sys.executable, "-m", "elastrun", "store", "--host", "127.0.0.1", "--port", "0"],
             stdout=subprocess.PIPE, stderr=self._err, text=True,
         )  # fmt: skip
         assert self.proc.stdout is not None

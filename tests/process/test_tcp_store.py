@@ -1,6 +1,6 @@
 """The tcp store server as a real process: security, bad peers, scale, dead clients.
 
-Each test starts ``python -m elastrun.store.tcp`` (the code behind ``elastrun store``)
+Each test starts ``python -m elastrun store`` (the code behind ``elastrun store``)
 and stops it with SIGTERM, expecting a clean exit 0.
 """
 
@@ -73,7 +73,7 @@ def start_server(servers: list[Server], tmp: Path, *args: str, port: int = 0) ->
     stderr = tmp / f"server{len(servers)}.err"
     with stderr.open("w") as err:
         proc = subprocess.Popen(
-            [PY, "-m", "elastrun.store.tcp", "--host", "127.0.0.1", "--port", str(port), *args],
+            [PY, "-m", "elastrun", "store", "--host", "127.0.0.1", "--port", str(port), *args],
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
@@ -158,7 +158,7 @@ def test_an_unusable_token_file_exits_2_with_one_line(tmp_path: Path, content: s
     if content is not None:
         path.write_text(content)
     done = subprocess.run(
-        [PY, "-m", "elastrun.store.tcp", "--port", "0", "--token-file", str(path)],
+        [PY, "-m", "elastrun", "store", "--port", "0", "--token-file", str(path)],
         capture_output=True,
         text=True,
         timeout=30,

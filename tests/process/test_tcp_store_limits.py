@@ -33,7 +33,7 @@ LIMIT = 256
 
 
 class Store:
-    """``python -m elastrun.store.tcp`` on a free port, optionally under an fd limit."""
+    """``python -m elastrun store`` on a free port, optionally under an fd limit."""
 
     def __init__(self, tmp: Path, limit: int | None = None, port: int = 0) -> None:
         self.err = tmp / f"store-{time.monotonic_ns()}.err"
@@ -44,7 +44,7 @@ class Store:
 
         with self.err.open("w") as err:
             self.proc = subprocess.Popen(
-                [PY, "-m", "elastrun.store.tcp", "--host", "127.0.0.1", "--port", str(port)],
+                [PY, "-m", "elastrun", "store", "--host", "127.0.0.1", "--port", str(port)],
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,

@@ -1,7 +1,7 @@
 """``elastrun store``: run the tcp store on its own until SIGTERM or SIGINT.
 
 Parses the arguments and serves :class:`~elastrun.store.tcp.server.TcpStoreServer` in
-the foreground; ``python -m elastrun.store.tcp`` is the same command.
+the foreground (``python -m elastrun store`` is the same command).
 """
 
 from __future__ import annotations
