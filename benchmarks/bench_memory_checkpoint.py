@@ -23,29 +23,38 @@ DCP's planning, the copy or the write); the throughput cost. For the memory chec
 the run alternates blocks of 4 steps without a save and with a save every step, and the
 cost is the mean step of the blocks that save (their saves included) over the mean step
 of those that do not, less one: the machine's load hits both alike, and the background
-work's contention with training counts. For the disk, one save over 20 training steps.
+work's contention with training counts. The blocks measured come after a first block
+with saves, whose extra time is a row of its own: the first two saves allocate the
+node's memory for the steps (a step in progress, the newest complete one and the spare
+that the next save writes over), a cost once per job (once per node's memory, which
+outlives restarts). For the disk, one save over 20 training steps.
 
 Then a run with a failure: rank 1 SIGKILLs itself before a step's training (step 6 with
 memory checkpoints; with the disk step 29, nine steps after the last save: a failure
 between two saves costs on average half the interval). From the kill: until every rank
 has loaded its checkpoint, completed its next step, and is back at the killed step, and
-the steps lost (done again). Targets at 0.4 GB per rank (issue 43): blocked <= 0.1 s per
-save, throughput cost <= 10 % with a save every step, <= 2 s from the kill to the next
-step and <= 1 step lost.
+the steps lost (done again); and where the time to the load goes: until the new
+processes run the job script (the launcher's restart), and the load call itself (the
+rest is the job's own model, its sharding and its optimizer's state). Targets at 0.4 GB
+per rank (issue 43): blocked <= 0.1 s per save, throughput cost <= 10 % with a save
+every step, <= 2 s from the kill to the next step and <= 1 step lost.
 
 Then, for the memory checkpoints, a node killed whole (its agent and its workers) while
 a spare waits: two agents of one worker each and a spare on loopback
 (``_memory_checkpoint_node``); from the kill until every rank's next step, and the
 steps lost. torchrun's figure there is its own restart from DCP on disk (the same files
 and the same restart of every worker whichever process was lost; not run again).
-Run from the repository root::
+``ELASTRUN_BENCH_SIZES=0.4`` (a comma list, GB per rank) measures those sizes only,
+``ELASTRUN_BENCH_REPS`` that many runs of each. Run from the repository root::
 
     .venv/bin/python benchmarks/bench_memory_checkpoint.py [--quick | --smoke]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -64,6 +73,10 @@ from _report import Benchmark, Headline, Row, Section, alternate
 WARMUP = 2  # steps left out of the step-time figures (first allocations, first gathers)
 EVERY = 20  # torchrun's checkpoint interval
 BLOCK = 4  # memory checkpoints without a failure: blocks without and with saves
+#: Memory checkpoints without a failure: the blocks measured, after a first block
+#: without saves (the warm-up in it) and a first block with saves (the node's memory
+#: allocated for the steps and the spare: a cost once per job, shown on a row of its own).
+MEASURED_BLOCKS = 6
 KILL_MEMORY = 6  # memory checkpoints: the step rank 1 is killed at
 #: A node killed: the steps of the job, and its pause after each until the kill (s).
 NODE_STEPS, NODE_PACE = 20, 0.1
@@ -71,6 +84,7 @@ NODE_STEPS, NODE_PACE = 20, 0.1
 SCRIPT = textwrap.dedent(
     """\
     import json, os, signal, sys, time, warnings
+    started_at = time.time()  # (the process runs the script; torch is imported below)
     warnings.filterwarnings("ignore")
     import torch, torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -121,6 +135,7 @@ SCRIPT = textwrap.dedent(
 
     def loop(commit=None):
         start = 0
+        t_load = time.perf_counter()
         if ckpt is not None:
             resumed = ckpt.load_latest(state)
             start = 0 if resumed is None else resumed + 1
@@ -129,7 +144,8 @@ SCRIPT = textwrap.dedent(
                 resumed = int(fh.read())
             dcp.load(state, checkpoint_id=os.path.join(disk, f"step-{resumed}"))
             start = resumed + 1
-        record(loaded_at=time.time(), pid=os.getpid())
+        record(loaded_at=time.time(), pid=os.getpid(), started_at=started_at,
+               load_s=time.perf_counter() - t_load)
         for step in range(start, steps):
             if rank == 1 and step == kill_at and not os.path.exists(os.path.join(out, "killed")):
                 with open(os.path.join(out, "killed"), "w") as fh:
@@ -225,7 +241,7 @@ def _run(column: str, features: int, opts: Options, work: Path, kill: bool) -> l
         steps = kill_at + 2
     else:
         kill_at = -1
-        steps = WARMUP + (opts.every if mode == "disk" else 4 * BLOCK)
+        steps = WARMUP + opts.every if mode == "disk" else (2 + MEASURED_BLOCKS) * BLOCK
     args = [str(out), mode, str(features), str(opts.batch), str(steps), str(opts.every),
             str(BLOCK), str(kill_at)]  # fmt: skip
     launcher = torchrun() if mode == "disk" else elastrun()
@@ -269,10 +285,17 @@ def _steady(lines: list[dict[str, Any]], column: str, every: int) -> dict[str, f
         m["train_s"] = train
         m["cost_pct"] = statistics.fmean(saves) / (every * train) * 100
         return m
-    plain = [ln["train_s"] for ln in measured if ln["save_s"] is None]
-    saving = [ln["train_s"] + ln["save_s"] for ln in measured if ln["save_s"] is not None]
+    steady = [ln for ln in measured if ln["step"] >= 2 * BLOCK]
+    plain = [ln["train_s"] for ln in steady if ln["save_s"] is None]
+    saving = [ln["train_s"] + ln["save_s"] for ln in steady if ln["save_s"] is not None]
     m["train_s"] = statistics.median(plain)
     m["cost_pct"] = (statistics.fmean(saving) / statistics.fmean(plain) - 1) * 100
+    # The first block with saves, over the same steps saving in the steady state (each
+    # rank's steps end together: a rank's figures are the job's).
+    first = [ln for ln in measured if BLOCK <= ln["step"] < 2 * BLOCK and ln["rank"] == 0]
+    if len(first) == BLOCK:
+        spent = sum(ln["train_s"] + (ln["save_s"] or 0.0) for ln in first)
+        m["first_s"] = spent - BLOCK * statistics.fmean(saving)
     return m
 
 
@@ -287,6 +310,7 @@ def _after_kill(lines: list[dict[str, Any]]) -> dict[str, float]:
     if ranks != {0, 1} or sorted(loaded) != [0, 1]:
         raise ScenarioFailure(f"ranks that went on after the kill: {sorted(ranks)}")
     first = {r: min(ln["at"] for ln in after if ln["rank"] == r) for r in ranks}
+    new = [ln for ln in lines if ln.get("started_at", 0) > t_kill]  # (the processes started)
     back = {r: min((ln["at"] for ln in after if ln["rank"] == r and ln["step"] >= kill_step),
                    default=float("nan")) for r in ranks}  # fmt: skip
     return {
@@ -294,10 +318,22 @@ def _after_kill(lines: list[dict[str, Any]]) -> dict[str, float]:
         "next_s": max(first.values()) - t_kill,
         "back_s": max(back.values()) - t_kill,
         "lost": float(kill_step - min(ln["step"] for ln in after)),
+        "started_s": max(ln["started_at"] for ln in new) - t_kill,
+        "load_s": max(ln["load_s"] for ln in lines if ln.get("loaded_at", 0) > t_kill),
     }
 
 
+def _chosen(opts: Options) -> Options:
+    """The profile's options, less what ``ELASTRUN_BENCH_SIZES`` (GB per rank, a comma
+    list) and ``ELASTRUN_BENCH_REPS`` narrow (see the module)."""
+    sizes = [float(s) for s in os.environ.get("ELASTRUN_BENCH_SIZES", "").split(",") if s]
+    features = tuple(round(math.sqrt(gb * 1e9 / 12) / 32) * 32 for gb in sizes)
+    reps = int(os.environ.get("ELASTRUN_BENCH_REPS", "0")) or opts.reps
+    return dataclasses.replace(opts, features=features or opts.features, reps=reps)
+
+
 def body(section: Section, opts: Options) -> None:
+    opts = _chosen(opts)
     section.intro = (
         "Two gloo workers, one linear layer F x 2F sharded with FSDP2, Adam (a rank's "
         f"state: 12 F^2 bytes), a batch of {opts.batch}. Memory checkpoints: a save after "
@@ -314,7 +350,9 @@ def body(section: Section, opts: Options) -> None:
         "the ranks' agreement and the removal of the older step run on a background "
         f"thread). Throughput cost: for memory checkpoints, blocks of {BLOCK} steps with a "
         "save every step against blocks without, alternating in one run (the mean step, "
-        "its save included, over the mean step without); for the disk, one save over "
+        f"its save included, over the mean step without), {MEASURED_BLOCKS} blocks after "
+        "a first block with saves (first saves: its extra time, the node's memory "
+        "allocated once); for the disk, one save over "
         f"{opts.every} training steps."
     )
     section.notes.append(
@@ -361,7 +399,10 @@ def _one_size(section: Section, features: int, opts: Options, work: Path) -> Non
         table.row("train_s", "training step (s)", fmt=".3f"),
         table.row("blocked_s", "blocked per save (s)", fmt=".3f"),
         table.row("cost_pct", "throughput cost of saving (%)", fmt=".1f"),
+        table.row("first_s", "first saves: once per job (s)", fmt=".2f"),
+        table.row("started_s", "kill -> the new processes run the job script (s)", fmt=".2f"),
         table.row("loaded_s", "kill -> every rank loaded its checkpoint (s)", fmt=".2f"),
+        table.row("load_s", "of which the load call (s, the slowest rank)", fmt=".2f"),
         table.row("next_s", "kill -> every rank's next step (s)", fmt=".2f"),
         table.row("back_s", "kill -> every rank back at the killed step (s)", fmt=".2f"),
         table.row("lost", "steps lost (done again)", fmt=".0f"),
