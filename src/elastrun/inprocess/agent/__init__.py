@@ -4,6 +4,7 @@
 - ``answer``: did a peer fail? the agent's answer to a worker whose collective failed;
 - ``recovery``: replacing only the failed workers and leading the others into the
   next round;
+- ``round``: the round under way, from its start to its end (complete, late, given up);
 - ``agree``: the nodes' agreement on an in-process round through the rendezvous store;
 - ``steps``: the agent loop's in-process steps, alone or with other nodes.
 

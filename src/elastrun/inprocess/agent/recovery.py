@@ -19,10 +19,8 @@ the whole group.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from elastrun.agent.attempt import Attempt, AttemptSetup
 from elastrun.agent.bootstrap_store import BootstrapStore
@@ -35,10 +33,9 @@ from elastrun.inprocess.agent.answering import Answering
 from elastrun.inprocess.agent.bounds import RecoveryBounds
 from elastrun.inprocess.agent.holders import COMMIT_LOST, STATE_LOST, holding
 from elastrun.inprocess.agent.hub import InprocessHub
-from elastrun.inprocess.agent.stuck import end_stuck
+from elastrun.inprocess.agent.round import InprocessRound
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.procset import Exit
-from elastrun.supervise.processes.stacks import request_stacks
 from elastrun.wire import inprocess as wire
 from elastrun.wire.env import RESTART_COUNT_ENV
 
@@ -47,28 +44,6 @@ log = logging.getLogger("elastrun.agent")
 
 def _world(plan: LaunchPlan) -> int:
     return plan.workers[0].ranks.world_size if plan.workers else 0
-
-
-class RoundState(enum.Enum):
-    """Where an in-process round stands."""
-
-    IDLE = "idle"  # none is under way
-    WAITING = "waiting"  # not every worker has synchronised yet
-    DONE = "done"  # every worker has: the round is complete
-    LATE = "late"  # past its bound: the group restarts
-
-
-@dataclass
-class _Round:
-    """An in-process round under way."""
-
-    number: int
-    started: float  # monotonic
-    deadline: float  # monotonic
-    expected: dict[int, int]  # local rank -> pid of every worker of the round
-    replaced: dict[int, int]  # local rank -> pid of the replacements
-    after_failure: bool  # a recovery (not a node joining): judged by the stall guard
-    ended: set[int] = dataclasses.field(default_factory=set)  # stuck, and killed
 
 
 class InprocessRecovery:
@@ -98,15 +73,20 @@ class InprocessRecovery:
         self._workers = workers
         self._store = store
         self._events = events
-        self._metrics = metrics
-        self._clock = clock
         self._wake = wake
         self._timeout = bounds.timeout
-        self._join_timeout = bounds.join_timeout
         self._answering = Answering(clock, bounds.answer_hold, bounds.loss_bound)
         self._hub: InprocessHub | None = None
         self._rounds = 0
-        self._current: _Round | None = None
+        #: The round under way (the in-place rung follows it to its end).
+        self.round = InprocessRound(
+            lambda: self._hub,
+            clock,
+            events,
+            metrics,
+            timeout=bounds.timeout,
+            join_timeout=bounds.join_timeout,
+        )
         # Workers started into an in-process round (replacements, and a joining node's
         # workers), local rank -> pid: they run the same script as the workers that
         # opted in, so they are in-process workers from their start, before their hello
@@ -150,7 +130,7 @@ class InprocessRecovery:
         hub = self._hub
         if hub is None:
             return "in-process recovery is off"
-        if self._current is not None:
+        if self.round.under_way:
             return "a worker failed while the last in-process recovery was under way"
         if alone and not self._store.serving:
             return "the workers' store is not this agent's"
@@ -212,10 +192,7 @@ class InprocessRecovery:
         grows in place): the round is complete when they have all synchronised."""
         self._rounds = round_no
         pids = attempt.procs.pids()
-        now = self._clock.monotonic()
-        self._current = _Round(
-            round_no, now, now + self._timeout, dict(pids), dict(pids), after_failure=False
-        )
+        self.round.begin(round_no, pids, pids, after_failure=False)
         self._started.update(pids)
         log.warning(
             "joining in-process round %d: %d new worker(s) take the newest commit of the "
@@ -305,9 +282,7 @@ class InprocessRecovery:
         for lr in failed:
             replaced[lr] = self._started[lr] = self._workers.replace_worker(attempt, setup, lr)
         self._workers.update_ranks(setup.plan)
-        now = self._clock.monotonic()
-        expected = {**survivors, **replaced}
-        self._current = _Round(n, now, now + self._timeout, expected, replaced, after_failure)
+        self.round.begin(n, {**survivors, **replaced}, replaced, after_failure=after_failure)
         ranks = [attempt.global_rank(lr) for lr in sorted(replaced)]
         what = [f"{len(survivors)} worker(s) keep their processes"]
         if replaced:
@@ -322,94 +297,6 @@ class InprocessRecovery:
             "agent.inprocess_round",
             {"round": n, "ranks": ",".join(map(str, ranks)), "survivors": len(survivors)},
         )
-
-    @property
-    def under_way(self) -> bool:
-        return self._current is not None
-
-    def round_state(self) -> RoundState:
-        """Where the round under way stands (a query: nothing changes)."""
-        current, hub = self._current, self._hub
-        if current is None or hub is None:
-            return RoundState.IDLE
-        if all(hub.synced(lr, pid, current.number) for lr, pid in current.expected.items()):
-            return RoundState.DONE
-        if self._clock.monotonic() >= current.deadline:
-            return RoundState.LATE
-        return RoundState.WAITING
-
-    def complete(self) -> int | None:
-        """End the round under way, every worker having synchronised (``DONE``), and
-        record it; returns the commit it restored after a failure (None: a node joined,
-        or no round was under way)."""
-        current, hub = self._current, self._hub
-        if current is None or hub is None:
-            return None
-        took = self._clock.monotonic() - current.started
-        self._current = None
-        log.info("in-process round %d complete in %.0f ms", current.number, took * 1000)
-        self._metrics.put("agent.inprocess.duration_ms", took * 1000)
-        self._events.record(
-            "agent.inprocess_recovered",
-            {"round": current.number, "duration_ms": round(took * 1000, 3)},
-        )
-        if not current.after_failure:
-            return None
-        return max(hub.commit(lr) for lr in current.expected)
-
-    def stuck(self) -> list[int]:
-        """The local ranks of kept workers that have not reached the round under way
-        within the join bound (stuck in a collective that never failed)."""
-        current, hub = self._current, self._hub
-        if current is None or hub is None:
-            return []
-        if self._clock.monotonic() < current.started + self._join_timeout:
-            return []
-        return sorted(
-            lr
-            for lr, pid in current.expected.items()
-            if lr not in current.replaced
-            and lr not in current.ended
-            and not hub.joined(lr, pid, current.number)
-        )
-
-    def end_stuck(self, attempt: Attempt, local_ranks: list[int]) -> None:
-        """Keep the stacks of the stuck workers, then SIGKILL them: the loop replaces
-        them in place as failed workers, in the next round (``inprocess.agent.stuck``)."""
-        current = self._current
-        assert current is not None
-        current.ended.update(local_ranks)
-        end_stuck(attempt, local_ranks, current.number, self._join_timeout, self._events)
-
-    def laggards(self) -> list[int]:
-        """The local ranks of the round under way that have not synchronised yet."""
-        current, hub = self._current, self._hub
-        if current is None or hub is None:
-            return []
-        return sorted(
-            lr for lr, pid in current.expected.items() if not hub.synced(lr, pid, current.number)
-        )
-
-    def abandon_late(self, attempt: Attempt) -> None:
-        """Give up a round past its bound, keeping the stacks of the workers that did
-        not synchronise (in their attempt directories) and naming them."""
-        dumps = request_stacks(attempt.stack_requests(self.laggards()))
-        where = ", ".join(
-            f"rank {attempt.global_rank(lr)}: {d.path}" for lr, d in sorted(dumps.items()) if d.text
-        )
-        self.abandon(
-            "not every worker synchronised in time"
-            + (f" (stacks of those that did not: {where})" if where else "")
-            + "; restarting all workers"
-        )
-
-    def abandon(self, why: str) -> None:
-        """Give the round up (the loop restarts the whole group)."""
-        current, self._current = self._current, None
-        if current is None:
-            return
-        log.warning("in-process round %d abandoned: %s", current.number, why)
-        self._events.record("agent.inprocess_abandoned", {"round": current.number, "why": why})
 
     def __repr__(self) -> str:
         return f"InprocessRecovery(hub={self._hub!r}, rounds={self._rounds})"

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.ladder import Failure, GroupDecision, Reaction
 from elastrun.agent.plan import LaunchPlan
-from elastrun.inprocess.agent.recovery import InprocessRecovery, RoundState
+from elastrun.inprocess.agent.recovery import InprocessRecovery
+from elastrun.inprocess.agent.round import RoundState
 from elastrun.inprocess.agent.steps import InprocessSteps
 from elastrun.pace.agent.stall_watch import ProgressWatch
 from elastrun.supervise.processes.procset import Exit
@@ -45,6 +46,7 @@ class InPlaceRung:
         enabled: bool,
     ) -> None:
         self._recovery = recovery
+        self._round = recovery.round
         self._steps = steps
         self._progress = progress
         self._nodes_waiting = nodes_waiting
@@ -71,27 +73,27 @@ class InPlaceRung:
         self._recovery.close()
 
     def assess(self, attempt: Attempt, failed: Sequence[Exit]) -> tuple[bool, str | None]:
-        recovering = self._recovery.under_way
+        recovering = self._round.under_way
         if recovering:  # the next round replaces this one's failed too
-            self._recovery.abandon("a worker failed meanwhile")
+            self._round.abandon("a worker failed meanwhile")
         return recovering, self._steps.why_not(attempt, list(failed))
 
     def on_pass(self, attempt: Attempt) -> GroupDecision | None:
-        recovery = self._recovery
-        recovery.answer(attempt, self._nodes_waiting)
-        state = recovery.round_state()
+        self._recovery.answer(attempt, self._nodes_waiting)
+        current = self._round
+        state = current.state()
         if state is RoundState.LATE:
             # Too long: restart the group (the stacks of the workers that did not
             # synchronise are kept).
-            recovery.abandon_late(attempt)
+            current.abandon_late(attempt)
             return GroupDecision.restart_fresh()
         if state is RoundState.DONE:
-            restored = recovery.complete()
+            restored = current.complete()
             if restored is not None:
                 self._progress.recovered(restored)
-        laggards = recovery.stuck()
+        laggards = current.stuck()
         if laggards:
-            recovery.end_stuck(attempt, laggards)  # their exits come as failures
+            current.end_stuck(attempt, laggards)  # their exits come as failures
             return GroupDecision.kept()
         return None
 
@@ -99,8 +101,8 @@ class InPlaceRung:
         return self._recovery.next_answer_in()
 
     def on_reform(self, attempt: Attempt, why: str) -> Reaction:
-        if self._recovery.under_way:  # the re-formed group's round replaces this one
-            self._recovery.abandon(f"the group re-forms ({why})")
+        if self._round.under_way:  # the re-formed group's round replaces this one
+            self._round.abandon(f"the group re-forms ({why})")
         if self._steps.why_not(attempt, [], reform=True) is None:
             log.info("%s: re-forming the group; the workers keep running meanwhile", why)
             return Reaction.rejoin(lambda: self._steps.reform_keeping(attempt))

@@ -86,7 +86,7 @@ class InprocessSteps:
         try:
             self._recovery.recover(attempt, failed, self._budget.used())
         except Exception as exc:  # a replacement that cannot start: the usual restart
-            self._recovery.abandon(f"a replacement could not start: {exc}")
+            self._recovery.round.abandon(f"a replacement could not start: {exc}")
             return GroupDecision.restart_fresh()
         return GroupDecision.kept()
 
@@ -107,7 +107,7 @@ class InprocessSteps:
                 attempt, plan, agreement, self._budget.used(), after_failure=bool(failed)
             )
         except Exception as exc:  # a replacement that cannot start: the usual restart
-            self._recovery.abandon(f"a replacement could not start: {exc}")
+            self._recovery.round.abandon(f"a replacement could not start: {exc}")
             return GroupDecision.restart_in(plan)
         ranks = {w.local_rank: w.ranks.global_rank for w in plan.workers}
         self._pace.start_attempt(attempt.number, ranks)
