@@ -21,6 +21,8 @@ from elastrun.checkpoint import (
     MemoryStorageReader,
     MemoryStorageWriter,
 )
+from elastrun.checkpoint.worker import memory
+from elastrun.checkpoint.worker.staging import Staging
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.wire import checkpoint as layout
 
@@ -214,6 +216,52 @@ def test_a_step_writes_over_the_data_file_of_the_step_it_replaced(tmp_path: Path
     with MemoryCheckpoint(str(tmp_path)) as again:
         assert again.load_latest(loaded) == 2
     assert torch.equal(loaded["small"], torch.ones(3))
+
+
+# -- staging: tensors on a GPU (a host buffer here stands in for the pinned one) ------
+
+
+def _host_staging() -> Staging:
+    return Staging(lambda n: torch.zeros(n, dtype=torch.uint8), host_too=True)
+
+
+def test_staged_tensors_reach_the_data_file_when_the_step_is_published(tmp_path: Path) -> None:
+    # The training thread copies into the buffer; the file gets the bytes with the
+    # marker's thread, before the metadata: a step is never complete without them.
+    saved = {**_state(3, 4), "mark": torch.full((64,), ord("Z"), dtype=torch.uint8)}
+    staging = _host_staging()
+    writer = _save(tmp_path, 4, saved, publish_on_finish=False, staging=staging)
+    data = tmp_path / layout.step_dir_name(4) / "rank-0.data"
+    assert staging.held == writer.data_bytes == data.stat().st_size
+    assert b"Z" * 64 not in data.read_bytes()  # (DCP's values are in: they are not staged)
+    with pytest.raises(MemoryCheckpointError, match="not complete"):
+        MemoryStorageReader(str(tmp_path), 4).read_metadata()
+    writer.publish()
+    assert b"Z" * 64 in data.read_bytes()
+    loaded = {**_blank_state(), "mark": torch.zeros(64, dtype=torch.uint8)}
+    _load(tmp_path, 4, loaded)
+    _assert_same(saved, loaded)
+
+
+def test_a_checkpoint_stages_every_save_through_one_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+
+    def allocate(n: int) -> torch.Tensor:
+        made.append(n)
+        return torch.zeros(n, dtype=torch.uint8)
+
+    monkeypatch.setattr(memory, "Staging", lambda: Staging(allocate, host_too=True))
+    with MemoryCheckpoint(str(tmp_path)) as ckpt:
+        for step in range(4):
+            ckpt.save(step, _state(step, step))
+        assert ckpt.wait() == 3
+    assert len(made) == 1  # the same size every step: made once, then reused
+    loaded = _blank_state()
+    with MemoryCheckpoint(str(tmp_path)) as again:
+        assert again.load_latest(loaded) == 3
+    _assert_same(_state(3, 3), loaded)
 
 
 def test_a_save_that_overlaps_the_previous_one_is_skipped_and_says_so(

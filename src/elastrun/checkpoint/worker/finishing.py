@@ -124,15 +124,17 @@ class Finisher:
             nursery.close()
         return nursery is not None
 
-    def forget(self) -> None:
+    def forget(self) -> bool:
         """The world was rebuilt under the checkpoint (an in-process recovery): stop the
         vote in flight, end the thread, waiting a bounded time, and drop the saves in
-        flight, their failures and the votes. The newest step stays."""
+        flight, their failures and the votes. The newest step stays. Returns whether
+        the thread was left behind (it may still use what its saves hold)."""
         nursery, self._nursery = self._nursery, None
         if self._agreement is not None:
             self._agreement.cancel("the world was rebuilt")
         self._jobs.put(None)
-        if nursery is not None and nursery.close(timeout=_REBUILT_JOIN):
+        left_behind = nursery is not None and bool(nursery.close(timeout=_REBUILT_JOIN))
+        if left_behind:
             log.warning(
                 "memory checkpoint: the previous world's background thread did not end "
                 "within %.0fs; it is left behind", _REBUILT_JOIN,
@@ -145,6 +147,7 @@ class Finisher:
             self._failure = self._broken = None
             self._ended = False
             self._lock.notify_all()
+        return left_behind
 
     def newest(self) -> int | None:
         """The newest step known here to be complete on every rank (None: none yet)."""

@@ -81,6 +81,7 @@ from elastrun.checkpoint.worker.space import (
     local_world_size,
     state_bytes,
 )
+from elastrun.checkpoint.worker.staging import Staging
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.checkpoint.worker.storage import (
     MemoryStorageReader,
@@ -165,6 +166,7 @@ class MemoryCheckpoint:
         self._space_checked = False
         self._last: int | None = None  # the last step saved (or skipped) or loaded here
         self._overlaps = Overlaps()
+        self._staging = Staging()  # (a pinned buffer once a tensor on a GPU is saved)
 
     # -- the public calls ----------------------------------------------------------------
 
@@ -263,6 +265,7 @@ class MemoryCheckpoint:
             world_size=steps.world_size,
             publish_on_finish=False,
             space_check=self._first_save_check,
+            staging=self._staging,
         )
         self._last = step
         try:
@@ -325,6 +328,7 @@ class MemoryCheckpoint:
         if not self._finisher.stop():
             return
         self._persisting.close()
+        self._staging.release()
         if self._steps is not None:
             self._steps.drop_spare()
         self._agreement = None  # (its connection closes with it)
@@ -387,7 +391,8 @@ class MemoryCheckpoint:
         flight), drop the persister and the save in flight, and set up again at this
         call. The steps in the node's memory stay: ``load_latest`` finds them."""
         log.info("memory checkpoint: the process groups were rebuilt; setting up again")
-        self._finisher.forget()
+        if self._finisher.forget():  # (its save may still be writing from the buffer)
+            self._staging = Staging()
         self._persisting.forget()
         self._agreement = self._world = None
         self._steps = self._reporter = None

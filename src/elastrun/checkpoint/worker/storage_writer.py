@@ -1,6 +1,8 @@
 """``MemoryStorageWriter``: DCP's storage writer into the node's shared memory (see
 ``checkpoint.worker.storage``): the layout of a rank's data file, its room reserved
-before a byte is copied, the copy of each item, and the metadata and the marker last."""
+before a byte is copied, the copy of each item, and the metadata and the marker last.
+With a ``Staging``, tensors on a GPU are copied into its pinned buffer, and written into
+the data file when the step is published (``checkpoint.worker.staging``)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch.futures import Future
 
 from elastrun.checkpoint.worker.errors import CheckpointSpaceError, MemoryCheckpointError
 from elastrun.checkpoint.worker.metadata import Span, encode_metadata
+from elastrun.checkpoint.worker.staging import Staging
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.checkpoint.worker.storage_io import ALONE, bytes_of, pwrite_all, rank_steps
 from elastrun.wire.checkpoint import Marker
@@ -42,6 +45,8 @@ class MemoryStorageWriter(StorageWriter):
             (False: when :meth:`publish` is called, e.g. on another thread).
         space_check: called with the bytes the data file will take before any is
             written (it raises to refuse the save).
+        staging: where tensors on a device are copied (None: each is brought to the
+            host and written at once, on the calling thread).
 
     Raises (from DCP's calls):
         MemoryCheckpointError: a collective save (not ``no_dist=True``), or a tensor
@@ -58,12 +63,17 @@ class MemoryStorageWriter(StorageWriter):
         world_size: int | None = None,
         publish_on_finish: bool = True,
         space_check: Callable[[int], None] | None = None,
+        staging: Staging | None = None,
     ) -> None:
         super().__init__()
         self.step = step
         self._steps = rank_steps(directory, rank, world_size)
         self._publish_on_finish = publish_on_finish
         self._space_check = space_check
+        self._staging = staging
+        self._staged: list[tuple[int, int]] = []  # (offset, length) in the staging buffer
+        self._staged_devices: set[torch.device] = set()  # CUDA devices copied from
+        self._staged_into: torch.Tensor | None = None  # (the buffer, kept until written)
         self._data_bytes: int | None = None
         self._metadata: Metadata | None = None
 
@@ -76,6 +86,8 @@ class MemoryStorageWriter(StorageWriter):
             )
         self._data_bytes = None
         self._metadata = None
+        self._staged = []
+        self._staged_devices = set()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not is_coordinator:
@@ -105,9 +117,10 @@ class MemoryStorageWriter(StorageWriter):
         try:
             _reserve(fd, total, path)
             results = [
-                self._write_item(fd, item, offset, values, planner)
+                self._write_item(fd, item, (offset, total), values, planner)
                 for item, offset in zip(plan.items, places, strict=True)
             ]
+            _wait_for_devices(self._staged_devices)
         except BaseException:
             os.close(fd)
             _unlink(path)
@@ -122,10 +135,11 @@ class MemoryStorageWriter(StorageWriter):
         self,
         fd: int,
         item: WriteItem,
-        offset: int,
+        place: tuple[int, int],
         values: dict[MetadataIndex, bytes],
         planner: SavePlanner,
     ) -> WriteResult:
+        offset, total = place  # (the item's offset, and the data file's size)
         if item.type == WriteItemType.BYTE_IO:
             data = values[item.index]
             pwrite_all(fd, memoryview(data), offset)
@@ -134,16 +148,48 @@ class MemoryStorageWriter(StorageWriter):
             tensor = planner.resolve_data(item)
             if not isinstance(tensor, torch.Tensor):
                 raise MemoryCheckpointError(f"{item.index.fqn}: DCP resolved it to no tensor")
-            tensor = _host_dense(tensor, item.index.fqn)
+            _check_dense(tensor, item.index.fqn)
             length = tensor.numel() * tensor.element_size()
             expected = _planned_bytes(item)
             if length != expected:
                 raise MemoryCheckpointError(
                     f"{item.index.fqn}: {length} bytes resolved, the plan has {expected}"
                 )
-            pwrite_all(fd, bytes_of(tensor), offset)
+            if self._staging is not None and self._staging.takes(tensor):
+                self._stage(tensor.detach(), offset, total)
+            else:
+                host = _host_dense(tensor)  # (held while its bytes are written)
+                pwrite_all(fd, bytes_of(host), offset)
             span = Span(offset, length, tensor.dtype, tuple(tensor.shape))
         return WriteResult(index=item.index, size_in_bytes=span.length, storage_data=span)
+
+    def _stage(self, tensor: torch.Tensor, offset: int, total: int) -> None:
+        """Copy ``tensor`` into the staging buffer at its place in the data file (the
+        buffer mirrors the file: items are aligned there, so any dtype can view it);
+        from a CUDA device without waiting (``write_data`` waits once for all)."""
+        assert self._staging is not None
+        length = tensor.numel() * tensor.element_size()
+        if length == 0:
+            return
+        buffer = self._staged_into = self._staging.buffer(total)
+        into = buffer[offset : offset + length].view(tensor.dtype).view(tensor.shape)
+        into.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        self._staged.append((offset, length))
+        if tensor.device.type == "cuda":
+            self._staged_devices.add(tensor.device)
+
+    def _write_staged(self) -> None:
+        """Write the staged tensors into the data file (on the thread that publishes)."""
+        staged, self._staged = self._staged, []
+        buffer, self._staged_into = self._staged_into, None
+        if not staged or buffer is None:
+            return
+        fd = os.open(self._steps.data_path(self.step), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            for offset, length in staged:
+                pwrite_all(fd, bytes_of(buffer[offset : offset + length]), offset)
+        finally:
+            os.close(fd)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = {r.index: r.storage_data for rank_results in results for r in rank_results}
@@ -177,6 +223,7 @@ class MemoryStorageWriter(StorageWriter):
         """
         if self._metadata is None or self._data_bytes is None:
             raise MemoryCheckpointError(f"step {self.step} was not written: nothing to publish")
+        self._write_staged()
         text = encode_metadata(self._metadata).encode()
         with open(self._steps.meta_path(self.step), "wb") as fh:
             fh.write(text)
@@ -296,11 +343,20 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _host_dense(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
-    """``tensor`` as a contiguous tensor in host memory (a copy only where needed)."""
+def _check_dense(tensor: torch.Tensor, fqn: str) -> None:
     if tensor.layout != torch.strided or tensor.is_quantized:
         raise MemoryCheckpointError(f"{fqn}: a {tensor.layout} tensor cannot be saved in memory")
+
+
+def _host_dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a contiguous tensor in host memory (a copy only where needed)."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
     return tensor.contiguous()
+
+
+def _wait_for_devices(devices: set[torch.device]) -> None:
+    """Until the copies from these CUDA devices into the staging buffer are done."""
+    for device in devices:
+        torch.cuda.synchronize(device)
