@@ -256,6 +256,18 @@ def test_memory_checkpoint_benchmark_times_saves_and_restarts_from_memory(tmp_pa
         assert lost and all(v <= 1 for v in lost), (column, lost)  # a save every step
 
 
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_memory_checkpoint_benchmark_on_a_device_times_one_ranks_saves(tmp_path: Path) -> None:
+    # The GPU measurement (ELASTRUN_BENCH_DEVICE=cuda, issue 43), run on the CPU here so
+    # that its job and its figures cannot rot before a GPU runs them.
+    env = {**os.environ, "ELASTRUN_BENCH_DEVICE": "cpu"}
+    data = _run_module("bench_memory_checkpoint.py", tmp_path, env=env)
+    blocked = _samples(data, "blocked_s")
+    assert set(blocked) == {"elastrun, memory every step", "torchrun, DCP to disk"}, blocked
+    assert all(v > 0 for vs in blocked.values() for v in vs), blocked
+
+
 def test_memory_checkpoint_node_killed_figures_count_from_the_kill_and_the_last_common_step(
     bench_path: None,
 ) -> None:
