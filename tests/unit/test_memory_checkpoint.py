@@ -243,7 +243,7 @@ def test_staged_tensors_reach_the_data_file_when_the_step_is_published(tmp_path:
     _assert_same(saved, loaded)
 
 
-def test_a_checkpoint_stages_every_save_through_one_buffer(
+def test_a_checkpoint_stages_every_save_and_its_load_through_one_buffer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made: list[int] = []
@@ -261,6 +261,7 @@ def test_a_checkpoint_stages_every_save_through_one_buffer(
     loaded = _blank_state()
     with MemoryCheckpoint(str(tmp_path)) as again:
         assert again.load_latest(loaded) == 3
+    assert len(made) == 2  # the load read through a buffer of its own checkpoint's
     _assert_same(_state(3, 3), loaded)
 
 

@@ -209,7 +209,11 @@ class MemoryCheckpoint:
         step = self._agree_on_step(steps.loadable_steps())
         if step is not None:
             reader = MemoryStorageReader(
-                steps.directory, step, rank=steps.rank, world_size=steps.world_size
+                steps.directory,
+                step,
+                rank=steps.rank,
+                world_size=steps.world_size,
+                staging=self._staging,
             )
             with ranks.dcp_call(f"loading step {step}"):
                 dcp_load(state_dict, storage_reader=reader, no_dist=True)

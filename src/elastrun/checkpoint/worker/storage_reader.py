@@ -1,6 +1,7 @@
 """``MemoryStorageReader``: DCP's storage reader from the node's shared memory (see
 ``checkpoint.worker.storage``): a rank's own piece of a step, or every rank's when the
-world that saved it had another size, read straight into the destination tensors."""
+world that saved it had another size, read straight into the destination tensors (a
+tensor on a GPU through a ``Staging`` buffer, pinned, when one is given)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch.futures import Future
 
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.metadata import Span, decode_metadata, merge_metadata
+from elastrun.checkpoint.worker.staging import Staging
 from elastrun.checkpoint.worker.storage_io import ALONE, bytes_of, pread_all, rank_steps
 
 __all__ = ["MemoryStorageReader"]
@@ -34,6 +36,8 @@ class MemoryStorageReader(StorageReader):
         directory: the node's checkpoint directory (``ELASTRUN_CHECKPOINT_DIR``).
         step: the step to read.
         rank, world_size: this rank's (None: as for the writer).
+        staging: where the bytes of a tensor on a device are read first (None: into
+            ordinary host memory, then copied).
 
     Raises (from DCP's calls):
         MemoryCheckpointError: the node does not hold the pieces this rank needs of the
@@ -48,10 +52,12 @@ class MemoryStorageReader(StorageReader):
         *,
         rank: int | None = None,
         world_size: int | None = None,
+        staging: Staging | None = None,
     ) -> None:
         super().__init__()
         self.step = step
         self._steps = rank_steps(directory, rank, world_size)
+        self._staging = staging
         self._storage: dict[MetadataIndex, Span] = {}
         self._files: dict[MetadataIndex, str] = {}
         self._data_paths: dict[int, str] = {}  # rank -> its data file (set at read_metadata)
@@ -125,11 +131,31 @@ class MemoryStorageReader(StorageReader):
                         planner.load_bytes(item, io.BytesIO(buf))
                     else:
                         target = planner.resolve_tensor(item).detach()
-                        _read_tensor(fh.fileno(), item, span, target)
+                        if self._staging is not None and self._staging.takes(target):
+                            self._read_staged(fh.fileno(), item, span, target)
+                        else:
+                            _read_tensor(fh.fileno(), item, span, target)
                         planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_staged(self, fd: int, item: ReadItem, span: Span, target: torch.Tensor) -> None:
+        """Fill a device tensor from the stored chunk through the staging buffer (the
+        buffer mirrors the data file; the copy is waited for before DCP sees it)."""
+        assert self._staging is not None
+        if span.dtype is None or span.shape is None:
+            fqn = item.storage_index.fqn
+            raise MemoryCheckpointError(f"{fqn}: stored as a value, not a tensor")
+        buffer = self._staging.buffer(os.fstat(fd).st_size)
+        region = buffer[span.offset : span.offset + span.length]
+        pread_all(fd, bytes_of(region), span.offset)
+        stored = region.view(span.dtype).reshape(span.shape)
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+            stored = stored.narrow(dim, start, length)
+        target.copy_(stored, non_blocking=target.device.type == "cuda")
+        if target.device.type == "cuda":
+            torch.cuda.current_stream(target.device).synchronize()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
