@@ -257,7 +257,11 @@ class InprocessRecovery:
                 RESTART_COUNT_ENV: str(restart_count),
             }
         setup = dataclasses.replace(attempt.setup, plan=plan, envs=envs)
-        self._lead(attempt, setup, list(agreement.listeners), after_failure=after_failure)
+        # The nodes' listeners as each read them for its offer, and this node's read
+        # again now: a group its workers made since has a listener the agreement lacks,
+        # and this node's workers cutting their side frees the other nodes' ends too.
+        cut = sorted(set(agreement.listeners) | set(self._listeners(attempt)))
+        self._lead(attempt, setup, cut, after_failure=after_failure)
 
     def _listeners(self, attempt: Attempt) -> list[str]:
         pids = attempt.procs.pids()
