@@ -101,9 +101,10 @@ def test_a_round_across_nodes_cuts_the_listeners_agreed_and_this_nodes_read_agai
     )
     hub, workers = _Hub(), _Workers()
     rec = _recovery(workers, hub)
-    attempt = _Attempt(_plan(4, [0, 1]), _Procs(alive={0: 100}, dead={1: 101}))
+    # (stands in for an Attempt: the setup, processes and ranks that leading reads)
+    attempt: Any = _Attempt(_plan(4, [0, 1]), _Procs(alive={0: 100}, dead={1: 101}))
     agreement = Agreement(3, ("127.0.0.1:4000", "127.0.0.2:5000"))
-    rec.recover_round(attempt, _plan(4, [0, 1]), agreement, 1, after_failure=True)  # type: ignore[arg-type]
+    rec.recover_round(attempt, _plan(4, [0, 1]), agreement, 1, after_failure=True)
     assert hub.announced == [(3, ["127.0.0.1:4000", "127.0.0.1:4999", "127.0.0.2:5000"])]
     assert workers.replaced == [1]
     assert rec.round.under_way
