@@ -124,38 +124,26 @@ class MemoryStorageReader(StorageReader):
             by_file.setdefault(path, []).append((item, span))
         for path, items in by_file.items():
             with open(path, "rb", buffering=0) as fh:
+                fd = fh.fileno()
                 for item, span in items:
                     if item.type == LoadItemType.BYTE_IO:
                         buf = bytearray(span.length)
-                        pread_all(fh.fileno(), memoryview(buf), span.offset)
+                        pread_all(fd, memoryview(buf), span.offset)
                         planner.load_bytes(item, io.BytesIO(buf))
                     else:
                         target = planner.resolve_tensor(item).detach()
-                        if self._staging is not None and self._staging.takes(target):
-                            self._read_staged(fh.fileno(), item, span, target)
-                        else:
-                            _read_tensor(fh.fileno(), item, span, target)
+                        _read_tensor(fd, item, span, target, self._staged(fd, target))
                         planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read_staged(self, fd: int, item: ReadItem, span: Span, target: torch.Tensor) -> None:
-        """Fill a device tensor from the stored chunk through the staging buffer (the
-        buffer mirrors the data file; the copy is waited for before DCP sees it)."""
-        assert self._staging is not None
-        if span.dtype is None or span.shape is None:
-            fqn = item.storage_index.fqn
-            raise MemoryCheckpointError(f"{fqn}: stored as a value, not a tensor")
-        buffer = self._staging.buffer(os.fstat(fd).st_size)
-        region = buffer[span.offset : span.offset + span.length]
-        pread_all(fd, bytes_of(region), span.offset)
-        stored = region.view(span.dtype).reshape(span.shape)
-        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-            stored = stored.narrow(dim, start, length)
-        target.copy_(stored, non_blocking=target.device.type == "cuda")
-        if target.device.type == "cuda":
-            torch.cuda.current_stream(target.device).synchronize()
+    def _staged(self, fd: int, target: torch.Tensor) -> torch.Tensor | None:
+        """The staging buffer for ``target`` (one on a device), mirroring the data file
+        ``fd`` (None: no staging, or a host tensor)."""
+        if self._staging is None or not self._staging.takes(target):
+            return None
+        return self._staging.buffer(os.fstat(fd).st_size)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -168,13 +156,19 @@ class MemoryStorageReader(StorageReader):
         )
 
 
-def _read_tensor(fd: int, item: ReadItem, span: Span, target: torch.Tensor) -> None:
-    """Fill ``target`` with the part of the stored chunk ``item`` names."""
+def _read_tensor(
+    fd: int, item: ReadItem, span: Span, target: torch.Tensor, staged: torch.Tensor | None
+) -> None:
+    """Fill ``target`` with the part of the stored chunk ``item`` names: straight into
+    it where it is the whole chunk in host memory, else through a buffer (``staged``, a
+    staging buffer that mirrors the data file, pinned: the copy to the device is waited
+    for before DCP sees the tensor; None: a new one)."""
     if span.dtype is None or span.shape is None:
         raise MemoryCheckpointError(f"{item.storage_index.fqn}: stored as a value, not a tensor")
     whole = tuple(item.lengths) == span.shape and not any(item.storage_offsets)
     if (
-        whole
+        staged is None
+        and whole
         and target.device.type == "cpu"
         and target.dtype == span.dtype
         and target.is_contiguous()
@@ -182,9 +176,15 @@ def _read_tensor(fd: int, item: ReadItem, span: Span, target: torch.Tensor) -> N
     ):
         pread_all(fd, bytes_of(target), span.offset)
         return
-    buf = torch.empty(span.length, dtype=torch.uint8)
+    if staged is None:
+        buf = torch.empty(span.length, dtype=torch.uint8)
+    else:
+        buf = staged[span.offset : span.offset + span.length]
     pread_all(fd, bytes_of(buf), span.offset)
     stored = buf.view(span.dtype).reshape(span.shape)
     for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
         stored = stored.narrow(dim, start, length)
-    target.copy_(stored)
+    device = target.device
+    target.copy_(stored, non_blocking=staged is not None and device.type == "cuda")
+    if staged is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
