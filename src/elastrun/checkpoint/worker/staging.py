@@ -43,6 +43,7 @@ class Staging:
         self._allocate = allocate
         self._host_too = host_too
         self._buffer: torch.Tensor | None = None
+        self._copying: set[torch.device] = set()  # CUDA devices with copies in flight
 
     def takes(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` goes through the buffer (it lives on a device)."""
@@ -54,6 +55,36 @@ class Staging:
             self._buffer = None  # (the old one freed before the new one is made)
             self._buffer = self._allocate(nbytes)
         return self._buffer
+
+    def copy_in(self, tensor: torch.Tensor, offset: int, total: int) -> None:
+        """Copy ``tensor`` into the buffer (of at least ``total`` bytes) at ``offset``,
+        which is aligned for its dtype; from a CUDA device without waiting (see
+        :meth:`wait`)."""
+        length = tensor.numel() * tensor.element_size()
+        into = self.buffer(total)[offset : offset + length].view(tensor.dtype)
+        into.view(tensor.shape).copy_(tensor, non_blocking=self._async(tensor.device))
+
+    def copy_out(self, stored: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy ``stored`` (a view of the buffer) into ``target``, and wait for it."""
+        target.copy_(stored, non_blocking=self._async(target.device))
+        self.wait()
+
+    def wait(self) -> None:
+        """Until the copies issued since the last wait are done."""
+        copying, self._copying = self._copying, set()
+        for device in copying:
+            torch.cuda.synchronize(device)
+
+    def region(self, offset: int, length: int) -> torch.Tensor:
+        """The buffer's bytes at ``offset`` (the buffer is made already)."""
+        assert self._buffer is not None, "nothing was staged"
+        return self._buffer[offset : offset + length]
+
+    def _async(self, device: torch.device) -> bool:
+        if device.type != "cuda":
+            return False
+        self._copying.add(device)
+        return True
 
     @property
     def held(self) -> int:

@@ -132,18 +132,14 @@ class MemoryStorageReader(StorageReader):
                         planner.load_bytes(item, io.BytesIO(buf))
                     else:
                         target = planner.resolve_tensor(item).detach()
-                        _read_tensor(fd, item, span, target, self._staged(fd, target))
+                        staging = self._staging
+                        if staging is not None and not staging.takes(target):
+                            staging = None
+                        _read_tensor(fd, item, span, target, staging)
                         planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
-
-    def _staged(self, fd: int, target: torch.Tensor) -> torch.Tensor | None:
-        """The staging buffer for ``target`` (one on a device), mirroring the data file
-        ``fd`` (None: no staging, or a host tensor)."""
-        if self._staging is None or not self._staging.takes(target):
-            return None
-        return self._staging.buffer(os.fstat(fd).st_size)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -157,17 +153,17 @@ class MemoryStorageReader(StorageReader):
 
 
 def _read_tensor(
-    fd: int, item: ReadItem, span: Span, target: torch.Tensor, staged: torch.Tensor | None
+    fd: int, item: ReadItem, span: Span, target: torch.Tensor, staging: Staging | None
 ) -> None:
     """Fill ``target`` with the part of the stored chunk ``item`` names: straight into
-    it where it is the whole chunk in host memory, else through a buffer (``staged``, a
-    staging buffer that mirrors the data file, pinned: the copy to the device is waited
-    for before DCP sees the tensor; None: a new one)."""
+    it where it is the whole chunk in host memory, else through a buffer (``staging``'s,
+    which mirrors the data file: the copy to the device is waited for before DCP sees
+    the tensor; None: a new one)."""
     if span.dtype is None or span.shape is None:
         raise MemoryCheckpointError(f"{item.storage_index.fqn}: stored as a value, not a tensor")
     whole = tuple(item.lengths) == span.shape and not any(item.storage_offsets)
     if (
-        staged is None
+        staging is None
         and whole
         and target.device.type == "cpu"
         and target.dtype == span.dtype
@@ -176,15 +172,16 @@ def _read_tensor(
     ):
         pread_all(fd, bytes_of(target), span.offset)
         return
-    if staged is None:
+    if staging is None:
         buf = torch.empty(span.length, dtype=torch.uint8)
     else:
-        buf = staged[span.offset : span.offset + span.length]
+        staging.buffer(os.fstat(fd).st_size)
+        buf = staging.region(span.offset, span.length)
     pread_all(fd, bytes_of(buf), span.offset)
     stored = buf.view(span.dtype).reshape(span.shape)
     for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
         stored = stored.narrow(dim, start, length)
-    device = target.device
-    target.copy_(stored, non_blocking=staged is not None and device.type == "cuda")
-    if staged is not None and device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+    if staging is None:
+        target.copy_(stored)
+    else:
+        staging.copy_out(stored, target)

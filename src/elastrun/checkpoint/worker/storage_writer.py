@@ -72,8 +72,6 @@ class MemoryStorageWriter(StorageWriter):
         self._space_check = space_check
         self._staging = staging
         self._staged: list[tuple[int, int]] = []  # (offset, length) in the staging buffer
-        self._staged_devices: set[torch.device] = set()  # CUDA devices copied from
-        self._staged_into: torch.Tensor | None = None  # (the buffer, kept until written)
         self._data_bytes: int | None = None
         self._metadata: Metadata | None = None
 
@@ -87,7 +85,6 @@ class MemoryStorageWriter(StorageWriter):
         self._data_bytes = None
         self._metadata = None
         self._staged = []
-        self._staged_devices = set()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not is_coordinator:
@@ -120,7 +117,8 @@ class MemoryStorageWriter(StorageWriter):
                 self._write_item(fd, item, (offset, total), values, planner)
                 for item, offset in zip(plan.items, places, strict=True)
             ]
-            _wait_for_devices(self._staged_devices)
+            if self._staging is not None:
+                self._staging.wait()  # (the copies from a device into the buffer)
         except BaseException:
             os.close(fd)
             _unlink(path)
@@ -156,38 +154,26 @@ class MemoryStorageWriter(StorageWriter):
                     f"{item.index.fqn}: {length} bytes resolved, the plan has {expected}"
                 )
             if self._staging is not None and self._staging.takes(tensor):
-                self._stage(tensor.detach(), offset, total)
+                if length:
+                    self._staging.copy_in(tensor.detach(), offset, total)
+                    self._staged.append((offset, length))
             else:
                 host = _host_dense(tensor)  # (held while its bytes are written)
                 pwrite_all(fd, bytes_of(host), offset)
             span = Span(offset, length, tensor.dtype, tuple(tensor.shape))
         return WriteResult(index=item.index, size_in_bytes=span.length, storage_data=span)
 
-    def _stage(self, tensor: torch.Tensor, offset: int, total: int) -> None:
-        """Copy ``tensor`` into the staging buffer at its place in the data file (the
-        buffer mirrors the file: items are aligned there, so any dtype can view it);
-        from a CUDA device without waiting (``write_data`` waits once for all)."""
-        assert self._staging is not None
-        length = tensor.numel() * tensor.element_size()
-        if length == 0:
-            return
-        buffer = self._staged_into = self._staging.buffer(total)
-        into = buffer[offset : offset + length].view(tensor.dtype).view(tensor.shape)
-        into.copy_(tensor, non_blocking=tensor.device.type == "cuda")
-        self._staged.append((offset, length))
-        if tensor.device.type == "cuda":
-            self._staged_devices.add(tensor.device)
-
     def _write_staged(self) -> None:
-        """Write the staged tensors into the data file (on the thread that publishes)."""
+        """Write the staged tensors into the data file (on the thread that publishes;
+        the buffer mirrors the file, so each is at its own offset in both)."""
         staged, self._staged = self._staged, []
-        buffer, self._staged_into = self._staged_into, None
-        if not staged or buffer is None:
+        if not staged:
             return
+        assert self._staging is not None
         fd = os.open(self._steps.data_path(self.step), os.O_WRONLY | os.O_CLOEXEC)
         try:
             for offset, length in staged:
-                pwrite_all(fd, bytes_of(buffer[offset : offset + length]), offset)
+                pwrite_all(fd, bytes_of(self._staging.region(offset, length)), offset)
         finally:
             os.close(fd)
 
@@ -354,9 +340,3 @@ def _host_dense(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
     return tensor.contiguous()
-
-
-def _wait_for_devices(devices: set[torch.device]) -> None:
-    """Until the copies from these CUDA devices into the staging buffer are done."""
-    for device in devices:
-        torch.cuda.synchronize(device)
