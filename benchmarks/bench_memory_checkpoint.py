@@ -65,7 +65,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,7 @@ class Options:
     batch: int = 64
     every: int = EVERY
     node_killed: bool = True  # the scenario of a node killed whole (see the module)
+    device_features: tuple[int, ...] = (8160,)  # ELASTRUN_BENCH_DEVICE: 1.6 GB, one rank
 
 
 PROFILE_OPTIONS = {
@@ -227,14 +228,31 @@ PROFILE_OPTIONS = {
     # of the smoke test, and tests/e2e/test_memory_checkpoint_buddies.py runs the same
     # scenario (a node killed whole, a spare taking its place from the buddy's copy, bit
     # for bit); the smoke test pins the scenario's figures (_memory_checkpoint_node).
-    "smoke": Options(reps=1, features=(256,), batch=8, every=4, node_killed=False),
+    "smoke": Options(
+        reps=1, features=(256,), batch=8, every=4, node_killed=False, device_features=(256,)
+    ),
     "quick": Options(reps=1, features=(2880, 5760)),
     "full": Options(reps=3, features=(2880, 5760)),
 }
 
 
+#: A rank's state in bytes over F^2: half of the layer and of Adam's two moments on each
+#: of two ranks, all of them on one.
+RANK_BYTES, ONE_RANK_BYTES = 12, 24
+
+
 def _gb(features: int) -> float:
-    return 12 * features * features / 1e9
+    return RANK_BYTES * features * features / 1e9
+
+
+def _sizes() -> list[float]:
+    """``ELASTRUN_BENCH_SIZES``: GB per rank (a comma list; none: the profile's)."""
+    return [float(v) for v in os.environ.get("ELASTRUN_BENCH_SIZES", "").split(",") if v]
+
+
+def _features_for(sizes: Sequence[float], bytes_per_f2: int) -> tuple[int, ...]:
+    """The layer's F for each state size (a multiple of 32)."""
+    return tuple(round(math.sqrt(gb * 1e9 / bytes_per_f2) / 32) * 32 for gb in sizes)
 
 
 def _run(
@@ -338,8 +356,7 @@ def _after_kill(lines: list[dict[str, Any]]) -> dict[str, float]:
 def _chosen(opts: Options) -> Options:
     """The profile's options, less what ``ELASTRUN_BENCH_SIZES`` (GB per rank, a comma
     list) and ``ELASTRUN_BENCH_REPS`` narrow (see the module)."""
-    sizes = [float(s) for s in os.environ.get("ELASTRUN_BENCH_SIZES", "").split(",") if s]
-    features = tuple(round(math.sqrt(gb * 1e9 / 12) / 32) * 32 for gb in sizes)
+    features = _features_for(_sizes(), RANK_BYTES)
     reps = int(os.environ.get("ELASTRUN_BENCH_REPS", "0")) or opts.reps
     return dataclasses.replace(opts, features=features or opts.features, reps=reps)
 
@@ -439,60 +456,62 @@ def _one_size(section: Section, features: int, opts: Options, work: Path) -> Non
             m.update(node_next_s=m["next_s"], node_lost=m["lost"])
         return m
 
-    def record(col: str, m: Mapping[str, float]) -> None:
-        for row in rows:
-            if row.key in m:
-                row.add(col, m[row.key])
-
-    alternate(section, f"state {size}", list(COLUMNS), opts.reps, measure, record)
+    alternate(section, f"state {size}", list(COLUMNS), opts.reps, measure, _recorder(rows))
     _headline(section, size, {r.key: r for r in rows})
 
 
 def _on_device(section: Section, opts: Options, device: str) -> None:
     """One rank with its state on ``device`` (see the module): blocked per save and the
     throughput cost, memory checkpoints every step against DCP to disk."""
-    sizes = [float(v) for v in os.environ.get("ELASTRUN_BENCH_SIZES", "").split(",") if v]
     section.intro = (
         f"One rank on {device} (NCCL on a GPU), one linear layer F x 2F with FSDP2 over a "
         f"world of one, Adam (its state: 24 F^2 bytes), a batch of {opts.batch}; "
         f"{opts.reps} alternating run(s) each, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
     )
+    chosen = _features_for(_sizes(), ONE_RANK_BYTES)
     with tempfile.TemporaryDirectory(prefix="elastrun-memory-checkpoint-") as tmp:
-        for gb in sizes or [1.6]:
-            features = round(math.sqrt(gb * 1e9 / 24) / 32) * 32
-            if opts.features == PROFILE_OPTIONS["smoke"].features:
-                features = opts.features[0]  # (the smoke run's tiny state)
-            size = f"{24 * features * features / 1e9:.2f} GB"
-            columns = [DISK, MEMORY]
-            table = section.table(f"on {device}: state {size} (F = {features})", columns, DISK)
-            rows = [
-                table.row("train_s", "training step (s)", fmt=".3f"),
-                table.row("blocked_s", "blocked per save (s)", fmt=".3f"),
-                table.row("cost_pct", "throughput cost of saving (%)", fmt=".1f"),
-                table.row("first_s", "first saves: once per job (s)", fmt=".2f"),
-            ]
+        for features in chosen or opts.device_features:
+            _device_size(section, features, opts, Path(tmp), device)
 
-            def measure(col: str, _rep: int, features: int = features) -> dict[str, float]:
-                lines = _run(col, features, opts, Path(tmp), kill=False, device=device)
-                return _steady(lines, col, opts.every)
 
-            def record(col: str, m: Mapping[str, float], rows: list[Row] = rows) -> None:
-                for row in rows:
-                    if row.key in m:
-                        row.add(col, m[row.key])
+def _device_size(section: Section, features: int, opts: Options, work: Path, device: str) -> None:
+    size = f"{ONE_RANK_BYTES * features * features / 1e9:.2f} GB"
+    columns = [DISK, MEMORY]
+    table = section.table(f"on {device}: state {size} (F = {features})", columns, DISK)
+    rows = [
+        table.row("train_s", "training step (s)", fmt=".3f"),
+        table.row("blocked_s", "blocked per save (s)", fmt=".3f"),
+        table.row("cost_pct", "throughput cost of saving (%)", fmt=".1f"),
+        table.row("first_s", "first saves: once per job (s)", fmt=".2f"),
+    ]
 
-            alternate(section, f"{device} {size}", columns, opts.reps, measure, record)
-            blocked = {r.key: r.medians() for r in rows}["blocked_s"].get(MEMORY)
-            if blocked is not None:
-                section.headlines.append(
-                    Headline(
-                        f"memory checkpoints on {device}, {size} per rank: blocked per save",
-                        f"{blocked:.3f} s",
-                        "<= 0.2 s (at 1.6 GB, on a GPU)",
-                        blocked <= 0.2,
-                    )
-                )
+    def measure(col: str, _rep: int) -> dict[str, float]:
+        lines = _run(col, features, opts, work, kill=False, device=device)
+        return _steady(lines, col, opts.every)
+
+    alternate(section, f"{device} {size}", columns, opts.reps, measure, _recorder(rows))
+    blocked = rows[1].medians().get(MEMORY)
+    if blocked is not None:
+        section.headlines.append(
+            Headline(
+                f"memory checkpoints on {device}, {size} per rank: blocked per save",
+                f"{blocked:.3f} s",
+                "<= 0.2 s (at 1.6 GB, on a GPU)",
+                blocked <= 0.2,
+            )
+        )
+
+
+def _recorder(rows: Sequence[Row]) -> Callable[[str, Mapping[str, float]], None]:
+    """What ``alternate`` calls with a column's measurement: each row takes its key."""
+
+    def record(col: str, m: Mapping[str, float]) -> None:
+        for row in rows:
+            if row.key in m:
+                row.add(col, m[row.key])
+
+    return record
 
 
 def _headline(section: Section, size: str, rows: Mapping[str, Row]) -> None:
