@@ -70,6 +70,14 @@ def fail(kind, step):
     if kind == "hang":
         open(os.path.join(out, f"hung_{rank}_{os.getpid()}"), "w").close()
         time.sleep(3600)
+    if kind == "glooblock":  # as torch's gloo leaves a send that can no longer end
+        import ctypes, threading
+        sent = threading.Event()
+        def send():
+            ctypes.CDLL(None).prctl(15, b"pt_gloo_runloop", 0, 0, 0)  # PR_SET_NAME
+            sent.wait(3600)  # a gloo work thread waits with the group's timeout
+        threading.Thread(target=send, daemon=True).start()
+        sent.wait()  # and the training thread for it
     if kind == "fakegloo":  # looks like a failed collective, but no peer failed
         raise RuntimeError(f"gloo socket closed by user code\\nrank {rank}, step {step}")
     if kind == "mark":
@@ -509,6 +517,29 @@ def test_a_survivor_stuck_past_the_join_bound_is_replaced_in_place(
     assert "the run wrote diagnostics (1 stack dump(s)); kept in" in err
     ranks = _by_rank(results)
     _kept(ranks[0], [0, 13], err)  # kept all along
+    _kept(ranks[3], [0, 13], err)
+    assert ranks[1]["calls"] == ranks[2]["calls"] == [13]  # the replacements
+    assert {r["sha"] for r in results} == {fault_free}
+
+
+def test_a_survivor_blocked_for_good_in_gloo_is_replaced_before_the_join_bound(
+    tmp_path: Path, fault_free: str
+) -> None:
+    # Rank 1 blocks at step 12 as torch's gloo now and then leaves a survivor: one of its
+    # gloo work threads waits, with the group's timeout, on a send that can no longer
+    # end (here on an event), and the training thread waits on it. Rank 2 dies at 12.
+    # Once the round's message has cut rank 1's connections, nothing but the timeout
+    # could end its wait: the agent replaces it 2 s into the round, not at the join
+    # bound (30 s here), and the others move on to round 2.
+    code, err, results = _run(
+        tmp_path, "out", ["1:12:glooblock", "2:12:kill"], "ELASTRUN_INPROCESS_JOIN_TIMEOUT=30"
+    )
+    assert code == 0, err
+    assert "did not reach in-process round 1 (blocked for good in a gloo collective" in err, err
+    assert "within 30s" not in err
+    assert "in-process round 2 complete" in err and "restarting all workers" not in err
+    ranks = _by_rank(results)
+    _kept(ranks[0], [0, 13], err)
     _kept(ranks[3], [0, 13], err)
     assert ranks[1]["calls"] == ranks[2]["calls"] == [13]  # the replacements
     assert {r["sha"] for r in results} == {fault_free}

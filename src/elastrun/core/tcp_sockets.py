@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 _TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 _LISTEN = "0A"
+_ESTABLISHED = "01"
 
 
 @dataclass(frozen=True)
 class TcpSocket:
-    """One row of the TCP table: the two ends and the state (``0A`` is LISTEN)."""
+    """One row of the TCP table: the two ends and the state (``0A`` is LISTEN, ``01``
+    ESTABLISHED)."""
 
     local: str
     remote: str
@@ -32,6 +34,10 @@ class TcpSocket:
     @property
     def listening(self) -> bool:
         return self.state == _LISTEN
+
+    @property
+    def established(self) -> bool:
+        return self.state == _ESTABLISHED
 
 
 def socket_fds(pid: int) -> dict[int, str]:
@@ -70,6 +76,16 @@ def listening_endpoints(pids: Iterable[int]) -> list[str]:
             if entry is not None and entry.listening:
                 found.add(entry.local)
     return sorted(found)
+
+
+def connected_to(pid: int, ends: Endpoints) -> bool:
+    """Whether process ``pid`` has an established connection to or from any of ``ends``."""
+    table = tcp_table()
+    rows = (table.get(inode) for inode in socket_fds(pid).values())
+    return any(
+        row is not None and row.established and (row.local in ends or row.remote in ends)
+        for row in rows
+    )
 
 
 class Endpoints:

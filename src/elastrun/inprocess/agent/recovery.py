@@ -286,7 +286,9 @@ class InprocessRecovery:
         for lr in failed:
             replaced[lr] = self._started[lr] = self._workers.replace_worker(attempt, setup, lr)
         self._workers.update_ranks(setup.plan)
-        self.round.begin(n, {**survivors, **replaced}, replaced, after_failure=after_failure)
+        self.round.begin(
+            n, {**survivors, **replaced}, replaced, after_failure=after_failure, cut=cut
+        )
         ranks = [attempt.global_rank(lr) for lr in sorted(replaced)]
         what = [f"{len(survivors)} worker(s) keep their processes"]
         if replaced:

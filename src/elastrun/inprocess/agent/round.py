@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from elastrun.agent.attempt import Attempt
 from elastrun.core.clock import Clock
+from elastrun.core.tcp_sockets import Endpoints
 from elastrun.inprocess.agent.hub import InprocessHub
-from elastrun.inprocess.agent.stuck import end_stuck
+from elastrun.inprocess.agent.stuck import SURE_AFTER, blocked_for_good, end_stuck
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.stacks import request_stacks
 
@@ -49,6 +50,7 @@ class _Round:
     expected: dict[int, int]  # local rank -> pid of every worker of the round
     replaced: dict[int, int]  # local rank -> pid of the replacements
     after_failure: bool  # a recovery (not a node joining): judged by the stall guard
+    peers: Endpoints  # where the workers listened when it began (the round's cut)
     ended: set[int] = dataclasses.field(default_factory=set)  # stuck, and killed
 
 
@@ -60,7 +62,10 @@ class InprocessRound:
         clock: the agent's.
         events, metrics: where the round's end is recorded.
         timeout: how long a round may take until every worker has synchronised.
-        join_timeout: how long a kept worker may take to reach the round.
+        join_timeout: how long a kept worker may take to reach the round; one that
+            waits in a gloo collective with no connection left is replaced sooner
+            (``inprocess.agent.stuck``).
+        blocked: how such a worker is told (``stuck.blocked_for_good``: tests stand in).
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class InprocessRound:
         *,
         timeout: float,
         join_timeout: float,
+        blocked: Callable[[int, Endpoints], bool] = blocked_for_good,
     ) -> None:
         self._hub = hub
         self._clock = clock
@@ -79,6 +85,7 @@ class InprocessRound:
         self._metrics = metrics
         self._timeout = timeout
         self._join_timeout = join_timeout
+        self._blocked = blocked
         self._current: _Round | None = None
 
     def begin(
@@ -88,12 +95,20 @@ class InprocessRound:
         replaced: dict[int, int],
         *,
         after_failure: bool,
+        cut: Sequence[str] = (),
     ) -> None:
         """Round ``number`` is under way: every worker of ``expected`` (local rank ->
-        pid), ``replaced`` among them, is to synchronise within the bound."""
+        pid), ``replaced`` among them, is to synchronise within the bound (``cut``: the
+        listeners the round's message told the workers to cut)."""
         now = self._clock.monotonic()
         self._current = _Round(
-            number, now, now + self._timeout, dict(expected), dict(replaced), after_failure
+            number,
+            now,
+            now + self._timeout,
+            dict(expected),
+            dict(replaced),
+            after_failure,
+            Endpoints(cut),
         )
 
     @property
@@ -132,19 +147,24 @@ class InprocessRound:
 
     def stuck(self) -> list[int]:
         """The local ranks of kept workers that have not reached the round under way
-        within the join bound (stuck in a collective that never failed)."""
+        within the join bound, or are blocked for good in a gloo collective
+        ``SURE_AFTER`` seconds into it (stuck in a collective that never fails)."""
         current, hub = self._current, self._hub()
         if current is None or hub is None:
             return []
-        if self._clock.monotonic() < current.started + self._join_timeout:
+        waited = self._clock.monotonic() - current.started
+        if waited < min(SURE_AFTER, self._join_timeout):
             return []
-        return sorted(
+        absent = [
             lr
-            for lr, pid in current.expected.items()
+            for lr, pid in sorted(current.expected.items())
             if lr not in current.replaced
             and lr not in current.ended
             and not hub.joined(lr, pid, current.number)
-        )
+        ]
+        if waited >= self._join_timeout:
+            return absent
+        return [lr for lr in absent if self._blocked(current.expected[lr], current.peers)]
 
     def end_stuck(self, attempt: Attempt, local_ranks: list[int]) -> None:
         """Keep the stacks of the stuck workers, then SIGKILL them: the loop replaces
@@ -152,7 +172,15 @@ class InprocessRound:
         current = self._current
         assert current is not None
         current.ended.update(local_ranks)
-        end_stuck(attempt, local_ranks, current.number, self._join_timeout, self._events)
+        waited = self._clock.monotonic() - current.started
+        if waited >= self._join_timeout:
+            why = f"within {self._join_timeout:.0f}s (stuck in a collective"
+        else:
+            why = (
+                f"(blocked for good in a gloo collective, its connections to the round's "
+                f"workers gone, {waited:.1f}s into the round"
+            )
+        end_stuck(attempt, local_ranks, current.number, why, self._events)
 
     def laggards(self) -> list[int]:
         """The local ranks of the round under way that have not synchronised yet."""
