@@ -1,12 +1,12 @@
 """Which kept workers the round under way finds stuck, and when: any that has not come
 at the join bound, and one blocked for good in a gloo collective ``SURE_AFTER`` seconds
-into the round (the probe stood in for)."""
+into the round, at every look for ``CONFIRM`` seconds (the probe stood in for)."""
 
 from __future__ import annotations
 
 from elastrun.core.tcp_sockets import Endpoints
 from elastrun.inprocess.agent.round import InprocessRound
-from elastrun.inprocess.agent.stuck import SURE_AFTER
+from elastrun.inprocess.agent.stuck import CONFIRM, SURE_AFTER
 from elastrun.observe.sinks import MemoryEventSink, NullMetricSink
 from elastrun.testing import FakeClock
 
@@ -25,6 +25,8 @@ class _Hub:
 def _round(
     join_timeout: float, blocked_pids: set[int]
 ) -> tuple[InprocessRound, _Hub, FakeClock, list[tuple[int, Endpoints]]]:
+    """A round of local ranks 0-2 kept (pids 100-102) and 3 replaced (pid 103); the probe
+    finds ``blocked_pids`` blocked (a set the test may change between looks)."""
     hub, clock = _Hub(), FakeClock()
     asked: list[tuple[int, Endpoints]] = []
 
@@ -41,7 +43,6 @@ def _round(
         join_timeout=join_timeout,
         blocked=blocked,
     )
-    # Local ranks 0-2 kept (pids 100-102), 3 replaced (pid 103).
     current.begin(
         1, {0: 100, 1: 101, 2: 102, 3: 103}, {3: 103}, after_failure=True, cut=["0100007F:1F90"]
     )
@@ -49,17 +50,26 @@ def _round(
 
 
 def test_a_worker_blocked_for_good_is_stuck_soon_and_the_others_only_at_the_join_bound() -> None:
-    current, hub, clock, asked = _round(30.0, blocked_pids={101, 103})
+    blocked = {101, 102, 103}
+    current, hub, clock, asked = _round(30.0, blocked)
     hub.came.add(0)
-    clock.advance(SURE_AFTER - 0.1)
+    clock.advance(SURE_AFTER - CONFIRM - 0.1)
     assert current.stuck() == [] and asked == []  # too soon to tell: the cut may be at work
     clock.advance(0.2)
-    # Rank 1 is blocked; rank 2 is not (it computes, or waits for a live peer); rank 3 is
-    # a replacement (never asked); rank 0 came.
-    assert current.stuck() == [1]
+    assert current.stuck() == []  # ranks 1 and 2 found blocked once: not yet sure
+    # Rank 3 is a replacement (never asked); rank 0 came.
     assert sorted(pid for pid, _ in asked) == [101, 102]
     assert all("0100007F:1F90" in peers for _, peers in asked)  # the round's listeners
+    blocked.discard(102)  # rank 2's wait ended (gloo failed its collective, say)
+    clock.advance(CONFIRM / 2)
+    assert current.stuck() == []
+    blocked.add(102)  # and it waits again: found so since now only
+    clock.advance(CONFIRM / 2)
+    assert current.stuck() == [1]  # blocked at every look over CONFIRM seconds
+    clock.advance(CONFIRM)
+    assert current.stuck() == [1, 2]
     clock.advance(30.0)
+    blocked.clear()
     assert current.stuck() == [1, 2]  # the join bound: whoever has not come
 
 

@@ -22,7 +22,7 @@ from elastrun.agent.attempt import Attempt
 from elastrun.core.clock import Clock
 from elastrun.core.tcp_sockets import Endpoints
 from elastrun.inprocess.agent.hub import InprocessHub
-from elastrun.inprocess.agent.stuck import SURE_AFTER, blocked_for_good, end_stuck
+from elastrun.inprocess.agent.stuck import CONFIRM, SURE_AFTER, blocked_for_good, end_stuck
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.supervise.processes.stacks import request_stacks
 
@@ -52,6 +52,8 @@ class _Round:
     after_failure: bool  # a recovery (not a node joining): judged by the stall guard
     peers: Endpoints  # where the workers listened when it began (the round's cut)
     ended: set[int] = dataclasses.field(default_factory=set)  # stuck, and killed
+    # local rank -> since when it was found blocked for good at every look (monotonic)
+    blocked: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 class InprocessRound:
@@ -148,12 +150,14 @@ class InprocessRound:
     def stuck(self) -> list[int]:
         """The local ranks of kept workers that have not reached the round under way
         within the join bound, or are blocked for good in a gloo collective
-        ``SURE_AFTER`` seconds into it (stuck in a collective that never fails)."""
+        ``SURE_AFTER`` seconds into it, at every look for ``CONFIRM`` seconds (stuck in
+        a collective that never fails)."""
         current, hub = self._current, self._hub()
         if current is None or hub is None:
             return []
-        waited = self._clock.monotonic() - current.started
-        if waited < min(SURE_AFTER, self._join_timeout):
+        now = self._clock.monotonic()
+        waited = now - current.started
+        if waited < min(SURE_AFTER - CONFIRM, self._join_timeout):
             return []
         absent = [
             lr
@@ -164,7 +168,13 @@ class InprocessRound:
         ]
         if waited >= self._join_timeout:
             return absent
-        return [lr for lr in absent if self._blocked(current.expected[lr], current.peers)]
+        found = []
+        for lr in absent:
+            if not self._blocked(current.expected[lr], current.peers):
+                current.blocked.pop(lr, None)
+            elif now - current.blocked.setdefault(lr, now) >= CONFIRM:
+                found.append(lr)
+        return found
 
     def end_stuck(self, attempt: Attempt, local_ranks: list[int]) -> None:
         """Keep the stacks of the stuck workers, then SIGKILL them: the loop replaces

@@ -10,7 +10,8 @@ waits on: one of torch's gloo work threads waits with a timeout (an operation in
 flight), while the process has no connection left to any worker of the round (the
 round's message cut them all: ``inprocess.worker.cut``). Nothing can end that wait
 but the group's own timeout, 30 minutes by default. So the agent replaces such a
-worker ``SURE_AFTER`` seconds into the round (``blocked_for_good``), and any other that
+worker ``SURE_AFTER`` seconds into the round (``blocked_for_good`` at every look over
+the last ``CONFIRM`` seconds), and any other that
 has not come at the join bound; it keeps their threads' stacks (in the attempt
 directory) and SIGKILLs them, with their process group when they lead one. The loop
 then replaces them in place, as failed workers, in the next round.
@@ -30,7 +31,7 @@ from elastrun.core.tcp_sockets import Endpoints, connected_to
 from elastrun.observe.sinks import EventSink
 from elastrun.supervise.processes.stacks import request_stacks
 
-__all__ = ["SURE_AFTER", "blocked_for_good", "end_stuck"]
+__all__ = ["CONFIRM", "SURE_AFTER", "blocked_for_good", "end_stuck"]
 
 log = logging.getLogger("elastrun.agent")
 
@@ -38,6 +39,9 @@ log = logging.getLogger("elastrun.agent")
 #: round's cut has shut its connections down, and gloo has failed (within
 #: milliseconds) every operation that it can fail.
 SURE_AFTER = 2.0
+#: ... and found so at every look over this many seconds before (a look that falls
+#: between the cut and gloo's noticing it, on a loaded machine, is not enough).
+CONFIRM = 0.5
 
 #: The name (``comm``) of torch's gloo work threads, which run the collectives.
 _GLOO_THREAD = "pt_gloo_runloop"
