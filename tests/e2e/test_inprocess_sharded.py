@@ -225,7 +225,9 @@ def test_sharded_recoveries_one_after_another_stay_in_place(
     plan = ["1:5", "2:9", "3:14", "0:19"]
     code, err, ranks = _run(tmp_path, "killed", "fsdp", 1, plan)
     assert code == 0, err
-    assert err.count("replacing it in place") == 4, err
+    # (and one more for each survivor that gloo left blocked, which the agent replaced:
+    # see test_sharded_survivors_keep_their_processes_and_resume_from_memory_in_place)
+    assert err.count("replacing it in place") == 4 + err.count("did not reach in-process"), err
     assert "restarting all workers" not in err and "no newer commit" not in err, err
     assert {r["sha"] for r in ranks.values()} == {clean_sha("fsdp", 1)}
 

@@ -9,6 +9,7 @@ import concurrent.futures
 import datetime
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 else:
     dist = pytest.importorskip("torch.distributed")
 
-from torch._C._distributed_c10d import HashStore, TCPStore
+from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
 from elastrun.checkpoint import MemoryCheckpointError
 from elastrun.checkpoint.worker.finishing import Finisher
@@ -177,6 +178,28 @@ def test_a_store_that_closes_ends_the_vote_at_once_and_the_end_of_the_world_expl
         closer.join()
         server.close()
     assert isinstance(caught.value, dist.DistNetworkError)
+    assert ended_with_world(caught.value)
+
+
+def test_a_checkpoint_set_up_after_its_worlds_store_closed_fails_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A rank that sets up (its first save or load in a world) after the agent closed
+    # that world's store: torch's clone of the store would retry the refused connection
+    # for twice the store's timeout (here 10 s; 60 minutes by default), which nothing
+    # interrupts. It fails at once instead, with torch's error for a lost store.
+    server = TorchWireServer("127.0.0.1", 0)
+    port = server.start()
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    default = PrefixStore("default_pg", client)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: default)
+    assert not agreement._server_gone(default)  # up: nothing to say
+    assert not agreement._server_gone(HashStore())  # not a TCP store: not asked
+    server.close()
+    started = time.monotonic()
+    with pytest.raises(dist.DistNetworkError, match="refuses connections") as caught:
+        agreement.for_world(0, 2)
+    assert time.monotonic() - started < 3.0
     assert ended_with_world(caught.value)
 
 

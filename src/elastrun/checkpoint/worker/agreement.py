@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -69,6 +70,8 @@ AGREE_TIMEOUT = 300.0
 #: long.)
 WAIT_SLICE = 5.0
 
+#: The longest the check that the world's store is still there waits for its answer.
+PROBE_TIMEOUT = 2.0
 #: The steps of a rank that count in the vote on the step to load, the newest (a rank
 #: holds at most two complete, more only if left by a writer other than
 #: ``MemoryCheckpoint``).
@@ -100,12 +103,37 @@ def for_world(rank: int, world: int) -> Agreement:
     import torch.distributed as dist
 
     default = dist.distributed_c10d._get_default_store()
+    if _server_gone(default):
+        raise dist.DistNetworkError(
+            "the world's store refuses connections: its server closed (the world ended)"
+        )
     try:
         # attr-defined: torch's stubs lack ``clone`` (a new client of the same store)
         store: VoteStore = default.clone()  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError):  # a store that cannot be cloned: share it
         store = default
     return Agreement(store, rank, world, setup_number(store, rank))
+
+
+def _server_gone(store: object) -> bool:
+    """Whether the TCP store server behind ``store`` refuses connections: it closed, as
+    elastrun's agent closes a round's store when the round ends. torch's client, and
+    so ``clone``, takes a refused connection for a server not up yet and tries again
+    for twice the store's timeout (30 minutes each by default), which nothing can
+    interrupt. False for other stores, and when the answer is not a refusal."""
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, TCPStore):
+        return False
+    try:
+        socket.create_connection((store.host, store.port), timeout=PROBE_TIMEOUT).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # (no answer in time: the clone's own tries decide)
+    return False
 
 
 def ended_with_world(exc: BaseException) -> bool:
