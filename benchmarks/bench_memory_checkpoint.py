@@ -4,6 +4,9 @@ to local disk every 20 steps.
 Two gloo workers train one linear layer (F x 2F, no bias) sharded with FSDP2
 (``fully_shard``) and Adam, so a rank's state is its half of the parameters and of
 Adam's two moments: 12 F^2 bytes, 0.1 and 0.4 GB per rank for F = 2880 and 5760. The
+job is written as FSDP2's documentation advises for a large model: the layer is built on
+the meta device, sharded, then given memory, and its weights are drawn (each rank its
+shard) only when no checkpoint was loaded; Adam is torch's fused implementation. The
 ways to checkpoint:
 
 * **elastrun, memory every step**: ``elastrun.checkpoint.MemoryCheckpoint``, a save
@@ -109,8 +112,10 @@ SCRIPT = textwrap.dedent(
     def record(**fields):
         os.write(log, (json.dumps({"rank": rank, **fields}) + "\\n").encode())
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(features, 2 * features, bias=False).to(device)
+    # FSDP2's way for a large model: built on the meta device, sharded, then given
+    # memory; its weights are drawn only when no checkpoint was loaded (see init_weights).
+    with torch.device("meta"):
+        model = torch.nn.Linear(features, 2 * features, bias=False)
     opt = None
     x = torch.randn(batch, features, generator=torch.Generator().manual_seed(rank)).to(device)
 
@@ -136,9 +141,16 @@ SCRIPT = textwrap.dedent(
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
         if opt is None:
             fully_shard(model)
-            opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+            model.to_empty(device=device)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
         else:
             inprocess.rebind(model)
+
+    def init_weights():
+        # (each rank draws its own shard: the same seed on every rank)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.reset_parameters()
 
     def loop(commit=None):
         start = 0
@@ -151,6 +163,8 @@ SCRIPT = textwrap.dedent(
                 resumed = int(fh.read())
             dcp.load(state, checkpoint_id=os.path.join(disk, f"step-{resumed}"))
             start = resumed + 1
+        if start == 0:
+            init_weights()
         record(loaded_at=time.time(), pid=os.getpid(), started_at=started_at,
                load_s=time.perf_counter() - t_load)
         for step in range(start, steps):
@@ -368,7 +382,8 @@ def body(section: Section, opts: Options) -> None:
         _on_device(section, opts, device)
         return
     section.intro = (
-        "Two gloo workers, one linear layer F x 2F sharded with FSDP2, Adam (a rank's "
+        "Two gloo workers, one linear layer F x 2F sharded with FSDP2 (built on the meta "
+        "device, its weights drawn only when no checkpoint was loaded), fused Adam (a rank's "
         f"state: 12 F^2 bytes), a batch of {opts.batch}. Memory checkpoints: a save after "
         f"every step. torchrun: dcp.save to the local disk after every {opts.every}th step. "
         f"{opts.reps} alternating run(s) each, on {os.cpu_count()} CPUs, "
