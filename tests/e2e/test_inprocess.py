@@ -510,16 +510,11 @@ def test_a_survivor_stuck_past_the_join_bound_is_replaced_in_place(
     )
     assert code == 0, err
     assert "did not reach in-process round 1 within 2s" in err
-    assert "in-process round 2 complete" in err and "restarting all workers" not in err
     # Its stacks outlive the clean run's temporary log directory, and the run says so.
     stacks = re.search(r"stacks: (\S+stacks\.txt)\)", err)
     assert stacks is not None and "Thread" in Path(stacks[1]).read_text(), err
     assert "the run wrote diagnostics (1 stack dump(s)); kept in" in err
-    ranks = _by_rank(results)
-    _kept(ranks[0], [0, 13], err)  # kept all along
-    _kept(ranks[3], [0, 13], err)
-    assert ranks[1]["calls"] == ranks[2]["calls"] == [13]  # the replacements
-    assert {r["sha"] for r in results} == {fault_free}
+    _ranks_1_and_2_replaced_in_round_2(err, results, fault_free)
 
 
 def test_a_survivor_blocked_for_good_in_gloo_is_replaced_before_the_join_bound(
@@ -537,12 +532,7 @@ def test_a_survivor_blocked_for_good_in_gloo_is_replaced_before_the_join_bound(
     assert code == 0, err
     assert "did not reach in-process round 1 (blocked for good in a gloo collective" in err, err
     assert "within 30s" not in err
-    assert "in-process round 2 complete" in err and "restarting all workers" not in err
-    ranks = _by_rank(results)
-    _kept(ranks[0], [0, 13], err)
-    _kept(ranks[3], [0, 13], err)
-    assert ranks[1]["calls"] == ranks[2]["calls"] == [13]  # the replacements
-    assert {r["sha"] for r in results} == {fault_free}
+    _ranks_1_and_2_replaced_in_round_2(err, results, fault_free)
 
 
 def test_without_the_api_a_failure_restarts_the_whole_group(tmp_path: Path) -> None:
@@ -743,3 +733,16 @@ def test_two_nodes_a_node_that_joins_grows_the_world_in_place(tmp_path: Path) ->
     assert "the world goes from 2 to 4 ranks" in results[0].stderr
     assert "joining in-process round 1" in results[1].stderr
     assert "restarting" not in err
+
+
+def _ranks_1_and_2_replaced_in_round_2(
+    err: str, results: list[dict[str, Any]], fault_free: str
+) -> None:
+    """Ranks 0 and 3 kept their processes all along, ranks 1 and 2 were replaced and
+    went on from step 13, and the run ends with the fault-free parameters."""
+    assert "in-process round 2 complete" in err and "restarting all workers" not in err
+    ranks = _by_rank(results)
+    _kept(ranks[0], [0, 13], err)
+    _kept(ranks[3], [0, 13], err)
+    assert ranks[1]["calls"] == ranks[2]["calls"] == [13]  # the replacements
+    assert {r["sha"] for r in results} == {fault_free}

@@ -54,6 +54,7 @@ class _Round:
     ended: set[int] = dataclasses.field(default_factory=set)  # stuck, and killed
     # local rank -> since when it was found blocked for good at every look (monotonic)
     blocked: dict[int, float] = dataclasses.field(default_factory=dict)
+    why: str = ""  # how ``stuck`` last found workers stuck, as the log line says it
 
 
 class InprocessRound:
@@ -167,6 +168,7 @@ class InprocessRound:
             and not hub.joined(lr, pid, current.number)
         ]
         if waited >= self._join_timeout:
+            current.why = f"within {self._join_timeout:.0f}s (stuck in a collective"
             return absent
         found = []
         for lr in absent:
@@ -174,6 +176,10 @@ class InprocessRound:
                 current.blocked.pop(lr, None)
             elif now - current.blocked.setdefault(lr, now) >= CONFIRM:
                 found.append(lr)
+        current.why = (
+            "(blocked for good in a gloo collective, its connections to the round's "
+            f"workers gone, {waited:.1f}s into the round"
+        )
         return found
 
     def end_stuck(self, attempt: Attempt, local_ranks: list[int]) -> None:
@@ -182,15 +188,7 @@ class InprocessRound:
         current = self._current
         assert current is not None
         current.ended.update(local_ranks)
-        waited = self._clock.monotonic() - current.started
-        if waited >= self._join_timeout:
-            why = f"within {self._join_timeout:.0f}s (stuck in a collective"
-        else:
-            why = (
-                f"(blocked for good in a gloo collective, its connections to the round's "
-                f"workers gone, {waited:.1f}s into the round"
-            )
-        end_stuck(attempt, local_ranks, current.number, why, self._events)
+        end_stuck(attempt, local_ranks, current.number, current.why, self._events)
 
     def laggards(self) -> list[int]:
         """The local ranks of the round under way that have not synchronised yet."""
