@@ -7,8 +7,9 @@ launcher, each helper and the workers (the largest value of the four ranks), thr
 points: the first sample (when the killer started, before any kill), and the level
 over the first third of the killer's window and over its last third: the 80th
 percentile of the samples, what a process holds most of the time when it holds the
-most. Growth is the last third against the first, the smaller of the level's and the
-floor's (the smallest value; see ``summarise``): a survivor holds the previous
+most. Growth is the last third against the first, the smallest of the level's, the
+floor's (the smallest value) and the last level's over the first third's peak (see
+``summarise``): a survivor holds the previous
 recovery's process groups for a while (see docs/inprocess.md), so the first recoveries
 raise a worker's counts once, and the allocator settles over them. A leak raises the
 level with the kills; a transient (a chain of overlapping rounds holds a few groups'
@@ -123,13 +124,22 @@ def summarise(samples: Sequence[Sample], w0: float, w1: float) -> dict[str, dict
         last = [s for s in rows if s.t >= w1 - third]
         early = _level(first) or start
         end = _level(last) or _largest(rows[-1:])
-        # Growth: the level's and the floor's, whichever is smaller. A leak raises both;
-        # a process whose counts alternate between two states (a recovery's groups held
-        # or not, a request in flight or not) moves its level with the states'
-        # proportions in each third, and not its floor.
-        low, high = _floor(first), _floor(last)
+        # Growth: the smallest of the level's, the floor's, and the last level's over
+        # the first third's peak. A leak raises all three; a process whose counts
+        # alternate between states (a recovery's groups held or not, a request in flight
+        # or not) moves its level and its floor with the states' proportions in each
+        # third (a quiet stretch early, a run of young workers), but its last level
+        # stays within the peak it already reached.
+        low, high, peak = _floor(first), _floor(last), _largest(first)
         growth = {
-            k: round(min(end[k] - early[k], high.get(k, end[k]) - low.get(k, early[k])), 2)
+            k: round(
+                min(
+                    end[k] - early[k],
+                    high.get(k, end[k]) - low.get(k, early[k]),
+                    end[k] - peak.get(k, early[k]),
+                ),
+                2,
+            )
             for k in KEYS
             if k in early and k in end
         }

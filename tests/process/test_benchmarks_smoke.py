@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -405,3 +406,31 @@ def test_churn_benchmark_gives_each_launcher_only_its_own_flags(
         else:
             assert elastrun_only <= set(argv), (mode, argv)
         assert argv[-3] == (mode if mode in bench_churn.IN_PLACE else "group"), argv
+
+
+#: The largest worker's descriptors, a sample every 0.6 s, as in a 50-kill smoke run
+#: whose level and floor moved by 7 and 5 between the thirds with no leak: its counts
+#: alternate between fresh (13-15), one recovery's groups held (20-23) and two (28-29)
+#: from the second second on, and a quiet stretch at 22 and a run of young workers (8)
+#: in the first third put its level and floor below the last third's.
+_FIRST = [15, 15, 14, 28, 29, 14, 22, 22, 22, 22, 22, 22, 22, 22, 22, 22, 8, 8, 8, 14, 22, 22]
+_MIDDLE = [23, 26, 28, 28, 28, 28, 28, 22, 14, 28, 13, 28, 23, 28, 28, 28, 22, 28, 28, 28, 29, 28]
+_LAST = [28, 26, 15, 13, 23, 25, 28, 26, 20, 28, 14, 23, 23, 14, 20, 28, 13, 23, 29, 29, 29, 29]
+_ALTERNATING = [(i * 0.6, fds) for i, fds in enumerate(_FIRST + _MIDDLE + _LAST)]
+
+
+def test_churn_growth_does_not_count_a_workers_alternating_states_and_counts_a_leak(
+    bench_path: None,
+) -> None:
+    from _churn_usage import Sample, summarise
+
+    def growth(rows: Sequence[tuple[float, int]]) -> float:
+        samples = [Sample(t, "worker", 100, 0, fds, 5, 300.0) for t, fds in rows]
+        window = rows[-1][0]
+        summary = summarise(samples, 0.0, window)["worker"]["growth"]
+        assert isinstance(summary, dict)
+        return float(summary["fds"])
+
+    assert growth(_ALTERNATING) <= 4
+    # The same run leaking a descriptor every second kill (about every 1.6 s).
+    assert growth([(t, fds + int(t / 1.6)) for t, fds in _ALTERNATING]) > 4
