@@ -26,7 +26,6 @@ writer and its reader move together).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import io
 import math
@@ -55,11 +54,9 @@ from torch.distributed.checkpoint.planner import (
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.metadata import Span, decode_metadata
 from elastrun.checkpoint.worker.steps import RankSteps
+from elastrun.checkpoint.worker.storage_io import bytes_of, planned_bytes, pread_all
 
 __all__ = ["Snapshot", "SnapshotPlanner", "merge_plans", "read_snapshot"]
-
-# preadv moves at most this much per call on Linux (2 GiB less a page).
-_IO_MAX = 0x7FFFF000
 
 
 @dataclass
@@ -120,7 +117,7 @@ def _item(
         raise MemoryCheckpointError(f"{index.fqn}: stored, but not in the step's metadata")
     if isinstance(entry, BytesStorageMetadata):
         raw = bytearray(span.length)
-        _read_into(fd, memoryview(raw), span.offset)
+        pread_all(fd, memoryview(raw), span.offset)
         return WriteItem(index=MetadataIndex(index.fqn), type=WriteItemType.BYTE_IO), bytes(raw)
     chunk = _chunk(entry, index)
     if span.dtype is None or span.shape is None:
@@ -130,8 +127,7 @@ def _item(
     tensor = torch.empty(span.shape, dtype=span.dtype)
     if tensor.numel() * tensor.element_size() != span.length:
         raise MemoryCheckpointError(f"{index.fqn}: {span.length} bytes stored for {span.shape}")
-    if span.length:
-        _read_into(fd, _bytes_of(tensor), span.offset)
+    pread_all(fd, bytes_of(tensor), span.offset)
     whole = tuple(chunk.sizes) == tuple(entry.size)
     item = WriteItem(
         index=MetadataIndex(index.fqn, chunk.offsets),
@@ -139,20 +135,6 @@ def _item(
         tensor_data=TensorWriteData(chunk=chunk, properties=entry.properties, size=entry.size),
     )
     return item, tensor
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The memory of a new (contiguous, host) tensor, writable, without a copy."""
-    length = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_char * length).from_address(tensor.data_ptr())).cast("B")
-
-
-def _read_into(fd: int, into: memoryview, offset: int) -> None:
-    while into:
-        n = os.preadv(fd, [into[:_IO_MAX]], offset)
-        if n == 0:
-            raise MemoryCheckpointError(f"the step's data file ends at {offset}")
-        into, offset = into[n:], offset + n
 
 
 def _chunk(entry: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata:
@@ -214,13 +196,6 @@ def _check_same(a: WriteItem, b: WriteItem) -> None:
             )
 
 
-def _item_bytes(item: WriteItem) -> int:
-    data = item.tensor_data
-    if data is None:
-        return 0
-    return math.prod(data.chunk.sizes) * torch.empty((), dtype=data.properties.dtype).element_size()
-
-
 def _owners(
     first: dict[MetadataIndex, WriteItem], holders: dict[MetadataIndex, list[int]], ranks: int
 ) -> dict[MetadataIndex, int]:
@@ -233,7 +208,7 @@ def _owners(
         if item.type == WriteItemType.BYTE_IO:
             owner[index] = min(holders[index])
         else:
-            pieces.append((index, _item_bytes(item)))
+            pieces.append((index, planned_bytes(item)))
     pieces.sort(key=lambda p: (-p[1], p[0].fqn, tuple(p[0].offset or ())))
     for index, size in pieces:
         rank = min(holders[index], key=lambda r: (given[r], r))

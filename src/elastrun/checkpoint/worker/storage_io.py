@@ -5,10 +5,12 @@ bytes between a data file and a tensor's memory, without a buffer in between."""
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.planner import WriteItem
 
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.steps import RankSteps
@@ -17,6 +19,7 @@ __all__ = [
     "ALONE",
     "bytes_of",
     "default_rank_and_world",
+    "planned_bytes",
     "pread_all",
     "pwrite_all",
     "rank_steps",
@@ -57,6 +60,15 @@ def bytes_of(tensor: torch.Tensor) -> memoryview:
     if length == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * length).from_address(tensor.data_ptr())).cast("B")
+
+
+def planned_bytes(item: WriteItem) -> int:
+    """The bytes of the chunk a tensor item holds (its shard, not the whole tensor: DCP's
+    ``tensor_storage_size`` counts the whole; 0 for a value)."""
+    data = item.tensor_data
+    if data is None:
+        return 0
+    return math.prod(data.chunk.sizes) * torch.empty((), dtype=data.properties.dtype).element_size()
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:

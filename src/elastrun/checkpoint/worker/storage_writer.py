@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import io
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,13 @@ from elastrun.checkpoint.worker.errors import CheckpointSpaceError, MemoryCheckp
 from elastrun.checkpoint.worker.metadata import Span, encode_metadata
 from elastrun.checkpoint.worker.staging import Staging
 from elastrun.checkpoint.worker.steps import RankSteps
-from elastrun.checkpoint.worker.storage_io import ALONE, bytes_of, pwrite_all, rank_steps
+from elastrun.checkpoint.worker.storage_io import (
+    ALONE,
+    bytes_of,
+    planned_bytes,
+    pwrite_all,
+    rank_steps,
+)
 from elastrun.wire.checkpoint import Marker
 
 __all__ = ["ALIGN", "MemoryStorageWriter"]
@@ -148,7 +153,7 @@ class MemoryStorageWriter(StorageWriter):
                 raise MemoryCheckpointError(f"{item.index.fqn}: DCP resolved it to no tensor")
             _check_dense(tensor, item.index.fqn)
             length = tensor.numel() * tensor.element_size()
-            expected = _planned_bytes(item)
+            expected = planned_bytes(item)
             if length != expected:
                 raise MemoryCheckpointError(
                     f"{item.index.fqn}: {length} bytes resolved, the plan has {expected}"
@@ -238,15 +243,6 @@ def _value_bytes(data: object) -> bytes:
     raise MemoryCheckpointError(f"DCP resolved a value to a {type(data).__name__}, not bytes")
 
 
-def _planned_bytes(item: WriteItem) -> int:
-    """The bytes of the chunk a tensor item holds (its shard, not the whole tensor: DCP's
-    ``tensor_storage_size`` counts the whole)."""
-    data = item.tensor_data
-    if data is None:
-        return 0
-    return math.prod(data.chunk.sizes) * torch.empty((), dtype=data.properties.dtype).element_size()
-
-
 def _place(items: list[WriteItem], values: dict[MetadataIndex, bytes]) -> tuple[list[int], int]:
     """Each item's offset in the data file, in the plan's order, and the file's size."""
     offsets = []
@@ -255,7 +251,7 @@ def _place(items: list[WriteItem], values: dict[MetadataIndex, bytes]) -> tuple[
         if item.type == WriteItemType.BYTE_IO:
             length = len(values[item.index])
         else:
-            length = _planned_bytes(item)
+            length = planned_bytes(item)
         offset = -(-end // ALIGN) * ALIGN
         offsets.append(offset)
         end = offset + length
