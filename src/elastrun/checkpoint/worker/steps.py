@@ -109,40 +109,25 @@ class RankSteps:
     def marker(self, step: int) -> Marker | None:
         """This rank's marker of ``step`` when the step is complete for this rank: the
         marker exists, is of this version and of this rank and world, and the files it
-        vouches for have the sizes it names. None otherwise (said at debug level)."""
-        try:
-            with open(self.marker_path(step), "rb") as fh:
-                marker = layout.decode_marker(fh.read())
-        except FileNotFoundError:
-            return None
-        except (OSError, MarkerError) as exc:
-            log.warning("step %d of rank %d: unreadable marker (%s)", step, self.rank, exc)
-            return None
-        problem = self._problem(step, marker)
-        if problem is not None:
-            log.warning("step %d of rank %d is not loadable: %s", step, self.rank, problem)
-            return None
-        return marker
-
-    def _problem(self, step: int, marker: Marker) -> str | None:
-        if marker.world_size != self.world_size:
-            return (
-                f"it was saved by a world of {marker.world_size} ranks, this one has "
-                f"{self.world_size} (it is loaded from every rank's pieces, when the node "
-                f"holds them)"
-            )
-        return _piece_problem(self.step_dir(step), step, self.rank, marker)
+        vouches for have the sizes it names. None otherwise (said in the log)."""
+        return _valid_marker(self.step_dir(step), step, self.rank, world_size=self.world_size)
 
     # -- pieces of any rank --------------------------------------------------------------
+
+    def _piece_bases(self) -> list[str]:
+        """Where step directories with pieces lie: the node directory, ``gathered/``,
+        then each ``copies/<node>/`` (sorted)."""
+        bases = [self.directory, os.path.join(self.directory, layout.GATHERED_DIR)]
+        copies = os.path.join(self.directory, layout.COPIES_DIR)
+        with contextlib.suppress(OSError):
+            bases += [os.path.join(copies, n) for n in sorted(os.listdir(copies))]
+        return bases
 
     def piece_dirs(self, step: int) -> list[str]:
         """The directories that may hold pieces of ``step``: the node's own step
         directory, then ``gathered/``'s, then each ``copies/<node>/``'s (sorted)."""
         name = layout.step_dir_name(step)
-        dirs = [self.step_dir(step), os.path.join(self.directory, layout.GATHERED_DIR, name)]
-        copies = os.path.join(self.directory, layout.COPIES_DIR)
-        with contextlib.suppress(OSError):
-            dirs += [os.path.join(copies, n, name) for n in sorted(os.listdir(copies))]
+        dirs = (os.path.join(base, name) for base in self._piece_bases())
         return [d for d in dirs if os.path.isdir(d)]
 
     def pieces(self, step: int) -> dict[int, dict[int, Piece]]:
@@ -167,14 +152,8 @@ class RankSteps:
 
     def every_step(self) -> list[int]:
         """Every step of which the node holds some piece, oldest first."""
-        steps = set(self.all_steps())
-        for base in (os.path.join(self.directory, layout.GATHERED_DIR),):
-            steps |= set(_steps_in(base))
-        copies = os.path.join(self.directory, layout.COPIES_DIR)
-        with contextlib.suppress(OSError):
-            for node in os.listdir(copies):
-                steps |= set(_steps_in(os.path.join(copies, node)))
-        return sorted(steps)
+        _own, *others = self._piece_bases()
+        return sorted({*self.all_steps(), *(s for base in others for s in _steps_in(base))})
 
     def needed(self, step: int) -> dict[int, Piece] | None:
         """The pieces this rank loads ``step`` from, when the node holds them: its own,
@@ -332,19 +311,31 @@ def _steps_in(directory: str) -> list[int]:
     return [s for s in map(layout.step_of_dir, names) if s is not None]
 
 
-def _valid_marker(directory: str, step: int, rank: int) -> Marker | None:
-    """Rank ``rank``'s marker of ``step`` in ``directory`` when its files are whole."""
+def _valid_marker(
+    directory: str, step: int, rank: int, *, world_size: int | None = None
+) -> Marker | None:
+    """Rank ``rank``'s marker of ``step`` in ``directory`` when its files are whole;
+    with ``world_size`` (the rank's own step directory, which the log leaves unnamed),
+    only when a world of that size saved it."""
+    what = f"step {step} of rank {rank}" + ("" if world_size is not None else f" in {directory}")
     try:
         with open(os.path.join(directory, layout.marker_name(rank)), "rb") as fh:
             marker = layout.decode_marker(fh.read())
     except FileNotFoundError:
         return None
     except (OSError, MarkerError) as exc:
-        log.warning("step %d of rank %d in %s: unreadable marker (%s)", step, rank, directory, exc)
+        log.warning("%s: unreadable marker (%s)", what, exc)
         return None
-    problem = _piece_problem(directory, step, rank, marker)
+    if world_size is not None and marker.world_size != world_size:
+        problem: str | None = (
+            f"it was saved by a world of {marker.world_size} ranks, this one has "
+            f"{world_size} (it is loaded from every rank's pieces, when the node "
+            f"holds them)"
+        )
+    else:
+        problem = _piece_problem(directory, step, rank, marker)
     if problem is not None:
-        log.warning("step %d of rank %d in %s is not loadable: %s", step, rank, directory, problem)
+        log.warning("%s is not loadable: %s", what, problem)
         return None
     return marker
 
