@@ -35,7 +35,6 @@ between two requests, and the loop sees it at its next wait.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from elastrun.checkpoint.agent.copier import LIST_HOLD, Copier, pull_piece, steps_in
+from elastrun.checkpoint.agent.copier import LIST_HOLD, Copier, pull_piece
 from elastrun.checkpoint.agent.holdings import (
     Held,
     Listing,
@@ -54,6 +53,7 @@ from elastrun.checkpoint.agent.holdings import (
     newest_complete,
     pieces_to_pull,
     scan,
+    steps_in,
 )
 from elastrun.checkpoint.agent.node_dir import NodeCheckpointDir
 from elastrun.core import cancel
@@ -69,6 +69,9 @@ if TYPE_CHECKING:  # (loaded when a round has several nodes: the server's module
 __all__ = ["NodeCopies", "serve_key"]
 
 log = logging.getLogger("elastrun.agent")
+
+#: A node's published server: its address, port and token.
+_Server = tuple[str, int, str]
 
 
 def serve_key(prefix: str, node: str) -> str:
@@ -104,7 +107,6 @@ class NodeCopies:
         self._token = secrets.token_hex(16)
         self._server: NodeServer | None = None
         self._copier: Copier | None = None
-        self._tokens: dict[str, str] = {}
         self._shape: tuple[tuple[str, ...], tuple[int, ...], int] | None = None  # (gathered for)
         self._closed = False
         node_dir.on_close(self.close)
@@ -181,7 +183,7 @@ class NodeCopies:
             serve_key(seat.prefix, seat.node), json.dumps(doc).encode(), lease=seat.lease
         )
 
-    def _peers(self, seat: StoreSeat) -> dict[str, tuple[str, int]]:
+    def _peers(self, seat: StoreSeat) -> dict[str, _Server]:
         """Every other live node's server, by node id."""
         prefix = serve_key(seat.prefix, "")
         try:
@@ -191,13 +193,9 @@ class NodeCopies:
             return {}
         peers = {}
         for key, raw in entries.items():
-            node = key[len(prefix) :]
-            if node == seat.node:
-                continue
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                doc = json.loads(raw)
-                peers[node] = (str(doc["addr"]), int(doc["port"]))
-                self._tokens[node] = str(doc["token"])
+            node, server = key[len(prefix) :], _server(raw)
+            if node != seat.node and server is not None:
+                peers[node] = server
         return peers
 
     def _client_of(self, seat: StoreSeat, node: str) -> NodeClient | None:
@@ -208,20 +206,15 @@ class NodeCopies:
             raw = seat.store.get(serve_key(seat.prefix, node))
         except StoreError:
             return None
-        if raw is None:
-            return None
-        try:
-            doc = json.loads(raw)
-            return NodeClient(str(doc["addr"]), int(doc["port"]), str(doc["token"]))
-        except (ValueError, KeyError, TypeError):
-            return None
+        server = None if raw is None else _server(raw)
+        return None if server is None else NodeClient(*server)
 
     # -- gathering -------------------------------------------------------------------------
 
     def _gather(
         self,
         directory: str,
-        peers: dict[str, tuple[str, int]],
+        peers: dict[str, _Server],
         ranks: Sequence[int],
         world_size: int,
     ) -> bool:
@@ -251,8 +244,7 @@ class NodeCopies:
         for peer, piece in pulls:
             if scope.cancelled:
                 return False
-            addr, port = peers[peer]
-            client = NodeClient(addr, port, self._tokens.get(peer, ""))
+            client = NodeClient(*peers[peer])
             dest = os.path.join(directory, layout.GATHERED_DIR, layout.step_dir_name(step))
             try:
                 moved += pull_piece(client, piece, dest)
@@ -279,7 +271,7 @@ class NodeCopies:
         self._metrics.put("checkpoint.gather.duration_ms", took * 1000)
         return len(done) == len(pulls)
 
-    def _listings(self, peers: dict[str, tuple[str, int]]) -> dict[str, Listing]:
+    def _listings(self, peers: dict[str, _Server]) -> dict[str, Listing]:
         """What each peer that answers holds (a lost node's stale entry does not)."""
         if not peers:
             return {}
@@ -287,10 +279,10 @@ class NodeCopies:
 
         listings: dict[str, Listing] = {}
         scope = cancel.current()
-        for peer, (addr, port) in sorted(peers.items()):
+        for peer, server in sorted(peers.items()):
             if scope.cancelled:
                 break
-            client = NodeClient(addr, port, self._tokens.get(peer, ""))
+            client = NodeClient(*server)
             try:
                 listings[peer] = client.listing()
             except PeerError as exc:
@@ -308,6 +300,15 @@ class NodeCopies:
         return (
             f"NodeCopies(server={self._server!r}, copier={self._copier!r}, closed={self._closed})"
         )
+
+
+def _server(raw: bytes) -> _Server | None:
+    """The address, port and token a node published for its server (None: nonsense)."""
+    try:
+        doc = json.loads(raw)
+        return str(doc["addr"]), int(doc["port"]), str(doc["token"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _write_buddy(directory: str, buddy: layout.Buddy) -> None:

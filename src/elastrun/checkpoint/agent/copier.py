@@ -36,6 +36,7 @@ from elastrun.checkpoint.agent.holdings import (
     newest_agreed,
     next_to_copy,
     scan,
+    steps_in,
 )
 from elastrun.core.cancel import CancelScope
 from elastrun.core.threads import Nursery
@@ -45,7 +46,7 @@ from elastrun.wire import checkpoint as layout
 if TYPE_CHECKING:  # (the server's module loads http: only a job of several nodes needs it)
     from elastrun.checkpoint.agent.serve import NodeClient
 
-__all__ = ["LIST_HOLD", "TIDY_EVERY", "Copier", "pull_piece", "steps_in"]
+__all__ = ["LIST_HOLD", "TIDY_EVERY", "Copier", "pull_piece"]
 
 log = logging.getLogger("elastrun.agent")
 
@@ -255,14 +256,6 @@ def _read_versions(where: str) -> dict[int, str]:
         return {int(rank): str(version) for rank, version in doc.items()}
     except (OSError, ValueError, AttributeError):
         return {}
-
-
-def steps_in(directory: str) -> list[int]:
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    return sorted(s for s in map(layout.step_of_dir, names) if s is not None)
 
 
 def _drop_left_behind(directory: str, ranks: set[int], agreed: int | None) -> None:

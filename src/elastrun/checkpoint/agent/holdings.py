@@ -166,29 +166,20 @@ def copies_to_keep(copied: Iterable[int], agreed: int | None, listed: Iterable[i
 def scan(directory: str) -> list[Held]:
     """Every piece with a valid marker under the node directory ``directory``: its own
     steps, ``gathered/`` and ``copies/<node>/``."""
-    found: list[Held] = []
-    for rel in _step_dirs(directory):
-        found.extend(_pieces_in(directory, rel))
-    return found
+    return [held for rel in _step_dirs(directory) for held in _pieces_in(directory, rel)]
 
 
 def _step_dirs(directory: str) -> list[str]:
     """The step directories under ``directory``, relative to it."""
-    rels = [n for n in _listdir(directory) if layout.step_of_dir(n) is not None]
-    gathered = layout.GATHERED_DIR
-    rels += [
-        f"{gathered}/{n}"
-        for n in _listdir(os.path.join(directory, gathered))
-        if layout.step_of_dir(n) is not None
-    ]
     copies = layout.COPIES_DIR
-    for node in _listdir(os.path.join(directory, copies)):
-        rels += [
-            f"{copies}/{node}/{n}"
-            for n in _listdir(os.path.join(directory, copies, node))
-            if layout.step_of_dir(n) is not None
-        ]
-    return sorted(rels)
+    bases = ["", layout.GATHERED_DIR]
+    bases += [f"{copies}/{node}" for node in listdir(os.path.join(directory, copies))]
+    return sorted(
+        f"{base}/{n}" if base else n
+        for base in bases
+        for n in listdir(os.path.join(directory, base))
+        if layout.step_of_dir(n) is not None
+    )
 
 
 def _pieces_in(directory: str, rel: str) -> list[Held]:
@@ -196,7 +187,7 @@ def _pieces_in(directory: str, rel: str) -> list[Held]:
     assert step is not None  # (listed as a step directory)
     path = os.path.join(directory, rel)
     held = []
-    for name in _listdir(path):
+    for name in listdir(path):
         rank = layout.rank_of_file(name)
         if rank is None or name != layout.marker_name(rank):
             continue
@@ -219,10 +210,16 @@ def _pieces_in(directory: str, rel: str) -> list[Held]:
     return held
 
 
-def _listdir(path: str) -> list[str]:
+def listdir(path: str) -> list[str]:
+    """The names in the directory ``path`` (none: it cannot be read)."""
     with contextlib.suppress(OSError):
         return os.listdir(path)
     return []
+
+
+def steps_in(directory: str) -> list[int]:
+    """The steps of the step directories in ``directory``, oldest first."""
+    return sorted(s for s in map(layout.step_of_dir, listdir(directory)) if s is not None)
 
 
 class PeerError(ElastrunError):
@@ -258,7 +255,7 @@ def newest_agreed(directory: str) -> int | None:
     """The newest step the node's ranks last reported complete on every rank (their
     reports in ``directory``; None: none reported one)."""
     steps = []
-    for name in _listdir(directory):
+    for name in listdir(directory):
         if layout.rank_of_report(name) is None:
             continue
         with contextlib.suppress(OSError, ReportError):

@@ -58,7 +58,14 @@ from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
-from elastrun.checkpoint.agent.holdings import Held, Listing, PeerError, newest_agreed, scan
+from elastrun.checkpoint.agent.holdings import (
+    Held,
+    Listing,
+    PeerError,
+    listdir,
+    newest_agreed,
+    scan,
+)
 from elastrun.core import cancel
 from elastrun.core.cancel import Cancelled
 from elastrun.core.serving import NurseryRequests, Served
@@ -179,7 +186,7 @@ class NodeServer:
             json.dump(versions, fh)
         os.replace(tmp, final)
         marks = sorted(
-            s for s in map(layout.step_of_copied, _listdir(self._directory)) if s is not None
+            s for s in map(layout.step_of_copied, listdir(self._directory)) if s is not None
         )
         for old in marks[:-2]:
             with contextlib.suppress(FileNotFoundError):
@@ -458,10 +465,4 @@ def _entries(path: str, digest: hashlib.blake2b) -> list[tuple[str, int]]:
     with contextlib.suppress(OSError), os.scandir(path) as it:
         digest.update(f"{os.stat(path).st_mtime_ns}\0".encode())
         return sorted((e.name, e.inode()) for e in it)
-    return []
-
-
-def _listdir(path: str) -> list[str]:
-    with contextlib.suppress(OSError):
-        return os.listdir(path)
     return []
