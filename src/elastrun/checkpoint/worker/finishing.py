@@ -154,10 +154,13 @@ class Finisher:
         with self._lock:
             return self._newest
 
-    def set_newest(self, step: int | None) -> None:
-        """The step just loaded (None: none) is now the newest complete on every rank."""
+    def loaded(self, step: int | None, took: float) -> None:
+        """The step just loaded (None: none), in ``took`` seconds, is now the newest
+        complete on every rank; the rank's report says so."""
         with self._lock:
             self._newest = step
+        assert self._reporter is not None, "not started"
+        self._reporter.loaded(step, took)
 
     def pending(self) -> int:
         """The saves issued and not yet finished in the background."""
@@ -179,10 +182,6 @@ class Finisher:
         with self._lock:
             self._requests += 1
         self._jobs.put(_PersistRequest())
-
-    def in_flight(self) -> bool:
-        with self._lock:
-            return self._done < self._issued
 
     def wait_idle(self) -> None:
         with self._lock:
@@ -243,7 +242,8 @@ class Finisher:
     def _finish(self, job: _Job) -> None:
         """Publish the step, agree with the other ranks whether it is complete on all,
         and keep either it or the step before it."""
-        steps = self._started()
+        steps, reporter = self._steps, self._reporter
+        assert steps is not None and reporter is not None, "not started"  # (jobs come after it)
         with self._lock:
             broken = self._broken is not None
         if broken:
@@ -257,7 +257,7 @@ class Finisher:
                 log.error("memory checkpoint: step %d was not published: %s", job.step, exc)
                 with self._lock:
                     self._failure = self._failure or exc
-        agreed = self._agree_complete(job.step, written is not None)
+        agreed = self._agree(written is not None, f"agreeing on step {job.step}")
         if agreed is None:
             return
         lag = time.monotonic() - job.started if agreed else None  # (the copy lag)
@@ -274,9 +274,7 @@ class Finisher:
                 log.info("memory checkpoint: step %d is not on every rank: not kept", job.step)
         with self._lock:
             newest = self._newest
-        self._started_reporter().saved(
-            blocked=job.blocked, written=written, agreed=lag, newest=newest
-        )
+        reporter.saved(blocked=job.blocked, written=written, agreed=lag, newest=newest)
         self._persisting.if_due(agreed, self._agree, self.newest)
 
     def _serve_persist_request(self) -> None:
@@ -287,10 +285,6 @@ class Finisher:
             with self._lock:
                 self._requests -= 1
                 self._lock.notify_all()
-
-    def _agree_complete(self, step: int, complete_here: bool) -> bool | None:
-        """Whether ``step`` is complete on every rank (None: the ranks lost each other)."""
-        return self._agree(complete_here, f"agreeing on step {step}")
 
     def _agree(self, here: bool, what: str) -> bool | None:
         """Whether every rank says ``here``; None when the ranks lost each other, now
@@ -320,16 +314,6 @@ class Finisher:
             else:
                 log.warning("memory checkpoint: %s", self._broken)
             return None
-
-    def _started(self) -> RankSteps:
-        steps = self._steps
-        assert steps is not None, "not started"  # (jobs come after start)
-        return steps
-
-    def _started_reporter(self) -> RankReporter:
-        reporter = self._reporter
-        assert reporter is not None, "not started"  # (made with the steps)
-        return reporter
 
     def __repr__(self) -> str:
         with self._lock:

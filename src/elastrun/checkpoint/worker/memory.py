@@ -158,7 +158,6 @@ class MemoryCheckpoint:
         self._on_overlap = on_overlap
         self._statvfs = statvfs
         self._steps: RankSteps | None = None
-        self._reporter: RankReporter | None = None
         self._agreement: Agreement | None = None
         # The default group the checkpoint was set up in (None: a world of one rank).
         self._world: weakref.ref[dist.ProcessGroup] | None = None
@@ -206,7 +205,11 @@ class MemoryCheckpoint:
             self._check_space(state_bytes(state_dict))
         # Loadable: the node holds this rank's piece (a world of the size that saved the
         # step) or every rank's (another size: DCP reshards from their union).
-        step = self._agree_on_step(steps.loadable_steps())
+        complete = steps.loadable_steps()
+        agreement = self._agreement
+        step = (
+            max(complete, default=None) if agreement is None else agreement.newest_common(complete)
+        )
         if step is not None:
             reader = MemoryStorageReader(
                 steps.directory,
@@ -221,10 +224,10 @@ class MemoryCheckpoint:
         steps.keep_only(set() if step is None else {step})
         # No rank starts its next save (and makes a step directory) while a peer still
         # removes the directories it left.
-        self._barrier()
-        self._finisher.set_newest(step)
+        if agreement is not None:
+            agreement.barrier()
         self._last = step
-        self._started_reporter().loaded(step, time.monotonic() - started)
+        self._finisher.loaded(step, time.monotonic() - started)
         return step
 
     def save(self, step: int, state_dict: StateDict) -> bool:
@@ -252,7 +255,7 @@ class MemoryCheckpoint:
         if self._finisher.ended():
             self._last = step
             return False
-        if self._finisher.in_flight():
+        if self._finisher.pending():
             if self._on_overlap == "skip":
                 self._last = step
                 self._finisher.submit(step, None, started, time.monotonic() - started)
@@ -383,8 +386,8 @@ class MemoryCheckpoint:
             self._agreement = agreement.for_world(rank, world)
         self._persisting.start(rank, world, directory)
         self._steps = RankSteps(directory, rank, world)
-        self._reporter = RankReporter(directory, rank, _local_rank(), os.getpid())
-        self._finisher.start(self._steps, self._reporter, self._agreement)
+        reporter = RankReporter(directory, rank, _local_rank(), os.getpid())
+        self._finisher.start(self._steps, reporter, self._agreement)
         return self._steps
 
     def _forget_world(self) -> None:
@@ -399,10 +402,11 @@ class MemoryCheckpoint:
             self._staging = Staging()
         self._persisting.forget()
         self._agreement = self._world = None
-        self._steps = self._reporter = None
+        self._steps = None
 
     def _check_space(self, rank_bytes: int) -> None:
-        steps = self._started()
+        steps = self._steps
+        assert steps is not None, "not started"  # (every caller starts first)
         check_space(
             steps.directory,
             rank_bytes,
@@ -417,28 +421,6 @@ class MemoryCheckpoint:
         if not self._space_checked:
             self._check_space(rank_bytes)
             self._space_checked = True
-
-    def _started(self) -> RankSteps:
-        steps = self._steps
-        assert steps is not None, "not started"  # (every caller starts first)
-        return steps
-
-    def _started_reporter(self) -> RankReporter:
-        reporter = self._reporter
-        assert reporter is not None, "not started"  # (made with the steps)
-        return reporter
-
-    # -- the ranks' agreements -------------------------------------------------------------
-
-    def _agree_on_step(self, complete: list[int]) -> int | None:
-        """The newest step every rank holds complete (None: there is none)."""
-        if self._agreement is None:
-            return max(complete, default=None)
-        return self._agreement.newest_common(complete)
-
-    def _barrier(self) -> None:
-        if self._agreement is not None:
-            self._agreement.barrier()
 
 
 def _rebuilt(world: weakref.ref[dist.ProcessGroup] | None) -> bool:
