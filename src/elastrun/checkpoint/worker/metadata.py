@@ -102,7 +102,9 @@ def decode_metadata(text: str | bytes) -> Metadata:
                 f"checkpoint metadata of version {version!r}; this elastrun reads {VERSION}"
             )
         items = {fqn: _storage_entry(e) for fqn, e in doc["items"].items()}
-        storage = {_index(e): _span(e) for e in doc["storage"]}
+        storage = {
+            MetadataIndex(e["fqn"], e["offset"], e["index"]): _span(e) for e in doc["storage"]
+        }
         meta = doc.get("storage_meta")
         return Metadata(
             state_dict_metadata=items,
@@ -237,10 +239,6 @@ def _span_entry(index: MetadataIndex, span: Span) -> dict[str, Any]:
         "dtype": None if span.dtype is None else _torch_name(span.dtype),
         "shape": None if span.shape is None else list(span.shape),
     }
-
-
-def _index(entry: dict[str, Any]) -> MetadataIndex:
-    return MetadataIndex(entry["fqn"], entry["offset"], entry["index"])
 
 
 def _span(entry: dict[str, Any]) -> Span:

@@ -287,8 +287,7 @@ class Persister:
         # Writing is never in a hurry: it yields the CPU to training and to the saves
         # (the copy did not: the saves after it may wait for it). A thread cannot be
         # made less nice again, hence a thread per persist.
-        nice = _priority()
-        _set_priority(None if nice is None else nice + _NICER)
+        _lower_priority()
         nbytes = 0 if snapshot is None else snapshot.nbytes
         directory = self.settings.directory
         lead = self._steps.rank == 0
@@ -305,7 +304,7 @@ class Persister:
         try:
             metadata = _write(tmp, planner, self._group)
         except Exception as exc:
-            _remove(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, RuntimeError):  # (a collective failed, not the save)
                 self._lost(step, exc)
                 return
@@ -320,7 +319,7 @@ class Persister:
             self._lost(step, exc)
             return
         if not done:
-            _remove(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
             raise MemoryCheckpointError(problem or "rank 0 could not publish it")
         with self._lock:
             self._persisted = step
@@ -443,7 +442,7 @@ def _rename_into_place(tmp: str, final: str) -> None:
     os.rename(tmp, final)
     _sync_dir(os.path.dirname(final))
     if aside is not None:
-        _remove(aside)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _retire(path: str) -> None:
@@ -452,7 +451,7 @@ def _retire(path: str) -> None:
     parent, name = os.path.split(path)
     aside = os.path.join(parent, f".{name}.old-{secrets.randbits(62):016x}")
     os.rename(path, aside)
-    _remove(aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _remove_leftovers(directory: str) -> None:
@@ -464,28 +463,16 @@ def _remove_leftovers(directory: str) -> None:
     for name in names:
         if _LEFTOVER.fullmatch(name):
             log.info("memory checkpoint: removing %s (left by a persist that did not finish)", name)
-            _remove(os.path.join(directory, name))
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-def _priority() -> int | None:
-    """The calling thread's ``nice`` value (Linux: per thread); None where unknown."""
-    try:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    except (OSError, AttributeError):
-        return None
-
-
-def _set_priority(nice: int | None) -> None:
-    """Set the calling thread's ``nice`` value (where it can: a thread may always be
-    made nicer, and back to where it started)."""
-    if nice is None:
-        return
+def _lower_priority() -> None:
+    """Make the calling thread ``_NICER`` nicer (Linux: ``nice`` is per thread), where
+    it can: a thread may always be made nicer."""
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, nice))
-
-
-def _remove(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+        me = threading.get_native_id()
+        nice = os.getpriority(os.PRIO_PROCESS, me) + _NICER
+        os.setpriority(os.PRIO_PROCESS, me, min(19, nice))
 
 
 def _sync_dir(path: str) -> None:

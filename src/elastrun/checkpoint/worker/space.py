@@ -93,17 +93,14 @@ def check_space(
     if needed <= free + held:
         return
     where = os.path.dirname(directory.rstrip("/")) or directory
+    of_copy = f"; {copies} of the steps a buddy node's copy" if copies else ""
     raise CheckpointSpaceError(
         f"memory checkpoints need {size_text(needed)} of shared memory on this node "
         f"({STEPS_HELD + copies} steps x {local_ranks} local rank(s) x {size_text(rank_bytes)}, "
-        f"rank {rank}'s state{_copies(copies)}), and {where} has {size_text(free + held)} "
+        f"rank {rank}'s state{of_copy}), and {where} has {size_text(free + held)} "
         f"for them ({size_text(free)} free, {size_text(held)} held by this job's "
         f"checkpoints): give the node more shared "
         f"memory (a container's --shm-size) or checkpoint less state",
         needed=needed,
         free=free + held,
     )
-
-
-def _copies(copies: int) -> str:
-    return f"; {copies} of the steps a buddy node's copy" if copies else ""

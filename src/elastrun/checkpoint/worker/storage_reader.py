@@ -133,9 +133,8 @@ class MemoryStorageReader(StorageReader):
                     else:
                         target = planner.resolve_tensor(item).detach()
                         staging = self._staging
-                        if staging is not None and not staging.takes(target):
-                            staging = None
-                        _read_tensor(fd, item, span, target, staging)
+                        staged = staging is not None and staging.takes(target)
+                        _read_tensor(fd, item, span, target, staging if staged else None)
                         planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)

@@ -6,6 +6,7 @@ the data file when the step is published (``checkpoint.worker.staging``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import io
@@ -30,6 +31,7 @@ from elastrun.checkpoint.worker.storage_io import (
     pwrite_all,
     rank_steps,
 )
+from elastrun.core.values import size_text
 from elastrun.wire.checkpoint import Marker
 
 __all__ = ["ALIGN", "MemoryStorageWriter"]
@@ -126,7 +128,8 @@ class MemoryStorageWriter(StorageWriter):
                 self._staging.wait()  # (the copies from a device into the buffer)
         except BaseException:
             os.close(fd)
-            _unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
             raise
         os.close(fd)
         self._data_bytes = total
@@ -296,8 +299,8 @@ def _reserve(fd: int, size: int, path: str) -> None:
         if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             free = _free_bytes(os.path.dirname(path))
             raise CheckpointSpaceError(
-                f"a memory checkpoint of {_size(size)} does not fit in "
-                f"{os.path.dirname(os.path.dirname(path))} ({_size(free)} free)",
+                f"a memory checkpoint of {size_text(size)} does not fit in "
+                f"{os.path.dirname(os.path.dirname(path))} ({size_text(free)} free)",
                 needed=size,
                 free=free,
             ) from exc
@@ -312,17 +315,6 @@ def _free_bytes(path: str) -> int:
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _check_dense(tensor: torch.Tensor, fqn: str) -> None:
