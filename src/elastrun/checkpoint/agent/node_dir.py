@@ -157,16 +157,14 @@ def _hold_lock(path: str) -> int | None:
     that no other agent ever finds it unlocked while this one lives. Its descriptor
     (None: it could not be made; the directory is then never taken for left behind)."""
     tmp = os.path.join(path, LOCK_FILE + ".tmp")
+    fd = None
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        log.debug("memory checkpoints: no lock file in %s: %s", path, exc)
-        return None
-    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.rename(tmp, os.path.join(path, LOCK_FILE))
     except OSError as exc:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         log.debug("memory checkpoints: no lock file in %s: %s", path, exc)
         return None
     return fd

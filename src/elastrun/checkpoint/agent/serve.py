@@ -27,11 +27,11 @@ Why HTTP: the standard library has both ends, with keep-alive and ``sendfile``; 
 agent never imports torch, and a worker never talks to it.
 
 **A held listing, not a poll.** The buddy's copier must start a copy as soon as the
-node's ranks wrote a step, and a step can come every few milliseconds. It asked for the
-listing every 20 ms: 50 requests a second per node, each a scan of the pieces and a
-JSON document, whether or not anything was saved. Now it names the state it last saw
-and the server holds its request until the state changes: one request per change (or
-per ``hold`` when nothing happens). The server tells a change by the names in the node
+node's ranks wrote a step, and a step can come every few milliseconds: a poll every
+20 ms is 50 requests a second per node, each a scan of the pieces and a JSON document,
+whether or not anything was saved. So the copier names the state it last saw and the
+server holds its request until the state changes: one request per change (or per
+``hold`` when nothing happens). The server tells a change by the names in the node
 directory and in its own step directories, with their inodes (:func:`changes`; every
 file there appears by a rename or goes by an unlink: a marker, a report, a copy's
 confirmation), looked at every ``WATCH_EVERY`` seconds on the node itself: a few
