@@ -26,6 +26,7 @@ import hashlib
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from elastrun.core.errors import ElastrunError
@@ -226,23 +227,16 @@ class PeerError(ElastrunError):
     """A peer's node directory could not be read (it is gone, or answered nonsense)."""
 
 
+@dataclass(frozen=True, repr=False)
 class Listing:
     """What a node said it holds (``GET /list``); ``changes``: what names this state of
     its steps, for a later listing held until they change (``serve``)."""
 
-    def __init__(
-        self,
-        node: str,
-        ranks: Sequence[int],
-        newest: int | None,
-        pieces: list[Held],
-        changes: str = "",
-    ):
-        self.node = node
-        self.ranks = tuple(ranks)
-        self.newest = newest
-        self.pieces = pieces
-        self.changes = changes
+    node: str
+    ranks: tuple[int, ...]
+    newest: int | None
+    pieces: list[Held]
+    changes: str = ""
 
     def __repr__(self) -> str:
         return (

@@ -137,9 +137,7 @@ class NodeServer:
         """
         if self._served is None:
             self._served = Served(_Server((self._addr, 0), self), "elastrun-checkpoint-serve")
-        port = self.port
-        assert port is not None
-        return port
+        return self._served.port
 
     def close(self) -> None:
         """Stop serving (idempotent; never raises)."""
@@ -339,7 +337,7 @@ class NodeClient:
             doc = json.loads(body)
             pieces = [Held(**p) for p in doc["pieces"]]
             newest = doc["newest"]
-            return Listing(str(doc["node"]), [int(r) for r in doc["ranks"]],
+            return Listing(str(doc["node"]), tuple(int(r) for r in doc["ranks"]),
                            None if newest is None else int(newest), pieces,
                            str(doc.get("changes", "")))  # fmt: skip
         except (ValueError, KeyError, TypeError) as exc:

@@ -77,8 +77,7 @@ class Finisher:
 
     Args:
         persisting: the checkpoint's persisting; its background side runs here.
-        before_marker: called on the background thread with a step whose files are
-            written, before its marker (a seam for tests that kill the process there).
+        before_marker: ``MemoryCheckpoint``'s, called here.
 
     :meth:`start` begins the thread (again after :meth:`forget`); every other call but
     :meth:`stop` is for a started one.
@@ -272,9 +271,7 @@ class Finisher:
             steps.remove(job.step, spare=True)
             if written is not None:
                 log.info("memory checkpoint: step %d is not on every rank: not kept", job.step)
-        with self._lock:
-            newest = self._newest
-        reporter.saved(blocked=job.blocked, written=written, agreed=lag, newest=newest)
+        reporter.saved(blocked=job.blocked, written=written, agreed=lag, newest=self.newest())
         self._persisting.if_due(agreed, self._agree, self.newest)
 
     def _serve_persist_request(self) -> None:

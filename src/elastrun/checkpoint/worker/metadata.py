@@ -242,13 +242,11 @@ def _span_entry(index: MetadataIndex, span: Span) -> dict[str, Any]:
 
 
 def _span(entry: dict[str, Any]) -> Span:
-    dtype = entry["dtype"]
-    shape = entry["shape"]
     return Span(
         offset=int(entry["at"]),
         length=int(entry["bytes"]),
-        dtype=None if dtype is None else _torch_attr(dtype, torch.dtype),
-        shape=None if shape is None else tuple(int(n) for n in shape),
+        dtype=None if entry["dtype"] is None else _torch_attr(entry["dtype"], torch.dtype),
+        shape=None if entry["shape"] is None else tuple(int(n) for n in entry["shape"]),
     )
 
 

@@ -37,9 +37,7 @@ class PersistScheduler:
     Args:
         settings: where and how often steps are persisted (None: never; every call
             does nothing).
-        before_persisted: called on the persisting thread of every rank with a step
-            whose files are all written, before it is renamed into place (a seam for
-            tests that kill the process there).
+        before_persisted: ``MemoryCheckpoint``'s, the persister's ``before_rename``.
 
     :meth:`hold`, :meth:`if_due` and :meth:`on_request` are the checkpoint's background
     thread's; the rest the training thread's.

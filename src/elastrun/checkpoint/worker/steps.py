@@ -286,10 +286,9 @@ class RankSteps:
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
             log.info("memory checkpoint: no spare data file of %d bytes (%s)", size, exc)
-            os.close(fd)
             self.drop_spare()
-            return
-        os.close(fd)
+        finally:
+            os.close(fd)
 
     def drop_spare(self) -> None:
         """Free the spare data file (no next step is coming)."""
