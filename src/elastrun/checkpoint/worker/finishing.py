@@ -184,15 +184,13 @@ class Finisher:
 
     def wait_idle(self) -> None:
         with self._lock:
-            while self._done < self._issued:
-                self._lock.wait()
+            self._lock.wait_for(lambda: self._done >= self._issued)
 
     def wait_persisted(self) -> None:
         """Until the background thread took every ``persist()`` call and the persist
         in flight is written."""
         with self._lock:
-            while self._requests:
-                self._lock.wait()
+            self._lock.wait_for(lambda: not self._requests)
         self._persisting.wait()
 
     def ended(self) -> bool:

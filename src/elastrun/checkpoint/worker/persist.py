@@ -233,14 +233,12 @@ class Persister:
         """Until the step in flight is copied out of the node's memory (it may then be
         removed or written over)."""
         with self._lock:
-            while self._copying:
-                self._lock.wait()
+            self._lock.wait_for(lambda: not self._copying)
 
     def wait(self) -> None:
         """Until no persist is in flight here."""
         with self._lock:
-            while self._busy:
-                self._lock.wait()
+            self._lock.wait_for(lambda: not self._busy)
 
     def close(self) -> None:
         """Finish the persist in flight (idempotent)."""
