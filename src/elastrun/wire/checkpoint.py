@@ -121,6 +121,7 @@ __all__ = [
     "piece_version",
     "rank_of_file",
     "rank_of_report",
+    "replace_file",
     "report_name",
     "spare_name",
     "step_dir_name",
@@ -234,6 +235,15 @@ def decode_buddy(text: str | bytes) -> Buddy:
             raise MarkerError(f"{name}: not a node id or null (got {value!r})")
         nodes.append(value)
     return Buddy(number, *nodes)
+
+
+def replace_file(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` under its temporary name (``.tmp`` added), then rename
+    it into place, so that a reader sees the whole file or the one before: how every
+    file here is written but a step's data and metadata, which its marker vouches for."""
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def data_name(rank: int) -> str:

@@ -135,7 +135,8 @@ class NodeCopies:
         if not alone:
             self._serve(directory, seat, ranks)
         copier, source = buddy_roles(order, seat.node)
-        _write_buddy(directory, layout.Buddy(info.round, copier, source))
+        buddy = layout.encode_buddy(layout.Buddy(info.round, copier, source))
+        layout.replace_file(os.path.join(directory, layout.BUDDY_FILE), buddy)
         # Only the round's members: a node that left it (partitioned, or lost with its
         # lease not yet expired) may still have its address in the store, and would
         # hold this round up by a listing's timeout.
@@ -309,13 +310,6 @@ def _server(raw: bytes) -> _Server | None:
         return str(doc["addr"]), int(doc["port"]), str(doc["token"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _write_buddy(directory: str, buddy: layout.Buddy) -> None:
-    path = os.path.join(directory, layout.BUDDY_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as fh:
-        fh.write(layout.encode_buddy(buddy))
-    os.replace(path + ".tmp", path)
 
 
 def _drop_gathered(directory: str, keep: int) -> None:

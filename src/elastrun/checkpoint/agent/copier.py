@@ -237,14 +237,8 @@ def pull_piece(client: NodeClient, piece: Held, dest: str) -> int:
                  piece.data_bytes)  # fmt: skip
     client.fetch(piece.where, layout.meta_name(rank), os.path.join(dest, layout.meta_name(rank)),
                  piece.meta_bytes)  # fmt: skip
-    marker = os.path.join(dest, layout.marker_name(rank))
-    with open(marker + ".tmp", "w", encoding="utf-8") as fh:
-        fh.write(
-            layout.encode_marker(
-                layout.Marker(piece.step, rank, piece.world, piece.data_bytes, piece.meta_bytes)
-            )
-        )
-    os.replace(marker + ".tmp", marker)
+    marker = layout.Marker(piece.step, rank, piece.world, piece.data_bytes, piece.meta_bytes)
+    layout.replace_file(os.path.join(dest, layout.marker_name(rank)), layout.encode_marker(marker))
     return piece.data_bytes + piece.meta_bytes
 
 

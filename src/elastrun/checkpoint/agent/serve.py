@@ -178,11 +178,9 @@ class NodeServer:
     def copied(self, step: int, versions: dict[str, str]) -> None:
         """Write ``copied-<step>`` with the versions copied (rank -> version), by a
         rename, and remove all but the newest two."""
-        final = os.path.join(self._directory, layout.copied_name(step))
-        tmp = final + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(versions, fh)
-        os.replace(tmp, final)
+        layout.replace_file(
+            os.path.join(self._directory, layout.copied_name(step)), json.dumps(versions)
+        )
         marks = sorted(
             s for s in map(layout.step_of_copied, listdir(self._directory)) if s is not None
         )

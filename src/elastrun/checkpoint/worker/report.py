@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 
-from elastrun.wire.checkpoint import RankReport, encode_report, report_name
+from elastrun.wire.checkpoint import RankReport, encode_report, replace_file, report_name
 
 __all__ = ["RankReporter"]
 
@@ -94,11 +94,8 @@ class RankReporter:
     def _write(self) -> None:
         """Write the report (under the lock): to a temporary name, then renamed, so
         that the agent reads a whole report or the one before."""
-        tmp = self._path + ".tmp"
         try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(encode_report(self._report))
-            os.replace(tmp, self._path)
+            replace_file(self._path, encode_report(self._report))
         except OSError as exc:
             if not self._failed:
                 self._failed = True

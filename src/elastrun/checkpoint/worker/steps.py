@@ -227,11 +227,7 @@ class RankSteps:
     def publish(self, marker: Marker) -> None:
         """Write ``marker`` for its step: to a temporary name, then renamed into place,
         so that a reader sees the whole marker or none."""
-        final = self.marker_path(marker.step)
-        tmp = final + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(layout.encode_marker(marker))
-        os.replace(tmp, final)
+        layout.replace_file(self.marker_path(marker.step), layout.encode_marker(marker))
 
     def remove(self, step: int, *, spare: bool = False) -> None:
         """Remove this rank's files of ``step`` (the marker first, so that no reader
