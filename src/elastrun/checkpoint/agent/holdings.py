@@ -65,9 +65,6 @@ class Held(NamedTuple):
         """Written by the node's own workers (not a copy, not gathered)."""
         return self.where == layout.step_dir_name(self.step)
 
-    def as_json(self) -> dict[str, object]:
-        return self._asdict()
-
 
 def copy_dir_name(node: str) -> str:
     """The directory under ``copies/`` for ``node``'s pieces: its id made safe for a

@@ -168,7 +168,7 @@ class NodeServer:
             "node": self._node,
             "ranks": list(self._ranks),
             "newest": newest_agreed(self._directory),
-            "pieces": [p.as_json() for p in scan(self._directory)],
+            "pieces": [p._asdict() for p in scan(self._directory)],
             "changes": mark,
         }
 
