@@ -220,21 +220,15 @@ def _owners(
 def _global_metadata(first: dict[MetadataIndex, WriteItem]) -> dict[str, STORAGE_TYPES]:
     metadata: dict[str, STORAGE_TYPES] = {}
     for item in first.values():
-        fqn = item.index.fqn
-        data = item.tensor_data
-        mixed = MemoryCheckpointError(f"{fqn}: a value on one rank, a tensor on another")
-        if data is None:
-            if not isinstance(
-                metadata.setdefault(fqn, BytesStorageMetadata()), BytesStorageMetadata
-            ):
-                raise mixed
-            continue
-        entry = metadata.setdefault(
-            fqn, TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[])
-        )
-        if not isinstance(entry, TensorStorageMetadata):
-            raise mixed
-        entry.chunks.append(data.chunk)
+        fqn, data = item.index.fqn, item.tensor_data
+        new: STORAGE_TYPES = BytesStorageMetadata()
+        if data is not None:
+            new = TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[])
+        entry = metadata.setdefault(fqn, new)
+        if type(entry) is not type(new):
+            raise MemoryCheckpointError(f"{fqn}: a value on one rank, a tensor on another")
+        if isinstance(entry, TensorStorageMetadata) and data is not None:
+            entry.chunks.append(data.chunk)
     for fqn, entry in metadata.items():
         if isinstance(entry, TensorStorageMetadata):
             entry.chunks.sort(key=lambda c: tuple(c.offsets))
