@@ -14,13 +14,9 @@ start (``start_round``). It
    pulls the pieces its ranks need and lack -- their own (a world of the same size: a
    spare that takes a lost node's place) or every rank's (another size: DCP reshards)
    -- into ``gathered/``;
-4. copies, on a thread of its own (``copier``), each newly complete step of its source
-   node (the previous one; its server holds the copier's listing until a step changes)
-   into ``copies/<source>/``, tells the source, and keeps only the newest
-   copy complete on every rank and the one that may become it
-   (``holdings.copies_to_keep``). Pieces of other nodes that the round no longer needs
-   (a lost node's copy, gathered pieces) go once the node's own ranks agreed on a newer
-   step.
+4. starts its ``copier``: a thread that copies each newly complete step of its source
+   node (the previous one) into ``copies/<source>/``, tells the source, and removes the
+   copies and pieces the node no longer needs.
 
 **Memory.** A node holds its ranks' steps (the newest complete, one in progress), its
 source's copy (the newest complete, one arriving) and, after a node was lost, the
