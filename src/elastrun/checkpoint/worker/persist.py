@@ -208,15 +208,11 @@ class Persister:
         with self._lock:
             return self._persisted
 
-    def is_idle(self) -> bool:
-        """No persist in flight here."""
+    def ready(self) -> bool:
+        """No persist in flight here, and none in which the ranks lost each other (then
+        no further one is started)."""
         with self._lock:
-            return not self._busy
-
-    def is_broken(self) -> bool:
-        """The ranks lost each other in a persist: no further one is started."""
-        with self._lock:
-            return self._broken is not None
+            return not self._busy and self._broken is None
 
     def begin(self, step: int) -> None:
         """Persist ``step`` (complete on every rank) in the background; the caller

@@ -135,7 +135,7 @@ class PersistScheduler:
     def _all_ready(self, persister: Persister, agree: Agree) -> bool:
         """Whether every rank's persister is idle and unbroken: agreed, so that no rank
         begins a persist (a collective) that another does not."""
-        ready = agree(persister.is_idle() and not persister.is_broken(), "before a persist")
+        ready = agree(persister.ready(), "before a persist")
         if ready is None:
             return False
         if not ready:
