@@ -75,12 +75,7 @@ from elastrun.checkpoint.worker.finishing import Finisher, Overlaps
 from elastrun.checkpoint.worker.persist import DEFAULT_KEEP, persist_settings
 from elastrun.checkpoint.worker.persisting import PersistScheduler
 from elastrun.checkpoint.worker.report import RankReporter
-from elastrun.checkpoint.worker.space import (
-    StatvfsResult,
-    check_space,
-    local_world_size,
-    state_bytes,
-)
+from elastrun.checkpoint.worker.space import StatvfsResult, check_space, state_bytes
 from elastrun.checkpoint.worker.staging import Staging
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.checkpoint.worker.storage import (
@@ -386,7 +381,7 @@ class MemoryCheckpoint:
             self._agreement = agreement.for_world(rank, world)
         self._persisting.start(rank, world, directory)
         self._steps = RankSteps(directory, rank, world)
-        reporter = RankReporter(directory, rank, _local_rank(), os.getpid())
+        reporter = RankReporter(directory, rank, _env_count("LOCAL_RANK", 0), os.getpid())
         self._finisher.start(self._steps, reporter, self._agreement)
         return self._steps
 
@@ -411,7 +406,7 @@ class MemoryCheckpoint:
             steps.directory,
             rank_bytes,
             rank=steps.rank,
-            local_ranks=local_world_size(),
+            local_ranks=_env_count("LOCAL_WORLD_SIZE", 1),
             statvfs=self._statvfs,
         )
 
@@ -432,9 +427,10 @@ def _rebuilt(world: weakref.ref[dist.ProcessGroup] | None) -> bool:
     return not dist.is_initialized() or dist.distributed_c10d._get_default_group() is not world()
 
 
-def _local_rank() -> int:
-    """This rank's local rank (``LOCAL_RANK``; 0 when unset or not a number)."""
+def _env_count(name: str, least: int) -> int:
+    """The variable ``name`` as an integer of at least ``least`` (``least`` when unset or
+    not a number): ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``."""
     try:
-        return max(0, int(os.environ.get("LOCAL_RANK", "0")))
+        return max(least, int(os.environ.get(name, str(least))))
     except ValueError:
-        return 0
+        return least

@@ -26,7 +26,7 @@ from elastrun.checkpoint.worker.steps import directory_usage, read_buddy
 from elastrun.core.values import size_text
 from elastrun.wire.checkpoint import COPIES_HELD, STEPS_HELD
 
-__all__ = ["StatvfsResult", "check_space", "local_world_size", "state_bytes"]
+__all__ = ["StatvfsResult", "check_space", "state_bytes"]
 
 
 class StatvfsResult(Protocol):
@@ -55,14 +55,6 @@ def state_bytes(state: object) -> int:
     if isinstance(state, list | tuple):
         return sum(state_bytes(v) for v in state)
     return 0
-
-
-def local_world_size() -> int:
-    """The node's number of ranks (``LOCAL_WORLD_SIZE``; 1 when unset)."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def check_space(
