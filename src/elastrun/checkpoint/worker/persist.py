@@ -6,9 +6,10 @@ on every rank to ``<persist_dir>/step-<S>/`` after every N complete steps, and
 ``.metadata`` file, a data file per rank): plain ``torch.distributed.checkpoint.load``
 loads it into a world of any size (DCP reshards), without elastrun.
 
-**Who does what.** The checkpoint's background thread decides when (the same decision on
-every rank: it follows the ranks' agreements, in the order of the saves) and hands the
-step to this module's :class:`Persister`, whose own thread does the rest:
+**Who does what.** The checkpoint's background thread decides when
+(``checkpoint.worker.persisting``: the same decision on every rank, at most one persist
+in flight) and hands the step to this module's :class:`Persister`, whose own thread
+does the rest:
 
 1. it copies the rank's step out of the node's memory (``persist_plan.read_snapshot``);
    until then the checkpoint's thread keeps the step (:meth:`Persister.wait_snapshot`
@@ -25,10 +26,7 @@ step to this module's :class:`Persister`, whose own thread does the rest:
 
 A directory under a final name is therefore always complete. A persist that fails (the
 disk full, no permission, a rank's file missing) is logged, its temporary directory is
-removed, and training goes on: the next one tries again. At most one persist is in
-flight: one that falls due while the last is still being written waits for a later
-save (the ranks agree that every rank's persister is idle first), and ``persist()``
-waits, in the background, for the one in flight.
+removed, and training goes on: the next one tries again.
 
 Rejected: persisting on the checkpoint's own thread (a slow disk would hold up every
 save after it); keeping the step in the node's memory until it is written (a third step
