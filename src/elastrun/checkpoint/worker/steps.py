@@ -92,11 +92,9 @@ class RankSteps:
         """Where this rank keeps the data file of a removed step, for its next step."""
         return os.path.join(self.directory, layout.spare_name(self.rank))
 
-    def make_step_dir(self, step: int) -> str:
-        """The step's directory, made if missing (mode 0700)."""
-        path = self.step_dir(step)
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        return path
+    def make_step_dir(self, step: int) -> None:
+        """Make the step's directory if missing (mode 0700)."""
+        os.makedirs(self.step_dir(step), mode=0o700, exist_ok=True)
 
     def all_steps(self) -> list[int]:
         """Every step directory in the node directory (complete or not, any rank's)."""
