@@ -71,11 +71,8 @@ class RankReporter:
             newest: the newest step complete on every rank, after this save.
         """
         with self._lock:
-            r = self._report._replace(
-                saves=self._report.saves + 1,
-                blocked_s=self._report.blocked_s + blocked,
-                newest=newest,
-            )
+            r = self._report
+            r = r._replace(saves=r.saves + 1, blocked_s=r.blocked_s + blocked, newest=newest)
             if written is not None and agreed is not None:
                 r = r._replace(
                     complete=r.complete + 1, save_s=r.save_s + written, lag_s=r.lag_s + agreed
