@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from elastrun.checkpoint.worker.agreement import Agreement, ended_with_world
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
@@ -65,12 +66,6 @@ class _Job:
     blocked: float
 
 
-@dataclass(frozen=True)
-class _PersistRequest:
-    """A ``persist()`` call for the background thread: in the order of the saves, so
-    that every rank persists the same step."""
-
-
 class Finisher:
     """The background thread of a ``MemoryCheckpoint`` and what it shares with the
     training thread (see the module).
@@ -94,7 +89,8 @@ class Finisher:
         self._steps: RankSteps | None = None
         self._reporter: RankReporter | None = None
         self._agreement: Agreement | None = None
-        self._jobs: queue.SimpleQueue[_Job | _PersistRequest | None] = queue.SimpleQueue()
+        # (a save, a persist() call, or None: the end)
+        self._jobs: queue.SimpleQueue[_Job | Literal["persist"] | None] = queue.SimpleQueue()
         self._nursery: Nursery | None = None  # (a new one at each start)
         # Shared with the background thread, under the lock:
         self._lock = threading.Condition()
@@ -180,7 +176,7 @@ class Finisher:
         """A ``persist()`` call, for the background thread after the saves before it."""
         with self._lock:
             self._requests += 1
-        self._jobs.put(_PersistRequest())
+        self._jobs.put("persist")
 
     def wait_idle(self) -> None:
         with self._lock:
@@ -222,7 +218,7 @@ class Finisher:
             job = jobs.get()
             if job is None:
                 return
-            if isinstance(job, _PersistRequest):
+            if job == "persist":
                 self._serve_persist_request()
                 continue
             try:
