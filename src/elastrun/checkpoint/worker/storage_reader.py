@@ -59,9 +59,8 @@ class MemoryStorageReader(StorageReader):
         self._steps = rank_steps(directory, rank, world_size)
         self._staging = staging
         self._storage: dict[MetadataIndex, Span] = {}
-        self._files: dict[MetadataIndex, str] = {}
+        self._files: dict[MetadataIndex, str] = {}  # (the data file of each stored item)
         self._data_paths: dict[int, str] = {}  # rank -> its data file (set at read_metadata)
-        self._where: dict[MetadataIndex, int] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -87,9 +86,10 @@ class MemoryStorageReader(StorageReader):
         self._data_paths = {rank: piece.data_path for rank, piece in pieces.items()}
         if len(metas) == 1:
             ((rank, metadata),) = metas.items()
-            self._where = dict.fromkeys((metadata.storage_data or {}), rank)
-            return metadata
-        metadata, self._where = merge_metadata(metas)
+            where = dict.fromkeys((metadata.storage_data or {}), rank)
+        else:
+            metadata, where = merge_metadata(metas)
+        self._files = {index: self._data_paths[rank] for index, rank in where.items()}
         return metadata
 
     def set_up_storage_reader(
@@ -98,11 +98,6 @@ class MemoryStorageReader(StorageReader):
         if not is_coordinator:
             raise MemoryCheckpointError(ALONE)
         self._storage = dict(metadata.storage_data or {})
-        self._files = {
-            index: self._data_paths[rank]
-            for index, rank in self._where.items()
-            if rank in self._data_paths
-        }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
