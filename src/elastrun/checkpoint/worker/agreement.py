@@ -30,11 +30,11 @@ store client cannot be woken from another thread (the wait holds the client's lo
 a socket that is not ours). What fails raises torch's own error, a ``RuntimeError``:
 in-process recovery takes it for the failed collective it stands for.
 
-Rejected: a gloo group of the checkpoint's own, as before (made by every rank over the
-default group, so made again after every in-process round at a point every rank
-reaches, a full mesh of connections per rank, and one more group for a recovery to tear
-down); a key per rank that every rank reads (O(ranks²) reads per vote); polling the
-store (a request every few milliseconds per rank while a vote waits).
+Rejected: a gloo group of the checkpoint's own (made by every rank over the default
+group, so made again after every in-process round at a point every rank reaches, a full
+mesh of connections per rank, and one more group for a recovery to tear down); a key
+per rank that every rank reads (O(ranks²) reads per vote); polling the store (a request
+every few milliseconds per rank while a vote waits).
 """
 
 from __future__ import annotations

@@ -50,8 +50,7 @@ into events and metrics without importing torch.
 Rejected: each rank loading its own newest step (ranks would resume at different
 steps); MIN of each rank's newest step without the agreement after each save (a rank
 that finished step N and removed N-1 while a peer died before finishing N would leave
-no common step); a gloo group of the checkpoint's own for the agreements (made again
-by every rank after every in-process round, and one more full mesh of connections; see
+no common step); a gloo group of the checkpoint's own for the agreements (see
 ``checkpoint.worker.agreement``).
 """
 
