@@ -251,10 +251,9 @@ def _place(items: list[WriteItem], values: dict[MetadataIndex, bytes]) -> tuple[
     offsets = []
     end = 0
     for item in items:
-        if item.type == WriteItemType.BYTE_IO:
-            length = len(values[item.index])
-        else:
-            length = planned_bytes(item)
+        length = (
+            len(values[item.index]) if item.type == WriteItemType.BYTE_IO else planned_bytes(item)
+        )
         offset = -(-end // ALIGN) * ALIGN
         offsets.append(offset)
         end = offset + length
