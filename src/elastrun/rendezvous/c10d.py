@@ -8,6 +8,7 @@ it. A single node with no endpoint needs no store at all.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -139,17 +140,30 @@ class C10dConf:
     local: bool
     is_host: bool | None
     fixed_rank: int | None
-    token: str | None = None
-    settings: RendezvousSettings | None = None
-    read_timeout: float = DEFAULT_READ_TIMEOUT
+    token: str | None
+    settings: RendezvousSettings
+    read_timeout: float
 
 
-def _conf_common(params: RendezvousParameters) -> tuple[bool | None, str | None]:
+def _conf(params: RendezvousParameters, host: str, port: int, rank: int | None) -> C10dConf:
+    """What both backends read after the endpoint (and the rank), not yet local."""
+    settings = settings_from(params)
+    read_timeout = conf_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT)
     is_host = params.get_as_bool("is_host")
     store_type = params.get("store_type")
     if store_type is not None and store_type.strip().lower() != "tcp":
         raise ConfigError("--rdzv-conf store_type", store_type, "only tcp is supported by elastrun")
-    return is_host, read_token(params)
+    return C10dConf(host, port, False, is_host, rank, read_token(params), settings, read_timeout)
+
+
+def _refuse_port_zero(params: RendezvousParameters, port: int) -> None:
+    if port == 0:
+        raise ConfigError(
+            "--rdzv-endpoint",
+            params.endpoint,
+            "port 0 (any free port) works for a single node only: the other nodes "
+            "could not find it",
+        )
 
 
 def parse_c10d_conf(params: RendezvousParameters) -> C10dConf:
@@ -163,21 +177,13 @@ def parse_c10d_conf(params: RendezvousParameters) -> C10dConf:
     """
     validate_conf(params)
     host, port = parse_endpoint(params.endpoint, DEFAULT_PORT)
-    settings = settings_from(params)
-    read_timeout = conf_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT)
-    is_host, token = _conf_common(params)
+    conf = _conf(params, host, port, None)
     if params.max_nodes == 1 and (port == 0 or not params.endpoint.strip()):
         # No endpoint: nothing to serve to anyone, and binding the default port would
         # make a second one-node job on this machine a client of the first's store.
-        return C10dConf(host, port, local=True, is_host=is_host, fixed_rank=None)
-    if port == 0:
-        raise ConfigError(
-            "--rdzv-endpoint",
-            params.endpoint,
-            "port 0 (any free port) works for a single node only: the other nodes "
-            "could not find it",
-        )
-    return C10dConf(host, port, False, is_host, None, token, settings, read_timeout)
+        return dataclasses.replace(conf, local=True)
+    _refuse_port_zero(params, port)
+    return conf
 
 
 def parse_static_conf(params: RendezvousParameters) -> C10dConf:
@@ -197,35 +203,22 @@ def parse_static_conf(params: RendezvousParameters) -> C10dConf:
     host, port = parse_endpoint(params.endpoint, -1)
     if port < 0:
         raise ConfigError("--rdzv-endpoint", params.endpoint, "static needs host:port")
-    settings = settings_from(params)
-    read_timeout = conf_seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT)
-    is_host, token = _conf_common(params)
+    conf = _conf(params, host, port, rank)
     if params.max_nodes == 1:
-        return C10dConf(host, port, local=True, is_host=is_host, fixed_rank=rank)
+        return dataclasses.replace(conf, local=True)
     if params.min_nodes != params.max_nodes:
         raise ConfigError(
             "--nnodes", f"{params.min_nodes}:{params.max_nodes}", "static needs a fixed count"
         )
-    if port == 0:
-        raise ConfigError(
-            "--rdzv-endpoint",
-            params.endpoint,
-            "port 0 (any free port) works for a single node only: the other nodes "
-            "could not find it",
-        )
-    forced = rank == 0 if is_host is None else is_host
-    return C10dConf(host, port, False, forced, rank, token, settings, read_timeout)
+    _refuse_port_zero(params, port)
+    is_host = rank == 0 if conf.is_host is None else conf.is_host
+    return dataclasses.replace(conf, is_host=is_host)
 
 
 def looks_like_this_host(host: str) -> bool:
     """Whether ``host`` names this machine (loopback, our hostname, or one of our IPs)."""
-    if host in ("localhost", "", socket.gethostname(), socket.getfqdn()):
+    if host in ("", socket.gethostname(), socket.getfqdn()) or _is_loopback_name(host):
         return True
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        pass
     try:
         theirs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
         ours = {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None)}
@@ -267,29 +260,25 @@ def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 def _dynamic(params: RendezvousParameters, conf: C10dConf, *, backend: str) -> RendezvousHandler:
     host, port, token, forced = conf.host, conf.port, conf.token, conf.is_host
-    assert conf.settings is not None  # parsed for every non-local configuration
     serve = forced if forced is not None else looks_like_this_host(host)
-    stop_server: Callable[[], None] | None = None
-    if serve:
-        stop_server = _try_serve(host, port, token, strict=forced is True)
+    stop_server = _try_serve(host, port, token, strict=forced is True) if serve else None
     from elastrun.store.tcp.client import TcpStore
 
     # read_timeout bounds both: reconnecting, and waiting for an answer. A store that
     # stops answering is given up read_timeout after it went silent (see TcpStore).
     timeout = conf.read_timeout
     store = TcpStore(host, port, token=token, connect_timeout=timeout, request_timeout=timeout)
-    try:
-        store.get(f"/elastrun/{params.run_id}/ctl/closed")  # fail now, clearly, if unreachable
-    except StoreError as exc:
-        store.close()
-        if stop_server is not None:
-            stop_server()
-        raise RendezvousConnectionError(str(exc)) from exc
 
     def close() -> None:
         store.close()
         if stop_server is not None:
             stop_server()
+
+    try:
+        store.get(f"/elastrun/{params.run_id}/ctl/closed")  # fail now, clearly, if unreachable
+    except StoreError as exc:
+        close()
+        raise RendezvousConnectionError(str(exc)) from exc
 
     addr = params.local_addr or socket.getfqdn()
     node = NodeDesc.create(addr, "default", 0)
@@ -311,8 +300,8 @@ def _try_serve(
 ) -> Callable[[], None] | None:
     from elastrun.store.tcp.server import TcpStoreServer
 
-    bind = "" if not _is_loopback_name(host) else host
-    server = TcpStoreServer(host=bind or "0.0.0.0", port=port, token=token)
+    bind = host if _is_loopback_name(host) else "0.0.0.0"
+    server = TcpStoreServer(host=bind, port=port, token=token)
     try:
         server.start()
     except (OSError, StoreError) as exc:
@@ -324,8 +313,7 @@ def _try_serve(
         log.debug("not serving the store on port %d (%s); joining it instead", port, exc)
         return None
     log.info("serving the rendezvous store on port %d", server.port)
-    stop: Callable[[], None] = server.stop
-    return stop
+    return server.stop
 
 
 def _is_loopback_name(host: str) -> bool:
