@@ -161,31 +161,28 @@ class DynamicRendezvousHandler(RendezvousHandler):
         The node that serves the store waits (up to ``close_timeout``) for the other
         nodes to leave before its store goes away under them.
         """
-        left_unfinished = self.outcome.left_unfinished
+        keeper, bound = self._liveness.keeper, self._settings.close_timeout
+        closed = False
         if self._liveness.now.gone is not None:
-            self.leave()  # nothing to close: the store is gone
-            return False
-        if not close and not left_unfinished:
-            # This node ends on an error of its own; the others decide for themselves.
-            if self._hosting:
-                self._liveness.keeper.wait_for_others_to_leave(self._settings.close_timeout)
-            self.leave()
-            return False
-        if left_unfinished:
+            pass  # nothing to close: the store is gone
+        elif self.outcome.left_unfinished:
             # The job goes on without this node; its outcome is not known yet.
             if self._hosting:
                 log.warning(
                     "this node serves the rendezvous store: it keeps serving until the "
                     "other nodes leave"
                 )
-                self._liveness.keeper.wait_for_others_to_leave(None)
-            self.leave()
-            return False
-        closed = self.outcome.close_within("finished", self._life, self._settings.close_timeout)
-        if not closed:
-            log.warning("could not close the rendezvous (the store is unreachable)")
-        if self._hosting and closed:
-            self._liveness.keeper.wait_for_others_to_leave(self._settings.close_timeout)
+                keeper.wait_for_others_to_leave(None)
+        elif not close:
+            # This node ends on an error of its own; the others decide for themselves.
+            if self._hosting:
+                keeper.wait_for_others_to_leave(bound)
+        else:
+            closed = self.outcome.close_within("finished", self._life, bound)
+            if not closed:
+                log.warning("could not close the rendezvous (the store is unreachable)")
+            elif self._hosting:
+                keeper.wait_for_others_to_leave(bound)
         self.leave()
         return closed
 

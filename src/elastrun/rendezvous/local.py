@@ -10,12 +10,7 @@ from __future__ import annotations
 import socket
 
 from elastrun.core.errors import RendezvousClosedError
-from elastrun.rendezvous.api import (
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousParameters,
-    RendezvousStoreInfo,
-)
+from elastrun.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 from elastrun.store.memory import MemoryStore
 
 LOOPBACK = "127.0.0.1"
@@ -101,11 +96,3 @@ class LocalRendezvousHandler(RendezvousHandler):
             f"LocalRendezvousHandler(run_id={self._run_id!r}, backend={self._backend!r}, "
             f"round={self._round}, closed={self._closed})"
         )
-
-
-def create_not_yet(params: RendezvousParameters) -> RendezvousHandler:
-    from elastrun.core.errors import NotImplementedYetError
-
-    raise NotImplementedYetError(
-        "--rdzv-backend", params.backend, f"the {params.backend!r} rendezvous backend"
-    )

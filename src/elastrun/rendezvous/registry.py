@@ -102,10 +102,8 @@ class RendezvousHandlerRegistry:
         with self._lock:
             if params.backend in self._creators:
                 return
-        target = BUILTIN_CHECKS.get(params.backend)
-        if target is not None:
-            module, _, attr = target.partition(":")
-            getattr(importlib.import_module(module), attr)(params)
+        if params.backend in BUILTIN_CHECKS:
+            _load(BUILTIN_CHECKS[params.backend])(params)
 
     def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
         """Build the handler for ``params.backend``.
