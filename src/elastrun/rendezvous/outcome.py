@@ -178,11 +178,8 @@ class Outcome:
             self.close(f"{why}: {self._where(what)}")
             if (n := self._live.now.n) is not None:
                 note = {"node": self._node_id, "addr": self._addr, "what": what}
-                self._store.compare_set(
-                    self._keys.failed(n),
-                    None,
-                    dump({**note, "restart": False, "why": why}),
-                )
+                final = dump({**note, "restart": False, "why": why})
+                self._store.compare_set(self._keys.failed(n), None, final)
 
     def _where(self, what: str) -> str:
         """The failure and this node's address, for the reason the run closes."""

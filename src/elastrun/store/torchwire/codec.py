@@ -145,23 +145,13 @@ class _Budget:
         return size
 
 
-def _u32(budget: _Budget) -> Generator[int, bytes, int]:
-    data = yield budget.take(4, "header")
-    return int(_U32.unpack(data)[0])
-
-
-def _u64(budget: _Budget) -> Generator[int, bytes, int]:
-    data = yield budget.take(8, "header")
-    return int(_U64.unpack(data)[0])
-
-
-def _i64(budget: _Budget) -> Generator[int, bytes, int]:
-    data = yield budget.take(8, "header")
-    return int(_I64.unpack(data)[0])
+def _number(budget: _Budget, kind: struct.Struct) -> Generator[int, bytes, int]:
+    data = yield budget.take(kind.size, "header")
+    return int(kind.unpack(data)[0])
 
 
 def _blob(budget: _Budget, limit: int, what: str) -> Generator[int, bytes, bytes]:
-    size = yield from _u64(budget)
+    size = yield from _number(budget, _U64)
     if size > limit:
         raise ProtocolError(f"{what} of {size} bytes exceeds the {limit}-byte limit")
     if size == 0:
@@ -170,7 +160,7 @@ def _blob(budget: _Budget, limit: int, what: str) -> Generator[int, bytes, bytes
 
 
 def _count(budget: _Budget, signed: bool = False) -> Generator[int, bytes, int]:
-    count = yield from (_i64(budget) if signed else _u64(budget))
+    count = yield from _number(budget, _I64 if signed else _U64)
     if not 0 <= count <= MAX_KEYS_PER_REQUEST:
         raise ProtocolError(f"a request naming {count} keys (at most {MAX_KEYS_PER_REQUEST})")
     return count
@@ -190,7 +180,7 @@ def _read(max_frame: int, max_key: int) -> _Reader:
         return _blob(budget, max_frame, "value")
 
     if op in (Op.VALIDATE, Op.PING):
-        return Request(op, number=(yield from _u32(budget)))
+        return Request(op, number=(yield from _number(budget, _U32)))
     if op in (Op.GETNUMKEYS, Op.CANCEL_WAIT, Op.LIST_KEYS):
         return Request(op)
     if op in (Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN):
@@ -204,7 +194,7 @@ def _read(max_frame: int, max_key: int) -> _Reader:
         return Request(op, (k,), (expected, (yield from value())))
     if op in (Op.ADD, Op.BARRIER):
         k = yield from key()
-        return Request(op, (k,), number=(yield from _i64(budget)))
+        return Request(op, (k,), number=(yield from _number(budget, _I64)))
     if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET):
         count = yield from _count(budget)
         keys = []

@@ -394,20 +394,15 @@ class Connection(asyncio.Protocol):
     # -- blocking requests ---------------------------------------------------------------
 
     def _wait(self, r: c.Request) -> None:
-        self._check_not_waiting(r)
-        self._waiter = self._state.wait(r.keys, self._wake)
-        if self._waiter is None:
-            self._send(_STOP_WAITING)
-
-    def _barrier(self, r: c.Request) -> None:
-        self._check_not_waiting(r)
-        self._waiter = self._state.barrier(r.key, r.number, self._wake)
-        if self._waiter is None:
-            self._send(_STOP_WAITING)
-
-    def _check_not_waiting(self, r: c.Request) -> None:
+        """``wait`` and ``barrier``: answered when released, at once if they are."""
         if self._waiter is not None:
             raise c.ProtocolError(f"{r.op.name} while its previous wait is still blocked")
+        if r.op is c.Op.BARRIER:
+            self._waiter = self._state.barrier(r.key, r.number, self._wake)
+        else:
+            self._waiter = self._state.wait(r.keys, self._wake)
+        if self._waiter is None:
+            self._send(_STOP_WAITING)
 
     def _wake(self) -> None:
         # Called while serving another client (whose write released this one), or this
@@ -430,14 +425,9 @@ class Connection(asyncio.Protocol):
 
 
 # The fast path's commands, as plain ints (a byte of the request compares with them).
-_PING, _GET, _SET, _ADD, _COMPARE_SET = (
-    int(c.Op.PING),
-    int(c.Op.GET),
-    int(c.Op.SET),
-    int(c.Op.ADD),
-    int(c.Op.COMPARE_SET),
+_PING, _GET, _SET, _ADD, _COMPARE_SET, _WAIT = map(
+    int, (c.Op.PING, c.Op.GET, c.Op.SET, c.Op.ADD, c.Op.COMPARE_SET, c.Op.WAIT)
 )
-_WAIT = int(c.Op.WAIT)
 _FAST_OPS = frozenset((_GET, _SET, _ADD, _COMPARE_SET, _WAIT))
 _U64_AT, _I64_AT = c.U64.unpack_from, c.I64.unpack_from
 _U64_PACK, _I64_PACK = c.U64.pack, c.I64.pack
@@ -467,5 +457,5 @@ _HANDLERS: dict[c.Op, Callable[[Connection, c.Request], None]] = {
     c.Op.QUEUE_POP: Connection._queue_pop,
     c.Op.QUEUE_LEN: Connection._queue_len,
     c.Op.LIST_KEYS: Connection._list_keys,
-    c.Op.BARRIER: Connection._barrier,
+    c.Op.BARRIER: Connection._wait,
 }
