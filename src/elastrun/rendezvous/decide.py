@@ -16,6 +16,7 @@ from typing import Protocol
 
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import MemberRow, changes_from, member_pages
+from elastrun.rendezvous.ops import load_doc
 from elastrun.store.api import EventKind, WatchEvent
 
 
@@ -192,16 +193,11 @@ def needs_reformation(
 # cost O(N^2) reads). Both views are pure: the handler feeds them what the store said.
 
 
-def _prev_rank(raw: bytes | None) -> int | None:
-    try:
-        data = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
-    prev = data.get("prev_rank") if isinstance(data, dict) else None
-    return prev if isinstance(prev, int) and not isinstance(prev, bool) else None
-
-
 JSONDoc = dict[str, object]
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _toggle(nodes: set[str], node: str, present: bool) -> None:
@@ -210,11 +206,7 @@ def _toggle(nodes: set[str], node: str, present: bool) -> None:
 
 def failure_claimer(raw: bytes | None) -> str | None:
     """The node named in a round's failure claim (``ctl/failed/<n>``), if readable."""
-    try:
-        data = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
-    node = data.get("node") if isinstance(data, dict) else None
+    node = load_doc(raw).get("node")
     return node if isinstance(node, str) else None
 
 
@@ -240,12 +232,8 @@ class Away:
     @staticmethod
     def load(raw: bytes | None) -> int | None:
         """The round a notice is about (None: absent or unreadable)."""
-        try:
-            data = json.loads(raw) if raw is not None else None
-        except ValueError:
-            return None
-        n = data.get("round") if isinstance(data, dict) and data.get("v") == 1 else None
-        return n if isinstance(n, int) and not isinstance(n, bool) else None
+        data = load_doc(raw)
+        return _int(data.get("round")) if data.get("v") == 1 else None
 
 
 class Bounds(Protocol):
@@ -369,7 +357,7 @@ class RoundView:
         # revisions). Without it a spare that waited longest lost its place to any
         # newcomer whose id sorts first.
         self.joins[node] = value
-        self._joiners[node] = Joiner(node, revision, _prev_rank(value))
+        self._joiners[node] = Joiner(node, revision, _int(load_doc(value).get("prev_rank")))
 
     def joiners(self) -> list[Joiner]:
         return list(self._joiners.values())
@@ -449,11 +437,7 @@ class RoundView:
         slots: list[tuple[str, int]] = []
         for m in members:
             raw = self.joins.get(m)
-            try:
-                data = json.loads(raw) if raw is not None else self._brought.get(m, {})
-            except ValueError:
-                data = {}
-            d = data if isinstance(data, dict) else {}
+            d = self._brought.get(m, {}) if raw is None else load_doc(raw)
             role, lws = str(d.get("role", "")), int(str(d.get("local_world_size", 0)))
             rows.append((m, str(d.get("addr", "")), role, lws))
             slots.append((role, lws))

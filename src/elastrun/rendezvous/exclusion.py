@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from elastrun.core.errors import ConfigError
+from elastrun.rendezvous.ops import load_doc
 
 __all__ = [
     "MAX_GROWTH",
@@ -226,10 +227,5 @@ def load_record(raw: bytes | None) -> Strikes:
 def versioned_doc(raw: bytes | None, version: int = VERSION) -> dict[str, object] | None:
     """A JSON object the rendezvous keeps in its store, when it is one of ``version``
     (its ``"v"``); None for a missing key, another version or anything unreadable."""
-    if raw is None:
-        return None
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) and doc.get("v") == version else None
+    doc = load_doc(raw)
+    return doc if doc.get("v") == version else None

@@ -10,10 +10,11 @@ bytes; the page count follows from the round's size. Pure: no store, no I/O.
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from elastrun.rendezvous.ops import load_doc
 
 #: Members per page (on average: a member's page is chosen by a hash of its id).
 PAGE_SIZE = 16
@@ -43,11 +44,7 @@ def member_pages(rows: Sequence[MemberRow]) -> list[dict[str, object]]:
 
 def page_entries(raw: bytes | None) -> dict[str, list[object]]:
     """The entries of a page as stored (empty when absent or unreadable)."""
-    try:
-        data = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return {}
-    members = data.get("members") if isinstance(data, dict) else None
+    members = load_doc(raw).get("members")
     return members if isinstance(members, dict) else {}
 
 

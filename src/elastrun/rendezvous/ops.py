@@ -28,6 +28,15 @@ def load(raw: bytes | None) -> object:
     return None if raw is None else json.loads(raw)
 
 
+def load_doc(raw: bytes | None) -> dict[str, object]:
+    """A record that should be a JSON object ({}: absent, unreadable or not one)."""
+    try:
+        data = load(raw)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 # -- operations (the driver performs them) ------------------------------------------------
 
 

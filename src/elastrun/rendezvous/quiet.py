@@ -26,7 +26,6 @@ other member is quiet and follows one key (``liveness`` runs both watches).
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import StoreCompactedError
 from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.ops import load_doc
 from elastrun.store.api import EventKind, Store, WatchEvent
 
 #: How long the watcher that is not rank 0 leaves the decision to rank 0 (the other),
@@ -111,10 +111,7 @@ def closer_state(keys: RunKeys, n: int, found: Mapping[str, bytes]) -> tuple[byt
 
 def why_of(call: bytes, n: int) -> str:
     """The reason a call to round ``n``'s quiet members gives."""
-    try:
-        why = json.loads(call).get("why")
-    except (ValueError, AttributeError):
-        why = None
+    why = load_doc(call).get("why")
     return str(why) if why else f"round {n + 1} was decided"
 
 

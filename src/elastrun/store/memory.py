@@ -307,15 +307,11 @@ class MemoryStore:
     def _wait_time(self, deadline: Deadline, scope: CancelScope) -> float | None:
         """Until the first of the call's timeout, its scope's deadline and the next
         lease expiry (None: until woken)."""
-        wait = deadline.timeout()
-        cut = scope.deadline.timeout()
-        if cut is not None:
-            wait = cut if wait is None else min(wait, cut)
+        waits = [deadline.timeout(), scope.deadline.timeout()]
         expiry = self._next_expiry()
         if expiry is not None:
-            until = max(0.0, expiry - self._clock.monotonic()) + 0.001
-            wait = until if wait is None else min(wait, until)
-        return wait
+            waits.append(max(0.0, expiry - self._clock.monotonic()) + 0.001)
+        return min((w for w in waits if w is not None), default=None)
 
     def wait(self, keys: list[str], timeout: float, *, scope: CancelScope | None = None) -> None:
         deadline = Deadline.after(timeout, self._clock)
