@@ -15,7 +15,7 @@ from typing import Any
 
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import Clock
-from elastrun.core.errors import LeaseExpiredError, RendezvousClosedError
+from elastrun.core.errors import LeaseExpiredError
 from elastrun.rendezvous import condition, joining, quiet
 from elastrun.rendezvous.api import MemberInfo, RendezvousInfo, RendezvousStoreInfo
 from elastrun.rendezvous.condition import CurrentRound
@@ -121,8 +121,8 @@ class Joiner:
         run refuses this node)."""
         if self._liveness.keeper.renew():
             return
-        if self.is_closed():
-            raise self.closed_error()
+        if (closed := self._store.get(self._keys.closed)) is not None:
+            raise joining.closed_error(self._context(), closed)
         self._liveness.register(self._node_info())
 
     def _node_info(self) -> dict[str, Any]:
@@ -200,13 +200,6 @@ class Joiner:
             self._store, rank, size, RendezvousStoreInfo(*joined.master), round=n,
             members=functools.partial(self._member_infos, n, decision), shape=shape,
         )  # fmt: skip
-
-    def closed_error(self) -> RendezvousClosedError:
-        why = (self._store.get(self._keys.closed) or b"closed").decode(errors="replace")
-        return RendezvousClosedError(
-            f"run {self._settings.run_id!r} has ended ({why}); it accepts no more nodes",
-            reason=why,
-        )
 
     def __repr__(self) -> str:
         return (

@@ -9,7 +9,6 @@ node's condition (``Liveness.now``), which the agent's calls and the watch threa
 from __future__ import annotations
 
 import enum
-import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError, StoreError, StoreUnavailableError
 from elastrun.rendezvous import condition
 from elastrun.rendezvous.keys import RunKeys
+from elastrun.rendezvous.ops import dump
 from elastrun.store.api import EventKind, Store
 
 if TYPE_CHECKING:
@@ -84,8 +84,7 @@ class LeaseKeeper:
         """Take a fresh lease and announce this node (``info``) under it."""
         lease = self.store.grant_lease(self.ttl)
         self.live.move(condition.registered, lease, self.clock.monotonic())
-        info_bytes = json.dumps(info, sort_keys=True).encode()
-        self.store.set(self.keys.nodes + self.node_id, info_bytes, lease=lease)
+        self.store.set(self.keys.nodes + self.node_id, dump(info), lease=lease)
 
     def revoke(self) -> None:
         """Forget the lease and revoke it (``leave``: this node's keys vanish at once).
