@@ -108,17 +108,17 @@ def check_proof(token: str, nonce: bytes, offered: object) -> bool:
 
 def encode(message: Mapping[str, object], max_frame: int) -> bytes:
     """One frame holding ``message``; raises ``FrameError`` when it exceeds ``max_frame``."""
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
-    if len(body) > max_frame:
-        raise FrameError(f"message of {len(body)} bytes exceeds the {max_frame}-byte frame limit")
-    return HEADER.pack(len(body)) + body
+    return _frame(encode_json(message), max_frame)
 
 
 def encode_ok(rid: int, result_json: bytes, max_frame: int) -> bytes:
     """The frame of a successful answer whose result is already encoded as JSON: what
     ``encode({"id": rid, "ok": True, "result": ...})`` makes, without encoding the result
     again (many watchers woken by one change share one result)."""
-    body = b'{"id":%d,"ok":true,"result":%s}' % (rid, result_json)
+    return _frame(b'{"id":%d,"ok":true,"result":%s}' % (rid, result_json), max_frame)
+
+
+def _frame(body: bytes, max_frame: int) -> bytes:
     if len(body) > max_frame:
         raise FrameError(f"message of {len(body)} bytes exceeds the {max_frame}-byte frame limit")
     return HEADER.pack(len(body)) + body
