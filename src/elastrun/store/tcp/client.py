@@ -108,7 +108,7 @@ class TcpStore:
         try:
             self._dialer.connection(self._dialer.life)
         except Cancelled:
-            raise StoreError(f"the client of the store at {self._where} is closed") from None
+            raise self._dialer.closed_error() from None
 
     # -- requests ------------------------------------------------------------------------
 
@@ -159,9 +159,7 @@ class TcpStore:
             return self._request(op, args, retry, what, wait_until, scope)
         except Cancelled:
             if self._dialer.closed:
-                raise StoreError(
-                    f"{what}: the client of the store at {self._where} is closed"
-                ) from None
+                raise self._dialer.closed_error(what) from None
             raise
 
     def _request(
@@ -176,7 +174,7 @@ class TcpStore:
         attempts = 0
         while True:
             if self._dialer.closed:
-                raise StoreError(f"{what}: the client of the store at {self._where} is closed")
+                raise self._dialer.closed_error(what)
             scope.raise_if_cancelled()
             if scope.expired():
                 raise past_deadline(what, self._where, unknown=False)
@@ -194,19 +192,17 @@ class TcpStore:
                 frame = p.encode({"id": rid, "op": op, **args}, conn.max_frame)
             except p.FrameError as exc:
                 raise StoreError(f"{what}: {exc}") from None
-            sent_at = time.monotonic()
             try:
-                pending = conn.send(rid, frame, due=sent_at + server_wait)
+                pending = conn.send(rid, frame, due=time.monotonic() + server_wait)
             except NotSent:
-                attempts += 1
-                if attempts > _RETRIES:
-                    raise StoreError(
-                        f"{what}: the connection to the store at {self._where} keeps dropping"
-                    ) from None
-                continue
-            self._await(conn, rid, pending, patience, retry, what, scope)
-            if pending.lost:
-                attempts += 1
+                pass  # sending it again is always safe
+            else:
+                self._await(conn, rid, pending, patience, retry, what, scope)
+                if not pending.lost:
+                    answer = pending.answer or {}
+                    if answer.get("ok") is True:
+                        return answer.get("result")
+                    raise p.error_from_code(answer.get("code"), str(answer.get("message")))
                 if self._dialer.closed:
                     raise StoreError(f"{what}: the client was closed")
                 if not retry:
@@ -214,15 +210,11 @@ class TcpStore:
                         f"{what}: the connection to the store at {self._where} was lost "
                         "before the answer came; it may or may not have been applied"
                     )
-                if attempts > _RETRIES:
-                    raise StoreError(
-                        f"{what}: the connection to the store at {self._where} keeps dropping"
-                    )
-                continue
-            answer = pending.answer or {}
-            if answer.get("ok") is True:
-                return answer.get("result")
-            raise p.error_from_code(answer.get("code"), str(answer.get("message")))
+            attempts += 1
+            if attempts > _RETRIES:
+                raise StoreError(
+                    f"{what}: the connection to the store at {self._where} keeps dropping"
+                )
 
     def _await(
         self,
@@ -411,13 +403,7 @@ class TcpStore:
         self.close()
 
     def __repr__(self) -> str:
-        conn = self._dialer.current
-        state = (
-            "closed"
-            if self._dialer.closed
-            else ("connected" if conn is not None and conn.alive else "disconnected")
-        )
-        return f"TcpStore({self._where}, {state}, leases={self._dialer.leases()})"
+        return f"TcpStore({self._where}, {self._dialer.state}, leases={self._dialer.leases()})"
 
 
 def _int(value: object) -> int:

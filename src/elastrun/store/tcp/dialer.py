@@ -92,6 +92,19 @@ class Dialer:
         return self._closed.is_set()
 
     @property
+    def state(self) -> str:
+        """``closed``, ``connected`` or ``disconnected`` (for reprs)."""
+        if self._closed.is_set():
+            return "closed"
+        conn = self._conn
+        return "connected" if conn is not None and conn.alive else "disconnected"
+
+    def closed_error(self, what: str = "") -> StoreError:
+        """The error of a call (``what``) made or cut short by :meth:`close`."""
+        call = f"{what}: " if what else ""
+        return StoreError(f"{call}the client of the store at {self._where} is closed")
+
+    @property
     def current(self) -> Connection | None:
         """The connection last established (alive or not), if any."""
         return self._conn
@@ -126,7 +139,7 @@ class Dialer:
         self._take_dialer(scope, asked)
         try:
             if self._closed.is_set():
-                raise StoreError(f"the client of the store at {self._where} is closed")
+                raise self.closed_error()
             conn = self._conn
             if conn is not None and conn.alive:
                 return conn
@@ -140,7 +153,7 @@ class Dialer:
             with self._lock:
                 if self._closed.is_set():
                     conn.sock.close()
-                    raise StoreError(f"the client of the store at {self._where} is closed")
+                    raise self.closed_error()
                 self._conn = conn
                 self._readers = [c for c in self._readers if c.reading]
                 self._readers.append(conn)
@@ -189,7 +202,7 @@ class Dialer:
             except (OSError, p.FrameError, p.BadRequest) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 if self._closed.is_set():
-                    raise StoreError(f"the client of the store at {self._where} is closed") from exc
+                    raise self.closed_error() from exc
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._give_up(reason) from exc  # also past the caller's deadline
@@ -289,10 +302,4 @@ class Dialer:
         self._life.close()
 
     def __repr__(self) -> str:
-        conn = self._conn
-        state = (
-            "closed"
-            if self._closed.is_set()
-            else ("connected" if conn is not None and conn.alive else "disconnected")
-        )
-        return f"Dialer({self._where}, {state}, leases={sorted(self._leases)})"
+        return f"Dialer({self._where}, {self.state}, leases={sorted(self._leases)})"
