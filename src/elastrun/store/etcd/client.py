@@ -349,13 +349,9 @@ class EtcdStore:
 
     def _event(self, raw: Json) -> WatchEvent:
         kv = raw["kv"]
-        if raw.get("type") == "DELETE":
-            return WatchEvent(
-                EventKind.DELETE, self._unk(kv["key"]), None, to_int(kv["mod_revision"])
-            )
-        return WatchEvent(
-            EventKind.PUT, self._unk(kv["key"]), unb64(kv.get("value")), to_int(kv["mod_revision"])
-        )
+        kind = EventKind.DELETE if raw.get("type") == "DELETE" else EventKind.PUT
+        value = unb64(kv.get("value")) if kind is EventKind.PUT else None
+        return WatchEvent(kind, self._unk(kv["key"]), value, to_int(kv["mod_revision"]))
 
 
 def _cut(reply: httpx.Response) -> None:

@@ -70,16 +70,7 @@ def past_deadline(what: str, last: str, *, unknown: bool) -> StoreTimeoutError:
 class Transport:
     """One etcd cluster's JSON gateway as a single request channel (thread-safe).
 
-    Args:
-        endpoints: the members, as accepted by :func:`parse_endpoints`.
-        ssl_context: client TLS; None uses the system's CAs for ``https`` endpoints.
-        username, password: etcd authentication (the token is fetched on first use and
-            again whenever etcd says it expired).
-        connect_timeout: the longest wait for one member to accept a connection.
-        request_timeout: the longest a call keeps trying (every member, with backoff)
-            before it raises ``StoreError``; also bounds a single answer.
-
-    Constructing it does no I/O.
+    The arguments are ``EtcdStore``'s, but its ``namespace``. Constructing it does no I/O.
     """
 
     def __init__(
@@ -166,18 +157,15 @@ class Transport:
                     if self.closed:
                         raise StoreError("the etcd store is closed") from None
                     raise
-                except NotSent as exc:
+                except (NotSent, MaybeApplied) as exc:
                     last = f"{exc} ({host_of(url)})"
-                except MaybeApplied as exc:
-                    if not safe and live.expired():
-                        last = f"{exc} ({host_of(url)})"
-                        raise past_deadline(what, last, unknown=True) from None
-                    if not safe:
+                    if isinstance(exc, MaybeApplied) and not safe:
+                        if live.expired():
+                            raise past_deadline(what, last, unknown=True) from None
                         raise StoreError(
                             f"etcd {what}: outcome unknown ({host_of(url)}: {exc}); the request "
                             "may have been applied, so it is not repeated"
                         ) from None
-                    last = f"{exc} ({host_of(url)})"
                 else:
                     if index != self._current:
                         log.info("etcd: now using %s", host_of(url))
