@@ -156,6 +156,6 @@ class Connection(asyncio.Protocol):
         service.handshaking.pop(self, None)
         for task in list(self.tasks):
             task.cancel()
-        service.orphan(self)
+        service.leases.orphan(self)
         log.debug("connection from %s closed (%r)", self.peer, exc)
         service.room()

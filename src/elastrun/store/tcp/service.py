@@ -86,7 +86,8 @@ class Service:
         # The latest shared answers, by the identity of the events that woke their
         # watchers (the tuple is kept with it, so its identity cannot be reused).
         self._shared: dict[int, tuple[Woken, _Shared]] = {}
-        self._leases = LeaseTable(loop, store, grace, self._num, self.publish)
+        #: The connections' leases: a dropped one's end after the grace unless resumed.
+        self.leases = LeaseTable(loop, store, grace, self._num, self.publish)
         self.conns: set[Connection] = set()
         #: Connections that have not authenticated yet, oldest first, with when each
         #: came in (the acceptor caps them and closes the oldest to make room).
@@ -114,7 +115,7 @@ class Service:
 
     def __repr__(self) -> str:
         return (
-            f"Service(connections={len(self.conns)}, leases={len(self._leases)}, "
+            f"Service(connections={len(self.conns)}, leases={len(self.leases)}, "
             f"waiters={len(self._waiters)}, revision={self._seen})"
         )
 
@@ -156,16 +157,6 @@ class Service:
         finally:
             for index, what in wanted:
                 w.remove(index, what, fut)
-
-    # -- leases ------------------------------------------------------------------------
-
-    def orphan(self, conn: Connection) -> None:
-        """``conn`` is gone: its leases end after the grace unless resumed."""
-        self._leases.orphan(conn)
-
-    def resume(self, conn: Connection, wanted: list[int]) -> tuple[list[int], list[int]]:
-        """Re-attach leases named in a hello to ``conn``; returns (resumed, lost)."""
-        return self._leases.resume(conn, wanted)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -282,19 +273,19 @@ class Service:
         if not math.isfinite(ttl) or ttl <= 0:
             raise StoreError(f"a lease needs a positive, finite ttl, got {ttl}")
         lease = self.store.grant_lease(ttl)
-        self._leases.track(lease, ttl, conn)
+        self.leases.track(lease, ttl, conn)
         return self._num.lease_out(lease)
 
     def _keep_alive(self, conn: Connection, m: p.Message) -> object:
         lease = self._num.lease_in(p.get_int(m, "lease"))
         alive = self.store.keep_alive(lease)
-        self._leases.kept_alive(lease, alive)
+        self.leases.kept_alive(lease, alive)
         return alive
 
     def _revoke_lease(self, conn: Connection, m: p.Message) -> object:
         lease = self._num.lease_in(p.get_int(m, "lease"))
         self.store.revoke_lease(lease)
-        self._leases.forget(lease)
+        self.leases.forget(lease)
         return None
 
     # -- blocking operations -------------------------------------------------------------
@@ -396,7 +387,7 @@ class Service:
             wanted = p.get_int_list(hello, "resume")
         except p.BadRequest as exc:
             raise p.FrameError(f"bad hello: {exc}") from None
-        resumed, lost = self.resume(conn, wanted)
+        resumed, lost = self.leases.resume(conn, wanted)
         if wanted:
             log.info("%s resumed leases %s (lost: %s)", conn.peer, resumed, lost)
         welcome = {
