@@ -8,6 +8,7 @@ said and applies the decision; nothing here touches the store or the clock.
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -434,14 +435,13 @@ class RoundView:
         names rank 0's node (``head``), and the ``closer`` when it is a member, with a
         ``deputy``: the two watch the running round for the others (``quiet``)."""
         rows: list[MemberRow] = []
-        slots: list[tuple[str, int]] = []
         for m in members:
             raw = self.joins.get(m)
             d = self._brought.get(m, {}) if raw is None else load_doc(raw)
             role, lws = str(d.get("role", "")), int(str(d.get("local_world_size", 0)))
             rows.append((m, str(d.get("addr", "")), role, lws))
-            slots.append((role, lws))
-        result: JSONDoc = {"id": decision, "size": len(rows), "rev": rev, "shape": shape_of(slots)}
+        shape = shape_of([row[2:] for row in rows])
+        result: JSONDoc = {"id": decision, "size": len(rows), "rev": rev, "shape": shape}
         if members:  # rank 0's node: the others wait for its address while it lives
             result["head"] = members[0]
         if closer is not None and closer in members:
@@ -460,10 +460,4 @@ class RoundView:
 def shape_of(slots: Sequence[tuple[str, int]]) -> list[list[object]]:
     """Run-length form of the members' (role, local world size) in group-rank order:
     ``[[role, local_world_size, count], ...]`` (one entry when the nodes are alike)."""
-    runs: list[tuple[str, int, int]] = []
-    for role, size in slots:
-        if runs and runs[-1][:2] == (role, size):
-            runs[-1] = (role, size, runs[-1][2] + 1)
-        else:
-            runs.append((role, size, 1))
-    return [list(run) for run in runs]
+    return [[role, size, len(list(run))] for (role, size), run in itertools.groupby(slots)]
