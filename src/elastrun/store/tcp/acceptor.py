@@ -66,6 +66,8 @@ class Handshaking(Protocol):
 
     def close_unauthenticated(self) -> None: ...
 
+    def close(self) -> None: ...
+
     def connection_lost(self, exc: Exception | None) -> None: ...
 
 
@@ -163,6 +165,20 @@ class Acceptor(Generic[C]):
             self._retry.cancel()
         for sock in [*self._socks, *self._starting]:
             sock.close()
+
+    async def shut_down(self, turns: int) -> None:
+        """Close this acceptor and every connection, let ``turns`` loop iterations pass
+        (aborted transports report ``connection_lost``), then cancel the loop's other
+        tasks (requests and hand-overs still under way) and wait for them."""
+        self.close()
+        for conn in list(self._service.conns):
+            conn.close()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     def _listen(self) -> None:
         for sock in self._socks:

@@ -187,16 +187,8 @@ class TcpStoreServer:
         try:
             await stop.wait()
         finally:
-            acceptor.close()
-            for conn in list(service.conns):
-                conn.close()
-            # Let the transports report their closing (connection_lost), which cancels
-            # the connections' watch tasks; then wait for those.
-            await asyncio.sleep(0)
-            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            # (connection_lost cancels the connections' watch tasks)
+            await acceptor.shut_down(turns=1)
             with self._lock:
                 self._loop = self._stop_event = None
 

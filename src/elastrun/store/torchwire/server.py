@@ -382,15 +382,5 @@ class TorchWireServer:
         try:
             await stop.wait()
         finally:
-            acceptor.close()
-            for conn in list(hub.conns):
-                conn.close()
-            # Aborted transports report connection_lost on the next iterations; then the
-            # acceptor's hand-overs still under way are cancelled.
-            for _ in range(3):
-                await asyncio.sleep(0)
-            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await acceptor.shut_down(turns=3)
             log.debug("the torch store server stopped (%d keys held)", hub.state.num_keys)
