@@ -10,8 +10,9 @@ Names are loaded on first use: an agent that is only a client never imports asyn
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from elastrun.core.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from elastrun.store.tcp.client import TcpStore
@@ -32,6 +33,7 @@ _WHERE = {
     "raise_fd_limit": "limits",
     "read_token_file": "server",
 }
+__getattr__ = lazy_getattr(__name__, {name: f"{__name__}.{m}" for name, m in _WHERE.items()})
 
 __all__ = [
     "DEFAULT_DISCONNECT_GRACE",
@@ -42,10 +44,3 @@ __all__ = [
     "raise_fd_limit",
     "read_token_file",
 ]
-
-
-def __getattr__(name: str) -> object:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
