@@ -58,15 +58,12 @@ class MemoryStore:
         self._lease_ids = itertools.count(1)
         self._revision = 0
         self._events: collections.deque[WatchEvent] = collections.deque(maxlen=history)
-        # The revision of the latest change in each folder: a watch asks first whether
-        # anything changed where it looks since its revision, and scans the history
-        # only then. Without it, thousands of nodes each watching a quiet prefix while
-        # thousands of others joined each scanned every join on every look: O(N^2).
+        # The revision of the latest change in each folder, and the history by folder: a
+        # watch looks only at the folders under its prefix that changed since its
+        # revision, and scans only their changes. Scanning the whole history made thousands of
+        # nodes that watch a quiet folder (a round's ``out/``) from before thousands of
+        # joins elsewhere each walk every join: O(N^2) for one re-formation.
         self._changed: dict[str, int] = {}
-        # The same history by folder: a watch scans only the changes in the folders it
-        # looks at. Scanning the whole history since a watch's revision made thousands
-        # of nodes that watch a quiet folder (a round's ``out/``) from before thousands
-        # of joins elsewhere each walk every join: O(N^2) for one re-formation.
         self._folder_events: dict[str, collections.deque[WatchEvent]] = {}
         self._history = history
         self._forget_at = 1024  # how many folders ``_changed`` may hold before pruning
@@ -262,11 +259,9 @@ class MemoryStore:
                 self._cond.wait(self._wait_time(deadline, live))
 
     def _since(self, prefix: str, after_revision: int) -> tuple[WatchEvent, ...]:
-        # Only the folders under (or holding) the prefix that changed since the
-        # revision, each scanned from its newest event backwards: the cost is the
-        # number of new events where the watch looks, not the size of the history nor
-        # the changes elsewhere (a full history scan made every watch, and so every
-        # change fanned out by the tcp server, cost milliseconds).
+        # Only the folders under (or holding) the prefix that changed since the revision
+        # (``_changed``), each scanned from its newest event backwards: a full history
+        # scan made every change the tcp server fans out cost milliseconds.
         if after_revision >= self._revision:
             return ()
         folders = [
