@@ -147,11 +147,16 @@ class Acceptor(Generic[C]):
         )
 
     def start(self) -> None:
-        for sock in self._socks:
-            sock.setblocking(False)
-            sock.listen(BACKLOG)
-        self._service.on_room = self._on_room
-        self._listen()
+        """Listen and accept from now on; a failure closes the sockets."""
+        try:
+            for sock in self._socks:
+                sock.setblocking(False)
+                sock.listen(BACKLOG)
+            self._service.on_room = self._on_room
+            self._listen()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Stop accepting and close the listening sockets; idempotent."""

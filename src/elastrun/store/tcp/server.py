@@ -196,11 +196,7 @@ class TcpStoreServer:
         socks = await bind_listeners(self._host, self._requested_port)
         self._port = socks[0].getsockname()[1]
         acceptor = Acceptor(service, socks)
-        try:
-            acceptor.start()
-        except BaseException:
-            acceptor.close()
-            raise
+        acceptor.start()
         return acceptor
 
     def __repr__(self) -> str:

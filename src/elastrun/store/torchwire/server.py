@@ -351,11 +351,7 @@ class TorchWireServer:
             handshake="validated",
             logger=log,
         )
-        try:
-            acceptor.start()
-        except BaseException:
-            acceptor.close()  # (closes every socket)
-            raise
+        acceptor.start()
         return acceptor
 
     def _run(
