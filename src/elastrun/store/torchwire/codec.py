@@ -223,24 +223,13 @@ def _read(max_frame: int, max_key: int) -> _Reader:
 _SHAPE_NUMBER, _SHAPE_BARE, _SHAPE_KEY, _SHAPE_KEY_VALUE, _SHAPE_CAS = range(5)
 _SHAPE_KEY_NUMBER, _SHAPE_KEYS, _SHAPE_PAIRS = range(5, 8)
 _SHAPES: dict[Op, int] = {
-    Op.VALIDATE: _SHAPE_NUMBER,
-    Op.PING: _SHAPE_NUMBER,
-    Op.GETNUMKEYS: _SHAPE_BARE,
-    Op.CANCEL_WAIT: _SHAPE_BARE,
-    Op.LIST_KEYS: _SHAPE_BARE,
-    Op.GET: _SHAPE_KEY,
-    Op.DELETE_KEY: _SHAPE_KEY,
-    Op.QUEUE_POP: _SHAPE_KEY,
-    Op.QUEUE_LEN: _SHAPE_KEY,
-    Op.SET: _SHAPE_KEY_VALUE,
-    Op.APPEND: _SHAPE_KEY_VALUE,
-    Op.QUEUE_PUSH: _SHAPE_KEY_VALUE,
+    **dict.fromkeys((Op.VALIDATE, Op.PING), _SHAPE_NUMBER),
+    **dict.fromkeys((Op.GETNUMKEYS, Op.CANCEL_WAIT, Op.LIST_KEYS), _SHAPE_BARE),
+    **dict.fromkeys((Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN), _SHAPE_KEY),
+    **dict.fromkeys((Op.SET, Op.APPEND, Op.QUEUE_PUSH), _SHAPE_KEY_VALUE),
     Op.COMPARE_SET: _SHAPE_CAS,
-    Op.ADD: _SHAPE_KEY_NUMBER,
-    Op.BARRIER: _SHAPE_KEY_NUMBER,
-    Op.CHECK: _SHAPE_KEYS,
-    Op.WAIT: _SHAPE_KEYS,
-    Op.MULTI_GET: _SHAPE_KEYS,
+    **dict.fromkeys((Op.ADD, Op.BARRIER), _SHAPE_KEY_NUMBER),
+    **dict.fromkeys((Op.CHECK, Op.WAIT, Op.MULTI_GET), _SHAPE_KEYS),
     Op.MULTI_SET: _SHAPE_PAIRS,
 }
 _SHAPE_BY_CODE = tuple(_SHAPES[op] for op in _OPS)
