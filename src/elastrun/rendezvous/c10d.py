@@ -88,18 +88,22 @@ def read_token(params: RendezvousParameters, environ: dict[str, str] | None = No
     """The store token: ``token_file`` in ``--rdzv-conf``, else ``ELASTRUN_STORE_TOKEN``."""
     path = params.get("token_file")
     if path:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                token = fh.read().strip()
-        except OSError as exc:
-            raise ConfigError(
-                "--rdzv-conf token_file", path, f"cannot be read: {exc.strerror}"
-            ) from exc
+        token = read_conf_file("token_file", path).strip()
         if not token:
             raise ConfigError("--rdzv-conf token_file", path, "is empty")
         return token
     env = os.environ if environ is None else environ
     return env.get(STORE_TOKEN_ENV) or None
+
+
+def read_conf_file(key: str, path: str) -> str:
+    """The text of the file the ``--rdzv-conf`` ``key`` names; ``ConfigError`` naming
+    the key when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ConfigError(f"--rdzv-conf {key}", path, f"cannot be read: {exc.strerror}") from exc
 
 
 def settings_from(params: RendezvousParameters) -> RendezvousSettings:

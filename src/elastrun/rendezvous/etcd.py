@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from elastrun.core.errors import ConfigError, RendezvousConnectionError, StoreError
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
-from elastrun.rendezvous.c10d import conf_seconds, settings_from, validate_conf
+from elastrun.rendezvous.c10d import conf_seconds, read_conf_file, settings_from, validate_conf
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.etcd import EtcdStore, parse_endpoints, tls_context
@@ -155,13 +155,7 @@ def _credentials(params: RendezvousParameters) -> tuple[str | None, str | None]:
     if password and path:
         raise ConfigError("--rdzv-conf password_file", path, "give password or password_file")
     if path:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                password = fh.read().rstrip("\r\n")
-        except OSError as exc:
-            raise ConfigError(
-                "--rdzv-conf password_file", path, f"cannot be read: {exc.strerror}"
-            ) from exc
+        password = read_conf_file("password_file", path).rstrip("\r\n")
     if bool(username) != (password is not None):
         raise ConfigError(
             "--rdzv-conf username", username, "etcd authentication needs a username and a password"
