@@ -1,21 +1,30 @@
-"""Descriptor limits and bounded logging for a server that strangers can connect to.
+"""Descriptor limits, listening sockets and bounded logging for a server that strangers
+can connect to.
 
 No asyncio here: the launcher raises its descriptor limit at start through this module
-without importing the server.
+without importing the server, and the workers' store binds its sockets with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
+import socket
 from collections.abc import Callable
+
+log = logging.getLogger("elastrun.store.tcp.server")
 
 #: Descriptors a process serving the store keeps for its own work (spawning workers,
 #: log files, pipes): the store stops accepting connections before it eats into them.
 MIN_RESERVE = 64
 MAX_RESERVE = 1024
+_BIND_ATTEMPTS = 20
+#: Errors that mean "this machine has no such address family or address": skip it
+#: when the name has other addresses (``localhost`` on a host without IPv6).
+_UNUSABLE = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
 
 
 def raise_fd_limit() -> int:
@@ -56,6 +65,72 @@ def open_fds() -> int | None:
         except OSError:
             continue
     return None
+
+
+def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, str]]:
+    if host == "localhost":
+        # Both loopbacks whatever /etc/hosts says: a client may resolve "localhost"
+        # to either, and must find us on both.
+        return [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    ip = (socket.AF_INET, socket.AF_INET6)
+    return list(dict.fromkeys((f, str(sa[0])) for f, _, _, _, sa in infos if f in ip))
+
+
+def _listener(
+    family: socket.AddressFamily, addr: str, port: int, backlog: int | None
+) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            # Without this the IPv6 socket would also claim the IPv4 port.
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((addr, port))
+        if backlog is not None:
+            sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_listeners(host: str, port: int, backlog: int | None = None) -> list[socket.socket]:
+    """Sockets bound to every address of ``host`` (``""``: every interface), all on one
+    port, and listening when ``backlog`` is given. Shared by our store server and the
+    torch-wire server. ``port`` 0 picks a free port (the same one on every address,
+    retried when another address already has it).
+
+    Raises:
+        OSError: no address of ``host`` could be bound.
+    """
+    addrs = _addresses(host, port)
+    for attempt in range(_BIND_ATTEMPTS):
+        socks: list[socket.socket] = []
+        chosen = port
+        try:
+            for family, addr in addrs:
+                try:
+                    sock = _listener(family, addr, chosen, backlog)
+                except OSError as exc:
+                    if exc.errno in _UNUSABLE and len(addrs) > 1:
+                        log.debug("not listening on %s: %s", addr, exc)
+                        continue
+                    raise
+                socks.append(sock)
+                chosen = sock.getsockname()[1]
+            if not socks:
+                raise OSError(errno.EADDRNOTAVAIL, f"no usable address for {host!r}")
+            return socks
+        except OSError as exc:
+            for sock in socks:
+                sock.close()
+            # With port 0 and several addresses, the port the first one got may be
+            # taken on another: pick again.
+            if port == 0 and exc.errno == errno.EADDRINUSE and attempt < _BIND_ATTEMPTS - 1:
+                continue
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover  # the loop returns or raises
 
 
 class LogLimiter:

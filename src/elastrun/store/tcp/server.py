@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +19,7 @@ from elastrun.core.values import parse_int, parse_port, parse_seconds
 from elastrun.store.memory import HISTORY, MemoryStore
 from elastrun.store.tcp import protocol as p
 from elastrun.store.tcp.acceptor import Acceptor
+from elastrun.store.tcp.limits import bind_listeners
 from elastrun.store.tcp.service import Connection, Service, format_addr
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,6 @@ log = logging.getLogger(__name__)
 DEFAULT_DISCONNECT_GRACE = 2.0
 #: The largest --max-frame accepted (1 GiB): frames are held in memory whole.
 MAX_FRAME_LIMIT = 1 << 30
-_BIND_ATTEMPTS = 20
 
 
 class TcpStoreServer:
@@ -193,7 +191,7 @@ class TcpStoreServer:
                 self._loop = self._stop_event = None
 
     async def _listen(self, service: Service) -> Acceptor[Connection]:
-        socks = await bind_listeners(self._host, self._requested_port)
+        socks = bind_listeners(self._host, self._requested_port)
         self._port = socks[0].getsockname()[1]
         acceptor = Acceptor(service, socks)
         acceptor.start()
@@ -207,79 +205,6 @@ class TcpStoreServer:
             f"TcpStoreServer({format_addr(self._host, self._port or self._requested_port)}, "
             f"{state}, connections={conns}, auth={self._token is not None})"
         )
-
-
-#: Errors that mean "this machine has no such address family or address": skip it
-#: when the name has other addresses (``localhost`` on a host without IPv6).
-_UNUSABLE = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
-
-
-async def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, str]]:
-    if host == "localhost":
-        # Both loopbacks whatever /etc/hosts says: a client may resolve "localhost"
-        # to either, and must find us on both.
-        return [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
-    infos = await asyncio.get_running_loop().getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )
-    addrs: list[tuple[socket.AddressFamily, str]] = []
-    for family, _, _, _, sockaddr in infos:
-        entry = (family, str(sockaddr[0]))
-        if family in (socket.AF_INET, socket.AF_INET6) and entry not in addrs:
-            addrs.append(entry)
-    return addrs
-
-
-def _listener(family: socket.AddressFamily, addr: str, port: int) -> socket.socket:
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            # Without this the IPv6 socket would also claim the IPv4 port.
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind((addr, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-async def bind_listeners(host: str, port: int) -> list[socket.socket]:
-    """Listening sockets for every address of ``host``, all on one port.
-
-    Shared by our store server and the torch-wire server. ``port`` 0 picks a free port
-    (the same one on every address, retried when another address already has it).
-
-    Raises:
-        OSError: no address of ``host`` could be listened on.
-    """
-    addrs = await _addresses(host, port)
-    for attempt in range(_BIND_ATTEMPTS):
-        socks: list[socket.socket] = []
-        chosen = port
-        try:
-            for family, addr in addrs:
-                try:
-                    sock = _listener(family, addr, chosen)
-                except OSError as exc:
-                    if exc.errno in _UNUSABLE and len(addrs) > 1:
-                        log.debug("not listening on %s: %s", addr, exc)
-                        continue
-                    raise
-                socks.append(sock)
-                chosen = sock.getsockname()[1]
-            if not socks:
-                raise OSError(errno.EADDRNOTAVAIL, f"no usable address for {host!r}")
-            return socks
-        except OSError as exc:
-            for sock in socks:
-                sock.close()
-            # With port 0 and several addresses, the port the first one got may be
-            # taken on another: pick again.
-            if port == 0 and exc.errno == errno.EADDRINUSE and attempt < _BIND_ATTEMPTS - 1:
-                continue
-            raise
-    raise AssertionError("unreachable")  # pragma: no cover  # the loop returns or raises
 
 
 def read_token_file(path: str) -> str:

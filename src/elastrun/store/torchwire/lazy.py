@@ -12,7 +12,6 @@ This module imports nothing heavy; keep it that way.
 
 from __future__ import annotations
 
-import errno
 import logging
 import select
 import socket
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import StoreError
 from elastrun.core.threads import Nursery
+from elastrun.store.tcp.limits import bind_listeners
 
 if TYPE_CHECKING:
     from elastrun.store.torchwire.server import TorchWireServer
@@ -40,41 +40,10 @@ def listen_now(host: str, port: int) -> list[socket.socket]:
     Raises:
         StoreError: naming the address, when it cannot be bound.
     """
-    if host == "localhost":
-        addrs = [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
-    else:
-        try:
-            infos = socket.getaddrinfo(
-                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )
-        except OSError as exc:
-            raise StoreError(f"cannot listen on {host or '*'}:{port}: {exc}") from exc
-        addrs = list(dict.fromkeys((f, str(sa[0])) for f, _, _, _, sa in infos))
-    socks: list[socket.socket] = []
-    chosen = port
     try:
-        for family, addr in addrs:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind((addr, chosen))
-                sock.listen(BACKLOG)
-            except OSError as exc:
-                sock.close()
-                if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) and len(addrs) > 1:
-                    continue  # e.g. no IPv6 on this machine: the other address will do
-                raise
-            socks.append(sock)
-            chosen = sock.getsockname()[1]
-        if not socks:
-            raise OSError(errno.EADDRNOTAVAIL, "no usable address")
+        return bind_listeners(host, port, BACKLOG)
     except OSError as exc:
-        for sock in socks:
-            sock.close()
         raise StoreError(f"cannot listen on {host or '*'}:{port}: {exc}") from exc
-    return socks
 
 
 class LazyTorchWireServer:

@@ -36,9 +36,8 @@ from elastrun.core.threads import Nursery
 # listening helpers: one address or all of a name's, one port for all, IPv6 sockets
 # that leave the IPv4 port alone, and a re-pick when port 0 collides.
 from elastrun.store.tcp.acceptor import EVICT_AFTER, RECHECK, RECOUNT_EVERY, Acceptor
-from elastrun.store.tcp.limits import LogLimiter, fd_limit, fd_reserve, open_fds
+from elastrun.store.tcp.limits import LogLimiter, bind_listeners, fd_limit, fd_reserve, open_fds
 from elastrun.store.tcp.protocol import tune_socket
-from elastrun.store.tcp.server import bind_listeners
 from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec
 from elastrun.store.torchwire.connection import Connection, Hub
@@ -230,7 +229,7 @@ class TorchWireServer:
 
     async def _bound(self) -> list[socket.socket]:
         """The listening sockets (given, or bound now), tuned; sets the port."""
-        socks = self._given or await bind_listeners(self._host, self._requested_port)
+        socks = self._given or bind_listeners(self._host, self._requested_port)
         for sock in socks:  # accepted sockets inherit these (see LISTENER_OPTIONS_INHERITED)
             tune_socket(sock)
         self._port = int(socks[0].getsockname()[1])
@@ -281,7 +280,7 @@ class TorchWireServer:
     def _start_compiled(self) -> int:
         from elastrun.store.torchwire import wirecore  # built by the install
 
-        binder = asyncio.new_event_loop()  # bind_listeners resolves names on a loop
+        binder = asyncio.new_event_loop()  # (``_bind`` runs the binding on a loop)
         socks = self._bind(binder, self._bound())
         binder.close()
         try:
