@@ -6,6 +6,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from elastrun.rendezvous.api import MemberInfo
+
 
 @dataclass(frozen=True)
 class RendezvousSettings:
@@ -31,11 +33,8 @@ class RendezvousSettings:
 
 
 @dataclass(frozen=True)
-class NodeDesc:
-    node_id: str
-    addr: str
-    role: str
-    local_world_size: int
+class NodeDesc(MemberInfo):
+    """This node, as it joins rounds."""
 
     @classmethod
     def create(cls, addr: str, role: str, local_world_size: int) -> NodeDesc:
