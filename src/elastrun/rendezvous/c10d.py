@@ -29,14 +29,16 @@ log = logging.getLogger("elastrun.rendezvous")
 DEFAULT_PORT = 29400
 DEFAULT_READ_TIMEOUT = 60.0
 MAX_KEEP_ALIVE_ATTEMPTS = 1000
-#: ``--rdzv-conf`` keys the c10d backend understands (torch's names plus ours).
-KNOWN_KEYS = frozenset(
+#: ``--rdzv-conf`` keys of the dynamic rendezvous, whatever its store (torch's names).
+DYNAMIC_KEYS = frozenset(
     {
         "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-        "keep_alive_interval", "keep_alive_max_attempt", "read_timeout", "is_host",
-        "token_file", "exit_barrier_timeout", "store_type", "timeout",
+        "keep_alive_interval", "keep_alive_max_attempt", "read_timeout",
+        "exit_barrier_timeout", "timeout",
     }
 )  # fmt: skip
+#: ``--rdzv-conf`` keys the c10d backend understands (torch's names plus ours).
+KNOWN_KEYS = DYNAMIC_KEYS | {"is_host", "token_file", "store_type"}
 
 
 def parse_endpoint(

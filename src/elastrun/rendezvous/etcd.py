@@ -28,7 +28,13 @@ from dataclasses import dataclass
 
 from elastrun.core.errors import ConfigError, RendezvousConnectionError, StoreError
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
-from elastrun.rendezvous.c10d import conf_seconds, read_conf_file, settings_from, validate_conf
+from elastrun.rendezvous.c10d import (
+    DYNAMIC_KEYS,
+    conf_seconds,
+    read_conf_file,
+    settings_from,
+    validate_conf,
+)
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
 from elastrun.store.etcd import EtcdStore, parse_endpoints, tls_context
@@ -37,15 +43,9 @@ ETCD_V2_REASON = "speaks etcd's v2 API, which etcd 3.6 removed; use --rdzv-backe
 DEFAULT_ENDPOINT = "localhost:2379"
 DEFAULT_READ_TIMEOUT = 10.0
 #: ``--rdzv-conf`` keys of the etcd backend: the dynamic rendezvous's, then etcd's own.
-KNOWN_KEYS = frozenset(
-    {
-        "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-        "keep_alive_interval", "keep_alive_max_attempt", "read_timeout",
-        "exit_barrier_timeout", "timeout",
-        "prefix", "ttl", "protocol", "cacert", "cert", "key",
-        "username", "password", "password_file",
-    }
-)  # fmt: skip
+KNOWN_KEYS = DYNAMIC_KEYS | {
+    "prefix", "ttl", "protocol", "cacert", "cert", "key", "username", "password", "password_file"
+}  # fmt: skip
 
 
 def create_etcd_v2(params: RendezvousParameters) -> RendezvousHandler:
