@@ -131,34 +131,22 @@ class TcpStore:
         once with ``Cancelled`` (while it connects, queues for the connection, or waits
         for the answer); its deadline ends it with ``StoreTimeoutError``.
         """
-        scope = scope_or_default(scope)
-        if is_default(scope):
-            return self._attempt(op, args, retry, what, wait_until, self._dialer.life)
-        outer = scope
-        with (
-            CancelScope(deadline=outer.deadline, parent=self._dialer.life) as both,
-            outer.wakes(lambda: both.cancel(outer.reason or "")),
-        ):
-            try:
-                return self._attempt(op, args, retry, what, wait_until, both)
-            except Cancelled:
-                if outer.cancelled:
-                    raise Cancelled(outer.reason or "cancelled") from None
-                raise
-
-    def _attempt(
-        self,
-        op: str,
-        args: p.Message,
-        retry: bool,
-        what: str,
-        wait_until: float | None,
-        scope: CancelScope,
-    ) -> object:
+        outer = scope_or_default(scope)
         try:
-            return self._request(op, args, retry, what, wait_until, scope)
+            if is_default(outer):
+                return self._request(op, args, retry, what, wait_until, self._dialer.life)
+            with (
+                CancelScope(deadline=outer.deadline, parent=self._dialer.life) as both,
+                outer.wakes(lambda: both.cancel(outer.reason or "")),
+            ):
+                try:
+                    return self._request(op, args, retry, what, wait_until, both)
+                except Cancelled:
+                    if outer.cancelled:
+                        raise Cancelled(outer.reason or "cancelled") from None
+                    raise
         except Cancelled:
-            if self._dialer.closed:
+            if self._dialer.closed:  # ``close`` cancelled the call
                 raise self._dialer.closed_error(what) from None
             raise
 
