@@ -239,7 +239,11 @@ class EtcdStore:
         }
 
         def attempt(url: str, wait: float) -> WatchResult:
-            return self._watch_stream(url, body, after_revision, deadline, live)
+            try:
+                return self._read_watch(url, body, after_revision, deadline, live)
+            except (MaybeApplied, NotSent):
+                live.raise_if_cancelled()  # the cancellation cut the stream: say so
+                raise
 
         # Connection trouble gets the usual failover window even for a short watch.
         result = self._transport.with_failover(
@@ -294,17 +298,6 @@ class EtcdStore:
         return kvs[0] if kvs else None
 
     # -- watches ---------------------------------------------------------------------
-
-    def _watch_stream(
-        self, url: str, body: Json, after: int, deadline: Deadline, scope: CancelScope
-    ) -> WatchResult:
-        import httpx
-
-        try:
-            return self._read_watch(url, body, after, deadline, scope)
-        except (httpx.TransportError, MaybeApplied, NotSent):
-            scope.raise_if_cancelled()  # the cancellation cut the stream: say so
-            raise
 
     def _read_watch(
         self, url: str, body: Json, after: int, deadline: Deadline, scope: CancelScope
