@@ -18,6 +18,7 @@ signal or ``leave`` ends.
 from __future__ import annotations
 
 import logging
+from dataclasses import KW_ONLY, dataclass, field
 
 from elastrun.core.cancel import Cancelled, CancelScope, current
 from elastrun.core.clock import Clock, Deadline
@@ -39,6 +40,7 @@ log = logging.getLogger("elastrun.rendezvous")
 STEP_AWAY_BOUND = 2.0
 
 
+@dataclass(eq=False)
 class Outcome:
     """One node's part in ending its rounds: the restart budget, the exit barrier and
     the closing of the run.
@@ -46,7 +48,7 @@ class Outcome:
     Args:
         store: the run's store.
         keys: the run's keys.
-        liveness: the round this node is in and who its members are.
+        live: the round this node is in and who its members are.
         calls: the agent's calls in progress (each public call runs as one).
         exclusions: this node's exclusions (a failure it claims counts a strike).
         node_id: this node.
@@ -54,35 +56,24 @@ class Outcome:
         clock: for the exit barrier's deadline.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        keys: RunKeys,
-        liveness: Liveness,
-        calls: AgentCalls,
-        exclusions: Exclusions,
-        *,
-        node_id: str,
-        addr: str,
-        clock: Clock,
-    ) -> None:
-        self._store = store
-        self._keys = keys
-        self._live = liveness
-        self._calls = calls
-        self._exclusions = exclusions
-        self._node_id = node_id
-        self._addr = addr
-        self._clock = clock
-        #: Why ``report_failure`` refused a restart other than an exhausted budget.
-        self.refusal: str | None = None
-        # This node left a round whose other members were still working (its exit
-        # barrier timed out): leaving must not close the run under them.
-        self.left_unfinished = False
+    store: Store
+    keys: RunKeys
+    live: Liveness
+    calls: AgentCalls
+    exclusions: Exclusions
+    _: KW_ONLY
+    node_id: str
+    addr: str
+    clock: Clock
+    #: Why ``report_failure`` refused a restart other than an exhausted budget.
+    refusal: str | None = field(default=None, init=False)
+    # This node left a round whose other members were still working (its exit
+    # barrier timed out): leaving must not close the run under them.
+    left_unfinished: bool = field(default=False, init=False)
 
     def close(self, reason: str) -> None:
         """Close the run with ``reason`` (the first reason stays)."""
-        self._store.compare_set(self._keys.closed, None, reason.encode())
+        self.store.compare_set(self.keys.closed, None, reason.encode())
 
     def close_within(self, reason: str, life: CancelScope, timeout: float) -> bool:
         """Close the run, bounded by ``timeout`` (a deadline the store honours) and ended
@@ -110,20 +101,20 @@ class Outcome:
         spares the others a re-formation, and a store that does not answer must not hold
         the stop of this node's workers.
         """
-        now = self._live.now
+        now = self.live.now
         n, lease = now.n, now.lease
         if n is None or lease is None or now.gone is not None:
             return
-        self._live.move(condition.stepped_away)  # (as a watcher, it decides nothing ahead)
+        self.live.move(condition.stepped_away)  # (as a watcher, it decides nothing ahead)
         with CancelScope(deadline=Deadline.after(STEP_AWAY_BOUND)) as scope, scope.active():
             try:
-                self._store.set(self._keys.away(self._node_id), Away(n, why).dump(), lease=lease)
+                self.store.set(self.keys.away(self.node_id), Away(n, why).dump(), lease=lease)
             except StoreError as exc:
                 log.debug("could not give notice of stepping away: %s", exc)
 
     def restarts_used(self) -> int:
-        with self._calls.call():
-            raw = self._store.get(self._keys.budget)
+        with self.calls.call():
+            raw = self.store.get(self.keys.budget)
             return int(raw) if raw else 0
 
     # -- a failure against the budget ------------------------------------------------------
@@ -136,8 +127,8 @@ class Outcome:
         ``what`` says which worker failed and how; every node of the round learns it
         (``ctl/failed/<n>``), also nodes whose workers already finished.
         """
-        with self._calls.call():
-            live, now = self._live, self._live.now
+        with self.calls.call():
+            live, now = self.live, self.live.now
             assert now.n is not None
             self.refusal = None
             if now.lost:
@@ -152,20 +143,20 @@ class Outcome:
             # Its watch, woken by the claim below, must not join it ahead: the round would
             # then count it in, and wait for workers it never starts.
             live.move(condition.stepped_away)
-            key = self._keys.failed(now.n)
-            note = {"node": self._node_id, "addr": self._addr, "what": what}
-            won, _ = self._store.compare_set(key, None, dump(note))
+            key = self.keys.failed(now.n)
+            note = {"node": self.node_id, "addr": self.addr, "what": what}
+            won, _ = self.store.compare_set(key, None, dump(note))
             if not won:
                 return self._open_or_refuse()
             # Before the verdict, which nodes in the exit barrier re-form on. A closer
             # already forming the next round (it woke on the claim) learns of the exclusion
             # from its watch of ``ctl/`` and stops waiting for this node.
-            excluded = self._exclusions.rule.enabled and self._exclusions.strike()
-            restart = excluded or self._store.add(self._keys.budget, 1) <= max_restarts
+            excluded = self.exclusions.rule.enabled and self.exclusions.strike()
+            restart = excluded or self.store.add(self.keys.budget, 1) <= max_restarts
             if not restart:
                 self.close(f"restart budget exhausted ({max_restarts}): {self._where(what)}")
             # The verdict, for nodes waiting in the exit barrier of this round.
-            self._store.set(key, dump({**note, "restart": restart}))
+            self.store.set(key, dump({**note, "restart": restart}))
             return restart
 
     def report_final_failure(self, what: str, why: str) -> None:
@@ -174,26 +165,26 @@ class Outcome:
 
         The run is closed first: a node that claimed the round's failure before this one
         (its own workers failed too) then finds it closed when it re-forms."""
-        with self._calls.call():
+        with self.calls.call():
             self.close(f"{why}: {self._where(what)}")
-            if (n := self._live.now.n) is not None:
-                note = {"node": self._node_id, "addr": self._addr, "what": what}
+            if (n := self.live.now.n) is not None:
+                note = {"node": self.node_id, "addr": self.addr, "what": what}
                 final = dump({**note, "restart": False, "why": why})
-                self._store.compare_set(self._keys.failed(n), None, final)
+                self.store.compare_set(self.keys.failed(n), None, final)
 
     def _where(self, what: str) -> str:
         """The failure and this node's address, for the reason the run closes."""
-        return f"{what} on {self._addr}" if what else f"a worker on {self._addr}"
+        return f"{what} on {self.addr}" if what else f"a worker on {self.addr}"
 
     def _finished(self) -> set[str]:
-        if (n := self._live.now.n) is None:
+        if (n := self.live.now.n) is None:
             return set()
-        done = self._keys.done(n)
-        found, _ = self._store.get_prefix(done)
+        done = self.keys.done(n)
+        found, _ = self.store.get_prefix(done)
         return {k[len(done) :] for k in found}
 
     def _open_or_refuse(self) -> bool:
-        raw = self._store.get(self._keys.closed)
+        raw = self.store.get(self.keys.closed)
         if raw is None:
             return True
         self.refusal = f"the run has ended on another node: {raw.decode(errors='replace')}"
@@ -210,13 +201,13 @@ class Outcome:
         again, as in a whole-group restart; FAILED when the run was closed because the
         budget is spent. TIMED_OUT leaves without deciding for the others.
         """
-        with self._calls.call():
-            live, r = self._live, self._live.now.round
+        with self.calls.call():
+            live, r = self.live, self.live.now.round
             if r is None or r.size <= 1:
                 return BarrierResult(RoundOutcome.SUCCEEDED)
-            n, k = r.n, self._keys
-            self._store.set(k.done(n) + self._node_id, b"1")
-            deadline = Deadline.after(timeout, self._clock)
+            n, k = r.n, self.keys
+            self.store.set(k.done(n) + self.node_id, b"1")
+            deadline = Deadline.after(timeout, self.clock)
             view = live.watcher.round_watch(r)
             rev = live.watcher.reload(view, n)
             while True:
@@ -230,7 +221,7 @@ class Outcome:
                         f"{len(view.finished)} of {r.size} node(s) finished within {timeout:.0f}s",
                     )
                 try:
-                    res = self._store.watch(k.ctl, rev, deadline.remaining())
+                    res = self.store.watch(k.ctl, rev, deadline.remaining())
                 except StoreCompactedError:
                     rev = live.watcher.reload(view, n)
                     continue
@@ -240,7 +231,7 @@ class Outcome:
     def _verdict(self, r: condition.CurrentRound, view: RoundWatch) -> BarrierResult | None:
         """The round's outcome as far as ``view`` shows it; None while it is open."""
         if view.closed:
-            reason = (self._store.get(self._keys.closed) or b"closed").decode(errors="replace")
+            reason = (self.store.get(self.keys.closed) or b"closed").decode(errors="replace")
             if reason == "finished":
                 return BarrierResult(RoundOutcome.SUCCEEDED)
             return BarrierResult(RoundOutcome.FAILED, reason)
@@ -262,7 +253,7 @@ class Outcome:
 
     def _failure_verdict(self, n: int) -> BarrierResult | None:
         """The failing node's verdict on round ``n``; None until it is written."""
-        note = load(self._store.get(self._keys.failed(n)))
+        note = load(self.store.get(self.keys.failed(n)))
         if not (isinstance(note, dict) and "restart" in note):
             return None
         what = str(note.get("what") or "a worker failed")
@@ -274,6 +265,6 @@ class Outcome:
 
     def __repr__(self) -> str:
         return (
-            f"Outcome(node={self._node_id!r}, round={self._live.now.n}, "
+            f"Outcome(node={self.node_id!r}, round={self.live.now.n}, "
             f"refusal={self.refusal!r}, left_unfinished={self.left_unfinished})"
         )
