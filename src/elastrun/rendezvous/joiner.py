@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from elastrun.core.cancel import CancelScope
@@ -33,6 +34,7 @@ log = logging.getLogger("elastrun.rendezvous")
 AHEAD_BOUND = 30.0
 
 
+@dataclass(eq=False)
 class Joiner:
     """Joins this node to the next round and enters it.
 
@@ -41,39 +43,31 @@ class Joiner:
         settings: the run's settings (bounds, join timeout, run id).
         node: what this node brings to a round (``node``: the agent may change it).
         keys: the run's keys.
-        liveness: this node's lease and round.
+        live: this node's lease and round.
         clock: the rendezvous's clock.
         life: the handler's own scope (``leave`` cancels it): deciding ahead runs in it.
         fixed_rank: the group rank this node always asks for (a static rendezvous).
     """
 
-    def __init__(
-        self,
-        store: Store,
-        settings: RendezvousSettings,
-        node: NodeDesc,
-        keys: RunKeys,
-        liveness: Liveness,
-        *,
-        clock: Clock,
-        life: CancelScope,
-        fixed_rank: int | None = None,
-    ) -> None:
-        self._store = store
-        self._settings = settings
-        self.node = node
-        self._keys = keys
-        self._liveness = liveness
-        self._clock = clock
-        self._life = life
-        self._fixed_rank = fixed_rank
-        self.seen = 0  # joiners the last decision of this node saw, as the closer
-        #: The waiting line's progress, shown while a join waits (ended by the caller).
-        self.progress_line = ProgressLine(log, clock)
+    store: Store
+    settings: RendezvousSettings
+    node: NodeDesc
+    keys: RunKeys
+    live: Liveness
+    _: KW_ONLY
+    clock: Clock
+    life: CancelScope
+    fixed_rank: int | None = None
+    seen: int = field(default=0, init=False)  # joiners this node's last decision saw
+    #: The waiting line's progress, shown while a join waits (ended by the caller).
+    progress_line: ProgressLine = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.progress_line = ProgressLine(log, self.clock)
 
     def is_closed(self) -> bool:
         """Whether the run is closed (late nodes are refused)."""
-        return self._store.get(self._keys.closed) is not None
+        return self.store.get(self.keys.closed) is not None
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round and enter it, in the calling thread's current scope.
@@ -84,9 +78,9 @@ class Joiner:
         """
         # This node, the running round's closer, may be deciding the next round ahead
         # (its watch thread): join once it is done (joining meanwhile would only race it).
-        self._liveness.ahead_idle.wait(AHEAD_BOUND)
+        self.live.ahead_idle.wait(AHEAD_BOUND)
         self.register()
-        was, _ = self._liveness.move(condition.joining)  # it takes the call that woke it
+        was, _ = self.live.move(condition.joining)  # it takes the call that woke it
         prev_round, held, called = was.n, was.rank, was.called
         prev_rank = self._prev_rank(held)
         protocol = joining.join(self._context(), prev_round, prev_rank, held, called)
@@ -95,7 +89,7 @@ class Joiner:
         except LeaseExpiredError:
             # The lease ended since the store last acknowledged it (``renew`` trusts a
             # recent acknowledgement); the join wrote nothing under it. Take a fresh one.
-            self._liveness.move(condition.expired)
+            self.live.move(condition.expired)
             self.register()
             protocol = joining.join(self._context(), prev_round, prev_rank, held)
             joined = joining.drive(protocol, self._perform)
@@ -104,26 +98,26 @@ class Joiner:
 
     def _prev_rank(self, held: int | None) -> int | None:
         """The group rank this node asks to keep (static: its rank never changes)."""
-        return self._fixed_rank if self._fixed_rank is not None else held
+        return self.fixed_rank if self.fixed_rank is not None else held
 
     def decide_ahead(self, n: int, why: str, joins: bool, defer: float) -> None:
         """From the watch thread of round ``n``'s closer: decide round n+1 at once
         (``closing.decide_ahead``), in the handler's own scope (``leave`` ends it)."""
-        prev_rank = self._prev_rank(self._liveness.now.rank)
+        prev_rank = self._prev_rank(self.live.now.rank)
         protocol = joining.decide_ahead(
             self._context(), n + 1, prev_rank, why, joins=joins, defer=defer
         )
-        with self._life.child() as scope, scope.active():
+        with self.life.child() as scope, scope.active():
             joining.drive(protocol, self._perform)
 
     def register(self) -> None:
         """Hold a lease before joining: keep a live one, else take a fresh one (a closed
         run refuses this node)."""
-        if self._liveness.keeper.renew():
+        if self.live.keeper.renew():
             return
-        if (closed := self._store.get(self._keys.closed)) is not None:
+        if (closed := self.store.get(self.keys.closed)) is not None:
             raise joining.closed_error(self._context(), closed)
-        self._liveness.register(self._node_info())
+        self.live.register(self._node_info())
 
     def _node_info(self) -> dict[str, Any]:
         me = self.node
@@ -131,19 +125,19 @@ class Joiner:
 
     def _context(self) -> joining.Context:
         return joining.Context(
-            keys=self._keys,
+            keys=self.keys,
             node_id=self.node.node_id,
             info=self._node_info(),
-            bounds=self._settings,
-            join_timeout=self._settings.join_timeout,
-            run_id=self._settings.run_id,
-            clock=self._clock,
+            bounds=self.settings,
+            join_timeout=self.settings.join_timeout,
+            run_id=self.settings.run_id,
+            clock=self.clock,
             new_port=free_port,
         )
 
     def _perform(self, op: joining.Op) -> Any:
         """Carry out one operation of the joining protocol (see ``joining``)."""
-        store, lease = self._store, self._liveness.now.lease
+        store, lease = self.store, self.live.now.lease
         match op:
             case joining.Get(key):
                 return store.get(key)
@@ -175,7 +169,7 @@ class Joiner:
         raise AssertionError(f"unknown rendezvous operation {op!r}")
 
     def _progress(self, n: int, status: dict[str, Any] | None) -> None:
-        s = self._settings
+        s = self.settings
         self.progress_line.show(*round_status(n, status, s.min_nodes, s.max_nodes))
 
     def decided_rows(self, n: int, decision: str | None = None) -> list[list[Any]]:
@@ -195,14 +189,14 @@ class Joiner:
         shape = tuple((str(r), int(lws), int(c)) for r, lws, c in result.get("shape", ()))
         rev, all_live = int(result.get("rev", 0)), bool(result.get("all_live"))
         watchers = quiet.Watchers.of(result)
-        self._liveness.enter(CurrentRound(n, rank, size, decision, rev, all_live, watchers))
+        self.live.enter(CurrentRound(n, rank, size, decision, rev, all_live, watchers))
         return RendezvousInfo(
-            self._store, rank, size, RendezvousStoreInfo(*joined.master), round=n,
+            self.store, rank, size, RendezvousStoreInfo(*joined.master), round=n,
             members=functools.partial(self._member_infos, n, decision), shape=shape,
         )  # fmt: skip
 
     def __repr__(self) -> str:
         return (
-            f"Joiner(node={self.node.node_id!r}, round={self._liveness.now.n}, "
-            f"rank={self._liveness.now.rank}, seen={self.seen})"
+            f"Joiner(node={self.node.node_id!r}, round={self.live.now.n}, "
+            f"rank={self.live.now.rank}, seen={self.seen})"
         )
