@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from elastrun.core import cancel
 from elastrun.core.cancel import Cancelled, CancelScope
@@ -21,6 +22,7 @@ from elastrun.core.errors import (
 )
 
 
+@dataclass(eq=False)
 class AgentCalls:
     """The agent's calls in progress, and how each one ends.
 
@@ -30,13 +32,10 @@ class AgentCalls:
             says so.
     """
 
-    def __init__(
-        self, stop: threading.Event, give_up: Callable[[StoreUnavailableError], str]
-    ) -> None:
-        self._stop = stop
-        self._give_up = give_up
-        self._lock = threading.Lock()  # guards ``_calls``
-        self._calls: set[CancelScope] = set()  # the agent's calls in progress
+    stop: threading.Event
+    give_up: Callable[[StoreUnavailableError], str]
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)  # ``_calls``
+    _calls: set[CancelScope] = field(default_factory=set, init=False)  # those in progress
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
@@ -54,9 +53,9 @@ class AgentCalls:
             try:
                 yield
             except StoreUnavailableError as exc:  # given up for good: say so once
-                raise RendezvousConnectionError(self._give_up(exc)) from exc
+                raise RendezvousConnectionError(self.give_up(exc)) from exc
             except Cancelled:
-                if self._stop.is_set():
+                if self.stop.is_set():
                     raise RendezvousClosedError(
                         "this node left the rendezvous while it was waiting"
                     ) from None
@@ -73,4 +72,4 @@ class AgentCalls:
             scope.cancel(reason)
 
     def __repr__(self) -> str:
-        return f"AgentCalls(in_progress={len(self._calls)}, stopped={self._stop.is_set()})"
+        return f"AgentCalls(in_progress={len(self._calls)}, stopped={self.stop.is_set()})"

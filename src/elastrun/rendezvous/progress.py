@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
@@ -47,6 +48,7 @@ def round_status(
     return (n, count), "; ".join(parts)
 
 
+@dataclass(eq=False)
 class ProgressLine:
     """One long wait's progress.
 
@@ -57,23 +59,16 @@ class ProgressLine:
         every: the longest silence in a log, in seconds.
     """
 
-    def __init__(
-        self,
-        logger: logging.Logger,
-        clock: Clock = SYSTEM_CLOCK,
-        stream: TextIO | None = None,
-        every: float = LOG_EVERY,
-    ) -> None:
-        self._log = logger
-        self._clock = clock
-        self._stream = stream
-        self._every = every
-        self._key: object = None
-        self._at: float | None = None
-        self._open = False  # a terminal line waits for its newline
+    logger: logging.Logger
+    clock: Clock = SYSTEM_CLOCK
+    stream: TextIO | None = None
+    every: float = LOG_EVERY
+    _key: object = field(default=None, init=False)
+    _at: float | None = field(default=None, init=False)
+    _open: bool = field(default=False, init=False)  # a terminal line waits for its newline
 
     def _tty(self) -> TextIO | None:
-        stream = self._stream if self._stream is not None else sys.stderr
+        stream = self.stream if self.stream is not None else sys.stderr
         try:
             return stream if stream.isatty() else None
         except (AttributeError, ValueError):
@@ -87,11 +82,11 @@ class ProgressLine:
             tty.flush()
             self._open = True
             return
-        now = self._clock.monotonic()
-        if key == self._key and self._at is not None and now - self._at < self._every:
+        now = self.clock.monotonic()
+        if key == self._key and self._at is not None and now - self._at < self.every:
             return
         self._key, self._at = key, now
-        self._log.info("%s", text)
+        self.logger.info("%s", text)
 
     def end(self) -> None:
         """The wait is over: a terminal line gets its newline; the pacing restarts."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.store.memory import MemoryStore
@@ -42,6 +43,7 @@ class LeaseInfo:
         return f"LeaseInfo(ttl={self.ttl}, deadline={self.deadline:.3f}, {owner})"
 
 
+@dataclass(eq=False)
 class LeaseTable:
     """The live leases of one store, as the loop tracks them.
 
@@ -53,32 +55,24 @@ class LeaseTable:
         publish: called after a lease ended, to wake the watchers of its keys.
     """
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        store: MemoryStore,
-        grace: float,
-        numbering: Numbering,
-        publish: Callable[[], None],
-    ) -> None:
-        self._loop = loop
-        self._store = store
-        self._grace = grace
-        self._numbering = numbering
-        self._publish = publish
-        self._leases: dict[int, LeaseInfo] = {}
+    loop: asyncio.AbstractEventLoop
+    store: MemoryStore
+    grace: float
+    numbering: Numbering
+    publish: Callable[[], None]
+    _leases: dict[int, LeaseInfo] = field(default_factory=dict, init=False)
 
     def __len__(self) -> int:
         return len(self._leases)
 
     def __repr__(self) -> str:
-        return f"LeaseTable(leases={len(self._leases)}, grace={self._grace})"
+        return f"LeaseTable(leases={len(self._leases)}, grace={self.grace})"
 
     def track(self, lease: int, ttl: float, owner: Connection) -> None:
         """Start the TTL timer of a lease ``owner`` was just granted."""
         # Taken after the store call, so never earlier than the store's own deadline.
-        info = LeaseInfo(ttl, self._loop.time() + ttl, owner)
-        info.timer = self._loop.call_at(info.deadline, self._on_deadline, lease)
+        info = LeaseInfo(ttl, self.loop.time() + ttl, owner)
+        info.timer = self.loop.call_at(info.deadline, self._on_deadline, lease)
         self._leases[lease] = info
         owner.leases.add(lease)
 
@@ -99,20 +93,20 @@ class LeaseTable:
         if not alive:
             self.forget(lease)
         elif info is not None:
-            info.deadline = self._loop.time() + info.ttl  # its timer re-arms when it fires
+            info.deadline = self.loop.time() + info.ttl  # its timer re-arms when it fires
 
     def _on_deadline(self, lease: int) -> None:
         info = self._leases.get(lease)
         if info is None:
             return
-        if info.deadline > self._loop.time():  # kept alive since: sleep again
-            info.timer = self._loop.call_at(info.deadline, self._on_deadline, lease)
+        if info.deadline > self.loop.time():  # kept alive since: sleep again
+            info.timer = self.loop.call_at(info.deadline, self._on_deadline, lease)
             return
         # The store expires leases lazily, on its next operation: make one, so the
         # deletes happen (and watchers hear of them) now.
-        self._store.get("")
+        self.store.get("")
         self.forget(lease)
-        self._publish()
+        self.publish()
 
     def _on_grace_over(self, lease: int) -> None:
         info = self._leases.get(lease)
@@ -120,11 +114,11 @@ class LeaseTable:
             return
         log.info(
             "lease %d revoked: its connection dropped and was not resumed",
-            self._numbering.lease_out(lease),
+            self.numbering.lease_out(lease),
         )
-        self._store.revoke_lease(lease)
+        self.store.revoke_lease(lease)
         self.forget(lease)
-        self._publish()
+        self.publish()
 
     def orphan(self, conn: Connection) -> None:
         """``conn`` is gone: its leases end after the grace unless resumed."""
@@ -133,9 +127,7 @@ class LeaseTable:
             if info is None or info.owner is not conn:
                 continue
             info.owner = None
-            info.grace = self._loop.call_later(
-                min(self._grace, info.ttl), self._on_grace_over, lease
-            )
+            info.grace = self.loop.call_later(min(self.grace, info.ttl), self._on_grace_over, lease)
         conn.leases.clear()
 
     def resume(self, conn: Connection, wanted: list[int]) -> tuple[list[int], list[int]]:
@@ -143,9 +135,9 @@ class LeaseTable:
         lost), as wire ids."""
         resumed, lost = [], []
         for wire in wanted:
-            lease = self._numbering.lease_in(wire)
+            lease = self.numbering.lease_in(wire)
             info = self._leases.get(lease)
-            if info is None or not self._store.keep_alive(lease):
+            if info is None or not self.store.keep_alive(lease):
                 self.forget(lease)
                 lost.append(wire)
                 continue
@@ -155,8 +147,8 @@ class LeaseTable:
                 info.grace.cancel()
                 info.grace = None
             info.owner = conn
-            info.deadline = self._loop.time() + info.ttl
+            info.deadline = self.loop.time() + info.ttl
             conn.leases.add(lease)
             resumed.append(wire)
-        self._publish()
+        self.publish()
         return resumed, lost

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 log = logging.getLogger("elastrun.store.tcp.server")
 
@@ -133,31 +134,26 @@ def bind_listeners(host: str, port: int, backlog: int | None = None) -> list[soc
     raise AssertionError("unreachable")  # pragma: no cover  # the loop returns or raises
 
 
+@dataclass(eq=False)
 class LogLimiter:
     """At most ``burst`` log lines per kind every ``every`` seconds; the first line of a
     later period says how many were held back. For lines that a stranger can cause once
     per connection: a flood costs a few lines, not a line per connection."""
 
-    def __init__(
-        self,
-        logger: logging.Logger,
-        clock: Callable[[], float],
-        every: float = 10.0,
-        burst: int = 5,
-    ) -> None:
-        self._log = logger
-        self._clock = clock
-        self._every = every
-        self._burst = burst
-        self._period: dict[str, tuple[float, int]] = {}  # kind -> (start, lines logged)
-        self._held: dict[str, int] = {}
+    logger: logging.Logger
+    clock: Callable[[], float]
+    every: float = 10.0
+    burst: int = 5
+    #: kind -> (start of its period, lines logged in it)
+    _period: dict[str, tuple[float, int]] = field(default_factory=dict, init=False)
+    _held: dict[str, int] = field(default_factory=dict, init=False)
 
     def log(self, level: int, kind: str, msg: str, *args: object) -> None:
-        now = self._clock()
+        now = self.clock()
         start, logged = self._period.get(kind, (-math.inf, 0))
-        if now - start >= self._every:
+        if now - start >= self.every:
             start, logged = now, 0
-        if logged >= self._burst:
+        if logged >= self.burst:
             self._held[kind] = self._held.get(kind, 0) + 1
             return
         self._period[kind] = (start, logged + 1)
@@ -165,7 +161,7 @@ class LogLimiter:
         if held:
             msg += " (and %d more like it, not logged)"
             args = (*args, held)
-        self._log.log(level, msg, *args)
+        self.logger.log(level, msg, *args)
 
     def __repr__(self) -> str:
-        return f"LogLimiter({self._burst} per {self._every}s, held={self._held})"
+        return f"LogLimiter({self.burst} per {self.every}s, held={self._held})"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastrun.core.errors import ConfigError
 from elastrun.store.torchwire import codec as c
@@ -14,6 +14,7 @@ from elastrun.store.torchwire import codec as c
 log = logging.getLogger("elastrun.store.torchwire")
 
 
+@dataclass(eq=False)
 class Complaints:
     """Warnings about misbehaving clients, at most ``burst`` per ``period`` seconds.
 
@@ -22,21 +23,20 @@ class Complaints:
     that is let through.
     """
 
-    def __init__(self, clock: Callable[[], float], burst: int = 10, period: float = 60.0) -> None:
-        self._clock = clock
-        self._burst = burst
-        self._period = period
-        self._window_start = float("-inf")
-        self._in_window = 0
-        self.suppressed = 0
-        self.total = 0
+    clock: Callable[[], float]
+    burst: int = 10
+    period: float = 60.0
+    _window_start: float = field(default=float("-inf"), init=False)
+    _in_window: int = field(default=0, init=False)
+    suppressed: int = field(default=0, init=False)
+    total: int = field(default=0, init=False)
 
     def __call__(self, message: str, *args: object) -> None:
         self.total += 1
-        now = self._clock()
-        if now - self._window_start >= self._period:
+        now = self.clock()
+        if now - self._window_start >= self.period:
             self._window_start, self._in_window = now, 0
-        if self._in_window >= self._burst:
+        if self._in_window >= self.burst:
             self.suppressed += 1
             return
         self._in_window += 1
