@@ -13,6 +13,7 @@ import heapq
 import itertools
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from elastrun.core.cancel import CancelScope, scope_or_default
 from elastrun.core.clock import SYSTEM_CLOCK, Clock, Deadline
@@ -33,13 +34,11 @@ def _folder(key: str) -> str:
     return key[: key.rfind("/") + 1]
 
 
+@dataclass(slots=True, eq=False)
 class _Lease:
-    __slots__ = ("deadline", "keys", "ttl")
-
-    def __init__(self, ttl: float, deadline: float) -> None:
-        self.ttl = ttl
-        self.deadline = deadline
-        self.keys: set[str] = set()
+    ttl: float
+    deadline: float
+    keys: set[str] = field(default_factory=set)
 
 
 class MemoryStore:

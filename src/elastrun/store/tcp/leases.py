@@ -26,17 +26,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("elastrun.store.tcp.server")
 
 
+@dataclass(slots=True, eq=False)
 class LeaseInfo:
     """What the loop knows of a lease: its TTL timer and the connection holding it."""
 
-    __slots__ = ("deadline", "grace", "owner", "timer", "ttl")
-
-    def __init__(self, ttl: float, deadline: float, owner: Connection) -> None:
-        self.ttl = ttl
-        self.deadline = deadline
-        self.owner: Connection | None = owner
-        self.timer: asyncio.TimerHandle | None = None
-        self.grace: asyncio.TimerHandle | None = None
+    ttl: float
+    deadline: float
+    owner: Connection | None
+    timer: asyncio.TimerHandle | None = None
+    grace: asyncio.TimerHandle | None = None
 
     def __repr__(self) -> str:
         owner = "orphaned" if self.owner is None else repr(self.owner)

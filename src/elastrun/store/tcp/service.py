@@ -25,6 +25,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 from elastrun.core.errors import (
     StoreCompactedError,
@@ -51,17 +52,15 @@ LOG_EVERY = 10.0
 SHARED_KEPT = 8
 
 
+@dataclass(slots=True, eq=False)
 class _Shared:
     """A watch answer shared by every watcher that one change woke under one prefix: its
     result, encoded once. When a member of 10,000 is lost, 10,000 watchers of the run's
     ``ctl/`` wake with the same event; encoding it for each one was most of the server's
     work for that notice."""
 
-    __slots__ = ("body", "result")
-
-    def __init__(self, result: WatchResult, body: bytes) -> None:
-        self.result = result
-        self.body = body
+    result: WatchResult
+    body: bytes
 
 
 class Service:

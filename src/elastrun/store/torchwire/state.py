@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from elastrun.core.errors import StoreError
 
@@ -81,15 +82,13 @@ def _wrap64(number: int) -> int:
     return number - _INT64 if number > _INT64_MAX else number
 
 
+@dataclass(slots=True, eq=False)
 class Waiter:
     """A blocked ``wait`` (or ``barrier``): released once, by calling ``wake``."""
 
-    __slots__ = ("barrier", "missing", "wake")
-
-    def __init__(self, missing: set[bytes], wake: Callable[[], None], barrier: bool) -> None:
-        self.missing = missing
-        self.wake = wake
-        self.barrier = barrier
+    missing: set[bytes]
+    wake: Callable[[], None]
+    barrier: bool
 
     def __repr__(self) -> str:
         kind = "barrier" if self.barrier else "wait"
