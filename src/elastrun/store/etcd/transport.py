@@ -27,7 +27,7 @@ import logging
 import random
 import ssl
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, TypeVar
 
@@ -143,7 +143,8 @@ class Transport:
         deadline = Deadline.after(max(self._request_timeout, window))
         delay, last = _BACKOFF_FIRST, ""
         while True:
-            for index in self._rotation():
+            for step in range(len(self.urls)):  # every member, from the one in use
+                index = (self._current + step) % len(self.urls)
                 url = self.urls[index]
                 if live.expired():
                     raise past_deadline(what, last, unknown=False)
@@ -204,11 +205,6 @@ class Transport:
             f"Transport(endpoints={list(self.urls)}, using={self.using!r}, "
             f"user={self.username!r}, closed={self.closed})"
         )
-
-    def _rotation(self) -> Iterator[int]:
-        start = self._current
-        for step in range(len(self.urls)):
-            yield (start + step) % len(self.urls)
 
     def _headers(self, url: str) -> dict[str, str]:
         headers = dict(REQUIRE_LEADER)
