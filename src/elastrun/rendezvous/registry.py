@@ -79,15 +79,12 @@ class RendezvousHandlerRegistry:
             return _load(BUILTIN_BACKENDS[backend])
         import importlib.metadata  # plugins only: a built-in backend never pays for it
 
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name == backend:
-                creator: RendezvousHandlerCreator = ep.load()
-                return creator
-        for ep in importlib.metadata.entry_points(group=TORCH_ENTRY_POINT_GROUP):
-            if ep.name == backend:
-                factory = ep.load()
-                made: RendezvousHandlerCreator = factory()
-                return made
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=backend):
+            creator: RendezvousHandlerCreator = ep.load()
+            return creator
+        for ep in importlib.metadata.entry_points(group=TORCH_ENTRY_POINT_GROUP, name=backend):
+            made: RendezvousHandlerCreator = ep.load()()
+            return made
         return None
 
     def check(self, params: RendezvousParameters) -> None:

@@ -176,7 +176,7 @@ class TcpStoreServer:
         base = time.time_ns() // 1000
         service = Service(loop, store, self._token, self._max_frame, self._grace, base)
         stop = asyncio.Event()
-        acceptor = await self._listen(service)
+        acceptor = self._listen(service)
         with self._lock:
             self._loop, self._stop_event, self._service = loop, stop, service
             if scope.cancelled:  # stopped before the loop could be woken
@@ -190,7 +190,7 @@ class TcpStoreServer:
             with self._lock:
                 self._loop = self._stop_event = None
 
-    async def _listen(self, service: Service) -> Acceptor[Connection]:
+    def _listen(self, service: Service) -> Acceptor[Connection]:
         socks = bind_listeners(self._host, self._requested_port)
         self._port = socks[0].getsockname()[1]
         acceptor = Acceptor(service, socks)
