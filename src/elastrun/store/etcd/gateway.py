@@ -93,32 +93,25 @@ def parse_endpoints(spec: str | Sequence[str], *, secure: bool = False) -> tuple
         ConfigError: no endpoint, an unknown scheme, or a port that is not a number.
     """
     items = spec.split(",") if isinstance(spec, str) else list(spec)
-    urls = []
-    for raw in items:
-        item = raw.strip()
-        if not item:
-            continue
-        scheme = "https" if secure else "http"
-        if "://" in item:
-            scheme, _, item = item.partition("://")
-            if scheme not in ("http", "https"):
-                raise ConfigError("etcd endpoint", raw, "the scheme must be http or https")
-            item = item.rstrip("/")
-        host, port = _host_port(item, raw)
-        shown = f"[{host}]" if ":" in host else host
-        urls.append(f"{scheme}://{shown}:{port}")
+    urls = tuple(_url(raw, secure) for raw in items if raw.strip())
     if not urls:
         raise ConfigError("etcd endpoint", spec, "give at least one host:port")
-    return tuple(urls)
+    return urls
 
 
-def _host_port(item: str, raw: str) -> tuple[str, int]:
+def _url(raw: str, secure: bool) -> str:
+    item, scheme = raw.strip(), "https" if secure else "http"
+    if "://" in item:
+        scheme, _, item = item.partition("://")
+        if scheme not in ("http", "https"):
+            raise ConfigError("etcd endpoint", raw, "the scheme must be http or https")
+        item = item.rstrip("/")
     try:
         host, port = parse_host_port(item, "etcd endpoint", DEFAULT_PORT, allow_zero=False)
     except ConfigError as exc:
         raise ConfigError(exc.field, raw, exc.reason) from None
-    assert port is not None  # DEFAULT_PORT stands in for a missing one
-    return host, port
+    shown = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{shown}:{port}"
 
 
 def tls_context(cacert: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
