@@ -7,11 +7,8 @@ their own event, and one reader thread per connection hands each answer to its c
 (One connection per in-flight call was the alternative; it multiplies descriptors on a
 server meant for thousands of agents, and ties leases to whichever socket granted them.)
 
-When the connection drops, the next call -- or at once, in the background, when this
-client holds leases -- reconnects with exponential backoff and jitter, naming its leases
-in the hello so that the server re-attaches them. A request cut off mid-flight is
-retried only when repeating it is harmless; otherwise the caller gets a ``StoreError``
-saying the outcome is unknown.
+A request cut off mid-flight by a dropped connection is retried only when repeating it
+is harmless; otherwise the caller gets a ``StoreError`` saying the outcome is unknown.
 
 Giving up is one deadline per outage, not one per call: the client notes when the
 server stopped answering (the connection dropped, a dial failed, or a request went
