@@ -1,10 +1,5 @@
-"""One client connection of the tcp store, as an ``asyncio.Protocol``.
-
-A request that can be answered at once is answered inside ``data_received``, with no
-task and no extra loop iteration (see ``Service.dispatch``). A stranger can open
-connections and say nothing: each one not authenticated within
-:data:`HANDSHAKE_TIMEOUT` is closed, and what it causes is logged through the service's
-``LogLimiter`` -- a line per kind every few seconds, never a line per connection.
+"""One client connection of the tcp store, as an ``asyncio.Protocol``: how requests are
+answered, and what a stranger who says nothing costs, is in ``service``'s docstring.
 """
 
 from __future__ import annotations
