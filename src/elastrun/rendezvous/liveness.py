@@ -1,14 +1,11 @@
 """One node's liveness in the dynamic rendezvous, and its watch of the running round.
 
-A node is alive while its lease is: ``ctl/nodes/<node>`` is bound to it and a keep-alive
-thread renews it (no writes at all). While a round runs, a watch thread flags a
-re-formation when one is due. What both threads and the agent's calls share (the lease,
-the round this node is in, whether it must re-form, whether the node was lost or the
-store is gone) is one value, ``condition.NodeCondition``: ``Liveness.move`` changes it
-under a lock, every reader takes the snapshot ``Liveness.now``. ``Liveness`` runs the two
-threads in a nursery under its owner's scope (``leave`` cancels it, ``join`` closes the
-nursery); what each does is its part's: the lease's (``lease.LeaseKeeper``) and the
-watch's (``watch.RoundWatcher``).
+The lease's keep-alive thread (``lease.LeaseKeeper``) and the running round's watch thread
+(``watch.RoundWatcher``) run in a nursery under the owner's scope (``leave`` cancels it,
+``join`` closes the nursery). What both and the agent's calls share (the lease, the round
+this node is in, whether it must re-form, whether the node was lost or the store is gone)
+is one value, ``condition.NodeCondition``: ``Liveness.move`` changes it under a lock,
+every reader takes the snapshot ``Liveness.now``.
 
 Who watches the round for whom (its closer and deputy for the quiet members) is
 ``quiet``'s.
