@@ -30,8 +30,7 @@ The handler is a facade over its parts: ``Joiner`` (joining rounds), ``Liveness`
 lease and the round, with ``LeaseKeeper`` and ``RoundWatcher`` on their threads),
 ``Outcome`` (the budget, the exit barrier and the run's closing), ``Exclusions`` (the
 nodes that sit out a cool-down) and ``AgentCalls`` (the agent's calls in progress, which
-``leave`` ends). The agent is handed the outcome and the exclusions as objects of their
-own (``outcome``, ``exclusions``: ``elastic.JobOutcome`` and ``elastic.ExclusionBoard``).
+``leave`` ends).
 """
 
 from __future__ import annotations
