@@ -7,8 +7,8 @@ are ``asyncio.Protocol`` objects: a request that can be answered at once is answ
 inside ``data_received``, with no task and no extra loop iteration. Only ``watch`` and
 ``wait`` become tasks.
 
-Waiting is event-driven: after every change the service reads the new events once and
-wakes only the waiters whose prefix or keys they touch (:mod:`~elastrun.store.tcp.waiters`).
+Waiting is event-driven: a change wakes only the waiters it concerns
+(:mod:`~elastrun.store.tcp.waiters`).
 Leases belong to the connection that granted them and outlive a dropped one by a short
 grace (:mod:`~elastrun.store.tcp.leases`); revisions and lease ids travel offset by the
 server's start (:mod:`~elastrun.store.tcp.numbering`).

@@ -8,9 +8,7 @@ few objects each.
 
 A client that breaks the protocol loses its own connection and nothing else. Who may
 connect is bounded as for the rendezvous store (``elastrun.store.tcp.acceptor``, which
-accepts for this engine too): connections that have not sent torch's validation yet
-are capped, the oldest of them closed to make room, and a reserve of descriptors is
-kept free for the agent's own work. What a connection may hold is bounded: its
+accepts for this engine too, says how). What a connection may hold is bounded: its
 unparsed input by the request size limit (the parser refuses an oversized field from
 its length, before buffering it), its unsent output by pausing its reads while the
 kernel will not take more (a client that pipelines ``get``s without reading the
