@@ -23,9 +23,9 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from elastrun.core.cancel import CancelScope
 from elastrun.core.errors import ConfigError, StoreError
@@ -200,7 +200,8 @@ class TorchWireServer:
         """Bind and listen in this thread, then serve from a daemon thread.
 
         Returns the port. Raises ``StoreError`` naming ``host:port`` when the address
-        cannot be bound, or when called twice.
+        cannot be bound, or when called twice. Must not be called from a thread
+        running an asyncio loop (binding uses a loop of its own, run here).
         """
         with self._lock:
             if self._started or self._closed:
@@ -210,25 +211,23 @@ class TorchWireServer:
             return self._start_compiled()
         loop = self._loop_factory()
         hub = Hub(loop, self._limits)
-        try:
-            acceptor = self._bind(lambda: self._listen(hub))
-        except StoreError:
-            loop.close()
-            raise
+        acceptor = self._bind(loop, self._listen(hub))
         stop = asyncio.Event()
         with self._lock:
             self._loop, self._stop, self._hub = loop, stop, hub
         return self._serve_from(self._run, (loop, acceptor, hub, stop))
 
-    def _bind(self, binding: Callable[[], T]) -> T:
-        """``binding()``; a failure is a ``StoreError`` naming the address."""
+    def _bind(self, loop: asyncio.AbstractEventLoop, binding: Coroutine[Any, Any, T]) -> T:
+        """Run ``binding`` on ``loop``; a failure closes the loop and is a ``StoreError``
+        naming the address."""
         try:
-            return binding()
+            return loop.run_until_complete(binding)
         except (OSError, RuntimeError) as exc:
+            loop.close()
             where = format_addr(self._host or "*", self._requested_port)
             raise StoreError(f"cannot listen on {where}: {exc}") from exc
 
-    def _bound(self) -> list[socket.socket]:
+    async def _bound(self) -> list[socket.socket]:
         """The listening sockets (given, or bound now), tuned; sets the port."""
         socks = self._given or bind_listeners(self._host, self._requested_port)
         for sock in socks:  # accepted sockets inherit these (see LISTENER_OPTIONS_INHERITED)
@@ -281,7 +280,9 @@ class TorchWireServer:
     def _start_compiled(self) -> int:
         from elastrun.store.torchwire import wirecore  # built by the install
 
-        socks = self._bind(self._bound)
+        binder = asyncio.new_event_loop()  # (``_bind`` runs the binding on a loop)
+        socks = self._bind(binder, self._bound())
+        binder.close()
         try:
             for sock in socks:
                 sock.setblocking(False)
@@ -336,8 +337,8 @@ class TorchWireServer:
         except RuntimeError:  # the loop closed in between: nothing left to stop
             pass
 
-    def _listen(self, hub: Hub) -> Acceptor[Connection]:
-        socks = self._bound()
+    async def _listen(self, hub: Hub) -> Acceptor[Connection]:
+        socks = await self._bound()
         admission = _Admission.now(self._limits)
         acceptor = Acceptor(
             hub,
