@@ -25,8 +25,7 @@ def free_port(host: str = "") -> int:
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        return int(sock.getsockname()[1])
 
 
 class LocalRendezvousHandler(RendezvousHandler):

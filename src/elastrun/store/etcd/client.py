@@ -194,18 +194,15 @@ class EtcdStore:
         return to_int(answer.get("result", answer).get("TTL")) > 0
 
     def revoke_lease(self, lease: int) -> None:
-        try:
+        # Unknown, expired, or revoked by an attempt whose answer was lost:
+        with contextlib.suppress(LeaseExpiredError):
             self._call("/v3/lease/revoke", {"ID": str(lease)}, safe=True)
-        except LeaseExpiredError:
-            pass  # unknown, expired, or revoked by an attempt whose answer was lost
 
     def compact(self, revision: int) -> None:
         """Discard the history before ``revision`` (watches from earlier then fail with
         ``StoreCompactedError``); etcd operators usually let auto-compaction do this."""
-        try:
+        with contextlib.suppress(StoreCompactedError):  # already compacted at or past it
             self._call("/v3/kv/compaction", {"revision": str(revision)}, safe=True)
-        except StoreCompactedError:
-            pass  # already compacted at or past that revision
 
     def watch(
         self,

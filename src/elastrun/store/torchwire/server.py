@@ -19,6 +19,7 @@ joins the thread):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -332,10 +333,8 @@ class TorchWireServer:
         loop, stop = self._loop, self._stop
         if loop is None or stop is None or loop.is_closed():
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop closed in between: nothing to stop
             loop.call_soon_threadsafe(stop.set)
-        except RuntimeError:  # the loop closed in between: nothing left to stop
-            pass
 
     async def _listen(self, hub: Hub) -> Acceptor[Connection]:
         socks = await self._bound()
