@@ -205,12 +205,6 @@ def _toggle(nodes: set[str], node: str, present: bool) -> None:
     (nodes.add if present else nodes.discard)(node)
 
 
-def failure_claimer(raw: bytes | None) -> str | None:
-    """The node named in a round's failure claim (``ctl/failed/<n>``), if readable."""
-    node = load_doc(raw).get("node")
-    return node if isinstance(node, str) else None
-
-
 @dataclass(frozen=True)
 class Away:
     """A member's notice that it does not re-join the round after ``round`` at once
@@ -345,7 +339,8 @@ class RoundView:
         elif self.round == 0:
             return
         elif key == k.failed(self.round - 1):
-            self.failed_by = failure_claimer(value)
+            claimer = load_doc(value).get("node")  # of the claim, if readable
+            self.failed_by = claimer if isinstance(claimer, str) else None
         elif key.startswith(k.done(self.round - 1)):
             _toggle(self.finished, key[len(k.done(self.round - 1)) :], value is not None)
         elif key.startswith(k.away_prefix):

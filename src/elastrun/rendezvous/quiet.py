@@ -109,12 +109,6 @@ def closer_state(keys: RunKeys, n: int, found: Mapping[str, bytes]) -> tuple[byt
     return found.get(keys.next_call(n)), keys.closer(n) not in found
 
 
-def why_of(call: bytes, n: int) -> str:
-    """The reason a call to round ``n``'s quiet members gives."""
-    why = load_doc(call).get("why")
-    return str(why) if why else f"round {n + 1} was decided"
-
-
 def follow_closer(
     store: Store,
     keys: RunKeys,
@@ -143,7 +137,8 @@ def follow_closer(
             call, ended = closer_news(keys, n, res.events)
         gone = gone or ended
         if call is not None:
-            return rev, why_of(call, n), call
+            why = load_doc(call).get("why")  # the reason the call gives
+            return rev, str(why) if why else f"round {n + 1} was decided", call
         if not gone:
             return rev, None, None
         if not waited and (pause := deputy_pause(watchers, size)) is not None:
