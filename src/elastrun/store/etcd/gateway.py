@@ -14,7 +14,7 @@ import base64
 import json
 import ssl
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from elastrun.core.errors import (
     ConfigError,
@@ -163,7 +163,6 @@ def decode(status: int, content: bytes, url: str) -> Json:
     if status == 404 and "code" not in answer:
         raise StoreError(f"{host_of(url)} is not an etcd v3 gateway (HTTP 404)")
     raise_for(to_int(answer.get("code")), str(answer.get("message") or error), url)
-    raise AssertionError("unreachable")  # _raise_for always raises
 
 
 def stream_message(message: Json, url: str) -> Json:
@@ -183,7 +182,7 @@ def stream_message(message: Json, url: str) -> Json:
     return result
 
 
-def raise_for(code: int, message: str, url: str) -> None:
+def raise_for(code: int, message: str, url: str) -> NoReturn:
     text = message.removeprefix("etcdserver: ")
     if "no leader" in text or code == _RESOURCE_EXHAUSTED:
         raise NotSent(text)  # refused before anything was proposed
