@@ -73,17 +73,13 @@ def validate_conf(params: RendezvousParameters, known: frozenset[str] = KNOWN_KE
 def conf_seconds(params: RendezvousParameters, key: str, default: float) -> float:
     """The ``--rdzv-conf`` duration ``key`` (finite, > 0, at most a year), or ``default``."""
     raw = params.get(key)
-    if raw is None:
-        return default
-    return parse_seconds(raw, f"--rdzv-conf {key}", low_open=True)
+    return default if raw is None else parse_seconds(raw, f"--rdzv-conf {key}", low_open=True)
 
 
 def conf_int(params: RendezvousParameters, key: str, default: int, low: int, high: int) -> int:
     """The ``--rdzv-conf`` integer ``key`` in ``[low, high]``, or ``default``."""
     raw = params.get(key)
-    if raw is None:
-        return default
-    return parse_int(raw, f"--rdzv-conf {key}", low=low, high=high)
+    return default if raw is None else parse_int(raw, f"--rdzv-conf {key}", low=low, high=high)
 
 
 def read_token(params: RendezvousParameters, environ: dict[str, str] | None = None) -> str | None:
