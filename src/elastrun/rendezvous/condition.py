@@ -121,9 +121,7 @@ def entered(c: NodeCondition, new: CurrentRound) -> NodeCondition:
 
 def reform_flagged(c: NodeCondition, n: int, reason: str) -> NodeCondition:
     """Round ``n`` must re-form, for ``reason`` (once; late for another round: no change)."""
-    if c.n != n or c.reform:
-        return c
-    return replace(c, reform=True, change_reason=reason)
+    return c if c.n != n or c.reform else replace(c, reform=True, change_reason=reason)
 
 
 def woken(c: NodeCondition, called: Called | None) -> NodeCondition:

@@ -381,9 +381,7 @@ class RoundView:
           re-formations were decided at once; a lost lease or a newcomer still decides
           at once.
         """
-        if self.failed_by is not None:
-            return set(self.previous)
-        return self.finished | self.away
+        return set(self.previous) if self.failed_by is not None else self.finished | self.away
 
     def why(self) -> str:
         """Why round n-1 re-forms, as its members' watch would say (``RoundWatch.reason``):

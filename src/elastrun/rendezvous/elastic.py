@@ -234,6 +234,4 @@ def _next_rendezvous(scope: CancelScope, handler: RendezvousHandler) -> Rendezvo
 
 def as_elastic(handler: RendezvousHandler) -> ElasticRendezvous:
     """The handler itself when it is elastic, else a ``PlainRendezvous`` around it."""
-    if isinstance(handler, ElasticRendezvous):
-        return handler
-    return PlainRendezvous(handler)
+    return handler if isinstance(handler, ElasticRendezvous) else PlainRendezvous(handler)

@@ -135,9 +135,7 @@ def exclusion_verdict(
     """
     if not rule.enabled or strikes < rule.after:
         return ExclusionVerdict.STAYS
-    if others < min_nodes:
-        return ExclusionVerdict.KEPT_AT_MIN
-    return ExclusionVerdict.EXCLUDED
+    return ExclusionVerdict.KEPT_AT_MIN if others < min_nodes else ExclusionVerdict.EXCLUDED
 
 
 def check_failed(*, others: int, min_nodes: int) -> ExclusionVerdict:

@@ -241,9 +241,7 @@ def get_float(message: Message, field: str) -> float:
 
 def get_timeout(message: Message, field: str) -> float:
     """A timeout in seconds; null on the wire means forever (JSON has no infinity)."""
-    if message.get(field) is None:
-        return float("inf")
-    return max(0.0, get_float(message, field))
+    return float("inf") if message.get(field) is None else max(0.0, get_float(message, field))
 
 
 def put_timeout(seconds: float) -> float | None:

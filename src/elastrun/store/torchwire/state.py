@@ -175,9 +175,7 @@ class TorchStoreState:
         returned waiter is first passed to :meth:`cancel`.
         """
         missing = {k for k in keys if not self._there(k)}
-        if not missing:
-            return None
-        return self._block(Waiter(missing, wake, barrier=False))
+        return self._block(Waiter(missing, wake, barrier=False)) if missing else None
 
     def barrier(self, key: bytes, world_size: int, wake: Callable[[], None]) -> Waiter | None:
         """Arrive at the barrier ``key`` of ``world_size``; None when this arrival
