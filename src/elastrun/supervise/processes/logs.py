@@ -133,21 +133,13 @@ def parse_duplicate_filters(s: str) -> list[str]:
     line, although torch's help says an empty list duplicates nothing); so ``""`` gives
     ``[]``.
     """
-    items: list[str] = []
-    current: list[str] = []
-    i = 0
-    while i < len(s):
-        if s[i] == ",":
-            if s.startswith(",,", i):
-                current.append(",")
-                i += 2
-                continue
-            items.append("".join(current))
-            current = []
-        else:
-            current.append(s[i])
-        i += 1
-    items.append("".join(current))
+    items = [""]
+    # split() takes ",," left to right, as torch's scan does; each piece's single commas
+    # separate items, and the item at a piece's end goes on across the literal comma.
+    for i, piece in enumerate(s.split(",,")):
+        first, *rest = piece.split(",")
+        items[-1] += ("," if i else "") + first
+        items.extend(rest)
     return [item for item in items if item]
 
 
@@ -222,18 +214,25 @@ def describe_os_error(exc: OSError, path: str = "") -> str:
     return f"{os.fsdecode(where)}: {reason}" if where else reason
 
 
-def _console_dest(specs: LogsSpecs, envs: dict[int, dict[str, str]], problem: str) -> LogsDest:
+def _no_files(envs: dict[int, dict[str, str]], error_file: str, problem: str = "") -> LogsDest:
+    """Every stream of ``envs``' ranks to the console, and no error file for the workers."""
     dest = LogsDest(problem=problem)
+    for lr in sorted(envs):
+        dest.stdouts[lr] = ""
+        dest.stderrs[lr] = ""
+        dest.error_files[lr] = error_file
+        # Set, not removed: the agent's own variable (it may run under another
+        # launcher) must not leak into its workers.
+        envs[lr][ERROR_FILE_ENV] = ""
+    return dest
+
+
+def _console_dest(specs: LogsSpecs, envs: dict[int, dict[str, str]], problem: str) -> LogsDest:
+    dest = _no_files(envs, "", problem)
     # getattr: a subclass ported from torch may not have called our __init__.
     redirects: Std | dict[int, Std] = getattr(specs, "redirects", Std.NONE)
     tee: Std | dict[int, Std] = getattr(specs, "tee", Std.NONE)
     for lr in sorted(envs):
-        dest.stdouts[lr] = ""
-        dest.stderrs[lr] = ""
-        dest.error_files[lr] = ""
-        # Set, not removed: the agent's own variable (it may run under another
-        # launcher) must not leak into its workers.
-        envs[lr][ERROR_FILE_ENV] = ""
         meant_for_files = _std_for(redirects, lr) | _std_for(tee, lr)
         if meant_for_files:
             dest.to_console[lr] = meant_for_files
@@ -371,7 +370,7 @@ class DefaultLogsSpecs(LogsSpecs):
             OSError: a directory could not be made (see :func:`reify_or_console`).
         """
         if self.is_devnull:
-            return self._reify_devnull(envs)
+            return _no_files(envs, os.devnull)
         attempt_dir = self._new_attempt_dir(envs)
         dest = LogsDest(
             filtered_stdout=os.path.join(attempt_dir, "filtered_stdout.log"),
@@ -393,15 +392,6 @@ class DefaultLogsSpecs(LogsSpecs):
             error_file = os.path.join(rank_dir, "error.json")
             dest.error_files[lr] = error_file
             envs[lr][ERROR_FILE_ENV] = error_file
-        return dest
-
-    def _reify_devnull(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-        dest = LogsDest()
-        for lr in sorted(envs):
-            dest.stdouts[lr] = ""
-            dest.stderrs[lr] = ""
-            dest.error_files[lr] = os.devnull
-            envs[lr][ERROR_FILE_ENV] = ""
         return dest
 
     def _new_attempt_dir(self, envs: dict[int, dict[str, str]]) -> str:
