@@ -55,13 +55,10 @@ class _Parser(argparse.ArgumentParser):
     def _get_option_tuples(
         self, option_string: str
     ) -> list[tuple[argparse.Action, str, str | None]]:
-        seen: set[int] = set()
-        unique = []
+        unique: dict[int, tuple[argparse.Action, str, str | None]] = {}
         for candidate in super()._get_option_tuples(option_string):
-            if id(candidate[0]) not in seen:
-                seen.add(id(candidate[0]))
-                unique.append(candidate)
-        return unique
+            unique.setdefault(id(candidate[0]), candidate)
+        return list(unique.values())
 
 
 class _HelpFormatter(argparse.HelpFormatter):

@@ -44,21 +44,15 @@ def logs_specs(values: Values, nproc: int) -> LogsSpecs:
             ranks_source, ranks_raw, "must be a comma-separated list of local ranks"
         ) from exc
     _check_local_ranks(ranks or (), nproc, ranks_raw, ranks_source)
-    streams = {}
+    streams: dict[str, object] = {}
     for dest in ("redirects", "tee"):
         raw, source = values.required(dest)
         streams[dest] = std = _to_std(raw, source)
         if isinstance(std, dict):
             _check_local_ranks(std, nproc, raw, source)
-    name, source = values.text("logs_specs")
     log_dir, log_dir_source = values.text("log_dir")
     specs = _build_logs_specs(
-        name=name,
-        source=source,
-        log_dir=log_dir,
-        redirects=streams["redirects"],
-        tee=streams["tee"],
-        local_ranks_filter=ranks,
+        *values.text("logs_specs"), log_dir=log_dir, local_ranks_filter=ranks, **streams
     )
     if isinstance(specs, DefaultLogsSpecs) and log_dir and log_dir != os.devnull:
         check_log_dir(log_dir, log_dir_source)
@@ -90,15 +84,8 @@ def _check_local_ranks(ranks: Iterable[int], nproc: int, raw: str, source: str) 
         )
 
 
-def _build_logs_specs(
-    *,
-    name: str | None,
-    source: str,
-    log_dir: str | None,
-    redirects: Std | dict[int, Std],
-    tee: Std | dict[int, Std],
-    local_ranks_filter: set[int] | None,
-) -> LogsSpecs:
+def _build_logs_specs(name: str | None, source: str, /, **arguments: object) -> LogsSpecs:
+    """The ``--logs-specs`` class ``name`` (None: ours) built with ``arguments``."""
     factory: object = DefaultLogsSpecs
     # ``default`` is ours even though torch registers the same name: loading torch's
     # entry point would import torch into the launcher.
@@ -114,9 +101,7 @@ def _build_logs_specs(
     if not callable(factory):
         raise ConfigError(source, name, "the entry point is not a class")
     try:
-        specs = factory(
-            log_dir=log_dir, redirects=redirects, tee=tee, local_ranks_filter=local_ranks_filter
-        )
+        specs = factory(**arguments)
     except (TypeError, ValueError) as exc:
         raise ConfigError(source, name, f"cannot be built: {exc}") from exc
     if not isinstance(specs, LogsSpecs):
