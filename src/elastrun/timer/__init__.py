@@ -16,8 +16,7 @@ lives in :mod:`elastrun.supervise.timers` and is loaded only when asked for.
 
 from __future__ import annotations
 
-import importlib
-
+from elastrun.core.lazy import lazy_getattr
 from elastrun.timer.api import (
     RequestQueue,
     TimerClient,
@@ -52,10 +51,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    # A string, not an import statement: this worker-side package must not depend on
-    # the agent side (pyproject's contracts), and workers must not pay for loading it.
-    if name == "FileTimerServer":
-        module = importlib.import_module("elastrun.supervise.timers.file_server")
-        return module.FileTimerServer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# A string, not an import statement: this worker-side package must not depend on the
+# agent side (pyproject's contracts), and workers must not pay for loading it.
+__getattr__ = lazy_getattr(__name__, {"FileTimerServer": "elastrun.supervise.timers.file_server"})

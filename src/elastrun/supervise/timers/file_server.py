@@ -1,19 +1,14 @@
 """The agent's watchdog over the file timers: read requests from a FIFO, reap on expiry.
 
-Each :class:`~elastrun.timer.FileTimerClient` request is one JSON line written to the
-FIFO in a single ``write`` of at most ``PIPE_BUF`` bytes, which the kernel keeps whole
-even when many workers write at once (the format is :mod:`elastrun.wire.timer`).
-:class:`FileTimerServer` reads the lines on a thread and signals a worker whose timer
-runs out.
+Workers' :class:`~elastrun.timer.FileTimerClient` write one JSON line per request
+(:mod:`elastrun.timer.file`, :mod:`elastrun.wire.timer`); :class:`FileTimerServer` reads
+them on a thread and signals a worker whose timer runs out.
 
 Unlike torch's server, ours signals only the worker (and its process group when the
 worker leads one) -- never its own process. torch's also sends the signal to
 ``os.getpid()``, which is the agent: an expired timer then SIGKILLs the agent, no
 restart happens and the other workers are orphaned. Here the agent learns which worker
 was reaped (``on_expired``), sees it exit, and treats it as any worker failure.
-
-``elastrun.timer.FileTimerServer`` (torch's module layout) is this class, re-exported
-lazily so that workers importing the timer client never load it.
 """
 
 from __future__ import annotations

@@ -31,12 +31,9 @@ Console writes never split a line unless it is longer than ``PIPE_BUF`` (a singl
 ``os.write`` of whole lines, at most ``PIPE_BUF`` bytes), so lines of different ranks,
 and of other writers to the same pipe, do not interleave mid-line.
 
-The console is a seam (``console``): the ``elastrun`` command's is its descriptors 1
-and 2 (:data:`FD_CONSOLE`, chosen by its entry point); the Python API's, the launcher's
-``main()`` called from Python included, is ``sys.stdout``/``sys.stderr``
-(:data:`PYTHON_CONSOLE`), so that a caller's ``contextlib.redirect_stdout``, pytest's
-capsys or a notebook cell sees the lines, as with torch. There a write is one ``write``
-of whole lines and a ``flush``, under a lock shared by every relay.
+The console is a seam (``console``, which says why): the ``elastrun`` command's is its
+descriptors 1 and 2 (:data:`FD_CONSOLE`), the Python API's ``sys.stdout``/``sys.stderr``
+(:data:`PYTHON_CONSOLE`).
 
 The filtered file of a stream is created (empty) at the first :meth:`OutputRelay.wire`
 when filters for that stream are set, as torchrun does, so that it can be watched

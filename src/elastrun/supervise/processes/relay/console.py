@@ -23,18 +23,14 @@ pointed when it began, even when the caller's redirect ends before the relay dra
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from dataclasses import dataclass
 from typing import Protocol, TextIO
 
-from elastrun.supervise.processes.relay.sinks import CloseAt, FdSink, Sink
+from elastrun.supervise.processes.relay.sinks import CloseAt, FdSink, Sink, logger
 
 __all__ = ["FD_CONSOLE", "PYTHON_CONSOLE", "Console", "FdConsole", "PythonConsole", "TextSink"]
-
-# The package's one logger name, as before it was split: logging settings keep working.
-logger = logging.getLogger("elastrun.supervise.processes.relay")
 
 #: Held around each write-and-flush of every text sink. One lock for all, not one per
 #: stream: relays of concurrent contexts may share a stream (both writing to the same

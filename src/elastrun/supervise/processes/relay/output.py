@@ -23,14 +23,12 @@ from elastrun.supervise.processes.relay.sinks import (
     Sink,
     WorkerStdio,
     close_quietly,
+    logger,
     open_log,
 )
 from elastrun.supervise.processes.relay.stream import Stream, last_line, render, split_lines
 
 __all__ = ["OutputRelay"]
-
-# The package's one logger name, as before it was split: logging settings keep working.
-logger = logging.getLogger("elastrun.supervise.processes.relay")
 
 _READ_SIZE = 64 * 1024
 #: Extra time granted to the relay thread after the drain deadline to flush and exit.

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["CloseAt", "FdSink", "Sink", "WorkerStdio", "close_quietly", "open_log"]
+__all__ = ["CloseAt", "FdSink", "Sink", "WorkerStdio", "close_quietly", "logger", "open_log"]
 
-# The package's one logger name, as before it was split: logging settings keep working.
+# One logger for the whole relay package (console and output use it), named for it.
 logger = logging.getLogger("elastrun.supervise.processes.relay")
 
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
