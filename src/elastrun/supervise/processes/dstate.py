@@ -103,9 +103,7 @@ class UninterruptibleWatch:
         """
         now = self._clock.monotonic()
         live = set(pids.values())
-        for pid in list(self._since):
-            if pid not in live:
-                del self._since[pid]
+        self._since = {pid: t for pid, t in self._since.items() if pid in live}
         worst: tuple[float, int] | None = None
         for local_rank, pid in sorted(pids.items()):
             state = read_proc_state(pid, self._proc_root)

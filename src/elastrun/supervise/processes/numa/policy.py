@@ -193,20 +193,16 @@ def select_cpus(
         raise ValueError(f"local rank {local_rank} outside [0, {local_world_size})")
     affinity = _to_mode(mode)
     node = _node_of(topology, local_rank)
+    # Never empty: every branch draws from the allowed CPUs of a node that has some.
     if affinity is AffinityMode.NODE:
-        cpus = set(topology.allowed_on(node))
-    elif affinity is AffinityMode.SOCKET:
-        cpus = _select_socket(topology, node)
-    else:
-        sharers = _ranks_on_node(topology, node, local_world_size)
-        position = sharers.index(local_rank)
-        if affinity is AffinityMode.EXCLUSIVE:
-            cpus = _select_exclusive(topology, node, position, len(sharers))
-        else:
-            cpus = _select_core_complex(topology, node, position)
-    if not cpus:  # every branch draws from allowed CPUs of a usable node; be explicit
-        raise ConfigError(FIELD, affinity.value, f"no CPU left for local rank {local_rank}")
-    return cpus
+        return set(topology.allowed_on(node))
+    if affinity is AffinityMode.SOCKET:
+        return _select_socket(topology, node)
+    sharers = _ranks_on_node(topology, node, local_world_size)
+    position = sharers.index(local_rank)
+    if affinity is AffinityMode.EXCLUSIVE:
+        return _select_exclusive(topology, node, position, len(sharers))
+    return _select_core_complex(topology, node, position)
 
 
 def binding_cpus(

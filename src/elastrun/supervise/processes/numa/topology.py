@@ -7,6 +7,7 @@ under ``/sys/bus/pci/devices``, in PCI-address order). Also the kernel's CPU-lis
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,16 +54,11 @@ def parse_cpu_list(text: str) -> set[int]:
 
 def format_cpu_list(cpus: Iterable[int]) -> str:
     """Format CPUs as compact ranges: ``{0, 1, 2, 5}`` -> ``"0-2,5"`` (empty: ``""``)."""
-    ordered = sorted(set(cpus))
     ranges: list[str] = []
-    start = 0
-    while start < len(ordered):
-        end = start
-        while end + 1 < len(ordered) and ordered[end + 1] == ordered[end] + 1:
-            end += 1
-        first, last = ordered[start], ordered[end]
-        ranges.append(str(first) if first == last else f"{first}-{last}")
-        start = end + 1
+    # Consecutive CPUs keep the same difference to their index in the sorted list.
+    for _, group in itertools.groupby(enumerate(sorted(set(cpus))), lambda p: p[1] - p[0]):
+        run = [cpu for _, cpu in group]
+        ranges.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
     return ",".join(ranges)
 
 
