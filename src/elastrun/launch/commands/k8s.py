@@ -10,10 +10,10 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from elastrun.core.errors import ConfigError
 from elastrun.core.values import MAX_SECONDS, parse_int, parse_port
+from elastrun.launch.commands import CommandParser
 from elastrun.launch.config import MAX_NPROC_PER_NODE
 from elastrun.launch.k8s.manifest import (
     DEFAULT_STORE_PORT,
@@ -33,13 +33,8 @@ _NPROC = re.compile(r"([1-9][0-9]*|cpu|gpu|auto)")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError("elastrun k8s manifest", None, message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = CommandParser(
         prog="elastrun k8s manifest",
         description="Write Kubernetes manifests for an elastic elastrun job: an indexed "
         "Job of MAX worker pods, a headless Service, and an elastrun store Deployment "

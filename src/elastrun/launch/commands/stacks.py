@@ -10,17 +10,16 @@ they wrote.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 from elastrun.core.errors import ConfigError
 from elastrun.core.procinfo import process_start_time
 from elastrun.core.values import parse_seconds
+from elastrun.launch.commands import CommandParser
 from elastrun.wire import workers as workers_file
 
 
@@ -35,17 +34,10 @@ def _is_that_worker(pid: int, start_time: int | None) -> bool:
     return now is not None and (start_time is None or now == start_time)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one ``ConfigError`` line, not a usage message."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError("elastrun stacks", None, message)
-
-
 def stacks_main(argv: list[str]) -> int:
     """``elastrun stacks LOG_DIR``: 0 when every worker answered, 1 when some did not,
     2 for bad arguments (one line on stderr) or no workers under ``LOG_DIR``."""
-    parser = _Parser(
+    parser = CommandParser(
         prog="elastrun stacks",
         description="Print the Python stacks of every worker of a running job.",
     )

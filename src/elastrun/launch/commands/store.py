@@ -10,11 +10,11 @@ import argparse
 import logging
 import signal
 import sys
-from typing import NoReturn
 
 from elastrun.core.errors import ConfigError, StoreError
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.core.values import parse_int, parse_port, parse_seconds
+from elastrun.launch.commands import CommandParser
 from elastrun.launch.signals import install_signal_handlers
 from elastrun.store.tcp.limits import raise_fd_limit
 from elastrun.store.tcp.protocol import DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME
@@ -31,15 +31,8 @@ __all__ = ["store_main"]
 log = logging.getLogger(__name__)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one ``ConfigError`` line, not a usage message."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError("elastrun store", None, message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = CommandParser(
         prog="elastrun store",
         description="Run the elastrun tcp store on its own, e.g. on a machine outside the job.",
     )
