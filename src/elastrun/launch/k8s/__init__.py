@@ -25,12 +25,9 @@ Choices, and why:
   with the other pods while the Job replaces that one. Counting 75 instead would let a
   few bad nodes in a long run fail the whole Job. The replacement may land on the same
   node: the agent names it, for cordoning.
-* The YAML is written without a YAML library: every document is JSON-compatible data,
-  and strings are quoted JSON-style unless they are plainly safe, so no value can be
-  misread (``on``, ``1e3``, ``0755``). PyYAML stays optional.
-
 ``manifest`` holds the spec and the builders (pure functions of the spec),
-``yaml_writer`` the YAML output; the subcommand's arguments are parsed in
+``yaml_writer`` the YAML output (no YAML library: it says why); the subcommand's
+arguments are parsed in
 :mod:`elastrun.launch.commands.k8s`.
 """
 

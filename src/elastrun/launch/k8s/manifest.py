@@ -219,30 +219,20 @@ def pod_failure_policy() -> Doc:
 
     Needs the pods' ``restartPolicy: Never``: Kubernetes refuses the policy otherwise.
     """
-    fail_job = [ExitStatus.BAD_CONFIG, ExitStatus.DO_NOT_REQUEUE]
+
+    def on_exit(action: str, *codes: ExitStatus) -> JSON:
+        exits: Doc = {"containerName": CONTAINER, "operator": "In", "values": list(map(int, codes))}
+        return {"action": action, "onExitCodes": exits}
+
     return {
         "rules": [
             # No retry fixes these: a bad option, or a failure that repeats (a crash
             # loop, restarts without progress). Every pod is stopped at once.
-            {
-                "action": "FailJob",
-                "onExitCodes": {
-                    "containerName": CONTAINER,
-                    "operator": "In",
-                    "values": [int(code) for code in fail_job],
-                },
-            },
+            on_exit("FailJob", ExitStatus.BAD_CONFIG, ExitStatus.DO_NOT_REQUEUE),
             # The node, not the job, is at fault: the pod is replaced without counting
             # against the backoff limit, as for an eviction, and the elastic job goes
             # on with the others meanwhile.
-            {
-                "action": "Ignore",
-                "onExitCodes": {
-                    "containerName": CONTAINER,
-                    "operator": "In",
-                    "values": [int(ExitStatus.REPLACE_NODE)],
-                },
-            },
+            on_exit("Ignore", ExitStatus.REPLACE_NODE),
             {
                 "action": "Ignore",
                 "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
