@@ -49,16 +49,7 @@ class _Formatter(logging.Formatter):
 
 
 #: ``LOGLEVEL`` names (any case) and what they mean; a number 0..50 is accepted too.
-LOG_LEVELS = {
-    "CRITICAL": logging.CRITICAL,
-    "FATAL": logging.FATAL,
-    "ERROR": logging.ERROR,
-    "WARNING": logging.WARNING,
-    "WARN": logging.WARNING,
-    "INFO": logging.INFO,
-    "DEBUG": logging.DEBUG,
-    "NOTSET": logging.NOTSET,
-}
+LOG_LEVELS = logging.getLevelNamesMapping()
 
 
 def parse_log_level(raw: str, source: str = "LOGLEVEL") -> int:
@@ -97,18 +88,14 @@ def configure_logging(environ: os._Environ[str] | dict[str, str]) -> None:
 
 def command_of(launch: Launch) -> tuple[Entrypoint, list[object]]:
     """The entrypoint and its arguments, exactly as torchrun builds them."""
-    args: list[object]
     if launch.kind is ScriptKind.RUN_PATH:
         from elastrun.worker.runpath import run_script_path
 
         return run_script_path, [launch.script, *launch.script_args]
     if launch.kind is ScriptKind.BINARY:
         return launch.script, list(launch.script_args)
-    if launch.kind is ScriptKind.MODULE:
-        args = ["-u", "-m", launch.script, *launch.script_args]
-    else:
-        args = ["-u", launch.script, *launch.script_args]
-    return launch.python, args
+    module = ["-m"] if launch.kind is ScriptKind.MODULE else []
+    return launch.python, ["-u", *module, launch.script, *launch.script_args]
 
 
 #: ``elastrun <name> ...`` runs a tool instead of launching; a script of the same name
