@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping
+from contextlib import suppress
 
 
 class OrphanGuard:
@@ -85,12 +86,10 @@ class OrphanGuard:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        try:
+        with suppress(OSError):  # (BrokenPipeError too) the guard is gone already
             if proc.stdin is not None:
                 proc.stdin.write(b"bye\n")
                 proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -129,10 +128,8 @@ def _guard_main() -> int:
                 groups.discard(pgid)
     if not clean:
         for pgid in groups:
-            try:
+            with suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         for path in directories:
             shutil.rmtree(path, ignore_errors=True)
     return 0

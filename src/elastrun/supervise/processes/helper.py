@@ -30,6 +30,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 
 from elastrun.core.cancel import CancelScope
 
@@ -215,10 +216,8 @@ class Helper:
             self._proc.stdout.close()
 
     def _signal(self, sig: signal.Signals) -> None:
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(self._proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def _exits_within(self, timeout: float) -> None:
         """Wait until it exits, at most ``timeout``, without reaping it."""

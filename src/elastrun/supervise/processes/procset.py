@@ -6,7 +6,7 @@ import logging
 import selectors
 import signal
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 from elastrun.core.cancel import CancelScope, is_default, scope_or_default
@@ -107,9 +107,7 @@ class ProcessSet:
 
     def _collect(self, local_rank: int, by_agent: bool) -> Exit | None:
         proc = self._live.get(local_rank)
-        if proc is None:
-            return None
-        if not proc.exited():
+        if proc is None or not proc.exited():
             return None
         # The leader is a zombie until reaped below, so its pid -- the group id --
         # cannot have been reused: sweeping the group now reaches only the worker's
@@ -119,10 +117,8 @@ class ProcessSet:
         if code is None:
             return None
         del self._live[local_rank]
-        try:
+        with suppress(KeyError, ValueError):
             self._sel.unregister(proc.exit_fd())
-        except (KeyError, ValueError):
-            pass
         by_agent = by_agent and _stopped_by(code, self._sent) and local_rank not in self._dying
         ex = Exit(local_rank, proc.pid, code, self._clock.time(), by_agent)
         self._exits[local_rank] = ex

@@ -250,9 +250,7 @@ def _waitpid_nohang(pid: int) -> Callable[[], int | None]:
             got, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             return None
-        if got == 0:
-            return None
-        return os.waitstatus_to_exitcode(status)
+        return None if got == 0 else os.waitstatus_to_exitcode(status)
 
     return wait
 

@@ -23,6 +23,7 @@ import stat
 import tempfile
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import cast
 
@@ -218,10 +219,8 @@ class FileTimerServer:
             self._file_path = os.path.join(self._private_dir, "watchdog_timer")
         else:
             self._file_path = self._requested_path
-            try:
+            with suppress(FileNotFoundError):  # (nothing to replace)
                 os.unlink(self._file_path)
-            except FileNotFoundError:
-                pass  # nothing to replace
         os.mkfifo(self._file_path, 0o600)
 
     def _close_and_remove(self) -> None:
