@@ -10,8 +10,7 @@ Expiration times are wall-clock seconds (``time.time()``): they cross process
 boundaries, and the monotonic clock of one process means nothing in another.
 
 The request and the table of armed timers live in :mod:`elastrun.core.timers`, which
-the agent's servers share; they are re-exported here under torch's names. This module
-runs in workers, so it depends only on the standard library and ``elastrun.core``.
+the agent's servers share; they are re-exported here under torch's names.
 """
 
 from __future__ import annotations

@@ -109,14 +109,8 @@ class MultiprocessingRequestQueue(RequestQueue):
 class LocalTimerServer(TimerServer):
     """Server of :class:`LocalTimerClient`: SIGKILLs workers whose timers run out.
 
-    Args:
-        mp_queue: the queue the clients write.
-        max_interval: the longest wait for requests between two checks, in seconds.
-        daemon: run the watchdog on a daemon thread.
-        clock: the source of "now" (wall clock) for expiration times.
-
-    Raises:
-        ConfigError: ``max_interval`` is not positive.
+    ``mp_queue`` is the queue the clients write; the other arguments, and the error for
+    a ``max_interval`` that is not positive, are :class:`TimerServer`'s.
     """
 
     def __init__(

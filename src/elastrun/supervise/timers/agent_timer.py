@@ -60,14 +60,7 @@ class AgentFileTimer:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(
-        cls,
-        env: Mapping[str, str],
-        *,
-        max_interval: float = 1.0,
-        on_expired: OnExpired | None = None,
-        log_event: LogEvent | None = None,
-    ) -> AgentFileTimer | None:
+    def from_env(cls, env: Mapping[str, str]) -> AgentFileTimer | None:
         """The watchdog the agent's environment asks for, or None when it asks for none.
 
         Raises:
@@ -76,12 +69,7 @@ class AgentFileTimer:
         """
         if not file_timer_enabled(env):
             return None
-        return cls(
-            env.get(TORCHELASTIC_TIMER_FILE) or None,
-            max_interval=max_interval,
-            on_expired=on_expired,
-            log_event=log_event,
-        )
+        return cls(env.get(TORCHELASTIC_TIMER_FILE) or None)
 
     @property
     def file_path(self) -> str | None:
