@@ -13,7 +13,7 @@ from typing import cast
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError
-from elastrun.supervise.timers.file_server import FileTimerServer, LogEvent, OnExpired
+from elastrun.supervise.timers.file_server import FileTimerServer, OnExpired
 from elastrun.wire.timer import TORCHELASTIC_TIMER_FILE, file_timer_enabled
 
 __all__ = ["AgentFileTimer"]
@@ -35,7 +35,6 @@ class AgentFileTimer:
             out whatever this is; it bounds how stale the progress time can get.
         on_expired: also called with ``(pid, scope_id, signal)`` before a worker is
             signalled (on the watchdog thread).
-        log_event: forwarded to :class:`FileTimerServer`.
         clock: the wall clock for expiration times.
     """
 
@@ -45,7 +44,6 @@ class AgentFileTimer:
         *,
         max_interval: float = 1.0,
         on_expired: OnExpired | None = None,
-        log_event: LogEvent | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if not max_interval > 0:
@@ -53,7 +51,6 @@ class AgentFileTimer:
         self._file_path = file_path
         self._max_interval = max_interval
         self._on_expired = on_expired
-        self._log_event = log_event
         self._clock = clock
         self._server: FileTimerServer | None = None
         self._expired: dict[int, str] = {}
@@ -91,7 +88,6 @@ class AgentFileTimer:
                 self._file_path,
                 run_id,
                 max_interval=self._max_interval,
-                log_event=self._log_event,
                 on_expired=self._record,
                 clock=self._clock,
             )
