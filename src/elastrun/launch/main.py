@@ -113,11 +113,9 @@ def _is_subcommand(args: list[str]) -> bool:
 
 
 def _subcommand(args: list[str]) -> int:
-    import importlib
+    import pkgutil
 
-    module, _, func = SUBCOMMANDS[args[0]].partition(":")
-    entry = getattr(importlib.import_module(module), func)
-    code: int = entry(args[1:])
+    code: int = pkgutil.resolve_name(SUBCOMMANDS[args[0]])(args[1:])
     return code
 
 
@@ -169,19 +167,14 @@ def _launch(
     the launcher's own handlers are installed; ``console``: see :func:`main`."""
     try:
         launch = parse_launch(args, os.environ)
+        if launch.dry_run:
+            from elastrun.launch.dryrun import render_plan
+
+            print(render_plan(launch, *command_of(launch), os.environ))
+            return 0
     except ConfigError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return ExitStatus.BAD_CONFIG
-    if launch.dry_run:
-        from elastrun.launch.dryrun import render_plan
-
-        entry, entry_args = command_of(launch)
-        try:
-            print(render_plan(launch, entry, entry_args, os.environ))
-        except ConfigError as exc:
-            print(f"elastrun: error: {exc}", file=sys.stderr)
-            return ExitStatus.BAD_CONFIG
-        return 0
     for notice in launch.notices:
         log.info("%s", notice)
     return _run(launch, mask, console)
