@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from elastrun.core.errors import ConfigError
 from elastrun.launch.options import BY_DEST, OPTIONS
 
 __all__ = ["Values", "blame", "build_parser", "split_argv"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,11 @@ class Values:
         if value is None:
             return BY_DEST[dest].default, source
         return str(value), source
+
+    def parsed(self, dest: str, parse: Callable[[str, str], _T]) -> _T | None:
+        """The option's value through ``parse(raw, source)``; None when it has none."""
+        raw, source = self.text(dest)
+        return None if raw is None else parse(raw, source)
 
     def required(self, dest: str) -> tuple[str, str]:
         """:meth:`text` for an option that has a default."""

@@ -64,8 +64,7 @@ def resolve_rendezvous(
     """
     configs = parse_rdzv_conf(*values.required("rdzv_conf"))
     node_rank = parse_int(*values.required("node_rank"), low=0, high=MAX_NODES - 1)
-    port_raw, port_source = values.text("master_port")
-    master_port = None if port_raw is None else parse_port(port_raw, port_source)
+    master_port = values.parsed("master_port", parse_port)
     backend, endpoint, run_id = (
         values.required(dest)[0] for dest in ("rdzv_backend", "rdzv_endpoint", "rdzv_id")
     )

@@ -77,53 +77,40 @@ def runtime_settings(values: Values) -> Runtime:
     Raises:
         ConfigError: the first bad value, naming its option or variable.
     """
-    max_restarts = parse_int(*values.required("max_restarts"), low=0)
-    monitor_interval = parse_seconds(*values.required("monitor_interval"), low_open=True)
-    timeout_raw, timeout_source = values.text("shutdown_timeout")
-    shutdown_timeout = None if timeout_raw is None else parse_seconds(timeout_raw, timeout_source)
-    stuck_exit_timeout = parse_seconds(*values.required("stuck_exit_timeout"))
-    no_progress = parse_int(*values.required("stalled_restarts"), low=0)
-    exclusion = ExclusionRule(
-        after=parse_int(*values.required("exclude_after"), low=0),
-        window=parse_seconds(*values.required("exclude_window"), low_open=True),
-        cooldown=parse_seconds(*values.required("exclude_cooldown"), low_open=True),
-        exits=values.flag("exclude_exit"),
-    )
-    hang_raw, hang_source = values.text("hang_timeout")
-    hang_timeout = None if hang_raw is None else parse_hang_timeout(hang_raw, hang_source)
-    stragglers = _stragglers(values)
-    start_method = to_choice(*values.required("start_method"), START_METHODS)
-    events = _event_handler(*values.required("event_log_handler"))
-    metrics_raw, metrics_source = values.text("metrics_port")
-    metrics_port = None if metrics_raw is None else parse_port(metrics_raw, metrics_source)
     preload_raw, _ = values.required("preload")
-    preload = tuple(m.strip() for m in preload_raw.split(",") if m.strip())
-    numa_raw, numa_source = values.text("numa_binding")
-    numa = None if numa_raw is None else to_choice(numa_raw, numa_source, NUMA_BINDINGS)
-    signals, signals_source = values.required("signals_to_handle")
-    role, _ = values.required("role")
+    # The keywords in the order the values are checked: the first bad one is reported.
+    return Runtime(
+        max_restarts=parse_int(*values.required("max_restarts"), low=0),
+        monitor_interval=parse_seconds(*values.required("monitor_interval"), low_open=True),
+        shutdown_timeout=values.parsed("shutdown_timeout", parse_seconds),
+        stuck_exit_timeout=parse_seconds(*values.required("stuck_exit_timeout")),
+        stalled_restarts=parse_int(*values.required("stalled_restarts"), low=0),
+        exclusion=ExclusionRule(
+            after=parse_int(*values.required("exclude_after"), low=0),
+            window=parse_seconds(*values.required("exclude_window"), low_open=True),
+            cooldown=parse_seconds(*values.required("exclude_cooldown"), low_open=True),
+            exits=values.flag("exclude_exit"),
+        ),
+        hang_timeout=values.parsed("hang_timeout", parse_hang_timeout),
+        stragglers=_stragglers(values),
+        start_method=to_choice(*values.required("start_method"), START_METHODS),
+        event_log_handler=_event_handler(*values.required("event_log_handler")),
+        metrics_port=values.parsed("metrics_port", parse_port),
+        preload=tuple(m.strip() for m in preload_raw.split(",") if m.strip()),
+        numa_options=_numa_options(values),
+        signals_to_handle=_signals(*values.required("signals_to_handle")),
+        role=values.required("role")[0],
+        node_check=_node_check(values),
+    )
+
+
+def _signals(signals: str, source: str) -> str:
+    """``--signals-to-handle``, checked (the error names where the value came from)."""
     try:
         parse_signals(signals)
     except ConfigError as exc:
-        raise ConfigError(signals_source, exc.value, exc.reason) from None
-    return Runtime(
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-        shutdown_timeout=shutdown_timeout,
-        stuck_exit_timeout=stuck_exit_timeout,
-        hang_timeout=hang_timeout,
-        stalled_restarts=no_progress,
-        exclusion=exclusion,
-        node_check=_node_check(values),
-        stragglers=stragglers,
-        start_method=start_method,
-        event_log_handler=events,
-        metrics_port=metrics_port,
-        preload=preload,
-        numa_options=_numa_options(numa),
-        signals_to_handle=signals,
-        role=role,
-    )
+        raise ConfigError(source, exc.value, exc.reason) from None
+    return signals
 
 
 def _stragglers(values: Values) -> StragglerSettings | None:
@@ -155,7 +142,8 @@ def _node_check(values: Values) -> NodeCheckRule:
     )
 
 
-def _numa_options(mode: str | None) -> NumaOptions | None:
+def _numa_options(values: Values) -> NumaOptions | None:
+    mode = values.parsed("numa_binding", lambda raw, src: to_choice(raw, src, NUMA_BINDINGS))
     if mode is None:
         return None
     from elastrun.supervise.processes.numa import AffinityMode, NumaOptions
