@@ -58,10 +58,7 @@ def entrypoint_name(entrypoint: Entrypoint | None, args: Sequence[object]) -> st
     if callable(entrypoint):
         return getattr(entrypoint, "__name__", repr(entrypoint))
     if entrypoint == sys.executable:
-        for a in args:
-            if isinstance(a, str) and not a.startswith("-"):
-                return a
-        return ""
+        return next((a for a in args if isinstance(a, str) and not a.startswith("-")), "")
     return entrypoint
 
 

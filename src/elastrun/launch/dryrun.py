@@ -102,19 +102,18 @@ def render_plan(
         python=options.python,
         services=services,
     )
+    checkpoints = capacity_lines(cfg.nproc_per_node, nodes=cfg.max_nodes)
     out = [
         "elastrun launch plan (dry run: nothing was started)",
         f"  run id      : {run_id}",
         f"  rendezvous  : {cfg.rdzv_backend}{_where(launch.standalone, cfg)}",
         f"  nodes       : {cfg.min_nodes}:{cfg.max_nodes}, {cfg.nproc_per_node} worker(s) per node",
         f"  restarts    : up to {cfg.max_restarts}; shutdown grace {cfg.shutdown_timeout:g}s",
+        f"  start       : {_start_mode(launch, plan.workers[0].argv)}",
+        f"  checkpoints : {checkpoints[0]}",  # (memory checkpoints, docs/checkpoints.md)
+        *(f"                {line}" for line in checkpoints[1:]),
+        *(f"  note        : {notice}" for notice in launch.notices),
     ]
-    out.append(f"  start       : {_start_mode(launch, plan.workers[0].argv)}")
-    lines = capacity_lines(cfg.nproc_per_node, nodes=cfg.max_nodes)
-    out.append(f"  checkpoints : {lines[0]}")  # (memory checkpoints, docs/checkpoints.md)
-    out.extend(f"                {line}" for line in lines[1:])
-    for notice in launch.notices:
-        out.append(f"  note        : {notice}")
     for w in plan.workers:
         out.extend(_worker_lines(launch, plan, w))
     return "\n".join(out)

@@ -190,10 +190,7 @@ def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str
 
 def _count(environ: Mapping[str, str], names: tuple[str, ...]) -> tuple[int, str] | None:
     found = _first(environ, names)
-    if found is None:
-        return None
-    raw, name = found
-    return parse_int(raw, name, low=1, high=MAX_NODES), name
+    return None if found is None else (parse_int(*found, low=1, high=MAX_NODES), found[1])
 
 
 def derived_port(run_id: str) -> int:

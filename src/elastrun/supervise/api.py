@@ -154,8 +154,7 @@ class PContext:
         deadline = Deadline.never() if timeout < 0 else Deadline.after(timeout)
         while True:
             self._procs.wait_for_exits(deadline)
-            exits = self._procs.exits
-            failed = any(e.exitcode != 0 for e in exits.values())
+            failed = any(e.exitcode != 0 for e in self._procs.exits.values())
             if failed or not self._procs.running():
                 if failed:
                     self._procs.stop(signal.SIGTERM, 30.0)

@@ -71,12 +71,8 @@ class ChildFailedError(WorkerFailure):
             ((r, f) for r, f in self.failures.items() if r != root_rank),
             key=lambda item: (item[1].observed_at, item[0]),
         )
-        other_lines = ["Other failures:"]
-        if others:
-            for rank, failure in others:
-                other_lines.extend(_other_block(rank, failure, root_rank, root))
-        else:
-            other_lines.append(f"{_INDENT}<none>")
+        other_lines = [line for r, f in others for line in _other_block(r, f, root_rank, root)]
+        other_lines = ["Other failures:", *(other_lines or [f"{_INDENT}<none>"])]
 
         width = min(max(len(line) for line in [*header, *root_lines, *other_lines]), _MAX_WIDTH)
         border = boarder_delim * width
