@@ -180,9 +180,7 @@ class Values:
     def text(self, dest: str) -> tuple[str | None, str]:
         """The option's raw string (or its default, maybe None) and its source."""
         value, source = self._lookup(dest)
-        if value is None:
-            return BY_DEST[dest].default, source
-        return str(value), source
+        return (BY_DEST[dest].default if value is None else str(value)), source
 
     def parsed(self, dest: str, parse: Callable[[str, str], _T]) -> _T | None:
         """The option's value through ``parse(raw, source)``; None when it has none."""

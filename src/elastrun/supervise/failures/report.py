@@ -133,9 +133,7 @@ def _exitcode(failure: ProcessFailure) -> str:
 def _error_file(failure: ProcessFailure) -> str:
     if failure.error_file_problem is not None:
         return f"{failure.error_file} (unusable: {failure.error_file_problem})"
-    if failure.has_error_file:
-        return failure.error_file
-    return NOT_AVAILABLE
+    return failure.error_file if failure.has_error_file else NOT_AVAILABLE
 
 
 def _message_lines(label: str, message: str) -> list[str]:

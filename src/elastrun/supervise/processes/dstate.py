@@ -44,9 +44,7 @@ def read_proc_state(pid: int, proc_root: str = "/proc") -> str | None:
         return None  # the process ended (or /proc is not mounted): not stuck
     _, sep, rest = raw.rpartition(b")")
     fields = rest.split()
-    if not sep or not fields:
-        return None
-    return fields[0].decode("ascii", "replace")
+    return fields[0].decode("ascii", "replace") if sep and fields else None
 
 
 def timeout_from_env(environ: Mapping[str, str]) -> float | None:

@@ -343,9 +343,7 @@ class DefaultLogsSpecs(LogsSpecs):
     @property
     def root_log_dir(self) -> str:
         """The base log directory; ``""`` while a temporary one is not yet made."""
-        if self.is_temporary:
-            return self._temp_root or ""
-        return str(self.log_dir)
+        return (self._temp_root or "") if self.is_temporary else str(self.log_dir)
 
     @property
     def run_log_dir(self) -> str | None:
