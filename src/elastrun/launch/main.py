@@ -253,6 +253,7 @@ def _cleanup_temporary_logs(specs: LogsSpecs | None) -> None:
     unless it wrote diagnostics there (the stacks of a worker found stuck or hung, which
     a warning named during the run): those are kept, and the last line says where."""
     from elastrun.supervise.processes.logs import DefaultLogsSpecs
+    from elastrun.supervise.processes.stacks import dump_size
 
     if not (isinstance(specs, DefaultLogsSpecs) and specs.is_temporary):
         return
@@ -261,7 +262,7 @@ def _cleanup_temporary_logs(specs: LogsSpecs | None) -> None:
         os.path.join(top, name)
         for top, _, names in os.walk(root)
         for name in names
-        if name == "stacks.txt" and _written(os.path.join(top, name))
+        if name == "stacks.txt" and dump_size(os.path.join(top, name)) > 0
     )
     if stacks:
         print(
@@ -271,13 +272,6 @@ def _cleanup_temporary_logs(specs: LogsSpecs | None) -> None:
         )
         return
     shutil.rmtree(root, ignore_errors=True)
-
-
-def _written(path: str) -> bool:
-    try:
-        return os.path.getsize(path) > 0  # (every worker's is there, empty until a dump)
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":

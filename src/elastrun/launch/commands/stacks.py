@@ -20,6 +20,7 @@ from elastrun.core.errors import ConfigError
 from elastrun.core.procinfo import process_start_time
 from elastrun.core.values import parse_seconds
 from elastrun.launch.commands import CommandParser
+from elastrun.supervise.processes.stacks import dump_size
 from elastrun.wire import workers as workers_file
 
 
@@ -72,7 +73,7 @@ def _dump(attempt: Path, workers: dict[int, workers_file.WorkerEntry], timeout: 
     sizes: dict[int, int] = {}
     missing = []
     for lr, info in sorted(workers.items()):
-        sizes[lr] = _size(info.stacks)
+        sizes[lr] = dump_size(info.stacks)
         if not _is_that_worker(info.pid, info.start_time):
             missing.append(lr)
             continue
@@ -80,7 +81,7 @@ def _dump(attempt: Path, workers: dict[int, workers_file.WorkerEntry], timeout: 
     deadline = time.monotonic() + timeout
     pending = {lr for lr in workers if lr not in missing}
     while pending and time.monotonic() < deadline:
-        pending = {lr for lr in pending if _size(workers[lr].stacks) <= sizes[lr]}
+        pending = {lr for lr in pending if dump_size(workers[lr].stacks) <= sizes[lr]}
         time.sleep(0.05)
     time.sleep(0.1)  # let a dump that has begun finish
     print(f"stacks of {attempt}")
@@ -94,10 +95,3 @@ def _dump(attempt: Path, workers: dict[int, workers_file.WorkerEntry], timeout: 
             text = fh.read().rstrip()
         print(text or "  no answer (not a Python worker, or SIGUSR1 is handled elsewhere)")
     return 1 if pending else 0
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0

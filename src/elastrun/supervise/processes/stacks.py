@@ -36,7 +36,8 @@ class StackDump:
     text: str
 
 
-def _size(path: str) -> int:
+def dump_size(path: str) -> int:
+    """The size of a stacks file; 0 when it is not there (a worker's is empty until a dump)."""
     try:
         return os.path.getsize(path)
     except OSError:
@@ -57,7 +58,7 @@ def request_stacks(
     is not reaped), so no stranger is ever signalled. Never raises.
     """
     live = scope_or_default(scope)
-    before = {lr: _size(path) for lr, (_, path) in workers.items()}
+    before = {lr: dump_size(path) for lr, (_, path) in workers.items()}
     pending = set()
     for lr, (pid, _) in workers.items():
         try:
@@ -70,7 +71,7 @@ def request_stacks(
     deadline = time.monotonic() + timeout
     try:
         while pending and time.monotonic() < deadline:
-            pending = {lr for lr in pending if _size(workers[lr][1]) <= before[lr]}
+            pending = {lr for lr in pending if dump_size(workers[lr][1]) <= before[lr]}
             if pending:
                 live.sleep(_POLL)
         live.sleep(_POLL)  # a dump that has begun gets to finish its last lines
