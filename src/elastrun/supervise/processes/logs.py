@@ -177,6 +177,13 @@ class LogsDest:
     problem: str = ""
     to_console: dict[int, Std] = field(default_factory=dict)
 
+    def streams(self) -> tuple[tuple[str, Std, dict[int, str], dict[int, str]], ...]:
+        """Each stream of a worker: its name, its bit, its files and its tee files."""
+        return (
+            ("stdout", Std.OUT, self.stdouts, self.tee_stdouts),
+            ("stderr", Std.ERR, self.stderrs, self.tee_stderrs),
+        )
+
 
 def reify_or_console(specs: LogsSpecs, envs: dict[int, dict[str, str]]) -> LogsDest:
     """``specs.reify(envs)``, or console output when the log directory cannot be made.
@@ -379,14 +386,11 @@ class DefaultLogsSpecs(LogsSpecs):
             os.mkdir(rank_dir)
             tee = _std_for(self.tee, lr)
             effective = _std_for(self.redirects, lr) | tee
-            out_path = os.path.join(rank_dir, "stdout.log")
-            err_path = os.path.join(rank_dir, "stderr.log")
-            dest.stdouts[lr] = out_path if effective & Std.OUT else ""
-            dest.stderrs[lr] = err_path if effective & Std.ERR else ""
-            if tee & Std.OUT:
-                dest.tee_stdouts[lr] = out_path
-            if tee & Std.ERR:
-                dest.tee_stderrs[lr] = err_path
+            for name, bit, files, tees in dest.streams():
+                path = os.path.join(rank_dir, f"{name}.log")
+                files[lr] = path if effective & bit else ""
+                if tee & bit:
+                    tees[lr] = path
             error_file = os.path.join(rank_dir, "error.json")
             dest.error_files[lr] = error_file
             envs[lr][ERROR_FILE_ENV] = error_file

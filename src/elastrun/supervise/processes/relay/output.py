@@ -144,7 +144,7 @@ class OutputRelay:
                         child_fds=child_fds,
                         new_streams=new_streams,
                     )
-                    for kind, bit, files, tees in _streams_of(dest)
+                    for kind, bit, files, tees in dest.streams()
                 ]
                 if new_streams and not self._started:
                     self._start_thread()
@@ -463,11 +463,3 @@ def _release(child_fds: list[int], streams: list[Stream]) -> None:
     for stream in streams:
         close_quietly(stream.read_fd, stream.name)
         stream.log.close()
-
-
-def _streams_of(dest: LogsDest) -> tuple[tuple[str, Std, dict[int, str], dict[int, str]], ...]:
-    """Each stream of a worker: its name, its console bit, its files and tee files."""
-    return (
-        ("stdout", Std.OUT, dest.stdouts, dest.tee_stdouts),
-        ("stderr", Std.ERR, dest.stderrs, dest.tee_stderrs),
-    )
