@@ -118,8 +118,6 @@ class _Extras:
     ) -> None:
         import socket
 
-        self.shutdown = shutdown
-
         from elastrun.metrics import FanoutMetricSink, MetricsApiSink
         from elastrun.observe.eventlog import make_event_sink
 
@@ -147,9 +145,7 @@ class _Extras:
             from elastrun.template.agent.starter import TemplateStarter
 
             # One template per agent, kept across restarts: that is where the speed is.
-            self.starter = TemplateStarter(
-                entrypoint, preload=config.preload, shutdown=self.shutdown
-            )
+            self.starter = TemplateStarter(entrypoint, preload=config.preload, shutdown=shutdown)
 
     def prepare_template(
         self,

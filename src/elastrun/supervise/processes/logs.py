@@ -239,10 +239,8 @@ def _console_dest(specs: LogsSpecs, envs: dict[int, dict[str, str]], problem: st
     # getattr: a subclass ported from torch may not have called our __init__.
     redirects: Std | dict[int, Std] = getattr(specs, "redirects", Std.NONE)
     tee: Std | dict[int, Std] = getattr(specs, "tee", Std.NONE)
-    for lr in sorted(envs):
-        meant_for_files = _std_for(redirects, lr) | _std_for(tee, lr)
-        if meant_for_files:
-            dest.to_console[lr] = meant_for_files
+    meant_for_files = {lr: _std_for(redirects, lr) | _std_for(tee, lr) for lr in sorted(envs)}
+    dest.to_console = {lr: std for lr, std in meant_for_files.items() if std}
     return dest
 
 
