@@ -62,10 +62,6 @@ def entrypoint_name(entrypoint: Entrypoint | None, args: Sequence[object]) -> st
     return entrypoint
 
 
-def build_handler(config: LaunchConfig, run_id: str) -> RendezvousHandler:
-    return rendezvous_handler_registry.create_handler(config.rendezvous_parameters(run_id))
-
-
 def build_agent(
     config: LaunchConfig,
     entrypoint: Entrypoint,
@@ -89,7 +85,8 @@ def build_agent(
 
     # The edge: the agent's settings are read from the environment here, once.
     env = os.environ if environ is None else environ
-    spec = config.worker_spec(build_handler(config, run_id), entrypoint, args)
+    handler = rendezvous_handler_registry.create_handler(config.rendezvous_parameters(run_id))
+    spec = config.worker_spec(handler, entrypoint, args)
     stuck_after = timeout_from_env(env)
     options = config.agent_options(env)
     world = World(

@@ -80,7 +80,7 @@ class OutputRelay:
         self._waker: Waker | None = None
         self._close_at: float | None = None  # monotonic; set once by close()
         self._n_streams = 0
-        self._problems: dict[int, str] = {}  # local rank -> why its logs are incomplete
+        self._problems: dict[int, str] = {}  # local rank -> the first reason its logs lack
 
     def log_problem(self, local_rank: int) -> str | None:
         """Why ``local_rank``'s log files are missing or incomplete, or None.
@@ -91,10 +91,6 @@ class OutputRelay:
         """
         with self._lock:
             return self._problems.get(local_rank)
-
-    def _note_problem(self, local_rank: int, problem: str) -> None:
-        """Keep the first problem of a rank; the caller holds ``self._lock``."""
-        self._problems.setdefault(local_rank, problem)
 
     # ----------------------------------------------------------------- wiring
     def wire(
@@ -129,7 +125,7 @@ class OutputRelay:
             if dest.problem:
                 shown = show_on_console or dest.to_console.get(local_rank, Std.NONE)
                 where = " (its output went to the agent's console)" if shown else ""
-                self._note_problem(local_rank, dest.problem + where)
+                self._problems.setdefault(local_rank, dest.problem + where)
             try:
                 fds = [
                     self._wire_stream(
@@ -216,7 +212,7 @@ class OutputRelay:
                 "agent's console",
                 problem,
             )
-            self._note_problem(local_rank, problem)
+            self._problems.setdefault(local_rank, problem)
             return -1
 
     def _pipe_stream(
@@ -443,7 +439,7 @@ class OutputRelay:
         exc = sink.write(data, lambda: self._close_at)
         if exc is not None and sink.local_rank is not None:
             with self._lock:
-                self._note_problem(
+                self._problems.setdefault(
                     sink.local_rank,
                     f"cannot write worker logs to {describe_os_error(exc, sink.path)}",
                 )
