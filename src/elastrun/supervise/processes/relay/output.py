@@ -80,7 +80,9 @@ class OutputRelay:
         self._waker: Waker | None = None
         self._close_at: float | None = None  # monotonic; set once by close()
         self._n_streams = 0
-        self._problems: dict[int, str] = {}  # local rank -> the first reason its logs lack
+        self._problems: dict[
+            int, str
+        ] = {}  # local rank -> why its logs are incomplete (first reason)
 
     def log_problem(self, local_rank: int) -> str | None:
         """Why ``local_rank``'s log files are missing or incomplete, or None.
