@@ -104,23 +104,18 @@ class WorkerProcess(Protocol):
 
     def exited(self) -> bool:
         """Whether the process has ended, without reaping it (its pid stays reserved)."""
-        ...
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the worker's process group; a group that is gone is no error."""
-        ...
 
     def poll(self) -> int | None:
         """The exit code once the process has ended (negative: killed by that signal)."""
-        ...
 
     def return_value(self) -> object:
         """The function's return value (None for executables)."""
-        ...
 
     def release(self) -> None:
         """Close descriptors held for this process (after it was reaped)."""
-        ...
 
 
 class ProcessStarter(Protocol):
@@ -132,7 +127,6 @@ class ProcessStarter(Protocol):
         Raises:
             ProcessStartError: it could not be started.
         """
-        ...
 
     def start_many(self, specs: Sequence[ProcessSpec]) -> list[WorkerProcess]:
         """Start the workers of ``specs``, all or none, returned in order (a starter that
@@ -142,7 +136,6 @@ class ProcessStarter(Protocol):
             ProcessStartError: one could not be started; those already started were
                 killed and reaped.
         """
-        ...
 
 
 def start_each(

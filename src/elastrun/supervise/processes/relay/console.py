@@ -44,7 +44,6 @@ class Console(Protocol):
 
     def sinks(self) -> tuple[Sink, Sink]:
         """Fresh stdout and stderr sinks for one relay (each relay's die alone)."""
-        ...
 
 
 @dataclass(frozen=True)

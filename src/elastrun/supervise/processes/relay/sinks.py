@@ -89,11 +89,9 @@ class Sink(Protocol):
     def write(self, data: bytes | bytearray, close_at: CloseAt) -> OSError | None:
         """Write all of ``data`` unless the sink is dead; returns the error that killed
         it, if that was an ``OSError``. Never raises."""
-        ...
 
     def close(self) -> None:
         """Take no more output; release what the sink owns. Idempotent."""
-        ...
 
 
 class FdSink:
