@@ -237,6 +237,4 @@ def blame(exc: ConfigError, sources: Mapping[str, str]) -> ConfigError:
     ``--rdzv-conf KEY`` fields."""
     option, space, rest = exc.field.partition(" ")
     given = sources.get(option, option)
-    if given == option:
-        return exc
-    return ConfigError(given + space + rest, exc.value, exc.reason)
+    return exc if given == option else ConfigError(given + space + rest, exc.value, exc.reason)

@@ -308,9 +308,7 @@ def resolve_shutdown_timeout(value: float | None) -> float:
     if value is not None:
         return parse_seconds(value, "--shutdown-timeout")
     raw = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_SHUTDOWN_TIMEOUT
-    return parse_seconds(raw, SHUTDOWN_TIMEOUT_ENV)
+    return parse_seconds(raw, SHUTDOWN_TIMEOUT_ENV) if raw else DEFAULT_SHUTDOWN_TIMEOUT
 
 
 def check_agent_environment(environ: Mapping[str, str]) -> None:

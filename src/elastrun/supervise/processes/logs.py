@@ -98,9 +98,7 @@ def to_map(val_or_map: Std | dict[int, Std], local_world_size: int) -> dict[int,
 
 
 def _std_for(val_or_map: Std | dict[int, Std], local_rank: int) -> Std:
-    if isinstance(val_or_map, Std):
-        return val_or_map
-    return val_or_map.get(local_rank, Std.NONE)
+    return val_or_map if isinstance(val_or_map, Std) else val_or_map.get(local_rank, Std.NONE)
 
 
 def parse_local_ranks_filter(s: str) -> set[int] | None:
