@@ -25,11 +25,9 @@ Line handling:
   newline, so one endless line cannot grow memory without bound; the log file still
   gets the line unchanged;
 * a last line without a newline is shown, with a newline added, when its stream ends
-  or the relay closes.
-
-Console writes never split a line unless it is longer than ``PIPE_BUF`` (a single
-``os.write`` of whole lines, at most ``PIPE_BUF`` bytes), so lines of different ranks,
-and of other writers to the same pipe, do not interleave mid-line.
+  or the relay closes;
+* console writes are whole lines, at most ``PIPE_BUF`` bytes each (``stream.render``),
+  so lines of different ranks, and of other writers to the pipe, never interleave.
 
 The console is a seam (``console``, which says why): the ``elastrun`` command's is its
 descriptors 1 and 2 (:data:`FD_CONSOLE`), the Python API's ``sys.stdout``/``sys.stderr``
