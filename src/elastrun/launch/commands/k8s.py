@@ -67,11 +67,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_quantity(option: str, value: str | None) -> None:
-    if value is not None and not _QUANTITY.fullmatch(value):
-        raise ConfigError(option, value, "is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
-
-
 def _check_name(spec_name: str, max_nodes: int) -> None:
     if not _DNS_LABEL.fullmatch(spec_name):
         raise ConfigError(
@@ -119,7 +114,8 @@ def parse_manifest_args(argv: Sequence[str]) -> tuple[ManifestSpec, str | None]:
     if ns.namespace is not None and not _DNS_LABEL.fullmatch(ns.namespace):
         raise ConfigError("--namespace", ns.namespace, "is not a valid namespace name")
     for option, value in (("--cpu", ns.cpu), ("--memory", ns.memory), ("--shm-size", ns.shm_size)):
-        _check_quantity(option, value)
+        if value is not None and not _QUANTITY.fullmatch(value):
+            raise ConfigError(option, value, "is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
     if ns.store == "etcd" and not ns.etcd_endpoint:
         raise ConfigError("--etcd-endpoint", None, "is required with --store etcd")
     if ns.store != "etcd" and ns.etcd_endpoint:
