@@ -8,6 +8,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 from elastrun.agent.spec import Entrypoint, RunResult
@@ -257,29 +258,21 @@ def launch_agent(
                 shutdown.close()
 
 
+@dataclass(eq=False)
 class _Launch:
     """One run of ``launch_agent``: what it built, and how it ended (for the cleanup)."""
 
-    def __init__(
-        self,
-        config: LaunchConfig,
-        entrypoint: Entrypoint,
-        args: Sequence[object],
-        *,
-        run_id: str,
-        shutdown: ShutdownRequest,
-        console: Console | None,
-    ) -> None:
-        self.config = config
-        self.entrypoint = entrypoint
-        self.args = args
-        self.run_id = run_id
-        self.shutdown = shutdown
-        self.console = console
-        self.agent: LocalElasticAgent | None = None
-        self.extras: _Extras | None = None
-        self.signalled = False
-        self.succeeded = False
+    config: LaunchConfig
+    entrypoint: Entrypoint
+    args: Sequence[object]
+    _: KW_ONLY
+    run_id: str
+    shutdown: ShutdownRequest
+    console: Console | None
+    agent: LocalElasticAgent | None = None
+    extras: _Extras | None = None
+    signalled: bool = False
+    succeeded: bool = False
 
     def run(
         self,
