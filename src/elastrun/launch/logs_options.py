@@ -47,7 +47,10 @@ def logs_specs(values: Values, nproc: int) -> LogsSpecs:
     streams: dict[str, object] = {}
     for dest in ("redirects", "tee"):
         raw, source = values.required(dest)
-        streams[dest] = std = _to_std(raw, source)
+        try:
+            streams[dest] = std = Std.from_str(raw)
+        except ValueError as exc:
+            raise ConfigError(source, raw, "must be 0-3, or LOCAL_RANK:0-3,...") from exc
         if isinstance(std, dict):
             _check_local_ranks(std, nproc, raw, source)
     log_dir, log_dir_source = values.text("log_dir")
@@ -63,13 +66,6 @@ def duplicate_filters(values: Values, dest: str) -> list[str] | None:
     """``--duplicate-stdout-filters`` or ``--duplicate-stderr-filters``; None when empty."""
     filters = parse_duplicate_filters(values.required(dest)[0])
     return filters or None
-
-
-def _to_std(raw: str, source: str) -> Std | dict[int, Std]:
-    try:
-        return Std.from_str(raw)
-    except ValueError as exc:
-        raise ConfigError(source, raw, "must be 0-3, or LOCAL_RANK:0-3,...") from exc
 
 
 def _check_local_ranks(ranks: Iterable[int], nproc: int, raw: str, source: str) -> None:

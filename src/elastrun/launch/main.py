@@ -108,10 +108,6 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
-def _is_subcommand(args: list[str]) -> bool:
-    return bool(args) and args[0] in SUBCOMMANDS and not os.path.exists(args[0])
-
-
 def _subcommand(args: list[str]) -> int:
     import pkgutil
 
@@ -151,7 +147,7 @@ def main(
             print(f"elastrun: error: {exc}", file=sys.stderr)
             return ExitStatus.BAD_CONFIG
         args = list(sys.argv[1:] if argv is None else argv)
-        if _is_subcommand(args):
+        if args and args[0] in SUBCOMMANDS and not os.path.exists(args[0]):
             # A tool (``elastrun store``) installs its own handlers, if any.
             signal.pthread_sigmask(signal.SIG_SETMASK, held_mask)
             return _subcommand(args)

@@ -24,11 +24,6 @@ from elastrun.supervise.processes.stacks import dump_size
 from elastrun.wire import workers as workers_file
 
 
-def _attempt_dirs(root: Path) -> list[Path]:
-    found = [p.parent for p in root.glob(f"**/{workers_file.FILE_NAME}")]
-    return sorted(found, key=lambda p: p.stat().st_mtime)
-
-
 def _is_that_worker(pid: int, start_time: int | None) -> bool:
     """The pid still runs the worker the agent started (not a reused pid)."""
     now = process_start_time(pid)
@@ -54,7 +49,8 @@ def stacks_main(argv: list[str]) -> int:
         text = exc.reason if exc.value is None else str(exc)
         print(f"elastrun stacks: error: {text}", file=sys.stderr)
         return 2
-    attempts = _attempt_dirs(Path(args.log_dir))
+    found = [p.parent for p in Path(args.log_dir).glob(f"**/{workers_file.FILE_NAME}")]
+    attempts = sorted(found, key=lambda p: p.stat().st_mtime)
     if not attempts:
         print(f"elastrun stacks: no {workers_file.FILE_NAME} under {args.log_dir}", file=sys.stderr)
         return 2

@@ -112,10 +112,6 @@ def _node_of(topology: Topology, local_rank: int) -> int:
     return usable[local_rank % len(usable)]
 
 
-def _ranks_on_node(topology: Topology, node: int, local_world_size: int) -> list[int]:
-    return [r for r in range(local_world_size) if _node_of(topology, r) == node]
-
-
 def _group_by_min(cpus: Iterable[int], groups: Mapping[int, frozenset[int]]) -> dict[int, set[int]]:
     """Group ``cpus`` by the lowest CPU of their group (a CPU with none is alone)."""
     grouped: dict[int, set[int]] = {}
@@ -198,7 +194,7 @@ def select_cpus(
         return set(topology.allowed_on(node))
     if affinity is AffinityMode.SOCKET:
         return _select_socket(topology, node)
-    sharers = _ranks_on_node(topology, node, local_world_size)
+    sharers = [r for r in range(local_world_size) if _node_of(topology, r) == node]
     position = sharers.index(local_rank)
     if affinity is AffinityMode.EXCLUSIVE:
         return _select_exclusive(topology, node, position, len(sharers))
