@@ -33,10 +33,8 @@ def open_log(path: str, *, append: bool = False) -> int:
     Raises:
         OSError: the file cannot be opened.
     """
-    if append:
-        flags = (_FILE_FLAGS & ~os.O_TRUNC) | os.O_APPEND
-        return os.open(path, flags, _FILE_MODE)
-    return os.open(path, _FILE_FLAGS, _FILE_MODE)
+    flags = (_FILE_FLAGS & ~os.O_TRUNC) | os.O_APPEND if append else _FILE_FLAGS
+    return os.open(path, flags, _FILE_MODE)
 
 
 def close_quietly(fd: int, what: str) -> None:
