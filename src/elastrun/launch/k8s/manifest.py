@@ -147,12 +147,7 @@ def _resources(spec: ManifestSpec) -> Doc:
         requests["memory"] = limits["memory"] = spec.memory
     if spec.gpus:
         limits["nvidia.com/gpu"] = spec.gpus
-    out: Doc = {}
-    if requests:
-        out["requests"] = requests
-    if limits:
-        out["limits"] = limits
-    return out
+    return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
 
 
 def _worker_pod(spec: ManifestSpec) -> Doc:
