@@ -45,9 +45,8 @@ START_METHODS = ("spawn", "fork", "forkserver")
 MAX_NODES = 100_000
 MAX_NPROC_PER_NODE = 1024
 #: A run id names the log directory ``<run_id>_<random>``, one path component: most file
-#: systems cap that at 255 bytes, and a longer id lost every attempt's logs (each
-#: attempt fell back to the console with a warning quoting the whole id). 200 leaves
-#: room for the random suffix.
+#: systems cap that at 255 bytes (a longer id would send every attempt's output to the
+#: console instead). 200 leaves room for the random suffix.
 MAX_RUN_ID_BYTES = 200
 
 

@@ -57,7 +57,7 @@ def parse_log_level(raw: str, source: str = "LOGLEVEL") -> int:
 
     Raises:
         ConfigError: anything else, naming ``source`` (torch's ``setLevel`` raises a
-            ValueError with a traceback; elastrun used to ignore it).
+            ValueError with a traceback).
     """
     name = raw.strip().upper()
     if name in LOG_LEVELS:

@@ -1,9 +1,8 @@
 """Paths the launcher will write to, checked before anything starts.
 
-A log directory or an event log that cannot be written used to surface as a traceback
-once the first worker was about to start. These checks find that at the edge: the
-path must be writable, or creatable under its nearest existing ancestor. They write
-nothing that stays: the write probe is an anonymous temporary file.
+A log directory or an event log that cannot be written is found here, not as a
+traceback when the first worker starts: the path must be writable, or creatable under
+its nearest existing ancestor. The write probe is an anonymous temporary file.
 """
 
 from __future__ import annotations
