@@ -63,47 +63,6 @@ def entrypoint_name(entrypoint: Entrypoint | None, args: Sequence[object]) -> st
     return entrypoint
 
 
-def build_agent(
-    config: LaunchConfig,
-    entrypoint: Entrypoint,
-    args: Sequence[object],
-    *,
-    run_id: str,
-    shutdown: ShutdownRequest,
-    environ: Mapping[str, str] | None = None,
-    extras: _Extras | None = None,
-    console: Console | None = None,
-) -> LocalElasticAgent:
-    """Wire the agent for ``config`` (no process is started); ``console``: see
-    ``launch_agent``."""
-    from elastrun.agent.loop import ElasticLoop
-    from elastrun.agent.parts import World
-    from elastrun.launch.assemble import assemble
-    from elastrun.launch.local_agent import LocalElasticAgent
-    from elastrun.supervise.processes.dstate import UninterruptibleWatch, timeout_from_env
-    from elastrun.supervise.processes.relay import PYTHON_CONSOLE
-    from elastrun.supervise.timers.agent_timer import AgentFileTimer
-
-    # The edge: the agent's settings are read from the environment here, once.
-    env = os.environ if environ is None else environ
-    handler = rendezvous_handler_registry.create_handler(config.rendezvous_parameters(run_id))
-    spec = config.worker_spec(handler, entrypoint, args)
-    stuck_after = timeout_from_env(env)
-    options = config.agent_options(env)
-    world = World(
-        logs=config.logs_specs if config.logs_specs is not None else DefaultLogsSpecs(),
-        shutdown=shutdown,
-        events=extras.events if extras else None,
-        metrics=extras.metrics if extras else None,
-        file_timer=AgentFileTimer.from_env(env),
-        stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
-        starter=extras.starter if extras else None,
-        console=PYTHON_CONSOLE if console is None else console,
-    )
-    # The composition root of the command line: the agent's parts, assembled here.
-    return LocalElasticAgent.running(ElasticLoop(assemble(spec, options, world)))
-
-
 class _Extras:
     """The observability pieces of one launch: event sink, metrics, health check."""
 
@@ -285,16 +244,7 @@ class _Launch:
         try:
             # The c10d handler reaches its store now: a signal ends that wait too.
             with self.shutdown.scope.active():
-                self.agent = agent = build_agent(
-                    self.config,
-                    self.entrypoint,
-                    self.args,
-                    run_id=self.run_id,
-                    shutdown=self.shutdown,
-                    environ=environ,
-                    extras=extras,
-                    console=self.console,
-                )
+                self.agent = agent = self._build_agent(environ, extras)
         except Cancelled:
             raise ShutdownRequested(self.shutdown.signum or signal.SIGTERM) from None
         extras.start_health(agent, os.environ if environ is None else environ)
@@ -305,6 +255,38 @@ class _Launch:
         if result.is_failed():
             raise self._failure(agent, result)
         return result.return_values
+
+    def _build_agent(self, environ: Mapping[str, str] | None, extras: _Extras) -> LocalElasticAgent:
+        """Wire the agent (no process is started)."""
+        from elastrun.agent.loop import ElasticLoop
+        from elastrun.agent.parts import World
+        from elastrun.launch.assemble import assemble
+        from elastrun.launch.local_agent import LocalElasticAgent
+        from elastrun.supervise.processes.dstate import UninterruptibleWatch, timeout_from_env
+        from elastrun.supervise.processes.relay import PYTHON_CONSOLE
+        from elastrun.supervise.timers.agent_timer import AgentFileTimer
+
+        # The edge: the agent's settings are read from the environment here, once.
+        env = os.environ if environ is None else environ
+        config = self.config
+        handler = rendezvous_handler_registry.create_handler(
+            config.rendezvous_parameters(self.run_id)
+        )
+        spec = config.worker_spec(handler, self.entrypoint, self.args)
+        stuck_after = timeout_from_env(env)
+        options = config.agent_options(env)
+        world = World(
+            logs=config.logs_specs if config.logs_specs is not None else DefaultLogsSpecs(),
+            shutdown=self.shutdown,
+            events=extras.events,
+            metrics=extras.metrics,
+            file_timer=AgentFileTimer.from_env(env),
+            stuck_watch=UninterruptibleWatch(stuck_after) if stuck_after else None,
+            starter=extras.starter,
+            console=PYTHON_CONSOLE if self.console is None else self.console,
+        )
+        # The composition root of the command line: the agent's parts, assembled here.
+        return LocalElasticAgent.running(ElasticLoop(assemble(spec, options, world)))
 
     def _failure(self, agent: LocalElasticAgent, result: RunResult) -> Exception:
         """The error a failed run ends with."""
