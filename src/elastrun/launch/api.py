@@ -26,7 +26,7 @@ from elastrun.wire.env import HEALTH_CHECK_PORT_ENV, SIGNALS_TO_HANDLE_ENV
 
 if TYPE_CHECKING:
     # Imported when the agent is built, after the worker template was started: loading
-    # the agent then overlaps the template's own start-up (see _Extras.prepare_template).
+    # the agent then overlaps the template's own start-up (see _Launch._prepare_template).
     from elastrun.launch.local_agent import LocalElasticAgent
     from elastrun.observe.health import HealthCheckServer
     from elastrun.observe.prometheus import MetricsServer
@@ -103,45 +103,6 @@ class _Extras:
 
             # One template per agent, kept across restarts: that is where the speed is.
             self.starter = TemplateStarter(entrypoint, preload=config.preload, shutdown=shutdown)
-
-    def prepare_template(
-        self,
-        config: LaunchConfig,
-        entrypoint: Entrypoint,
-        args: Sequence[object],
-        environ: Mapping[str, str] | None,
-    ) -> None:
-        """Start the worker template now, without waiting for it: its interpreter and
-        imports then overlap loading and wiring the agent and the rendezvous instead of
-        following them (on one node, about the template's whole start-up).
-
-        The template serves the workers whose shared environment it was started with
-        (``TemplateKey``); what a round decides (ranks, ports, run id) and the agent's
-        own paths are per-worker variables, so local rank 0's worker as a provisional
-        plan makes it (the dry run's plan, the same pure function the agent plans with).
-        Should the first round's workers differ after all, the first start replaces the
-        template, as for any change of the shared environment.
-        """
-        starter = self.starter
-        if starter is None or not isinstance(entrypoint, str):
-            return
-        from elastrun.agent.plan import NodeSlot, RoundFacts, round_plan
-        from elastrun.supervise.processes.spawn import ProcessSpec
-
-        base = dict(os.environ if environ is None else environ)
-        facts = RoundFacts(
-            run_id="", round=0, group_rank=0, group_world_size=1, master_addr="",
-            master_port=0, restart_count=0, max_restarts=config.max_restarts,
-        )  # fmt: skip
-        nodes = [NodeSlot(config.role, config.nproc_per_node)]
-        try:
-            spec = config.worker_spec(None, entrypoint, args)
-            plan = round_plan(facts, spec, nodes, base_env=base, python=sys.executable)
-        except ConfigError:
-            return  # the real plan reports it, with the round's facts
-        worker = plan.workers[0]
-        if worker.argv is not None:
-            starter.prepare(ProcessSpec(0, {**base, **worker.env}, argv=worker.argv))
 
     def start_health(self, agent: LocalElasticAgent, environ: Mapping[str, str]) -> None:
         from elastrun.observe.health import HealthCheckServer, port_from_env
@@ -240,7 +201,7 @@ class _Launch:
     ) -> dict[int, object]:
         """Wire the agent, run it, and raise what a failed run ends with."""
         self.extras = extras = _Extras(self.config, self.run_id, self.entrypoint, self.shutdown)
-        extras.prepare_template(self.config, self.entrypoint, self.args, environ)
+        self._prepare_template(extras.starter, environ)
         try:
             # The c10d handler reaches its store now: a signal ends that wait too.
             with self.shutdown.scope.active():
@@ -255,6 +216,41 @@ class _Launch:
         if result.is_failed():
             raise self._failure(agent, result)
         return result.return_values
+
+    def _prepare_template(
+        self, starter: TemplateStarter | None, environ: Mapping[str, str] | None
+    ) -> None:
+        """Start the worker template now, without waiting for it: its interpreter and
+        imports then overlap loading and wiring the agent and the rendezvous instead of
+        following them (on one node, about the template's whole start-up).
+
+        The template serves the workers whose shared environment it was started with
+        (``TemplateKey``); what a round decides (ranks, ports, run id) and the agent's
+        own paths are per-worker variables, so local rank 0's worker as a provisional
+        plan makes it (the dry run's plan, the same pure function the agent plans with).
+        Should the first round's workers differ after all, the first start replaces the
+        template, as for any change of the shared environment.
+        """
+        config, entrypoint = self.config, self.entrypoint
+        if starter is None or not isinstance(entrypoint, str):
+            return
+        from elastrun.agent.plan import NodeSlot, RoundFacts, round_plan
+        from elastrun.supervise.processes.spawn import ProcessSpec
+
+        base = dict(os.environ if environ is None else environ)
+        facts = RoundFacts(
+            run_id="", round=0, group_rank=0, group_world_size=1, master_addr="",
+            master_port=0, restart_count=0, max_restarts=config.max_restarts,
+        )  # fmt: skip
+        nodes = [NodeSlot(config.role, config.nproc_per_node)]
+        try:
+            spec = config.worker_spec(None, entrypoint, self.args)
+            plan = round_plan(facts, spec, nodes, base_env=base, python=sys.executable)
+        except ConfigError:
+            return  # the real plan reports it, with the round's facts
+        worker = plan.workers[0]
+        if worker.argv is not None:
+            starter.prepare(ProcessSpec(0, {**base, **worker.env}, argv=worker.argv))
 
     def _build_agent(self, environ: Mapping[str, str] | None, extras: _Extras) -> LocalElasticAgent:
         """Wire the agent (no process is started)."""
