@@ -42,13 +42,10 @@ def parse_cpu_list(text: str) -> set[int]:
         if not part:
             continue
         low, sep, high = part.partition("-")
-        if sep:
-            first, last = int(low), int(high)
-            if last < first:
-                raise ValueError(f"descending CPU range {part!r}")
-            cpus.update(range(first, last + 1))
-        else:
-            cpus.add(int(low))
+        first, last = int(low), int(high if sep else low)
+        if last < first:
+            raise ValueError(f"descending CPU range {part!r}")
+        cpus.update(range(first, last + 1))
     return cpus
 
 
