@@ -113,10 +113,9 @@ def expand_hostlist(text: str, source: str = "SLURM_JOB_NODELIST") -> list[str]:
     """
     hosts: list[str] = []
     for item in _split_top_level(text, source):
-        for host in _expand_item(item, text, source):
-            hosts.append(host)
-            if len(hosts) > MAX_HOSTS:
-                raise ConfigError(source, text, f"expands to more than {MAX_HOSTS} hosts")
+        hosts.extend(_expand_item(item, text, source))  # (at most MAX_HOSTS each)
+        if len(hosts) > MAX_HOSTS:
+            raise ConfigError(source, text, f"expands to more than {MAX_HOSTS} hosts")
     if not hosts:
         raise ConfigError(source, text, "names no host")
     return hosts
@@ -164,9 +163,8 @@ def _expand_bracket(body: str, text: str, source: str) -> list[str]:
         match = _RANGE_RE.fullmatch(piece.strip())
         if match is None:
             raise ConfigError(source, text, f"{piece.strip()!r} is not a number or LO-HI range")
-        lo_text, hi_text = match.group(1), match.group(2)
-        lo = int(lo_text)
-        hi = lo if hi_text is None else int(hi_text)
+        lo_text, hi_text = match.groups()
+        lo, hi = int(lo_text), int(hi_text or lo_text)
         if hi < lo:
             raise ConfigError(source, text, f"the range {piece.strip()} ends below its start")
         if hi - lo >= MAX_HOSTS:
