@@ -299,8 +299,7 @@ def _read_tail(path: str | None, max_lines: int) -> tuple[list[str], str | None]
         lines.pop(0)  # most likely the second half of a line cut by the seek
     while lines and not lines[-1].strip():
         lines.pop()
-    tail = lines[-max_lines:]
     return [
         line if len(line) <= _TAIL_LINE_MAX_CHARS else line[:_TAIL_LINE_MAX_CHARS] + "..."
-        for line in tail
+        for line in lines[-max_lines:]
     ], None

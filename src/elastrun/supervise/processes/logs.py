@@ -299,10 +299,9 @@ class LogsSpecs(abc.ABC):
 
 def _safe_dir_part(text: str) -> str:
     # A run id is user-chosen; a path separator in it must not move the directory.
-    for sep in (os.sep, os.altsep):
-        if sep:
-            text = text.replace(sep, "_")
-    return text.replace("\0", "_")
+    for sep in filter(None, (os.sep, os.altsep, "\0")):
+        text = text.replace(sep, "_")
+    return text
 
 
 class DefaultLogsSpecs(LogsSpecs):
