@@ -16,14 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from elastrun.core.errors import (
-    ConfigError,
-    ElastrunError,
-    NodeExcludedError,
-    RendezvousError,
-    ShutdownRequested,
-    WorkerFailure,
-)
+from elastrun.core.errors import ConfigError, ElastrunError, NodeExcludedError, ShutdownRequested
 from elastrun.core.exitcodes import ExitStatus, signal_status
 from elastrun.core.values import parse_int
 from elastrun.launch.cli import Launch, ScriptKind, parse_launch
@@ -228,7 +221,7 @@ def _run(
     except NodeExcludedError as exc:
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return ExitStatus.REPLACE_NODE
-    except (RendezvousError, WorkerFailure, ElastrunError) as exc:
+    except ElastrunError as exc:  # a rendezvous, a worker start, a store...
         print(f"elastrun: error: {exc}", file=sys.stderr)
         return ExitStatus.WORKER_FAILED
     finally:
