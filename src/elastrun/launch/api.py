@@ -180,7 +180,8 @@ def launch_agent(
 
 @dataclass(eq=False)
 class _Launch:
-    """One run of ``launch_agent``: what it built, and how it ended (for the cleanup)."""
+    """One run of ``launch_agent``: it wires and runs the agent, and keeps what it built
+    and how it ended for the cleanup."""
 
     config: LaunchConfig
     entrypoint: Entrypoint
