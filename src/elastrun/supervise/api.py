@@ -95,11 +95,6 @@ class PContext:
     def error_files(self) -> dict[int, str]:
         return dict(self._dest.error_files) if self._dest else {}
 
-    def _starter(self) -> ProcessStarter:
-        if callable(self.entrypoint) and self._start_method == "fork":
-            return ForkStarter()
-        return SubprocessStarter(sys.executable)
-
     def start(self) -> None:
         full_envs = {lr: {**os.environ, **e} for lr, e in self.envs.items()}
         dest = self._dest = reify_or_console(self._logs_specs, full_envs)
@@ -113,7 +108,8 @@ class PContext:
             stderr_filters=self._filters[1],
         )
         shown = self._logs_specs.local_ranks_filter
-        starter = self._starter()
+        fork = callable(self.entrypoint) and self._start_method == "fork"
+        starter: ProcessStarter = ForkStarter() if fork else SubprocessStarter(sys.executable)
 
         members = [
             GroupMember(
