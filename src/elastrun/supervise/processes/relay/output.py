@@ -80,9 +80,7 @@ class OutputRelay:
         self._waker: Waker | None = None
         self._close_at: float | None = None  # monotonic; set once by close()
         self._n_streams = 0
-        self._problems: dict[
-            int, str
-        ] = {}  # local rank -> why its logs are incomplete (first reason)
+        self._problems: dict[int, str] = {}  # local rank -> why its logs are incomplete
 
     def log_problem(self, local_rank: int) -> str | None:
         """Why ``local_rank``'s log files are missing or incomplete, or None.
