@@ -119,13 +119,15 @@ class ProcessFailure:
     reason: str | None = None
     log_problem: str | None = None
 
-    message: str = field(init=False)
+    message: str = field(init=False, default="")
     explanation: str = field(init=False)
     timestamp: int = field(init=False)
-    error_file_data: dict[str, object] = field(init=False, repr=False)
-    error_file_contents: ErrorFileContents | None = field(init=False, repr=False)
-    traceback: str | None = field(init=False, repr=False)
-    error_file_problem: str | None = field(init=False)
+    error_file_data: dict[str, object] = field(
+        init=False, repr=False, default_factory=lambda: {"message": "<NONE>"}
+    )
+    error_file_contents: ErrorFileContents | None = field(init=False, repr=False, default=None)
+    traceback: str | None = field(init=False, repr=False, default=None)
+    error_file_problem: str | None = field(init=False, default=None)
     write_problem: str | None = field(init=False)
     stderr_problem: str | None = field(init=False)
     stderr_tail: list[str] = field(init=False, repr=False)
@@ -136,12 +138,7 @@ class ProcessFailure:
             self.host = _local_fqdn()
         if not self.observed_at:
             self.observed_at = time.time()
-        self.error_file_contents = None
-        self.error_file_problem = None
-        self.error_file_data = {"message": "<NONE>"}
-        self.traceback = None
         self.timestamp = int(self.observed_at)
-        self.message = ""
         self.write_problem = self.log_problem
         error_file_missing = False
 

@@ -296,8 +296,7 @@ class SubprocessStarter:
                 missing.errno = exc.errno  # for ``errno == ENOENT`` checks; str() stays ours
                 raise missing from exc
             raise ProcessStartError(message) from exc
-        pidfd = os.pidfd_open(proc.pid)
-        return _Handle(spec.local_rank, proc.pid, pidfd, proc.poll, return_file)
+        return _Handle(spec.local_rank, proc.pid, os.pidfd_open(proc.pid), proc.poll, return_file)
 
     def start_many(self, specs: Sequence[ProcessSpec]) -> list[WorkerProcess]:
         return start_each(self.start, specs)
