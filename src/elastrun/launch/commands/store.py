@@ -47,9 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         help="port to listen on, 0 to 65535; 0 picks a free one (default: 29400)",
     )
     parser.add_argument(
-        "--token-file",
-        default=None,
-        help="file holding the shared token clients must prove they know",
+        "--token-file", help="file holding the shared token clients must prove they know"
     )
     parser.add_argument(
         "--max-frame",

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from elastrun.core.errors import ExecutableNotFoundError, ProcessStartError
@@ -185,7 +185,7 @@ class _Handle:
     _pidfd: int
     _wait: Callable[[], int | None]
     _return_file: str | None = None
-    _code: int | None = field(default=None)
+    _code: int | None = None
 
     def exit_fd(self) -> int:
         return self._pidfd
