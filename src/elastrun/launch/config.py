@@ -129,13 +129,9 @@ class LaunchConfig:
         else:
             configs.setdefault("timeout", "900")
         parse_seconds(configs["timeout"], "--rdzv-conf timeout", low_open=True)
-        barrier = configs.get("exit_barrier_timeout")
-        if barrier is not None:
-            object.__setattr__(
-                self,
-                "exit_barrier_timeout",
-                parse_seconds(barrier, "--rdzv-conf exit_barrier_timeout"),
-            )
+        if (barrier := configs.get("exit_barrier_timeout")) is not None:
+            seconds = parse_seconds(barrier, "--rdzv-conf exit_barrier_timeout")
+            object.__setattr__(self, "exit_barrier_timeout", seconds)
         object.__setattr__(self, "rdzv_configs", configs)
         self._check_metrics_port()
         object.__setattr__(
