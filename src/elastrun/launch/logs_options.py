@@ -64,8 +64,7 @@ def logs_specs(values: Values, nproc: int) -> LogsSpecs:
 
 def duplicate_filters(values: Values, dest: str) -> list[str] | None:
     """``--duplicate-stdout-filters`` or ``--duplicate-stderr-filters``; None when empty."""
-    filters = parse_duplicate_filters(values.required(dest)[0])
-    return filters or None
+    return parse_duplicate_filters(values.required(dest)[0]) or None
 
 
 def _check_local_ranks(ranks: Iterable[int], nproc: int, raw: str, source: str) -> None:
