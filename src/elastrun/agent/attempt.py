@@ -18,8 +18,6 @@ from elastrun.supervise.processes.relay import OutputRelay
 from elastrun.supervise.processes.spawn import ProcessStarter
 from elastrun.wire.env import STACKS_FILE_ENV
 
-#: The variable naming the file a worker writes its stacks to on request.
-
 
 @dataclass(frozen=True)
 class AttemptSetup:
@@ -50,7 +48,6 @@ class Attempt:
 
     setup: AttemptSetup
     procs: ProcessSet
-    started_at: float
     #: Monotonic time since which every exited worker succeeded and some still run.
     lonely_since: float | None = None
     lonely_reported: bool = False

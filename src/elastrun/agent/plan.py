@@ -43,7 +43,6 @@ if TYPE_CHECKING:  # annotations only: ``--dry-run`` plans without a rendezvous
     from elastrun.agent.spec import WorkerSpec
     from elastrun.rendezvous.api import RendezvousInfo
 
-LOCAL_RANK_MACRO = "${local_rank}"
 # Interpreter options that take a separate value (``-W error``, ``-X dev``).
 _PY_OPTS_WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}
 

@@ -97,11 +97,7 @@ class WorkerProcesses:
         for proc in procs:
             self._guard.watch(proc.pid)
             self._group.workers[proc.local_rank].id = proc.pid
-        attempt = Attempt(
-            setup=setup,
-            procs=ProcessSet(procs, clock=self._clock),
-            started_at=self._clock.time(),
-        )
+        attempt = Attempt(setup=setup, procs=ProcessSet(procs, clock=self._clock))
         self.update_ranks(plan)
         _write_workers_file(setup.envs, procs)
         return attempt

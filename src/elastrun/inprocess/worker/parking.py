@@ -101,13 +101,3 @@ def release_idle(*, generations: bool = True) -> int:
     count = len(freed)
     del freed, pg
     return count
-
-
-def parked() -> int:
-    """How many groups are parked (for tests and logs)."""
-    return len(_parked)
-
-
-def kept() -> int:
-    """How many groups are kept until idle (for tests and logs)."""
-    return len(_kept)
