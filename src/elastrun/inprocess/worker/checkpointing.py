@@ -83,7 +83,7 @@ def load_instead(state: State, checkpoint: Any, lost: CommitLostError) -> int:
     step = checkpoint.load_latest({KEY: state})
     if step is None:
         raise lost
-    state._loaded((lost.newest or 0) + 1)
+    state._hold((lost.newest or 0) + 1)
     log.warning(
         "%s; every rank loaded step %d from the memory checkpoint instead, in place",
         str(lost).split(" (", 1)[0], step,
@@ -97,7 +97,7 @@ def load_at_start(state: State, checkpoint: Any) -> int | None:
     which becomes its commit; the step (None: there is none, nothing is loaded)."""
     step = checkpoint.load_latest({KEY: state})
     if step is not None:
-        state._loaded(state.commit_id)
+        state._hold(state.commit_id)
     return None if step is None else int(step)
 
 

@@ -193,10 +193,7 @@ class State:
             )
         park_process_groups()  # see inprocess.parking: the training's own group too
         release_idle(generations=False)  # what an earlier chain of recoveries kept
-        self._take()
-        object.__setattr__(self, "_commit", self._commit + 1)
-        object.__setattr__(self, "_holds", True)
-        self._keep_own()
+        self._hold(self._commit + 1)
 
     def restore(self, checkpoint: Any = None) -> None:
         """After an in-process recovery of a sharded state (FSDP2, HSDP): bring every
@@ -237,8 +234,9 @@ class State:
     def _restored(self) -> None:
         object.__setattr__(self, "_pending", False)
 
-    def _loaded(self, commit: int) -> None:
-        """The live state, loaded from a checkpoint on every rank, is commit ``commit``."""
+    def _hold(self, commit: int) -> None:
+        """The live state (committed, adopted, or loaded from a checkpoint on every rank)
+        is commit ``commit``, which this rank now holds."""
         self._take()
         object.__setattr__(self, "_commit", commit)
         object.__setattr__(self, "_holds", True)
@@ -467,10 +465,7 @@ class State:
                 "sending rank's generators%s", desc.commit,
                 " and own items as constructed" if self._own else "",
             )  # fmt: skip
-        self._take()
-        object.__setattr__(self, "_commit", desc.commit)
-        object.__setattr__(self, "_holds", True)
-        self._keep_own()
+        self._hold(desc.commit)
 
     def __repr__(self) -> str:
         return f"State({', '.join(self.names())}; commit {self._commit})"
