@@ -4,8 +4,10 @@
 template's environment, ``TITLE_ROOM`` first (room in its memory for the command lines
 its workers show, sized for the workers it is started for), and sends it the modules to
 preload; :meth:`Template.await_ready` waits for its hello; :meth:`Template.spawn_batch` asks
-for workers, with this process a child subreaper for the hand-over
-(:func:`adopting_orphans`), so that the worker becomes the agent's child.
+for workers, with this process a child subreaper for the hand-over, so that the worker
+becomes the agent's child. Only for the hand-over: a permanent subreaper would also
+inherit every orphaned grandchild of every worker (data loader processes, compilers) and
+keep them as zombies, since nothing else in the agent would reap them.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import IO
 
 from elastrun.core.cancel import Cancelled, CancelScope, is_default, scope_or_default
@@ -56,18 +57,6 @@ class TemplateUnavailable(ElastrunError):
 
 class TemplateBroken(ElastrunError):
     """The template died or stopped answering in the middle of a request."""
-
-
-@contextmanager
-def adopting_orphans() -> Iterator[None]:
-    """Make this process a child subreaper for the duration of a worker hand-over.
-
-    Only for the hand-over: a permanent subreaper would also inherit every orphaned
-    grandchild of every worker (data loader processes, compilers) and keep them as
-    zombies, since nothing else in the agent would reap them.
-    """
-    with child_subreaper():
-        yield
 
 
 def _pid_or_reason(result: object) -> int | str:
@@ -155,7 +144,7 @@ class Template:
         env = {TITLE_ROOM: " " * (title + _TITLE_MARGIN), **dict(key.env)}
         agent = os.getpid()
         try:
-            with adopting_orphans():
+            with child_subreaper():
                 # Started while the agent is a subreaper, so the kernel marks the
                 # template's descendants as having one (older kernels do not mark
                 # existing descendants when the flag is set later).
@@ -252,13 +241,16 @@ class Template:
         not there means no worker of the batch will ever run (those held back exit
         when the template dies); one that is there names the workers that may.
         """
-        self.proc.kill()
-        self.proc.wait()
+        self._kill()
         self._sock.settimeout(_LEFTOVER_BOUND)
         try:
             return recv_message(self._sock)
         except (OSError, ConnectionError):
             return None
+
+    def _kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
     def _wait_description(self) -> str:
         try:
@@ -327,15 +319,14 @@ class Template:
         if scope.cancelled:
             # A stop is under way already: fork nothing, and end the template as a
             # cancellation during the start would.
-            self.proc.kill()
-            self.proc.wait()
+            self._kill()
             scope.raise_if_cancelled()
         attached = [fd for own in fds for fd in own]
         message = {"version": VERSION, "batch": list(batch)}
         self._sock.settimeout(timeout)
         ledger_r, ledger_w = os.pipe()
         try:
-            with adopting_orphans():
+            with child_subreaper():
                 got = self._exchange(message, [*attached, ledger_w], ledger_r, timeout, scope)
         finally:
             os.close(ledger_r)
@@ -374,13 +365,11 @@ class Template:
                     self._reap_batch(ledger)
                     raise Cancelled(scope.reason or "cancelled")
         except (OSError, ConnectionError) as exc:
-            self.proc.kill()
-            self.proc.wait()
+            self._kill()
             self._reap_batch(ledger)
             raise TemplateBroken(str(exc) or type(exc).__name__) from exc
         if got is None:  # it died without answering
-            self.proc.kill()
-            self.proc.wait()
+            self._kill()
             self._reap_batch(ledger)
         return got
 
@@ -418,8 +407,7 @@ class Template:
         try:
             self.proc.wait(_STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self._kill()
         self._stderr.close()
 
     def __repr__(self) -> str:
