@@ -20,18 +20,12 @@ module started a thread or initialised CUDA, the template could not start, or a 
 failed -- with one warning line saying why. A template that died is started again on the
 next start.
 
-Templates are keyed by the interpreter options and the environment minus the per-worker
-variables: modules imported in the template read the environment at import time, so a
-template serves only workers whose shared environment is the one it was started with.
-The template's environment has one variable more, first: ``TITLE_ROOM``, room in its
-memory for the command lines its workers show (see ``retitle`` in
-:mod:`elastrun.template.worker.child`), sized for the workers it is started for.
-
 The pieces: which argvs go through a template and what it preloads
-(:mod:`~elastrun.template.agent.preload`), what one template serves
-(:mod:`~elastrun.template.agent.key`), one running template and its
-channel (:mod:`~elastrun.template.agent.process`); this module holds the
-starter, which decides per worker and falls back.
+(:mod:`~elastrun.template.agent.preload`), what one template serves: the interpreter
+options and the environment minus the per-worker variables
+(:mod:`~elastrun.template.agent.key`), one running template and its channel
+(:mod:`~elastrun.template.agent.process`); this module holds the starter, which
+decides per worker and falls back.
 """
 
 from __future__ import annotations
@@ -316,9 +310,7 @@ class TemplateStarter:
         """Fork what ``batch`` asks for; returns the started workers by index (those
         missing go to the fallback)."""
         _, first, cmd, cwd = batch[0]
-        assert first.argv is not None
-        key = TemplateKey.of(cmd, first.env, self._per_worker)
-        tpl = self._ready_template(key, first.argv, cwd)
+        tpl = self._ready_template(first, cmd, cwd)
         if tpl is None:
             return {}
         started: dict[int, WorkerProcess] = {}
@@ -368,21 +360,21 @@ class TemplateStarter:
 
     def _adopt(self, spec: ProcessSpec, answer: int | str) -> WorkerProcess | None:
         """The handle of a forked worker, or None (logged) when it was not started."""
-        reason = answer if isinstance(answer, str) else None
-        if isinstance(answer, int) and _parent_of(answer) != os.getpid():
+        if isinstance(answer, str):
+            reason = answer
+        elif _parent_of(answer) != os.getpid():
             # Not handed to us (no subreaper support?): it exits by itself on seeing
             # that, and cannot be supervised.
             reason = f"worker pid {answer} was not adopted by the agent"
-        if reason is not None or isinstance(answer, str):
-            log.warning(
-                "worker template could not start local rank %d (%s); "
-                "starting it as a fresh process",
-                spec.local_rank,
-                reason,
-            )
-            return None
-        self.forked += 1
-        return adopt_child(spec.local_rank, answer)
+        else:
+            self.forked += 1
+            return adopt_child(spec.local_rank, answer)
+        log.warning(
+            "worker template could not start local rank %d (%s); starting it as a fresh process",
+            spec.local_rank,
+            reason,
+        )
+        return None
 
     def _use_fallback(self, spec: ProcessSpec) -> WorkerProcess:
         self.fell_back += 1
@@ -395,15 +387,13 @@ class TemplateStarter:
         imports with the wait for other nodes. Never raises for template problems;
         the next ``start`` reports them.
         """
-        if spec.argv is None or self._closed:
-            return
-        cmd = parse_bootstrap_command(spec.argv, self._python)
-        if cmd is not None:
-            cwd = spec.cwd if spec.cwd is not None else os.getcwd()
-            self._template_for(TemplateKey.of(cmd, spec.env, self._per_worker), spec.argv, cwd)
+        for _, _, cmd, cwd in self._forkable([spec]):
+            self._template_for(spec, cmd, cwd)
 
-    def _ready_template(self, key: TemplateKey, argv: Sequence[str], cwd: str) -> Template | None:
-        tpl = self._template_for(key, argv, cwd)
+    def _ready_template(
+        self, spec: ProcessSpec, cmd: BootstrapCommand, cwd: str
+    ) -> Template | None:
+        tpl = self._template_for(spec, cmd, cwd)
         if tpl is None or tpl.ready:
             return tpl
         try:
@@ -411,7 +401,7 @@ class TemplateStarter:
         except Cancelled as exc:
             raise self._stopped(exc) from None
         except TemplateUnavailable as exc:
-            self._disable(key, str(exc))
+            self._disable(tpl.key, str(exc))
             self._discard()
             return None
         log.info(
@@ -441,8 +431,11 @@ class TemplateStarter:
             _advice(reason),
         )
 
-    def _template_for(self, key: TemplateKey, argv: Sequence[str], cwd: str) -> Template | None:
-        """The live template for ``key``, launched (not awaited) when there is none."""
+    def _template_for(self, spec: ProcessSpec, cmd: BootstrapCommand, cwd: str) -> Template | None:
+        """The live template for ``spec``'s worker, launched (not awaited) when there is
+        none."""
+        key, argv = TemplateKey.of(cmd, spec.env, self._per_worker), spec.argv
+        assert argv is not None
         if key in self._unusable:
             return None
         tpl = self._template
