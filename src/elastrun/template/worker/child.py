@@ -8,7 +8,9 @@ and mask, as ``exec`` would pass them on), no inherited descriptors, the given w
 directory, umask, CPU affinity, environment, ``sys.argv`` and ``sys.orig_argv``, that
 command line and the interpreter's name in ps, ``pgrep -f``, top and psutil
 (:func:`retitle`, before any of the worker's own code runs), and its own random seeds
-(:func:`reseed`). What cannot be made identical is listed in :mod:`elastrun.template.worker.serve`.
+(every generator that a fresh interpreter seeds from the OS when importing what the
+template imported: :func:`reseed`). What cannot be made identical is listed in
+:mod:`elastrun.template.worker.serve`.
 
 First it waits to be adopted by the agent (:func:`await_adoption`): it arms its
 parent-death signal only once the agent is its parent, and runs only after the

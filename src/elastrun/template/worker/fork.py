@@ -8,7 +8,10 @@ and only then sends the worker its go-ahead (``g``) on another pipe, so no worke
 that the agent does not know of. Each new process notes its pid on the batch's ledger
 first (see :mod:`elastrun.wire.template`), so that an agent that gives up on the
 batch can reap whatever it was handed. Both forks happen with every signal blocked (see
-:func:`spawn_many`). What the worker does next is :mod:`elastrun.template.worker.child`'s.
+``_fork_intermediates``): a signal the agent sends once it knows the pid (a Ctrl-C during
+a start) must neither vanish nor interrupt the worker's set-up half-way. What the worker
+does next (it waits to see the agent as its parent, arms its parent-death signal, waits
+for the go-ahead) is :mod:`elastrun.template.worker.child`'s.
 """
 
 from __future__ import annotations

@@ -15,29 +15,12 @@ on the socket) so that every worker's command line is longer than it.
 
 Why two forks per worker: the worker must be the *agent's* child, so that the agent can
 reap it, read its real exit status and give it the parent-death signal it gives every
-worker. The template forks an intermediate process, which forks the worker and exits at
-once; the agent is a child subreaper while it waits for the reply, so the kernel hands
-the orphaned worker to it. The worker waits until it sees the agent as its parent, arms
-its parent-death signal, and waits for the template's go-ahead -- sent only after the
-agent was told the worker's pid, so no worker runs that the agent does not know of.
-Both forks happen with every signal blocked, and the worker unblocks them only once its
-dispositions are reset: from the moment the agent knows the pid it may signal the
-worker (a Ctrl-C during a start or a restart), and such a signal must neither vanish into
-the template's ignored SIGINT nor interrupt the set-up half-way; held pending, it acts
-when unblocked, as on a fresh process. (The forks: :mod:`elastrun.template.worker.fork`.)
+worker (how: :mod:`elastrun.template.worker.fork`).
 
 The worker then becomes what ``python [OPTS] -m elastrun.worker.bootstrap ARGS`` would
-have been: its own session, the given stdin/stdout/stderr (new ``sys.std*`` objects built
-as the interpreter builds them, ``-u`` included), default signal dispositions (plus the
-agent's ignored signals and mask, as ``exec`` would pass them on), no inherited
-descriptors, the given working directory, umask, CPU affinity, environment, ``sys.argv``
-and ``sys.orig_argv``, that command line and the interpreter's name in ps, ``pgrep -f``,
-top and psutil (``retitle``, before any of the worker's own code runs), its own
-random seeds (every generator that a fresh interpreter seeds from the OS when importing
-what the template imported: ``random``, torch's CPU generator, numpy's global
-``RandomState``, sympy's, the ``multiprocessing`` auth key; see ``reseed``) -- and
-runs :func:`elastrun.worker.bootstrap.main`, whose exceptions reach the interpreter's top
-level exactly as from a fresh start. (The set-up: :mod:`elastrun.template.worker.child`.)
+have been (:mod:`elastrun.template.worker.child`) and runs
+:func:`elastrun.worker.bootstrap.main`, whose exceptions reach the interpreter's top
+level exactly as from a fresh start.
 
 What cannot be made identical, and is documented as such:
 
