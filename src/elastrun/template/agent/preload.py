@@ -133,12 +133,7 @@ def _scan_imports(path: str) -> list[str]:
 
     def visit(body: Sequence[ast.stmt]) -> None:
         for node in body:
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 # if/try/with blocks at module level run at import time too.
                 for field in ("body", "orelse", "finalbody", "handlers"):
                     inner = getattr(node, field, None)
@@ -147,7 +142,7 @@ def _scan_imports(path: str) -> list[str]:
                         for handler in inner:
                             if isinstance(handler, ast.ExceptHandler):
                                 visit(handler.body)
-            for name in names:
+            for name in _imported(node):
                 if name.split(".")[0] in AUTO_PRELOAD_ROOTS and name not in found:
                     found.append(name)
 
@@ -161,20 +156,19 @@ def _scan_imports(path: str) -> list[str]:
     return found
 
 
-def _imported_anywhere(tree: ast.AST) -> list[str]:
-    names: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.append(node.module)
-    return names
+def _imported(node: ast.AST) -> list[str]:
+    """The absolute modules ``node`` imports (none: it is no import)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return [node.module]
+    return []
 
 
 def _add_recovery_path(tree: ast.AST, found: list[str]) -> None:
     """For a script that imports ``elastrun.inprocess`` (anywhere): add what it imports
     inside functions too, and what a recovery imports (see ``INPROCESS_PRELOAD``)."""
-    anywhere = _imported_anywhere(tree)
+    anywhere = [name for node in ast.walk(tree) for name in _imported(node)]
     if not any(n == INPROCESS_MODULE or n.startswith(INPROCESS_MODULE + ".") for n in anywhere):
         return
     for name in [*anywhere, *INPROCESS_PRELOAD]:
