@@ -15,7 +15,6 @@ import contextlib
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -72,17 +71,16 @@ class Channel:
         the agent closed the channel). Rounds announced while this worker was busy
         supersede each other: only the newest is taken."""
         self.start()
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while True:
-                newest = max(self._rounds, key=lambda m: int(m.get("round", -1)), default=None)
-                self._rounds = []
-                if newest is not None and int(newest.get("round", -1)) > after:
-                    return newest
-                left = deadline - time.monotonic()
-                if self._ended or left <= 0:
-                    return None
-                self._cond.wait(left)
+            self._cond.wait_for(lambda: self._ended or self._round_after(after), timeout)
+            newest = self._round_after(after)
+            self._rounds = []
+            return newest
+
+    def _round_after(self, after: int) -> dict[str, Any] | None:
+        """The newest round announced, if it is past ``after`` (the condition held)."""
+        newest = max(self._rounds, key=lambda m: int(m.get("round", -1)), default=None)
+        return newest if newest is not None and int(newest.get("round", -1)) > after else None
 
     def peer_failed(self, round_no: int, timeout: float) -> bool:
         """Ask the agent whether a peer failed in round ``round_no`` (see the wire's
@@ -95,17 +93,12 @@ class Channel:
                 return True  # (told already: no need to ask)
             self._answers.pop(round_no, None)  # (a question about the round asked before)
         self.send("ask", round=round_no)
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while True:
-                if self._newest > round_no:
-                    return True
-                if round_no in self._answers:
-                    return self._answers.pop(round_no)
-                left = deadline - time.monotonic()
-                if self._ended or left <= 0:
-                    return False
-                self._cond.wait(left)
+            self._cond.wait_for(
+                lambda: self._ended or self._newest > round_no or round_no in self._answers,
+                timeout,
+            )
+            return self._newest > round_no or self._answers.pop(round_no, False)
 
     def newer_than(self, round_no: int) -> bool:
         """Whether a round newer than ``round_no`` was announced."""
@@ -120,21 +113,23 @@ class Channel:
             except (OSError, wire.WireError):
                 data = b""
             for message in messages:
+                try:
+                    n = int(message.get("round", -1))
+                except (TypeError, ValueError):
+                    continue
                 if message.get("op") == "round":
-                    self._take(message)
+                    self._take(n, message)
                 elif message.get("op") == "answer":
-                    self._answer(message)
+                    with self._cond:
+                        self._answers[n] = bool(message.get("peer_failed"))
+                        self._cond.notify_all()
             if not data:
                 with self._cond:
                     self._ended = True
                     self._cond.notify_all()
                 return
 
-    def _take(self, message: dict[str, Any]) -> None:
-        try:
-            n = int(message.get("round", -1))
-        except (TypeError, ValueError):
-            return
+    def _take(self, n: int, message: dict[str, Any]) -> None:
         if n > self._newest and self.on_round is not None:
             # Before the loop may take the round: what on_round cuts belongs to the
             # previous round, never to what the loop makes for this one.
@@ -143,15 +138,6 @@ class Channel:
         with self._cond:
             self._newest = max(self._newest, n)
             self._rounds.append(message)
-            self._cond.notify_all()
-
-    def _answer(self, message: dict[str, Any]) -> None:
-        try:
-            n = int(message.get("round", -1))
-        except (TypeError, ValueError):
-            return
-        with self._cond:
-            self._answers[n] = bool(message.get("peer_failed"))
             self._cond.notify_all()
 
     def close(self) -> None:
