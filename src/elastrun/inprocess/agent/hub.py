@@ -73,19 +73,16 @@ class InprocessHub:
 
     def opted_in(self, local_rank: int, pid: int) -> bool:
         with self._lock:
-            said = self._hello.get(local_rank)
-        return said is not None and said[0] == pid
+            return self._hello.get(local_rank, (None, 0))[0] == pid
 
     def synced(self, local_rank: int, pid: int, round_no: int) -> bool:
         with self._lock:
-            said = self._synced.get(local_rank)
-        return said is not None and said == (pid, round_no)
+            return self._synced.get(local_rank) == (pid, round_no)
 
     def has_synced(self, local_rank: int, pid: int) -> bool:
         """Whether that worker synchronised in some round (it holds a commit's state)."""
         with self._lock:
-            said = self._synced.get(local_rank)
-        return said is not None and said[0] == pid
+            return self._synced.get(local_rank, (None, 0))[0] == pid
 
     def said_lost(self, pids: Mapping[int, int]) -> bool:
         """Whether any of the workers ``pids`` (local rank -> pid) found the round's
@@ -116,10 +113,9 @@ class InprocessHub:
             if self._asked.get(local_rank) == (pid, round_no):
                 del self._asked[local_rank]
             peers = [p for p in self._peers.values() if (p.local_rank, p.pid) == (local_rank, pid)]
-        message = {"op": "answer", "round": round_no, "peer_failed": peer_failed}
+        message = wire.encode({"op": "answer", "round": round_no, "peer_failed": peer_failed})
         for peer in peers:
-            with contextlib.suppress(OSError):
-                peer.sock.sendall(wire.encode(message))
+            _send(peer, message)
 
     def forget(self, local_rank: int, pid: int) -> None:
         """Drop that worker's question (it exited, or was replaced)."""
