@@ -62,10 +62,7 @@ def join_timeout(environ: Mapping[str, str]) -> float:
     Raises:
         ConfigError: not a positive, finite number of seconds.
     """
-    raw = environ.get(INPROCESS_JOIN_TIMEOUT_ENV, "")
-    if not raw:
-        return DEFAULT_INPROCESS_JOIN_TIMEOUT
-    return parse_seconds(raw, INPROCESS_JOIN_TIMEOUT_ENV, low_open=True)
+    return _seconds(environ, INPROCESS_JOIN_TIMEOUT_ENV, DEFAULT_INPROCESS_JOIN_TIMEOUT)
 
 
 def inprocess_timeout(
@@ -78,15 +75,15 @@ def inprocess_timeout(
     Raises:
         ConfigError: not a positive, finite number of seconds.
     """
-    raw = environ.get(INPROCESS_TIMEOUT_ENV, "")
-    bound = (
-        parse_seconds(raw, INPROCESS_TIMEOUT_ENV, low_open=True)
-        if raw
-        else DEFAULT_INPROCESS_TIMEOUT
-    )
+    bound = _seconds(environ, INPROCESS_TIMEOUT_ENV, DEFAULT_INPROCESS_TIMEOUT)
     if isinstance(hang_timeout, (int, float)) and hang_timeout > 0:
         bound = min(bound, float(hang_timeout))
     return bound
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name, "")
+    return parse_seconds(raw, name, low_open=True) if raw else default
 
 
 @dataclass(frozen=True)
