@@ -83,12 +83,8 @@ def rebind(model: torch.nn.Module) -> int:
 
 
 def _fsdp_states(model: torch.nn.Module) -> list[Any]:
-    states = []
-    for module in model.modules():
-        get = getattr(module, "_get_fsdp_state", None)
-        if callable(get):
-            states.append(get())
-    return states
+    getters = (getattr(module, "_get_fsdp_state", None) for module in model.modules())
+    return [get() for get in getters if callable(get)]
 
 
 def _param_groups(state: Any) -> list[Any]:

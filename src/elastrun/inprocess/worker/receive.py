@@ -37,16 +37,6 @@ class CommitDescription:
     modules: frozenset[str]
     rng: rng.RngState | None
 
-    @property
-    def nbytes(self) -> int:
-        import torch
-
-        return sum(
-            s.numel * torch.empty((), dtype=dtype_of(s.dtype)).element_size()
-            for item in self.specs.values()
-            for s in item
-        )
-
 
 class StateMismatchError(ElastrunError, ValueError):
     """A rank's objects do not have the shapes of the commit it must take (it built
@@ -62,15 +52,10 @@ def new_tensor(
     import torch
 
     dtype = dtype_of(spec.dtype)
-    home = _home_device(value, own)
-    device = home if spec.device_type != "cpu" else torch.device("cpu")
+    device = _home_device(value, own) if spec.device_type != "cpu" else torch.device("cpu")
     early: torch.Tensor | None = pool.pop((name, spec.path), None)
-    if early is None or not (
-        early is not None
-        and tuple(early.shape) == spec.shape
-        and early.dtype == dtype
-        and early.device == device
-    ):
+    wanted = (spec.shape, dtype, device)
+    if early is None or (tuple(early.shape), early.dtype, early.device) != wanted:
         early = torch.empty(spec.shape, dtype=dtype, device=device)
     if not spec.sharded:
         return early

@@ -59,13 +59,6 @@ class TensorSpec:
     device_type: str  # "cpu" or "cuda": where the sender keeps it
     sharded: bool = False  # a DTensor's local shard (``shape`` is the shard's)
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose bytes a commit holds: a DTensor's local shard (FSDP2, HSDP),
@@ -200,9 +193,7 @@ def _copy_into(tensor: torch.Tensor, reuse: torch.Tensor | None) -> torch.Tensor
 
 def rebuild(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """The state dict again: ``skeleton`` with each slot replaced by its tensor."""
-    memo: dict[int, Any] = {}
-    for slot in _slots(skeleton):
-        memo[id(slot)] = tensors[slot.index]
+    memo: dict[int, Any] = {id(slot): tensors[slot.index] for slot in _slots(skeleton)}
     return copy.deepcopy(skeleton, memo)
 
 
