@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
+from elastrun.template.agent.preload import OPTS_WITH_VALUE, same_file
 from elastrun.wire.bootstrap import BOOTSTRAP_MODULE
 from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV
 from elastrun.wire.env import (
@@ -42,9 +43,6 @@ if TYPE_CHECKING:  # annotations only: ``--dry-run`` plans without a rendezvous
     from elastrun.agent.options import AgentOptions
     from elastrun.agent.spec import WorkerSpec
     from elastrun.rendezvous.api import RendezvousInfo
-
-# Interpreter options that take a separate value (``-W error``, ``-X dev``).
-_PY_OPTS_WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}
 
 
 @dataclass(frozen=True)
@@ -218,16 +216,6 @@ def substitute_local_rank(args: Sequence[object], local_rank: int) -> tuple[obje
     )
 
 
-def is_same_python(executable: str, python: str) -> bool:
-    """Whether ``executable`` is the interpreter elastrun runs under."""
-    if executable == python:
-        return True
-    try:
-        return os.path.realpath(executable) == os.path.realpath(python)
-    except OSError:
-        return False
-
-
 def with_bootstrap(args: Sequence[str]) -> tuple[str, ...] | None:
     """Insert the worker bootstrap into a Python command line.
 
@@ -243,7 +231,7 @@ def with_bootstrap(args: Sequence[str]) -> tuple[str, ...] | None:
         if a in ("-m", "-c", "-") or not a.startswith("-"):
             break
         opts.append(a)
-        if a in _PY_OPTS_WITH_VALUE and i + 1 < len(args):
+        if a in OPTS_WITH_VALUE and i + 1 < len(args):
             i += 1
             opts.append(args[i])
         i += 1
@@ -348,7 +336,7 @@ def build_plan(
         argv: tuple[str, ...] | None = None
         if isinstance(entrypoint, str):
             str_args = tuple(str(a) for a in wargs)
-            boot = with_bootstrap(str_args) if is_same_python(entrypoint, python) else None
+            boot = with_bootstrap(str_args) if same_file(entrypoint, python) else None
             argv = (entrypoint, *(boot if boot is not None else str_args))
             wargs = ()
         workers.append(

@@ -40,8 +40,8 @@ INPROCESS_PRELOAD = (
 )
 _WORKER_SIDE = ("elastrun.inprocess", "elastrun.checkpoint")
 
-# Interpreter options that take a separate value (``-W error``, ``-X dev``).
-_OPTS_WITH_VALUE = frozenset({"-W", "-X", "--check-hash-based-pycs"})
+#: Interpreter options that take a separate value (``-W error``, ``-X dev``).
+OPTS_WITH_VALUE = frozenset({"-W", "-X", "--check-hash-based-pycs"})
 # Scripts larger than this are not scanned for imports (a generated file, not a script).
 _MAX_SCAN_BYTES = 4 * 1024 * 1024
 
@@ -59,13 +59,13 @@ def parse_bootstrap_command(argv: Sequence[str], python: str) -> BootstrapComman
 
     ``argv[0]`` must be ``python`` (the same file, after resolving links).
     """
-    if len(argv) < 4 or not _same_file(argv[0], python):
+    if len(argv) < 4 or not same_file(argv[0], python):
         return None
     i = 1
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
         if argv[i] in ("-c", "-"):
             return None
-        i += 2 if argv[i] in _OPTS_WITH_VALUE else 1
+        i += 2 if argv[i] in OPTS_WITH_VALUE else 1
     if tuple(argv[i : i + 2]) != ("-m", BOOTSTRAP_MODULE):
         return None
     args = tuple(argv[i + 2 :])
@@ -74,7 +74,8 @@ def parse_bootstrap_command(argv: Sequence[str], python: str) -> BootstrapComman
     return BootstrapCommand(tuple(argv[1:i]), args)
 
 
-def _same_file(a: str, b: str) -> bool:
+def same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name the same file (after resolving links)."""
     if a == b:
         return True
     try:
