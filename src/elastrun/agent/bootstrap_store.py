@@ -34,16 +34,8 @@ class BootstrapStore:
         facts = plan.facts
         if facts.group_rank != 0 or not agents_host:
             return
-        addr = facts.master_addr
-        server = LazyTorchWireServer(listen_host(addr), facts.master_port)
-        try:
-            server.start()
-        except StoreError as exc:
-            raise RendezvousError(
-                f"cannot serve the workers' store at {addr}:{facts.master_port}: {exc}"
-            ) from exc
-        self._server = server
-        log.debug("serving the workers' store for round %d: %r", facts.round, server)
+        self._serve(facts.master_addr, facts.master_port)
+        log.debug("serving the workers' store for round %d: %r", facts.round, self._server)
 
     def rehost(self, addr: str) -> int:
         """Serve a fresh store for the next in-process round, on a new port of ``addr``
@@ -53,13 +45,18 @@ class BootstrapStore:
             RendezvousError: the store cannot listen.
         """
         self.close()
-        server = LazyTorchWireServer(listen_host(addr), 0)
+        return self._serve(addr, 0)
+
+    def _serve(self, addr: str, port: int) -> int:
+        """Serve the store at ``addr`` and ``port`` (0: a free one); returns the port."""
+        server = LazyTorchWireServer(listen_host(addr), port)
         try:
-            port = server.start()
+            bound = server.start()
         except StoreError as exc:
-            raise RendezvousError(f"cannot serve the workers' store at {addr}: {exc}") from exc
+            where = f"{addr}:{port}" if port else addr
+            raise RendezvousError(f"cannot serve the workers' store at {where}: {exc}") from exc
         self._server = server
-        return port
+        return bound
 
     @property
     def serving(self) -> bool:
