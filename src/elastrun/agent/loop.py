@@ -293,22 +293,18 @@ class ElasticLoop:
         """Do what a rung's step decided for the worker group."""
         if decision.action is GroupAction.KEPT:
             self._p.lifecycle.enter(AgentPhase.RUNNING)
-        elif decision.action is GroupAction.RESTART_IN_ROUND:
-            assert decision.plan is not None, "a restart in a round names its plan"
-            self._restart_in(decision.plan)
-        else:
-            # A restart (after a failed recovery in place too: the failure that led to
-            # it was already charged to the budget).
+            return
+        if decision.action is GroupAction.RESTART_FRESH:
+            # After a failed recovery in place too: the failure that led to it was
+            # already charged to the budget.
             self._p.lifecycle.enter(AgentPhase.RESTARTING)
-            self._stop_workers()
-            self._check_shutdown()
-            self._start_round()
-
-    def _restart_in(self, plan: LaunchPlan) -> None:
-        """Stop the workers and start them afresh in ``plan`` (a round already joined)."""
         self._stop_workers()
         self._check_shutdown()
-        self._start_workers(plan)
+        if decision.action is GroupAction.RESTART_FRESH:
+            self._start_round()
+        else:  # in the round already joined
+            assert decision.plan is not None, "a restart in a round names its plan"
+            self._start_workers(decision.plan)
 
     def _reform_for_waiting_nodes(self) -> None:
         p = self._p
