@@ -259,18 +259,14 @@ class Template:
             pass
         return self.exit_description()
 
-    def stderr_tail(self, limit: int = 2000) -> str:
-        """The end of what the template wrote to its stderr (import warnings, crashes)."""
+    def _stderr_note(self) -> str:
+        """The last line the template wrote to its stderr (import warnings, crashes)."""
         try:
             self._stderr.seek(0, os.SEEK_END)
-            size = self._stderr.tell()
-            self._stderr.seek(max(0, size - limit))
-            return self._stderr.read().decode(errors="replace").strip()
+            self._stderr.seek(max(0, self._stderr.tell() - 2000))
+            tail = self._stderr.read().decode(errors="replace").strip()
         except (OSError, ValueError):
             return ""
-
-    def _stderr_note(self) -> str:
-        tail = self.stderr_tail()
         return f"; its stderr ends with: {tail.splitlines()[-1]}" if tail else ""
 
     @property
