@@ -62,14 +62,6 @@ class Attempt:
         return self.setup.plan
 
     @property
-    def dest(self) -> LogsDest:
-        return self.setup.dest
-
-    @property
-    def relay(self) -> OutputRelay:
-        return self.setup.relay
-
-    @property
     def stderr_files(self) -> dict[int, str]:
         """``{local_rank: stderr log file}`` of the ranks whose stderr goes to a file."""
         return {lr: p for lr, p in self.setup.dest.stderrs.items() if p}

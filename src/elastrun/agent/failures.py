@@ -74,14 +74,14 @@ def process_failures(
             local_rank=ex.local_rank,
             pid=ex.pid,
             exitcode=ex.exitcode,
-            error_file=attempt.dest.error_files.get(ex.local_rank, ""),
+            error_file=attempt.setup.dest.error_files.get(ex.local_rank, ""),
             global_rank=global_rank,
             host=host,
             observed_at=ex.observed_at,
             terminated_by_agent=ex.by_agent and ex.local_rank != stuck,
             stderr_file=attempt.stderr_files.get(ex.local_rank),
             reason=reasons.get(ex.pid),
-            log_problem=attempt.relay.log_problem(ex.local_rank),
+            log_problem=attempt.setup.relay.log_problem(ex.local_rank),
         )
     return failures
 
@@ -100,7 +100,7 @@ def signatures(attempt: Attempt, failed: list[Exit], progress: Snapshot) -> list
     for ex in failed:
         if ex.by_agent:  # (``failed`` holds failed exits only)
             continue
-        path = attempt.dest.error_files.get(ex.local_rank, "")
+        path = attempt.setup.dest.error_files.get(ex.local_rank, "")
         contents = read_error_file(path) if path else None
         report = contents if isinstance(contents, ErrorFileContents) else None
         record = progress.get(ex.local_rank)

@@ -150,7 +150,7 @@ class WorkerProcesses:
         report = attempt.procs.stop(sig, self._shutdown_timeout, grace=self._shutdown.grace)
         for pid in attempt.procs.pids().values():
             self._guard.forget(pid)
-        attempt.relay.close()
+        attempt.setup.relay.close()
         attempt.procs.close()
         if running:
             self._metrics.put(
