@@ -166,13 +166,8 @@ def decide_sharded(held: Sequence[tuple[int, bool, Hashable]]) -> list[Plan]:
                 newest,
             )
         sub = decide([(held[r][0], held[r][1]) for r in ranks])
-        plans.append(
-            Plan(
-                sub.commit,
-                tuple(ranks[i] for i in sub.sources),
-                tuple(ranks[i] for i in sub.receivers),
-            )
-        )
+        sources = tuple(ranks[i] for i in sub.sources)
+        plans.append(Plan(sub.commit, sources, tuple(ranks[i] for i in sub.receivers)))
     return plans
 
 
@@ -184,13 +179,9 @@ def move_commit(
     key: Hashable | None = None,
 ) -> list[Plan]:
     """Hand the newest commit of the round to every rank that lacks it (run by every
-    rank of the round's synchronisation group, the default group).
-
-    Three exchanges: every rank's commit (with, where it is intact, where its tensors lie
-    for a reader on the same machine), the commit's description, and every receiver's
-    report once it has read the bytes or could not. Only a receiver that could not read
-    them all from memory brings the gloo streams in. ``pool``: tensors this rank
-    allocated ahead (``inprocess.early``), taken where the description agrees.
+    rank of the round's synchronisation group, the default group; the steps: the
+    module's docstring). ``pool``: tensors this rank allocated ahead
+    (``inprocess.early``), taken where the description agrees.
 
     ``key``: this rank's shard (``sharded.shard_key``) when a sharded commit moves in the
     training's own group (``State.restore``), a plan per shard. Without it, a round in
