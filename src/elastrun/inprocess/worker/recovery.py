@@ -118,8 +118,10 @@ def _synchronised(channel: Channel, state: State, round_no: int, wait: float) ->
     """Synchronise the state with round ``round_no``'s other ranks. None when done;
     else what failed because a peer failed (or the round was superseded), and the
     worker takes the next round. Raises the worker's own errors unchanged."""
+    from elastrun.inprocess.worker.sync import synchronise
+
     try:
-        _synchronise(state, round_no, channel)
+        synchronise(state, round_no, lambda: channel.newer_than(round_no))
     except Exception as exc:
         _say_lost(channel, exc, round_no)
         if not _peer_failed(channel, exc, round_no, wait):
@@ -261,12 +263,6 @@ def _apply_env(env: dict[str, str]) -> None:
     for key in wire.ROUND_VARIABLES:
         if key in env:
             os.environ[key] = str(env[key])
-
-
-def _synchronise(state: State, round_no: int, channel: Channel) -> None:
-    from elastrun.inprocess.worker.sync import synchronise
-
-    synchronise(state, round_no, lambda: channel.newer_than(round_no))
 
 
 def _first_line(exc: BaseException) -> str:
