@@ -241,9 +241,8 @@ class _HideTemplateFrames:
 
 
 def _is_template_frame(filename: str) -> bool:
-    if filename in (__file__, bootstrap.__file__, "<frozen runpy>"):
-        return True
-    return os.path.basename(filename) == "runpy.py"
+    frames = (__file__, bootstrap.__file__, "<frozen runpy>")
+    return filename in frames or os.path.basename(filename) == "runpy.py"
 
 
 def _run_bootstrap() -> None:
