@@ -40,10 +40,6 @@ and as a group restart (a worker without ``elastrun.inprocess``)::
         GroupRestartRung.decide -> Reaction(RESTART, then=own_failure, from_memory=N)
       ElasticLoop._carry_out: phase RESTARTING; report.restart(); then() -> restart_fresh
         -> stop the workers, a new round, start them again
-
-(``from_memory``: the step of the node's memory checkpoints that the failed workers
-last reported complete on every rank, which the restarted script will load itself;
-None when they hold none. It only changes what the restart's report says.)
 """
 
 from __future__ import annotations

@@ -153,13 +153,12 @@ class WorkerProcesses:
         attempt.setup.relay.close()
         attempt.procs.close()
         if running:
-            self._metrics.put(
-                "agent.workers_stop.duration_ms", (self._clock.monotonic() - t0) * 1000
-            )
+            took_ms = (self._clock.monotonic() - t0) * 1000
+            self._metrics.put("agent.workers_stop.duration_ms", took_ms)
             log.info(
                 "stopped %d worker(s) in %.0f ms%s",
                 len(running),
-                (self._clock.monotonic() - t0) * 1000,
+                took_ms,
                 f" ({len(report.killed)} needed SIGKILL)" if report.killed else "",
             )
 
