@@ -8,6 +8,7 @@ events, warnings), end hung workers and note why elastrun ended a worker on purp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -110,10 +111,9 @@ class AttemptWatches:
         )
         self.reasons.update(hang_reasons(verdict, ranks, pids, dumps))
         for lr in verdict.hung:
-            try:
+            # It exited meanwhile: its exit is seen as usual.
+            with contextlib.suppress(OSError):
                 os.killpg(pids[lr], signal.SIGKILL)  # our unreaped child leads its group
-            except OSError:
-                pass  # it exited meanwhile; its exit is seen as usual
 
     def check_stuck_at_exit(self, attempt: Attempt) -> None:
         """Warn (once, with stacks) about workers still running long after every other

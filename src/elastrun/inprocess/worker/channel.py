@@ -61,10 +61,8 @@ class Channel:
             self._nursery.start(self._read, name="elastrun-inprocess-channel")
 
     def send(self, op: str, **fields: Any) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the agent is gone: it announces no round either
             self._sock.sendall(wire.encode({"op": op, "local_rank": self.local_rank, **fields}))
-        except OSError:
-            pass  # the agent is gone: it will not announce a round either
 
     def wait_round(self, after: int, timeout: float) -> dict[str, Any] | None:
         """The newest round message past ``after`` (None: none within ``timeout``, or

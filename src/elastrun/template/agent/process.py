@@ -12,6 +12,7 @@ keep them as zombies, since nothing else in the agent would reap them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
@@ -167,11 +168,10 @@ class Template:
             theirs.close()
         template = cls(key, proc, ours, stderr)
         setup = {"version": VERSION, "preload": list(preload), "optional": list(optional)}
-        try:
-            # A few bytes into an empty socket buffer: never blocks.
+        # A few bytes into an empty socket buffer: never blocks. An OSError: it died
+        # already, and await_ready reports how.
+        with contextlib.suppress(OSError):
             send_message(ours, setup)
-        except OSError:
-            pass  # it died already; await_ready reports how
         return template
 
     @property
@@ -253,10 +253,8 @@ class Template:
         self.proc.wait()
 
     def _wait_description(self) -> str:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(_STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pass
         return self.exit_description()
 
     def _stderr_note(self) -> str:

@@ -30,6 +30,7 @@ decides per worker and falls back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -99,13 +100,10 @@ def _parent_of(pid: int) -> int | None:
 def _umask() -> int:
     # /proc says it without the set-and-restore dance of os.umask, which would race
     # with other threads creating files.
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -118,11 +116,9 @@ def _ignored_signals() -> list[int]:
         # Popen resets these to the default before exec; python then ignores them.
         if sig in (signal.SIGPIPE, signal.SIGXFSZ):
             continue
-        try:
+        with contextlib.suppress(ValueError):
             if signal.getsignal(sig) == signal.SIG_IGN:
                 out.append(int(sig))
-        except ValueError:
-            pass
     return out
 
 

@@ -19,6 +19,7 @@ template's go-ahead.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import os
@@ -160,10 +161,9 @@ def reset_signals(request: dict[str, object]) -> None:
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
-        try:
+        # Raises for those the C library reserves (the first real-time signals).
+        with contextlib.suppress(OSError, ValueError):
             signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
-        except (OSError, ValueError):
-            pass  # reserved by the C library (the first real-time signals)
     # What the interpreter itself sets at startup.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -295,10 +295,8 @@ def become_worker(job: Job, stdio: Stdio, keep: set[int], titles: ModuleType | N
         if faulthandler.is_enabled():
             faulthandler.enable(file=sys.stderr, all_threads=True)
     except BaseException as exc:
-        try:
+        with contextlib.suppress(OSError):
             os.write(
                 2, f"elastrun: cannot set up the worker: {type(exc).__name__}: {exc}\n".encode()
             )
-        except OSError:
-            pass
         os._exit(1)

@@ -16,6 +16,7 @@ for the go-ahead) is :mod:`elastrun.template.worker.child`'s.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -70,10 +71,8 @@ def open_fds() -> set[int]:
 def close_quietly(*fds: int) -> None:
     """Close each descriptor, ignoring those already closed."""
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
 
 
 def _read_all(fd: int) -> bytes:
@@ -210,9 +209,7 @@ def _intermediate(
         os.read(ready_r, 1)
         os.write(pid_w, b"P%d" % worker)
     except BaseException as exc:
-        try:
+        with contextlib.suppress(OSError):
             os.write(pid_w, f"E{type(exc).__name__}: {exc}".encode(errors="replace"))
-        except OSError:
-            pass
         os._exit(1)
     os._exit(0)
