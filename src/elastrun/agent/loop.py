@@ -39,10 +39,6 @@ __all__ = ["ElasticLoop"]
 log = logging.getLogger("elastrun.agent")
 
 
-def _ignore() -> None:
-    """A change callback that does nothing (set when the loop is over)."""
-
-
 class ElasticLoop:
     """Runs, watches and restarts the workers of one node, from its assembled parts.
 
@@ -131,7 +127,7 @@ class ElasticLoop:
         p.cooldown.start()
         # Membership news from the rendezvous' watch thread wakes the loop at once; its
         # threads may outlive the notices, so the callback is taken back first.
-        exits.callback(p.rdzv.set_change_callback, _ignore)
+        exits.callback(p.rdzv.set_change_callback, lambda: None)
         p.rdzv.set_change_callback(p.notices.post)
         exits.callback(p.lifecycle.enter, AgentPhase.DONE)
         p.guard.start()

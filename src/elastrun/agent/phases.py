@@ -86,10 +86,6 @@ class Lifecycle:
     def phase(self) -> AgentPhase:
         return self._phase
 
-    @property
-    def workers(self) -> WorkerState:
-        return self._group.state
-
     def enter(self, phase: AgentPhase, workers: WorkerState | None = None) -> None:
         """Enter ``phase``, the worker group's state becoming ``workers`` with it (None:
         unchanged). Re-entering the current phase or state is no move.
