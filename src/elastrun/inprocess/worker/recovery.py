@@ -207,7 +207,8 @@ def _next_round(channel: Channel, state: State, round_no: int, wait: float, fail
         raise RuntimeError(
             f"{failure}; a peer failed, but the agent announced no new round within {wait:.0f}s"
         )
-    _apply_env(message.get("env") or {})
+    env = message.get("env") or {}
+    os.environ.update({key: str(env[key]) for key in wire.ROUND_VARIABLES if key in env})
     channel.send("joined", round=int(message["round"]))
     return int(message["round"])
 
@@ -257,12 +258,6 @@ def _teardown() -> None:
             world.group_count = 0
     keep_parked()
     gc.collect()  # the failed call's DDP wrapper, and its hooks on the parameters
-
-
-def _apply_env(env: dict[str, str]) -> None:
-    for key in wire.ROUND_VARIABLES:
-        if key in env:
-            os.environ[key] = str(env[key])
 
 
 def _first_line(exc: BaseException) -> str:
