@@ -29,7 +29,7 @@ import time
 from types import ModuleType
 
 from elastrun.core.linux import die_with_parent
-from elastrun.template.worker.fork import Job, close_quietly, open_fds
+from elastrun.template.worker.fork import Job, close_quietly, is_open, open_fds
 from elastrun.wire.template import STDIO_FDS, TITLE_ROOM, int_list
 from elastrun.worker import bootstrap, threadpools
 
@@ -108,10 +108,8 @@ def _open_stdio(
     fd: int, write: bool, name: str, encoding: str, errors: str, buffered: bool
 ) -> io.TextIOWrapper | None:
     """Build ``sys.std*`` for ``fd`` the way the interpreter does at startup."""
-    try:
-        os.fstat(fd)
-    except OSError:
-        return None  # no such descriptor: python sets sys.std* to None too
+    if not is_open(fd):
+        return None  # python sets sys.std* to None too
     # Like python: stdin stays buffered (TextIOWrapper needs read1); -u makes the
     # output streams unbuffered at the binary level and write-through at the text one.
     raw = io.FileIO(fd, "wb" if write else "rb", closefd=False)

@@ -56,16 +56,16 @@ def thread_count() -> int:
 
 
 def open_fds() -> set[int]:
-    """The descriptors this process holds."""
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            os.fstat(fd)
-        except OSError:
-            continue  # the descriptor listdir itself used, closed by now
-        found.add(fd)
-    return found
+    """The descriptors this process holds (not the one listdir used, closed by now)."""
+    return {fd for fd in map(int, os.listdir("/proc/self/fd")) if is_open(fd)}
+
+
+def is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def close_quietly(*fds: int) -> None:
@@ -76,10 +76,7 @@ def close_quietly(*fds: int) -> None:
 
 
 def _read_all(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 4096):
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return b"".join(iter(lambda: os.read(fd, 4096), b""))
 
 
 def spawn_many(
