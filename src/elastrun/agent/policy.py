@@ -1,9 +1,5 @@
-"""How the agent reacts to failures: a restart budget and a restart policy.
-
-The policy is an object so that other reactions (replace only the failed rank, keep
-survivors in place) can be added without touching the loop. ``RestartAll`` is torch's
-behaviour and the default.
-"""
+"""The restart budget, and the restart policy the budget rung asks (``agent.rungs``):
+``RestartAll``, torch's behaviour and the default."""
 
 from __future__ import annotations
 
