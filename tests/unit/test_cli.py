@@ -1060,6 +1060,13 @@ def test_help_prints_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
                 assert option in text, option
 
 
+def test_help_states_each_options_default_once() -> None:
+    # The parser appends "(default: N; env: ...)": a help text that also says
+    # "(default N)" printed it twice.
+    for action in build_parser()._actions:
+        assert (action.help or "").count("(default") <= 1, action.help
+
+
 def test_every_torchrun_option_is_known() -> None:
     known = {o for a in build_parser()._actions for o in a.option_strings}
     torchrun = {

@@ -174,7 +174,7 @@ OPTIONS: tuple[Option, ...] = (
         "SECONDS",
         "after every other local worker exited successfully, a worker still running this "
         "long gets its stacks dumped and is named in a warning (not stopped); 0 turns it "
-        "off (default 60)",
+        "off",
         "60",
         ours=True,
     ),
@@ -198,21 +198,21 @@ OPTIONS: tuple[Option, ...] = (
         "K",
         "keep a node out of the rounds for --exclude-cooldown once its workers failed K "
         "times within --exclude-window (a spare takes its place; never below the --nnodes "
-        "minimum); 0 turns it off, as torchrun (default 0)",
+        "minimum); 0 turns it off, as torchrun",
         "0",
         ours=True,
     ),
     option(
         "--exclude-window",
         "SECONDS",
-        "how long a node's failure counts towards --exclude-after (default 600)",
+        "how long a node's failure counts towards --exclude-after",
         "600",
         ours=True,
     ),
     option(
         "--exclude-cooldown",
         "SECONDS",
-        "how long an excluded node sits out before it joins again (default 300)",
+        "how long an excluded node sits out before it joins again",
         "300",
         ours=True,
     ),
@@ -235,7 +235,7 @@ OPTIONS: tuple[Option, ...] = (
     option(
         "--node-check-timeout",
         "SECONDS",
-        "how long a node's check may take; a node that overruns it failed (default 120)",
+        "how long a node's check may take; a node that overruns it failed",
         "120",
         ours=True,
     ),
@@ -249,7 +249,7 @@ OPTIONS: tuple[Option, ...] = (
     option(
         "--node-check-slowdown",
         "K",
-        "a node whose check is slower than K times the median of its peers' fails (default 3)",
+        "a node whose check is slower than K times the median of its peers' fails",
         "3",
         ours=True,
     ),
@@ -266,14 +266,14 @@ OPTIONS: tuple[Option, ...] = (
         "K|off",
         "a rank whose step time stays above K times the median of its peers' for 3 "
         "windows in a row is reported (a warning, an event, a metric; never stopped); "
-        "nodes are compared the same way (default 2)",
+        "nodes are compared the same way",
         "2",
         ours=True,
     ),
     option(
         "--straggler-window",
         "SECONDS",
-        "the length of one straggler window (default 10: reported after 30 s)",
+        "the length of one straggler window (a straggler is reported after 3 in a row)",
         "10",
         ours=True,
     ),
