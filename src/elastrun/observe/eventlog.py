@@ -33,8 +33,6 @@ from elastrun.observe.sinks import EventValue
 
 log = logging.getLogger(__name__)
 
-#: The names ``--event-log-handler`` accepts besides ``file:PATH``.
-EVENT_DESTINATIONS = ("null", "console", "dynamic_rendezvous")
 FILE_PREFIX = "file:"
 DEFAULT_SOURCE = "AGENT"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Protocol
 
 EventValue = str | int | float | bool | None
@@ -58,16 +57,6 @@ class NullMetricSink:
 
     def __repr__(self) -> str:
         return "NullMetricSink()"
-
-
-class LoggingEventSink:
-    """Writes each event as one DEBUG log line (for troubleshooting)."""
-
-    def __init__(self, logger: logging.Logger | None = None) -> None:
-        self._log = logger or logging.getLogger("elastrun.events")
-
-    def record(self, name: str, metadata: dict[str, EventValue]) -> None:
-        self._log.debug("event %s %s", name, metadata)
 
 
 class MemoryEventSink:

@@ -62,7 +62,6 @@ MAGIC = int.from_bytes(b"ELPROGR1", "little", signed=True)
 VERSION = 1
 WORD = 8
 SLOT_WORDS = 8
-SLOT_BYTES = SLOT_WORDS * WORD
 HEADER_WORDS = SLOT_WORDS  # magic, version, slots, slot words, then reserved
 # Header words.
 H_MAGIC, H_VERSION, H_SLOTS, H_SLOT_WORDS = 0, 1, 2, 3

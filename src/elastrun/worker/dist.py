@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 from elastrun.core.errors import ConfigError
-from elastrun.wire.env import RUN_ID_ENV
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def launched_by_elastic(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process was started by elastrun or torchrun."""
-    env = os.environ if environ is None else environ
-    return RUN_ID_ENV in env
 
 
 def init_process_group(
