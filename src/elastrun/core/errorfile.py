@@ -214,16 +214,11 @@ def _parse(path: str, data: bytes) -> ErrorFileContents | ErrorFileProblem:
 
 def _as_timestamp(value: object) -> float | None:
     """An epoch timestamp from an int, float or numeric string; None otherwise."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         return None
-    if isinstance(value, int | float):
-        result = float(value)
-    elif isinstance(value, str):
-        try:
-            result = float(value.strip())
-        except ValueError:
-            return None
-    else:
+    try:
+        result = float(value)  # (float() strips the spaces around a number itself)
+    except ValueError:
         return None
     # NaN and infinities cannot be shown as a time; negative stamps are nonsense.
     if not math.isfinite(result) or result < 0:

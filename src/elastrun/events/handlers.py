@@ -62,11 +62,6 @@ _sinks: dict[str, EventLog] = {}
 _handlers: dict[str, logging.Handler] = {}
 
 
-def _unknown(destination: str, exc: ConfigError | None = None) -> UnknownEventDestinationError:
-    reason = exc.reason if exc is not None else "expected null, console or file:PATH"
-    return UnknownEventDestinationError(_FIELD, destination, reason)
-
-
 def get_event_sink(destination: str = "null") -> EventLog:
     """The sink that events recorded to ``destination`` go to (one per destination).
 
@@ -79,7 +74,7 @@ def get_event_sink(destination: str = "null") -> EventLog:
             try:
                 sink = make_event_sink(destination, field=_FIELD)
             except ConfigError as exc:
-                raise _unknown(destination, exc) from None
+                raise UnknownEventDestinationError(_FIELD, destination, exc.reason) from None
             _sinks[destination] = sink
         return sink
 
