@@ -183,16 +183,12 @@ class Call(Generic[T]):
 
     def _run(self, scope: CancelScope, target: Callable[..., T], args: tuple[object, ...]) -> None:
         try:
-            value = target(scope, *args)
+            self._value.append(target(scope, *args))
         except BaseException as exc:  # handed to whoever waits for it (``result``)
-            with self._cond:
-                self._error, self._done = exc, True
-                self._cond.notify_all()
-        else:
-            with self._cond:
-                self._value.append(value)
-                self._done = True
-                self._cond.notify_all()
+            self._error = exc
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
 
     @property
     def done(self) -> bool:

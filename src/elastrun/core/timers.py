@@ -41,13 +41,10 @@ class TimerRequest:
         return self.expiration_time < 0
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TimerRequest):
-            return False
-        return (
-            self.worker_id == other.worker_id
-            and self.scope_id == other.scope_id
-            and self.expiration_time == other.expiration_time
-        )
+        return isinstance(other, TimerRequest) and self._key() == other._key()
+
+    def _key(self) -> tuple[object, ...]:
+        return self.worker_id, self.scope_id, self.expiration_time
 
     # Mutable and compared by value, as torch's: not usable as a dict key.
     __hash__ = None  # type: ignore[assignment]  # reason: deliberately unhashable
@@ -107,8 +104,7 @@ class TimerTable(Generic[R]):
 
     def clear_if(self, predicate: Callable[[Hashable], bool]) -> None:
         """Drop every timer whose worker id satisfies ``predicate`` (asked once per worker)."""
-        doomed = {worker for worker in self.workers() if predicate(worker)}
-        self.clear(doomed)
+        self.clear({worker for worker in self.workers() if predicate(worker)})
 
     def expired(self, deadline: float) -> dict[Hashable, list[R]]:
         """The timers that have run out by ``deadline``, grouped by worker."""

@@ -65,14 +65,8 @@ class FileTimerRequest(TimerRequest):
     def worker_pid(self) -> int:
         return cast(int, self.worker_id)
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, FileTimerRequest):
-            return False
-        return (
-            super().__eq__(other) and self.version == other.version and self.signal == other.signal
-        )
-
-    __hash__ = None  # deliberately unhashable, like its base
+    def _key(self) -> tuple[object, ...]:
+        return (*super()._key(), self.version, self.signal)
 
     def to_json(self) -> str:
         """The wire form: one JSON object, the same keys torch writes."""
