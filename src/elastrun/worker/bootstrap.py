@@ -37,9 +37,6 @@ from elastrun.wire.env import ERROR_FILE_ENV, PROGRESS_FILE_ENV, STACKS_FILE_ENV
 
 _USAGE = "usage: python -m elastrun.worker.bootstrap (SCRIPT | -m MODULE) [ARGS...]\n"
 
-# This module's name when imported normally, for rewriting sys.orig_argv.
-_SELF_MODULE = _wire.BOOTSTRAP_MODULE
-
 _Excepthook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
 
@@ -217,12 +214,8 @@ def _install_fresh_main() -> ModuleType:
 def _set_path0(directory: str) -> None:
     """Replace the bootstrap's sys.path[0] (the cwd, from ``-m``) with ``directory``."""
     # With -P / PYTHONSAFEPATH python adds no such entry, for the bootstrap or the script.
-    if sys.flags.safe_path:
-        return
-    if sys.path:
-        sys.path[0] = directory
-    else:
-        sys.path.insert(0, directory)
+    if not sys.flags.safe_path:
+        sys.path[:1] = [directory]
 
 
 def _is_importable_location(path: str) -> bool:
@@ -246,7 +239,7 @@ def _rewrite_orig_argv(args: list[str]) -> None:
     """
     orig = list(getattr(sys, "orig_argv", []))
     for i in range(len(orig) - 1):
-        if orig[i] == "-m" and orig[i + 1] == _SELF_MODULE and orig[i + 2 :] == args:
+        if orig[i] == "-m" and orig[i + 1] == _wire.BOOTSTRAP_MODULE and orig[i + 2 :] == args:
             sys.orig_argv = [*orig[:i], *args]
             return
 

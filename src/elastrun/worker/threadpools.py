@@ -82,19 +82,9 @@ def _atoi(text: str | None) -> int:
 def openblas_default_threads(env: Mapping[str, str], cpus: int, most: int | None = None) -> int:
     """The pool size OpenBLAS picks when it loads in a process with ``env`` and
     ``cpus`` usable CPUs; ``most``: the build's ``MAX_THREADS``, if known."""
-    wanted = 0
-    for name in _OWN_VARIABLES:
-        wanted = max(_atoi(env.get(name)), 0)
-        if wanted:
-            break
-    if not wanted:
-        wanted = max(_atoi(env.get(_OMP_VARIABLE)), 0)
-    if not wanted:
-        wanted = cpus
-    wanted = min(wanted, cpus)
-    if most is not None:
-        wanted = min(wanted, most)
-    return max(1, wanted)
+    counts = (_atoi(env.get(name)) for name in (*_OWN_VARIABLES, _OMP_VARIABLE))
+    wanted = next((n for n in counts if n > 0), cpus)
+    return max(1, min(wanted, cpus, cpus if most is None else most))
 
 
 def openmp_default_threads(env: Mapping[str, str], cpus: int) -> int | None:
@@ -170,11 +160,6 @@ class _OpenBlas:
         return f"_OpenBlas(threads={self.threads()})"
 
 
-def _loaded_openblas() -> Iterator[str]:
-    """The paths of the OpenBLAS libraries mapped into this process."""
-    return _loaded(_OPENBLAS_FILE)
-
-
 def _set_openmp_default(path: str, size: int) -> bool:
     """Set the default team size of the OpenMP runtime at ``path``; False if it is none."""
     try:
@@ -189,6 +174,16 @@ def _set_openmp_default(path: str, size: int) -> bool:
     return True
 
 
+def _loaded_openblas() -> Iterator[str]:
+    """The paths of the OpenBLAS libraries mapped into this process."""
+    return _loaded(_OPENBLAS_FILE)
+
+
+def _libraries() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The paths of the OpenMP and the OpenBLAS libraries mapped into this process."""
+    return tuple(_loaded(_OPENMP_FILE)), tuple(_loaded_openblas())
+
+
 # The libraries found by ``remember_libraries`` in the template: (OpenMP, OpenBLAS).
 _REMEMBERED: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
@@ -197,14 +192,14 @@ def remember_libraries() -> None:
     """Find the OpenMP and OpenBLAS libraries now (in the template, after its imports),
     so that each forked worker does not scan ``/proc/self/maps`` again on its start."""
     global _REMEMBERED
-    _REMEMBERED = (tuple(_loaded(_OPENMP_FILE)), tuple(_loaded_openblas()))
+    _REMEMBERED = _libraries()
 
 
 def resize_for_worker(env: Mapping[str, str]) -> dict[str, int]:
     """Give each loaded OpenBLAS pool, and each OpenMP runtime's default team, the size
     a fresh interpreter with ``env`` and this process's CPU affinity would have; returns
     the sizes set, by library path."""
-    openmp, openblas = _REMEMBERED or (tuple(_loaded(_OPENMP_FILE)), tuple(_loaded_openblas()))
+    openmp, openblas = _REMEMBERED or _libraries()
     cpus = len(os.sched_getaffinity(0))
     done = {}
     team = openmp_default_threads(env, cpus)
