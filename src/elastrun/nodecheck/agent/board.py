@@ -70,10 +70,6 @@ def _dump(doc: Mapping[str, object]) -> bytes:
     return json.dumps({"v": VERSION, **doc}, sort_keys=True).encode()
 
 
-def _load(raw: bytes | None) -> dict[str, object] | None:
-    return versioned_doc(raw, VERSION)
-
-
 def _number(value: object) -> float | None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return float(value) if ok else None  # type: ignore[arg-type]  # checked just above
@@ -139,7 +135,7 @@ class CheckBoard:
                 found, _ = self._store.get_prefix(f"{self._root}{wave_id}/in/")
                 addrs = {}
                 for k, raw in found.items():
-                    doc = _load(raw)
+                    doc = versioned_doc(raw, VERSION)
                     addrs[k.rsplit("/", 1)[1]] = str(doc.get("addr", "")) if doc else ""
                 return Wave(wave_id, members, addrs)
 
@@ -147,7 +143,7 @@ class CheckBoard:
         key = self._root + "wave"
         while True:
             raw = self._store.get(key)
-            doc = _load(raw) or {}
+            doc = versioned_doc(raw, VERSION) or {}
             number, until = doc.get("id"), _number(doc.get("until"))
             now = self._clock.time()
             margin = min(MARGIN, self._window / 4)
@@ -164,7 +160,7 @@ class CheckBoard:
         prefix = f"{self._root}{wave_id}/in/"
         scope = cancel.current()
         while True:
-            decided = _load(self._store.get(key))
+            decided = versioned_doc(self._store.get(key), VERSION)
             members = decided.get("members") if decided is not None else None
             if isinstance(members, list):
                 return tuple(str(m) for m in members)
@@ -193,7 +189,7 @@ class CheckBoard:
             self._store.wait([key], max(0.0, deadline - time.monotonic()))
         except StoreTimeoutError:
             return None
-        doc = _load(self._store.get(key))
+        doc = versioned_doc(self._store.get(key), VERSION)
         port = doc.get("port") if doc else None
         return port if isinstance(port, int) and port > 0 else None
 
@@ -219,7 +215,7 @@ class CheckBoard:
                 self._store.compare_set(key, None, marker)
         found: dict[str, LinkResult] = {}
         for node, key in keys.items():
-            doc = _load(self._store.get(key)) or {"missing": True}
+            doc = versioned_doc(self._store.get(key), VERSION) or {"missing": True}
             found[node] = LinkResult(
                 _number(doc.get("link")), _number(doc.get("compute")), bool(doc.get("missing"))
             )

@@ -157,14 +157,11 @@ class Isolation:
         self._times: list[float] = []  # every fast-or-slow pair time seen (the reference)
         #: The link round under way (0 first).
         self.round = 0
-        self.pairs: list[Pair] = self._first_pairs()
+        n = self.nodes
+        self.pairs = [Pair.of(n[i], n[i + 1]) for i in range(0, len(n) - 1, 2)]
         self.done = False
         if not self.pairs:
             self._finish()
-
-    def _first_pairs(self) -> list[Pair]:
-        n = self.nodes
-        return [Pair.of(n[i], n[i + 1]) for i in range(0, len(n) - 1, 2)]
 
     def feed_compute(self, compute: Mapping[str, float | None]) -> None:
         """Every node's compute time (None, or absent: its compute part failed), once,
@@ -231,9 +228,8 @@ class Isolation:
         pairs: list[Pair] = []
         unmatched: list[str] = []
         for node in pending:
-            helper = next((h for h in helpers if h not in self._tried[node]), None)
-            if helper is None and helpers:
-                helper = helpers[0]
+            fallback = helpers[0] if helpers else None
+            helper = next((h for h in helpers if h not in self._tried[node]), fallback)
             if helper is None:
                 unmatched.append(node)
                 continue

@@ -271,15 +271,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     script_cmd = sub.add_parser("script")
     script_cmd.add_argument("argv", nargs="+")
     args = parser.parse_args(argv)
+    if args.parent is not None:
+        # A script gets SIGTERM at the agent's death, not SIGKILL: its descendants end too.
+        die_with_parent(signal.SIGTERM if args.command == "script" else signal.SIGKILL, args.parent)
     if args.command == "script":
-        # SIGTERM at the agent's death, not SIGKILL: the script's descendants end too.
-        if args.parent is not None:
-            die_with_parent(signal.SIGTERM, args.parent)
         # (Some argparse versions keep the "--" that ends the options.)
         script = args.argv[1:] if args.argv[0] == "--" else args.argv
         return _exit_as(run_script(script))
-    if args.parent is not None:
-        die_with_parent(signal.SIGKILL, args.parent)
     deadline = time.monotonic() + args.deadline
     fail, extra = _fault()
     try:
