@@ -92,8 +92,7 @@ class NodeExchange:
 
     def _exchange_once(self) -> None:
         with self._lock:
-            summary = self._offered
-            self._offered = None
+            summary, self._offered = self._offered, None
         if summary is not None:
             self._seq += 1
             summary = dataclasses.replace(summary, node=self._node, seq=self._seq)

@@ -86,13 +86,10 @@ class ProgressWatch:
 
     def status(self) -> dict[str, dict[str, float | int]]:
         """Each local rank's last step and the age of its last report (health check)."""
-        board = self._board
-        if board is None or board.closed:
-            return {}
         now = self._clock.monotonic()
         return {
             str(lr): {"step": rec.step, "age_s": round(max(0.0, now - rec.last_report), 3)}
-            for lr, rec in board.snapshot().items()
+            for lr, rec in self.snapshot().items()
         }
 
     def snapshot(self) -> Snapshot:
@@ -111,9 +108,8 @@ class ProgressWatch:
         restarting when the last restarts made no progress, else None."""
         if self._guard is None or self._board is None:
             return None
-        if not self._guard.attempt_ended(steps_of(self._board.snapshot())):
-            return None
-        return self._guard.describe()
+        stop = self._guard.attempt_ended(steps_of(self._board.snapshot()))
+        return self._guard.describe() if stop else None
 
     def recovered(self, commit: int) -> None:
         """An in-process recovery completed, every rank holding ``commit`` (the newest

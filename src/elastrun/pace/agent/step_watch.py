@@ -157,6 +157,8 @@ class PaceWatch:
         self._cleared(before, self._nodes, "node")
 
     def _report(self, s: Straggler[int] | Straggler[str], scope: str) -> None:
+        settings = self._settings
+        assert settings is not None, "stragglers are only found with settings"
         gauge, meta, who = self._identify(s.key, scope)
         if scope == "node":
             slowest = self._slowest.get(str(s.key), -1)
@@ -169,7 +171,7 @@ class PaceWatch:
         log.warning(
             "%s is a straggler: %.3gs per step, %.1fx the median of its peers (%.3gs) for %d "
             "windows of %gs (--straggler-factor %g); it is not stopped",
-            who, s.step_time, s.ratio, s.peer_median, s.windows, self._window, self._factor,
+            who, s.step_time, s.ratio, s.peer_median, s.windows, settings.window, settings.factor,
         )  # fmt: skip
         # The count first: a scrape that shows the gauge then shows the report too.
         self._metrics.put("agent.stragglers", 1)
@@ -212,14 +214,6 @@ class PaceWatch:
             {"scope": scope, "group_rank": int(key)},
             f"node of group rank {key}",
         )
-
-    @property
-    def _window(self) -> float:
-        return self._settings.window if self._settings else 0.0
-
-    @property
-    def _factor(self) -> float:
-        return self._settings.factor if self._settings else 0.0
 
     def close(self) -> None:
         """Stop the job-wide exchange of this round (and forget the nodes). Never raises."""
