@@ -1,7 +1,4 @@
-"""The worker server's client: call a handler, list them, fetch one or many workers' stacks.
-
-Works against elastrun's server and torch's (handlers are called with POST).
-"""
+"""The worker server's client: call a handler, list them, fetch one or many workers' stacks."""
 
 from __future__ import annotations
 

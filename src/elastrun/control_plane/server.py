@@ -1,8 +1,4 @@
-"""The worker server: torch's worker-server routes over HTTP on a unix socket.
-
-Pure Python on a daemon thread, so it needs the GIL to answer: a worker blocked in a C
-call that holds the GIL cannot reply (collectives, sleeps and I/O release it).
-"""
+"""The worker server: torch's worker-server routes over HTTP on a unix socket."""
 
 from __future__ import annotations
 

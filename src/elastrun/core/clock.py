@@ -61,9 +61,7 @@ class Deadline:
 
     def timeout(self, cap: float | None = None) -> float | None:
         """The remaining time as a ``select``-style timeout (None means forever)."""
-        left = self.remaining()
-        if cap is not None:
-            left = min(left, cap)
+        left = self.remaining() if cap is None else min(self.remaining(), cap)
         return None if math.isinf(left) else left
 
     def earliest(self, other: Deadline) -> Deadline:

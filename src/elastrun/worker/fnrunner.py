@@ -30,9 +30,7 @@ def run_call(function: Callable[..., object], args: tuple[object, ...], return_f
         result = record(function)(*args)
     except SystemExit as exc:
         code = exc.code
-        if code is None:
-            return 0
-        return code if isinstance(code, int) else 1
+        return 0 if code is None else code if isinstance(code, int) else 1
     except BaseException:
         traceback.print_exc()
         return 1
@@ -88,8 +86,7 @@ def _prepare_main(main_file: str | None) -> None:
     namespace = runpy.run_path(main_file, run_name="__mp_main__")
     module = type(sys)("__mp_main__")
     module.__dict__.update(namespace)
-    sys.modules["__mp_main__"] = module
-    sys.modules["__main__"] = module
+    sys.modules["__mp_main__"] = sys.modules["__main__"] = module
 
 
 def main(argv: list[str]) -> int:

@@ -29,10 +29,7 @@ pre { background: #f6f6f6; padding: 12px; overflow-x: auto; font-size: 12px; }
 def _nice_step(span_s: float, target: int = 8) -> float:
     raw = max(span_s / target, 1e-3)
     base = 10 ** math.floor(math.log10(raw))
-    for mult in (1, 2, 5, 10):
-        if base * mult >= raw:
-            return float(base * mult)
-    return float(base * 10)
+    return float(next((base * mult for mult in (1, 2, 5) if base * mult >= raw), base * 10))
 
 
 def _esc(text: object) -> str:
@@ -129,8 +126,7 @@ def _draw_lane(c: _Canvas, lane: Lane, y0: float) -> None:
 def _draw_legend(c: _Canvas) -> None:
     y = c.height - 16
     x = float(_LEFT)
-    items = [("rendezvous", _RDZV_COLOR)] + [(k, v) for k, v in _COLORS.items()]
-    for label, color in items:
+    for label, color in [("rendezvous", _RDZV_COLOR), *_COLORS.items()]:
         c.add(f'<rect x="{x}" y="{y - 10}" width="12" height="12" rx="2" fill="{color}"/>')
         c.text(x + 16, y, label)
         x += 30 + 7 * len(label)
