@@ -63,6 +63,12 @@ STEP_BUCKETS = (
     60.0, 300.0, math.inf,
 )  # fmt: skip
 
+
+def _worker_histogram(prom_name: str, help: str) -> MetricDef:
+    """A duration of each worker, put in milliseconds (step-time buckets)."""
+    return MetricDef("histogram", prom_name, help, _MS, _RANK_LABELS, STEP_BUCKETS)
+
+
 #: The metric names the agent puts, and their Prometheus form.
 AGENT_METRICS: dict[str, MetricDef] = {
     "agent.restarts": MetricDef(
@@ -142,13 +148,9 @@ AGENT_METRICS: dict[str, MetricDef] = {
     "worker.step": MetricDef(
         "gauge", "elastrun_worker_step", "The last step each worker reported", labels=_RANK_LABELS
     ),
-    "worker.step.duration_ms": MetricDef(
-        "histogram",
+    "worker.step.duration_ms": _worker_histogram(
         "elastrun_worker_step_seconds",
         "Time per step of each worker (the mean over each second in which it reported)",
-        _MS,
-        labels=_RANK_LABELS,
-        buckets=STEP_BUCKETS,
     ),
     "worker.straggler": MetricDef(
         "gauge",
@@ -162,32 +164,20 @@ AGENT_METRICS: dict[str, MetricDef] = {
         "Memory checkpoint saves each worker finished (kept, dropped or skipped)",
         labels=_RANK_LABELS,
     ),
-    "checkpoint.blocked.duration_ms": MetricDef(
-        "histogram",
+    "checkpoint.blocked.duration_ms": _worker_histogram(
         "elastrun_checkpoint_blocked_seconds",
         "Time a memory checkpoint save blocked the training thread (the mean over each "
         "second's saves)",
-        _MS,
-        labels=_RANK_LABELS,
-        buckets=STEP_BUCKETS,
     ),
-    "checkpoint.save.duration_ms": MetricDef(
-        "histogram",
+    "checkpoint.save.duration_ms": _worker_histogram(
         "elastrun_checkpoint_save_seconds",
         "Time from a save's call until the worker's step is written (the mean over each "
         "second's saves)",
-        _MS,
-        labels=_RANK_LABELS,
-        buckets=STEP_BUCKETS,
     ),
-    "checkpoint.lag.duration_ms": MetricDef(
-        "histogram",
+    "checkpoint.lag.duration_ms": _worker_histogram(
         "elastrun_checkpoint_lag_seconds",
         "Copy lag: time from a save's call until its step is complete on every rank "
         "(the mean over each second's saves)",
-        _MS,
-        labels=_RANK_LABELS,
-        buckets=STEP_BUCKETS,
     ),
     "checkpoint.step": MetricDef(
         "gauge",
@@ -201,13 +191,9 @@ AGENT_METRICS: dict[str, MetricDef] = {
         "The step each worker last restored from memory",
         labels=_RANK_LABELS,
     ),
-    "checkpoint.restore.duration_ms": MetricDef(
-        "histogram",
+    "checkpoint.restore.duration_ms": _worker_histogram(
         "elastrun_checkpoint_restore_seconds",
         "Time each worker took to load its memory checkpoint after a restart",
-        _MS,
-        labels=_RANK_LABELS,
-        buckets=STEP_BUCKETS,
     ),
     "node.straggler": MetricDef(
         "gauge",
