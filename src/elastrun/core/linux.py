@@ -33,16 +33,13 @@ PR_GET_CHILD_SUBREAPER = 37
 PR_SET_PTRACER = 0x59616D61
 
 
-def _load_libc() -> ctypes.CDLL | None:
-    # The symbols already loaded into this process (libc's among them): no search, unlike
-    # ``ctypes.util.find_library``, which runs ``ldconfig`` in a subprocess on every call.
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:  # pragma: no cover - a statically linked interpreter
-        return None
-
-
-_LIBC = _load_libc()
+# The symbols already loaded into this process (libc's among them): no search, unlike
+# ``ctypes.util.find_library``, which runs ``ldconfig`` in a subprocess on every call.
+_LIBC: ctypes.CDLL | None
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - a statically linked interpreter
+    _LIBC = None
 
 
 def libc() -> ctypes.CDLL | None:

@@ -103,6 +103,8 @@ def construct_and_record_rdzv_event(
     if is_null_destination(destination):
         return
     caller = sys._getframe(1)
+    # format_exc() outside an except block gives "NoneType: None"; say nothing instead.
+    trace = node_state == NodeState.FAILED and sys.exc_info()[0] is not None
     filename = os.path.basename(caller.f_code.co_filename)
     event = RdzvEvent(
         name=f"{filename}:{name or caller.f_code.co_name}",
@@ -114,11 +116,6 @@ def construct_and_record_rdzv_event(
         master_endpoint=master_endpoint,
         rank=rank,
         local_id=local_id,
-        error_trace=_current_trace() if node_state == NodeState.FAILED else "",
+        error_trace=traceback.format_exc() if trace else "",
     )
     record_rdzv_event(event, destination)
-
-
-def _current_trace() -> str:
-    # format_exc() outside an except block gives "NoneType: None"; say nothing instead.
-    return traceback.format_exc() if sys.exc_info()[0] is not None else ""

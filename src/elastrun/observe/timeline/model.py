@@ -257,10 +257,6 @@ def _failure_of(ev: TimelineEvent) -> Failure:
     return Failure(ev.t_ms, _int(meta.get("rank")), _int(code))
 
 
-def _on_worker_failed(lane: Lane, ev: TimelineEvent) -> None:
-    _add_failure(lane, _failure_of(ev))
-
-
 def _on_restart(lane: Lane, ev: TimelineEvent) -> None:
     failure = _failure_of(ev)
     _add_failure(lane, failure)
@@ -271,10 +267,6 @@ def _on_restart(lane: Lane, ev: TimelineEvent) -> None:
     _close(lane, ev.t_ms, "restarted", f"{failure.describe()}; restarting")
     lane.restarts.append(restart)
     lane.pending = restart
-
-
-def _on_membership(lane: Lane, ev: TimelineEvent) -> None:
-    _close(lane, ev.t_ms, "re-formed", "nodes joined or left")
 
 
 def _restarts_note(meta: dict[str, EventValue]) -> str:
@@ -315,9 +307,9 @@ def _on_state(lane: Lane, ev: TimelineEvent) -> None:
 _HANDLERS: dict[str, Callable[[Lane, TimelineEvent], None]] = {
     RENDEZVOUS: _on_rendezvous,
     WORKERS_STARTED: _on_started,
-    WORKER_FAILED: _on_worker_failed,
+    WORKER_FAILED: lambda lane, ev: _add_failure(lane, _failure_of(ev)),
     RESTART: _on_restart,
-    MEMBERSHIP_CHANGE: _on_membership,
+    MEMBERSHIP_CHANGE: lambda lane, ev: _close(lane, ev.t_ms, "re-formed", "nodes joined or left"),
     FAILED: _on_failed,
     SUCCEEDED: _on_succeeded,
     SIGNAL: _on_signal,
