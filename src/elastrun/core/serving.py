@@ -17,12 +17,12 @@ import contextlib
 import socket
 import socketserver
 import threading
-from typing import Any
+from typing import Any, Self
 
 from elastrun.core.cancel import CancelScope
 from elastrun.core.threads import Nursery
 
-__all__ = ["NurseryRequests", "Served", "serve_until_cancelled"]
+__all__ = ["Endpoint", "NurseryRequests", "Served", "serve_until_cancelled"]
 
 
 def serve_until_cancelled(scope: CancelScope, server: NurseryRequests) -> None:
@@ -111,3 +111,33 @@ class Served:
 
     def __repr__(self) -> str:
         return f"Served({type(self.server).__name__}, {self.nursery!r})"
+
+
+class Endpoint:
+    """What a TCP server that serves through :class:`Served` shares: its port, ``stop``
+    and its use as a context manager; ``start`` binds and sets ``_served`` (a fresh one
+    per start)."""
+
+    _requested_port: int
+    _served: Served | None = None
+
+    def start(self) -> object:
+        raise NotImplementedError
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (the one asked for, 0 for any, before)."""
+        return self._requested_port if self._served is None else self._served.port
+
+    def stop(self) -> None:
+        """Stop serving and free the port. Idempotent; never raises."""
+        served, self._served = self._served, None
+        if served is not None:
+            served.close("stopped")
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

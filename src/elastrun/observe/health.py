@@ -21,13 +21,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
+from elastrun.core.serving import Endpoint, Served
 from elastrun.core.values import parse_port
 from elastrun.wire.env import HEALTH_CHECK_PORT_ENV
-
-if TYPE_CHECKING:
-    from elastrun.core.serving import Served
 
 __all__ = [
     "HealthCheckServer",
@@ -57,7 +54,7 @@ def port_from_env(environ: Mapping[str, str]) -> int | None:
     return parse_port(raw, HEALTH_CHECK_PORT_ENV)
 
 
-class HealthCheckServer:
+class HealthCheckServer(Endpoint):
     """Serves the agent's health over HTTP from a daemon thread.
 
     Args:
@@ -87,19 +84,11 @@ class HealthCheckServer:
         self.host = host
         self._state_callback = state_callback
         self._clock = clock
-        self._served: Served | None = None  # a fresh one per start(); stop() closes it
 
     @property
     def alive_callback(self) -> AliveCallback:
         """The callback returning the time of the last progress (torch's name)."""
         return self._alive_callback
-
-    @property
-    def port(self) -> int:
-        """The port being served (the one the kernel picked when 0 was asked for)."""
-        if self._served is not None:
-            return self._served.port
-        return self._requested_port
 
     def snapshot(self) -> dict[str, object]:
         """The document served: state fields, ``last_progress`` and ``healthy``."""
@@ -122,26 +111,12 @@ class HealthCheckServer:
             return
         # http.server (with http.client, email and ssl) is loaded only for a server that
         # is started: every launch reads TORCHELASTIC_HEALTH_CHECK_PORT, few serve it.
-        from elastrun.core.serving import Served
         from elastrun.observe.health_http import HealthHandler, HealthHTTPServer
 
         server = HealthHTTPServer((self.host, self._requested_port), HealthHandler)
         server.health = self
         self._served = Served(server, "elastrun-health")
         log.info("health check server listening on %s:%d", self.host, self.port)
-
-    def stop(self) -> None:
-        """Stop serving and free the port. Idempotent; never raises."""
-        served, self._served = self._served, None
-        if served is not None:
-            served.close("stopped")
-
-    def __enter__(self) -> HealthCheckServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         running = self._served is not None

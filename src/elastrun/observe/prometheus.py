@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from elastrun.core.errors import ConfigError
-from elastrun.core.serving import NurseryRequests, Served
+from elastrun.core.serving import Endpoint, NurseryRequests, Served
 from elastrun.observe.sinks import split_labels
 
 if TYPE_CHECKING:
@@ -337,7 +337,7 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-class MetricsServer:
+class MetricsServer(Endpoint):
     """Serves a :class:`PrometheusMetricSink` at ``http://HOST:PORT/metrics``.
 
     The constructor only checks its arguments and builds the sink (it binds nothing);
@@ -361,14 +361,6 @@ class MetricsServer:
         self._requested_port = port
         self.host = host
         self.sink = PrometheusMetricSink(field=field)
-        self._served: Served | None = None  # a fresh one per start(); stop() closes it
-
-    @property
-    def port(self) -> int:
-        """The bound port once started (the requested one before)."""
-        if self._served is not None:
-            return self._served.port
-        return self._requested_port
 
     @property
     def url(self) -> str:
@@ -401,19 +393,6 @@ class MetricsServer:
         self._served = Served(httpd, "elastrun-metrics")
         log.info("serving metrics at %s", self.url)
         return self.port
-
-    def stop(self) -> None:
-        """Stop serving and free the port. Idempotent; never raises."""
-        served, self._served = self._served, None
-        if served is not None:
-            served.close("stopped")
-
-    def __enter__(self) -> MetricsServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         state = "serving" if self._served is not None else "stopped"
