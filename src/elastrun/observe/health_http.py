@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HealthHTTPServer", "HealthHandler"]
 
-# The endpoint's one logger name, as before this module was split off.
-log = logging.getLogger("elastrun.observe.health")
+log = logging.getLogger("elastrun.observe.health")  # the endpoint's one logger
 
 
 class HealthHTTPServer(NurseryRequests, HTTPServer):

@@ -1,5 +1,2 @@
-"""Pace, the agent's side: the board the workers report into, the pure detectors (hangs,
-stragglers, restarts without progress) and the watches that turn their snapshots into
-verdicts, metrics and events. It never imports torch nor the workers' side
-(``elastrun.pace.worker``); the two share :mod:`elastrun.wire.progress`.
-"""
+"""Pace, the agent's side (see :mod:`elastrun.pace`); it never imports torch nor the
+workers' side, with which it shares :mod:`elastrun.wire.progress`."""
