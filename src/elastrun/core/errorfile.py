@@ -221,9 +221,7 @@ def _as_timestamp(value: object) -> float | None:
     except ValueError:
         return None
     # NaN and infinities cannot be shown as a time; negative stamps are nonsense.
-    if not math.isfinite(result) or result < 0:
-        return None
-    return result
+    return result if math.isfinite(result) and result >= 0 else None
 
 
 def copy_with_error_code(src: ErrorFileContents, dest_path: str, error_code: int) -> None:

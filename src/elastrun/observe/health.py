@@ -49,9 +49,7 @@ def port_from_env(environ: Mapping[str, str]) -> int | None:
         ConfigError: naming the variable, for anything but a port number 0..65535.
     """
     raw = environ.get(HEALTH_CHECK_PORT_ENV, "").strip()
-    if not raw:
-        return None
-    return parse_port(raw, HEALTH_CHECK_PORT_ENV)
+    return parse_port(raw, HEALTH_CHECK_PORT_ENV) if raw else None
 
 
 class HealthCheckServer(Endpoint):

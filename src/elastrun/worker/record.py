@@ -174,9 +174,7 @@ def record(
 
         return wrapper
 
-    if fn is None:
-        return decorate
-    return decorate(fn)
+    return decorate if fn is None else decorate(fn)
 
 
 def forward_child_failure(handler: ErrorHandler, exc: Exception) -> bool:

@@ -322,10 +322,8 @@ def _hang_up(host: str, port: int) -> None:
     """Connect to a partner's link test and leave at once: this side's check process
     failed without reaching it, and the partner's would otherwise wait for it until its
     deadline. (A partner whose agent died is waited for until then.)"""
-    try:
+    with contextlib.suppress(OSError):  # it is gone already
         socket.create_connection((host, port), timeout=1.0).close()
-    except OSError:
-        pass  # it is gone already
 
 
 def quote(text: str, limit: int = QUOTE) -> str:

@@ -50,6 +50,7 @@ subreapers (before 3.4), the script's direct children are still ended.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -209,10 +210,8 @@ def _end_descendants() -> None:
     left: as a subreaper, a killed child's own children become this process's."""
     while True:
         for pid in _children():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         try:
             os.waitpid(-1, 0)
         except ChildProcessError:
@@ -236,10 +235,8 @@ def run_script(argv: Sequence[str]) -> int:
 
     A SIGTERM, SIGINT or SIGHUP ends the script and its descendants at once.
     """
-    try:
+    with contextlib.suppress(OSError):  # an old kernel: only its direct children are ended
         set_child_subreaper(True)
-    except OSError:
-        pass  # an old kernel: only the script's direct children are ended
     for sig in STOPS:
         signal.signal(sig, _stop)
     try:

@@ -144,9 +144,7 @@ def _lane_of(metadata: dict[str, EventValue]) -> str:
     host, pid = (metadata.get(k) for k in LANE_KEYS)
     if host is None and pid is None:
         return "agent"
-    if pid is None:
-        return str(host)
-    return f"{host or 'agent'} (pid {pid})"
+    return str(host) if pid is None else f"{host or 'agent'} (pid {pid})"
 
 
 def parse_events(lines: Iterable[str]) -> tuple[list[TimelineEvent], int]:

@@ -14,6 +14,7 @@ of a write again and again (its writer stopped half-way, say).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections.abc import Iterable, Mapping
@@ -179,10 +180,8 @@ class ProgressBoard:
         self._words.release()
         self._map.close()
         self._map = None
-        try:
+        with contextlib.suppress(OSError):  # removed already: the run directory went first
             os.unlink(self.path)
-        except OSError:
-            pass  # removed already (the run directory went first): nothing to do
 
     @property
     def closed(self) -> bool:
