@@ -227,13 +227,11 @@ def _warn(message: str) -> None:
 
 
 def _check_step(step: object) -> int:
-    if isinstance(step, bool):
-        raise ConfigError("step", step, f"must be an integer from 0 to {MAX_STEP}")
     try:
-        value = operator.index(step)  # type: ignore[arg-type]  # TypeError is the check
+        value = None if isinstance(step, bool) else operator.index(step)  # type: ignore[arg-type]  # TypeError is the check
     except TypeError:
-        raise ConfigError("step", step, f"must be an integer from 0 to {MAX_STEP}") from None
-    if not 0 <= value <= MAX_STEP:
+        value = None
+    if value is None or not 0 <= value <= MAX_STEP:
         raise ConfigError("step", step, f"must be an integer from 0 to {MAX_STEP}")
     return int(value)
 
