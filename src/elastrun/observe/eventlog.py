@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from typing import Protocol, TextIO
+from typing import Protocol, TextIO, TypedDict, Unpack
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError
@@ -92,6 +92,16 @@ def append_line(path: str, line: str) -> None:
         os.close(fd)
 
 
+class SinkOptions(TypedDict, total=False):
+    """What a sink that writes events takes besides where: the ``source`` of events given
+    to ``record``, ``context`` (metadata added to every event, e.g. run id, hostname,
+    agent pid) and the ``clock`` that gives the timestamps."""
+
+    source: str
+    context: Mapping[str, EventValue] | None
+    clock: Clock
+
+
 class _StampingSink:
     """Shared part of the sinks: the default source, constant context and the clock."""
 
@@ -141,20 +151,11 @@ class ConsoleEventSink(_StampingSink):
 
     Args:
         stream: where to write; ``None`` means ``sys.stderr`` as it is at each event.
-        source: the ``source`` of events given to :meth:`record`.
-        context: metadata added to every event (e.g. run id, hostname, agent pid).
-        clock: gives the timestamps.
+        options: see :class:`SinkOptions`.
     """
 
-    def __init__(
-        self,
-        stream: TextIO | None = None,
-        *,
-        source: str = DEFAULT_SOURCE,
-        context: Mapping[str, EventValue] | None = None,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> None:
-        super().__init__(source=source, context=context, clock=clock)
+    def __init__(self, stream: TextIO | None = None, **options: Unpack[SinkOptions]) -> None:
+        super().__init__(**options)
         self._stream = stream
 
     def _write(self, line: str) -> None:
@@ -176,20 +177,11 @@ class JsonLinesEventSink(_StampingSink):
 
     Args:
         path: the file to append to.
-        source: the ``source`` of events given to :meth:`record`.
-        context: metadata added to every event (e.g. run id, hostname, agent pid).
-        clock: gives the timestamps.
+        options: see :class:`SinkOptions`.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        source: str = DEFAULT_SOURCE,
-        context: Mapping[str, EventValue] | None = None,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> None:
-        super().__init__(source=source, context=context, clock=clock)
+    def __init__(self, path: str | os.PathLike[str], **options: Unpack[SinkOptions]) -> None:
+        super().__init__(**options)
         self.path = os.fspath(path)
         self.written = 0
         self.failed = 0
