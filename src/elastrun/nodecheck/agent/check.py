@@ -43,7 +43,7 @@ from elastrun.core.clock import Clock
 from elastrun.core.errors import StoreTimeoutError
 from elastrun.core.interrupt import Interruptible
 from elastrun.nodecheck.agent.board import CheckBoard, LinkResult, Wave
-from elastrun.nodecheck.agent.verdicts import Isolation, NodeCheckRule
+from elastrun.nodecheck.agent.verdicts import Isolation, NodeCheckRule, Pair
 from elastrun.observe.sinks import EventSink, MetricSink
 from elastrun.rendezvous.elastic import ElasticRendezvous, ExclusionBoard
 from elastrun.supervise.processes.helper import CUT, Helper
@@ -71,6 +71,16 @@ class CheckOutcome:
     rounds: int = 0
     #: The peers that failed the same check, with why.
     peers_failed: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One check under way: the scope of its waits, its deadline (monotonic) and what
+    closes the processes it started."""
+
+    scope: CancelScope
+    deadline: float
+    helpers: contextlib.ExitStack
 
 
 class NodeCheck:
@@ -174,20 +184,21 @@ class NodeCheck:
         deadline = time.monotonic() + self._rule.timeout
         # A child scope: the descriptor its waits select on is released with it.
         with parent.child() as scope, scope.active(), contextlib.ExitStack() as helpers:
-            compute = self._start(["compute"], deadline, helpers)
+            run = _Run(scope, deadline, helpers)
+            compute = self._start(["compute"], run)
             seat = self._rdzv.store_seat()
             board = None if seat is None else CheckBoard.at(seat)
             wave = self._join(board, deadline)
-            compute_s, why = self._compute(compute, scope, deadline)
+            compute_s, why = self._compute(compute, run)
             if why is None and self._rule.script is not None:
-                why = self._script(scope, deadline, helpers)
+                why = self._script(run)
             if wave is None or board is None or len(wave.members) < 2:
                 # Alone: compute only (nothing to compare it with, nor to link to).
                 return CheckOutcome(why, board.node if board else "", compute_s)
-            return self._rounds(board, wave, compute_s, why, scope, deadline, helpers)
+            return self._rounds(run, board, wave, compute_s, why)
 
-    def _start(self, args: list[str], deadline: float, helpers: contextlib.ExitStack) -> Helper:
-        left = max(1.0, deadline - time.monotonic())
+    def _start(self, args: list[str], run: _Run) -> Helper:
+        left = max(1.0, run.deadline - time.monotonic())
         argv = [
             self._interpreter.python,
             "-m",
@@ -198,7 +209,7 @@ class NodeCheck:
             str(os.getpid()),
         ]
         helper = Helper.start([*argv, *args], self._interpreter.environ)
-        helpers.callback(helper.close)
+        run.helpers.callback(helper.close)
         return helper
 
     def _join(self, board: CheckBoard | None, deadline: float) -> Wave | None:
@@ -210,11 +221,9 @@ class NodeCheck:
             log.warning("node check: no peer to check with in time; compute only")
             return None
 
-    def _compute(
-        self, helper: Helper, scope: CancelScope, deadline: float
-    ) -> tuple[float | None, str | None]:
-        doc = helper.next_result(scope, deadline)
-        status = helper.finish(scope, deadline)
+    def _compute(self, helper: Helper, run: _Run) -> tuple[float | None, str | None]:
+        doc = helper.next_result(run.scope, run.deadline)
+        status = helper.finish(run.scope, run.deadline)
         seconds = doc.get("seconds") if doc is not None else None
         if status == 0 and doc is not None and doc.get("ok") and isinstance(seconds, (int, float)):
             return float(seconds), None
@@ -224,17 +233,15 @@ class NodeCheck:
         shown = error or (helper.tail[-1] if helper.tail else f"exit status {status}")
         return None, f"its compute check failed: {quote(str(shown))}"
 
-    def _script(
-        self, scope: CancelScope, deadline: float, helpers: contextlib.ExitStack
-    ) -> str | None:
+    def _script(self, run: _Run) -> str | None:
         script = self._rule.script
         assert script is not None, "called with a script"
         # A bare name is a file here (the launcher checked), not a command on PATH.
         path = script if os.sep in script else os.path.join(os.curdir, script)
         argv = [self._interpreter.python, path] if script.endswith(".py") else [path]
         # Run by the runner, which ends whatever the script leaves running.
-        helper = self._start(["script", "--", *argv], deadline, helpers)
-        status = helper.finish(scope, deadline)
+        helper = self._start(["script", "--", *argv], run)
+        status = helper.finish(run.scope, run.deadline)
         if status == 0:
             return None
         if status is None:
@@ -243,14 +250,7 @@ class NodeCheck:
         return f"its check script {script} exited {status}" + (f": {last}" if last else "")
 
     def _rounds(
-        self,
-        board: CheckBoard,
-        wave: Wave,
-        compute_s: float | None,
-        why: str | None,
-        scope: CancelScope,
-        deadline: float,
-        helpers: contextlib.ExitStack,
+        self, run: _Run, board: CheckBoard, wave: Wave, compute_s: float | None, why: str | None
     ) -> CheckOutcome:
         me = board.node
         iso = Isolation(wave.members, slowdown=self._rule.slowdown)
@@ -258,16 +258,11 @@ class NodeCheck:
         while not iso.done:
             k = iso.round
             pair = next((p for p in iso.pairs if me in p.nodes), None)
-            link = None
-            if pair is not None:
-                serves = pair.serve == me
-                link = self._link(
-                    board, wave, k, pair.partner(me), serves, scope, deadline, helpers
-                )
-                own_link = link if link is not None else own_link
+            link = None if pair is None else self._link(run, board, wave, k, pair)
+            own_link = link if link is not None else own_link
             board.publish(wave, k, LinkResult(link, compute_s if why is None else None))
             paired = [n for p in iso.pairs for n in p.nodes]
-            results = board.results(wave, k, list(wave.members) if k == 0 else paired, deadline)
+            results = board.results(wave, k, list(wave.members) if k == 0 else paired, run.deadline)
             if k == 0:
                 iso.feed_compute({n: r.compute for n, r in results.items()})
             iso.feed({n: r.link for n, r in results.items()})
@@ -276,32 +271,23 @@ class NodeCheck:
         peers = len(wave.members) - 1
         return CheckOutcome(failed, me, compute_s, own_link, peers, iso.round, others)
 
-    def _link(
-        self,
-        board: CheckBoard,
-        wave: Wave,
-        k: int,
-        partner: str,
-        serves: bool,
-        scope: CancelScope,
-        deadline: float,
-        helpers: contextlib.ExitStack,
-    ) -> float | None:
+    def _link(self, run: _Run, board: CheckBoard, wave: Wave, k: int, pair: Pair) -> float | None:
         """This node's side of round ``k``'s link test: its time (None: it failed, or
         ran out of time; the pairing finds which side of the pair is at fault)."""
-        if serves:
-            helper = self._start(["serve", board.addr], deadline, helpers)
-            offer = helper.next_result(scope, deadline)
+        if pair.serve == board.node:
+            helper = self._start(["serve", board.addr], run)
+            offer = helper.next_result(run.scope, run.deadline)
             port = offer.get("port") if offer is not None else None
             # Port 0 tells the partner at once that this side cannot serve.
             board.offer_port(wave, k, port if isinstance(port, int) else 0)
-            return _seconds_of(helper, scope, deadline) if isinstance(port, int) else None
-        found = board.partner_port(wave, k, partner, deadline)
+            return _seconds_of(helper, run) if isinstance(port, int) else None
+        partner = pair.partner(board.node)
+        found = board.partner_port(wave, k, partner, run.deadline)
         if found is None:
             return None
         host = wave.addrs.get(partner, "")
-        helper = self._start(["connect", host, str(found)], deadline, helpers)
-        seconds = _seconds_of(helper, scope, deadline)
+        helper = self._start(["connect", host, str(found)], run)
+        seconds = _seconds_of(helper, run)
         if seconds is None:
             _hang_up(host, found)
         return seconds
@@ -310,10 +296,10 @@ class NodeCheck:
         return f"NodeCheck(rule={self._rule!r}, due={self.due}, last={self.last!r})"
 
 
-def _seconds_of(helper: Helper, scope: CancelScope, deadline: float) -> float | None:
+def _seconds_of(helper: Helper, run: _Run) -> float | None:
     """The time a link test's process reported (None: it failed or overran)."""
-    doc = helper.next_result(scope, deadline)
-    status = helper.finish(scope, deadline)
+    doc = helper.next_result(run.scope, run.deadline)
+    status = helper.finish(run.scope, run.deadline)
     seconds = doc.get("seconds") if doc is not None else None
     return float(seconds) if status == 0 and isinstance(seconds, (int, float)) else None
 
