@@ -66,9 +66,7 @@ def send_message(sock: socket.socket, message: dict[str, object], fds: Sequence[
     """Send one JSON message, with ``fds`` attached to its first byte."""
     payload = json.dumps(message).encode()
     data = len(payload).to_bytes(4, "big") + payload
-    sent = 0
-    if fds:
-        sent = socket.send_fds(sock, [data], list(fds))
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else 0
     sock.sendall(data[sent:])
 
 
