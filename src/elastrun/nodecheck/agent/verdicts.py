@@ -185,7 +185,17 @@ class Isolation:
         for pair, t in measured:
             slow = t is None or (limit is not None and t > limit)
             for node in pair.nodes:
-                self._judge(node, pair.partner(node), slow, t, limit, passed_before)
+                partner = pair.partner(node)
+                self._tried[node].add(partner)
+                if node in self.bad or node in passed_before:
+                    continue  # decided (a node that passed helps a suspect; it is not retried)
+                if not slow:
+                    self.good.add(node)
+                elif partner not in self.bad:  # a failed partner says nothing: it is paired again
+                    self._slow_with[node].add(partner)
+                    if partner in passed_before:
+                        shown = "failed" if t is None else f"took {t:.2f}s (limit {limit:.2f}s)"
+                        self.bad[node] = f"its link check with {partner}, which passed, {shown}"
         self.round += 1
         self.pairs = self._next_pairs() if self.round < self.max_rounds else []
         if not self.pairs:
@@ -195,28 +205,6 @@ class Isolation:
     def _pair_time(pair: Pair, link: Mapping[str, float | None]) -> float | None:
         a, b = link.get(pair.serve), link.get(pair.connect)
         return None if a is None or b is None else max(a, b)
-
-    def _judge(
-        self,
-        node: str,
-        partner: str,
-        slow: bool,
-        t: float | None,
-        limit: float | None,
-        passed_before: set[str],
-    ) -> None:
-        self._tried[node].add(partner)
-        if node in self.bad or node in passed_before:
-            return  # decided (a node that passed helps a suspect; it is not retried)
-        if not slow:
-            self.good.add(node)
-            return
-        if partner in self.bad:
-            return  # a failed partner says nothing of this node: it is paired again
-        self._slow_with[node].add(partner)
-        if partner in passed_before:
-            shown = "failed" if t is None else f"took {t:.2f}s (limit {limit:.2f}s)"
-            self.bad[node] = f"its link check with {partner}, which passed, {shown}"
 
     def _next_pairs(self) -> list[Pair]:
         pending = [n for n in self.nodes if n not in self.good and n not in self.bad]
