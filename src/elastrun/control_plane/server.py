@@ -35,12 +35,6 @@ class _RequestHandler(BaseHTTPRequestHandler):
     server_version = "elastrun-worker"
     timeout = 10.0  # a client that sends nothing must not hold a thread forever
 
-    def do_GET(self) -> None:
-        self._route()
-
-    def do_POST(self) -> None:
-        self._route()
-
     def _route(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         if length > _MAX_REQUEST_BODY:
@@ -58,6 +52,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._call(path[len(HANDLER_PREFIX) :])
         else:
             self._reply(404, f"no such path: {path}\n".encode(), "text/plain")
+
+    do_GET = do_POST = _route
 
     def _call(self, name: str) -> None:
         handler = self.server.handlers.get(name)
