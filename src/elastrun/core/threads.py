@@ -146,11 +146,7 @@ class Nursery:
         self.scope.cancel(reason)
         bound = self._join_timeout if timeout is None else timeout
         deadline = Deadline.never(SYSTEM_CLOCK) if bound is None else Deadline.after(bound)
-        left = []
-        for thread in threads:
-            wait = deadline.remaining()
-            if not join_thread(thread, None if wait == float("inf") else wait):
-                left.append(thread.name)
+        left = [t.name for t in threads if not join_thread(t, deadline.timeout())]
         if left:  # (only with a bound: without one, every join above waited to the end)
             log.warning(
                 "threads still running %s s after their nursery closed: %s", bound, ", ".join(left)

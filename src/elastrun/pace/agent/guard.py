@@ -54,11 +54,9 @@ class NoProgressGuard:
         self._last_steps = dict(steps)
         if not self._best and not steps:
             return False  # nothing ever reported: the guard stays out of the way
-        progressed = any(step > self._best.get(rank, -1) for rank, step in steps.items())
-        for rank, step in steps.items():
-            if step > self._best.get(rank, -1):
-                self._best[rank] = step
-        self._stalled = 0 if progressed else self._stalled + 1
+        passed = {rank: step for rank, step in steps.items() if step > self._best.get(rank, -1)}
+        self._best.update(passed)
+        self._stalled = 0 if passed else self._stalled + 1
         return self._stalled >= self.limit
 
     @property
