@@ -63,8 +63,6 @@ VERSION = 1
 WORD = 8
 SLOT_WORDS = 8
 HEADER_WORDS = SLOT_WORDS  # magic, version, slots, slot words, then reserved
-# Header words.
-H_MAGIC, H_VERSION, H_SLOTS, H_SLOT_WORDS = 0, 1, 2, 3
 # Record words.
 SEQ, PID, STEP, REPORTS, LAST_NS, STEP_NS, LONGEST_NS, CHECK = range(SLOT_WORDS)
 #: The largest step a record holds.
@@ -107,10 +105,7 @@ def file_size(slots: int) -> int:
 
 def header_words(slots: int) -> list[int]:
     """The header of a progress file with ``slots`` records."""
-    words = [0] * HEADER_WORDS
-    words[H_MAGIC], words[H_VERSION] = MAGIC, VERSION
-    words[H_SLOTS], words[H_SLOT_WORDS] = slots, SLOT_WORDS
-    return words
+    return [MAGIC, VERSION, slots, SLOT_WORDS] + [0] * (HEADER_WORDS - 4)
 
 
 class ProgressFileError(ElastrunError):
