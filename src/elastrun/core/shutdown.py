@@ -45,20 +45,14 @@ class ShutdownRequest:
             if self._signum is None:
                 self._signum = signum
             self._count += 1
-            count = self._count
-        reason = self._reason() or "stopped"
+            first, count = self._signum, self._count
+        try:
+            reason = f"received {signal.Signals(first).name}"
+        except ValueError:
+            reason = f"received signal {first}"
         self.scope.cancel(reason)
         if count > 1:
             self.grace.cancel(f"{reason} again")
-
-    def _reason(self) -> str | None:
-        signum = self._signum
-        if signum is None:
-            return None
-        try:
-            return f"received {signal.Signals(signum).name}"
-        except ValueError:
-            return f"received signal {signum}"
 
     @property
     def signum(self) -> int | None:
