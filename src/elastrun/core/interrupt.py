@@ -68,9 +68,8 @@ class Interruptible:
         Raises:
             ShutdownRequested: a signal was received before or during the call.
         """
-        scope = self._shutdown.scope
         try:
-            with scope.active():
+            with self._shutdown.scope.active():
                 return call()
         except Cancelled:
             log.info("stopped while waiting for the %s", what)

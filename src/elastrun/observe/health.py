@@ -117,10 +117,9 @@ class HealthCheckServer(Endpoint):
         log.info("health check server listening on %s:%d", self.host, self.port)
 
     def __repr__(self) -> str:
-        running = self._served is not None
         return (
             f"HealthCheckServer(host={self.host!r}, port={self.port}, "
-            f"timeout={self.timeout}, running={running})"
+            f"timeout={self.timeout}, running={self._served is not None})"
         )
 
 

@@ -83,8 +83,7 @@ class AutoTimeout:
     def timeout_for(self, record: ProgressRecord) -> float:
         """The timeout of the worker whose last report is ``record``, in seconds."""
         floor = self.warmup_floor if record.reports < self.warmup_reports else self.floor
-        longest = record.longest or 0.0
-        return max(floor, self.factor * longest)
+        return max(floor, self.factor * (record.longest or 0.0))
 
     def __str__(self) -> str:
         return "auto"

@@ -214,7 +214,6 @@ class StragglerDetector(Generic[K]):
             self._start = now
         new: list[Straggler[K]] = []
         if now - self._start >= self.window:
-            # This observation is the first of the next window.
             means = {key: total / count for key, (total, count) in self._sums.items()}
             self._sums = {}
             self._start = now
