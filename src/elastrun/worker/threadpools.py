@@ -90,8 +90,7 @@ def openblas_default_threads(env: Mapping[str, str], cpus: int, most: int | None
 def openmp_default_threads(env: Mapping[str, str], cpus: int) -> int | None:
     """The default team size an OpenMP runtime loaded with ``env`` and ``cpus`` usable
     CPUs starts with, when it depends on the CPUs (None: ``OMP_NUM_THREADS`` says it)."""
-    match = _OMP_LIST.match(env.get(_OMP_VARIABLE, ""))
-    return None if match else max(1, cpus)
+    return None if _OMP_LIST.match(env.get(_OMP_VARIABLE, "")) else max(1, cpus)
 
 
 def _loaded(pattern: re.Pattern[str]) -> Iterator[str]:

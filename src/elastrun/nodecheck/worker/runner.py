@@ -240,8 +240,7 @@ def run_script(argv: Sequence[str]) -> int:
     for sig in STOPS:
         signal.signal(sig, _stop)
     try:
-        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL)
-        return proc.wait()
+        return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL).wait()
     except OSError as exc:
         print(f"could not be run: {exc.strerror or exc}", flush=True)
         return NOT_RUN
@@ -260,13 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, default=None, help="die with this process")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("compute")
-    serve_cmd = sub.add_parser("serve")
-    serve_cmd.add_argument("host")
+    sub.add_parser("serve").add_argument("host")
     connect_cmd = sub.add_parser("connect")
     connect_cmd.add_argument("host")
     connect_cmd.add_argument("port", type=int)
-    script_cmd = sub.add_parser("script")
-    script_cmd.add_argument("argv", nargs="+")
+    sub.add_parser("script").add_argument("argv", nargs="+")
     args = parser.parse_args(argv)
     if args.parent is not None:
         # A script gets SIGTERM at the agent's death, not SIGKILL: its descendants end too.
