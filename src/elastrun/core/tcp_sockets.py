@@ -69,13 +69,8 @@ def tcp_table() -> dict[str, TcpSocket]:
 def listening_endpoints(pids: Iterable[int]) -> list[str]:
     """The endpoints these processes listen on (sorted, without repeats)."""
     table = tcp_table()
-    found = set()
-    for pid in pids:
-        for inode in socket_fds(pid).values():
-            entry = table.get(inode)
-            if entry is not None and entry.listening:
-                found.add(entry.local)
-    return sorted(found)
+    rows = (table.get(inode) for pid in pids for inode in socket_fds(pid).values())
+    return sorted({row.local for row in rows if row is not None and row.listening})
 
 
 def connected_to(pid: int, ends: Endpoints) -> bool:
@@ -103,9 +98,9 @@ class Endpoints:
                 self._ports.add(port)
 
     def __contains__(self, end: object) -> bool:
-        if not isinstance(end, str):
-            return False
-        return end in self._exact or end.rpartition(":")[2] in self._ports
+        return isinstance(end, str) and (
+            end in self._exact or end.rpartition(":")[2] in self._ports
+        )
 
     def __bool__(self) -> bool:
         return bool(self._exact or self._ports)
