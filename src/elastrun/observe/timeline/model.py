@@ -157,8 +157,7 @@ def parse_events(lines: Iterable[str]) -> tuple[list[TimelineEvent], int]:
         try:
             obj = json.loads(line)
         except ValueError:
-            skipped += 1
-            continue
+            obj = None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             skipped += 1
             continue
