@@ -85,15 +85,12 @@ def _shut_down(request: socket.socket) -> None:
 
 class Served:
     """``server`` (a ``NurseryRequests`` server, bound and listening) serving on the
-    threads of a nursery of its own, named ``name``, until :meth:`close`.
+    threads of a nursery of its own (closed within the nursery's default bound), named
+    ``name``, until :meth:`close`."""
 
-    Args:
-        join_timeout: how long a close waits for the threads, in all.
-    """
-
-    def __init__(self, server: NurseryRequests, name: str, *, join_timeout: float = 5.0) -> None:
+    def __init__(self, server: NurseryRequests, name: str) -> None:
         self.server = server
-        self.nursery = server.nursery = Nursery(join_timeout=join_timeout)
+        self.nursery = server.nursery = Nursery()
         self._lock = threading.Lock()
         self.nursery.start(serve_until_cancelled, server, name=name)
 

@@ -57,9 +57,9 @@ def _load_object(data: str) -> dict[str, object]:
     return obj
 
 
-def _as_int(value: object, default: int = 0) -> int:
+def _as_int(value: object) -> int:
     if value is None:
-        return default
+        return 0
     if isinstance(value, int | float | str):
         return int(value)
     raise ValueError(f"expected an integer, got {value!r}")
