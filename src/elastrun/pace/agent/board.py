@@ -62,8 +62,7 @@ def read_record(words: memoryview, slot: int) -> ProgressRecord | None:
         copy = words[base : base + SLOT_WORDS].tolist()
         if words[base + SEQ] != seq or copy[SEQ] != seq:
             continue
-        fields = copy[PID:CHECK]
-        if copy[CHECK] != record_check(seq, *fields):
+        if copy[CHECK] != record_check(seq, *copy[PID:CHECK]):
             continue  # torn: some words from before the write, some from after
         if copy[REPORTS] <= 0:
             return None
