@@ -28,13 +28,8 @@ def dump_stacks(omit: Collection[int] = ()) -> str:
     frames = sys._current_frames()
     names = {t.ident: t for t in threading.enumerate()}
     main_ident = threading.main_thread().ident
-
-    def order(ident: int) -> tuple[int, str]:
-        thread = names.get(ident)
-        return (0 if ident == main_ident else 1, thread.name if thread else "")
-
     parts: list[str] = []
-    for ident in sorted(frames, key=order):
+    for ident in sorted(frames, key=lambda i: (i != main_ident, getattr(names.get(i), "name", ""))):
         thread = names.get(ident)
         label = f'"{thread.name}"' if thread is not None else "(not started by threading)"
         daemon = " daemon" if thread is not None and thread.daemon else ""
