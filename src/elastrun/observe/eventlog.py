@@ -80,14 +80,12 @@ def append_line(path: str, line: str) -> None:
 
     Raises ``OSError`` when the file cannot be opened or written.
     """
-    data = line.encode("utf-8")
+    view = memoryview(line.encode("utf-8"))
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
         while view:
             # Only a full disk or a signal cuts a regular-file write short; finish it.
-            written = os.write(fd, view)
-            view = view[written:]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
