@@ -3,11 +3,13 @@ node summaries exchanged through the store (group rank 0 compares the nodes)."""
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
-from elastrun.core.errors import ConfigError
+from elastrun.core.errors import ConfigError, ElastrunError
 from elastrun.observe.sinks import MemoryEventSink
 from elastrun.pace import (
     NodeSummary,
@@ -16,7 +18,9 @@ from elastrun.pace import (
     pace_times,
     parse_straggler_factor,
 )
+from elastrun.pace.agent.board import ProgressBoard
 from elastrun.pace.agent.exchange import NodeExchange
+from elastrun.pace.agent.stall_watch import ProgressWatch
 from elastrun.pace.agent.step_watch import PaceWatch
 from elastrun.store.memory import MemoryStore
 from elastrun.testing import FakeClock
@@ -150,3 +154,23 @@ def test_nodes_exchange_summaries_and_group_rank_0_reads_only_fresh_ones() -> No
     finally:
         for node in nodes:
             node.close()
+
+
+def test_a_progress_board_that_cannot_be_made_means_no_reports_not_a_failed_agent(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The board's file is made in a new temporary directory; creating it can fail after
+    # the directory was made (no space for the file): the agent runs on without progress
+    # reports, and the directory goes.
+    def full(cls: type[ProgressBoard], directory: str, size: int) -> ProgressBoard:
+        raise ElastrunError(f"cannot create the progress file {directory}/progress: no space")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(ProgressBoard, "create", classmethod(full))
+    watch = ProgressWatch(2)
+    try:
+        assert watch.worker_values([0, 1]) == {}
+        assert watch.snapshot() == {}
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        watch.close()

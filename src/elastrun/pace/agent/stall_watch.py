@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
+from elastrun.core.errors import ElastrunError
 from elastrun.pace.agent.board import ProgressBoard, steps_of
 from elastrun.pace.agent.guard import NoProgressGuard
 from elastrun.pace.agent.hang import AutoTimeout, HangDetector, HangVerdict
@@ -79,8 +80,9 @@ class ProgressWatch:
             try:
                 self._dir = tempfile.mkdtemp(prefix="elastrun-progress-")
                 self._board = ProgressBoard.create(self._dir, self._size)
-            except OSError as exc:
+            except (OSError, ElastrunError) as exc:  # no temporary dir; the board's file
                 log.warning("no progress reports from the workers: %s", exc)
+                self.close()
                 return None
         return self._board
 
