@@ -10,8 +10,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from elastrun.core.cancel import CancelScope
+from elastrun.core.procinfo import process_start_time
+from elastrun.launch.commands.stacks import stacks_main
 from elastrun.supervise.processes.stacks import request_stacks
+from elastrun.wire import workers
 
 # Dumps its stacks on SIGUSR1, as the bootstrap makes every Python worker do.
 ANSWERS = (
@@ -61,3 +66,30 @@ def test_a_worker_that_answers_is_collected_and_a_stop_request_ends_the_wait(
             assert proc.stdout is not None
             proc.stdout.close()
     assert not os.path.exists(tmp_path / "1.txt") or not (tmp_path / "1.txt").read_text()
+
+
+def test_elastrun_stacks_says_why_a_worker_gave_no_stacks_instead_of_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Local rank 0 runs but its stacks file cannot be opened (its directory is gone);
+    # local rank 1 has ended. The command names both and exits 1.
+    attempt = tmp_path / "run_x" / "attempt_0"
+    attempt.mkdir(parents=True)
+    silent = _start(SILENT, tmp_path / "unused")
+    try:
+        listed = {
+            0: workers.WorkerEntry(
+                silent.pid, str(tmp_path / "gone" / "stacks.txt"), process_start_time(silent.pid)
+            ),
+            1: workers.WorkerEntry(silent.pid, str(tmp_path / "s1.txt"), 1),  # another start
+        }
+        (attempt / workers.FILE_NAME).write_text(workers.encode(listed))
+        assert stacks_main([str(tmp_path), "--timeout", "0.3"]) == 1
+    finally:
+        silent.kill()
+        silent.wait(10)
+        assert silent.stdout is not None
+        silent.stdout.close()
+    out = capsys.readouterr().out
+    assert f"no answer: cannot read {tmp_path / 'gone' / 'stacks.txt'}" in out, out
+    assert "=== local rank 1" in out and "  not running" in out, out

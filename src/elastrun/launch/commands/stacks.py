@@ -67,13 +67,18 @@ def _dump(attempt: Path, workers: dict[int, workers_file.WorkerEntry], timeout: 
     """Signal ``workers`` and print what each wrote within ``timeout`` seconds: 0 when
     every worker answered, 1 when some did not."""
     sizes: dict[int, int] = {}
-    missing = []
+    missing: dict[int, str] = {}  # why a worker was not asked
     for lr, info in sorted(workers.items()):
         sizes[lr] = dump_size(info.stacks)
-        if not _is_that_worker(info.pid, info.start_time):
-            missing.append(lr)
-            continue
-        os.kill(info.pid, signal.SIGUSR1)
+        try:
+            if _is_that_worker(info.pid, info.start_time):
+                os.kill(info.pid, signal.SIGUSR1)
+                continue
+            missing[lr] = "not running"
+        except ProcessLookupError:
+            missing[lr] = "not running"  # it ended after the look
+        except OSError as exc:  # another user's worker
+            missing[lr] = f"cannot signal it: {exc.strerror}"
     deadline = time.monotonic() + timeout
     pending = {lr for lr in workers if lr not in missing}
     while pending and time.monotonic() < deadline:
@@ -84,10 +89,13 @@ def _dump(attempt: Path, workers: dict[int, workers_file.WorkerEntry], timeout: 
     for lr, info in sorted(workers.items()):
         print(f"=== local rank {lr} (pid {info.pid}) ===")
         if lr in missing:
-            print("  not running")
+            print(f"  {missing[lr]}")
             continue
-        with open(info.stacks, encoding="utf-8", errors="replace") as fh:
-            fh.seek(sizes[lr])
-            text = fh.read().rstrip()
+        try:
+            with open(info.stacks, encoding="utf-8", errors="replace") as fh:
+                fh.seek(sizes[lr])
+                text = fh.read().rstrip()
+        except OSError as exc:  # no dump was ever written there, or it cannot be read
+            text = f"  no answer: cannot read {info.stacks}: {exc.strerror}"
         print(text or "  no answer (not a Python worker, or SIGUSR1 is handled elsewhere)")
-    return 1 if pending else 0
+    return 1 if pending or any(why != "not running" for why in missing.values()) else 0
