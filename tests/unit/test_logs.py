@@ -15,7 +15,6 @@ from elastrun.supervise.processes.logs import (
     LogsSpecs,
     Std,
     format_line_prefix,
-    is_shown_on_console,
     parse_duplicate_filters,
     parse_local_ranks_filter,
     reify_or_console,
@@ -146,13 +145,6 @@ def test_parse_duplicate_filters_treats_double_comma_as_a_literal_comma(
     text: str, expected: list[str]
 ) -> None:
     assert parse_duplicate_filters(text) == expected
-
-
-def test_console_shows_every_rank_without_a_filter_and_only_listed_ranks_with_one() -> None:
-    assert is_shown_on_console(None, 5)
-    assert is_shown_on_console(set(), 5)
-    assert is_shown_on_console({1, 5}, 5)
-    assert not is_shown_on_console({1}, 5)
 
 
 # ------------------------------------------------------------------- prefixes

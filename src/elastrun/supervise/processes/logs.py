@@ -141,14 +141,6 @@ def parse_duplicate_filters(s: str) -> list[str]:
     return [item for item in items if item]
 
 
-def is_shown_on_console(local_ranks_filter: set[int] | None, local_rank: int) -> bool:
-    """Whether a rank's console output is shown under ``--local-ranks-filter``.
-
-    ``None`` or an empty set means every rank is shown (as in torch).
-    """
-    return not local_ranks_filter or local_rank in local_ranks_filter
-
-
 @dataclass
 class LogsDest:
     """Where each local rank's streams go, as computed by :meth:`LogsSpecs.reify`.
