@@ -841,8 +841,8 @@ def _verdicts(
         "elastrun-async nodes run the same joining protocol as elastrun's handler "
         "(`rendezvous/joining.py`, driven by coroutines in `_rdzv_async.py`; "
         "`tests/process/test_benchmarks_smoke.py` pins that both issue the same "
-        "operations), with the same pure `decide_round` / `order_members` / "
-        "`needs_reformation` functions.",
+        "operations), with the same pure `decide_round` / `order_members` functions "
+        "and round watch (`RoundWatch.reason`).",
     ]
 
 

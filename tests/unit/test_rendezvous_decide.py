@@ -12,7 +12,6 @@ from elastrun.rendezvous.decide import (
     Verdict,
     decide_round,
     lead,
-    needs_reformation,
     order_members,
 )
 
@@ -92,19 +91,6 @@ def test_below_min_times_out_at_the_join_deadline() -> None:
                      # arg-type: KW is a dict[str, float]; min_nodes and max_nodes take ints
                      first_round=False, **KW)  # type: ignore[arg-type]  # fmt: skip
     assert d.verdict is Verdict.TIMEOUT
-
-
-def test_reformation_triggers() -> None:
-    members = ("a", "b")
-    assert not needs_reformation(members, {"a", "b"}, {}, max_nodes=2, round_failed=False)
-    assert needs_reformation(members, {"a"}, {}, max_nodes=2, round_failed=False)
-    assert needs_reformation(members, {"a", "b"}, {}, max_nodes=2, round_failed=True)
-    assert needs_reformation(members, {"a", "b"}, {"a": 0}, max_nodes=2, round_failed=False)
-    # A newcomer is a spare at max, but triggers a scale-up below it.
-    assert not needs_reformation(
-        members, {"a", "b", "n"}, {"n": 0}, max_nodes=2, round_failed=False
-    )
-    assert needs_reformation(members, {"a", "b", "n"}, {"n": 0}, max_nodes=3, round_failed=False)
 
 
 # --- views kept from watch events ---------------------------------------------------------

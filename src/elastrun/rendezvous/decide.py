@@ -164,30 +164,6 @@ def presume(
     return [*joiners, *presumed]
 
 
-def needs_reformation(
-    members: Sequence[str],
-    live_nodes: set[str],
-    next_joiners: Mapping[str, int],
-    *,
-    max_nodes: int,
-    round_failed: bool,
-) -> bool:
-    """Whether the members of a running round must stop and re-form.
-
-    Yes when a member is gone (its lease vanished), when the round was marked failed (a
-    worker died somewhere), when a member already asks for the next round, or when a
-    newcomer waits and there is room for it. A waiting node at full size is a spare and
-    disturbs no one.
-    """
-    member_set = set(members)
-    if round_failed or not member_set <= live_nodes:
-        return True
-    if any(node in member_set for node in next_joiners):
-        return True
-    waiting = [n for n in next_joiners if n not in member_set and n in live_nodes]
-    return bool(waiting) and len(members) < max_nodes
-
-
 # --------------------------------------------------------------------------------------
 # Views kept up to date from watch events. Each change costs O(1) to apply, so a node
 # that follows a run never re-reads whole prefixes (which made a rendezvous of N nodes
