@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _common import (
+    ONE_FAILURE_RESTARTS,
     Launcher,
     Running,
     ScenarioFailure,
@@ -180,7 +181,7 @@ def _measure(column: str, work: Path, workers: int) -> dict[str, float]:
     env = {"OMP_NUM_THREADS": "1"}
     if column == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    cmd = lch.command(workers, script, [str(out), mode], "--max-restarts", "1")
+    cmd = lch.command(workers, script, [str(out), mode], "--max-restarts", ONE_FAILURE_RESTARTS)
     running = Running(cmd, marker=new_marker(), log_dir=run_dir, env_extra=env)
     try:
         t_kill, _ = _kill_at(out, min(KILL_RANK, workers - 1))
@@ -276,14 +277,14 @@ def _conclude(section: Section, following: Row, lost: Row, workers: int) -> None
         "(a step every 50 ms). 'Completed a step' counts those steps done again too."
     )
     section.commands["elastrun in place"] = (
-        f"elastrun --standalone --nproc-per-node={workers} --max-restarts 1 job.py OUT inprocess"
+        f"elastrun --standalone --nproc-per-node={workers} --max-restarts 3 job.py OUT inprocess"
     )
     section.commands["elastrun group restart"] = (
-        f"elastrun --standalone --nproc-per-node={workers} --max-restarts 1 job.py OUT restart"
+        f"elastrun --standalone --nproc-per-node={workers} --max-restarts 3 job.py OUT restart"
     )
     section.commands["torchrun"] = (
         f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node={workers} "
-        "--max-restarts 1 job.py OUT restart"
+        "--max-restarts 3 job.py OUT restart"
     )
 
 

@@ -22,7 +22,7 @@ first. The ways to recover, each a separate job measured side by side (alternati
   ``inprocess.run``: elastrun restarts every worker, and each loads the newest complete
   step from the node's memory (docs/checkpoints.md, "A group restart");
 * **torchrun, DCP to disk**: the same FSDP2 training under torchrun
-  (``--max-restarts 1``), ``torch.distributed.checkpoint.save`` to a temporary directory
+  (``--max-restarts 3``), ``torch.distributed.checkpoint.save`` to a temporary directory
   after every CHECKPOINT_EVERY-th step and ``dcp.load`` of the newest after the restart
   (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as in ``bench_inprocess_state``). The
   kill comes one step after a save: torchrun's best case (on average a failure falls
@@ -60,7 +60,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import Running, ScenarioFailure, elastrun, new_marker, require_clean, torchrun
+from _common import (
+    ONE_FAILURE_RESTARTS,
+    Running,
+    ScenarioFailure,
+    elastrun,
+    new_marker,
+    require_clean,
+    torchrun,
+)
 from _report import Benchmark, Check, Headline, Section, alternate
 
 LAYERS = 4  # linear layers of F x F, each sharded with fully_shard
@@ -286,7 +294,7 @@ def _measure(column: str, gb: float, work: Path) -> dict[str, float]:
     args = [str(out), MODES[column], str(f), str(LAYERS), str(BATCH), str(STEPS), str(KILL_AT),
             str(CHECKPOINT_EVERY)]  # fmt: skip
     launcher = torchrun() if column == TORCHRUN else elastrun()
-    cmd = launcher.command(4, script, args, "--max-restarts", "1")
+    cmd = launcher.command(4, script, args, "--max-restarts", ONE_FAILURE_RESTARTS)
     env = {"OMP_NUM_THREADS": "1"}
     if column == TORCHRUN:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # (see the module's docstring)
@@ -378,7 +386,7 @@ def body(section: Section, opts: Options) -> None:
             f"after ELASTRUN_INPROCESS_JOIN_TIMEOUT (30 s): {blocked}."
         )
     job = f"job.py OUT MODE F {LAYERS} {BATCH} {STEPS} {KILL_AT} {CHECKPOINT_EVERY}"
-    run = "--standalone --nproc-per-node=4 --max-restarts 1"
+    run = "--standalone --nproc-per-node=4 --max-restarts 3"
     for column in columns:
         launcher = "torchrun" if column == TORCHRUN else "elastrun"
         prefix = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 " if column == TORCHRUN else ""

@@ -13,7 +13,7 @@ after it committed step KILL_AT, writing the moment first. The ways to recover:
 * **group restart**: the same training without the API; rank 0 saves a checkpoint
   (``torch.save``) after step CHECKPOINT_AT, every restarted worker loads it and does
   again the steps since;
-* **torchrun**: the group restart's script under torchrun (``--max-restarts 1``), with
+* **torchrun**: the group restart's script under torchrun (``--max-restarts 3``), with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with its default (the workers share the
   agent's store, under the same prefix for every restart), the restarted workers' gloo
   group read the killed attempt's addresses and failed to connect (connection refused)
@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _common import (
+    ONE_FAILURE_RESTARTS,
     Running,
     ScenarioFailure,
     elastrun,
@@ -199,7 +200,7 @@ def _measure(column: str, features: int, work: Path) -> dict[str, float]:
     steps = KILL_AT + 3
     args = [str(out), mode, str(features), str(steps), str(KILL_AT), str(CHECKPOINT_AT)]
     launcher = torchrun() if column == "torchrun" else elastrun()
-    cmd = launcher.command(2, script, args, "--max-restarts", "1")
+    cmd = launcher.command(2, script, args, "--max-restarts", ONE_FAILURE_RESTARTS)
     env = {
         "OMP_NUM_THREADS": "1",
         "OVER_GLOO": "1" if "gloo" in column else "0",
@@ -262,15 +263,15 @@ def body(section: Section, opts: Options) -> None:
         "place); the group restart runs the same training without the API."
     )
     section.commands["in place"] = (
-        "elastrun --standalone --nproc-per-node=2 --max-restarts 1 job.py OUT inprocess F 6 3 2"
+        "elastrun --standalone --nproc-per-node=2 --max-restarts 3 job.py OUT inprocess F 6 3 2"
     )
     section.commands["in place, over gloo"] = "OVER_GLOO=1 " + section.commands["in place"]
     section.commands["group restart"] = (
-        "elastrun --standalone --nproc-per-node=2 --max-restarts 1 job.py OUT restart F 6 3 2"
+        "elastrun --standalone --nproc-per-node=2 --max-restarts 3 job.py OUT restart F 6 3 2"
     )
     section.commands["torchrun"] = (
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 "
-        "--max-restarts 1 job.py OUT restart F 6 3 2"
+        "--max-restarts 3 job.py OUT restart F 6 3 2"
     )
 
 

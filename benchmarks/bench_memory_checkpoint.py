@@ -73,7 +73,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import Running, ScenarioFailure, elastrun, new_marker, require_clean, torchrun
+from _common import (
+    ONE_FAILURE_RESTARTS,
+    Running,
+    ScenarioFailure,
+    elastrun,
+    new_marker,
+    require_clean,
+    torchrun,
+)
 from _memory_checkpoint_node import node_killed
 from _report import Benchmark, Headline, Row, Section, alternate
 
@@ -289,7 +297,7 @@ def _run(
     args = [str(out), mode, str(features), str(opts.batch), str(steps), str(opts.every),
             str(BLOCK), str(kill_at)]  # fmt: skip
     launcher = torchrun() if mode == "disk" else elastrun()
-    cmd = launcher.command(1 if device else 2, script, args, "--max-restarts", "1")
+    cmd = launcher.command(1 if device else 2, script, args, "--max-restarts", ONE_FAILURE_RESTARTS)
     env = {"OMP_NUM_THREADS": "1", **({"BENCH_DEVICE": device} if device else {})}
     if mode == "disk":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -429,14 +437,14 @@ def body(section: Section, opts: Options) -> None:
             "same files whichever process was lost; not run again with a node killed)."
         )
     section.commands[MEMORY] = (
-        "elastrun --standalone --nproc-per-node=2 --max-restarts 1 job.py OUT memory F 64 N 20 4 K"
+        "elastrun --standalone --nproc-per-node=2 --max-restarts 3 job.py OUT memory F 64 N 20 4 K"
     )
     section.commands[INPLACE] = (
-        "elastrun --standalone --nproc-per-node=2 --max-restarts 1 job.py OUT inplace F 64 N 20 4 K"
+        "elastrun --standalone --nproc-per-node=2 --max-restarts 3 job.py OUT inplace F 64 N 20 4 K"
     )
     section.commands[DISK] = (
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 "
-        "--max-restarts 1 job.py OUT disk F 64 N 20 4 K"
+        "--max-restarts 3 job.py OUT disk F 64 N 20 4 K"
     )
 
 
