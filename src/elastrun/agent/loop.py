@@ -219,8 +219,7 @@ class ElasticLoop:
         if step is not None:
             self._act(step)
             return None
-        exits = attempt.procs.exits
-        failed = sorted((e for e in exits.values() if e.exitcode != 0), key=lambda e: e.observed_at)
+        failed = failures.failed_exits(attempt)
         if failed:
             return self._after_failure(attempt, failed)
         if not attempt.procs.running():
