@@ -240,7 +240,7 @@ class Transport:
                 body = {"name": self.username, "password": self._password or ""}
                 try:
                     reply = self._client.post(url + "/v3/auth/authenticate", json=body)
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
                     raise NotSent(describe(exc)) from None
                 except httpx.TransportError as exc:
                     raise MaybeApplied(describe(exc)) from None  # authenticating is harmless
