@@ -377,12 +377,13 @@ def _prefixed(request: Request, prefix: bytes) -> Request:
     return request._replace(keys=tuple(prefix + k for k in request.keys))
 
 
-def _exchange(port: int, data: bytes) -> tuple[bytes, bool]:
+def _exchange(port: int, data: bytes, quiet: float = 0.5) -> tuple[bytes, bool]:
     """Everything the server answers to ``data`` then a last ping, and whether it closed
-    the connection (a broken rule, a blocked wait meeting another)."""
+    the connection (a broken rule, a blocked wait meeting another). A server silent for
+    ``quiet`` seconds is taken as blocked."""
     with _connect(port) as sock:
         sock.sendall(data + c.encode_request(Request(Op.PING, number=0xE0F)))
-        sock.settimeout(0.5)
+        sock.settimeout(quiet)
         got = b""
         closed = False
         while not got.endswith(struct.pack("<I", 0xE0F)):
@@ -420,9 +421,17 @@ def both_engines() -> Iterator[dict[str, int]]:
 def test_both_engines_answer_any_request_sequence_alike(
     both_engines: dict[str, int], requests: list[Request]
 ) -> None:
-    prefix = f"/{uuid.uuid4().hex[:8]}/".encode()  # a fresh table for each example
-    data = c.encode_requests([_prefixed(r, prefix) for r in requests])
-    seen = {engine: _exchange(port, data) for engine, port in both_engines.items()}
+    def exchanges(quiet: float) -> dict[str, tuple[bytes, bool]]:
+        prefix = f"/{uuid.uuid4().hex[:8]}/".encode()  # a fresh table each time
+        data = c.encode_requests([_prefixed(r, prefix) for r in requests])
+        return {engine: _exchange(port, data, quiet) for engine, port in both_engines.items()}
+
+    seen = exchanges(0.5)
+    if seen["compiled"] != seen["python"]:
+        # An engine held up for half a second on a loaded machine reads as blocked
+        # mid-sequence. A difference in what the engines answer is the same on a fresh
+        # table, so it must be the same again with time to spare.
+        seen = exchanges(5.0)
     assert seen["compiled"] == seen["python"]
 
 
