@@ -689,7 +689,7 @@ def test_two_nodes_a_lost_node_shrinks_the_world_in_place(
     for r in results.values():
         _kept(r, [0, 21], res.stderr)  # the same processes, called again at world 2
     assert len({r["sha"] for r in results.values()}) == 1  # agreeing on the parameters
-    assert "in-process round 1 complete" in res.stderr
+    assert _completed(res.stderr, 1), res.stderr  # (round 2 when _kept allowed a stuck one)
     assert "the world goes from 4 to 2 ranks" in res.stderr
     assert "restarting" not in res.stderr
 
