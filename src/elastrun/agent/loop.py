@@ -286,20 +286,20 @@ class ElasticLoop:
 
     def _act(self, decision: GroupDecision) -> None:
         """Do what a rung's step decided for the worker group."""
-        if decision.action is GroupAction.KEPT:
-            self._p.lifecycle.enter(AgentPhase.RUNNING)
-            return
-        if decision.action is GroupAction.RESTART_FRESH:
-            # After a failed recovery in place too: the failure that led to it was
-            # already charged to the budget.
-            self._p.lifecycle.enter(AgentPhase.RESTARTING)
-        self._stop_workers()
-        self._check_shutdown()
-        if decision.action is GroupAction.RESTART_FRESH:
-            self._start_round()
-        else:  # in the round already joined
-            assert decision.plan is not None, "a restart in a round names its plan"
-            self._start_workers(decision.plan)
+        match decision.action, decision.plan:
+            case GroupAction.KEPT, _:
+                self._p.lifecycle.enter(AgentPhase.RUNNING)
+            case GroupAction.RESTART_IN_ROUND, LaunchPlan() as plan:
+                self._stop_workers()
+                self._check_shutdown()
+                self._start_workers(plan)
+            case _:
+                # A restart in a new round (after a failed recovery in place too: the
+                # failure that led to it was already charged to the budget).
+                self._p.lifecycle.enter(AgentPhase.RESTARTING)
+                self._stop_workers()
+                self._check_shutdown()
+                self._start_round()
 
     def _reform_for_waiting_nodes(self) -> None:
         p = self._p
