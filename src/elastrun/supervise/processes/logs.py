@@ -311,12 +311,18 @@ class DefaultLogsSpecs(LogsSpecs):
     :meth:`reify`.
     """
 
-    # The state of the run's directories: immutable class defaults, replaced per instance
-    # as directories are made (so the constructor stays LogsSpecs', torch's signature).
-    _temp_root: str | None = None
-    _run_log_dir: str | None = None
-    _attempt_dirs: tuple[str, ...] = ()
-    _next_attempt = 0
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        redirects: Std | dict[int, Std] = Std.NONE,
+        tee: Std | dict[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | None = None,
+    ) -> None:
+        super().__init__(log_dir, redirects, tee, local_ranks_filter)
+        self._temp_root: str | None = None
+        self._run_log_dir: str | None = None
+        self._attempt_dirs: list[str] = []
+        self._next_attempt = 0
 
     @property
     def is_devnull(self) -> bool:
@@ -409,7 +415,7 @@ class DefaultLogsSpecs(LogsSpecs):
                 continue
             break
         self._next_attempt = k + 1
-        self._attempt_dirs += (attempt_dir,)
+        self._attempt_dirs.append(attempt_dir)
         return attempt_dir
 
     def _ensure_root(self) -> str:
