@@ -118,6 +118,7 @@ __all__ = [
     "encode_report",
     "marker_name",
     "meta_name",
+    "piece_bases",
     "piece_version",
     "rank_of_file",
     "rank_of_report",
@@ -127,6 +128,7 @@ __all__ = [
     "step_dir_name",
     "step_of_copied",
     "step_of_dir",
+    "steps_in",
 ]
 
 #: The node's checkpoint directory (set by an agent that could make one).
@@ -183,6 +185,27 @@ def step_of_dir(name: str) -> int | None:
     """The step a directory's name holds, or None when it is not a step directory."""
     match = _STEP_DIR.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def steps_in(directory: str) -> list[int]:
+    """The steps of the step directories in ``directory``, oldest first (none: it cannot
+    be read)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(s for s in map(step_of_dir, names) if s is not None)
+
+
+def piece_bases(directory: str) -> list[str]:
+    """Where step directories with pieces lie in the node directory ``directory``,
+    relative to it: the node directory itself (``""``), ``gathered``, then each
+    ``copies/<node>`` (sorted)."""
+    try:
+        nodes = sorted(os.listdir(os.path.join(directory, COPIES_DIR)))
+    except OSError:
+        nodes = []
+    return ["", GATHERED_DIR, *(f"{COPIES_DIR}/{node}" for node in nodes)]
 
 
 def copied_name(step: int) -> str:

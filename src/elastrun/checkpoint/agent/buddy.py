@@ -49,7 +49,6 @@ from elastrun.checkpoint.agent.holdings import (
     newest_complete,
     pieces_to_pull,
     scan,
-    steps_in,
 )
 from elastrun.checkpoint.agent.node_dir import NodeCheckpointDir
 from elastrun.core import cancel
@@ -311,6 +310,6 @@ def _server(raw: bytes) -> _Server | None:
 def _drop_gathered(directory: str, keep: int) -> None:
     """Remove gathered steps other than ``keep``."""
     base = os.path.join(directory, layout.GATHERED_DIR)
-    for step in steps_in(base):
+    for step in layout.steps_in(base):
         if step != keep:
             shutil.rmtree(os.path.join(base, layout.step_dir_name(step)), ignore_errors=True)

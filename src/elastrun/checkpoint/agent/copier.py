@@ -36,7 +36,6 @@ from elastrun.checkpoint.agent.holdings import (
     newest_agreed,
     next_to_copy,
     scan,
-    steps_in,
 )
 from elastrun.core.cancel import CancelScope
 from elastrun.core.threads import Nursery
@@ -161,14 +160,14 @@ class Copier:
             return True  # (closed while it listed: the next round's copier takes over)
         own = [p for p in listing.pieces if p.own]
         self._drop_stale(own)
-        copied = steps_in(self._base)
+        copied = layout.steps_in(self._base)
         step = next_to_copy(own, listing.ranks, copied)
         if step is not None:
             self._copy(step, [p for p in own if p.step == step and p.rank in listing.ranks])
             listing = self._client.listing()
             self._seen = listing.changes
             own = [p for p in listing.pieces if p.own]
-            copied = steps_in(self._base)
+            copied = layout.steps_in(self._base)
         keep = copies_to_keep(copied, listing.newest, {p.step for p in own})
         for old in set(copied) - keep:
             shutil.rmtree(os.path.join(self._base, layout.step_dir_name(old)), ignore_errors=True)
@@ -181,7 +180,7 @@ class Copier:
         listed: dict[int, dict[int, str]] = {}
         for p in own:
             listed.setdefault(p.step, {})[p.rank] = p.version
-        for step in steps_in(self._base):
+        for step in layout.steps_in(self._base):
             if step not in listed:
                 continue  # (the source removed it: kept or dropped by copies_to_keep)
             where = os.path.join(self._base, layout.step_dir_name(step))
@@ -278,14 +277,10 @@ def _drop_foreign(directory: str, source_dir: str | None, agreed: int | None) ->
     source (``source_dir``): a restart would load ``agreed`` or newer."""
     if agreed is None:
         return
-    bases = [os.path.join(directory, layout.GATHERED_DIR)]
-    copies = os.path.join(directory, layout.COPIES_DIR)
-    with contextlib.suppress(OSError):
-        bases += [os.path.join(copies, n) for n in os.listdir(copies)]
-    for base in bases:
+    for base in [os.path.join(directory, b) for b in layout.piece_bases(directory)[1:]]:
         if source_dir is not None and os.path.abspath(base) == os.path.abspath(source_dir):
             continue
-        for step in steps_in(base):
+        for step in layout.steps_in(base):
             if step < agreed:
                 shutil.rmtree(os.path.join(base, layout.step_dir_name(step)), ignore_errors=True)
         with contextlib.suppress(OSError):

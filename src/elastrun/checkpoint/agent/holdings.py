@@ -169,12 +169,9 @@ def scan(directory: str) -> list[Held]:
 
 def _step_dirs(directory: str) -> list[str]:
     """The step directories under ``directory``, relative to it."""
-    copies = layout.COPIES_DIR
-    bases = ["", layout.GATHERED_DIR]
-    bases += [f"{copies}/{node}" for node in listdir(os.path.join(directory, copies))]
     return sorted(
         f"{base}/{n}" if base else n
-        for base in bases
+        for base in layout.piece_bases(directory)
         for n in listdir(os.path.join(directory, base))
         if layout.step_of_dir(n) is not None
     )
@@ -213,11 +210,6 @@ def listdir(path: str) -> list[str]:
     with contextlib.suppress(OSError):
         return os.listdir(path)
     return []
-
-
-def steps_in(directory: str) -> list[int]:
-    """The steps of the step directories in ``directory``, oldest first."""
-    return sorted(s for s in map(layout.step_of_dir, listdir(directory)) if s is not None)
 
 
 class PeerError(ElastrunError):

@@ -112,20 +112,11 @@ class RankSteps:
 
     # -- pieces of any rank --------------------------------------------------------------
 
-    def _piece_bases(self) -> list[str]:
-        """Where step directories with pieces lie: the node directory, ``gathered/``,
-        then each ``copies/<node>/`` (sorted)."""
-        bases = [self.directory, os.path.join(self.directory, layout.GATHERED_DIR)]
-        copies = os.path.join(self.directory, layout.COPIES_DIR)
-        with contextlib.suppress(OSError):
-            bases += [os.path.join(copies, n) for n in sorted(os.listdir(copies))]
-        return bases
-
     def piece_dirs(self, step: int) -> list[str]:
         """The directories that may hold pieces of ``step``: the node's own step
         directory, then ``gathered/``'s, then each ``copies/<node>/``'s (sorted)."""
         name = layout.step_dir_name(step)
-        dirs = (os.path.join(base, name) for base in self._piece_bases())
+        dirs = (os.path.join(self.directory, b, name) for b in layout.piece_bases(self.directory))
         return [d for d in dirs if os.path.isdir(d)]
 
     def pieces(self, step: int) -> dict[int, dict[int, Piece]]:
@@ -150,8 +141,9 @@ class RankSteps:
 
     def every_step(self) -> list[int]:
         """Every step of which the node holds some piece, oldest first."""
-        _own, *others = self._piece_bases()
-        return sorted({*self.all_steps(), *(s for base in others for s in _steps_in(base))})
+        _own, *others = layout.piece_bases(self.directory)
+        held = (s for b in others for s in layout.steps_in(os.path.join(self.directory, b)))
+        return sorted({*self.all_steps(), *held})
 
     def needed(self, step: int) -> dict[int, Piece] | None:
         """The pieces this rank loads ``step`` from, when the node holds them: its own,
@@ -294,14 +286,6 @@ class RankSteps:
             f"RankSteps(directory={self.directory!r}, rank={self.rank}, "
             f"world_size={self.world_size})"
         )
-
-
-def _steps_in(directory: str) -> list[int]:
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    return [s for s in map(layout.step_of_dir, names) if s is not None]
 
 
 def _valid_marker(
