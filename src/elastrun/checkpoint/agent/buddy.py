@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -46,6 +45,7 @@ from elastrun.checkpoint.agent.holdings import (
     Listing,
     PeerError,
     buddy_roles,
+    drop_steps,
     newest_complete,
     pieces_to_pull,
     scan,
@@ -229,7 +229,8 @@ class NodeCopies:
         pulls = pieces_to_pull(
             step, world, needed, local, {n: li.pieces for n, li in listings.items()}
         )
-        _drop_gathered(directory, keep=step)
+        gathered = os.path.join(directory, layout.GATHERED_DIR)
+        drop_steps(gathered, [s for s in layout.steps_in(gathered) if s != step])
         if not pulls:
             return True
         from elastrun.checkpoint.agent.serve import NodeClient
@@ -237,11 +238,11 @@ class NodeCopies:
         t0 = time.monotonic()
         moved = 0
         done: list[tuple[str, Held]] = []
+        dest = os.path.join(gathered, layout.step_dir_name(step))
         for peer, piece in pulls:
             if scope.cancelled:
                 return False
             client = NodeClient(*peers[peer])
-            dest = os.path.join(directory, layout.GATHERED_DIR, layout.step_dir_name(step))
             try:
                 moved += pull_piece(client, piece, dest)
                 done.append((peer, piece))
@@ -305,11 +306,3 @@ def _server(raw: bytes) -> _Server | None:
         return str(doc["addr"]), int(doc["port"]), str(doc["token"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _drop_gathered(directory: str, keep: int) -> None:
-    """Remove gathered steps other than ``keep``."""
-    base = os.path.join(directory, layout.GATHERED_DIR)
-    for step in layout.steps_in(base):
-        if step != keep:
-            shutil.rmtree(os.path.join(base, layout.step_dir_name(step)), ignore_errors=True)

@@ -33,6 +33,7 @@ from elastrun.checkpoint.agent.holdings import (
     PeerError,
     copies_to_keep,
     copy_dir_name,
+    drop_steps,
     newest_agreed,
     next_to_copy,
     scan,
@@ -169,8 +170,7 @@ class Copier:
             own = [p for p in listing.pieces if p.own]
             copied = layout.steps_in(self._base)
         keep = copies_to_keep(copied, listing.newest, {p.step for p in own})
-        for old in set(copied) - keep:
-            shutil.rmtree(os.path.join(self._base, layout.step_dir_name(old)), ignore_errors=True)
+        drop_steps(self._base, set(copied) - keep)
         return True
 
     def _drop_stale(self, own: list[Held]) -> None:
@@ -280,8 +280,6 @@ def _drop_foreign(directory: str, source_dir: str | None, agreed: int | None) ->
     for base in [os.path.join(directory, b) for b in layout.piece_bases(directory)[1:]]:
         if source_dir is not None and os.path.abspath(base) == os.path.abspath(source_dir):
             continue
-        for step in layout.steps_in(base):
-            if step < agreed:
-                shutil.rmtree(os.path.join(base, layout.step_dir_name(step)), ignore_errors=True)
+        drop_steps(base, [step for step in layout.steps_in(base) if step < agreed])
         with contextlib.suppress(OSError):
             os.rmdir(base)

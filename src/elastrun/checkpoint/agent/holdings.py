@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import os
 import re
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -203,6 +204,12 @@ def _pieces_in(directory: str, rel: str) -> list[Held]:
             Held(step, rank, marker.world_size, rel, marker.data_bytes, marker.meta_bytes, version)
         )
     return held
+
+
+def drop_steps(base: str, steps: Iterable[int]) -> None:
+    """Remove the step directories of ``steps`` in ``base`` (what cannot go stays)."""
+    for step in steps:
+        shutil.rmtree(os.path.join(base, layout.step_dir_name(step)), ignore_errors=True)
 
 
 def listdir(path: str) -> list[str]:
