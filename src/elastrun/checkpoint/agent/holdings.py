@@ -26,13 +26,13 @@ import hashlib
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from elastrun.core.errors import ElastrunError
 from elastrun.wire import checkpoint as layout
-from elastrun.wire.checkpoint import MarkerError, ReportError
+from elastrun.wire.checkpoint import MarkerError, RankReport, ReportError
 
 __all__ = [
     "Held",
@@ -241,16 +241,28 @@ class Listing:
         )
 
 
+def read_reports(
+    directory: str, skipped: Callable[[str, Exception], object] | None = None
+) -> list[RankReport]:
+    """The ranks' reports in the node directory ``directory`` (none: it cannot be read),
+    by name; ``skipped`` is told of each one that cannot be read (but one gone since it
+    was listed)."""
+    reports = []
+    for name in sorted(listdir(directory)):
+        if layout.rank_of_report(name) is None:
+            continue
+        try:
+            with open(os.path.join(directory, name), "rb") as fh:
+                reports.append(layout.decode_report(fh.read()))
+        except FileNotFoundError:
+            continue
+        except (OSError, ReportError) as exc:
+            if skipped is not None:
+                skipped(name, exc)
+    return reports
+
+
 def newest_agreed(directory: str) -> int | None:
     """The newest step the node's ranks last reported complete on every rank (their
     reports in ``directory``; None: none reported one)."""
-    steps = []
-    for name in listdir(directory):
-        if layout.rank_of_report(name) is None:
-            continue
-        with contextlib.suppress(OSError, ReportError):
-            with open(os.path.join(directory, name), "rb") as fh:
-                newest = layout.decode_report(fh.read()).newest
-            if newest is not None:
-                steps.append(newest)
-    return max(steps) if steps else None
+    return max((r.newest for r in read_reports(directory) if r.newest is not None), default=None)

@@ -26,13 +26,13 @@ place; another version can) is skipped, said once per file at debug level.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from elastrun.checkpoint.agent.holdings import read_reports
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.observe.sinks import EventSink, EventValue, MetricSink, labelled
-from elastrun.wire.checkpoint import RankReport, ReportError, decode_report, rank_of_report
+from elastrun.wire.checkpoint import RankReport
 
 __all__ = ["REPORT_EVERY", "CheckpointReports", "summary"]
 
@@ -118,26 +118,12 @@ class CheckpointReports:
 
     def _read(self) -> list[RankReport]:
         path = self._directory()
-        if path is None:
-            return []
-        try:
-            names = os.listdir(path)
-        except OSError:
-            return []  # (removed, or never made)
-        reports = []
-        for name in sorted(names):
-            if rank_of_report(name) is None:
-                continue
-            try:
-                with open(os.path.join(path, name), "rb") as fh:
-                    reports.append(decode_report(fh.read()))
-            except FileNotFoundError:
-                continue
-            except (OSError, ReportError) as exc:
-                if name not in self._unreadable:
-                    self._unreadable.add(name)
-                    log.debug("memory checkpoints: %s skipped: %s", name, exc)
-        return reports
+        return [] if path is None else read_reports(path, self._skipped)
+
+    def _skipped(self, name: str, exc: Exception) -> None:
+        if name not in self._unreadable:
+            self._unreadable.add(name)
+            log.debug("memory checkpoints: %s skipped: %s", name, exc)
 
     # -- what changed --------------------------------------------------------------------
 
