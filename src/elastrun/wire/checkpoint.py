@@ -236,11 +236,6 @@ class Buddy(NamedTuple):
     source: str | None  # the node whose steps this one copies (None: none)
 
 
-def encode_buddy(buddy: Buddy) -> str:
-    """``buddy.json``'s text."""
-    return json.dumps({"version": VERSION, **buddy._asdict()})
-
-
 def decode_buddy(text: str | bytes) -> Buddy:
     """The ``Buddy`` a ``buddy.json`` holds.
 
@@ -296,11 +291,6 @@ def rank_of_file(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def encode_marker(marker: Marker) -> str:
-    """The marker file's text."""
-    return json.dumps({"version": VERSION, **marker._asdict()})
-
-
 def decode_marker(text: str | bytes) -> Marker:
     """The marker a file's text holds.
 
@@ -352,9 +342,13 @@ def rank_of_report(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def encode_report(report: RankReport) -> str:
-    """The report file's text."""
-    return json.dumps({"version": VERSION, **report._asdict()})
+def _encode(record: Buddy | Marker | RankReport) -> str:
+    """The text of ``buddy.json``, of a marker or of a report: the record's fields and
+    the version."""
+    return json.dumps({"version": VERSION, **record._asdict()})
+
+
+encode_buddy = encode_marker = encode_report = _encode
 
 
 def decode_report(text: str | bytes) -> RankReport:
