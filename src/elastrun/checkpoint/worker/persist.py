@@ -47,7 +47,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -286,7 +285,11 @@ class Persister:
         if lead:
             _remove_leftovers(directory)
         try:
-            token = _agree_token(self._group, lead)
+            # A random number of rank 0's, known to every rank: the temporary directory's
+            # name, which unlike a fixed one is never a leftover of a persist that died.
+            token = ranks.all_reduce(
+                self._group, secrets.randbits(62) if lead else 0, dist.ReduceOp.SUM
+            )
         except RuntimeError as exc:
             self._lost(step, exc)
             return
@@ -306,7 +309,7 @@ class Persister:
             self._before_rename(step)
         problem = self._publish(step, tmp, metadata) if lead else None
         try:
-            done = ranks.all_hold(self._group, problem is None)
+            done = ranks.all_reduce(self._group, problem is None, dist.ReduceOp.MIN)
         except RuntimeError as exc:
             self._lost(step, exc)
             return
@@ -393,17 +396,6 @@ def _write_alone(writer: FileSystemWriter, planner: SnapshotPlanner) -> Metadata
     results.wait()
     writer.finish(metadata, [results.value()])
     return metadata
-
-
-def _agree_token(group: dist.ProcessGroup | None, lead: bool) -> int:
-    """A random number of rank 0's, known to every rank (the temporary directory's
-    name: unlike a fixed one, never a leftover of a persist that died)."""
-    token = secrets.randbits(62) if lead else 0
-    if group is None:
-        return token
-    value = torch.tensor([token], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
-    return int(value.item())
 
 
 def _missing_files(tmp: str, metadata: Metadata) -> str | None:

@@ -15,18 +15,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 
 
-def all_hold(group: dist.ProcessGroup | None, here: bool) -> bool:
-    """Whether every rank of ``group`` says ``here`` (no group: this rank's word): the
-    persister's, on the gloo group its DCP save needs anyway.
+def all_reduce(group: dist.ProcessGroup | None, value: int, op: dist.ReduceOp.RedOpType) -> int:
+    """``value`` reduced by ``op`` over every rank of ``group`` (no group: this rank's
+    own): the persister's, on the gloo group its DCP save needs anyway.
 
     Raises:
         RuntimeError: the collective failed (the ranks lost each other).
     """
     if group is None:
-        return here
-    flag = torch.tensor([int(here)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=op, group=group)
+    return int(tensor.item())
 
 
 @contextlib.contextmanager
