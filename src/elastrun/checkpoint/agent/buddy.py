@@ -31,6 +31,7 @@ between two requests, and the loop sees it at its next wait.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -242,17 +243,15 @@ class NodeCopies:
         for peer, piece in pulls:
             if scope.cancelled:
                 return False
-            client = NodeClient(*peers[peer])
             try:
-                moved += pull_piece(client, piece, dest)
+                with contextlib.closing(NodeClient(*peers[peer])) as client:
+                    moved += pull_piece(client, piece, dest)
                 done.append((peer, piece))
             except (PeerError, OSError) as exc:
                 log.warning(
                     "memory checkpoint: rank %d's piece of step %d could not be pulled from "
                     "node %s: %s", piece.rank, step, peer, exc,
                 )  # fmt: skip
-            finally:
-                client.close()
         took = time.monotonic() - t0
         log.info(
             "memory checkpoint: pulled rank(s) %s of step %d from node(s) %s (%.1f MiB in "
@@ -279,13 +278,11 @@ class NodeCopies:
         for peer, server in sorted(peers.items()):
             if scope.cancelled:
                 break
-            client = NodeClient(*server)
             try:
-                listings[peer] = client.listing()
+                with contextlib.closing(NodeClient(*server)) as client:
+                    listings[peer] = client.listing()
             except PeerError as exc:
                 log.debug("memory checkpoints: node %s not listed: %s", peer, exc)
-            finally:
-                client.close()
         return listings
 
     def _stop_copier(self) -> None:
