@@ -197,8 +197,6 @@ class MemoryCheckpoint:
         self._finisher.raise_failure()
         if not self._space_checked:
             self._check_space(state_bytes(state_dict))
-        # Loadable: the node holds this rank's piece (a world of the size that saved the
-        # step) or every rank's (another size: DCP reshards from their union).
         complete = steps.loadable_steps()
         agreement = self._agreement
         step = (
