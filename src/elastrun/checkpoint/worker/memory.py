@@ -56,18 +56,21 @@ no common step); a gloo group of the checkpoint's own for the agreements (see
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from elastrun.checkpoint.worker import agreement, ranks
+from elastrun.checkpoint.worker import agreement
 from elastrun.checkpoint.worker.agreement import Agreement
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.finishing import Finisher, Overlaps
@@ -210,7 +213,7 @@ class MemoryCheckpoint:
                 world_size=steps.world_size,
                 staging=self._staging,
             )
-            with ranks.dcp_call(f"loading step {step}"):
+            with _dcp_call(f"loading step {step}"):
                 dcp_load(state_dict, storage_reader=reader, no_dist=True)
             log.info("memory checkpoint: rank %d loaded step %d", steps.rank, step)
         steps.keep_only(set() if step is None else {step})
@@ -268,7 +271,7 @@ class MemoryCheckpoint:
         )
         self._last = step
         try:
-            with ranks.dcp_call(f"saving step {step}"):
+            with _dcp_call(f"saving step {step}"):
                 dcp_save(state_dict, storage_writer=writer, no_dist=True)
         except BaseException:
             steps.remove(step)
@@ -413,6 +416,25 @@ class MemoryCheckpoint:
         if not self._space_checked:
             self._check_space(rank_bytes)
             self._space_checked = True
+
+
+@contextlib.contextmanager
+def _dcp_call(what: str) -> Iterator[None]:
+    """A call of DCP on this rank alone: its failure raised as elastrun's (DCP gathers
+    every rank's exception into a ``CheckpointException``, a ``BaseException`` whose
+    text is a traceback), and its warning that it assumes one process silenced, which
+    is the point here (see ``checkpoint.worker.storage``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
+        try:
+            yield
+        except CheckpointException as exc:
+            inner = next(iter(exc.failures.values()), (exc, None))[0]
+            if isinstance(inner, MemoryCheckpointError):
+                raise inner from None
+            raise MemoryCheckpointError(f"{what} failed: {inner!r}") from inner
 
 
 def _rebuilt(world: weakref.ref[dist.ProcessGroup] | None) -> bool:

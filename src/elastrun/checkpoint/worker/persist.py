@@ -47,13 +47,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from elastrun.checkpoint.worker import ranks
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.persist_plan import Snapshot, SnapshotPlanner, read_snapshot
 from elastrun.checkpoint.worker.steps import RankSteps
@@ -287,9 +287,7 @@ class Persister:
         try:
             # A random number of rank 0's, known to every rank: the temporary directory's
             # name, which unlike a fixed one is never a leftover of a persist that died.
-            token = ranks.all_reduce(
-                self._group, secrets.randbits(62) if lead else 0, dist.ReduceOp.SUM
-            )
+            token = _all_reduce(self._group, secrets.randbits(62) if lead else 0, dist.ReduceOp.SUM)
         except RuntimeError as exc:
             self._lost(step, exc)
             return
@@ -309,7 +307,7 @@ class Persister:
             self._before_rename(step)
         problem = self._publish(step, tmp, metadata) if lead else None
         try:
-            done = ranks.all_reduce(self._group, problem is None, dist.ReduceOp.MIN)
+            done = _all_reduce(self._group, problem is None, dist.ReduceOp.MIN)
         except RuntimeError as exc:
             self._lost(step, exc)
             return
@@ -396,6 +394,20 @@ def _write_alone(writer: FileSystemWriter, planner: SnapshotPlanner) -> Metadata
     results.wait()
     writer.finish(metadata, [results.value()])
     return metadata
+
+
+def _all_reduce(group: dist.ProcessGroup | None, value: int, op: dist.ReduceOp.RedOpType) -> int:
+    """``value`` reduced by ``op`` over every rank of ``group`` (no group: this rank's
+    own): the persister's, on the gloo group its DCP save needs anyway.
+
+    Raises:
+        RuntimeError: the collective failed (the ranks lost each other).
+    """
+    if group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=op, group=group)
+    return int(tensor.item())
 
 
 def _missing_files(tmp: str, metadata: Metadata) -> str | None:
