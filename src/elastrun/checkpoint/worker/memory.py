@@ -35,17 +35,12 @@ store closes (elastrun's agent closes it when the round ends); then the saves of
 world are skipped, and a world rebuilt in place (``elastrun.inprocess``) sets up
 again.
 
-**Persisted to disk** (``persist_dir``): after every ``persist_every`` complete steps,
-or on ``persist()``, the newest complete step is written in DCP's own format to a
-directory, by a thread of its own (``checkpoint.worker.persist``); the background thread
-only decides when (``checkpoint.worker.persisting``), in the order of the saves, so
-every rank persists the same step.
+**Persisted to disk** (``persist_dir``): the newest complete step, in DCP's own format,
+by a thread of its own (``checkpoint.worker.persist``), when the background thread says
+so, in the order of the saves (``checkpoint.worker.persisting``): the same on every rank.
 
-**What the agent is told.** After each save finished in the background, and after each
-load, the rank rewrites its report in the node directory (``checkpoint.worker.report``):
-its totals of time blocked, time until its marker and copy lag (until the ranks agreed
-that the step is complete on all), and the step it restored. The agent turns them
-into events and metrics without importing torch.
+**What the agent is told**: each rank's report in the node directory
+(``checkpoint.worker.report``), which the agent turns into events and metrics.
 
 Rejected: each rank loading its own newest step (ranks would resume at different
 steps); MIN of each rank's newest step without the agreement after each save (a rank

@@ -1,13 +1,8 @@
-"""When a memory checkpoint's newest step goes to disk: ``MemoryCheckpoint``'s side of
-``checkpoint.worker.persist``.
-
-The checkpoint's background thread decides (:class:`PersistScheduler`), in the order of
-the saves, so that every rank persists the same step: after every ``persist_every``
-steps complete on every rank (``PersistSchedule``), or at a ``persist()`` call. Before
-a persist begins, the ranks agree that every rank's persister is idle and unbroken, so
-that every rank begins it (a collective) or none does; one that falls due while another
-is in flight waits for a later save. The :class:`Persister` writes the step, on a
-thread of its own.
+"""When a memory checkpoint's newest step goes to disk (``checkpoint.worker.persist``),
+decided on the checkpoint's background thread in the order of the saves, so that every
+rank persists the same step. Before a persist begins, the ranks agree that every rank's
+persister is idle and unbroken, so that every rank begins it (a collective) or none
+does; one that falls due while another is in flight waits for a later save.
 """
 
 from __future__ import annotations
