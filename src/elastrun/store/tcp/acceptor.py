@@ -74,24 +74,41 @@ class Handshaking(Protocol):
 C = TypeVar("C", bound=Handshaking)
 
 
-class Admissions(Protocol[C]):
-    """What the acceptor needs of the service it accepts for.
+class Admissions(Generic[C]):
+    """The connections of the service the acceptor accepts for (Hub, Service).
 
     ``conns``: every connection served; ``handshaking``: those not authenticated yet,
     oldest first, with when each came in (a connection leaves it when it authenticates
     or closes); ``unauthenticated_closed``: how many were closed before authenticating;
-    ``on_room``: set by the acceptor, to be called when a connection ends or
-    authenticates; ``admit()``: a new connection (an ``asyncio.Protocol``) for a socket
-    being handed over, counted in ``conns`` and ``handshaking`` from that moment.
+    ``on_room``: set by the acceptor, called by :meth:`room` when a connection ends or
+    authenticates. ``make`` builds a connection (an ``asyncio.Protocol``) for a socket.
     """
 
-    loop: asyncio.AbstractEventLoop
-    conns: set[C]
-    handshaking: dict[C, float]
-    unauthenticated_closed: int
-    on_room: Callable[[], None] | None
+    def __init__(self, loop: asyncio.AbstractEventLoop, make: Callable[[], C]) -> None:
+        self.loop = loop
+        self._make = make
+        self.conns: set[C] = set()
+        self.handshaking: dict[C, float] = {}
+        self.unauthenticated_closed = 0
+        self.on_room: Callable[[], None] | None = None
 
-    def admit(self) -> C: ...
+    def admit(self) -> C:
+        """A connection for a socket the acceptor hands over, counted from now on."""
+        conn = self._make()
+        self.register(conn)
+        return conn
+
+    def register(self, conn: C) -> None:
+        """Count ``conn``, as one that has not authenticated yet, from the moment its
+        socket is handed over (asyncio calls ``connection_made`` a loop turn later: the
+        acceptor's budgets must not miss it in between); idempotent."""
+        self.conns.add(conn)
+        self.handshaking.setdefault(conn, self.loop.time())
+
+    def room(self) -> None:
+        """A connection ended or authenticated: the acceptor may take more."""
+        if self.on_room is not None:
+            self.on_room()
 
 
 class Acceptor(Generic[C]):

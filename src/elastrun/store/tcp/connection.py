@@ -45,14 +45,6 @@ class Connection(asyncio.Protocol):
         state = "closed" if self._closed else "ready" if self._ready else "handshake"
         return f"Connection({self.peer}, {state}, leases={sorted(self.leases)})"
 
-    def register(self) -> None:
-        """Count this connection, as one that has not authenticated yet, from the moment
-        its socket is handed over (asyncio calls ``connection_made`` a loop turn later:
-        the acceptor's budgets must not miss it in between)."""
-        service = self._service
-        service.conns.add(self)
-        service.handshaking.setdefault(self, service.loop.time())
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream server's
         if self._closed:  # evicted between the hand-over and now
@@ -67,7 +59,7 @@ class Connection(asyncio.Protocol):
             except OSError as exc:  # the peer may already be gone; the read will tell
                 log.debug("socket options for %s: %r", self.peer, exc)
         service = self._service
-        self.register()
+        service.register(self)
         self._handshake_timer = service.loop.call_later(
             HANDSHAKE_TIMEOUT, self._handshake_timed_out
         )

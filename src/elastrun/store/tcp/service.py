@@ -22,6 +22,7 @@ kind every few seconds, never a line per connection.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable
@@ -35,6 +36,7 @@ from elastrun.core.errors import (
 from elastrun.store.api import WatchEvent, WatchResult
 from elastrun.store.memory import MemoryStore
 from elastrun.store.tcp import protocol as p
+from elastrun.store.tcp.acceptor import Admissions
 from elastrun.store.tcp.connection import HANDSHAKE_TIMEOUT, Connection, format_addr
 from elastrun.store.tcp.leases import LeaseTable
 from elastrun.store.tcp.limits import LogLimiter
@@ -63,7 +65,7 @@ class _Shared:
     body: bytes
 
 
-class Service:
+class Service(Admissions[Connection]):
     """The store, its lease bookkeeping, its waiters and the request handlers."""
 
     def __init__(
@@ -75,7 +77,7 @@ class Service:
         grace: float,
         base: int,
     ) -> None:
-        self.loop = loop
+        super().__init__(loop, functools.partial(Connection, self))
         self._num = Numbering(base)
         self.store = store
         self.token = token
@@ -87,14 +89,6 @@ class Service:
         self._shared: dict[int, tuple[Woken, _Shared]] = {}
         #: The connections' leases: a dropped one's end after the grace unless resumed.
         self.leases = LeaseTable(loop, store, grace, self._num, self.publish)
-        self.conns: set[Connection] = set()
-        #: Connections that have not authenticated yet, oldest first, with when each
-        #: came in (the acceptor caps them and closes the oldest to make room).
-        self.handshaking: dict[Connection, float] = {}
-        #: Connections closed before they authenticated (timed out, or made room).
-        self.unauthenticated_closed = 0
-        #: Called when a connection ends or authenticates: the acceptor may take more.
-        self.on_room: Callable[[], None] | None = None
         self.limiter = LogLimiter(log, loop.time, LOG_EVERY)
         self._quick: dict[str, Callable[[Connection, p.Message], object]] = {
             "get": self._get,
@@ -400,14 +394,3 @@ class Service:
 
     def _refusal(self, code: str, message: str) -> bytes:
         return p.encode({"type": "error", "code": code, "message": message}, p.HANDSHAKE_MAX_FRAME)
-
-    def admit(self) -> Connection:
-        """A connection for a socket the acceptor hands over, counted from now on."""
-        conn = Connection(self)
-        conn.register()
-        return conn
-
-    def room(self) -> None:
-        """A connection ended or authenticated: tell the acceptor."""
-        if self.on_room is not None:
-            self.on_room()

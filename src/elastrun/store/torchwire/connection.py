@@ -19,11 +19,13 @@ a time (torch's client is synchronous; a second one is a protocol error).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import cast
 
 from elastrun.core.errors import StoreError
+from elastrun.store.tcp.acceptor import Admissions
 from elastrun.store.tcp.protocol import tune_socket
 from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec as c
@@ -33,33 +35,14 @@ from elastrun.store.torchwire.state import TorchStoreState, Waiter
 log = logging.getLogger("elastrun.store.torchwire")
 
 
-class Hub:
-    """What every connection of one server shares: the state, limits and registry
-    (what the acceptor reads and is told: ``elastrun.store.tcp.acceptor.Admissions``)."""
+class Hub(Admissions["Connection"]):
+    """What every connection of one server shares: the state, limits and registry."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits) -> None:
-        self.loop = loop
+        super().__init__(loop, functools.partial(Connection, self))
         self.state = TorchStoreState()
         self.limits = limits
-        self.conns: set[Connection] = set()
-        #: Connections not validated yet, oldest first, with when each came in.
-        self.handshaking: dict[Connection, float] = {}
-        #: Connections closed before they validated (to make room for newer ones).
-        self.unauthenticated_closed = 0
-        #: Called when a connection ends or validates: the acceptor may take more.
-        self.on_room: Callable[[], None] | None = None
         self.complain = Complaints(loop.time)
-
-    def admit(self) -> Connection:
-        """A connection for a socket the acceptor hands over, counted from now on."""
-        conn = Connection(self)
-        conn.register()
-        return conn
-
-    def room(self) -> None:
-        """A connection ended or validated: tell the acceptor."""
-        if self.on_room is not None:
-            self.on_room()
 
     def __repr__(self) -> str:
         return (
@@ -106,14 +89,6 @@ class Connection(asyncio.Protocol):
             self._peer = format_addr(str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else "?"
         return self._peer
 
-    def register(self) -> None:
-        """Count this connection, as one not validated yet, from the moment its socket
-        is handed over (asyncio calls ``connection_made`` a loop turn later: the
-        acceptor's budgets must not miss it in between); idempotent."""
-        hub = self._hub
-        hub.conns.add(self)
-        hub.handshaking.setdefault(self, hub.loop.time())
-
     def close_unauthenticated(self) -> None:
         """Close a connection that has not validated, to make room for a newer one."""
         if not self._validated and not self._closed:
@@ -126,7 +101,7 @@ class Connection(asyncio.Protocol):
             transport.close()
             return
         hub = self._hub
-        self.register()  # (made by the acceptor: counted already)
+        hub.register(self)  # (made by the acceptor: counted already)
         if len(hub.conns) > hub.limits.max_connections:
             # Accepted only to be closed: a refused client (torch's) retries with
             # back-off until its timeout, by when others may have left.
