@@ -137,13 +137,15 @@ def bind_listeners(host: str, port: int, backlog: int | None = None) -> list[soc
 @dataclass(eq=False)
 class LogLimiter:
     """At most ``burst`` log lines per kind every ``every`` seconds; the first line of a
-    later period says how many were held back. For lines that a stranger can cause once
-    per connection: a flood costs a few lines, not a line per connection."""
+    later period says how many were held back (``held``, %-formatted with their count).
+    For lines that a stranger can cause once per connection: a flood costs a few lines,
+    not a line per connection."""
 
     logger: logging.Logger
     clock: Callable[[], float]
     every: float = 10.0
     burst: int = 5
+    held: str = " (and %d more like it, not logged)"
     #: kind -> (start of its period, lines logged in it)
     _period: dict[str, tuple[float, int]] = field(default_factory=dict, init=False)
     _held: dict[str, int] = field(default_factory=dict, init=False)
@@ -159,7 +161,7 @@ class LogLimiter:
         self._period[kind] = (start, logged + 1)
         held = self._held.pop(kind, 0)
         if held:
-            msg += " (and %d more like it, not logged)"
+            msg += self.held
             args = (*args, held)
         self.logger.log(level, msg, *args)
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from elastrun.core.errors import ConfigError
+from elastrun.store.tcp.limits import LogLimiter
 from elastrun.store.torchwire import codec as c
 
 log = logging.getLogger("elastrun.store.torchwire")
 
 
-@dataclass(eq=False)
-class Complaints:
+class Complaints(LogLimiter):
     """Warnings about misbehaving clients, at most ``burst`` per ``period`` seconds.
 
     A job whose every worker misbehaves the same way (thousands of them) must not
@@ -23,28 +23,13 @@ class Complaints:
     that is let through.
     """
 
-    clock: Callable[[], float]
-    burst: int = 10
-    period: float = 60.0
-    _window_start: float = field(default=float("-inf"), init=False)
-    _in_window: int = field(default=0, init=False)
-    suppressed: int = field(default=0, init=False)
-    total: int = field(default=0, init=False)
+    def __init__(self, clock: Callable[[], float], burst: int = 10, period: float = 60.0) -> None:
+        super().__init__(log, clock, period, burst, " (%d similar messages suppressed)")
+        self.total = 0
 
     def __call__(self, message: str, *args: object) -> None:
         self.total += 1
-        now = self.clock()
-        if now - self._window_start >= self.period:
-            self._window_start, self._in_window = now, 0
-        if self._in_window >= self.burst:
-            self.suppressed += 1
-            return
-        self._in_window += 1
-        if self.suppressed:
-            message += " (%d similar messages suppressed)"
-            args = (*args, self.suppressed)
-            self.suppressed = 0
-        log.warning(message, *args)
+        self.log(logging.WARNING, "", message, *args)
 
 
 #: Linux gives an accepted socket its listener's options (TCP_NODELAY and the keep-alive
