@@ -120,6 +120,20 @@ class Request(NamedTuple):
 #: Op by command byte (they are 0..n-1), without ``Op(code)``'s lookup: a microsecond
 #: per request.
 _OPS: tuple[Op, ...] = tuple(sorted(Op))
+#: The fields each command carries, by command byte.
+_SHAPE_NUMBER, _SHAPE_BARE, _SHAPE_KEY, _SHAPE_KEY_VALUE, _SHAPE_CAS = range(5)
+_SHAPE_KEY_NUMBER, _SHAPE_KEYS, _SHAPE_PAIRS = range(5, 8)
+_SHAPES: dict[Op, int] = {
+    **dict.fromkeys((Op.VALIDATE, Op.PING), _SHAPE_NUMBER),
+    **dict.fromkeys((Op.GETNUMKEYS, Op.CANCEL_WAIT, Op.LIST_KEYS), _SHAPE_BARE),
+    **dict.fromkeys((Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN), _SHAPE_KEY),
+    **dict.fromkeys((Op.SET, Op.APPEND, Op.QUEUE_PUSH), _SHAPE_KEY_VALUE),
+    Op.COMPARE_SET: _SHAPE_CAS,
+    **dict.fromkeys((Op.ADD, Op.BARRIER), _SHAPE_KEY_NUMBER),
+    **dict.fromkeys((Op.CHECK, Op.WAIT, Op.MULTI_GET), _SHAPE_KEYS),
+    Op.MULTI_SET: _SHAPE_PAIRS,
+}
+_SHAPE_BY_CODE = tuple(_SHAPES[op] for op in _OPS)
 
 
 # -- parsing -----------------------------------------------------------------------------
@@ -179,34 +193,28 @@ def _read(max_frame: int, max_key: int) -> _Reader:
     def value() -> Generator[int, bytes, bytes]:
         return _blob(budget, max_frame, "value")
 
-    if op in (Op.VALIDATE, Op.PING):
+    shape = _SHAPE_BY_CODE[code]
+    if shape == _SHAPE_NUMBER:
         return Request(op, number=(yield from _number(budget, _U32)))
-    if op in (Op.GETNUMKEYS, Op.CANCEL_WAIT, Op.LIST_KEYS):
+    if shape == _SHAPE_BARE:
         return Request(op)
-    if op in (Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN):
-        return Request(op, ((yield from key()),))
-    if op in (Op.SET, Op.APPEND, Op.QUEUE_PUSH):
-        k = yield from key()
-        return Request(op, (k,), ((yield from value()),))
-    if op is Op.COMPARE_SET:
-        k = yield from key()
-        expected = yield from value()
-        return Request(op, (k,), (expected, (yield from value())))
-    if op in (Op.ADD, Op.BARRIER):
-        k = yield from key()
-        return Request(op, (k,), number=(yield from _number(budget, _I64)))
-    if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET):
-        count = yield from _count(budget)
-        keys = []
-        for _ in range(count):
-            keys.append((yield from key()))
-        return Request(op, tuple(keys))
-    # MULTI_SET: the client sends its count signed.
-    count = yield from _count(budget, signed=True)
+    if shape < _SHAPE_KEYS:  # one key, then what the command adds to it
+        k = ((yield from key()),)
+        if shape == _SHAPE_KEY:
+            return Request(op, k)
+        if shape == _SHAPE_KEY_NUMBER:
+            return Request(op, k, number=(yield from _number(budget, _I64)))
+        values = [(yield from value())]
+        if shape == _SHAPE_CAS:  # expected, then desired
+            values.append((yield from value()))
+        return Request(op, k, tuple(values))
+    pairs = shape == _SHAPE_PAIRS  # MULTI_SET: the client sends its count signed
+    count = yield from _count(budget, signed=pairs)
     keys, values = [], []
     for _ in range(count):
         keys.append((yield from key()))
-        values.append((yield from value()))
+        if pairs:
+            values.append((yield from value()))
     return Request(op, tuple(keys), tuple(values))
 
 
@@ -219,20 +227,6 @@ def _read(max_frame: int, max_key: int) -> _Reader:
 # and anything else -- a request cut by a read, a broken limit, an unknown command --
 # is left to the generator, which stays the one definition of the format and of its
 # errors: ``_whole`` either returns exactly what the generator would, or None.
-
-_SHAPE_NUMBER, _SHAPE_BARE, _SHAPE_KEY, _SHAPE_KEY_VALUE, _SHAPE_CAS = range(5)
-_SHAPE_KEY_NUMBER, _SHAPE_KEYS, _SHAPE_PAIRS = range(5, 8)
-_SHAPES: dict[Op, int] = {
-    **dict.fromkeys((Op.VALIDATE, Op.PING), _SHAPE_NUMBER),
-    **dict.fromkeys((Op.GETNUMKEYS, Op.CANCEL_WAIT, Op.LIST_KEYS), _SHAPE_BARE),
-    **dict.fromkeys((Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN), _SHAPE_KEY),
-    **dict.fromkeys((Op.SET, Op.APPEND, Op.QUEUE_PUSH), _SHAPE_KEY_VALUE),
-    Op.COMPARE_SET: _SHAPE_CAS,
-    **dict.fromkeys((Op.ADD, Op.BARRIER), _SHAPE_KEY_NUMBER),
-    **dict.fromkeys((Op.CHECK, Op.WAIT, Op.MULTI_GET), _SHAPE_KEYS),
-    Op.MULTI_SET: _SHAPE_PAIRS,
-}
-_SHAPE_BY_CODE = tuple(_SHAPES[op] for op in _OPS)
 
 _Buffer = bytes | bytearray
 
