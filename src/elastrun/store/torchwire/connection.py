@@ -149,7 +149,7 @@ class Connection(asyncio.Protocol):
         ``data`` (what torch's synchronous client sends in the steady state) without the
         parser, and write their answers at once; returns how many bytes they took. The
         rest (another command, a request cut by the read) goes to the parser after them.
-        The answers are the handlers'; the limits are the parser's."""
+        The answers are those of ``_ANSWERS``, the limits those of the parser."""
         n = len(data)
         at, answer = self._fast_one(data, 0, n)
         if at == n:  # the usual read: one request (the client waits for its answer)
@@ -267,7 +267,7 @@ class Connection(asyncio.Protocol):
         # answer): past it the answers are written, and a paused peer stops the loop.
         self._serving = True
         try:
-            parser, handlers = self._parser, _HANDLERS
+            parser, state = self._parser, self._state
             while not self._closed and not self._paused:
                 request = parser.next()
                 if request is None:
@@ -275,10 +275,15 @@ class Connection(asyncio.Protocol):
                 if not self._validated:
                     self._validate(request)
                     continue
-                handler = handlers.get(request.op)
-                if handler is None:  # VALIDATE again: torch's server closes too
+                answer = _ANSWERS.get(request.op)
+                if answer is not None:
+                    out = answer(state, request)
+                    if out is not None:
+                        self._send(out)
+                elif request.op in _HANDLERS:
+                    _HANDLERS[request.op](self, request)
+                else:  # VALIDATE again: torch's server closes too
                     raise c.ProtocolError(f"unexpected {request.op.name} request")
-                handler(self, request)
                 if self._out_size >= _FLUSH_AT:
                     self._flush()
         except StoreError as exc:  # ProtocolError, NotANumberError: this client's fault
@@ -314,55 +319,11 @@ class Connection(asyncio.Protocol):
         if self._transport is not None and not self._closed:
             self._transport.write(out[0] if len(out) == 1 else b"".join(out))
 
-    def _ping(self, r: c.Request) -> None:
-        self._send(c.encode_u32(r.number))
-
-    def _set(self, r: c.Request) -> None:
-        self._state.set(r.key, r.values[0])
-
-    def _compare_set(self, r: c.Request) -> None:
-        expected, desired = r.values
-        self._send(c.encode_bytes(self._state.compare_set(r.key, expected, desired)))
-
-    def _get(self, r: c.Request) -> None:
-        self._send(c.encode_bytes(self._state.get(r.key)))
-
-    def _add(self, r: c.Request) -> None:
-        self._send(c.encode_i64(self._state.add(r.key, r.number)))
-
-    def _check(self, r: c.Request) -> None:
-        ready = self._state.check(r.keys)
-        self._send(c.encode_byte(c.CheckReply.READY if ready else c.CheckReply.NOT_READY))
-
-    def _num_keys(self, r: c.Request) -> None:
-        self._send(c.encode_i64(self._state.num_keys))
-
-    def _delete(self, r: c.Request) -> None:
-        self._send(c.encode_i64(int(self._state.delete(r.key))))
-
-    def _append(self, r: c.Request) -> None:
-        self._state.append(r.key, r.values[0])
-
     def _multi_get(self, r: c.Request) -> None:
         for value in self._state.multi_get(r.keys):
             self._send(c.encode_bytes(value))
             if self._out_size >= _FLUSH_AT:  # the values may be large
                 self._flush()
-
-    def _multi_set(self, r: c.Request) -> None:
-        self._state.multi_set(r.keys, r.values)
-
-    def _queue_push(self, r: c.Request) -> None:
-        self._state.queue_push(r.key, r.values[0])
-
-    def _queue_pop(self, r: c.Request) -> None:
-        self._send(c.encode_queue_pop(*self._state.queue_pop(r.key)))
-
-    def _queue_len(self, r: c.Request) -> None:
-        self._send(c.encode_i64(self._state.queue_len(r.key)))
-
-    def _list_keys(self, r: c.Request) -> None:
-        self._send(c.encode_key_list(self._state.list_keys()))
 
     # -- blocking requests ---------------------------------------------------------------
 
@@ -411,24 +372,30 @@ _FLUSH_AT = 64 * 1024
 _STOP_WAITING = c.encode_byte(c.WaitReply.STOP_WAITING)
 _NOT_FAST = (-1, b"")
 
-#: Each request's handler, by command (all but VALIDATE, which only comes first).
+#: What each command does to the table and answers (None: nothing), by command.
+_ANSWERS: dict[c.Op, Callable[[TorchStoreState, c.Request], bytes | None]] = {
+    c.Op.PING: lambda s, r: c.encode_u32(r.number),
+    c.Op.SET: lambda s, r: s.set(r.key, r.values[0]),
+    c.Op.COMPARE_SET: lambda s, r: c.encode_bytes(s.compare_set(r.key, *r.values)),
+    c.Op.GET: lambda s, r: c.encode_bytes(s.get(r.key)),
+    c.Op.ADD: lambda s, r: c.encode_i64(s.add(r.key, r.number)),
+    c.Op.CHECK: lambda s, r: c.encode_byte(
+        c.CheckReply.READY if s.check(r.keys) else c.CheckReply.NOT_READY
+    ),
+    c.Op.GETNUMKEYS: lambda s, r: c.encode_i64(s.num_keys),
+    c.Op.DELETE_KEY: lambda s, r: c.encode_i64(int(s.delete(r.key))),
+    c.Op.APPEND: lambda s, r: s.append(r.key, r.values[0]),
+    c.Op.MULTI_SET: lambda s, r: s.multi_set(r.keys, r.values),
+    c.Op.QUEUE_PUSH: lambda s, r: s.queue_push(r.key, r.values[0]),
+    c.Op.QUEUE_POP: lambda s, r: c.encode_queue_pop(*s.queue_pop(r.key)),
+    c.Op.QUEUE_LEN: lambda s, r: c.encode_i64(s.queue_len(r.key)),
+    c.Op.LIST_KEYS: lambda s, r: c.encode_key_list(s.list_keys()),
+}
+#: The commands a connection serves itself (its wait, its flushes), by command; with
+#: ``_ANSWERS``, all but VALIDATE, which only comes first.
 _HANDLERS: dict[c.Op, Callable[[Connection, c.Request], None]] = {
-    c.Op.PING: Connection._ping,
-    c.Op.SET: Connection._set,
-    c.Op.COMPARE_SET: Connection._compare_set,
-    c.Op.GET: Connection._get,
-    c.Op.ADD: Connection._add,
-    c.Op.CHECK: Connection._check,
     c.Op.WAIT: Connection._wait,
-    c.Op.GETNUMKEYS: Connection._num_keys,
-    c.Op.DELETE_KEY: Connection._delete,
-    c.Op.APPEND: Connection._append,
-    c.Op.MULTI_GET: Connection._multi_get,
-    c.Op.MULTI_SET: Connection._multi_set,
-    c.Op.CANCEL_WAIT: Connection._cancel_wait,
-    c.Op.QUEUE_PUSH: Connection._queue_push,
-    c.Op.QUEUE_POP: Connection._queue_pop,
-    c.Op.QUEUE_LEN: Connection._queue_len,
-    c.Op.LIST_KEYS: Connection._list_keys,
     c.Op.BARRIER: Connection._wait,
+    c.Op.MULTI_GET: Connection._multi_get,
+    c.Op.CANCEL_WAIT: Connection._cancel_wait,
 }
