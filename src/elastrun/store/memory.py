@@ -153,9 +153,6 @@ class MemoryStore:
             heapq.heappop(heap)  # stale: refreshed or dropped since
         return None
 
-    def _arm(self, lease_id: int, deadline: float) -> None:
-        heapq.heappush(self._expiries, (deadline, lease_id))
-
     # -- the store model ---------------------------------------------------------------
 
     def get(self, key: str) -> bytes | None:
@@ -212,8 +209,8 @@ class MemoryStore:
         with self._cond:
             self._expire()
             lease_id = next(self._lease_ids)
-            self._leases[lease_id] = _Lease(ttl, self._clock.monotonic() + ttl)
-            self._arm(lease_id, self._leases[lease_id].deadline)
+            lease = self._leases[lease_id] = _Lease(ttl, self._clock.monotonic() + ttl)
+            heapq.heappush(self._expiries, (lease.deadline, lease_id))
             self._cond.notify_all()  # watchers recompute their next expiry
             return lease_id
 
@@ -224,7 +221,7 @@ class MemoryStore:
             if held is None:
                 return False
             held.deadline = self._clock.monotonic() + held.ttl
-            self._arm(lease, held.deadline)
+            heapq.heappush(self._expiries, (held.deadline, lease))
             return True
 
     def revoke_lease(self, lease: int) -> None:

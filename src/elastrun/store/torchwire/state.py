@@ -127,7 +127,7 @@ class TorchStoreState:
 
     def set(self, key: bytes, value: bytes) -> None:
         self._values[key] = value
-        self._written(key)
+        self._release(key)
 
     def multi_set(self, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
         for key, value in zip(keys, values, strict=True):
@@ -135,7 +135,7 @@ class TorchStoreState:
 
     def append(self, key: bytes, value: bytes) -> None:
         self._values[key] = self._values.get(key, b"") + value
-        self._written(key)
+        self._release(key)
 
     def add(self, key: bytes, amount: int) -> int:
         """Add ``amount`` to the counter in ``key`` (0 when missing); returns the sum.
@@ -146,7 +146,7 @@ class TorchStoreState:
         if not _INT64_MIN <= total <= _INT64_MAX:
             total = _wrap64(total)
         self._values[key] = b"%d" % total
-        self._written(key)
+        self._release(key)
         return total
 
     def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
@@ -158,7 +158,7 @@ class TorchStoreState:
         elif current == expected:
             current = self._values[key] = desired
         # Written even when unchanged, like torch: it releases the key's barrier.
-        self._written(key)
+        self._release(key)
         return current
 
     def delete(self, key: bytes) -> bool:
@@ -186,7 +186,7 @@ class TorchStoreState:
         count = _wrap64(read_counter(self._values.get(key)) + 1)
         self._values[key] = b"%d" % count
         if count >= world_size:
-            self._written(key)
+            self._release(key)
             return None
         # The key exists now: plain waiters on it are done (torch leaves them blocked
         # until the barrier completes, which is not what "wait for a key" means).
@@ -234,10 +234,7 @@ class TorchStoreState:
             if not waiters:
                 del self._waiting[key]
 
-    def _written(self, key: bytes) -> None:
-        self._release(key, barriers=True)
-
-    def _release(self, key: bytes, *, barriers: bool) -> None:
+    def _release(self, key: bytes, *, barriers: bool = True) -> None:
         waiters = self._waiting.get(key)
         if not waiters:
             return
