@@ -143,12 +143,9 @@ class Dialer:
             conn = self._conn
             if conn is not None and conn.alive:
                 return conn
-            with self._lock:
-                failed = self._failed
-            if failed is not None and failed[0] >= asked:
-                # A window ran out while this call queued for the dialer: its outcome is
-                # this call's too (N queued calls must not each try again in turn).
-                raise self._unavailable(failed[1])
+            failed = self._failed_since(asked)
+            if failed is not None:
+                raise failed
             conn = self._dial(scope)
             with self._lock:
                 if self._closed.is_set():
@@ -177,8 +174,10 @@ class Dialer:
         with self._dialer, scope.wakes(wake):
             while self._dial_busy:
                 scope.raise_if_cancelled()
-                if scope.expired():
-                    raise self._past_deadline(asked)
+                if scope.expired():  # unless a window ran out meanwhile, it alone gives up
+                    raise self._failed_since(asked) or past_deadline(
+                        "connecting", self._where, unknown=False
+                    )
                 self._dialer.wait(scope.deadline.timeout())
             scope.raise_if_cancelled()
             self._dial_busy = True
@@ -216,14 +215,12 @@ class Dialer:
             scope.sleep(min(left, random.uniform(delay / 2, delay)))
             delay = min(_BACKOFF_CAP, delay * 2)
 
-    def _past_deadline(self, asked: float) -> StoreError:
-        """The caller's deadline came while it waited for a connection: unless a window
-        ran out since it ``asked`` (then that is the news), it alone gives up."""
+    def _failed_since(self, asked: float) -> StoreUnavailableError | None:
+        """The outcome of a window that ran out since a call ``asked`` for a connection,
+        which is that call's too (N queued calls must not each try again in turn)."""
         with self._lock:
             failed = self._failed
-        if failed is not None and failed[0] >= asked:
-            return self._unavailable(failed[1])
-        return past_deadline("connecting", self._where, unknown=False)
+        return self._unavailable(failed[1]) if failed and failed[0] >= asked else None
 
     def _give_up(self, reason: str) -> StoreUnavailableError:
         """The window ran out: remember its outcome for the calls queued behind it."""
