@@ -34,18 +34,6 @@ BACKLOG = 4096
 _JOIN_TIMEOUT = 5.0
 
 
-def listen_now(host: str, port: int) -> list[socket.socket]:
-    """Listening sockets for ``host`` (``""``: every interface) on one port, bound now.
-
-    Raises:
-        StoreError: naming the address, when it cannot be bound.
-    """
-    try:
-        return bind_listeners(host, port, BACKLOG)
-    except OSError as exc:
-        raise StoreError(f"cannot listen on {host or '*'}:{port}: {exc}") from exc
-
-
 class LazyTorchWireServer:
     """A :class:`TorchWireServer` that listens from :meth:`start` on and starts serving
     when the first client connects. Same ``start``/``close``/``port`` contract."""
@@ -77,7 +65,11 @@ class LazyTorchWireServer:
             StoreError: the address cannot be bound, or the process is out of
                 descriptors or threads.
         """
-        self._socks = listen_now(self._host, self._requested_port)
+        try:
+            self._socks = bind_listeners(self._host, self._requested_port, BACKLOG)
+        except OSError as exc:
+            where = f"{self._host or '*'}:{self._requested_port}"
+            raise StoreError(f"cannot listen on {where}: {exc}") from exc
         self._port = int(self._socks[0].getsockname()[1])
         try:
             self._nursery.scope.fileno()  # made here: out of descriptors is start()'s error
