@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import random
 import socket
 import ssl
@@ -264,7 +265,9 @@ class EtcdStore:
                 return
             if deadline.expired():
                 raise StoreTimeoutError(f"timed out after {timeout}s waiting for {missing}")
-            self.watch(_common_prefix(missing), int(revision), deadline.remaining(), scope=scope)
+            # One watch over the keys' common prefix (characters, not path parts):
+            prefix = os.path.commonprefix(missing)  # noqa: RUF071
+            self.watch(prefix, int(revision), deadline.remaining(), scope=scope)
 
     def close(self) -> None:
         self._transport.close()
@@ -352,11 +355,3 @@ def _cut(reply: httpx.Response) -> None:
     if isinstance(sock, socket.socket):
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
-
-
-def _common_prefix(keys: list[str]) -> str:
-    first, last = min(keys), max(keys)
-    size = 0
-    while size < min(len(first), len(last)) and first[size] == last[size]:
-        size += 1
-    return first[:size]
