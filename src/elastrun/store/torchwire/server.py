@@ -25,7 +25,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from elastrun.core.cancel import CancelScope
@@ -57,30 +56,22 @@ T = TypeVar("T")
 CLOSE_TIMEOUT = 5.0
 
 
-@dataclass(frozen=True)
-class _Admission:
-    """Who may connect, as numbers both engines use: the descriptor ``limit``, the
-    ``reserve`` kept free under it, and how many connections may wait to validate."""
-
-    limit: int
-    reserve: int
-    handshakes: int
-
-    @classmethod
-    def now(cls, limits: Limits) -> _Admission:
-        limit = fd_limit()
-        reserve = fd_reserve(limit)
-        # Every descriptor above the reserve, where the rendezvous store allows 256 (half
-        # of them under a low limit): the ranks of a large job connect at once, and where
-        # many share a loaded machine (or a load generator runs thousands of clients in
-        # one process), many send their validation later than EVICT_AFTER after the
-        # kernel took their connection. At 256 -- and at half of 20,000 descriptors -- a
-        # burst of 10,000 such clients had hundreds closed to make room (torch's client
-        # then retries after a back-off). What the cap guards is the descriptors, and at
-        # the reserve the oldest waiting connection makes room all the same (the
-        # acceptor's rule): a flood of idle connections still cycles through.
-        room = limit - reserve - (open_fds() or 0)
-        return cls(limit, reserve, limits.max_handshakes or max(4, room))
+def _admission(limits: Limits) -> tuple[int, int, int]:
+    """Who may connect, as numbers both engines use: the descriptor limit, the reserve
+    kept free under it, and how many connections may wait to validate."""
+    limit = fd_limit()
+    reserve = fd_reserve(limit)
+    # Every descriptor above the reserve, where the rendezvous store allows 256 (half
+    # of them under a low limit): the ranks of a large job connect at once, and where
+    # many share a loaded machine (or a load generator runs thousands of clients in
+    # one process), many send their validation later than EVICT_AFTER after the
+    # kernel took their connection. At 256 -- and at half of 20,000 descriptors -- a
+    # burst of 10,000 such clients had hundreds closed to make room (torch's client
+    # then retries after a back-off). What the cap guards is the descriptors, and at
+    # the reserve the oldest waiting connection makes room all the same (the
+    # acceptor's rule): a flood of idle connections still cycles through.
+    room = limit - reserve - (open_fds() or 0)
+    return limit, reserve, limits.max_handshakes or max(4, room)
 
 
 class TorchWireServer:
@@ -289,7 +280,7 @@ class TorchWireServer:
                 sock.setblocking(False)
                 sock.listen(BACKLOG)  # again for given sockets: it only sets the backlog
             complaints = Complaints(time.monotonic)
-            admission = _Admission.now(self._limits)
+            limit, reserve, handshakes = _admission(self._limits)
             notices = LogLimiter(log, time.monotonic, every=30.0, burst=1)
             core = wirecore.Core(
                 [s.fileno() for s in socks],
@@ -297,9 +288,9 @@ class TorchWireServer:
                 self._limits.max_frame,
                 self._limits.max_key,
                 lambda message: complaints("%s", message),
-                max_handshakes=admission.handshakes,
-                fd_limit=admission.limit,
-                fd_reserve=admission.reserve,
+                max_handshakes=handshakes,
+                fd_limit=limit,
+                fd_reserve=reserve,
                 evict_after_ms=round(EVICT_AFTER * 1000),
                 recheck_ms=round(RECHECK * 1000),
                 recount_ms=round(RECOUNT_EVERY * 1000),
@@ -338,13 +329,13 @@ class TorchWireServer:
 
     async def _listen(self, hub: Hub) -> Acceptor[Connection]:
         socks = await self._bound()
-        admission = _Admission.now(self._limits)
+        limit, reserve, handshakes = _admission(self._limits)
         acceptor = Acceptor(
             hub,
             socks,
-            limit=admission.limit,
-            reserve=admission.reserve,
-            handshakes=admission.handshakes,
+            limit=limit,
+            reserve=reserve,
+            handshakes=handshakes,
             name="the workers' store",
             handshake="validated",
             logger=log,
