@@ -8,11 +8,9 @@ lazily on every operation and by waiting watchers, against an injected clock.
 from __future__ import annotations
 
 import collections
-import contextlib
 import heapq
 import itertools
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from elastrun.core.cancel import CancelScope, scope_or_default
@@ -237,7 +235,8 @@ class MemoryStore:
         scope: CancelScope | None = None,
     ) -> WatchResult:
         deadline = Deadline.after(timeout, self._clock)
-        with self._cond, self._woken_by(scope) as live:
+        live = scope_or_default(scope)
+        with self._cond, live.wakes(self._wake_all):
             while True:
                 live.raise_if_cancelled()
                 self._expire()
@@ -281,19 +280,12 @@ class MemoryStore:
             found.reverse()
         return tuple(found)
 
-    @contextlib.contextmanager
-    def _woken_by(self, scope: CancelScope | None) -> Iterator[CancelScope]:
-        """While a wait runs, a cancellation of ``scope`` wakes every waiter; the
-        cancelled one raises, the others wait on. (The condition's lock is reentrant:
-        registering on a scope already cancelled notifies from this very thread.)"""
-        scope = scope_or_default(scope)
-
-        def wake() -> None:
-            with self._cond:
-                self._cond.notify_all()
-
-        with scope.wakes(wake):
-            yield scope
+    def _wake_all(self) -> None:
+        """Wakes every waiter when a wait's scope is cancelled: the cancelled one raises,
+        the others wait on. (The condition's lock is reentrant: registering on a scope
+        already cancelled notifies from this very thread.)"""
+        with self._cond:
+            self._cond.notify_all()
 
     def _wait_time(self, deadline: Deadline, scope: CancelScope) -> float | None:
         """Until the first of the call's timeout, its scope's deadline and the next
@@ -306,7 +298,8 @@ class MemoryStore:
 
     def wait(self, keys: list[str], timeout: float, *, scope: CancelScope | None = None) -> None:
         deadline = Deadline.after(timeout, self._clock)
-        with self._cond, self._woken_by(scope) as live:
+        live = scope_or_default(scope)
+        with self._cond, live.wakes(self._wake_all):
             while True:
                 live.raise_if_cancelled()
                 self._expire()
