@@ -22,6 +22,7 @@ JSON to and from whichever member answers.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -115,10 +116,7 @@ class Transport:
             StoreTimeoutError: ``scope``'s deadline (default: the current scope's)
                 passed first.
         """
-
-        def attempt(url: str, wait: float) -> Json:
-            return self._post(url, path, body, wait)
-
+        attempt = functools.partial(self._post, path, body)  # (url, wait) for each member
         what = path.rsplit("/", 1)[-1]
         return self.with_failover(attempt, safe=safe, what=what, scope=scope)
 
@@ -212,7 +210,7 @@ class Transport:
             headers["Authorization"] = self._auth_token(url)
         return headers
 
-    def _post(self, url: str, path: str, body: Json, wait: float) -> Json:
+    def _post(self, path: str, body: Json, url: str, wait: float) -> Json:
         import httpx
 
         timeout = httpx.Timeout(wait, connect=min(wait, self.connect_timeout))
