@@ -65,8 +65,8 @@ class OutputRelay:
         self._console = {"stdout": stdout_sink, "stderr": stderr_sink}
         self._filtered_paths = {"stdout": filtered_stdout, "stderr": filtered_stderr}
         self._needles = {
-            "stdout": tuple(n.encode("utf-8", "surrogateescape") for n in stdout_filters if n),
-            "stderr": tuple(n.encode("utf-8", "surrogateescape") for n in stderr_filters if n),
+            kind: tuple(n.encode("utf-8", "surrogateescape") for n in filters if n)
+            for kind, filters in (("stdout", stdout_filters), ("stderr", stderr_filters))
         }
         self._filtered: dict[str, Sink | None] = {}
         self._lock = threading.Lock()
@@ -102,8 +102,14 @@ class OutputRelay:
         show_on_console: bool,
         append: bool = False,
     ) -> WorkerStdio:
-        """Prepare the stdout and stderr of one worker about to be started (what each
-        stream gets: :meth:`_wire_stream`).
+        """Prepare the stdout and stderr of one worker about to be started.
+
+        What each stream gets: tee'd and shown on the console -> a pipe read by the
+        relay; written to a file (redirected, or tee'd but hidden by the local-ranks
+        filter) -> the file itself; otherwise inherited when shown, ``/dev/null`` when
+        hidden. A stream meant for a file that cannot be written (``dest.to_console``,
+        or a file that cannot be opened) -> a pipe to the console only, shown even for
+        a rank hidden by the filter, since the console is then its only copy.
 
         Args:
             local_rank: the worker's local rank (key into ``dest``).
@@ -117,8 +123,6 @@ class OutputRelay:
             ElastrunError: the relay is already closed.
             OSError: a pipe could not be made (nothing is left open).
         """
-        child_fds: list[int] = []
-        new_streams: list[Stream] = []
         with self._lock:
             if self._close_at is not None:
                 raise ElastrunError("the output relay is closed; no more workers can be wired")
@@ -126,78 +130,52 @@ class OutputRelay:
                 shown = show_on_console or dest.to_console.get(local_rank, Std.NONE)
                 where = " (its output went to the agent's console)" if shown else ""
                 self._problems.setdefault(local_rank, dest.problem + where)
-            try:
-                fds = [
-                    self._wire_stream(
-                        kind=kind,
-                        local_rank=local_rank,
-                        files=files,
-                        tees=tees,
-                        prefix=prefix,
-                        show_on_console=show_on_console,
-                        append=append,
-                        to_console=bool(dest.to_console.get(local_rank, Std.NONE) & bit),
-                        child_fds=child_fds,
-                        new_streams=new_streams,
-                    )
-                    for kind, bit, files, tees in dest.streams()
-                ]
-                if new_streams and not self._started:
-                    self._start_thread()
-            except BaseException:
-                _release(child_fds, new_streams)
-                raise
+            fds, child_fds, new_streams = self._wire_streams(
+                local_rank, dest, prefix, show_on_console, append
+            )
             self._pending.extend(new_streams)
             self._n_streams += len(new_streams)
             if new_streams and self._waker is not None:
                 self._waker.wake()
         return WorkerStdio(fds[0], fds[1], child_fds)
 
-    def _wire_stream(
-        self,
-        *,
-        kind: str,
-        local_rank: int,
-        files: dict[int, str],
-        tees: dict[int, str],
-        prefix: str,
-        show_on_console: bool,
-        append: bool,
-        to_console: bool,
-        child_fds: list[int],
-        new_streams: list[Stream],
-    ) -> int | None:
-        """The descriptor one stream of a worker gets (None: inherit the console).
-
-        Tee'd and shown on the console -> a pipe read by the relay; written to a file
-        (redirected, or tee'd but hidden by the local-ranks filter) -> the file itself;
-        otherwise inherited when shown, ``/dev/null`` when hidden. A stream meant for a
-        file that cannot be written (``to_console``, or a file that cannot be opened)
-        -> a pipe to the console only, shown even for a rank hidden by the filter, since
-        the console is then its only copy.
-        """
-        filtered = self._filtered_sink(kind)
-        path = files.get(local_rank, "")
-        log_fd = self._open_rank_log(path, local_rank, append) if path else -1
-        to_console = to_console or bool(path and log_fd < 0)
-        # A tee without a file (torch's /dev/null mode names a tee but no file) shows
-        # the stream directly, as torch does.
-        if to_console or (path and tees.get(local_rank, "") and show_on_console):
-            name = f"local rank {local_rank} {kind}"
-            stream, write_fd = self._pipe_stream(
-                kind, name, path, log_fd, local_rank, prefix, filtered
-            )
-            child_fds.append(write_fd)
-            new_streams.append(stream)
-            return write_fd
-        if log_fd >= 0:
-            child_fds.append(log_fd)
-            return log_fd
-        if show_on_console:
-            return None
-        fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-        child_fds.append(fd)
-        return fd
+    def _wire_streams(
+        self, local_rank: int, dest: LogsDest, prefix: str, shown: bool, append: bool
+    ) -> tuple[list[int | None], list[int], list[Stream]]:
+        """For :meth:`wire`, all or none: the worker's stdout and stderr descriptors
+        (None: inherit), those the parent must close, and the relay's new streams."""
+        fds: list[int | None] = []
+        child_fds: list[int] = []
+        new_streams: list[Stream] = []
+        to_console = dest.to_console.get(local_rank, Std.NONE)
+        try:
+            for kind, bit, files, tees in dest.streams():
+                filtered = self._filtered_sink(kind)
+                path = files.get(local_rank, "")
+                log_fd = self._open_rank_log(path, local_rank, append) if path else -1
+                # A tee without a file (torch's /dev/null mode names a tee but no file)
+                # shows the stream directly, as torch does.
+                tee = shown and bool(tees.get(local_rank, ""))
+                fd: int | None = None
+                if to_console & bit or (path and (log_fd < 0 or tee)):
+                    stream, fd = self._pipe_stream(kind, local_rank, path, log_fd, prefix, filtered)
+                    new_streams.append(stream)
+                elif log_fd >= 0:
+                    fd = log_fd
+                elif not shown:
+                    fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+                if fd is not None:
+                    child_fds.append(fd)
+                fds.append(fd)
+            if new_streams and not self._started:
+                self._start_thread()
+        except BaseException:
+            for fd in child_fds:
+                close_quietly(fd, "worker stdio")
+            for stream in new_streams:
+                self._finish(stream)  # (nothing read yet: it only closes)
+            raise
+        return fds, child_fds, new_streams
 
     def _open_rank_log(self, path: str, local_rank: int, append: bool) -> int:
         """A rank's log file, opened; -1 (and the problem noted) when it cannot be."""
@@ -216,18 +194,12 @@ class OutputRelay:
             return -1
 
     def _pipe_stream(
-        self,
-        kind: str,
-        name: str,
-        path: str,
-        log_fd: int,
-        local_rank: int,
-        prefix: str,
-        filtered: Sink | None,
+        self, kind: str, local_rank: int, path: str, log_fd: int, prefix: str, filtered: Sink | None
     ) -> tuple[Stream, int]:
         """A pipe the relay reads (to the log file, if any, and the console); returns
         the stream and the pipe's write end for the worker. Closes ``log_fd`` if it
         fails."""
+        name = f"local rank {local_rank} {kind}"
         try:
             read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         except BaseException:
@@ -450,12 +422,3 @@ class OutputRelay:
             f"OutputRelay({state}, streams={self._n_streams}, "
             f"thread={'alive' if self._nursery.running() else 'none'})"
         )
-
-
-def _release(child_fds: list[int], streams: list[Stream]) -> None:
-    """Close what a failed wiring made: the child's descriptors and the new streams."""
-    for fd in child_fds:
-        close_quietly(fd, "worker stdio")
-    for stream in streams:
-        close_quietly(stream.read_fd, stream.name)
-        stream.log.close()
