@@ -65,8 +65,17 @@ def _as_int(value: object) -> int:
     raise ValueError(f"expected an integer, got {value!r}")
 
 
+class _Serialized:
+    def __str__(self) -> str:
+        return self.serialize()
+
+    def serialize(self) -> str:
+        """This event as one line of JSON, its fields in their order."""
+        return json.dumps(asdict(self), default=str)  # type: ignore[call-overload]  # subclasses are dataclasses
+
+
 @dataclass
-class Event:
+class Event(_Serialized):
     """A lifecycle event of a job.
 
     Args:
@@ -80,13 +89,6 @@ class Event:
     source: EventSource
     timestamp: int = 0
     metadata: dict[str, EventMetadataValue] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        return self.serialize()
-
-    def serialize(self) -> str:
-        """This event as one line of JSON: ``name``, ``source``, ``timestamp``, ``metadata``."""
-        return json.dumps(asdict(self), default=str)
 
     @staticmethod
     def deserialize(data: str | Event) -> Event:
@@ -111,7 +113,7 @@ class Event:
 
 
 @dataclass
-class RdzvEvent:
+class RdzvEvent(_Serialized):
     """A rendezvous event of one node.
 
     Args:
@@ -139,13 +141,6 @@ class RdzvEvent:
     local_id: int | None = None
     error_trace: str = ""
     timestamp: int = 0
-
-    def __str__(self) -> str:
-        return self.serialize()
-
-    def serialize(self) -> str:
-        """This event as one line of JSON."""
-        return json.dumps(asdict(self), default=str)
 
     @staticmethod
     def deserialize(data: str | RdzvEvent) -> RdzvEvent:
@@ -175,14 +170,6 @@ class RdzvEvent:
 
     def metadata(self) -> dict[str, EventMetadataValue]:
         """Everything but the name and timestamp, as plain event metadata."""
-        return {
-            "run_id": self.run_id,
-            "message": self.message,
-            "hostname": self.hostname,
-            "pid": self.pid,
-            "node_state": _member(NodeState, self.node_state).value,
-            "master_endpoint": self.master_endpoint,
-            "rank": self.rank,
-            "local_id": self.local_id,
-            "error_trace": self.error_trace,
-        }
+        fields = asdict(self)
+        del fields["name"], fields["timestamp"]
+        return {**fields, "node_state": _member(NodeState, self.node_state).value}
