@@ -32,6 +32,7 @@ from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError
 from elastrun.core.threads import Nursery
 from elastrun.core.timers import TimerTable
+from elastrun.supervise.processes.dstate import read_proc_state
 from elastrun.wire.timer import FileTimerRequest, TimerRequestError
 
 __all__ = ["FileTimerServer", "LogEvent", "OnExpired", "ReapDecision", "plan_reaps"]
@@ -387,12 +388,8 @@ class FileTimerServer:
             os.kill(pid, 0)
         except OSError:
             return False
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[:1]
-        except OSError:
-            return True  # no procfs (or it just vanished): kill(pid, 0) has the last word
-        return state != [b"Z"]
+        # No procfs (or it just vanished; None): kill(pid, 0) has the last word.
+        return read_proc_state(pid) != "Z"
 
     def _reap_worker(self, worker_pid: int, signal: int) -> bool:
         """Send ``signal`` to the worker (to its group when it leads one); True when done.
