@@ -92,9 +92,7 @@ def to_map(val_or_map: Std | dict[int, Std], local_world_size: int) -> dict[int,
     A single value applies to every rank; a map gives ``NONE`` to the ranks it does not
     name, and its entries for ranks outside the range are ignored (as torch does).
     """
-    if isinstance(val_or_map, Std):
-        return dict.fromkeys(range(local_world_size), val_or_map)
-    return {lr: val_or_map.get(lr, Std.NONE) for lr in range(local_world_size)}
+    return {lr: _std_for(val_or_map, lr) for lr in range(local_world_size)}
 
 
 def _std_for(val_or_map: Std | dict[int, Std], local_rank: int) -> Std:
@@ -198,7 +196,13 @@ def reify_or_console(specs: LogsSpecs, envs: dict[int, dict[str, str]]) -> LogsD
             "write no error files",
             problem,
         )
-        return _console_dest(specs, envs, problem)
+        dest = _no_files(envs, "", problem)
+        # getattr: a subclass ported from torch may not have called our __init__.
+        redirects: Std | dict[int, Std] = getattr(specs, "redirects", Std.NONE)
+        tee: Std | dict[int, Std] = getattr(specs, "tee", Std.NONE)
+        meant_for_files = {lr: _std_for(redirects, lr) | _std_for(tee, lr) for lr in sorted(envs)}
+        dest.to_console = {lr: std for lr, std in meant_for_files.items() if std}
+        return dest
 
 
 def describe_os_error(exc: OSError, path: str = "") -> str:
@@ -221,16 +225,6 @@ def _no_files(envs: dict[int, dict[str, str]], error_file: str, problem: str = "
         # Set, not removed: the agent's own variable (it may run under another
         # launcher) must not leak into its workers.
         envs[lr][ERROR_FILE_ENV] = ""
-    return dest
-
-
-def _console_dest(specs: LogsSpecs, envs: dict[int, dict[str, str]], problem: str) -> LogsDest:
-    dest = _no_files(envs, "", problem)
-    # getattr: a subclass ported from torch may not have called our __init__.
-    redirects: Std | dict[int, Std] = getattr(specs, "redirects", Std.NONE)
-    tee: Std | dict[int, Std] = getattr(specs, "tee", Std.NONE)
-    meant_for_files = {lr: _std_for(redirects, lr) | _std_for(tee, lr) for lr in sorted(envs)}
-    dest.to_console = {lr: std for lr, std in meant_for_files.items() if std}
     return dest
 
 
@@ -396,10 +390,10 @@ class DefaultLogsSpecs(LogsSpecs):
             attempt_dir = os.path.join(self._run_log_dir, f"attempt_{k}")
             try:
                 os.mkdir(attempt_dir)
+                break
             except FileExistsError:
                 # Someone else made it: never reuse (and never wipe) a directory.
                 k += 1
-                continue
             except FileNotFoundError:
                 if remade:
                     raise
@@ -412,8 +406,6 @@ class DefaultLogsSpecs(LogsSpecs):
                     k,
                 )
                 remade = True
-                continue
-            break
         self._next_attempt = k + 1
         self._attempt_dirs.append(attempt_dir)
         return attempt_dir
@@ -439,12 +431,8 @@ class DefaultLogsSpecs(LogsSpecs):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DefaultLogsSpecs):
             return NotImplemented
-        return (
-            self.log_dir == other.log_dir
-            and self.redirects == other.redirects
-            and self.tee == other.tee
-            and self.local_ranks_filter == other.local_ranks_filter
-        )
+        mine = (self.log_dir, self.redirects, self.tee, self.local_ranks_filter)
+        return mine == (other.log_dir, other.redirects, other.tee, other.local_ranks_filter)
 
     __hash__ = None  # type: ignore[assignment]  # mutable state; equality is by settings
 
