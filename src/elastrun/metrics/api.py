@@ -14,6 +14,7 @@ import functools
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple, ParamSpec, TypeVar, overload
 
 from elastrun.observe.sinks import MetricSink
@@ -106,19 +107,16 @@ class SinkMetricHandler(MetricHandler):
         return f"SinkMetricHandler({self.sink!r})"
 
 
+@dataclass(eq=False)
 class MetricStream:
     """Values of one group, sent to one handler."""
 
-    def __init__(self, group_name: str, handler: MetricHandler) -> None:
-        self.group_name = group_name
-        self.handler = handler
+    group_name: str
+    handler: MetricHandler
 
     def add_value(self, metric_name: str, metric_value: float) -> None:
         """Emit ``metric_value`` stamped with the current wall-clock time."""
         self.handler.emit(MetricData(time.time(), self.group_name, metric_name, metric_value))
-
-    def __repr__(self) -> str:
-        return f"MetricStream(group_name={self.group_name!r}, handler={self.handler!r})"
 
 
 _default_handler: MetricHandler = NullMetricHandler()
@@ -230,6 +228,7 @@ def profile(group: str | None = None) -> Callable[[Callable[P, R]], Callable[P, 
     return wrap
 
 
+@dataclass(eq=False)
 class MetricsApiSink:
     """A :class:`~elastrun.observe.sinks.MetricSink` that calls :func:`put_metric`.
 
@@ -237,14 +236,10 @@ class MetricsApiSink:
     users do) receive the agent's metrics, in ``group`` (torch's ``torchelastic``).
     """
 
-    def __init__(self, group: str = DEFAULT_GROUP) -> None:
-        self.group = group
+    group: str = DEFAULT_GROUP
 
     def put(self, name: str, value: float) -> None:
         put_metric(name, value, self.group)
-
-    def __repr__(self) -> str:
-        return f"MetricsApiSink(group={self.group!r})"
 
 
 class FanoutMetricSink:
