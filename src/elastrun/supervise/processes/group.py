@@ -1,14 +1,5 @@
-"""Starting a group of worker processes: all or none.
-
-The agent (one start per attempt) and ``start_processes`` (torch's process-context API)
-start their workers the same way: each worker's stdout and stderr are wired through the
-output relay, its ``ProcessSpec`` is built around those descriptors, the whole group is
-handed to the starter at once (``ProcessStarter.start_many``: the template forks a
-group's workers in one batch), and the parent's copies of the descriptors are closed
-whether or not the start succeeded. If a start fails midway, the workers already
-started are killed before the error propagates, so a failed start leaves no process
-behind.
-"""
+"""Starting a group of worker processes, all or none: the agent's (one start per attempt)
+and ``start_processes``'s (torch's process-context API) alike."""
 
 from __future__ import annotations
 
@@ -46,6 +37,10 @@ def start_group(
     members: Sequence[GroupMember],
 ) -> list[WorkerProcess]:
     """Start every member with its output wired through ``relay``: all or none, in order.
+
+    Each member's ``ProcessSpec`` is built around its wired descriptors, and the whole
+    group goes to the starter at once (``start_many``: the template forks a group's
+    workers in one batch).
 
     Args:
         starter: starts the processes (``start_many``).

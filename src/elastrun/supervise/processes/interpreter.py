@@ -1,10 +1,6 @@
-"""The interpreter and base environment of the processes the agent starts for the job.
-
-The workers, the node check's processes and the launch plan all read the same pair,
-taken once from the agent's options (``AgentOptions.python`` and ``.environ``) at the
-composition root: one frozen value instead of two loose arguments that every part must
-be handed together, and that could otherwise drift apart.
-"""
+"""The interpreter and base environment of the processes the agent starts for the job:
+the workers, the node check's processes and the launch plan read this one frozen pair,
+taken once from ``AgentOptions.python`` and ``.environ``, so the two cannot drift apart."""
 
 from __future__ import annotations
 

@@ -29,18 +29,11 @@ Line handling:
 * console writes are whole lines, at most ``PIPE_BUF`` bytes each (``stream.render``),
   so lines of different ranks, and of other writers to the pipe, never interleave.
 
-The console is a seam (``console``, which says why): the ``elastrun`` command's is its
-descriptors 1 and 2 (:data:`FD_CONSOLE`), the Python API's ``sys.stdout``/``sys.stderr``
-(:data:`PYTHON_CONSOLE`).
-
-The filtered file of a stream is created (empty) at the first :meth:`OutputRelay.wire`
-when filters for that stream are set, as torchrun does, so that it can be watched
-before any line matches.
-
-The package: ``sinks`` (the descriptors: :class:`WorkerStdio`, log files, writes that
-survive a full console), ``console`` (where console lines go: descriptors or Python's
-streams, and when those are looked up), ``stream`` (one tee'd stream and its line
-framing, pure) and ``output`` (:class:`OutputRelay`: wiring and the relay thread).
+The console is the ``elastrun`` command's descriptors 1 and 2 (:data:`FD_CONSOLE`), or
+the Python API's ``sys.stdout``/``sys.stderr`` (:data:`PYTHON_CONSOLE`); ``console``
+says why. The filtered file of a stream is created (empty) at the first
+:meth:`OutputRelay.wire` when filters for that stream are set, as torchrun does, so
+that it can be watched before any line matches.
 
 Log files that cannot be written (a full disk, a removed directory) never stop a worker
 from starting: a stream whose file cannot be opened, or whose attempt has no log
