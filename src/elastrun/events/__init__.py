@@ -72,9 +72,7 @@ def record_rdzv_event(event: RdzvEvent, destination: str = RDZV_DESTINATION) -> 
     Raises:
         UnknownEventDestinationError: for a destination that is not accepted.
     """
-    sink = get_event_sink(destination)
-    timestamp = event.timestamp or now_ms()
-    sink.record_event(event.name, EventSource.AGENT.value, timestamp, event.metadata())
+    record(Event(event.name, EventSource.AGENT, event.timestamp, event.metadata()), destination)
 
 
 def construct_and_record_rdzv_event(
