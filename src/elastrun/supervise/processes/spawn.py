@@ -5,16 +5,10 @@ reaches it and everything it started, and it asks the kernel to SIGKILL it when 
 agent dies (``PR_SET_PDEATHSIG``). Exit is observed through a pidfd, so the agent's
 loop wakes the moment a worker dies instead of polling.
 
-Starters implement the ``ProcessStarter`` protocol (one worker, or a group all or none):
-
-* ``SubprocessStarter`` runs an argv (scripts go through ``elastrun.worker.bootstrap``,
-  binaries run as they are, function workers are started as a fresh interpreter that
-  runs ``elastrun.worker.fnrunner``);
-* ``ForkStarter`` forks the agent and calls the function in the child
-  (``--start-method fork``).
-
-The template ("zygote") starter, ``elastrun.template``, is a third: it forks
-a group's workers in one batch.
+Starters implement the ``ProcessStarter`` protocol: ``SubprocessStarter`` (an argv:
+scripts go through ``elastrun.worker.bootstrap``, binaries run as they are) and
+``ForkStarter`` here, and the template ("zygote") starter, ``elastrun.template``, which
+forks a group's workers in one batch.
 """
 
 from __future__ import annotations

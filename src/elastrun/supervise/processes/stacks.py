@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 
 from elastrun.core.cancel import Cancelled, CancelScope, scope_or_default
@@ -61,11 +62,9 @@ def request_stacks(
     before = {lr: dump_size(path) for lr, (_, path) in workers.items()}
     pending = set()
     for lr, (pid, _) in workers.items():
-        try:
+        with suppress(OSError):  # (already gone)
             os.kill(pid, signal.SIGUSR1)
             pending.add(lr)
-        except OSError:
-            continue  # already gone
     # The dump is written by the worker asynchronously; waiting on the file's growth
     # is the only signal there is (a bounded wait, off the recovery path).
     deadline = time.monotonic() + timeout
@@ -80,11 +79,9 @@ def request_stacks(
     out = {}
     for lr, (pid, path) in workers.items():
         text = ""
-        try:
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                fh.seek(before[lr])
-                text = fh.read().rstrip()
-        except OSError:
-            pass  # no file: not a Python worker, or its log directory is gone
+        # No file: not a Python worker, or its log directory is gone.
+        with suppress(OSError), open(path, encoding="utf-8", errors="replace") as fh:
+            fh.seek(before[lr])
+            text = fh.read().rstrip()
         out[lr] = StackDump(lr, pid, path, text)
     return out

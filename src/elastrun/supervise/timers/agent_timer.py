@@ -22,12 +22,6 @@ __all__ = ["AgentFileTimer"]
 class AgentFileTimer:
     """The agent's file-timer watchdog: one :class:`FileTimerServer` and what it reaped.
 
-    Usage by the agent: ``timer = AgentFileTimer.from_env(os.environ)`` at the edge
-    (None when ``TORCHELASTIC_ENABLE_FILE_TIMER`` is not ``1``); ``path =
-    timer.start(run_id)`` before starting workers and export it to them as
-    ``TORCHELASTIC_TIMER_FILE`` (:meth:`worker_env`); when a worker exits, look its pid
-    up in :meth:`expired_pids`; ``timer.stop()`` when the workers are stopped.
-
     Args:
         file_path: the FIFO path (``TORCHELASTIC_TIMER_FILE`` of the agent's
             environment, as torch honours it); None for a fresh private directory.
