@@ -117,15 +117,13 @@ def _guard_main() -> int:
         if line == b"bye":
             clean = True
             break
-        if line[:1] == b"d" and line[1:2] == b"/":
-            directories.append(os.fsdecode(line[1:]))
-            continue
-        if line[:1] in (b"+", b"-") and line[1:].isdigit():
-            pgid = int(line[1:])
-            if line[:1] == b"+":
-                groups.add(pgid)
-            else:
-                groups.discard(pgid)
+        op, arg = line[:1], line[1:]
+        if op == b"d" and arg.startswith(b"/"):
+            directories.append(os.fsdecode(arg))
+        elif op == b"+" and arg.isdigit():
+            groups.add(int(arg))
+        elif op == b"-" and arg.isdigit():
+            groups.discard(int(arg))
     if not clean:
         for pgid in groups:
             with suppress(ProcessLookupError, PermissionError):
