@@ -1,16 +1,16 @@
 """NUMA binding: choose the CPUs each worker may run on, and bind it to them.
 
 ``--numa-binding MODE`` keeps every worker (and its threads) on CPUs close to its GPU,
-so its host memory stays local. The work is split into a pure plan and a thin executor:
+so its host memory stays local. Each worker is bound in its child as it starts
+(``sched_setaffinity``: ``spawn.prepare_child``, or the template's fork):
 
 * ``topology``: :func:`read_topology` reads the machine's layout from sysfs into a
   :class:`Topology` value (NUMA nodes and their CPUs, sockets, hyper-thread siblings,
   cache groups, the CPUs this process may use, and the NUMA node of every GPU);
 * ``policy``: :func:`select_cpus` is a pure function of (mode, topology, local rank,
   local world size) -- unit-tested on synthetic topologies;
-* ``bind``: :func:`wrap_command` prefixes a binary worker's argv with ``numactl
-  --physcpubind=...``; :func:`apply_affinity` binds a function worker in its own
-  process with ``sched_setaffinity``.
+* ``bind``: :func:`wrap_command` (``numactl --physcpubind=...``) and
+  :func:`apply_affinity` (the calling process), for code that binds itself.
 
 Which NUMA node a worker belongs to:
 
@@ -36,8 +36,8 @@ The modes (torch's names and values, see :class:`AffinityMode`):
 
 Two deliberate differences from torchrun: ``exclusive`` and ``core-complex`` share the
 node among the workers actually started on it (torchrun shares it among every GPU on
-the node, so ``--nproc-per-node 4`` on an 8-GPU machine wastes half the cores), and
-function workers do not need ``numactl`` installed (they bind themselves).
+the node, so ``--nproc-per-node 4`` on an 8-GPU machine wastes half the cores), and no
+worker needs ``numactl`` installed.
 
 Known limitation: GPUs are found and ordered by PCI address, which is CUDA's order on
 machines with identical GPUs. ``CUDA_VISIBLE_DEVICES`` with integer indices is honoured;

@@ -40,9 +40,9 @@ class NumaOptions:
 
     Attributes:
         affinity_mode: how CPUs are chosen.
-        should_fall_back_if_binding_fails: when binding is impossible (no ``numactl``,
-            unreadable topology, too few cores), log a warning and start the worker
-            unbound instead of failing. The CLI never sets it.
+        should_fall_back_if_binding_fails: when binding is impossible (unreadable
+            topology, too few cores), log a warning and start the worker unbound
+            instead of failing. The CLI never sets it.
     """
 
     affinity_mode: AffinityMode
