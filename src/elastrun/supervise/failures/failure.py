@@ -134,10 +134,8 @@ class ProcessFailure:
     stderr_tail_omits_traceback: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.host:
-            self.host = _local_fqdn()
-        if not self.observed_at:
-            self.observed_at = time.time()
+        self.host = self.host or _local_fqdn()
+        self.observed_at = self.observed_at or time.time()
         self.timestamp = int(self.observed_at)
         self.write_problem = self.log_problem
         error_file_missing = False
@@ -227,10 +225,8 @@ class ProcessFailure:
 
 def signal_name(exitcode: int) -> str:
     """``"SIGTERM"`` for ``-15``; ``"<N/A>"`` for a non-negative or unknown code."""
-    if exitcode >= 0:
-        return NOT_AVAILABLE
     try:
-        return signal.Signals(-exitcode).name
+        return signal.Signals(-exitcode).name  # (no signal is numbered 0 or below)
     except ValueError:
         return NOT_AVAILABLE
 
