@@ -176,15 +176,12 @@ class LogsDest:
 def reify_or_console(specs: LogsSpecs, envs: dict[int, dict[str, str]]) -> LogsDest:
     """``specs.reify(envs)``, or console output when the log directory cannot be made.
 
-    A log directory can fail at any restart (the disk filled up, its inodes ran out, a
-    cleanup job removed or locked it); an error there must not end the agent, which
-    would lose the workers' supervision and the failure report. On an ``OSError`` this
-    logs one warning line naming the path and the OS error, and returns destinations
-    that send each stream meant for a file to the agent's console, with the rank's
-    prefix (losing it, or starting no worker, would be worse), and give the workers an
-    empty ``TORCHELASTIC_ERROR_FILE`` (no error file; the report then says why, from
-    ``LogsDest.problem``). The next attempt tries the log directory again.
-
+    A log directory can fail at any restart (a full disk, no inodes left, a cleanup job
+    removed or locked it), which must not end the agent and lose the failure report. On
+    an ``OSError`` this logs one warning naming the path and the OS error, and returns
+    destinations that send each stream meant for a file to the console with the rank's
+    prefix, and give the workers an empty ``TORCHELASTIC_ERROR_FILE`` (the report says
+    why, from ``LogsDest.problem``). The next attempt tries the log directory again.
     Other exceptions (a bug in a custom ``LogsSpecs``) propagate.
     """
     try:

@@ -9,10 +9,8 @@ selector; for each chunk read it writes the raw bytes to the log file (byte-exac
 each complete line, with the rank's prefix, to the console and, when the line contains
 one of the duplicate filters, to the filtered file. :meth:`OutputRelay.close` drains
 every pipe until its writers are gone, bounded by a deadline, so nothing written by a
-worker that has exited is lost.
-
-Streams that are only redirected go straight to their file (the worker gets the file's
-descriptor; the relay is not involved), and streams that are neither are inherited.
+worker that has exited is lost. Which streams go through the relay:
+:meth:`OutputRelay.wire`.
 
 Line handling:
 
