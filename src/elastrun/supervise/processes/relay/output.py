@@ -206,10 +206,9 @@ class OutputRelay:
             if log_fd >= 0:
                 close_quietly(log_fd, f"log file {path}")
             raise
-        log = (
-            FdSink(log_fd, f"{name} log file {path}", owned=True, path=path, local_rank=local_rank)
-            if log_fd >= 0
-            else FdSink.nowhere()
+        # Without a log file (log_fd -1) the sink is dead from the start: it drops everything.
+        log = FdSink(
+            log_fd, f"{name} log file {path}", owned=True, path=path, local_rank=local_rank
         )
         try:
             os.set_blocking(read_fd, False)

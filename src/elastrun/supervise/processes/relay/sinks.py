@@ -105,11 +105,6 @@ class FdSink:
         self.local_rank = local_rank
         self.dead = fd < 0
 
-    @classmethod
-    def nowhere(cls) -> FdSink:
-        """A sink that drops everything: the log of a stream that has no log file."""
-        return cls(-1, "no log file", owned=False)
-
     def write(self, data: bytes | bytearray, close_at: CloseAt) -> OSError | None:
         """Write all of ``data``; see :class:`Sink`.
 
