@@ -99,9 +99,8 @@ def signature_of(
     its exit code."""
     if message:
         return FailureSignature(rank, message.strip(), frames_of(traceback), step)
-    if exitcode < 0:
-        return FailureSignature(rank, signal_name or f"signal {-exitcode}", (), step, False)
-    return FailureSignature(rank, f"exit code {exitcode}", (), step, False)
+    error = (signal_name or f"signal {-exitcode}") if exitcode < 0 else f"exit code {exitcode}"
+    return FailureSignature(rank, error, (), step, False)
 
 
 class CrashLoopGuard:

@@ -189,9 +189,7 @@ def _stderr_lines(failure: ProcessFailure) -> list[str]:
     if path and failure.write_problem is not None:
         # "stderr.log is empty; writing to <its directory> fails now: ..." names the
         # directory once.
-        name = path
-        if os.path.dirname(path) in failure.write_problem:
-            name = os.path.basename(path)
+        name = os.path.basename(path) if os.path.dirname(path) in failure.write_problem else path
         return [_field("stderr", f"{name} is empty; {failure.write_problem}")]
     return []
 
