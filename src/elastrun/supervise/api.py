@@ -12,7 +12,6 @@ import functools
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
@@ -120,7 +119,6 @@ class PContext:
             )
             for lr in range(self.nprocs)
         ]
-        # All or none: a start that fails midway kills the workers already started.
         self._procs = ProcessSet(start_group(starter, relay, dest, members))
 
     def _spec(self, lr: int, env: dict[str, str], stdio: WorkerStdio) -> ProcessSpec:
@@ -163,7 +161,6 @@ class PContext:
     def _collect(self) -> RunProcsResult:
         assert self._procs is not None and self._dest is not None
         result = RunProcsResult(stdouts=self.stdouts, stderrs=self.stderrs)
-        host = socket.getfqdn()
         procs = self._procs.processes
         for lr, ex in sorted(self._procs.exits.items()):
             if ex.exitcode == 0:
@@ -174,7 +171,6 @@ class PContext:
                 pid=ex.pid,
                 exitcode=ex.exitcode,
                 error_file=self._dest.error_files.get(lr, ""),
-                host=host,
                 observed_at=ex.observed_at,
                 terminated_by_agent=ex.by_agent,
                 stderr_file=self._dest.stderrs.get(lr) or None,

@@ -37,13 +37,9 @@ _TAIL_READ_BYTES = 64 * 1024
 _TAIL_LINE_MAX_CHARS = 1000
 # What the write probe writes: a small error file's worth, so it needs a free block.
 _PROBE_BYTES = 1024
-
-
-@functools.cache
-def _local_fqdn() -> str:
-    # getfqdn may do a reverse DNS lookup, slow on badly configured hosts; the answer
-    # does not change during a run, so ask once per process.
-    return socket.getfqdn()
+# getfqdn may do a reverse DNS lookup, slow on badly configured hosts; the answer
+# does not change during a run, so ask once per process.
+_local_fqdn = functools.cache(socket.getfqdn)
 
 
 @dataclass
