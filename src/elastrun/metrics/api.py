@@ -171,18 +171,18 @@ def _metric_key(fn: Callable[..., object]) -> str:
     return f"{module.rsplit('.', 1)[-1]}.{qualname}" if module else qualname
 
 
-def _timed(fn: Callable[P, R], key: str, emit: Callable[[str, float], None]) -> Callable[P, R]:
+def _timed(fn: Callable[P, R], key: str, group: str) -> Callable[P, R]:
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         start = time.monotonic()
         try:
             result = fn(*args, **kwargs)
-            emit(f"{key}.success", 1)
+            put_metric(f"{key}.success", 1, group)
         except Exception:
-            emit(f"{key}.failure", 1)
+            put_metric(f"{key}.failure", 1, group)
             raise
         finally:
-            emit(f"{key}.duration.ms", int((time.monotonic() - start) * 1000))
+            put_metric(f"{key}.duration.ms", int((time.monotonic() - start) * 1000), group)
         return result
 
     return wrapper
@@ -211,7 +211,7 @@ def prof(
     """
 
     def wrap(f: Callable[P, R]) -> Callable[P, R]:
-        return _timed(f, _metric_key(f), lambda name, value: put_metric(name, value, group))
+        return _timed(f, _metric_key(f), group)
 
     return wrap(fn) if fn is not None else wrap
 
@@ -222,8 +222,7 @@ def profile(group: str | None = None) -> Callable[[Callable[P, R]], Callable[P, 
     target = group if group is not None else DEFAULT_GROUP
 
     def wrap(f: Callable[P, R]) -> Callable[P, R]:
-        name: str = getattr(f, "__name__", repr(f))
-        return _timed(f, name, lambda metric, value: put_metric(metric, value, target))
+        return _timed(f, getattr(f, "__name__", repr(f)), target)
 
     return wrap
 
