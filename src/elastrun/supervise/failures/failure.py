@@ -172,9 +172,7 @@ class ProcessFailure:
         self._describe()
 
     def _describe(self) -> None:
-        """Set ``message`` (torch's text: code written for torch compares it word for
-        word) and ``explanation`` (elastrun's, which says why there is no error file:
-        the report and the log show it)."""
+        """Set ``message`` and ``explanation`` (see the class docstring)."""
         if self.message:
             self.explanation = self.message
         elif self.exitcode < 0:
