@@ -161,17 +161,6 @@ def kill_started(procs: Sequence[WorkerProcess]) -> None:
     partial.close()
 
 
-def _read_return_value(path: str | None) -> object:
-    if not path or not os.path.exists(path):
-        return None
-    import pickle  # only function workers need it, not a launch of a script
-
-    with open(path, "rb") as fh:
-        # The file was written by our own child from the user's return value: the one
-        # place a pickle crosses a process boundary, as with multiprocessing.
-        return pickle.load(fh)
-
-
 @dataclass
 class _Handle:
     local_rank: int
@@ -207,7 +196,15 @@ class _Handle:
             log.warning("no permission to signal process group %d", self.pid)
 
     def return_value(self) -> object:
-        return _read_return_value(self._return_file)
+        path = self._return_file
+        if not path or not os.path.exists(path):
+            return None
+        import pickle  # only function workers need it, not a launch of a script
+
+        with open(path, "rb") as fh:
+            # The file was written by our own child from the user's return value: the
+            # one place a pickle crosses a process boundary, as with multiprocessing.
+            return pickle.load(fh)
 
     def release(self) -> None:
         if self._pidfd >= 0:
