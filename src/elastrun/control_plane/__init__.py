@@ -25,10 +25,8 @@ The server is pure Python on a daemon thread, so it needs the GIL to answer: a w
 blocked in a C call that holds the GIL cannot reply (collectives, sleeps and I/O
 release it). A ``faulthandler`` dump (enabled here on fatal signals) covers that case.
 
-The package: ``protocol`` (variables, routes, socket paths), ``handlers``, ``server``
-(:class:`WorkerServer`), ``main`` (:func:`worker_main`, :func:`serve_from_env`) and
-``client`` (:func:`fetch_stacks` and friends). It runs inside workers: it imports only
-the standard library, ``elastrun.core`` and ``elastrun.worker``.
+The package runs inside workers: it imports only the standard library, ``elastrun.core``,
+``elastrun.wire`` and ``elastrun.worker``.
 """
 
 from __future__ import annotations
