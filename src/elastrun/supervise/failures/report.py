@@ -167,17 +167,13 @@ def _root_block(rank: int, failure: ProcessFailure) -> list[str]:
 
 def _stderr_lines(failure: ProcessFailure) -> list[str]:
     """The stderr tail of the root cause, or why there is none when the log failed."""
-    path = failure.stderr_file
+    path, problem = failure.stderr_file, failure.write_problem
     if failure.stderr_tail:
         count = len(failure.stderr_tail)
         noun = "line" if count == 1 else "lines"
         where = " before the traceback" if failure.stderr_tail_omits_traceback else ""
         # The log may stop short of the failure when writing it failed.
-        caveat = (
-            f" (may be incomplete: {failure.write_problem})"
-            if failure.write_problem is not None
-            else ""
-        )
+        caveat = f" (may be incomplete: {problem})" if problem is not None else ""
         return [
             _field("stderr", f"last {count} {noun} of {path}{where}{caveat}"),
             *_indented("\n".join(failure.stderr_tail)),
@@ -186,11 +182,11 @@ def _stderr_lines(failure: ProcessFailure) -> list[str]:
         return [_field("stderr", f"{path} (only the traceback above)")]
     if failure.stderr_problem is not None:
         return [_field("stderr", failure.stderr_problem)]
-    if path and failure.write_problem is not None:
+    if path and problem is not None:
         # "stderr.log is empty; writing to <its directory> fails now: ..." names the
         # directory once.
-        name = os.path.basename(path) if os.path.dirname(path) in failure.write_problem else path
-        return [_field("stderr", f"{name} is empty; {failure.write_problem}")]
+        name = os.path.basename(path) if os.path.dirname(path) in problem else path
+        return [_field("stderr", f"{name} is empty; {problem}")]
     return []
 
 
