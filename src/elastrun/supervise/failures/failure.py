@@ -160,13 +160,8 @@ class ProcessFailure:
         self.stderr_tail, self.stderr_tail_omits_traceback, self.stderr_problem = _stderr_tail(
             self.stderr_file, self.traceback
         )
-        if (
-            probe
-            and self.write_problem is None
-            and self.stderr_file
-            and not self.stderr_tail
-            and self.stderr_problem is None
-        ):
+        empty_stderr = not self.stderr_tail and self.stderr_problem is None
+        if probe and self.write_problem is None and self.stderr_file and empty_stderr:
             self.write_problem = _probe_write(os.path.dirname(self.stderr_file))
 
         self._describe()
