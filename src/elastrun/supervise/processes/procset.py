@@ -156,11 +156,8 @@ class ProcessSet:
                 if watched or events or over:
                     break
         scope.raise_if_cancelled()
-        for key, _ in events:
-            if isinstance(key.data, int):
-                ex = self._collect(key.data, False)
-                if ex is not None:
-                    found.append(ex)
+        ranks = [key.data for key, _ in events if isinstance(key.data, int)]
+        found = [ex for lr in ranks if (ex := self._collect(lr, False)) is not None]
         return found + self.poll()
 
     @contextmanager

@@ -259,9 +259,7 @@ class SubprocessStarter:
             argv = (self._python, "-u", "-m", "elastrun.worker.fnrunner", payload)
             return_file = spec.call.return_file
         assert argv is not None
-        parent = os.getpid()
-        death = spec.death_signal
-        cpus = spec.cpus
+        parent, death, cpus = os.getpid(), spec.death_signal, spec.cpus
         env = dict(spec.env)
         hold = _holds_sigint(argv)
         if hold:
