@@ -39,9 +39,7 @@ class AgentCalls:
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
-        """Run a call made for the agent (joining, the exit barrier, the budget) in a
-        scope of its own below the caller's current one: a signal that cancels the
-        agent's scope, or ``leave`` from another thread, ends its store waits at once.
+        """Run one of the agent's calls in a child scope of the caller's current one.
 
         Raises:
             RendezvousConnectionError: the store was given up.
@@ -65,7 +63,6 @@ class AgentCalls:
                     self._calls.discard(calls)
 
     def cancel_all(self, reason: str) -> None:
-        """Cancel every call in progress (``leave``)."""
         with self._lock:
             calls = list(self._calls)
         for scope in calls:

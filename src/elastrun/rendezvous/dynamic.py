@@ -1,30 +1,20 @@
-"""The dynamic rendezvous, written once against the store model (DESIGN.md section 4).
-
-The keys of a run, and what each holds, are listed in ``keys``.
+"""The dynamic rendezvous, written once against the store model (DESIGN.md section 4;
+the keys of a run, and what each holds, are listed in ``keys``).
 
 Every node writes O(1) keys per round, and liveness costs no writes at all (a lease
 keep-alive). One node per round, the closer (whoever first claims ``out/closer``), keeps
 a view of the joiners and live nodes from watch events on ``ctl/`` and decides; the
 others watch only ``out/`` and take over if the closer's lease ends. While a round runs,
-its closer and a deputy (rank 0, or rank 1 when the closer is rank 0) watch ``ctl/``
-from the revision the round was decided at; every other member watches only the
-closer's claim and the call under it (``quiet``). Each node reads only the small
-result and the page holding its own rank, never the whole member list. So each change
-costs O(1) per interested node and a round of N nodes costs O(N) store traffic.
-Nothing polls.
+its closer and a deputy watch ``ctl/`` for the other members (``quiet``). Each node
+reads only the small result and the page holding its own rank, never the whole member
+list. So each change costs O(1) per interested node and a round of N nodes costs O(N)
+store traffic. Nothing polls.
 
-A re-formation after a lost member or for a newcomer with room does not wait for every
-member to join again: once one member of the running round joins the next one, the
-closer counts every other live member as joined, with its rank (``decide.presume``),
-and decides at once. After a failed round (a worker died somewhere) every member joins
-itself: a node that died whole still holds its lease while its peers re-join
-(``RoundView.must_join``). Its result lists the few rank changes from
-the previous round, so a member that comes later computes its rank from the result (one
-read of ``out/``, which soon also holds the master address) and writes nothing. After a
-loss among N nodes the closer and its deputy notice it; one of them (rank 0 when it
-lives: ``closing.decide_ahead``) decides the next round at once, before its own agent
-stopped its workers, and calls the others: each is woken once, by a call carrying the
-result and rank 0's address, and enters reading nothing.
+A re-formation does not wait for every member to join again: the closer counts the live
+members in with their ranks (``decide.presume``; after a failed round each joins itself,
+``RoundView.must_join``), its result lists the few rank changes (``members.changes_from``),
+and after a loss the closer or its deputy decides the next round at once and calls the
+others, who enter reading nothing (``closing.decide_ahead``).
 
 The handler is a facade over its parts: ``Joiner`` (joining rounds), ``Liveness`` (the
 lease and the round, with ``LeaseKeeper`` and ``RoundWatcher`` on their threads),
@@ -87,7 +77,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend = backend
         self._clock = clock
         self._on_shutdown = on_shutdown
-        self._keys = RunKeys(f"/elastrun/{settings.run_id}/")
+        self._keys = RunKeys.of_run(settings.run_id)
         self._stop = threading.Event()
         self._life = CancelScope()  # the handler's own threads: cancelled by ``leave``
         self._liveness = Liveness(
@@ -240,8 +230,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._joiner.decided_rows(n, decision)
 
     def _check_reform(self) -> bool:
-        """Whether the running round must re-form, from full reads (for tests and
-        tools; the watch thread keeps the same answer from events)."""
+        """``RoundWatcher.check_reform`` (for tests and tools)."""
         return self._liveness.watcher.check_reform()
 
     def __repr__(self) -> str:

@@ -34,18 +34,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RunKeys:
-    """The store keys of one run (DESIGN.md section 4), under ``prefix``.
-
-    What running members and closers watch lives under ``ctl``; bulky or chatty keys
-    (results, exit barriers) live elsewhere, so that watching costs O(1) per change that
-    matters.
-    """
+    """The store keys of one run, under ``prefix``. What running members and closers
+    watch lives under ``ctl/``; bulky or chatty keys (results, pages, paces) live
+    elsewhere, so that watching costs O(1) per change that matters."""
 
     prefix: str
 
     @classmethod
     def of_run(cls, run_id: str) -> RunKeys:
-        """The keys of the run ``run_id`` (its prefix in the rendezvous store)."""
         return cls(f"/elastrun/{run_id}/")
 
     @property
@@ -68,20 +64,16 @@ class RunKeys:
 
     @property
     def excluded_prefix(self) -> str:
-        """Nodes kept out of the rounds for a cool-down (``exclusion``)."""
         return self.prefix + "ctl/excluded/"
 
     def excluded(self, node: str) -> str:
-        """``node``'s exclusion: bound to its lease, deleted when its cool-down ends."""
         return self.excluded_prefix + node
 
     @property
     def away_prefix(self) -> str:
-        """Members that do not re-join the round after theirs at once (``decide.Away``)."""
         return self.prefix + "ctl/away/"
 
     def away(self, node: str) -> str:
-        """``node``'s notice that it re-joins late or never: bound to its lease."""
         return self.away_prefix + node
 
     def strikes(self, node: str) -> str:
@@ -108,11 +100,9 @@ class RunKeys:
         return f"{self.prefix}rounds/{n}/status"
 
     def members_prefix(self, n: int, decision: str) -> str:
-        """The pages of one decision's members (``member_pages``)."""
         return f"{self.prefix}rounds/{n}/members/{decision}/"
 
     def members(self, n: int, decision: str, page: int) -> str:
-        """Page ``page`` of one decision's members."""
         return f"{self.members_prefix(n, decision)}{page}"
 
     def master(self, n: int) -> str:
