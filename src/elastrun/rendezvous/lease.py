@@ -17,9 +17,10 @@ from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.clock import Clock, Deadline
 from elastrun.core.errors import StoreCompactedError, StoreError, StoreUnavailableError
 from elastrun.rendezvous import condition
+from elastrun.rendezvous.decide import apply_events
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.ops import dump
-from elastrun.store.api import EventKind, Store
+from elastrun.store.api import Store
 
 if TYPE_CHECKING:
     from elastrun.rendezvous.liveness import Liveness
@@ -109,22 +110,18 @@ class LeaseKeeper:
         calling thread's current scope: its cancellation (the launcher's stop request)
         ends only this wait, and leaving goes on."""
         deadline = Deadline.after(timeout if timeout is not None else 1e9, self.clock)
-        nodes = self.keys.nodes
+        nodes, me = self.keys.nodes, self.keys.nodes + self.node_id
         try:
             found, rev = self.store.get_prefix(nodes)
-            others = set(found) - {nodes + self.node_id}
-            while others and not deadline.expired():
+            while set(found) - {me} and not deadline.expired():
                 try:
                     res = self.store.watch(nodes, rev, min(deadline.remaining(), 5.0))
                 except StoreCompactedError:
                     found, rev = self.store.get_prefix(nodes)
-                    others = set(found) - {nodes + self.node_id}
                     continue
                 rev = res.revision
-                for e in res.events:
-                    (others.add if e.kind is EventKind.PUT else others.discard)(e.key)
-                others.discard(nodes + self.node_id)
-            if others:
+                apply_events(found, res.events)
+            if others := set(found) - {me}:
                 log.warning("%d node(s) still attached to the store; closing it", len(others))
         except StoreError as exc:
             log.debug("while waiting for the other nodes to leave: %s", exc)
