@@ -199,16 +199,8 @@ class NodeCheck:
 
     def _start(self, args: list[str], run: _Run) -> Helper:
         left = max(1.0, run.deadline - time.monotonic())
-        argv = [
-            self._interpreter.python,
-            "-m",
-            MODULE,
-            "--deadline",
-            f"{left:.1f}",
-            "--parent",
-            str(os.getpid()),
-        ]
-        helper = Helper.start([*argv, *args], self._interpreter.environ)
+        argv = [self._interpreter.python, "-m", MODULE, "--deadline", f"{left:.1f}", "--parent"]
+        helper = Helper.start([*argv, str(os.getpid()), *args], self._interpreter.environ)
         run.helpers.callback(helper.close)
         return helper
 
@@ -222,15 +214,12 @@ class NodeCheck:
             return None
 
     def _compute(self, helper: Helper, run: _Run) -> tuple[float | None, str | None]:
-        doc = helper.next_result(run.scope, run.deadline)
-        status = helper.finish(run.scope, run.deadline)
-        seconds = doc.get("seconds") if doc is not None else None
-        if status == 0 and doc is not None and doc.get("ok") and isinstance(seconds, (int, float)):
-            return float(seconds), None
+        doc, status, seconds = _reported(helper, run)
+        if seconds is not None and doc.get("ok"):
+            return seconds, None
         if status is None:
             return None, f"its compute check did not finish within {self._rule.timeout:.0f}s"
-        error = doc.get("error") if doc is not None else None
-        shown = error or (helper.tail[-1] if helper.tail else f"exit status {status}")
+        shown = doc.get("error") or (helper.tail[-1] if helper.tail else f"exit status {status}")
         return None, f"its compute check failed: {quote(str(shown))}"
 
     def _script(self, run: _Run) -> str | None:
@@ -280,14 +269,14 @@ class NodeCheck:
             port = offer.get("port") if offer is not None else None
             # Port 0 tells the partner at once that this side cannot serve.
             board.offer_port(wave, k, port if isinstance(port, int) else 0)
-            return _seconds_of(helper, run) if isinstance(port, int) else None
+            return _reported(helper, run)[2] if isinstance(port, int) else None
         partner = pair.partner(board.node)
         found = board.partner_port(wave, k, partner, run.deadline)
         if found is None:
             return None
         host = wave.addrs.get(partner, "")
         helper = self._start(["connect", host, str(found)], run)
-        seconds = _seconds_of(helper, run)
+        seconds = _reported(helper, run)[2]
         if seconds is None:
             _hang_up(host, found)
         return seconds
@@ -296,12 +285,15 @@ class NodeCheck:
         return f"NodeCheck(rule={self._rule!r}, due={self.due}, last={self.last!r})"
 
 
-def _seconds_of(helper: Helper, run: _Run) -> float | None:
-    """The time a link test's process reported (None: it failed or overran)."""
-    doc = helper.next_result(run.scope, run.deadline)
+def _reported(helper: Helper, run: _Run) -> tuple[dict[str, object], int | None, float | None]:
+    """What a check's process reported ({}: nothing), its exit status (None: it overran)
+    and the seconds it timed (None: it failed or overran)."""
+    doc = helper.next_result(run.scope, run.deadline) or {}
     status = helper.finish(run.scope, run.deadline)
-    seconds = doc.get("seconds") if doc is not None else None
-    return float(seconds) if status == 0 and isinstance(seconds, (int, float)) else None
+    seconds = doc.get("seconds")
+    if status == 0 and isinstance(seconds, (int, float)):
+        return doc, status, float(seconds)
+    return doc, status, None
 
 
 def _hang_up(host: str, port: int) -> None:
