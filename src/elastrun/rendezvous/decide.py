@@ -106,9 +106,7 @@ def decide_round(
     member's place at once. ``previous`` is the previous round's members in group-rank
     order: given, a re-formation that has begun counts its live members that have not
     joined yet as joined, with their previous ranks (``presume``), except those in
-    ``must_join``: members that a full re-join would not have yet, or ever (the node
-    that claimed the previous round's failure, members that finished it, members that
-    gave notice: ``RoundView.must_join``); they count once they join themselves.
+    ``must_join`` (``RoundView.must_join``), who count once they join themselves.
 
     * The job's first round closes at once with ``max_nodes`` joiners, or with at least
       ``min_nodes`` when the last call (started when the minimum was reached) ends;
@@ -164,10 +162,8 @@ def presume(
     return [*joiners, *presumed]
 
 
-# --------------------------------------------------------------------------------------
-# Views kept up to date from watch events. Each change costs O(1) to apply, so a node
-# that follows a run never re-reads whole prefixes (which made a rendezvous of N nodes
-# cost O(N^2) reads). Both views are pure: the handler feeds them what the store said.
+# -- the closer's view, kept up to date from watch events at O(1) per change (re-reading
+# whole prefixes made a rendezvous of N nodes cost O(N^2) reads) ----------------------
 
 
 JSONDoc = dict[str, object]
@@ -383,7 +379,6 @@ class RoundView:
     def decide(
         self, bounds: Bounds, *, now: float, call_started_at: float | None, join_deadline: float
     ) -> RoundDecision:
-        """``decide_round`` on this view."""
         return decide_round(
             self.joiners(), self.previous_live(), min_nodes=bounds.min_nodes,
             max_nodes=bounds.max_nodes, now=now, call_started_at=call_started_at,

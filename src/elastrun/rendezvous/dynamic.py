@@ -112,7 +112,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     @property
     def change_reason(self) -> str:
-        """Why the running round must re-form (for the agent's log line)."""
         return self._liveness.now.change_reason
 
     def get_backend(self) -> str:
@@ -197,7 +196,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._liveness.callback = callback
 
     def step_away(self, why: str) -> None:
-        """This node does not re-join at once (``decide.Away``); bounded, never raises."""
         self.outcome.step_away(why)
 
     def store_seat(self) -> StoreSeat:

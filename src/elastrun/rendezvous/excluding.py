@@ -60,11 +60,9 @@ class Exclusions:
     kept_at_min: str | None = field(default=None, init=False)
 
     def set_rule(self, rule: ExclusionRule) -> None:
-        """When a failing node is kept out of the rounds (the agent tells it once)."""
         self.rule = rule
 
     def take_kept_at_min(self) -> str | None:
-        """Why this node was to be excluded but stayed (the minimum), once."""
         note, self.kept_at_min = self.kept_at_min, None
         return note
 
@@ -135,7 +133,6 @@ class Exclusions:
         return exclusion
 
     def exclusion(self) -> Exclusion | None:
-        """This node's exclusion while it holds (it must not join until then)."""
         with self.calls.call():
             return load_exclusion(self.node_id, self.store.get(self.keys.excluded(self.node_id)))
 
@@ -151,7 +148,6 @@ class Exclusions:
             self.live.move(condition.forgotten)
 
     def excluded_nodes(self) -> list[Exclusion]:
-        """The job's excluded nodes, by node id."""
         with self.calls.call():
             found, _ = self.store.get_prefix(self.keys.excluded_prefix)
             cut = len(self.keys.excluded_prefix)
@@ -159,7 +155,6 @@ class Exclusions:
             return [r for r in records if r is not None]
 
     def wait_closed(self, timeout: float) -> bool:
-        """Whether the run closed within ``timeout`` s (ends an excluded node's wait)."""
         with self.calls.call():
             try:
                 self.store.wait([self.keys.closed], timeout)

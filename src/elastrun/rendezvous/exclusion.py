@@ -18,23 +18,15 @@ clocks share no origin. A cool-down lasts minutes; clock skew between NTP-synchr
 hosts is milliseconds.
 
 Repeat offenders: a node that fails again within ``window`` seconds of its readmission
-is excluded again at that failure, for twice as long as the last time, up to
-``MAX_GROWTH`` times the rule's cool-down (``ExclusionRule.cooldown_after``); a node
-that stays healthy for a window after it came back starts again from the rule's. A node that always
-fails thus costs the job a number of readmissions that grows with the logarithm of the
-job's length, not with its length. And a failure that excludes its node is not charged
-to the job's restart budget (``outcome``): the job goes on without that node, as after
-the loss of a node, which is not charged either.
+is excluded again at that failure, for twice as long as the last time
+(``ExclusionRule.cooldown_after``), so a node that always fails costs the job a number
+of readmissions that grows with the logarithm of the job's length, not with its length.
+A failure that excludes its node is not charged to the job's restart budget
+(``outcome``): the job goes on without that node, as after the loss of a node.
 
-Keys (``keys.RunKeys``): ``strikes/<node>`` keeps the times of a node's failures
-within the window, how many times in a row it was excluded and when it last came back
-(not under ``ctl/``: it must wake no watcher); ``ctl/excluded/<node>``
-is the exclusion itself, bound to the excluded node's lease (it vanishes with the node)
-and deleted by that node when its cool-down is over. Every node of a round sees it from
-the watch it already keeps of ``ctl/``.
-
-This module holds the decisions as pure functions and the records' versioned JSON; the
-rendezvous (``excluding``) reads and writes the store.
+The records (``strikes/<node>``, ``Strikes``; ``ctl/excluded/<node>``, ``Exclusion``,
+bound to the excluded node's lease, which every node of a round sees from its watch of
+``ctl/``) are versioned JSON; the rendezvous (``excluding``) reads and writes the store.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Joining a rendezvous round, sans I/O: the protocol as a generator of store operations.
 
 ``join(ctx, prev_round, prev_rank)`` is the whole of a node's side of forming a round:
-it yields operations (``ops``: ``Get``, ``Put``, ``Watch`` ...) and is sent their results; it
-yields notes (``Progress``, ``Closed``) for the driver to show; it raises the
-rendezvous errors; it returns the round it entered as a ``Joined``. It never touches a
-store, a socket, a thread or a logger, so one copy of the protocol serves every driver:
-``drive`` (the synchronous handler in ``dynamic.py``) and the benchmarks' asyncio
-participant, which awaits each operation instead. A driver sends an operation's result
-back with ``send`` and an exception it raised with ``throw`` (the protocol handles
-``StoreCompactedError`` itself and lets everything else propagate).
+it yields operations and notes (``ops``, which says how a driver runs it), raises the
+rendezvous errors and returns the round it entered as a ``Joined``. It never touches a
+store, a socket, a thread or a logger, so one copy of the protocol serves every driver.
+It handles ``StoreCompactedError`` itself and lets every other error propagate.
 
 Time is the one input not sent: the context's clock is read directly (tests inject a
 fake one). The keys and the decisions are ``decide.py``'s.

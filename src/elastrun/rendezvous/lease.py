@@ -2,8 +2,7 @@
 
 A node is alive while its lease is: ``ctl/nodes/<node>`` is bound to it and the
 keep-alive thread (``LeaseKeeper.keep_alive_loop``, in ``Liveness``'s nursery) renews it,
-with no writes at all. The lease's state (``lease``, ``acked_at``, ``lost``) is part of the
-node's condition (``Liveness.now``), which the agent's calls and the watch thread read too.
+with no writes at all.
 """
 
 from __future__ import annotations

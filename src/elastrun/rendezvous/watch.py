@@ -1,10 +1,8 @@
 """The watch of the running round: the thread that flags a re-formation when one is due.
 
 While a round runs, the watch thread (``RoundWatcher.watch_loop``, in ``Liveness``'s
-nursery) follows ``ctl/`` from the revision the round was decided at, or, as a
-quiet member, only the closer's claim (``quiet``). The round it watches, and whether it
-must re-form, are part of the node's condition (``Liveness.now``), which the agent's
-calls read too.
+nursery) follows ``ctl/`` from the revision the round was decided at, or, as a quiet
+member, only the closer's claim (``quiet``).
 """
 
 from __future__ import annotations
