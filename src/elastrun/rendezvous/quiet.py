@@ -5,9 +5,8 @@ other member is quiet and follows one key (``liveness`` runs both watches).
   **deputy** (rank 0, or rank 1 when rank 0 is the closer) follow ``ctl/`` from the
   revision the round was decided at (``running.RoundWatch`` says why to re-form). When
   a re-formation is due each also tries to decide the next round at once, for everyone
-  (``closing.decide_ahead``; the first to claim it does), before its own agent has
-  stopped its workers. The one that is not rank 0 leaves it to rank 0 for
-  ``AHEAD_DEFER`` first: rank 0's decision carries its address.
+  (``closing.decide_ahead``; the first to claim it does, rank 0 when it lives:
+  ``AHEAD_DEFER``), before its own agent has stopped its workers.
 * Every other member is **quiet**: it watches only the closer's claim and the call left
   under it (``RunKeys.next_call``). The call wakes it once the next round is decided
   (it enters reading nothing: ``closing.Called``) or, after a failure, when the next
