@@ -67,16 +67,13 @@ class JobOutcome(Protocol):
     def report_failure(self, max_restarts: int, what: str = "") -> bool:
         """A local worker failed (``what``): take one restart from the job's budget, once
         per round however many nodes see it; False when none is left (or ``refusal``)."""
-        ...
 
     def report_final_failure(self, what: str, why: str) -> None:
         """A local worker failed so that no restart can help (``why``): end the job on
         every node, as an exhausted budget does."""
-        ...
 
     def exit_barrier(self, timeout: float) -> BarrierResult:
         """This node's workers finished: wait (up to ``timeout``) for the round's outcome."""
-        ...
 
 
 class ExclusionBoard(Protocol):
@@ -84,33 +81,26 @@ class ExclusionBoard(Protocol):
 
     def set_rule(self, rule: ExclusionRule) -> None:
         """When a node whose workers keep failing sits out a cool-down."""
-        ...
 
     def take_kept_at_min(self) -> str | None:
         """Why this node was to be excluded but stayed (the --nnodes minimum), once."""
-        ...
 
     def exclude(self, reason: str) -> Exclusion | None:
         """Keep this node out for a cool-down now, for ``reason`` (a failed node check);
         None when the --nnodes minimum keeps it in (``take_kept_at_min`` says why)."""
-        ...
 
     def exclusion(self) -> Exclusion | None:
         """This node's exclusion while it holds: it must not join a round until then."""
-        ...
 
     def readmit(self) -> None:
         """This node's cool-down is over."""
-        ...
 
     def excluded_nodes(self) -> list[Exclusion]:
         """The job's nodes that sit out a cool-down."""
-        ...
 
     def wait_closed(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the run to be closed (in the calling thread's
         current cancel scope); whether it is."""
-        ...
 
 
 @runtime_checkable
@@ -142,7 +132,6 @@ class ElasticRendezvous(Protocol):
         Raises:
             Cancelled: ``scope`` was cancelled first.
         """
-        ...
 
     def set_change_callback(self, callback: Callable[[], None]) -> None: ...
 
@@ -150,13 +139,11 @@ class ElasticRendezvous(Protocol):
         """This node will not re-join the round after its current one at once (``why``: a
         signal stops it, its agent gave up, it checks itself first): no one may count it
         in that round before it joins. Bounded; never raises."""
-        ...
 
     def store_seat(self) -> StoreSeat | None:
         """This node's place in the run's store, with its lease taken first (the node
         check meets the other nodes there); None: no store to meet in (the node is
         checked alone)."""
-        ...
 
 
 class NoExclusions:
