@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from elastrun.core.errors import ConfigError
+from elastrun.supervise.api import start_processes
+from elastrun.supervise.processes.logs import DefaultLogsSpecs
 from elastrun.supervise.processes.numa import (
     AffinityMode,
     NumaOptions,
@@ -156,3 +158,68 @@ def test_apply_affinity_to_cpus_outside_the_machine_is_a_config_error(tmp_path: 
 def test_apply_affinity_refuses_an_empty_set() -> None:
     with pytest.raises(ConfigError, match="empty"):
         apply_affinity(set())
+
+
+class _TorchLikeOptions:
+    """What torch.numa.binding.NumaOptions looks like to start_processes."""
+
+    def __init__(self, mode: str, fall_back: bool = False) -> None:
+        self.affinity_mode = mode
+        self.should_fall_back_if_binding_fails = fall_back
+
+
+@pytest.mark.parametrize("entry", ["command", "function"])
+def test_start_processes_binds_each_worker_to_its_numa_cpus(entry: str, tmp_path: Path) -> None:
+    topology = read_topology()
+    nprocs = 2 if len(topology.allowed_cpus) >= 2 else 1
+    try:
+        expected = {
+            lr: sorted(select_cpus("exclusive", topology, lr, nprocs)) for lr in range(nprocs)
+        }
+    except ConfigError as exc:
+        pytest.skip(f"exclusive binding is impossible on this machine: {exc}")
+    outs = {lr: tmp_path / f"cpus{lr}.json" for lr in range(nprocs)}
+    if entry == "command":
+        script = (
+            "import json, os, sys; "
+            "open(sys.argv[1], 'w').write(json.dumps(sorted(os.sched_getaffinity(0))))"
+        )
+        entrypoint: object = sys.executable
+        args: dict[int, tuple[str, ...]] = {
+            lr: ("-c", script, str(outs[lr])) for lr in range(nprocs)
+        }
+    else:
+        entrypoint = _write_affinity
+        args = {lr: (str(outs[lr]),) for lr in range(nprocs)}
+    ctx = start_processes(
+        name="trainer",
+        entrypoint=entrypoint,  # type: ignore[arg-type]  # a command or a function, by parameter
+        args=args,
+        envs={lr: {} for lr in range(nprocs)},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+        numa_options=_TorchLikeOptions("exclusive"),
+    )
+    result = ctx.wait(timeout=60)
+    assert result is not None and not result.is_failed(), result
+    assert {lr: json.loads(outs[lr].read_text()) for lr in range(nprocs)} == expected
+    if nprocs == 2:  # a real restriction: the two workers share no CPU
+        assert not set(expected[0]) & set(expected[1])
+
+
+def _write_affinity(path: str) -> None:
+    Path(path).write_text(json.dumps(sorted(os.sched_getaffinity(0))))
+
+
+def test_start_processes_refuses_an_unknown_numa_mode_before_starting_anything(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="numa"):
+        start_processes(
+            name="trainer",
+            entrypoint=sys.executable,
+            args={0: ("-c", "pass")},
+            envs={0: {}},
+            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+            numa_options="nearby",
+        )
+    assert not (tmp_path / "logs").exists()

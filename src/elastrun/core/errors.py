@@ -27,13 +27,6 @@ class ConfigError(ElastrunError, ValueError):
         super().__init__(f"{field}: {reason} (got {value!r})")
 
 
-class NotImplementedYetError(ConfigError):
-    """A recognised option whose machinery this version does not provide."""
-
-    def __init__(self, field: str, value: object, what: str) -> None:
-        super().__init__(field, value, f"{what} is not supported by this version of elastrun yet")
-
-
 class StoreError(ElastrunError):
     """A key-value store operation failed."""
 

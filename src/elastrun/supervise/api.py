@@ -21,6 +21,7 @@ from elastrun.core.clock import Deadline
 from elastrun.supervise.failures.failure import ProcessFailure
 from elastrun.supervise.processes.group import GroupMember, start_group
 from elastrun.supervise.processes.logs import LogsDest, LogsSpecs, reify_or_console
+from elastrun.supervise.processes.numa import binding_cpus, numa_options_from
 from elastrun.supervise.processes.procset import ProcessSet
 from elastrun.supervise.processes.relay import PYTHON_CONSOLE, OutputRelay, WorkerStdio
 from elastrun.supervise.processes.spawn import (
@@ -59,6 +60,7 @@ class PContext:
         start_method: str = "spawn",
         duplicate_stdout_filters: list[str] | None = None,
         duplicate_stderr_filters: list[str] | None = None,
+        numa_options: object | None = None,
     ) -> None:
         nprocs = len(args)
         if set(args) != set(range(nprocs)) or set(envs) != set(range(nprocs)):
@@ -76,6 +78,8 @@ class PContext:
         self._prefixes = dict(log_line_prefixes or {})
         self._start_method = start_method
         self._filters = (duplicate_stdout_filters or [], duplicate_stderr_filters or [])
+        self._numa = numa_options_from(numa_options)
+        self._cpus: dict[int, frozenset[int] | None] = {}
         self._dest: LogsDest | None = None
         self._relay: OutputRelay | None = None
         self._procs: ProcessSet | None = None
@@ -95,6 +99,9 @@ class PContext:
         return dict(self._dest.error_files) if self._dest else {}
 
     def start(self) -> None:
+        # A binding that cannot be made fails here, before anything started or any log
+        # file was made.
+        self._cpus = {lr: binding_cpus(self._numa, lr, self.nprocs) for lr in range(self.nprocs)}
         full_envs = {lr: {**os.environ, **e} for lr, e in self.envs.items()}
         dest = self._dest = reify_or_console(self._logs_specs, full_envs)
         # Tee'd lines go to the caller's sys.stdout/sys.stderr, as they are now (torch's
@@ -122,16 +129,16 @@ class PContext:
         self._procs = ProcessSet(start_group(starter, relay, dest, members))
 
     def _spec(self, lr: int, env: dict[str, str], stdio: WorkerStdio) -> ProcessSpec:
-        out, err = stdio.stdout_fd, stdio.stderr_fd
+        out, err, cpus = stdio.stdout_fd, stdio.stderr_fd, self._cpus.get(lr)
         if isinstance(self.entrypoint, str):
             argv = (self.entrypoint, *(str(a) for a in self.args[lr]))
-            return ProcessSpec(lr, env, argv=argv, stdout_fd=out, stderr_fd=err)
+            return ProcessSpec(lr, env, argv=argv, stdout_fd=out, stderr_fd=err, cpus=cpus)
         if self._return_dir is None:
             self._return_dir = tempfile.mkdtemp(prefix="elastrun-ret-")
         call = FunctionCall(
             self.entrypoint, self.args[lr], os.path.join(self._return_dir, f"{lr}.pkl")
         )
-        return ProcessSpec(lr, env, call=call, stdout_fd=out, stderr_fd=err)
+        return ProcessSpec(lr, env, call=call, stdout_fd=out, stderr_fd=err, cpus=cpus)
 
     def pids(self) -> dict[int, int]:
         return self._procs.pids() if self._procs else {}
@@ -214,12 +221,9 @@ def start_processes(
         FileNotFoundError: the executable does not exist (an
             ``ExecutableNotFoundError``, also a ``ProcessStartError``).
         ProcessStartError: a worker could not be started otherwise.
-        NotImplementedYetError: ``numa_options`` given (NUMA binding comes later).
+        ConfigError: ``numa_options`` names an unknown mode, or asks for a binding this
+            machine cannot give (without its fallback); nothing is started then.
     """
-    if numa_options is not None:
-        from elastrun.core.errors import NotImplementedYetError
-
-        raise NotImplementedYetError("numa_options", numa_options, "NUMA binding")
     ctx = PContext(
         name,
         entrypoint,
@@ -230,6 +234,7 @@ def start_processes(
         start_method,
         duplicate_stdout_filters,
         duplicate_stderr_filters,
+        numa_options,
     )
     try:
         ctx.start()
