@@ -21,7 +21,7 @@ import logging
 import selectors
 import signal
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 from elastrun.core.cancel import CancelScope
@@ -48,58 +48,40 @@ def install_signal_handlers(
     if threading.current_thread() is not threading.main_thread():
         log.warning("not on the main thread: signals will not be forwarded to workers")
         return lambda: None
-    relay = _SignalRelay(signals, request.request)
+    relayed = frozenset(int(s) for s in signals)  # other handlers' signals are skipped
+    pipe = Waker()  # the interpreter's wake-up descriptor, not a stop flag
+
+    def relay(scope: CancelScope) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(pipe.fileno(), selectors.EVENT_READ)
+            sel.register(scope.fileno(), selectors.EVENT_READ)  # cancelled by ``restore``
+            while True:
+                sel.select()
+                for signum in pipe.drain():  # relayed even when ``restore`` woke it
+                    if signum in relayed:
+                        request.request(signum)
+                scope.raise_if_cancelled()
+
+    nursery = Nursery(join_timeout=_RELAY_JOIN)
+    nursery.start(relay, name="elastrun-signal-relay")
     previous: dict[signal.Signals, Handler] = {}
     for sig in signals:
         try:
             previous[sig] = signal.signal(sig, _relayed)
         except (OSError, ValueError) as exc:
             log.warning("cannot handle %s: %s", sig.name, exc)
-    old_wakeup = relay.install()
+    old_wakeup = pipe.install_as_signal_wakeup()
 
     def restore() -> None:
         for sig, old in previous.items():
             signal.signal(sig, old)
         signal.set_wakeup_fd(old_wakeup)
-        relay.close()
+        # The relay stops only after the wake-up descriptor was restored.
+        nursery.close("closed")
+        pipe.close()
 
     return restore
 
 
 def _relayed(signum: int, frame: FrameType | None) -> None:
     """The Python handler of a relayed signal: nothing to do (see the module docstring)."""
-
-
-class _SignalRelay:
-    """A thread that reads the signal numbers written to the wake-up pipe and calls
-    ``request`` with each one of ``signals`` (other handlers' signals are skipped)."""
-
-    def __init__(self, signals: Collection[int], request: Callable[[int], None]) -> None:
-        self._signals = frozenset(int(s) for s in signals)
-        self._request = request
-        self._pipe = Waker()  # the interpreter's wake-up descriptor, not a stop flag
-        self._nursery = Nursery(join_timeout=_RELAY_JOIN)
-        self._nursery.start(self._run, name="elastrun-signal-relay")
-
-    def install(self) -> int:
-        """Make the pipe the interpreter's wake-up descriptor; returns the previous one."""
-        return self._pipe.install_as_signal_wakeup()
-
-    def _run(self, scope: CancelScope) -> None:
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._pipe.fileno(), selectors.EVENT_READ)
-            sel.register(scope.fileno(), selectors.EVENT_READ)  # cancelled by ``close``
-            while True:
-                sel.select()
-                for signum in self._pipe.drain():  # relayed even when ``close`` woke it
-                    if signum in self._signals:
-                        self._request(signum)
-                scope.raise_if_cancelled()
-
-    def close(self) -> None:
-        """Stop the thread (after the wake-up descriptor was restored) and close the pipe."""
-        self._nursery.close("closed")
-        self._pipe.close()
-
-    def __repr__(self) -> str:
-        return f"_SignalRelay(signals={sorted(self._signals)}, pipe={self._pipe!r})"
