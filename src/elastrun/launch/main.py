@@ -204,9 +204,6 @@ def _run(
         signal.pthread_sigmask(signal.SIG_SETMASK, set(mask) - set(handled))
     try:
         launch_agent(launch.config, entry, args, console=console, shutdown=shutdown)
-    except ConfigError as exc:
-        print(f"elastrun: error: {exc}", file=sys.stderr)
-        return ExitStatus.BAD_CONFIG
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr)
         _mention_logs(specs)
@@ -218,12 +215,12 @@ def _run(
         print(f"elastrun: stopped by {exc.signal_name}", file=sys.stderr)
         _mention_logs(specs)
         return signal_status(exc.signum)
-    except NodeExcludedError as exc:
+    except ElastrunError as exc:  # a configuration, a rendezvous, a worker start, a store...
         print(f"elastrun: error: {exc}", file=sys.stderr)
-        return ExitStatus.REPLACE_NODE
-    except ElastrunError as exc:  # a rendezvous, a worker start, a store...
-        print(f"elastrun: error: {exc}", file=sys.stderr)
-        return ExitStatus.WORKER_FAILED
+        if isinstance(exc, ConfigError):
+            return ExitStatus.BAD_CONFIG
+        excluded = isinstance(exc, NodeExcludedError)
+        return ExitStatus.REPLACE_NODE if excluded else ExitStatus.WORKER_FAILED
     finally:
         restore()
         shutdown.close()
