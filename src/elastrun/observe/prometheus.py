@@ -22,7 +22,7 @@ import math
 import socket
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from elastrun.core.errors import ConfigError
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MetricKind = Literal["counter", "gauge", "histogram"]
-M = TypeVar("M", "Counter", "Gauge", "Histogram")
+#: The method that records a value put, by kind.
+_UPDATE: dict[MetricKind, str] = {"counter": "inc", "gauge": "set", "histogram": "observe"}
 
 
 @dataclass(frozen=True)
@@ -238,18 +239,16 @@ class PrometheusMetricSink:
         except ImportError as exc:
             raise ConfigError(field, "prometheus", _MISSING) from exc
         self.registry: CollectorRegistry = prom.CollectorRegistry(auto_describe=True)
-        self._counters: dict[str, Counter] = {}
-        self._gauges: dict[str, Gauge] = {}
-        self._histograms: dict[str, Histogram] = {}
+        self._metrics: dict[str, Counter | Gauge | Histogram] = {}
         for name, d in AGENT_METRICS.items():
             reg = self.registry
             if d.kind == "counter":
-                self._counters[name] = prom.Counter(d.prom_name, d.help, d.labels, registry=reg)
+                self._metrics[name] = prom.Counter(d.prom_name, d.help, d.labels, registry=reg)
             elif d.kind == "gauge":
-                self._gauges[name] = prom.Gauge(d.prom_name, d.help, d.labels, registry=reg)
+                self._metrics[name] = prom.Gauge(d.prom_name, d.help, d.labels, registry=reg)
             else:
                 buckets = d.buckets or DURATION_BUCKETS
-                self._histograms[name] = prom.Histogram(
+                self._metrics[name] = prom.Histogram(
                     d.prom_name, d.help, d.labels, buckets=buckets, registry=reg
                 )
         self._state = prom.Gauge(
@@ -283,21 +282,13 @@ class PrometheusMetricSink:
         base, labels = split_labels(name)
         d = AGENT_METRICS.get(base)
         if d is not None and set(labels) == set(d.labels):
-            scaled = value * d.scale
-            if base in self._counters:
-                self._child(self._counters[base], labels).inc(scaled)
-            elif base in self._gauges:
-                self._child(self._gauges[base], labels).set(scaled)
-            else:
-                self._child(self._histograms[base], labels).observe(scaled)
+            metric = self._metrics[base]
+            child = metric.labels(**labels) if labels else metric
+            getattr(child, _UPDATE[d.kind])(value * d.scale)
         elif name.startswith(STATE_PREFIX) and len(name) > len(STATE_PREFIX):
             self._set_state(name[len(STATE_PREFIX) :], value)
         else:
             self._generic.labels(name=name).set(value)
-
-    @staticmethod
-    def _child(metric: M, labels: dict[str, str]) -> M:
-        return metric.labels(**labels) if labels else metric
 
     def _set_state(self, state: str, value: float) -> None:
         # The lock keeps the one-hot invariant when two threads report states at once.
