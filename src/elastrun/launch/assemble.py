@@ -72,11 +72,9 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     handler = spec.rdzv_handler or LocalRendezvousHandler(options.run_id or str(uuid.uuid4()))
     rdzv = as_elastic(handler)
     shutdown = world.shutdown if world.shutdown is not None else ShutdownRequest()
-    budget = (
-        world.budget
-        if world.budget is not None
-        else default_budget(rdzv.outcome, spec.max_restarts)
-    )
+    budget = world.budget
+    if budget is None:
+        budget = default_budget(rdzv.outcome, spec.max_restarts)
     events = world.events if world.events is not None else NullEventSink()
     metrics = world.metrics if world.metrics is not None else NullMetricSink()
     group = WorkerGroup(spec)
@@ -91,9 +89,11 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     workers = _workers(group, logs, options, world, interpreter, guard, progress, shutdown, metrics)
     checkpoints, checkpoint_reports = _checkpoints(world, guard, events, metrics)
     copies = NodeCopies(checkpoints, rdzv.store_seat, events, metrics)
-    rounds = _rounds(
-        handler, rdzv, group, budget, interpreter, options, world, pace=pace, report=report,
-        interruptible=interruptible, on_round=_round_part(copies),
+    services = WorkerServices.of(options, file_timer=world.file_timer is not None)
+    rounds = Rounds(
+        handler, rdzv, RoundPlanner(handler, group, budget, interpreter, services), pace=pace,
+        report=report, interruptible=interruptible, clock=world.clock,
+        on_round=[_round_part(copies)],
     )  # fmt: skip
     notices = Notices()
     inprocess = _inprocess(
@@ -214,35 +214,6 @@ def _workers(
         shutdown_timeout=options.shutdown_timeout,
         clock=world.clock,
         metrics=metrics,
-    )
-
-
-def _rounds(
-    handler: RendezvousHandler,
-    rdzv: ElasticRendezvous,
-    group: WorkerGroup,
-    budget: RestartBudget,
-    interpreter: WorkerInterpreter,
-    options: AgentOptions,
-    world: World,
-    *,
-    pace: PaceWatch,
-    report: AgentReport,
-    interruptible: Interruptible,
-    on_round: Callable[[RendezvousInfo, LaunchPlan], None],
-) -> Rounds:
-    """The rendezvous rounds this node joins, and how each becomes a plan."""
-    services = WorkerServices.of(options, file_timer=world.file_timer is not None)
-    planner = RoundPlanner(handler, group, budget, interpreter, services)
-    return Rounds(
-        handler,
-        rdzv,
-        planner,
-        pace=pace,
-        report=report,
-        interruptible=interruptible,
-        clock=world.clock,
-        on_round=[on_round],
     )
 
 
