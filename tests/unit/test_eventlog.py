@@ -13,7 +13,6 @@ import pytest
 from elastrun.core.errors import ConfigError
 from elastrun.observe.eventlog import (
     ConsoleEventSink,
-    FanoutEventSink,
     JsonLinesEventSink,
     NullEventLog,
     make_event_sink,
@@ -197,11 +196,3 @@ def test_console_sink_defaults_to_stderr_at_event_time(capsys: pytest.CaptureFix
     captured = capsys.readouterr()
     assert captured.out == ""
     assert json.loads(captured.err)["name"] == "hello"
-
-
-def test_fanout_sends_each_event_to_every_sink(tmp_path: Path) -> None:
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    sink = FanoutEventSink(JsonLinesEventSink(a), NullEventLog(), JsonLinesEventSink(b))
-    sink.record("e", {"n": 1})
-    sink.record_event("f", "WORKER", 5, {})
-    assert [e["name"] for e in read_lines(a)] == [e["name"] for e in read_lines(b)] == ["e", "f"]

@@ -221,26 +221,6 @@ class JsonLinesEventSink(_StampingSink):
         )
 
 
-class FanoutEventSink:
-    """Sends every event to several sinks, in order."""
-
-    def __init__(self, *sinks: EventLog) -> None:
-        self.sinks = sinks
-
-    def record(self, name: str, metadata: dict[str, EventValue]) -> None:
-        for sink in self.sinks:
-            sink.record(name, metadata)
-
-    def record_event(
-        self, name: str, source: str, timestamp: int, metadata: Mapping[str, EventValue]
-    ) -> None:
-        for sink in self.sinks:
-            sink.record_event(name, source, timestamp, metadata)
-
-    def __repr__(self) -> str:
-        return f"FanoutEventSink{self.sinks!r}"
-
-
 def make_event_sink(
     spec: str,
     *,
