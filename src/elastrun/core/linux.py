@@ -47,16 +47,8 @@ def libc() -> ctypes.CDLL | None:
     return _LIBC
 
 
-def _load_prctl() -> Callable[..., int] | None:
-    prctl = getattr(_LIBC, "prctl", None)
-    if prctl is None:  # pragma: no cover - every Linux libc has prctl
-        return None
-    prctl.restype = ctypes.c_int
-    result: Callable[..., int] = prctl
-    return result
-
-
-_PRCTL = _load_prctl()
+# (Its result type is ctypes' default, ``c_int``.)
+_PRCTL: Callable[..., int] | None = getattr(_LIBC, "prctl", None)
 
 
 def _call(option: int, arg: object) -> None:
