@@ -8,6 +8,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
     # Imported when the agent is built, after the worker template was started: loading
     # the agent then overlaps the template's own start-up (see _Launch._prepare_template).
     from elastrun.launch.local_agent import LocalElasticAgent
-    from elastrun.observe.health import HealthCheckServer
-    from elastrun.observe.prometheus import MetricsServer
     from elastrun.supervise.processes.relay import Console
     from elastrun.template.agent.starter import TemplateStarter
 
@@ -63,8 +62,9 @@ def entrypoint_name(entrypoint: Entrypoint | None, args: Sequence[object]) -> st
     return entrypoint
 
 
-class _Extras:
-    """The observability pieces of one launch: event sink, metrics, health check."""
+class _Extras(ExitStack):
+    """The observability pieces of one launch: event sink, metrics, health check, and the
+    worker template; closing stops those started, the last one first."""
 
     def __init__(
         self,
@@ -73,6 +73,7 @@ class _Extras:
         entrypoint: Entrypoint,
         shutdown: ShutdownRequest | None = None,
     ) -> None:
+        super().__init__()
         import socket
 
         from elastrun.metrics import FanoutMetricSink, MetricsApiSink
@@ -87,22 +88,21 @@ class _Extras:
         probe = getattr(self.events, "probe", None)
         if probe is not None:
             probe()
-        self.server: MetricsServer | None = None
         self.metrics: MetricSink = MetricsApiSink()
         if config.metrics_port is not None:
             from elastrun.observe.prometheus import MetricsServer
 
             server = MetricsServer(config.metrics_port)
             server.start()
-            self.server = server
+            self.callback(server.stop)
             self.metrics = FanoutMetricSink(server.sink, MetricsApiSink())
-        self.health: HealthCheckServer | None = None
         self.starter: TemplateStarter | None = None
         if config.use_template and isinstance(entrypoint, str):
             from elastrun.template.agent.starter import TemplateStarter
 
             # One template per agent, kept across restarts: that is where the speed is.
             self.starter = TemplateStarter(entrypoint, preload=config.preload, shutdown=shutdown)
+            self.callback(self.starter.close)
 
     def start_health(self, agent: LocalElasticAgent, environ: Mapping[str, str]) -> None:
         from elastrun.observe.health import HealthCheckServer, port_from_env
@@ -116,15 +116,7 @@ class _Extras:
         except OSError as exc:
             why = f"cannot serve: {exc.strerror or exc}"
             raise ConfigError(HEALTH_CHECK_PORT_ENV, port, why) from exc
-        self.health = server
-
-    def close(self) -> None:
-        if self.health is not None:
-            self.health.stop()
-        if self.server is not None:
-            self.server.stop()
-        if self.starter is not None:
-            self.starter.close()
+        self.callback(server.stop)
 
 
 def launch_agent(
