@@ -30,6 +30,7 @@ start), and the interpreter's ``threading.excepthook`` reports the rest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -121,11 +122,8 @@ class Nursery:
         return call
 
     def _run(self, target: Callable[..., object], args: tuple[object, ...]) -> None:
-        with self.scope.active():
-            try:
-                target(self.scope, *args)
-            except Cancelled:
-                pass
+        with self.scope.active(), contextlib.suppress(Cancelled):
+            target(self.scope, *args)
 
     @property
     def closed(self) -> bool:
