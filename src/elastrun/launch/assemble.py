@@ -1,20 +1,10 @@
 """The composition root: how an agent is assembled from its options and the world.
 
-``assemble`` builds the parts the loop (agent.loop) works with (``AgentParts``,
-agent.parts), once, from the frozen ``AgentOptions`` (agent.options) and the injected
-``World`` (agent.parts: clock, process starter, sinks...; production defaults where a
-field is None): the worker processes (agent.workers, started from agent.setups), the
-rounds (agent.rounds, planned by agent.planner), the recovery ladder (agent.ladder: its
-rungs in agent.rungs and inprocess.agent.rung), the watches (agent.watches,
-pace.agent.stall_watch, pace.agent.step_watch), the report, the node's memory
-checkpoints (checkpoint.agent: their directory, the workers' reports in it, and their
-copies on another node, told of each round) and the one state machine (agent.phases).
-The parts know nothing of the loop: none is handed it, and none calls back into it.
-
-The settings the parts read are taken from the options here, once, into frozen values:
-the workers' interpreter and environment (``WorkerInterpreter``, for the workers, their
-plans and the node check), how workers start (``WorkerSettings``) and the in-process
-recovery's bounds (``RecoveryBounds``).
+``assemble`` builds the parts the loop (agent.loop) works with (``AgentParts``), once,
+from the frozen ``AgentOptions`` and the injected ``World`` (production defaults where a
+field is None); the settings the parts read are taken from the options here, once, into
+frozen values (``WorkerInterpreter``, ``WorkerSettings``, ``RecoveryBounds``). The
+parts know nothing of the loop: none is handed it, and none calls back into it.
 
 It lives in the launch layer, above the agent and the recovery strategies it composes
 (in-process recovery's agent side uses the agent's parts), so that neither imports the

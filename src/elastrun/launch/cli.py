@@ -5,13 +5,8 @@ Parity with torchrun 2.13: every option with its dash and underscore spellings, 
 defaults, unambiguous prefixes, and everything after the script handed to the script
 untouched, even when it looks like one of our options.
 
-:func:`parse_launch` only orders the steps; each lives with its concept:
-
-* ``options``: the option table; ``argv``: argparse, ``PET_*`` fallbacks, prefixes;
-* ``parsers``: single values; ``probe``: GPUs and CPUs, counted without torch;
-* ``settings``: sizes, restarts, intervals, handlers; ``script``: what workers run;
-* ``rdzv_policy``: standalone, static, ``--slurm`` -> backend, endpoint, run id;
-* ``logs_options``: the worker-log options as one ``LogsSpecs``.
+:func:`parse_launch` only orders the steps; each lives with its concept, in the
+modules beside this one (``argv``, ``settings``, ``script``, ``rdzv_policy``...).
 
 Deliberate differences from torchrun (improvements):
 
