@@ -147,27 +147,25 @@ def launch_agent(
     config.check_before_start(os.environ if environ is None else environ)
     run_id = config.run_id or str(uuid.uuid4().int)
     os.environ[SIGNALS_TO_HANDLE_ENV] = config.signals_to_handle
-    restore: Callable[[], None] = lambda: None  # noqa: E731
-    owned = shutdown is None
-    if shutdown is None:
-        shutdown = ShutdownRequest()
-        restore = install_signal_handlers(parse_signals(config.signals_to_handle), shutdown)
-    launch = _Launch(config, entrypoint, args, run_id=run_id, shutdown=shutdown, console=console)
-    try:
-        return launch.run(environ, on_agent)
-    except ShutdownRequested:
-        launch.signalled = True
-        raise
-    finally:
-        launch.close()
+    with ExitStack() as owned:  # the request and handlers made here, undone at the end
+        if shutdown is None:
+            shutdown = ShutdownRequest()
+            owned.callback(shutdown.close)
+            signals = parse_signals(config.signals_to_handle)
+            owned.callback(install_signal_handlers(signals, shutdown))
+        launch = _Launch(
+            config, entrypoint, args, run_id=run_id, shutdown=shutdown, console=console
+        )
         try:
+            return launch.run(environ, on_agent)
+        except ShutdownRequested:
+            launch.signalled = True
+            raise
+        finally:
+            launch.close()
             # A signal ends the wait of a node that serves the store for the others.
             with shutdown.scope.active():
                 launch.leave()
-        finally:
-            restore()
-            if owned:
-                shutdown.close()
 
 
 @dataclass(eq=False)
