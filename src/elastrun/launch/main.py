@@ -70,10 +70,9 @@ def configure_logging(environ: os._Environ[str] | dict[str, str]) -> None:
     raw = environ.get("LOGLEVEL", "").strip()
     level = parse_log_level(raw) if raw else logging.INFO
     root = logging.getLogger("elastrun")
-    if not any(getattr(h, "_elastrun", False) for h in root.handlers):
+    if not any(isinstance(h.formatter, _Formatter) for h in root.handlers):  # not ours yet
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(_Formatter())
-        handler._elastrun = True  # type: ignore[attr-defined]  # marks our own handler
         root.addHandler(handler)
     root.setLevel(level)
     root.propagate = False
