@@ -143,36 +143,26 @@ def main(
             # A tool (``elastrun store``) installs its own handlers, if any.
             signal.pthread_sigmask(signal.SIG_SETMASK, held_mask)
             return _subcommand(args)
-        return _launch(args, held_mask, console)
+        try:
+            launch = parse_launch(args, os.environ)
+            if launch.dry_run:
+                from elastrun.launch.dryrun import render_plan
+
+                print(render_plan(launch, *command_of(launch), os.environ))
+                return 0
+        except ConfigError as exc:
+            print(f"elastrun: error: {exc}", file=sys.stderr)
+            return ExitStatus.BAD_CONFIG
+        for notice in launch.notices:
+            log.info("%s", notice)
+        return _run(launch, held_mask, console)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held_mask)
 
 
-def _launch(
-    args: list[str], mask: set[int | signal.Signals], console: Console | None = None
-) -> int:
-    """Parse and run with the early signals blocked; ``mask``: the mask to restore once
-    the launcher's own handlers are installed; ``console``: see :func:`main`."""
-    try:
-        launch = parse_launch(args, os.environ)
-        if launch.dry_run:
-            from elastrun.launch.dryrun import render_plan
-
-            print(render_plan(launch, *command_of(launch), os.environ))
-            return 0
-    except ConfigError as exc:
-        print(f"elastrun: error: {exc}", file=sys.stderr)
-        return ExitStatus.BAD_CONFIG
-    for notice in launch.notices:
-        log.info("%s", notice)
-    return _run(launch, mask, console)
-
-
-def _run(
-    launch: Launch,
-    mask: set[int | signal.Signals] | None = None,
-    console: Console | None = None,
-) -> int:
+def _run(launch: Launch, mask: set[int | signal.Signals], console: Console | None) -> int:
+    """Launch with the early signals blocked; ``mask``: the mask to restore once the
+    launcher's own handlers are installed; ``console``: see :func:`main`."""
     # Imported here, not at the top: a dry run, a subcommand or a bad option must not pay
     # for loading the agent and everything it runs.
     from elastrun.core.shutdown import ShutdownRequest
@@ -194,13 +184,12 @@ def _run(
     shutdown = ShutdownRequest()
     handled = parse_signals(launch.config.signals_to_handle)
     restore = install_signal_handlers(handled, shutdown)
-    if mask is not None:
-        # A handled signal the parent left blocked is let through too: the launcher
-        # answers it, and forwards it to workers, which inherit this mask.
-        inherited = sorted(s.name for s in handled if s in mask)
-        if inherited:
-            log.info("unblocking %s (blocked by the parent process) to handle it", inherited)
-        signal.pthread_sigmask(signal.SIG_SETMASK, set(mask) - set(handled))
+    # A handled signal the parent left blocked is let through too: the launcher answers
+    # it, and forwards it to workers, which inherit this mask.
+    inherited = sorted(s.name for s in handled if s in mask)
+    if inherited:
+        log.info("unblocking %s (blocked by the parent process) to handle it", inherited)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set(mask) - set(handled))
     try:
         launch_agent(launch.config, entry, args, console=console, shutdown=shutdown)
     except ChildFailedError as exc:
