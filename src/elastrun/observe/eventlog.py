@@ -29,7 +29,7 @@ from typing import Protocol, TextIO, TypedDict, Unpack
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
 from elastrun.core.errors import ConfigError
-from elastrun.observe.sinks import EventValue
+from elastrun.observe.sinks import EventValue, NullEventSink
 
 log = logging.getLogger(__name__)
 
@@ -129,19 +129,13 @@ class _StampingSink:
         raise NotImplementedError
 
 
-class NullEventLog:
+class NullEventLog(NullEventSink):
     """Discards every event (``--event-log-handler null``)."""
-
-    def record(self, name: str, metadata: dict[str, EventValue]) -> None:
-        pass
 
     def record_event(
         self, name: str, source: str, timestamp: int, metadata: Mapping[str, EventValue]
     ) -> None:
         pass
-
-    def __repr__(self) -> str:
-        return "NullEventLog()"
 
 
 class ConsoleEventSink(_StampingSink):

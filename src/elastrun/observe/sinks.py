@@ -48,7 +48,7 @@ class NullEventSink:
         pass
 
     def __repr__(self) -> str:
-        return "NullEventSink()"
+        return f"{type(self).__name__}()"
 
 
 class NullMetricSink:
