@@ -19,7 +19,6 @@ from elastrun.core.shutdown import ShutdownRequest
 from elastrun.launch.config import LaunchConfig, parse_signals
 from elastrun.launch.signals import install_signal_handlers
 from elastrun.observe.sinks import MetricSink
-from elastrun.rendezvous.api import RendezvousHandler
 from elastrun.rendezvous.registry import rendezvous_handler_registry
 from elastrun.supervise.failures.report import ChildFailedError, NoProgressError
 from elastrun.supervise.processes.logs import DefaultLogsSpecs
@@ -291,20 +290,17 @@ class _Launch:
             self.extras.close()
 
     def leave(self) -> None:
-        """Only a known outcome closes the run id: success (every node finished), or a
-        failure with no restart left (the failing node closed it with the reason). A
-        node that stops on a signal or an error of its own (its store connection, a
-        rendezvous timeout) only leaves: the other nodes decide for themselves."""
-        if self.agent is not None and not self.signalled:
-            _leave_or_close(self.agent.rdzv_handler, closes=self.succeeded)
+        """End this node's part in the rendezvous. Only a known outcome closes the run id
+        (torch's ``shutdown``): success (every node finished), or a failure with no
+        restart left (the failing node closed it with the reason). A node that stops on a
+        signal or an error of its own (its store connection, a rendezvous timeout) only
+        leaves: the other nodes decide for themselves."""
+        if self.agent is None or self.signalled:
+            return
+        from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
 
-
-def _leave_or_close(handler: RendezvousHandler, *, closes: bool) -> None:
-    """End this node's part in the rendezvous: close the run (torch's ``shutdown``) when
-    the job's outcome is known here, else leave it open for the other nodes."""
-    from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
-
-    if isinstance(handler, DynamicRendezvousHandler):
-        handler.shutdown(close=closes)
-    else:
-        handler.shutdown()
+        handler = self.agent.rdzv_handler
+        if isinstance(handler, DynamicRendezvousHandler):
+            handler.shutdown(close=self.succeeded)
+        else:
+            handler.shutdown()
