@@ -24,8 +24,6 @@ log = logging.getLogger("elastrun.observe.health")  # the endpoint's one logger
 
 
 class HealthHTTPServer(NurseryRequests, HTTPServer):
-    # (A client that never finishes its request cannot hold up the agent's exit: its
-    # socket is shut down when the server stops.)
     request_thread = "elastrun-health-request"
     health: HealthCheckServer
 

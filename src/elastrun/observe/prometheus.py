@@ -319,8 +319,6 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class _Server(NurseryRequests, WSGIServer):
-    # (A scraper that never finishes its request cannot hold up the agent's exit: its
-    # socket is shut down when the server stops.)
     request_thread = "elastrun-metrics-request"
 
 
