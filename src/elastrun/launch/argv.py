@@ -77,12 +77,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the ``elastrun`` argument parser.
-
-    The parser only splits the command line: each option's value is recorded as it
-    was given (or left absent); :func:`parse_launch` applies defaults, ``PET_*``
-    fallbacks and validation. Its ``error()`` raises :class:`ConfigError`.
-    """
+    """The ``elastrun`` argument parser: it records each option as given (see the module
+    docstring), and its ``error()`` raises :class:`ConfigError`."""
     parser = _Parser(
         prog="elastrun",
         description="Fault-tolerant, elastic launcher for distributed PyTorch; "

@@ -89,9 +89,7 @@ def render_plan(
         max_restarts=cfg.max_restarts,
         use_agent_store=True,  # the built-in backends: group rank 0's agent serves it
     )
-    # The agent's own constructors: its spec and options from the config (with the
-    # variable the launcher sets in its own environment first: api.launch_agent), the
-    # services they provide, and the plan of a round (agent.rounds).
+    # (With the variable launch_agent sets in the launcher's own environment first.)
     options = cfg.agent_options({**environ, SIGNALS_TO_HANDLE_ENV: cfg.signals_to_handle})
     services = WorkerServices.of(options, file_timer=file_timer_enabled(options.environ))
     plan = round_plan(

@@ -2,8 +2,7 @@
 
 A new option is one more row here plus the code that reads it (see
 :mod:`elastrun.launch.cli`). Every ``--dashed-option`` also gets its
-``--underscore_option`` spelling; ``env`` says whether torchrun reads a ``PET_<DEST>``
-fallback for it, ``ours`` marks elastrun's additions.
+``--underscore_option`` spelling.
 """
 
 from __future__ import annotations
