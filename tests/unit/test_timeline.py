@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -228,6 +230,48 @@ def test_command_prints_the_text_and_writes_the_chart(
     assert "outcome: succeeded after 2 restarts" in printed
     assert f"chart written to {out}" in printed
     assert "<svg" in out.read_text()
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [float("nan"), float("inf"), float("-inf"), 10**400],
+    ids=["NaN", "Infinity", "-Infinity", "an-integer-past-floats"],
+)
+def test_numbers_json_allows_but_no_agent_writes_read_as_missing(
+    odd: float, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Python's json reads NaN and Infinity, and any integer; a hand-edited or foreign log
+    # may hold them in any field the timeline reads as a number.
+    path = tmp_path / "events.jsonl"
+    write_restarting_job(path)
+    fields = ("rank", "attempt", "exitcode", "restart_count", "duration_ms", "round")
+    odd_events = [
+        {
+            "name": "agent.restart",
+            "timestamp": 1_700_000_009_000,
+            "metadata": dict.fromkeys(fields, odd),
+        },
+        {
+            "name": "agent.rendezvous",
+            "timestamp": odd,
+            "metadata": {"round": 9, "duration_ms": odd},
+        },
+        {
+            "name": "agent.workers_started",
+            "timestamp": 1_700_000_009_500,
+            "metadata": {"attempt": odd},
+        },
+    ]
+    with path.open("a") as fh:
+        fh.writelines(json.dumps({"source": "AGENT", **e}) + "\n" for e in odd_events)
+    out = tmp_path / "timeline.html"
+    assert timeline_main([str(path), "--html", str(out)]) == 0
+    assert "summary:" in capsys.readouterr().out
+    page = out.read_text()
+    ET.fromstring(page.split("\n", 1)[1])  # still well-formed
+    svg = page.split("<svg", 1)[1].split("</svg>", 1)[0]
+    numbers = re.findall(r' (?:x|y|width|height|cx|cy|x1|x2|y1|y2)="([^"]*)"', svg)
+    assert numbers and all(math.isfinite(float(n)) for n in numbers)
 
 
 def test_command_reports_a_missing_file_in_one_line(

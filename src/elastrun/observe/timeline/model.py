@@ -6,6 +6,7 @@ See ``elastrun.observe.timeline`` for the file format and what the timeline show
 from __future__ import annotations
 
 import json
+import math
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -130,10 +131,23 @@ def describe_exitcode(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _to_ms(value: object) -> float:
+def _finite(value: object) -> float | None:
+    """``value`` as a finite float, or None: JSON's NaN and Infinity, and integers past a
+    float's range, read as missing rather than ending the command in a traceback."""
     if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _to_ms(value: object) -> float:
+    number = _finite(value)
+    if number is None:
         return 0.0
-    return float(value) * 1000.0 if abs(value) < _SECONDS_BELOW else float(value)
+    return number * 1000.0 if abs(number) < _SECONDS_BELOW else number
 
 
 #: Metadata that tells agents apart (see ``JsonLinesEventSink(context=...)``).
@@ -196,14 +210,12 @@ def _int(value: EventValue) -> int | None:
         return None
     try:
         return int(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # text that is no number, NaN, Infinity
         return None
 
 
 def _ms(value: EventValue) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return 0.0
-    return max(0.0, float(value))
+    return max(0.0, _finite(value) or 0.0)
 
 
 def _close(lane: Lane, t_ms: float, outcome: str, detail: str = "") -> None:
