@@ -81,7 +81,7 @@ class ElasticLoop:
                 # the rendezvous that name no scope; the teardown runs outside it.
                 return self._p.interruptible.run(self._run, "agent's next step")
             except ShutdownRequested as stop:
-                self._stopped_by(stop.signum)
+                self._stopped_by(stop)
                 raise
 
     def _run(self) -> RunResult:
@@ -173,19 +173,16 @@ class ElasticLoop:
         if signum is not None:
             raise ShutdownRequested(signum)
 
-    def _stopped_by(self, signum: int) -> None:
+    def _stopped_by(self, stop: ShutdownRequested) -> None:
         """A signal ended the run: stop the workers with it."""
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = str(signum)
+        name = stop.signal_name
         if self._attempt is not None:
             grace = self._p.options.shutdown_timeout
             log.warning("received %s: stopping workers (grace %.0fs)", name, grace)
             # Before the workers stop and their peers elsewhere re-form: no one may count
             # this node in the next round before it joins (it never will).
             self._p.rdzv.step_away(f"received {name}")
-            self._finish_attempt(signum)
+            self._finish_attempt(stop.signum)
         self._p.events.record("agent.signal", {"signal": name})
 
     def _finish_attempt(self, sig: int) -> None:
