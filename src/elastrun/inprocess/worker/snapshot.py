@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +40,7 @@ SMALL = 16
 
 #: A path from a state dict's root to one tensor (its keys and indices).
 Path = tuple[object, ...]
+L = TypeVar("L")
 
 
 @dataclass(frozen=True)
@@ -115,18 +116,22 @@ class ItemSnapshot:
         return sum(_nbytes(leaf.saved) for leaf in self.leaves if leaf.saved is not None)
 
 
-def walk(value: object, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
+def walk(value: object) -> Iterator[tuple[Path, torch.Tensor]]:
     """Every tensor of a nested state dict (dicts, lists, tuples), with its path."""
     import torch
 
-    if isinstance(value, torch.Tensor):
+    return _leaves(value, torch.Tensor, ())
+
+
+def _leaves(value: object, kind: type[L], path: Path) -> Iterator[tuple[Path, L]]:
+    if isinstance(value, kind):
         yield path, value
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from walk(item, (*path, key))
+            yield from _leaves(item, kind, (*path, key))
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            yield from walk(item, (*path, i))
+            yield from _leaves(item, kind, (*path, i))
 
 
 def take(
@@ -193,19 +198,8 @@ def _copy_into(tensor: torch.Tensor, reuse: torch.Tensor | None) -> torch.Tensor
 
 def rebuild(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """The state dict again: ``skeleton`` with each slot replaced by its tensor."""
-    memo: dict[int, Any] = {id(slot): tensors[slot.index] for slot in _slots(skeleton)}
+    memo: dict[int, Any] = {id(s): tensors[s.index] for _, s in _leaves(skeleton, Slot, ())}
     return copy.deepcopy(skeleton, memo)
-
-
-def _slots(value: object) -> Iterator[Slot]:
-    if isinstance(value, Slot):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _slots(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _slots(item)
 
 
 def specs(snapshot: ItemSnapshot) -> list[TensorSpec]:
