@@ -44,27 +44,19 @@ if TYPE_CHECKING:
 # Resolved on first use: the agent imports this package on the launch path and needs
 # only the board and the detectors it uses.
 _LAZY = {
-    "AutoTimeout": "elastrun.pace.agent.hang",
-    "FILE_NAME": "elastrun.pace.agent.board",
-    "HangDetector": "elastrun.pace.agent.hang",
-    "HangVerdict": "elastrun.pace.agent.hang",
-    "NoProgressGuard": "elastrun.pace.agent.guard",
-    "NodeSummary": "elastrun.pace.agent.straggler",
-    "ProgressBoard": "elastrun.pace.agent.board",
-    "ProgressRecord": "elastrun.pace.agent.record",
-    "RankSilence": "elastrun.pace.agent.hang",
-    "Snapshot": "elastrun.pace.agent.record",
-    "Straggler": "elastrun.pace.agent.straggler",
-    "StragglerDetector": "elastrun.pace.agent.straggler",
-    "StragglerSettings": "elastrun.pace.agent.straggler",
-    "pace_times": "elastrun.pace.agent.straggler",
-    "parse_straggler_factor": "elastrun.pace.agent.straggler",
-    "parse_hang_timeout": "elastrun.pace.agent.hang",
-    "read_record": "elastrun.pace.agent.board",
-    "step_times": "elastrun.pace.agent.straggler",
-    "steps_of": "elastrun.pace.agent.board",
-    "summarize": "elastrun.pace.agent.straggler",
-}
+    name: f"elastrun.pace.agent.{module}"
+    for module, names in {
+        "board": ("FILE_NAME", "ProgressBoard", "read_record", "steps_of"),
+        "guard": ("NoProgressGuard",),
+        "hang": ("AutoTimeout", "HangDetector", "HangVerdict", "RankSilence", "parse_hang_timeout"),
+        "record": ("ProgressRecord", "Snapshot"),
+        "straggler": (
+            "NodeSummary", "Straggler", "StragglerDetector", "StragglerSettings", "pace_times",
+            "parse_straggler_factor", "step_times", "summarize",
+        ),
+    }.items()
+    for name in names
+}  # fmt: skip
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
