@@ -106,7 +106,6 @@ def _recovering(
                 release_parked()
                 return result
             except Exception as exc:
-                _say_lost(channel, exc, round_no)
                 if not _peer_failed(channel, exc, round_no, wait):
                     raise  # the worker's own error: the original, as it was raised
                 failure = _first_line(exc)  # not the exception: its frames hold the old group
@@ -123,7 +122,6 @@ def _synchronised(channel: Channel, state: State, round_no: int, wait: float) ->
     try:
         synchronise(state, round_no, lambda: channel.newer_than(round_no))
     except Exception as exc:
-        _say_lost(channel, exc, round_no)
         if not _peer_failed(channel, exc, round_no, wait):
             raise
         failure = _first_line(exc)
@@ -135,16 +133,6 @@ def _synchronised(channel: Channel, state: State, round_no: int, wait: float) ->
     return failure
 
 
-def _say_lost(channel: Channel, exc: Exception, round_no: int) -> None:
-    """Tell the agent when ``exc`` says that no rank holds the round's newest commit
-    (every rank finds so at once): it then restarts the group rather than replace the
-    workers one by one as they end with it."""
-    from elastrun.inprocess.worker.transfer import CommitLostError
-
-    if isinstance(exc, CommitLostError):
-        channel.send("lost", round=round_no)
-
-
 def _peer_failed(channel: Channel, exc: Exception, round_no: int, wait: float) -> bool:
     """Whether ``exc`` is a collective that failed because a peer failed in round
     ``round_no``. Only an error a failed collective can raise is asked about: a
@@ -152,7 +140,15 @@ def _peer_failed(channel: Channel, exc: Exception, round_no: int, wait: float) -
     ``_raised_by_torch``), not one of elastrun's own (a commit that no rank holds) nor
     one the user's code raised. The agent decides, not the error's text: it holds
     its answer at most ``ANSWER_HOLD`` seconds for news of a failure in flight, so a
-    worker's own error is named within seconds."""
+    worker's own error is named within seconds.
+
+    A ``CommitLostError`` (no rank holds the round's newest commit: every rank finds so
+    at once) is told to the agent first: it then restarts the group rather than replace
+    the workers one by one as they end with it."""
+    from elastrun.inprocess.worker.transfer import CommitLostError
+
+    if isinstance(exc, CommitLostError):
+        channel.send("lost", round=round_no)
     if not isinstance(exc, RuntimeError) or isinstance(exc, ElastrunError):
         return False
     if not channel.newer_than(round_no) and not _raised_by_torch(exc):
