@@ -61,28 +61,18 @@ class Attempt:
     def plan(self) -> LaunchPlan:
         return self.setup.plan
 
-    @property
-    def stderr_files(self) -> dict[int, str]:
-        """``{local_rank: stderr log file}`` of the ranks whose stderr goes to a file."""
-        return {lr: p for lr, p in self.setup.dest.stderrs.items() if p}
-
-    @property
-    def stacks_files(self) -> dict[int, str]:
-        """``{local_rank: stacks file}`` of the ranks that can dump their stacks."""
-        return {
-            lr: env[STACKS_FILE_ENV]
-            for lr, env in self.setup.envs.items()
-            if STACKS_FILE_ENV in env
-        }
-
     def global_rank(self, local_rank: int) -> int:
         return self.setup.plan.workers[local_rank].ranks.global_rank
 
     def stack_requests(self, local_ranks: list[int]) -> dict[int, tuple[int, str]]:
-        """``{local_rank: (pid, stacks file)}`` of these workers, for ``request_stacks``."""
-        pids = self.procs.pids()
-        stacks = self.stacks_files
-        return {lr: (pids[lr], stacks[lr]) for lr in local_ranks if lr in stacks}
+        """``{local_rank: (pid, stacks file)}`` of these workers that can dump their
+        stacks, for ``request_stacks``."""
+        pids, envs = self.procs.pids(), self.setup.envs
+        return {
+            lr: (pids[lr], envs[lr][STACKS_FILE_ENV])
+            for lr in local_ranks
+            if STACKS_FILE_ENV in envs.get(lr, {})
+        }
 
     def __repr__(self) -> str:
         return (

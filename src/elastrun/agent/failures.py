@@ -79,7 +79,7 @@ def process_failures(
             host=host,
             observed_at=ex.observed_at,
             terminated_by_agent=ex.by_agent and ex.local_rank != stuck,
-            stderr_file=attempt.stderr_files.get(ex.local_rank),
+            stderr_file=attempt.setup.dest.stderrs.get(ex.local_rank) or None,
             reason=reasons.get(ex.pid),
             log_problem=attempt.setup.relay.log_problem(ex.local_rank),
         )
