@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.core.errors import ConfigError
-from elastrun.template.agent.preload import OPTS_WITH_VALUE, same_file
+from elastrun.template.agent.preload import options_end, same_file
 from elastrun.wire.bootstrap import BOOTSTRAP_MODULE
 from elastrun.wire.checkpoint import CHECKPOINT_DIR_ENV
 from elastrun.wire.env import (
@@ -224,23 +224,10 @@ def with_bootstrap(args: Sequence[str]) -> tuple[str, ...] | None:
     ``("-u", "-m", "pkg.train")`` becomes ``(..., "-m", BOOTSTRAP, "-m", "pkg.train")``.
     Returns None for command lines the bootstrap cannot stand in for (``-c``, stdin).
     """
-    i = 0
-    opts: list[str] = []
-    while i < len(args):
-        a = args[i]
-        if a in ("-m", "-c", "-") or not a.startswith("-"):
-            break
-        opts.append(a)
-        if a in OPTS_WITH_VALUE and i + 1 < len(args):
-            i += 1
-            opts.append(args[i])
-        i += 1
-    if i >= len(args) or args[i] in ("-c", "-"):
+    i = options_end(args)
+    if i is None or i >= len(args) or (args[i] == "-m" and i + 1 == len(args)):
         return None
-    rest = tuple(args[i:])
-    if rest[0] == "-m" and len(rest) < 2:
-        return None
-    return (*opts, "-m", BOOTSTRAP_MODULE, *rest)
+    return (*args[:i], "-m", BOOTSTRAP_MODULE, *args[i:])
 
 
 def worker_env(

@@ -61,17 +61,23 @@ def parse_bootstrap_command(argv: Sequence[str], python: str) -> BootstrapComman
     """
     if len(argv) < 4 or not same_file(argv[0], python):
         return None
-    i = 1
-    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
-        if argv[i] in ("-c", "-"):
+    end = options_end(argv[1:])
+    if end is None or tuple(argv[end + 1 : end + 3]) != ("-m", BOOTSTRAP_MODULE):
+        return None
+    args = tuple(argv[end + 3 :])
+    return BootstrapCommand(tuple(argv[1 : end + 1]), args) if args else None
+
+
+def options_end(args: Sequence[str]) -> int | None:
+    """Where the interpreter options that ``args`` (a command line without the
+    interpreter) begins with end: the index of ``-m`` or of the script; None for
+    ``-c`` and ``-`` (stdin)."""
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "-m":
+        if args[i] in ("-c", "-"):
             return None
-        i += 2 if argv[i] in OPTS_WITH_VALUE else 1
-    if tuple(argv[i : i + 2]) != ("-m", BOOTSTRAP_MODULE):
-        return None
-    args = tuple(argv[i + 2 :])
-    if not args:
-        return None
-    return BootstrapCommand(tuple(argv[1:i]), args)
+        i += 2 if args[i] in OPTS_WITH_VALUE else 1
+    return i
 
 
 def same_file(a: str, b: str) -> bool:
