@@ -156,18 +156,17 @@ class AttemptSetups:
     def _process_spec(
         self, setup: AttemptSetup, local_rank: int, stdio: WorkerStdio
     ) -> ProcessSpec:
-        plan = setup.plan
-        env = setup.envs[local_rank]
-        cpus = setup.cpus[local_rank]
-        out, err = stdio.stdout_fd, stdio.stderr_fd
-        if plan.function is None:
-            argv = plan.workers[local_rank].argv
-            return ProcessSpec(local_rank, env, argv=argv, stdout_fd=out, stderr_fd=err, cpus=cpus)
-        if self._return_dir is None:
-            self._return_dir = tempfile.mkdtemp(prefix="elastrun-ret-")
-        ret = os.path.join(self._return_dir, f"a{setup.number}_r{local_rank}.pkl")
-        call = FunctionCall(plan.function, plan.workers[local_rank].args, ret)
-        return ProcessSpec(local_rank, env, call=call, stdout_fd=out, stderr_fd=err, cpus=cpus)
+        plan, worker = setup.plan, setup.plan.workers[local_rank]
+        call = None
+        if plan.function is not None:  # (its worker has no argv)
+            if self._return_dir is None:
+                self._return_dir = tempfile.mkdtemp(prefix="elastrun-ret-")
+            ret = os.path.join(self._return_dir, f"a{setup.number}_r{local_rank}.pkl")
+            call = FunctionCall(plan.function, worker.args, ret)
+        return ProcessSpec(
+            local_rank, setup.envs[local_rank], argv=worker.argv, call=call,
+            stdout_fd=stdio.stdout_fd, stderr_fd=stdio.stderr_fd, cpus=setup.cpus[local_rank],
+        )  # fmt: skip
 
     def close(self) -> None:
         """Remove the function workers' return values (after the last attempt)."""
