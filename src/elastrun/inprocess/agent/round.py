@@ -46,7 +46,6 @@ class _Round:
 
     number: int
     started: float  # monotonic
-    deadline: float  # monotonic
     expected: dict[int, int]  # local rank -> pid of every worker of the round
     replaced: dict[int, int]  # local rank -> pid of the replacements
     after_failure: bool  # a recovery (not a node joining): judged by the stall guard
@@ -103,11 +102,9 @@ class InprocessRound:
         """Round ``number`` is under way: every worker of ``expected`` (local rank ->
         pid), ``replaced`` among them, is to synchronise within the bound (``cut``: the
         listeners the round's message told the workers to cut)."""
-        now = self._clock.monotonic()
         self._current = _Round(
             number,
-            now,
-            now + self._timeout,
+            self._clock.monotonic(),
             dict(expected),
             dict(replaced),
             after_failure,
@@ -125,7 +122,7 @@ class InprocessRound:
             return RoundState.IDLE
         if all(hub.synced(lr, pid, current.number) for lr, pid in current.expected.items()):
             return RoundState.DONE
-        if self._clock.monotonic() >= current.deadline:
+        if self._clock.monotonic() >= current.started + self._timeout:
             return RoundState.LATE
         return RoundState.WAITING
 
