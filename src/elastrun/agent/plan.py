@@ -340,12 +340,11 @@ def build_plan(
 def node_slots(info: RendezvousInfo, role: str, local_world_size: int) -> list[NodeSlot]:
     """Every node's share of the round's world, in group-rank order: from the round's
     shape, else from its members, else ``world_size`` nodes like this one."""
-    nodes = [NodeSlot(r, lws) for r, lws, count in info.shape for _ in range(count)]
-    if not nodes:
-        nodes = [NodeSlot(m.role, m.local_world_size) for m in info.members] or [
-            NodeSlot(role, local_world_size)
-        ] * info.world_size
-    return nodes
+    return (
+        [NodeSlot(r, lws) for r, lws, count in info.shape for _ in range(count)]
+        or [NodeSlot(m.role, m.local_world_size) for m in info.members]
+        or [NodeSlot(role, local_world_size)] * info.world_size
+    )
 
 
 def round_plan(
