@@ -215,29 +215,23 @@ def _serve(sock: socket.socket) -> Job:
 _Excepthook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
 
-class _HideTemplateFrames:
-    """Wraps ``sys.excepthook`` so that a traceback starts at the worker's own code.
+def _hiding_template_frames(hook: _Excepthook) -> _Excepthook:
+    """``hook`` (``sys.excepthook``) given a traceback that starts at the worker's own
+    code: the worker's exception travels up through the template's frames (this
+    module's ``main`` and :func:`_run_bootstrap`), which a fresh start does not have;
+    the bootstrap trims only its own and runpy's."""
 
-    The worker's exception travels up through the template's frames (this module's
-    ``main`` and :func:`_run_bootstrap`), which a fresh start does not have; the
-    bootstrap trims only its own and runpy's.
-    """
-
-    def __init__(self, hook: _Excepthook) -> None:
-        self._hook = hook
-
-    def __call__(
-        self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+    def excepthook(
+        exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
     ) -> None:
         trimmed = tb
         while trimmed is not None and _is_template_frame(trimmed.tb_frame.f_code.co_filename):
             trimmed = trimmed.tb_next
         if exc.__traceback__ is tb:
             exc.__traceback__ = trimmed
-        self._hook(exc_type, exc, trimmed)
+        hook(exc_type, exc, trimmed)
 
-    def __repr__(self) -> str:
-        return f"_HideTemplateFrames({self._hook!r})"
+    return excepthook
 
 
 def _is_template_frame(filename: str) -> bool:
@@ -252,7 +246,7 @@ def _run_bootstrap() -> None:
         raise
     except BaseException:
         # Installed on the way out only, like the bootstrap's own hook, which it wraps.
-        sys.excepthook = _HideTemplateFrames(sys.excepthook)
+        sys.excepthook = _hiding_template_frames(sys.excepthook)
         raise
 
 
