@@ -116,7 +116,8 @@ class Template:
         self.preloaded: list[str] = []
         self.ready_seconds = 0.0
         self._started = time.monotonic()
-        self._ready = False
+        #: Whether the hello was received (the modules are imported).
+        self.ready = False
 
     @classmethod
     def launch(
@@ -174,11 +175,6 @@ class Template:
             send_message(ours, setup)
         return template
 
-    @property
-    def ready(self) -> bool:
-        """Whether the hello was received (the modules are imported)."""
-        return self._ready
-
     def await_ready(self, timeout: float, scope: CancelScope | None = None) -> None:
         """Wait for the template's hello (once), in ``scope`` (default: the thread's
         current one): starting the template imports torch, seconds that a Ctrl-C must
@@ -189,7 +185,7 @@ class Template:
                 forking is unsafe.
             Cancelled: ``scope`` was cancelled while the template was starting.
         """
-        if self._ready:
+        if self.ready:
             return
         self._wait_readable(timeout, scope_or_default(scope))
         self._sock.settimeout(timeout)
@@ -213,7 +209,7 @@ class Template:
         preloaded = hello.get("preloaded", [])
         self.preloaded = [str(m) for m in preloaded] if isinstance(preloaded, list) else []
         self.ready_seconds = time.monotonic() - self._started
-        self._ready = True
+        self.ready = True
 
     def _wait_readable(self, timeout: float, scope: CancelScope) -> None:
         """Block until the template writes or the timeout passes (the read that follows
@@ -394,7 +390,7 @@ class Template:
     def close(self) -> None:
         """Stop the template (end of its channel; SIGKILL if it lingers) and reap it."""
         self._sock.close()
-        if not self._ready:
+        if not self.ready:
             # Still importing its modules, it would notice the closed channel only when
             # done (seconds of torch's import): it has no workers and nothing to save.
             self.proc.kill()
@@ -405,5 +401,5 @@ class Template:
         self._stderr.close()
 
     def __repr__(self) -> str:
-        state = self.exit_description() if self._ready else "starting"
+        state = self.exit_description() if self.ready else "starting"
         return f"Template(pid={self.pid}, preloaded={self.preloaded}, {state})"
