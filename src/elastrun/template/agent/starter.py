@@ -12,20 +12,12 @@ with a worker -- its pidfd, ``waitid`` without reaping, ``killpg``, ``waitpid`` 
 real exit status, the parent-death signal, the orphan guard -- works as with
 ``SubprocessStarter``.
 
-Only Python script workers go through the template: an argv of the form
-``(python, [OPTS], "-m", "elastrun.worker.bootstrap", ...)`` whose ``python`` is the
-starter's interpreter. Anything else (other executables, function workers) goes to the
-fallback starter, and so does every worker when the template is unusable -- a preloaded
-module started a thread or initialised CUDA, the template could not start, or a fork
-failed -- with one warning line saying why. A template that died is started again on the
-next start.
-
-The pieces: which argvs go through a template and what it preloads
-(:mod:`~elastrun.template.agent.preload`), what one template serves: the interpreter
-options and the environment minus the per-worker variables
-(:mod:`~elastrun.template.agent.key`), one running template and its channel
-(:mod:`~elastrun.template.agent.process`); this module holds the starter, which
-decides per worker and falls back.
+Only Python script workers go through the template (:mod:`~elastrun.template.agent.preload`
+says which). Anything else (other executables, function workers) goes to the fallback
+starter, and so does every worker when the template is unusable -- a preloaded module
+started a thread or initialised CUDA, the template could not start, or a fork failed --
+with one warning line saying why. A template that died is started again on the next
+start.
 """
 
 from __future__ import annotations
