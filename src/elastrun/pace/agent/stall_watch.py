@@ -56,8 +56,6 @@ class ProgressWatch:
         self._size = local_world_size
         self._clock = clock
         self._hang = HangDetector(hang_timeout, clock) if hang_timeout is not None else None
-        #: ``--hang-timeout`` as given (seconds, ``AutoTimeout``, or None: off).
-        self.hang_timeout = hang_timeout
         self._guard = NoProgressGuard(stalled_restarts) if stalled_restarts else None
         # The in-process recoveries' guard: one "rank", the job, whose step is the
         # commit each completed recovery restored.
