@@ -2,7 +2,7 @@
 
 ``AttemptSetup`` is what starting any worker of the attempt needs (its plan, each local
 rank's environment and CPUs, the log destinations, the relay, the starter), computed once
-before the first worker starts; ``WorkerProcesses.start_worker`` starts the worker of one
+before the first worker starts; ``WorkerProcesses.replace_worker`` starts the worker of one
 local rank from it. ``Attempt`` adds the running processes (``procs``: which process
 serves which local rank) and what the watches note about them.
 """

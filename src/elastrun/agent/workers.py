@@ -102,21 +102,14 @@ class WorkerProcesses:
         _write_workers_file(setup.envs, procs)
         return attempt
 
-    def start_worker(
-        self, setup: AttemptSetup, local_rank: int, *, replacing: bool = False
-    ) -> WorkerProcess:
-        """Start the worker of one local rank of an attempt (its output wired through
-        the attempt's relay); the guard and the worker group are not told.
-        ``replacing``: the rank's previous worker of this attempt exited (in-process
-        recovery): its log files are added to, not started anew."""
-        member = self._setups.member(setup, local_rank, append=replacing)
-        return start_worker(setup.starter, setup.relay, setup.dest, member)
-
     def replace_worker(self, attempt: Attempt, setup: AttemptSetup, local_rank: int) -> int:
         """Start a new worker for ``local_rank``, whose worker of ``attempt`` exited, from
-        ``setup`` (the attempt's, with the new round's environment); returns its pid."""
+        ``setup`` (the attempt's, with the new round's environment; its output wired
+        through the attempt's relay, its log files added to, not started anew); returns
+        its pid."""
         old = attempt.procs.processes[local_rank].pid
-        proc = self.start_worker(setup, local_rank, replacing=True)
+        member = self._setups.member(setup, local_rank, append=True)
+        proc = start_worker(setup.starter, setup.relay, setup.dest, member)
         self._guard.forget(old)
         self._guard.watch(proc.pid)
         self._group.workers[local_rank].id = proc.pid
