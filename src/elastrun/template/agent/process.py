@@ -196,8 +196,10 @@ class Template:
                 f"no answer from the template: {exc}{self._stderr_note()}"
             ) from exc
         if got is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(_STOP_TIMEOUT)
             raise TemplateUnavailable(
-                f"the template ended during startup ({self._wait_description()})"
+                f"the template ended during startup ({self.exit_description()})"
                 f"{self._stderr_note()}"
             )
         hello, _ = got
@@ -247,11 +249,6 @@ class Template:
     def _kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
-
-    def _wait_description(self) -> str:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(_STOP_TIMEOUT)
-        return self.exit_description()
 
     def _stderr_note(self) -> str:
         """The last line the template wrote to its stderr (import warnings, crashes)."""
