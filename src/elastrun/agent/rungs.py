@@ -38,10 +38,8 @@ class StallRung:
     def decide(self, failure: Failure) -> Reaction | None:
         if failure.recovering:
             return None
-        if failure.in_place is None:
-            stalled = self._progress.stalled_in_place()
-        else:
-            stalled = self._progress.stalled()
+        progress = self._progress
+        stalled = progress.stalled_in_place() if failure.in_place is None else progress.stalled()
         if stalled is None:
             return None
         log.error("not restarting: %s", stalled)
