@@ -48,7 +48,8 @@ class ElasticLoop:
     def __init__(self, parts: AgentParts) -> None:
         self._p = parts
         self._attempt: Attempt | None = None
-        self._attempts = 0
+        #: How many times the workers were started.
+        self.attempts = 0
         self.history: list[str] = []  # one line per failure that caused a restart
         self.budget_note: str | None = None
         #: Why restarting stopped because the restarts made no progress (else None).
@@ -61,11 +62,6 @@ class ElasticLoop:
     @property
     def parts(self) -> AgentParts:
         return self._p
-
-    @property
-    def attempts(self) -> int:
-        """How many times the workers were started."""
-        return self._attempts
 
     def run(self) -> RunResult:
         """Run the workers to completion, restarting them on failure.
@@ -326,8 +322,8 @@ class ElasticLoop:
     def _start_workers(self, plan: LaunchPlan) -> None:
         p = self._p
         t0 = p.clock.monotonic()
-        number = self._attempts
-        self._attempts += 1
+        number = self.attempts
+        self.attempts += 1
         attempt = self._attempt = p.workers.start(plan, number)
         p.pace.start_attempt(number, {w.local_rank: w.ranks.global_rank for w in plan.workers})
         p.lifecycle.enter(AgentPhase.RUNNING, WorkerState.HEALTHY)
@@ -406,5 +402,5 @@ class ElasticLoop:
     def __repr__(self) -> str:
         return (
             f"ElasticLoop(role={self._p.spec.role!r}, lifecycle={self._p.lifecycle!r}, "
-            f"attempts={self._attempts}, budget={self._p.budget!r})"
+            f"attempts={self.attempts}, budget={self._p.budget!r})"
         )

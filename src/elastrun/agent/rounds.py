@@ -57,9 +57,10 @@ class Rounds:
         self._interruptible = interruptible
         self._clock = clock
         self._on_round = tuple(on_round)
-        # The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
-        # node is its group rank 0: it outlives every worker of the round.
-        self._bootstrap_store = BootstrapStore()
+        #: The workers' bootstrap store (MASTER_ADDR/PORT) of the current round, when this
+        #: node is its group rank 0: it outlives every worker of the round (in-process
+        #: rounds re-host it).
+        self.bootstrap_store = BootstrapStore()
 
     def join(self) -> LaunchPlan:
         """Wait for the next round (after ``end`` of the previous one); returns this
@@ -76,20 +77,15 @@ class Rounds:
         self._pace.start_round(
             info.store, self._handler.get_run_id(), info.round, info.rank, info.world_size
         )
-        self._bootstrap_store.host(plan, agents_host=self._handler.agent_hosts_bootstrap_store)
+        self.bootstrap_store.host(plan, agents_host=self._handler.agent_hosts_bootstrap_store)
         self._report.rendezvous(info, rdzv_ms)
         for part in self._on_round:
             part(info, plan)
         return plan
 
-    @property
-    def bootstrap_store(self) -> BootstrapStore:
-        """The workers' store this node serves (in-process rounds re-host it)."""
-        return self._bootstrap_store
-
     def end(self) -> None:
         """Stop serving the current round's workers' store, if this node serves it."""
-        self._bootstrap_store.close()
+        self.bootstrap_store.close()
 
     def __repr__(self) -> str:
-        return f"Rounds(planner={self._planner!r}, store={self._bootstrap_store!r})"
+        return f"Rounds(planner={self._planner!r}, store={self.bootstrap_store!r})"

@@ -74,7 +74,8 @@ class InprocessRecovery:
         self._store = store
         self._events = events
         self._wake = wake
-        self._timeout = bounds.timeout
+        #: The bound on a round's synchronisation.
+        self.timeout = bounds.timeout
         self._answering = Answering(clock, bounds.answer_hold, bounds.loss_bound)
         self._hub: InprocessHub | None = None
         self._rounds = 0
@@ -105,11 +106,6 @@ class InprocessRecovery:
     def is_open(self) -> bool:
         """Whether workers can opt in (the hub listens)."""
         return self._hub is not None
-
-    @property
-    def timeout(self) -> float:
-        """The bound on a round's synchronisation."""
-        return self._timeout
 
     def close(self) -> None:
         if self._hub is not None:
