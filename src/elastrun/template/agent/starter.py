@@ -427,23 +427,20 @@ class TemplateStarter:
         if key in self._unusable:
             return None
         tpl = self._template
-        if tpl is not None and tpl.key != key:
-            log.info(
-                "the workers' shared environment changed (%s); replacing the worker template",
-                describe_change(tpl.key, key),
-            )
-            self._discard()
-            tpl = None
-        if tpl is not None and tpl.ready and not tpl.alive():
-            log.warning(
-                "worker template (pid %d) died (%s); starting a new one",
-                tpl.pid,
-                tpl.exit_description(),
-            )
-            self._discard()
-            tpl = None
         if tpl is not None:
-            return tpl
+            if tpl.key != key:
+                log.info(
+                    "the workers' shared environment changed (%s); replacing the worker "
+                    "template", describe_change(tpl.key, key),
+                )  # fmt: skip
+            elif tpl.ready and not tpl.alive():
+                log.warning(
+                    "worker template (pid %d) died (%s); starting a new one",
+                    tpl.pid, tpl.exit_description(),
+                )  # fmt: skip
+            else:
+                return tpl
+            self._discard()
         optional = default_preload(argv, cwd) if self._auto else []
         try:
             tpl = Template.launch(self._python, key, self._preload, optional, argv)
