@@ -9,7 +9,7 @@ followed by the rung's own step (``Reaction.then``), which returns what becomes 
 worker group (``GroupDecision``). The loop carries the move out and knows no rung by
 name, so a new way to recover is a new rung, not a new branch in the loop.
 
-The order ``wiring.assemble`` gives the rungs:
+The order ``launch.assemble`` gives the rungs:
 
 1. the rules that end the run, which no recovery may override: no progress across the
    last restarts (``rungs.StallRung``), the same failure twice in a row

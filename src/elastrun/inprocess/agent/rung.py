@@ -1,9 +1,7 @@
 """In-process recovery as a rung of the recovery ladder (``agent.ladder``), and the part
 that follows the workers between failures: it answers their questions, follows the
-in-process round under way, and keeps the workers running through a re-formation.
-
-``InprocessRecovery`` judges the workers and leads them into rounds, ``InprocessSteps``
-carries a recovery through the rendezvous; this module is what the ladder asks of them.
+in-process round under way, and keeps the workers running through a re-formation:
+what the ladder asks of ``InprocessRecovery`` and ``InprocessSteps``.
 """
 
 from __future__ import annotations
