@@ -31,24 +31,20 @@ class LocalRestartBudget:
     """A budget kept by this agent alone (single node)."""
 
     def __init__(self, limit: int) -> None:
-        self._limit = limit
+        self.limit = limit
         self._used = 0
-
-    @property
-    def limit(self) -> int:
-        return self._limit
 
     def used(self) -> int:
         return self._used
 
     def try_consume(self, what: str = "") -> bool:
-        if self._used >= self._limit:
+        if self._used >= self.limit:
             return False
         self._used += 1
         return True
 
     def __repr__(self) -> str:
-        return f"LocalRestartBudget(used={self._used}, limit={self._limit})"
+        return f"LocalRestartBudget(used={self._used}, limit={self.limit})"
 
 
 class JobBudgetSource(Protocol):
@@ -75,12 +71,8 @@ class JobRestartBudget:
 
     def __init__(self, source: JobBudgetSource, limit: int) -> None:
         self._source = source
-        self._limit = limit
+        self.limit = limit
         self._known = 0  # the count last read
-
-    @property
-    def limit(self) -> int:
-        return self._limit
 
     def used(self) -> int:
         """The count in the store, read within ``READ_BOUND`` (else the one last read: a
@@ -90,13 +82,13 @@ class JobRestartBudget:
             with cancel.current().child(READ_BOUND) as scope, scope.active():
                 # The counter passes the limit by one when the failing node finds it
                 # exhausted.
-                self._known = min(self._source.restarts_used(), self._limit)
+                self._known = min(self._source.restarts_used(), self.limit)
         except StoreError:
             pass
         return self._known
 
     def try_consume(self, what: str = "") -> bool:
-        return self._source.report_failure(self._limit, what)
+        return self._source.report_failure(self.limit, what)
 
     @property
     def refusal(self) -> str | None:
@@ -104,7 +96,7 @@ class JobRestartBudget:
         return self._source.refusal
 
     def __repr__(self) -> str:
-        return f"JobRestartBudget(limit={self._limit})"
+        return f"JobRestartBudget(limit={self.limit})"
 
 
 def default_budget(source: JobBudgetSource | None, max_restarts: int) -> RestartBudget:
