@@ -105,8 +105,11 @@ def _record(step_time: float | None) -> ProgressRecord:
 def test_step_times_and_summaries_of_a_snapshot() -> None:
     snapshot = {0: _record(0.1), 1: _record(0.4), 2: _record(None), 3: _record(0.2)}
     assert step_times(snapshot) == {0: 0.1, 1: 0.4, 3: 0.2}
-    assert summarize("node-a", snapshot) == NodeSummary("node-a", 3, 0.4, 0.2, 1)
-    assert summarize("node-b", {0: _record(None)}) is None
+    assert summarize("node-a", step_times(snapshot)) == NodeSummary("node-a", 3, 0.4, 0.2, 1)
+    assert summarize("node-b", step_times({0: _record(None)})) is None
+    # An even count's median is the mean of the middle two; the slowest's global rank.
+    four = {0: 0.1, 1: 0.4, 2: 0.3, 3: 0.2}
+    assert summarize("n", four, {1: 9}) == NodeSummary("n", 4, 0.4, 0.25, 9)
 
 
 def test_job_wide_detection_over_node_summaries() -> None:

@@ -24,11 +24,11 @@ from elastrun.observe.sinks import EventSink, EventValue, MetricSink, labelled
 from elastrun.pace.agent.exchange import NodeExchange
 from elastrun.pace.agent.record import Snapshot
 from elastrun.pace.agent.straggler import (
-    NodeSummary,
     Straggler,
     StragglerDetector,
     StragglerSettings,
     pace_times,
+    summarize,
 )
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.store.api import Store
@@ -141,12 +141,9 @@ class PaceWatch:
         exchange = self._exchange
         if exchange is None:
             return
-        if times:
-            slowest = max(times, key=lambda lr: (times[lr], -lr))
-            ordered = sorted(times.values())
-            median = ordered[len(ordered) // 2]
-            rank = self._ranks.get(slowest, slowest)
-            exchange.offer(NodeSummary("", len(times), times[slowest], median, rank))
+        summary = summarize("", times, self._ranks)
+        if summary is not None:
+            exchange.offer(summary)
         summaries = exchange.take()
         if summaries is None or self._nodes is None:
             return

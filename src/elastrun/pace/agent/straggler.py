@@ -167,13 +167,16 @@ def pace_times(snapshot: Mapping[int, ProgressRecord], now: float) -> dict[int, 
     }
 
 
-def summarize(node: str, snapshot: Mapping[int, ProgressRecord]) -> NodeSummary | None:
-    """The summary of one node's snapshot (None: no worker has a step time yet)."""
-    times = step_times(snapshot)
+def summarize(
+    node: str, times: Mapping[int, float], ranks: Mapping[int, int] | None = None
+) -> NodeSummary | None:
+    """The summary of one node's ``{local_rank: step time}`` (None: no worker has one
+    yet); ``ranks`` gives a local rank's global rank, for the slowest worker's."""
     if not times:
         return None
-    slowest = max(times, key=lambda rank: (times[rank], -rank))
-    return NodeSummary(node, len(times), times[slowest], _median(times.values()), slowest)
+    slowest = max(times, key=lambda lr: (times[lr], -lr))
+    rank = (ranks or {}).get(slowest, slowest)
+    return NodeSummary(node, len(times), times[slowest], _median(times.values()), rank)
 
 
 class StragglerDetector(Generic[K]):
