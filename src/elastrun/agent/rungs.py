@@ -148,8 +148,6 @@ class GroupRestartRung:
         self._memory = memory
 
     def decide(self, failure: Failure) -> Reaction:
-        if failure.in_place is not None:
-            log.debug("not recovering in place: %s", failure.in_place)
         step = None
         if self._memory is not None:
             pids = {p.pid for p in failure.attempt.procs.processes.values()}
