@@ -2,6 +2,40 @@
 
 from __future__ import annotations
 
+import os
+
+
+def _stat(pid: int | str, proc_root: str = "/proc") -> list[bytes]:
+    """The fields of ``<proc_root>/<pid>/stat`` from the state on (state, parent, ...),
+    empty if the process is gone. They follow the *last* ``)``: the command name in
+    parentheses before them may itself contain spaces and parentheses."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return []  # the process ended (or /proc is not mounted)
+    _, sep, rest = raw.rpartition(b")")
+    return rest.split() if sep else []
+
+
+def read_proc_state(pid: int, proc_root: str = "/proc") -> str | None:
+    """The state letter of ``pid`` from ``<proc_root>/<pid>/stat``, or None if gone."""
+    fields = _stat(pid, proc_root)
+    return fields[0].decode("ascii", "replace") if fields else None
+
+
+def parent_pid(pid: int | str) -> int | None:
+    """The parent of ``pid``, None if it is gone."""
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def children(parent: int) -> list[int]:
+    """The children of ``parent``, from /proc (those exited and not reaped included)."""
+    return [
+        int(name) for name in os.listdir("/proc") if name.isdigit() and parent_pid(name) == parent
+    ]
+
 
 def process_start_time(pid: int) -> int | None:
     """The kernel's start time of ``pid`` (clock ticks since boot), None if it is gone.
@@ -9,11 +43,17 @@ def process_start_time(pid: int) -> int | None:
     Together with the pid it names one process for good: a reused pid gets a later
     start time, so a recorded (pid, start time) is never mistaken for a stranger.
     """
+    fields = _stat(pid)
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def is_open(fd: int) -> bool:
+    """Whether this process holds the descriptor ``fd``."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return int(fh.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 #: The lines of /proc/<pid>/status that say where a signal sent to the process is

@@ -24,10 +24,10 @@ nothing is cut and a stuck round ends at the agent's bound with a whole-group re
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable
 
+from elastrun.core.procinfo import children
 from elastrun.core.tcp_sockets import Endpoints, shut_down_own, socket_fds, tcp_table
 
 
@@ -35,7 +35,7 @@ def cut_peer_connections() -> int:
     """Shut down this process's TCP connections to its sibling workers; returns how
     many were cut."""
     try:
-        siblings = _siblings(os.getpid(), os.getppid())
+        siblings = [pid for pid in children(os.getppid()) if pid != os.getpid()]
         if not siblings:
             return 0
         table = tcp_table()
@@ -53,17 +53,3 @@ def cut_connections(listeners: Iterable[str]) -> int:
     if not ends:
         return 0
     return shut_down_own(lambda s: s.local in ends or s.remote in ends)
-
-
-def _siblings(me: int, parent: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
-                stat = fh.read()
-            # The command may contain spaces and parentheses: fields follow the last ')'.
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(entry))
-    return found

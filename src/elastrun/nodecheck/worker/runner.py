@@ -64,6 +64,7 @@ from types import FrameType
 from typing import Any
 
 from elastrun.core.linux import die_with_parent, set_child_subreaper
+from elastrun.core.procinfo import children
 from elastrun.wire.env import NODE_CHECK_FAULT_ENV
 
 __all__ = ["PAYLOAD", "ROUNDS", "main", "run_script"]
@@ -186,30 +187,11 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
     raise _Stopped(signum)
 
 
-def _children() -> list[int]:
-    """This process's children, from ``/proc`` (those exited and not reaped included)."""
-    me = os.getpid()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # it ended meanwhile
-        # The fields after the command (which may hold spaces and parentheses).
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == me:
-            found.append(int(name))
-    return found
-
-
 def _end_descendants() -> None:
     """Kill every child of this process and reap it, again and again, until none is
     left: as a subreaper, a killed child's own children become this process's."""
     while True:
-        for pid in _children():
+        for pid in children(os.getpid()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         try:

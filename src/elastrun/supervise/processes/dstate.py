@@ -15,10 +15,10 @@ only reads ``/proc``; the clock is injected so unit tests can drive it.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
+from elastrun.core.procinfo import read_proc_state
 from elastrun.core.values import MAX_SECONDS, check_number
 from elastrun.wire.env import UNINTERRUPTIBLE_STATE_TIMEOUT_ENV
 
@@ -29,22 +29,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def read_proc_state(pid: int, proc_root: str = "/proc") -> str | None:
-    """The state letter of ``pid`` from ``<proc_root>/<pid>/stat``, or None if gone.
-
-    The letter follows the *last* ``)``: the command name in parentheses before it may
-    itself contain spaces and parentheses.
-    """
-    try:
-        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return None  # the process ended (or /proc is not mounted): not stuck
-    _, sep, rest = raw.rpartition(b")")
-    fields = rest.split()
-    return fields[0].decode("ascii", "replace") if sep and fields else None
 
 
 def timeout_from_env(environ: Mapping[str, str]) -> float | None:

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 
 from elastrun.core.cancel import Cancelled, CancelScope
 from elastrun.core.errors import ShutdownRequested
+from elastrun.core.procinfo import is_open, parent_pid
 from elastrun.core.shutdown import ShutdownRequest
 from elastrun.supervise.processes.spawn import (
     ProcessSpec,
@@ -81,14 +82,6 @@ _READY_TIMEOUT = 300.0
 _SPAWN_TIMEOUT = 30.0
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return int(fh.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _umask() -> int:
     # /proc says it without the set-and-restore dance of os.umask, which would race
     # with other threads creating files.
@@ -112,14 +105,6 @@ def _ignored_signals() -> list[int]:
             if signal.getsignal(sig) == signal.SIG_IGN:
                 out.append(int(sig))
     return out
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 def _advice(reason: str) -> str:
@@ -159,7 +144,7 @@ def _spawn_request(
     )
     # The agent's own stdin/stdout/stderr stand in for "inherit", as with Popen;
     # a closed one stays closed in the worker.
-    present = [_is_open(fd) for fd in wanted]
+    present = [is_open(fd) for fd in wanted]
     request: dict[str, object] = {
         "version": VERSION,
         "argv": list(spec.argv),
@@ -350,7 +335,7 @@ class TemplateStarter:
         """The handle of a forked worker, or None (logged) when it was not started."""
         if isinstance(answer, str):
             reason = answer
-        elif _parent_of(answer) != os.getpid():
+        elif parent_pid(answer) != os.getpid():
             # Not handed to us (no subreaper support?): it exits by itself on seeing
             # that, and cannot be supervised.
             reason = f"worker pid {answer} was not adopted by the agent"

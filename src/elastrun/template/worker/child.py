@@ -29,7 +29,8 @@ import time
 from types import ModuleType
 
 from elastrun.core.linux import die_with_parent
-from elastrun.template.worker.fork import Job, close_quietly, is_open, open_fds
+from elastrun.core.procinfo import is_open
+from elastrun.template.worker.fork import Job, close_quietly, open_fds
 from elastrun.wire.template import STDIO_FDS, TITLE_ROOM, int_list
 from elastrun.worker import bootstrap, threadpools
 

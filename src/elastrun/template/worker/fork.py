@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 
+from elastrun.core.procinfo import is_open
 from elastrun.wire.template import check_request, int_list, note_pid, send_message
 
 
@@ -58,14 +59,6 @@ def thread_count() -> int:
 def open_fds() -> set[int]:
     """The descriptors this process holds (not the one listdir used, closed by now)."""
     return {fd for fd in map(int, os.listdir("/proc/self/fd")) if is_open(fd)}
-
-
-def is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 def close_quietly(*fds: int) -> None:
