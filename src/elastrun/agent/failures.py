@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from elastrun.agent.attempt import Attempt
 from elastrun.agent.policy import RestartBudget
 from elastrun.core.errorfile import ErrorFileContents, read_error_file
+from elastrun.core.errors import error_chain
 from elastrun.observe.sinks import EventSink
 from elastrun.pace import Snapshot
 from elastrun.supervise.failures.crashloop import FailureSignature, signature_of
@@ -129,13 +130,8 @@ def out_of_descriptors(exc: BaseException) -> str | None:
     out, the error may come raw (``OSError``) or translated (``ProcessStartError``,
     ``StoreError``, ``RendezvousError``), so the chain is followed.
     """
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, OSError) and cause.errno in _OUT_OF_DESCRIPTORS:
-            return str(exc)
-        cause = cause.__cause__ or cause.__context__
+    if any(isinstance(e, OSError) and e.errno in _OUT_OF_DESCRIPTORS for e in error_chain(exc)):
+        return str(exc)
     return None
 
 

@@ -8,6 +8,8 @@ clauses keep working.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class ElastrunError(Exception):
     """Base class of every error raised deliberately by elastrun."""
@@ -140,3 +142,14 @@ class ShutdownRequested(ElastrunError):
             name = str(signum)
         self.signal_name = name
         super().__init__(f"received {name}: workers were stopped")
+
+
+def error_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then each error it was raised from or while handling, each once (a
+    chain may loop)."""
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from elastrun.core.errors import ElastrunError
+from elastrun.core.errors import ElastrunError, error_chain
 from elastrun.inprocess.worker.channel import Channel
 from elastrun.inprocess.worker.cut import cut_connections, cut_peer_connections
 from elastrun.inprocess.worker.parking import (
@@ -172,10 +172,7 @@ def _raised_by_torch(exc: BaseException) -> bool:
         for kind in (getattr(dist, n, None) for n in ("DistError", "DistBackendError"))
         if isinstance(kind, type) and issubclass(kind, BaseException)
     )
-    seen: set[int] = set()
-    err: BaseException | None = exc
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
+    for err in error_chain(exc):
         if kinds and isinstance(err, kinds):
             return True
         tb = err.__traceback__
@@ -183,7 +180,6 @@ def _raised_by_torch(exc: BaseException) -> bool:
             tb = tb.tb_next
         if tb is not None and tb.tb_frame.f_code.co_filename.startswith(homes):
             return True
-        err = err.__cause__ or err.__context__
     return False
 
 
