@@ -1,6 +1,6 @@
 """Failed workers: how they are described, recorded and put in the failure report.
 
-Whether the job restarts is the restart policy's decision and the phase transitions are
+Whether the job restarts is the recovery ladder's decision and the phase transitions are
 the loop's. ``reasons`` (pid -> why elastrun ended that worker on purpose) comes from
 the watches (``AttemptWatches.reasons``).
 """

@@ -11,7 +11,7 @@ from elastrun.agent.ladder import Ladder
 from elastrun.agent.notices import Notices
 from elastrun.agent.options import AgentOptions
 from elastrun.agent.phases import Lifecycle
-from elastrun.agent.policy import RestartBudget, RestartPolicy
+from elastrun.agent.policy import RestartBudget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.rounds import Rounds
 from elastrun.agent.spec import WorkerGroup, WorkerSpec
@@ -44,8 +44,6 @@ class World:
         logs: where worker output and error files go (None: a temporary directory).
         shutdown: the request the launcher's signal handlers set (None: the agent's own).
         starter: starts the worker processes (None: chosen per plan).
-        policy: whether a failure is restarted or ends the run (None: ``RestartAll``,
-            while budget remains).
         budget: the restart budget (None: job-wide when the rendezvous keeps one in its
             store, else this agent's own, of ``spec.max_restarts``).
         clock: the agent's.
@@ -62,7 +60,6 @@ class World:
     logs: LogsSpecs | None = None
     shutdown: ShutdownRequest | None = None
     starter: ProcessStarter | None = None
-    policy: RestartPolicy | None = None
     budget: RestartBudget | None = None
     clock: Clock = SYSTEM_CLOCK
     events: EventSink | None = None

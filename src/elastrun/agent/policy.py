@@ -1,15 +1,11 @@
-"""The restart budget, and the restart policy the budget rung asks (``agent.rungs``):
-``RestartAll``, torch's behaviour and the default."""
+"""The restart budget the budget rung charges (``agent.rungs``)."""
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Sequence
 from typing import Protocol
 
 from elastrun.core import cancel
 from elastrun.core.errors import StoreError
-from elastrun.supervise.processes.procset import Exit
 
 
 class RestartBudget(Protocol):
@@ -105,24 +101,3 @@ def default_budget(source: JobBudgetSource | None, max_restarts: int) -> Restart
     if source is not None:
         return JobRestartBudget(source, max_restarts)
     return LocalRestartBudget(max_restarts)
-
-
-class Decision(enum.Enum):
-    RESTART_ALL = "restart_all"
-    FAIL = "fail"
-
-
-class RestartPolicy(Protocol):
-    def on_failure(
-        self, failed: Sequence[Exit], budget: RestartBudget, what: str = ""
-    ) -> Decision: ...
-
-
-class RestartAll:
-    """Stop every local worker and start the whole group again while budget remains."""
-
-    def on_failure(self, failed: Sequence[Exit], budget: RestartBudget, what: str = "") -> Decision:
-        return Decision.RESTART_ALL if budget.try_consume(what) else Decision.FAIL
-
-    def __repr__(self) -> str:
-        return "RestartAll()"

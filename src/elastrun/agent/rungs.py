@@ -8,7 +8,7 @@ import logging
 
 from elastrun.agent import failures
 from elastrun.agent.ladder import Failure, GroupDecision, Reaction
-from elastrun.agent.policy import Decision, RestartBudget, RestartPolicy
+from elastrun.agent.policy import RestartBudget
 from elastrun.checkpoint.agent.reports import CheckpointReports
 from elastrun.core.interrupt import Interruptible
 from elastrun.nodecheck.agent.check import NodeCheck
@@ -108,23 +108,18 @@ class CrashLoopRung:
 
 
 class BudgetRung:
-    """Charges the failure to the restart budget; stops the run when none is left (or
-    the policy says so)."""
+    """Charges the failure to the restart budget; stops the run when none is left."""
 
-    def __init__(
-        self, policy: RestartPolicy, budget: RestartBudget, interruptible: Interruptible
-    ) -> None:
-        self._policy = policy
+    def __init__(self, budget: RestartBudget, interruptible: Interruptible) -> None:
         self._budget = budget
         self._interruptible = interruptible
 
     def decide(self, failure: Failure) -> Reaction | None:
         # The job-wide budget lives in the store: a signal must not wait for it.
-        decision = self._interruptible.run(
-            lambda: self._policy.on_failure(list(failure.failed), self._budget, failure.what),
-            "restart budget",
+        restart = self._interruptible.run(
+            lambda: self._budget.try_consume(failure.what), "restart budget"
         )
-        return None if decision is Decision.RESTART_ALL else Reaction.stop()
+        return None if restart else Reaction.stop()
 
 
 class GroupRestartRung:

@@ -93,7 +93,7 @@ class AttemptWatches:
     def check_hang(self, attempt: Attempt) -> None:
         """Workers that made no progress for the hang timeout: keep the evidence (every
         local worker's stacks), then kill the hung ones -- their exits are failures the
-        restart policy handles, with the hang as the reason in the report."""
+        recovery ladder handles, with the hang as the reason in the report."""
         if attempt.hang_handled:
             return
         running = attempt.procs.running()

@@ -25,7 +25,7 @@ from elastrun.agent.parts import AgentParts, World
 from elastrun.agent.phases import Lifecycle
 from elastrun.agent.plan import LaunchPlan, WorkerServices
 from elastrun.agent.planner import RoundPlanner
-from elastrun.agent.policy import RestartAll, RestartBudget, default_budget
+from elastrun.agent.policy import RestartBudget, default_budget
 from elastrun.agent.report import AgentReport
 from elastrun.agent.rounds import Rounds
 from elastrun.agent.rungs import BudgetRung, CrashLoopRung, GroupRestartRung, StallRung
@@ -94,7 +94,7 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
         events=events, metrics=metrics, clock=world.clock, host=host,
     )  # fmt: skip
     ladder = _ladder(
-        options, world, inprocess, handler, rdzv,
+        options, inprocess, handler, rdzv,
         steps=InprocessSteps(inprocess, rounds, group, budget, pace, interruptible),
         progress=progress, budget=budget, interruptible=interruptible, events=events,
         group_restart=GroupRestartRung(nodecheck, checkpoint_reports),
@@ -121,7 +121,6 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
 
 def _ladder(
     options: AgentOptions,
-    world: World,
     inprocess: InprocessRecovery,
     handler: RendezvousHandler,
     rdzv: ElasticRendezvous,
@@ -143,12 +142,11 @@ def _ladder(
         lambda: handler.num_nodes_waiting() > 0,
         enabled=options.inprocess,
     )
-    policy = world.policy if world.policy is not None else RestartAll()
     crash_loop = CrashLoopRung(progress, budget, rdzv.outcome, interruptible, events)
     rungs: list[Rung] = [
         StallRung(progress, events),
         *([crash_loop] if options.crash_loop_stop else []),
-        BudgetRung(policy, budget, interruptible),
+        BudgetRung(budget, interruptible),
         in_place,
         group_restart,
     ]
