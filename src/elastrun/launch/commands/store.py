@@ -16,6 +16,7 @@ from elastrun.core.shutdown import ShutdownRequest
 from elastrun.core.values import parse_int, parse_port, parse_seconds
 from elastrun.launch.commands import CommandParser
 from elastrun.launch.signals import install_signal_handlers
+from elastrun.store.tcp.connection import format_addr
 from elastrun.store.tcp.limits import raise_fd_limit
 from elastrun.store.tcp.protocol import DEFAULT_MAX_FRAME, HANDSHAKE_MAX_FRAME
 from elastrun.store.tcp.server import (
@@ -24,7 +25,6 @@ from elastrun.store.tcp.server import (
     TcpStoreServer,
     read_token_file,
 )
-from elastrun.store.tcp.service import format_addr
 
 __all__ = ["store_main"]
 

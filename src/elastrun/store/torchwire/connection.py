@@ -26,8 +26,8 @@ from typing import cast
 
 from elastrun.core.errors import StoreError
 from elastrun.store.tcp.acceptor import Admissions
+from elastrun.store.tcp.connection import format_addr
 from elastrun.store.tcp.protocol import tune_socket
-from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec as c
 from elastrun.store.torchwire.limits import LISTENER_OPTIONS_INHERITED, Complaints, Limits
 from elastrun.store.torchwire.state import TorchStoreState, Waiter

@@ -36,9 +36,9 @@ from elastrun.core.threads import Nursery
 # listening helpers: one address or all of a name's, one port for all, IPv6 sockets
 # that leave the IPv4 port alone, and a re-pick when port 0 collides.
 from elastrun.store.tcp.acceptor import EVICT_AFTER, RECHECK, RECOUNT_EVERY, Acceptor
+from elastrun.store.tcp.connection import format_addr
 from elastrun.store.tcp.limits import LogLimiter, bind_listeners, fd_limit, fd_reserve, open_fds
 from elastrun.store.tcp.protocol import tune_socket
-from elastrun.store.tcp.service import format_addr
 from elastrun.store.torchwire import codec
 from elastrun.store.torchwire.connection import Connection, Hub
 from elastrun.store.torchwire.engine import choose_engine
