@@ -22,28 +22,9 @@ from elastrun.core.errors import (
     RendezvousConnectionError,
     StoreCompactedError,
 )
-from elastrun.rendezvous.closing import (
-    Called,
-    audit,
-    commit,
-    decide,
-    decide_ahead,
-    join_record,
-    load_view,
-    publish,
-    timeout_error,
-)
-from elastrun.rendezvous.decide import (
-    Bounds,
-    apply_events,
-)
-from elastrun.rendezvous.entering import (
-    agree_master,
-    decided_rows,
-    member_page,
-    read_when_set,
-    rows_of,
-)
+from elastrun.rendezvous.closing import Called, audit, decide, decide_ahead, join_record
+from elastrun.rendezvous.decide import Bounds, apply_events
+from elastrun.rendezvous.entering import agree_master, decided_rows, member_page
 from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.members import place_in
 from elastrun.rendezvous.ops import (
@@ -93,7 +74,6 @@ __all__ = [
     "agree_master",
     "audit",
     "closed_error",
-    "commit",
     "decide",
     "decide_ahead",
     "decided_rows",
@@ -101,14 +81,9 @@ __all__ = [
     "follower_progress",
     "join",
     "join_round",
-    "load_view",
     "member_page",
     "newest_round",
     "parse_result",
-    "publish",
-    "read_when_set",
-    "rows_of",
-    "timeout_error",
 ]
 
 #: How often the closer publishes its progress (a follower shows it every FOLLOW_EVERY).
