@@ -163,11 +163,8 @@ class Service(Admissions[Connection]):
         if quick is not None:
             try:
                 frame = self._ok(rid, quick(conn, request))
-            except StoreError as exc:
-                frame = self._error(rid, exc)
-            except Exception as exc:  # a server bug must not take down every client
-                log.exception("internal error serving %s", op)
-                frame = self._error(rid, StoreError(f"internal store error: {exc!r}"))
+            except Exception as exc:
+                frame = self._failed(rid, op, exc)
             self.publish()
             conn.send(frame)
             return
@@ -188,12 +185,16 @@ class Service(Admissions[Connection]):
     ) -> None:
         try:
             frame = self._ok(rid, await call(request))
-        except StoreError as exc:
-            frame = self._error(rid, exc)
-        except Exception as exc:  # a server bug must not take down every client
-            log.exception("internal error serving %s", request.get("op"))
-            frame = self._error(rid, StoreError(f"internal store error: {exc!r}"))
+        except Exception as exc:
+            frame = self._failed(rid, request.get("op"), exc)
         conn.send(frame)
+
+    def _failed(self, rid: int, op: object, exc: Exception) -> bytes:
+        """The error answer to a request that raised ``exc`` (in its except clause)."""
+        if not isinstance(exc, StoreError):  # a server bug must not take down every client
+            log.exception("internal error serving %s", op)
+            exc = StoreError(f"internal store error: {exc!r}")
+        return self._error(rid, exc)
 
     def _ok(self, rid: int, result: object) -> bytes:
         if isinstance(result, _Shared):
