@@ -267,15 +267,6 @@ def get_int_list(message: Message, field: str) -> list[int]:
 # -- watch results -----------------------------------------------------------------------
 
 
-def event_to_wire(event: WatchEvent) -> Message:
-    return {
-        "kind": event.kind.value,
-        "key": event.key,
-        "value": opt_b64(event.value),
-        "revision": event.revision,
-    }
-
-
 def event_from_wire(data: object) -> WatchEvent:
     if not isinstance(data, dict):
         raise BadRequest("a watch event must be an object")
@@ -289,7 +280,11 @@ def event_from_wire(data: object) -> WatchEvent:
 
 
 def watch_to_wire(result: WatchResult) -> Message:
-    return {"events": [event_to_wire(e) for e in result.events], "revision": result.revision}
+    events = [
+        {"kind": e.kind.value, "key": e.key, "value": opt_b64(e.value), "revision": e.revision}
+        for e in result.events
+    ]
+    return {"events": events, "revision": result.revision}
 
 
 def watch_from_wire(data: object) -> WatchResult:
