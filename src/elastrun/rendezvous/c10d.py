@@ -20,8 +20,10 @@ from elastrun.core.errors import ConfigError, RendezvousConnectionError, StoreEr
 from elastrun.core.values import parse_host_port, parse_int, parse_seconds
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
 from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
+from elastrun.rendezvous.keys import RunKeys
 from elastrun.rendezvous.local import LOOPBACK, LocalRendezvousHandler
 from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
+from elastrun.store.api import Store
 from elastrun.wire.env import STORE_TOKEN_ENV
 
 log = logging.getLogger("elastrun.rendezvous")
@@ -276,25 +278,35 @@ def _dynamic(params: RendezvousParameters, conf: C10dConf, *, backend: str) -> R
         if stop_server is not None:
             stop_server()
 
+    hosting = stop_server is not None
+    return dynamic_handler(params, store, conf.settings, close, backend, conf.fixed_rank, hosting)
+
+
+def dynamic_handler(
+    params: RendezvousParameters,
+    store: Store,
+    settings: RendezvousSettings,
+    close: Callable[[], None],
+    backend: str,
+    fixed_rank: int | None = None,
+    hosting: bool = False,
+    label: str = "",
+) -> RendezvousHandler:
+    """The dynamic rendezvous over ``store`` (``close`` releases it), once the store
+    answers; ``RendezvousConnectionError`` (its message after ``label``) when not."""
     try:
-        store.get(f"/elastrun/{params.run_id}/ctl/closed")  # fail now, clearly, if unreachable
+        store.get(RunKeys.of_run(params.run_id).closed)  # fail now, in one line, if unusable
     except StoreError as exc:
         close()
-        raise RendezvousConnectionError(str(exc)) from exc
-
+        raise RendezvousConnectionError(f"{label}{exc}") from exc
     addr = params.local_addr or socket.getfqdn()
     node = NodeDesc.create(addr, "default", 0)
-    if conf.fixed_rank is not None:
-        node = NodeDesc(f"static-rank-{conf.fixed_rank:06d}", addr, "default", 0)
+    if fixed_rank is not None:
+        node = NodeDesc(f"static-rank-{fixed_rank:06d}", addr, "default", 0)
     return DynamicRendezvousHandler(
-        store,
-        conf.settings,
-        node,
-        backend=backend,
-        on_shutdown=close,
-        fixed_rank=conf.fixed_rank,
-        hosting=stop_server is not None,
-    )
+        store, settings, node, backend=backend, on_shutdown=close, fixed_rank=fixed_rank,
+        hosting=hosting,
+    )  # fmt: skip
 
 
 def _try_serve(

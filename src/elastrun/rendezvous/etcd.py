@@ -22,21 +22,20 @@ with a pointer to ``etcd``.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import ssl
 from dataclasses import dataclass
 
-from elastrun.core.errors import ConfigError, RendezvousConnectionError, StoreError
+from elastrun.core.errors import ConfigError
 from elastrun.rendezvous.api import RendezvousHandler, RendezvousParameters
 from elastrun.rendezvous.c10d import (
     DYNAMIC_KEYS,
     conf_seconds,
+    dynamic_handler,
     read_conf_file,
     settings_from,
     validate_conf,
 )
-from elastrun.rendezvous.dynamic import DynamicRendezvousHandler
-from elastrun.rendezvous.settings import NodeDesc, RendezvousSettings
+from elastrun.rendezvous.settings import RendezvousSettings
 from elastrun.store.etcd import EtcdStore, parse_endpoints, tls_context
 
 ETCD_V2_REASON = "speaks etcd's v2 API, which etcd 3.6 removed; use --rdzv-backend etcd"
@@ -121,14 +120,8 @@ def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     conf = parse_etcd_conf(params)
     store = _make_store(conf)
-    try:
-        store.get(f"/elastrun/{params.run_id}/ctl/closed")  # fail now, in one line, if unusable
-    except StoreError as exc:
-        store.close()
-        raise RendezvousConnectionError(f"etcd rendezvous: {exc}") from exc
-    node = NodeDesc.create(params.local_addr or socket.getfqdn(), "default", 0)
-    return DynamicRendezvousHandler(
-        store, conf.settings, node, backend="etcd", on_shutdown=store.close
+    return dynamic_handler(
+        params, store, conf.settings, store.close, "etcd", label="etcd rendezvous: "
     )
 
 
