@@ -54,7 +54,9 @@ class MemberInfo:
 
 
 class RendezvousInfo:
-    """The result of one rendezvous round for this node."""
+    """The result of one rendezvous round for this node: its ``rank`` of ``world_size``,
+    the ``round`` number (every per-round key lives under its round), the rendezvous
+    ``store`` and where the workers find their bootstrap store."""
 
     def __init__(
         self,
@@ -66,34 +68,15 @@ class RendezvousInfo:
         members: tuple[MemberInfo, ...] | Callable[[], tuple[MemberInfo, ...]] = (),
         shape: tuple[tuple[str, int, int], ...] = (),
     ) -> None:
-        self._store = store
-        self._rank = rank
-        self._world_size = world_size
-        self._bootstrap = bootstrap_store_info
-        self._round = round
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.bootstrap_store_info = bootstrap_store_info
+        self.round = round
         self._members = members
-        self._shape = shape
-
-    @property
-    def store(self) -> Store:
-        return self._store
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    def bootstrap_store_info(self) -> RendezvousStoreInfo:
-        return self._bootstrap
-
-    @property
-    def round(self) -> int:
-        """The round number; every per-round key lives under its round."""
-        return self._round
+        #: ``(role, local_world_size, count)`` runs of the nodes in group-rank order
+        #: (empty: see ``members``).
+        self.shape = shape
 
     @property
     def members(self) -> tuple[MemberInfo, ...]:
@@ -106,16 +89,10 @@ class RendezvousInfo:
             self._members = self._members()
         return self._members
 
-    @property
-    def shape(self) -> tuple[tuple[str, int, int], ...]:
-        """``(role, local_world_size, count)`` runs of the nodes in group-rank order
-        (empty: see ``members``)."""
-        return self._shape
-
     def __repr__(self) -> str:
         return (
-            f"RendezvousInfo(round={self._round}, rank={self._rank}, "
-            f"world_size={self._world_size}, bootstrap={self._bootstrap})"
+            f"RendezvousInfo(round={self.round}, rank={self.rank}, "
+            f"world_size={self.world_size}, bootstrap={self.bootstrap_store_info})"
         )
 
 
