@@ -63,7 +63,7 @@ class TcpStoreServer:
         parse_seconds(disconnect_grace, "disconnect_grace")
         if token is not None and not token:
             raise ConfigError("token", token, "must not be empty")
-        self._host = host
+        self.host = host
         self._requested_port = port
         self._token = token
         self._max_frame = max_frame
@@ -88,10 +88,6 @@ class TcpStoreServer:
             raise StoreError("the store server is not listening yet")
         return self._port
 
-    @property
-    def host(self) -> str:
-        return self._host
-
     def start(self) -> None:
         """Listen and serve from a background thread; returns once listening.
 
@@ -113,7 +109,7 @@ class TcpStoreServer:
 
         try:
             thread = self._nursery.start(
-                run, name=f"elastrun-store-server {self._host}:{self._requested_port}"
+                run, name=f"elastrun-store-server {self.host}:{self._requested_port}"
             )
         except RuntimeError:
             if self._nursery.closed:
@@ -165,7 +161,7 @@ class TcpStoreServer:
     def _bind_error(self, exc: BaseException) -> StoreError:
         if isinstance(exc, StoreError):
             return exc
-        where = format_addr(self._host, self._requested_port)
+        where = format_addr(self.host, self._requested_port)
         return StoreError(f"cannot listen on {where}: {exc}")
 
     async def _main(self, ready: Callable[[], None], scope: CancelScope) -> None:
@@ -191,7 +187,7 @@ class TcpStoreServer:
                 self._loop = self._stop_event = None
 
     def _listen(self, service: Service) -> Acceptor[Connection]:
-        socks = bind_listeners(self._host, self._requested_port)
+        socks = bind_listeners(self.host, self._requested_port)
         self._port = socks[0].getsockname()[1]
         acceptor = Acceptor(service, socks)
         acceptor.start()
@@ -202,7 +198,7 @@ class TcpStoreServer:
         conns = len(service.conns) if service is not None else 0
         state = "stopped" if self._nursery.scope.cancelled else "running" if self._port else "new"
         return (
-            f"TcpStoreServer({format_addr(self._host, self._port or self._requested_port)}, "
+            f"TcpStoreServer({format_addr(self.host, self._port or self._requested_port)}, "
             f"{state}, connections={conns}, auth={self._token is not None})"
         )
 

@@ -131,7 +131,8 @@ class TorchWireServer:
         if not 0 <= port <= 65535:
             raise ConfigError("port", port, "must be in 0..65535")
         self._limits = Limits(max_connections, max_frame, max_key, max_handshakes)
-        self._engine = choose_engine(engine)
+        #: ``"compiled"`` or ``"python"``: what serves the clients.
+        self.engine = choose_engine(engine)
         self._core: wirecore.Core | None = None  # the compiled engine's
         # Listening sockets bound by the caller (see ``lazy``); the server then owns them.
         self._given = sockets
@@ -141,7 +142,7 @@ class TorchWireServer:
         self._port: int | None = None
         self._lock = threading.Lock()
         self._started = False
-        self._closed = False
+        self.closed = False  # close() was called
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._hub: Hub | None = None
@@ -165,16 +166,6 @@ class TorchWireServer:
         return self._port
 
     @property
-    def engine(self) -> str:
-        """``"compiled"`` or ``"python"``: what serves the clients."""
-        return self._engine
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
-
-    @property
     def num_keys(self) -> int:
         """Keys holding a value, as ``get_num_keys`` counts them."""
         if self._core is not None:
@@ -196,10 +187,10 @@ class TorchWireServer:
         running an asyncio loop (binding uses a loop of its own, run here).
         """
         with self._lock:
-            if self._started or self._closed:
+            if self._started or self.closed:
                 raise StoreError("this torch store server was already started or closed")
             self._started = True
-        if self._engine == "compiled":
+        if self.engine == "compiled":
             return self._start_compiled()
         loop = self._loop_factory()
         hub = Hub(loop, self._limits)
@@ -236,14 +227,14 @@ class TorchWireServer:
         """
         where = format_addr(self._host or "*", self.port)
         with self._lock:
-            closed = self._closed
+            closed = self.closed
             if not closed:
                 self._nursery.start(target, *args, name=f"elastrun-torchwire {where}")
         if closed:
             self._request_stop()
             target(self._nursery.scope, *args)
         else:
-            log.debug("serving torch store clients on %s (%s engine)", where, self._engine)
+            log.debug("serving torch store clients on %s (%s engine)", where, self.engine)
         return self.port
 
     def close(self) -> None:
@@ -256,11 +247,11 @@ class TorchWireServer:
         starts it on a thread of its own, where Python runs no signal handler.
         """
         with self._lock:
-            self._closed = True
+            self.closed = True
         self._nursery.close("closed")
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "serving" if self._nursery.running() else "new"
+        state = "closed" if self.closed else "serving" if self._nursery.running() else "new"
         where = format_addr(self._host or "*", self._port or self._requested_port)
         return (
             f"TorchWireServer({where}, {state}, keys={self.num_keys}, "
