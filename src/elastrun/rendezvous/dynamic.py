@@ -73,7 +73,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     ) -> None:
         self._hosting = hosting
         self._store = store
-        self._settings = settings
+        self.settings = settings
         self._backend = backend
         self._clock = clock
         self._on_shutdown = on_shutdown
@@ -122,11 +122,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return True
 
     def get_run_id(self) -> str:
-        return self._settings.run_id
-
-    @property
-    def settings(self) -> RendezvousSettings:
-        return self._settings
+        return self.settings.run_id
 
     def is_closed(self) -> bool:
         return self._joiner.is_closed()
@@ -149,7 +145,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         The node that serves the store waits (up to ``close_timeout``) for the other
         nodes to leave before its store goes away under them.
         """
-        keeper, bound = self._liveness.keeper, self._settings.close_timeout
+        keeper, bound = self._liveness.keeper, self.settings.close_timeout
         closed = False
         if self._liveness.now.gone is not None:
             pass  # nothing to close: the store is gone
@@ -233,7 +229,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def __repr__(self) -> str:
         return (
-            f"DynamicRendezvousHandler(run_id={self._settings.run_id!r}, "
+            f"DynamicRendezvousHandler(run_id={self.settings.run_id!r}, "
             f"node={self._joiner.node.node_id!r}, round={self._liveness.now.n}, "
             f"rank={self._liveness.now.rank})"
         )

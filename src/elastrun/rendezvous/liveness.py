@@ -72,10 +72,11 @@ class Liveness:
         self._keys = keys
         self._node_id = node_id
         self._decided_rows = decided_rows
-        # Guards ``_now`` and what is known of the round's members. Re-entrant: ``enter``
+        # Guards ``now`` (its moves) and what is known of the round's members. Re-entrant: ``enter``
         # moves into a round and forgets the last one's members in one step.
         self._lock = threading.RLock()
-        self._now = NodeCondition()
+        #: This node's condition: a snapshot, which no later move changes.
+        self.now = NodeCondition()
         self._membership: dict[str, bool] = {}  # nodes known to be in the round, or not
         self._member_list: tuple[str, ...] | None = None  # read only when needed
         self.entered = threading.Event()  # set while a round runs and has not re-formed
@@ -97,11 +98,6 @@ class Liveness:
 
     # -- the condition (``condition``) ---------------------------------------------------
 
-    @property
-    def now(self) -> NodeCondition:
-        """This node's condition: a snapshot, which no later move changes."""
-        return self._now
-
     def move(
         self,
         step: Callable[Concatenate[NodeCondition, P], NodeCondition],
@@ -114,8 +110,8 @@ class Liveness:
             IllegalTransitionError: the move cannot follow the condition (a bug).
         """
         with self._lock:
-            before = self._now
-            self._now = after = step(before, *args, **kwargs)
+            before = self.now
+            self.now = after = step(before, *args, **kwargs)
             # The watch thread sleeps while no round runs: between a re-formation and
             # the next round the joining code watches what it needs.
             if before.running and not after.running:
@@ -184,12 +180,12 @@ class Liveness:
     def member_ids(self) -> tuple[str, ...]:
         """The members of the current round (one full read, then remembered)."""
         with self._lock:
-            r, known = self._now.round, self._member_list
+            r, known = self.now.round, self._member_list
         if known is not None or r is None:
             return known or ()
         ids = tuple(str(row[0]) for row in self._decided_rows(r.n, r.decision))
         with self._lock:
-            if self._now.round is r:
+            if self.now.round is r:
                 self._member_list = ids
         return ids
 
@@ -197,19 +193,19 @@ class Liveness:
         """Whether ``node`` is in the current round: one read of its member page, whose
         entries are remembered (a loss among N members costs each member one read)."""
         with self._lock:
-            r, known = self._now.round, self._membership.get(node)
+            r, known = self.now.round, self._membership.get(node)
         if known is not None or r is None:
             return bool(known)
         key = self._keys.members(r.n, r.decision, page_of(node, page_count(r.size)))
         entries = page_entries(self._store.get(key))
         with self._lock:
-            if self._now.round is r:
+            if self.now.round is r:
                 self._membership.update(dict.fromkeys(entries, True))
                 self._membership.setdefault(node, False)
         return node in entries
 
     def __repr__(self) -> str:
-        now = self._now
+        now = self.now
         return (
             f"Liveness(node={self._node_id!r}, lease={now.lease}, round={now.n}, "
             f"reform={now.reform}, lost={now.lost}, gone={now.gone is not None})"

@@ -66,12 +66,14 @@ class Dialer:
         self._port = port
         self._where = where
         self._token = token
-        self._connect_timeout = connect_timeout
-        self._lock = threading.Lock()  # guards _conn, _leases, _readers, _dialing
+        self.currentect_timeout = connect_timeout
+        self._lock = threading.Lock()  # guards current, _leases, _readers, _dialing
         self._dialer = threading.Condition()  # one dialer at a time (``_dial_busy``)
         self._dial_busy = False
-        self._life = CancelScope()  # cancelled by ``close``: ends every wait
-        self._conn: Connection | None = None
+        #: Cancelled by :meth:`close`: every wait of the client runs under it.
+        self.life = CancelScope()
+        #: The connection last established (alive or not), if any.
+        self.current: Connection | None = None
         self._leases: set[int] = set()
         self._readers: list[Connection] = []  # whose reader threads may still run
         self._dialing: socket.socket | None = None
@@ -83,11 +85,6 @@ class Dialer:
         self._failed: tuple[float, str] | None = None
 
     @property
-    def life(self) -> CancelScope:
-        """Cancelled by :meth:`close`: every wait of the client runs under it."""
-        return self._life
-
-    @property
     def closed(self) -> bool:
         return self._closed.is_set()
 
@@ -96,7 +93,7 @@ class Dialer:
         """``closed``, ``connected`` or ``disconnected`` (for reprs)."""
         if self._closed.is_set():
             return "closed"
-        conn = self._conn
+        conn = self.current
         return "connected" if conn is not None and conn.alive else "disconnected"
 
     def closed_error(self, what: str = "") -> StoreError:
@@ -104,16 +101,11 @@ class Dialer:
         call = f"{what}: " if what else ""
         return StoreError(f"{call}the client of the store at {self._where} is closed")
 
-    @property
-    def current(self) -> Connection | None:
-        """The connection last established (alive or not), if any."""
-        return self._conn
-
     def went_silent(self, conn: Connection, since: float) -> None:
         """``conn`` has not answered a request sent at ``since``: unless it was already
         replaced or an outage is under way, the outage counts from then."""
         with self._lock:
-            if self._conn is conn and self._down_since is None:
+            if self.current is conn and self._down_since is None:
                 self._down_since = since
 
     def hold(self, lease: int) -> None:
@@ -132,7 +124,7 @@ class Dialer:
 
     def connection(self, scope: CancelScope) -> Connection:
         """The live connection, dialling it (or waiting for the dialer) when there is none."""
-        conn = self._conn
+        conn = self.current
         if conn is not None and conn.alive:
             return conn
         asked = time.monotonic()
@@ -140,7 +132,7 @@ class Dialer:
         try:
             if self._closed.is_set():
                 raise self.closed_error()
-            conn = self._conn
+            conn = self.current
             if conn is not None and conn.alive:
                 return conn
             failed = self._failed_since(asked)
@@ -151,7 +143,7 @@ class Dialer:
                 if self._closed.is_set():
                     conn.sock.close()
                     raise self.closed_error()
-                self._conn = conn
+                self.current = conn
                 self._readers = [c for c in self._readers if c.reading]
                 self._readers.append(conn)
                 # Started under the lock: ``close`` either finds it reading, or ran
@@ -186,7 +178,7 @@ class Dialer:
         with self._lock:
             if self._down_since is None:
                 self._down_since = time.monotonic()
-            deadline = self._down_since + self._connect_timeout
+            deadline = self._down_since + self.currentect_timeout
         delay = _BACKOFF_FIRST
         while True:
             if scope.expired():  # the window is still open: only this caller gives up
@@ -266,11 +258,11 @@ class Dialer:
         # Runs on the dead connection's reader thread. Leases must be resumed within the
         # server's grace period, which an idle client would miss: reconnect right away.
         with self._lock:
-            eager = bool(self._leases) and not self._closed.is_set() and self._conn is conn
+            eager = bool(self._leases) and not self._closed.is_set() and self.current is conn
         if not eager:
             return
         try:
-            self.connection(self._life)
+            self.connection(self.life)
         except Cancelled:
             return  # closed meanwhile
         except StoreError as exc:
@@ -287,7 +279,7 @@ class Dialer:
         """Drop the connection, end every wait and join the reader threads (within
         ``_JOIN_TIMEOUT`` in all); idempotent."""
         self._closed.set()
-        self._life.cancel("the client was closed")
+        self.life.cancel("the client was closed")
         with self._lock:
             dialing, readers = self._dialing, list(self._readers)
         if dialing is not None:
@@ -296,7 +288,7 @@ class Dialer:
         deadline = Deadline.after(_JOIN_TIMEOUT)
         for conn in readers:
             conn.close(deadline.remaining())
-        self._life.close()
+        self.life.close()
 
     def __repr__(self) -> str:
         return f"Dialer({self._where}, {self.state}, leases={sorted(self._leases)})"

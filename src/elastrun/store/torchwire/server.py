@@ -137,7 +137,7 @@ class TorchWireServer:
         # Listening sockets bound by the caller (see ``lazy``); the server then owns them.
         self._given = sockets
         self._loop_factory = loop_factory
-        self._host = host
+        self.host = host
         self._requested_port = port
         self._port: int | None = None
         self._lock = threading.Lock()
@@ -150,10 +150,6 @@ class TorchWireServer:
         # engine (``_request_stop``) from whichever thread closes the server.
         self._nursery = Nursery(join_timeout=CLOSE_TIMEOUT)
         self._nursery.scope.on_cancel(self._request_stop)
-
-    @property
-    def host(self) -> str:
-        return self._host
 
     @property
     def port(self) -> int:
@@ -207,12 +203,12 @@ class TorchWireServer:
             return loop.run_until_complete(binding)
         except (OSError, RuntimeError) as exc:
             loop.close()
-            where = format_addr(self._host or "*", self._requested_port)
+            where = format_addr(self.host or "*", self._requested_port)
             raise StoreError(f"cannot listen on {where}: {exc}") from exc
 
     async def _bound(self) -> list[socket.socket]:
         """The listening sockets (given, or bound now), tuned; sets the port."""
-        socks = self._given or bind_listeners(self._host, self._requested_port)
+        socks = self._given or bind_listeners(self.host, self._requested_port)
         for sock in socks:  # accepted sockets inherit these (see LISTENER_OPTIONS_INHERITED)
             tune_socket(sock)
         self._port = int(socks[0].getsockname()[1])
@@ -225,7 +221,7 @@ class TorchWireServer:
         close() closes the nursery, or close() came while start() bound, and what it
         made is ended here (the engine stops at once: the request was made first).
         """
-        where = format_addr(self._host or "*", self.port)
+        where = format_addr(self.host or "*", self.port)
         with self._lock:
             closed = self.closed
             if not closed:
@@ -252,7 +248,7 @@ class TorchWireServer:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "serving" if self._nursery.running() else "new"
-        where = format_addr(self._host or "*", self._port or self._requested_port)
+        where = format_addr(self.host or "*", self._port or self._requested_port)
         return (
             f"TorchWireServer({where}, {state}, keys={self.num_keys}, "
             f"connections={self.num_connections})"
