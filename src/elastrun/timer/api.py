@@ -16,11 +16,11 @@ the agent's servers share; they are re-exported here under torch's names.
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import sys
 import time
-from collections.abc import Hashable
-from types import TracebackType
+from collections.abc import Hashable, Iterator
 
 from elastrun.core.cancel import CancelScope
 from elastrun.core.clock import SYSTEM_CLOCK, Clock
@@ -203,41 +203,26 @@ def configure(timer_client: TimerClient) -> None:
     log.info("timer client configured: %s", type(timer_client).__name__)
 
 
-class _Expiry:
+@contextlib.contextmanager
+def _expiry(after: float, scope: str, client: TimerClient | None) -> Iterator[None]:
     """The context manager behind :func:`expires`."""
-
-    def __init__(self, after: float, scope: str, client: TimerClient | None) -> None:
-        self._after = after
-        self._scope = scope
-        self._client = client
-        self._active: TimerClient | None = None
-
-    def __enter__(self) -> None:
-        # The configured client is looked up on entry, as torch does.
-        client = self._client if self._client is not None else _timer_client
-        if client is None:
-            raise TimerNotConfiguredError(
-                "no timer client: call elastrun.timer.configure(client) before expires()"
-            )
-        # Wall clock: the server, in another process, compares against its own time.time().
-        client.acquire(self._scope, time.time() + self._after)
-        self._active = client
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        client, self._active = self._active, None
-        if client is not None:
-            client.release(self._scope)
-
-    def __repr__(self) -> str:
-        return f"expires(after={self._after!r}, scope={self._scope!r})"
+    # The configured client is looked up on entry, as torch does.
+    client = client if client is not None else _timer_client
+    if client is None:
+        raise TimerNotConfiguredError(
+            "no timer client: call elastrun.timer.configure(client) before expires()"
+        )
+    # Wall clock: the server, in another process, compares against its own time.time().
+    client.acquire(scope, time.time() + after)
+    try:
+        yield
+    finally:
+        client.release(scope)
 
 
-def expires(after: float, scope: str | None = None, client: TimerClient | None = None) -> _Expiry:
+def expires(
+    after: float, scope: str | None = None, client: TimerClient | None = None
+) -> contextlib.AbstractContextManager[None]:
     """A countdown timer around a block: ``with expires(after=30): step()``.
 
     On entry the timer is acquired to run out ``after`` seconds from now; on exit (also
@@ -258,4 +243,4 @@ def expires(after: float, scope: str | None = None, client: TimerClient | None =
     if scope is None:
         caller = sys._getframe(1)
         scope = f"{caller.f_code.co_filename}#{caller.f_lineno}"
-    return _Expiry(after, scope, client)
+    return _expiry(after, scope, client)
