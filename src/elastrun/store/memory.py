@@ -55,15 +55,14 @@ class MemoryStore:
         self._lease_ids = itertools.count(1)
         self._revision = 0
         self._events: collections.deque[WatchEvent] = collections.deque(maxlen=history)
-        # The revision of the latest change in each folder, and the history by folder: a
-        # watch looks only at the folders under its prefix that changed since its
-        # revision, and scans only their changes. Scanning the whole history made thousands of
-        # nodes that watch a quiet folder (a round's ``out/``) from before thousands of
-        # joins elsewhere each walk every join: O(N^2) for one re-formation.
-        self._changed: dict[str, int] = {}
+        # The history by folder: a watch looks only at the folders under its prefix whose
+        # latest change is past its revision, and scans only their changes. Scanning the
+        # whole history made thousands of nodes that watch a quiet folder (a round's
+        # ``out/``) from before thousands of joins elsewhere each walk every join: O(N^2)
+        # for one re-formation.
         self._folder_events: dict[str, collections.deque[WatchEvent]] = {}
         self._history = history
-        self._forget_at = 1024  # how many folders ``_changed`` may hold before pruning
+        self._forget_at = 1024  # how many folders may keep a history before pruning
         self._expiries: list[tuple[float, int]] = []  # a heap; see _expire
         self._cond = threading.Condition()
 
@@ -74,12 +73,11 @@ class MemoryStore:
         event = WatchEvent(kind, key, value, self._revision)
         self._events.append(event)
         folder = _folder(key)
-        self._changed[folder] = self._revision
         events = self._folder_events.get(folder)
         if events is None:
             events = self._folder_events[folder] = collections.deque(maxlen=self._history)
         events.append(event)
-        if len(self._changed) > self._forget_at:
+        if len(self._folder_events) > self._forget_at:
             self._forget_changes()
         self._cond.notify_all()
         return self._revision
@@ -88,9 +86,9 @@ class MemoryStore:
         # A folder whose latest change is older than the oldest event kept cannot make
         # a watch scan: a watch from before that change fails as compacted.
         oldest = self._events[0].revision
-        self._changed = {f: rev for f, rev in self._changed.items() if rev >= oldest}
-        self._folder_events = {f: e for f, e in self._folder_events.items() if f in self._changed}
-        self._forget_at = 2 * len(self._changed) + 1024
+        kept = {f: e for f, e in self._folder_events.items() if e[-1].revision >= oldest}
+        self._folder_events = kept
+        self._forget_at = 2 * len(kept) + 1024
 
     def _put(self, key: str, value: bytes, lease: int | None) -> int:
         self._expire()
@@ -254,22 +252,23 @@ class MemoryStore:
                 self._cond.wait(self._wait_time(deadline, live))
 
     def _since(self, prefix: str, after_revision: int) -> tuple[WatchEvent, ...]:
-        # Only the folders under (or holding) the prefix that changed since the revision
-        # (``_changed``), each scanned from its newest event backwards: a full history
-        # scan made every change the tcp server fans out cost milliseconds.
+        # Only the folders under (or holding) the prefix that changed since the revision,
+        # each scanned from its newest event backwards: a full history scan made every
+        # change the tcp server fans out cost milliseconds.
         if after_revision >= self._revision:
             return ()
         folders = [
-            folder
-            for folder, rev in self._changed.items()
-            if rev > after_revision and (folder.startswith(prefix) or prefix.startswith(folder))
+            events
+            for folder, events in self._folder_events.items()
+            if events[-1].revision > after_revision
+            and (folder.startswith(prefix) or prefix.startswith(folder))
         ]
         if not folders:
             return ()
         oldest = self._events[0].revision
         found = []
-        for folder in folders:
-            for event in reversed(self._folder_events[folder]):
+        for events in folders:
+            for event in reversed(events):
                 if event.revision <= after_revision or event.revision < oldest:
                     break
                 if event.key.startswith(prefix):
