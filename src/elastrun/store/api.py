@@ -17,11 +17,8 @@ passes first, the call ends with ``StoreTimeoutError`` -- a ``watch`` too, altho
 own ``timeout`` ends it with an empty result: a deadline is the caller's bound on the
 whole call, which then has no answer to give. A call whose scope's deadline has already
 passed does not wait (a networked client raises before it sends anything). Calls that
-never wait (the memory store's reads and writes) complete as usual. The tcp client,
-giving up at a deadline, keeps its connection for the other callers and drops the late
-answer; it takes the server as gone (``StoreUnavailableError``) only once an answer the
-server owes is the client's request timeout overdue, however short the deadlines of the
-calls that stopped waiting for it.
+never wait (the memory store's reads and writes) complete as usual. (What a deadline
+does to the tcp client's connection: ``store.tcp.client``.)
 
 Every implementation passes the same contract suite (``tests/contract``).
 """

@@ -5,9 +5,8 @@ requests carry ids, callers send under a lock and wait on their own :class:`Pend
 and one reader thread hands each answer to its caller. The reader lives as long as the
 socket: it runs in the connection's own nursery, whose cancel cuts the socket, and it
 ends when the socket does (the server hung up, a caller gave up on it, or the client
-closed it). Reconnecting, backoff and the
-outage window belong to the client (:mod:`elastrun.store.tcp.client`), which dials
-with :func:`connect` and authenticates with :func:`handshake`.
+closed it). Reconnecting, backoff and the outage window are the dialer's
+(:mod:`.dialer`), which dials with :func:`connect` and authenticates with :func:`handshake`.
 """
 
 from __future__ import annotations

@@ -32,9 +32,7 @@ from elastrun.core.errors import ConfigError, StoreError
 from elastrun.core.eventloop import new_event_loop
 from elastrun.core.threads import Nursery
 
-# The tcp store's acceptor (who may connect, within a descriptor budget) and its
-# listening helpers: one address or all of a name's, one port for all, IPv6 sockets
-# that leave the IPv4 port alone, and a re-pick when port 0 collides.
+# The rendezvous store's acceptor, the numbers of its budget, its listening sockets:
 from elastrun.store.tcp.acceptor import EVICT_AFTER, RECHECK, RECOUNT_EVERY, Acceptor
 from elastrun.store.tcp.connection import format_addr
 from elastrun.store.tcp.limits import LogLimiter, bind_listeners, fd_limit, fd_reserve, open_fds
