@@ -323,9 +323,8 @@ class Acceptor(Generic[C]):
     def _on_room(self) -> None:
         if self._paused is None or self._closed:
             return
-        if self._full() is not None:
-            if self._retry is None:
-                self._retry = self._loop.call_later(RECHECK, self._recheck)
+        if (full := self._full()) is not None:
+            self._pause(*full)  # paused already: it only looks again later
             return
         self._paused = None
         if self._retry is not None:
