@@ -2,10 +2,8 @@
 
 The lease's keep-alive thread (``lease.LeaseKeeper``) and the running round's watch thread
 (``watch.RoundWatcher``) run in a nursery under the owner's scope (``leave`` cancels it,
-``join`` closes the nursery). What both and the agent's calls share (the lease, the round
-this node is in, whether it must re-form, whether the node was lost or the store is gone)
-is one value, ``condition.NodeCondition``: ``Liveness.move`` changes it under a lock,
-every reader takes the snapshot ``Liveness.now``.
+``join`` closes the nursery). What both and the agent's calls share is one value,
+``condition.NodeCondition`` (that module says how it moves).
 
 Who watches the round for whom (its closer and deputy for the quiet members) is
 ``quiet``'s.
