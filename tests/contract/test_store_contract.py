@@ -170,11 +170,11 @@ def test_exactly_one_of_many_racing_compare_sets_wins(kit: StoreKit) -> None:
 # -- leases ------------------------------------------------------------------------------
 
 
-def test_granting_a_lease_needs_a_positive_ttl(store: Store) -> None:
-    with pytest.raises(StoreError):
-        store.grant_lease(0)
-    with pytest.raises(StoreError):
-        store.grant_lease(-1)
+def test_granting_a_lease_needs_a_positive_finite_ttl(store: Store) -> None:
+    # NaN and infinity too: a lease that never expires would hold its keys for good.
+    for ttl in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(StoreError, match="positive, finite ttl"):
+            store.grant_lease(ttl)
 
 
 def test_keys_bound_to_a_revoked_lease_vanish_with_delete_events(store: Store) -> None:

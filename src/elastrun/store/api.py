@@ -26,8 +26,11 @@ Every implementation passes the same contract suite (``tests/contract``).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from elastrun.core.errors import StoreError
 
 if TYPE_CHECKING:
     from elastrun.core.cancel import CancelScope
@@ -96,7 +99,8 @@ class Store(Protocol):
         ...
 
     def grant_lease(self, ttl: float) -> int:
-        """A new lease that expires ``ttl`` seconds after its last keep-alive."""
+        """A new lease that expires ``ttl`` seconds after its last keep-alive
+        (``check_lease_ttl``)."""
         ...
 
     def keep_alive(self, lease: int) -> bool:
@@ -132,3 +136,14 @@ class Store(Protocol):
     def close(self) -> None:
         """Release the connection; leases granted through it expire by their TTL."""
         ...
+
+
+def check_lease_ttl(ttl: float) -> None:
+    """Every store's rule for a lease's ttl: a positive, finite number of seconds (a NaN
+    or infinite one would hold its keys for good).
+
+    Raises:
+        StoreError: any other ttl.
+    """
+    if not 0 < ttl < math.inf:
+        raise StoreError(f"a lease needs a positive, finite ttl, got {ttl}")

@@ -21,7 +21,7 @@ from elastrun.core.errors import (
     StoreError,
     StoreTimeoutError,
 )
-from elastrun.store.api import EventKind, WatchEvent, WatchResult
+from elastrun.store.api import EventKind, WatchEvent, WatchResult, check_lease_ttl
 
 #: How many past changes a watch can resume from.
 HISTORY = 65_536
@@ -200,8 +200,7 @@ class MemoryStore:
             return found, self._revision
 
     def grant_lease(self, ttl: float) -> int:
-        if ttl <= 0:
-            raise StoreError(f"a lease needs a positive ttl, got {ttl}")
+        check_lease_ttl(ttl)
         with self._cond:
             self._expire()
             lease_id = next(self._lease_ids)

@@ -26,7 +26,7 @@ from elastrun.core.errors import (
     StoreError,
     StoreTimeoutError,
 )
-from elastrun.store.api import EventKind, WatchEvent, WatchResult
+from elastrun.store.api import EventKind, WatchEvent, WatchResult, check_lease_ttl
 from elastrun.store.etcd.gateway import (
     Json,
     MaybeApplied,
@@ -175,8 +175,7 @@ class EtcdStore:
         minimum. The lease id is chosen here, so that a grant whose answer was lost can
         be repeated: "lease already exists" then means the first attempt took effect.
         """
-        if not ttl > 0:
-            raise StoreError(f"a lease needs a positive ttl, got {ttl}")
+        check_lease_ttl(ttl)
         lease = random.SystemRandom().randrange(1, 2**62)
         body = {"TTL": str(max(1, math.ceil(ttl))), "ID": str(lease)}
         try:

@@ -43,7 +43,7 @@ import time
 
 from elastrun.core.cancel import Cancelled, CancelScope, is_default, scope_or_default
 from elastrun.core.errors import ConfigError, StoreError, StoreUnavailableError
-from elastrun.store.api import WatchResult
+from elastrun.store.api import WatchResult, check_lease_ttl
 from elastrun.store.tcp import protocol as p
 from elastrun.store.tcp.dialer import Dialer, past_deadline
 from elastrun.store.tcp.link import Connection, NotSent, Pending
@@ -313,8 +313,7 @@ class TcpStore:
         return found, p.get_int(result, "revision")
 
     def grant_lease(self, ttl: float) -> int:
-        if not ttl > 0:
-            raise StoreError(f"a lease needs a positive ttl, got {ttl}")
+        check_lease_ttl(ttl)
         # Retrying is harmless: a lease granted on a connection that then dropped is
         # orphaned, never resumed (we never learnt its id), and revoked after the grace.
         lease = _int(
