@@ -1,38 +1,22 @@
-"""A ``State`` as a checkpoint takes it, and a memory checkpoint as ``State.restore``'s
-way back when a shard has no replica.
+"""A ``State`` as a checkpoint takes it.
 
 ``State`` is a ``Stateful`` of ``torch.distributed.checkpoint`` (and so of
 ``elastrun.checkpoint.MemoryCheckpoint``): its modules and optimizers go in by their
 parameters' names, through torch's own ``get_model_state_dict`` and
 ``get_optimizer_state_dict`` (FSDP2's shards as DTensors, an optimizer's state made
 before its first step, as DCP needs to load into it), every other stateful item by its
-``state_dict()``, and the plain items as they are.
-
-With FSDP2 a rank's shard is in no other rank: when a rank dies, no replica can hand
-its shard to the replacement (``inprocess.transfer.decide_sharded``). Given the memory
-checkpoint the job saves the State into, ``restore`` then has every rank load the
-newest step complete on every rank (the replacement its predecessor's shards, from its
-node's memory; the survivors roll back to it), in place.
+``state_dict()``, and the plain items as they are. (``State.restore`` loads a memory
+checkpoint of it when a shard has no replica: ``inprocess.worker.sharded``.)
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-    from elastrun.inprocess.worker.state import State
-    from elastrun.inprocess.worker.transfer import CommitLostError
-
 from elastrun.inprocess.worker.receive import is_module, stateful
-
-log = logging.getLogger("elastrun.inprocess")
-
-#: The key under which ``restore`` loads the State from the checkpoint: save it as
-#: ``checkpoint.save(step, {"state": state})``.
-KEY = "state"
 
 
 def state_dict(items: dict[str, Any]) -> dict[str, Any]:
@@ -75,30 +59,6 @@ def load_state_dict(items: dict[str, Any], loaded: dict[str, Any]) -> None:
             value.load_state_dict(loaded[name])
         else:
             items[name] = loaded[name]
-
-
-def load_instead(state: State, checkpoint: Any, lost: CommitLostError) -> int:
-    """Every rank loads the newest step of ``checkpoint`` into ``state`` (a collective),
-    which becomes its commit; the step. Raises ``lost`` when there is none."""
-    step = checkpoint.load_latest({KEY: state})
-    if step is None:
-        raise lost
-    state._hold((lost.newest or 0) + 1)
-    log.warning(
-        "%s; every rank loaded step %d from the memory checkpoint instead, in place",
-        str(lost).split(" (", 1)[0], step,
-    )  # fmt: skip
-    return int(step)
-
-
-def load_at_start(state: State, checkpoint: Any) -> int | None:
-    """At an attempt's start (every process new: the job's start, a group restart),
-    every rank loads the newest step of ``checkpoint`` into ``state`` (a collective),
-    which becomes its commit; the step (None: there is none, nothing is loaded)."""
-    step = checkpoint.load_latest({KEY: state})
-    if step is not None:
-        state._hold(state.commit_id)
-    return None if step is None else int(step)
 
 
 def _model_of(value: object, items: dict[str, Any]) -> torch.nn.Module | None:

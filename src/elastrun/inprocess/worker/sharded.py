@@ -13,7 +13,11 @@ function calls ``State.restore`` once its model is sharded: survivors rebind the
 model to the new world's groups (``inprocess.fsdp``), every rank says which commit it
 holds for which shard, and each shard's newest commit goes to the ranks of that shard
 that lack it, as raw buffers into their local shards (from another process's memory
-on the same machine, else over gloo), in the training's own process group.
+on the same machine, else over gloo), in the training's own process group. Where a
+shard has no replica left (FSDP2, or every replica lost), given the memory checkpoint
+the job saves the State into, every rank loads its newest step complete on every rank
+instead (the replacement its predecessor's shards, from its node's memory; the
+survivors roll back to it), in place.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ __all__ = ["restore", "shard_key"]
 
 log = logging.getLogger("elastrun.inprocess")
 
+#: The key under which ``restore`` loads the State from the checkpoint: save it as
+#: ``checkpoint.save(step, {"state": state})``.
+KEY = "state"
+
 
 def restore(state: State, checkpoint: Any = None) -> None:
     """See ``State.restore``."""
@@ -47,10 +55,11 @@ def restore(state: State, checkpoint: Any = None) -> None:
         if isinstance(item, torch.nn.Module):
             rebind(item)  # a survivor's model; a model sharded in this world is left as is
     if not state._pending:
-        if checkpoint is not None and first_round():
-            from elastrun.inprocess.worker.checkpointing import load_at_start
-
-            load_at_start(state, checkpoint)
+        # At an attempt's start (every process new) the checkpoint's newest step, if
+        # any, is every rank's commit.
+        at_start = checkpoint is not None and first_round()
+        if at_start and checkpoint.load_latest({KEY: state}) is not None:
+            state._hold(state.commit_id)
         return
     key = shard_key(items)
     state._restored()  # (a failure from here on leads to the next round, which defers again)
@@ -61,9 +70,14 @@ def restore(state: State, checkpoint: Any = None) -> None:
     except CommitLostError as lost:  # (every rank finds so, at once)
         if checkpoint is None or lost.newest is None:
             raise
-        from elastrun.inprocess.worker.checkpointing import load_instead
-
-        load_instead(state, checkpoint, lost)
+        step = checkpoint.load_latest({KEY: state})  # (a collective, on every rank)
+        if step is None:
+            raise
+        state._hold(lost.newest + 1)
+        log.warning(
+            "%s; every rank loaded step %d from the memory checkpoint instead, in place",
+            str(lost).split(" (", 1)[0], step,
+        )  # fmt: skip
         plans = []
     state._after_sync()
     for plan in plans:
