@@ -201,10 +201,8 @@ def move_commit(
         if key is None and any(h[3] for h in held):
             state._defer_restore()
             return []
-        if key is None:
-            plans = [decide([(int(c), bool(ok)) for c, ok, _, _ in held])]
-        else:
-            plans = decide_sharded([(int(c), bool(ok), k) for c, ok, _, k in held])
+        # (Without a key every mark is False here: one shard, one plan.)
+        plans = decide_sharded([(int(c), bool(ok), k) for c, ok, _, k in held])
         active = [p for p in plans if p.receivers]
         if not active:
             return plans
