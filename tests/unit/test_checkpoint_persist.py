@@ -13,7 +13,6 @@ import pytest
 
 from elastrun.checkpoint import MemoryCheckpoint, MemoryCheckpointError
 from elastrun.checkpoint.worker.persist import (
-    PersistSchedule,
     persist_settings,
     persisted_steps,
     steps_to_remove,
@@ -117,21 +116,6 @@ def test_only_directories_under_a_final_name_count_as_persisted(tmp_path: Path) 
         (tmp_path / name).mkdir()
     assert persisted_steps(str(tmp_path)) == [3, 12]
     assert persisted_steps(str(tmp_path / "missing")) == []
-
-
-def test_a_persist_is_due_after_every_n_complete_steps_counted_from_the_last() -> None:
-    schedule = PersistSchedule(3)
-    seen = []
-    for _ in range(7):
-        schedule.complete()
-        seen.append(schedule.due())
-        if schedule.due():
-            schedule.started()
-    assert seen == [False, False, True, False, False, True, False]
-    never = PersistSchedule(None)
-    for _ in range(5):
-        never.complete()
-    assert not never.due()
 
 
 # -- merging the ranks' items ------------------------------------------------------------
@@ -242,6 +226,23 @@ def test_steps_persisted_every_n_are_read_back_by_plain_dcp_and_the_oldest_remov
         assert extra == {"step": step}
         for name, value in expected[step].items():
             assert torch.equal(weights[name], value), (step, name)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_persist_is_due_after_every_n_complete_steps_counted_from_the_last(
+    tmp_path: Path,
+) -> None:
+    model = _model(3)
+    for every, expected in ((3, [None, None, 2, 2, 2, 5, 5]), (None, [None] * 7)):
+        node = tmp_path / f"node-{every}"
+        node.mkdir()
+        seen = []
+        with MemoryCheckpoint(str(node), persist_dir=tmp_path / "out", persist_every=every) as ckpt:
+            for step in range(7):
+                ckpt.save(step, _state(model, step))
+                ckpt.wait()  # (each save finished: a persist due is begun, then written)
+                seen.append(ckpt.persisted)
+        assert seen == expected
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

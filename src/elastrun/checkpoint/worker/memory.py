@@ -36,8 +36,8 @@ world are skipped, and a world rebuilt in place (``elastrun.inprocess``) sets up
 again.
 
 **Persisted to disk** (``persist_dir``): the newest complete step, in DCP's own format,
-by a thread of its own (``checkpoint.worker.persist``), when the background thread says
-so, in the order of the saves (``checkpoint.worker.persisting``): the same on every rank.
+by a thread of its own, when the background thread says so, in the order of the saves:
+the same on every rank (``checkpoint.worker.persist``).
 
 **What the agent is told**: each rank's report in the node directory
 (``checkpoint.worker.report``), which the agent turns into events and metrics.
@@ -69,8 +69,7 @@ from elastrun.checkpoint.worker import agreement
 from elastrun.checkpoint.worker.agreement import Agreement
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.finishing import Finisher, Overlaps
-from elastrun.checkpoint.worker.persist import DEFAULT_KEEP, persist_settings
-from elastrun.checkpoint.worker.persisting import PersistScheduler
+from elastrun.checkpoint.worker.persist import DEFAULT_KEEP, PersistScheduler, persist_settings
 from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.checkpoint.worker.space import StatvfsResult, check_space, state_bytes
 from elastrun.checkpoint.worker.staging import Staging
