@@ -80,12 +80,12 @@ def next_generation() -> None:
     _generation += 1
 
 
-def release_idle(*, generations: bool = True) -> int:
+def release_idle(*, generations: bool = True) -> None:
     """Free the kept groups kept over ``IDLE_AFTER`` seconds ago or, unless
     ``generations`` is false (a commit, in the call right after a recovery), in an
-    earlier generation: idle since. Returns how many."""
+    earlier generation: idle since."""
     if not _kept:  # (at every commit: nothing to look at, nearly always)
-        return 0
+        return
     since = time.monotonic() - IDLE_AFTER
     last = _generation if generations else -1
 
@@ -93,11 +93,6 @@ def release_idle(*, generations: bool = True) -> int:
         return gen < last or at < since
 
     freed = [pg for gen, at, pg in _kept if idle(gen, at)]
-    if not freed:
-        return 0
     _kept[:] = [(gen, at, pg) for gen, at, pg in _kept if not idle(gen, at)]
     for pg in freed:
         ctypes.pythonapi.Py_DecRef(ctypes.py_object(pg))
-    count = len(freed)
-    del freed, pg
-    return count
