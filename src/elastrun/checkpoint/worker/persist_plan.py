@@ -72,10 +72,7 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            d.numel() * d.element_size() if isinstance(d, torch.Tensor) else len(d)
-            for d in self.data.values()
-        )
+        return sum(d.nbytes if isinstance(d, torch.Tensor) else len(d) for d in self.data.values())
 
 
 def read_snapshot(steps: RankSteps, step: int) -> Snapshot:
@@ -125,7 +122,7 @@ def _item(
     # Its own storage (DCP's writer saves a tensor's whole storage), read straight
     # into it: one copy, by the kernel, from the node's memory.
     tensor = torch.empty(span.shape, dtype=span.dtype)
-    if tensor.numel() * tensor.element_size() != span.length:
+    if tensor.nbytes != span.length:
         raise MemoryCheckpointError(f"{index.fqn}: {span.length} bytes stored for {span.shape}")
     pread_all(fd, bytes_of(tensor), span.offset)
     whole = tuple(chunk.sizes) == tuple(entry.size)

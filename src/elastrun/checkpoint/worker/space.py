@@ -44,10 +44,9 @@ def state_bytes(state: object) -> int:
     with ``state_dict()`` counts as its state dict; a DTensor as its local shard):
     what a rank's checkpoint of it holds, values aside (they are small)."""
     if isinstance(state, DTensor):
-        local = state.to_local()
-        return local.numel() * local.element_size()
+        return state.to_local().nbytes
     if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
+        return state.nbytes
     if isinstance(state, Stateful):
         return state_bytes(state.state_dict())
     if isinstance(state, Mapping):

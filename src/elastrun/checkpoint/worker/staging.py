@@ -60,7 +60,7 @@ class Staging:
         """Copy ``tensor`` into the buffer (of at least ``total`` bytes) at ``offset``,
         which is aligned for its dtype; from a CUDA device without waiting (see
         :meth:`wait`)."""
-        length = tensor.numel() * tensor.element_size()
+        length = tensor.nbytes
         into = self.buffer(total)[offset : offset + length].view(tensor.dtype)
         into.view(tensor.shape).copy_(tensor, non_blocking=self._async(tensor.device))
 

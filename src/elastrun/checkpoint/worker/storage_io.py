@@ -56,7 +56,7 @@ def rank_steps(directory: str, rank: int | None, world_size: int | None) -> Rank
 
 def bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous host tensor, without a copy (valid while it lives)."""
-    length = tensor.numel() * tensor.element_size()
+    length = tensor.nbytes
     if length == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * length).from_address(tensor.data_ptr())).cast("B")

@@ -155,7 +155,7 @@ class MemoryStorageWriter(StorageWriter):
             if not isinstance(tensor, torch.Tensor):
                 raise MemoryCheckpointError(f"{item.index.fqn}: DCP resolved it to no tensor")
             _check_dense(tensor, item.index.fqn)
-            length = tensor.numel() * tensor.element_size()
+            length = tensor.nbytes
             expected = planned_bytes(item)
             if length != expected:
                 raise MemoryCheckpointError(

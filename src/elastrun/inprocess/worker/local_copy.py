@@ -55,7 +55,7 @@ def whereabouts(tensors: Sequence[torch.Tensor] | None) -> Whereabouts:
     none)."""
     spans = None
     if tensors is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        spans = tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
+        spans = tuple((t.data_ptr(), t.nbytes) for t in tensors)
     return Whereabouts(_machine_key(), os.getpid(), spans)
 
 
@@ -88,7 +88,7 @@ def read_chunks(
         where = sources[source]
         assert where.spans is not None
         address, length = where.spans[index]
-        if length != targets[index].numel() * targets[index].element_size():
+        if length != targets[index].nbytes:
             return False
         jobs.append((where.pid, address + start, targets[index].data_ptr() + start, stop - start))
     with concurrent.futures.ThreadPoolExecutor(THREADS, "elastrun-commit-read") as pool:

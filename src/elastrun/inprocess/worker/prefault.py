@@ -59,7 +59,7 @@ def spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
         if t.device.type != "cpu":
             continue
         begin = t.data_ptr()
-        end = begin + t.numel() * t.element_size()
+        end = begin + t.nbytes
         first, last = -(-begin // _PAGE) * _PAGE, end // _PAGE * _PAGE
         if last - first < MINIMUM:
             continue
