@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from elastrun.checkpoint.worker.steps import RankSteps
 
 __all__ = [
     "ALONE",
+    "Alone",
     "bytes_of",
     "default_rank_and_world",
     "planned_bytes",
@@ -33,6 +35,26 @@ ALONE = (
     "each rank's memory checkpoint stands alone: call dcp.save/dcp.load with "
     "no_dist=True (the node's memory holds only its own ranks' pieces)"
 )
+
+Plan = TypeVar("Plan")
+
+
+class Alone:
+    """DCP's storage calls that the memory storage reader and writer answer alike: each
+    rank's checkpoint stands alone (a collective save or load is refused: ``ALONE``),
+    and its step is given to it, never chosen from a ``checkpoint_id``."""
+
+    def prepare_local_plan(self, plan: Plan) -> Plan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Plan]) -> list[Plan]:
+        if len(plans) != 1:
+            raise MemoryCheckpointError(ALONE)
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
 
 
 def default_rank_and_world() -> tuple[int, int]:

@@ -18,12 +18,12 @@ from torch.futures import Future
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.metadata import Span, decode_metadata, merge_metadata
 from elastrun.checkpoint.worker.staging import Staging
-from elastrun.checkpoint.worker.storage_io import ALONE, bytes_of, pread_all, rank_steps
+from elastrun.checkpoint.worker.storage_io import ALONE, Alone, bytes_of, pread_all, rank_steps
 
 __all__ = ["MemoryStorageReader"]
 
 
-class MemoryStorageReader(StorageReader):
+class MemoryStorageReader(Alone, StorageReader):
     """Reads one step of a memory checkpoint from the node directory ``directory``.
 
     A rank of a world of the size that saved the step reads its own piece (in the
@@ -84,11 +84,7 @@ class MemoryStorageReader(StorageReader):
             with open(piece.meta_path, "rb") as fh:
                 metas[rank] = decode_metadata(fh.read())
         self._data_paths = {rank: piece.data_path for rank, piece in pieces.items()}
-        if len(metas) == 1:
-            ((rank, metadata),) = metas.items()
-            where = dict.fromkeys((metadata.storage_data or {}), rank)
-        else:
-            metadata, where = merge_metadata(metas)
+        metadata, where = merge_metadata(metas)  # (of one rank: the same metadata)
         self._files = {index: self._data_paths[rank] for index, rank in where.items()}
         return metadata
 
@@ -98,14 +94,6 @@ class MemoryStorageReader(StorageReader):
         if not is_coordinator:
             raise MemoryCheckpointError(ALONE)
         self._storage = dict(metadata.storage_data or {})
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if len(plans) != 1:
-            raise MemoryCheckpointError(ALONE)
-        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_file: dict[str, list[tuple[ReadItem, Span]]] = {}
@@ -134,10 +122,6 @@ class MemoryStorageReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False
 
     def __repr__(self) -> str:
         return (

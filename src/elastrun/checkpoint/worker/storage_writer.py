@@ -26,6 +26,7 @@ from elastrun.checkpoint.worker.staging import Staging
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.checkpoint.worker.storage_io import (
     ALONE,
+    Alone,
     bytes_of,
     planned_bytes,
     pwrite_all,
@@ -40,7 +41,7 @@ __all__ = ["ALIGN", "MemoryStorageWriter"]
 ALIGN = 64
 
 
-class MemoryStorageWriter(StorageWriter):
+class MemoryStorageWriter(Alone, StorageWriter):
     """Writes one rank's checkpoint of ``step`` into the node directory ``directory``.
 
     Args:
@@ -96,14 +97,6 @@ class MemoryStorageWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not is_coordinator:
             raise MemoryCheckpointError(ALONE)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if len(plans) != 1:
-            raise MemoryCheckpointError(ALONE)
-        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         # Values first: DCP serializes them only when asked, and their sizes place the
@@ -190,10 +183,6 @@ class MemoryStorageWriter(StorageWriter):
         self._metadata = dataclasses.replace(metadata, storage_data=storage)
         if self._publish_on_finish:
             self.publish()
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False  # never chosen from a checkpoint_id: it is given a directory and step
 
     # -- the end of a save -------------------------------------------------------------
 
