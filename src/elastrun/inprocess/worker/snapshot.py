@@ -70,10 +70,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Leaf:
-    """One tensor of a commit: the live tensor (a DTensor's bytes are its local
-    shard's: ``data``), its version then, and a copy where the live tensor may move on
-    before a failure is seen."""
+    """One tensor of a commit: its path in the state dict, the live tensor (a DTensor's
+    bytes are its local shard's: ``data``), its version then, and a copy where the live
+    tensor may move on before a failure is seen."""
 
+    path: Path
     live: torch.Tensor
     version: int
     saved: torch.Tensor | None = None
@@ -98,7 +99,6 @@ class ItemSnapshot:
 
     skeleton: Any
     leaves: list[Leaf]
-    paths: list[Path]
     is_module: bool
 
     def tensors(self) -> list[torch.Tensor]:
@@ -112,8 +112,16 @@ class ItemSnapshot:
     def sharded(self) -> bool:
         return any(leaf.data is not leaf.live for leaf in self.leaves)
 
+    def specs(self) -> list[TensorSpec]:
+        """What a receiver must allocate or find for each tensor."""
+        return [
+            TensorSpec(leaf.path, tuple(d.shape), str(d.dtype), d.device.type, d is not leaf.live)
+            for leaf in self.leaves
+            for d in (leaf.data,)
+        ]
+
     def nbytes_copied(self) -> int:
-        return sum(_nbytes(leaf.saved) for leaf in self.leaves if leaf.saved is not None)
+        return sum(leaf.saved.nbytes for leaf in self.leaves if leaf.saved is not None)
 
 
 def walk(value: object) -> Iterator[tuple[Path, torch.Tensor]]:
@@ -160,18 +168,18 @@ def take(
     leaves = []
     for i, (path, tensor) in enumerate(found):
         data = local(tensor)
-        leaf = Leaf(tensor, data._version)
+        leaf = Leaf(path, tensor, data._version)
         wanted = (
             copy_all
             or data.is_cuda
-            or _nbytes(data) <= SMALL
+            or data.nbytes <= SMALL
             or (bool(path) and path[0] in copy_names)
         )
         if wanted:
             reuse = old[i].saved if i < len(old) else None
             leaf.saved = _copy_into(data, reuse)
         leaves.append(leaf)
-    return ItemSnapshot(skeleton, leaves, [p for p, _ in found], is_module)
+    return ItemSnapshot(skeleton, leaves, is_module)
 
 
 def _copy_into(tensor: torch.Tensor, reuse: torch.Tensor | None) -> torch.Tensor:
@@ -200,15 +208,3 @@ def rebuild(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """The state dict again: ``skeleton`` with each slot replaced by its tensor."""
     memo: dict[int, Any] = {id(s): tensors[s.index] for _, s in _leaves(skeleton, Slot, ())}
     return copy.deepcopy(skeleton, memo)
-
-
-def specs(snapshot: ItemSnapshot) -> list[TensorSpec]:
-    """What a receiver must allocate or find for each tensor of ``snapshot``."""
-    return [
-        TensorSpec(path, tuple(d.shape), str(d.dtype), d.device.type, d is not t)
-        for path, t, d in zip(snapshot.paths, snapshot.tensors(), snapshot.data(), strict=True)
-    ]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return int(t.numel() * t.element_size())

@@ -32,7 +32,6 @@ from elastrun.inprocess.worker.snapshot import (
     TensorSpec,
     local,
     rebuild,
-    specs,
     take,
     walk,
 )
@@ -356,7 +355,7 @@ class State:
             commit=self._commit,
             plain=self._plain,
             skeletons={name: snap.skeleton for name, snap in self._snap.items()},
-            specs={name: specs(snap) for name, snap in self._snap.items()},
+            specs={name: snap.specs() for name, snap in self._snap.items()},
             modules=frozenset(name for name, snap in self._snap.items() if snap.is_module),
             rng=self._rng,
         )
@@ -376,7 +375,7 @@ class State:
         """The specs of the last commit's tensors that a fresh rank has none of: those of
         the items that are not modules (an optimizer's state is created at its first
         step; a module's tensors exist once it is built)."""
-        return {name: specs(snap) for name, snap in self._snap.items() if not snap.is_module}
+        return {name: snap.specs() for name, snap in self._snap.items() if not snap.is_module}
 
     def allocate(self, published: dict[str, list[TensorSpec]]) -> dict[tuple[str, Any], Any]:
         """New CPU tensors for the entries of ``published`` (``lacking_specs`` of another
