@@ -40,7 +40,7 @@ class Offer:
     listeners: tuple[str, ...] = ()  # where they listen (``core.tcp_sockets`` form)
     fresh: bool = False  # not kept: it starts its workers afresh, and they can join
     # kept, and some worker holds the training's state (not only replacements that had
-    # not synchronised yet: ``holders.holding``)
+    # not synchronised yet: ``InprocessRecovery._holds_state``)
     holds: bool = True
 
     @property

@@ -29,9 +29,8 @@ from elastrun.agent.workers import WorkerProcesses
 from elastrun.core.clock import Clock
 from elastrun.core.tcp_sockets import listening_endpoints
 from elastrun.inprocess.agent.agree import Agreement, Offer
-from elastrun.inprocess.agent.answering import Answering
+from elastrun.inprocess.agent.answer import Answering
 from elastrun.inprocess.agent.bounds import RecoveryBounds
-from elastrun.inprocess.agent.holders import COMMIT_LOST, STATE_LOST, holding
 from elastrun.inprocess.agent.hub import InprocessHub
 from elastrun.inprocess.agent.round import InprocessRound
 from elastrun.observe.sinks import EventSink, MetricSink
@@ -40,6 +39,14 @@ from elastrun.wire import inprocess as wire
 from elastrun.wire.env import RESTART_COUNT_ENV
 
 log = logging.getLogger("elastrun.agent")
+
+#: Why a failure is not recovered in place when no running worker holds the state.
+STATE_LOST = (
+    "every worker that held the training's state has failed (each running worker is a "
+    "replacement that had not taken a commit yet)"
+)
+#: Why, when a worker said so (``CommitLostError``; its traceback says which commit).
+COMMIT_LOST = "a worker found the round's newest commit held by no rank (CommitLostError)"
 
 
 def _world(plan: LaunchPlan) -> int:
@@ -140,13 +147,26 @@ class InprocessRecovery:
             return "a failed worker did not use elastrun.inprocess"
         if not all(self._in_process(hub, lr, pids[lr]) for lr in survivors):
             return "not every worker uses elastrun.inprocess"
-        if alone and not holding(hub, self._started, attempt):
-            return self._state_lost(attempt)
+        if alone and not self._holds_state(hub, attempt):
+            return self._state_lost(hub, attempt)
         return None
 
-    def _state_lost(self, attempt: Attempt) -> str:
-        lost = self._hub is not None and self._hub.said_lost(attempt.procs.pids())
-        why = COMMIT_LOST if lost else STATE_LOST
+    def _holds_state(self, hub: InprocessHub, attempt: Attempt) -> bool:
+        """Whether a running worker of ``attempt`` holds the training's state: one that
+        started with the attempt (it trained from the script's start), or one started
+        into an in-process round that took a round's commit since; none, when a worker
+        found the newest commit lost. Without one, the newest commit went with the
+        workers that held it, and an in-process round of the others would silently
+        train again from the script's start: the node does not recover in place alone,
+        and says so in its offer with other nodes (``inprocess.agent.agree``)."""
+        pids = attempt.procs.pids()
+        return not hub.said_lost(pids) and any(
+            self._started.get(lr) != pids[lr] or hub.has_synced(lr, pids[lr])
+            for lr in attempt.procs.running()
+        )
+
+    def _state_lost(self, hub: InprocessHub, attempt: Attempt) -> str:
+        why = COMMIT_LOST if hub.said_lost(attempt.procs.pids()) else STATE_LOST
         if self._lost_said != attempt.number:  # (said once an attempt)
             self._lost_said = attempt.number
             log.warning(
@@ -160,7 +180,7 @@ class InprocessRecovery:
         the workers of ``attempt`` (``kept``) or not (it then refuses)."""
         if not kept:
             return Offer(False, self._rounds)
-        holds = self._hub is not None and bool(holding(self._hub, self._started, attempt))
+        holds = self._hub is not None and self._holds_state(self._hub, attempt)
         return Offer(True, self._rounds, tuple(self._listeners(attempt)), holds=holds)
 
     def offer_fresh(self, previous: Attempt | None) -> Offer:
