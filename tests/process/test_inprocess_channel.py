@@ -187,3 +187,22 @@ def test_a_hello_is_not_sent_a_round_it_is_in_or_one_for_another_process(
         assert channel.wait_round(-1, 0.3) is None
     finally:
         channel.close()
+
+
+@pytest.mark.parametrize("first", [b"not json\n", b"x" * (wire.MAX_LINE + 2)])
+def test_a_garbled_first_message_ends_the_channel_at_once(first: bytes) -> None:
+    import socket
+
+    agent, worker = socket.socketpair()
+    channel = Channel(worker, local_rank=0)
+    try:
+        channel.start()  # (the reader takes a long line as it comes)
+        agent.sendall(first)
+        started = time.monotonic()
+        # The reader ends the channel (as when the agent closes it): no wait to the bound.
+        assert channel.wait_round(after=-1, timeout=30) is None
+        assert channel.peer_failed(0, timeout=30) is False
+        assert time.monotonic() - started < 10
+    finally:
+        channel.close()
+        agent.close()

@@ -108,8 +108,8 @@ class Channel:
             try:
                 data = self._sock.recv(65536)
                 messages = self._reader.feed(data) if data else []
-            except (OSError, wire.WireError):
-                data = b""
+            except (OSError, wire.WireError):  # the channel ends, as when the agent closes it
+                data, messages = b"", []
             for message in messages:
                 try:
                     n = int(message.get("round", -1))
