@@ -30,7 +30,7 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
 from elastrun.checkpoint import MemoryCheckpointError
 from elastrun.checkpoint.worker.finishing import Finisher
-from elastrun.checkpoint.worker.persist import PersistScheduler
+from elastrun.checkpoint.worker.persisting import PersistScheduler
 from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.store.torchwire import TorchWireServer

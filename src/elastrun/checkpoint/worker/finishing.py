@@ -5,7 +5,7 @@ For each save, in the order of the calls: publish the step (its metadata, then i
 marker), agree with the other ranks whether it is complete on all (one vote in the
 workers' store, ``checkpoint.worker.agreement``), keep either it or the step before it,
 rewrite the rank's report, and begin a persist when one is due
-(``persist.PersistScheduler``). A skipped step is voted on all the same, so the
+(``persisting.PersistScheduler``). A skipped step is voted on all the same, so the
 ranks' votes stay in step.
 ``persist()`` calls come through the same queue, so that every rank takes them at the
 same point between the saves.
@@ -35,7 +35,7 @@ from typing import Literal
 
 from elastrun.checkpoint.worker.agreement import Agreement, ended_with_world
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
-from elastrun.checkpoint.worker.persist import PersistScheduler
+from elastrun.checkpoint.worker.persisting import PersistScheduler
 from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.checkpoint.worker.steps import RankSteps
 from elastrun.checkpoint.worker.storage import MemoryStorageWriter

@@ -69,7 +69,8 @@ from elastrun.checkpoint.worker import agreement
 from elastrun.checkpoint.worker.agreement import Agreement
 from elastrun.checkpoint.worker.errors import MemoryCheckpointError
 from elastrun.checkpoint.worker.finishing import Finisher, Overlaps
-from elastrun.checkpoint.worker.persist import DEFAULT_KEEP, PersistScheduler, persist_settings
+from elastrun.checkpoint.worker.persist import DEFAULT_KEEP, persist_settings
+from elastrun.checkpoint.worker.persisting import PersistScheduler
 from elastrun.checkpoint.worker.report import RankReporter
 from elastrun.checkpoint.worker.space import StatvfsResult, check_space, state_bytes
 from elastrun.checkpoint.worker.staging import Staging
