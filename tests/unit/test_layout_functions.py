@@ -1,4 +1,5 @@
-"""No function in the package is longer than 60 lines (STYLE.md, rule 3).
+"""No function in the package is longer than 60 lines (STYLE.md, rule 3), and no module
+longer than 500.
 
 A function past that length is doing orchestration and work at once. The length is
 counted from the ``def`` line to the function's last line, docstring and comments
@@ -99,3 +100,16 @@ def test_the_length_check_counts_methods_nested_functions_and_docstrings() -> No
     # Counted from the def line (not the decorator's) to the last line.
     everything = {"A.short": 2, "A.method": 61, "A.method.inner": 2, "at_the_limit": 60}
     assert long_functions(source, limit=1) == everything
+
+
+#: No module is longer than this: past it, a module holds two things (split it by them).
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_in_the_package_is_longer_than_500_lines() -> None:
+    too_long = {
+        path.relative_to(PACKAGE_DIR).as_posix(): n
+        for path in sorted(PACKAGE_DIR.rglob("*.py"))
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines (split them): {too_long}"
