@@ -123,11 +123,9 @@ class WorkerServer:
     def shutdown(self) -> None:
         """Stop serving and remove the socket file. Idempotent; never raises."""
         served, self._served = self._served, None
-        if served is not None:
-            served.close("shut down")
-            self._remove_socket_file()
-
-    def _remove_socket_file(self) -> None:
+        if served is None:
+            return
+        served.close("shut down")
         # Only our own socket: a later server may have replaced the file meanwhile.
         try:
             if os.stat(self.socket_path).st_ino == self._inode:
