@@ -32,7 +32,6 @@ from elastrun.timer import (
     configure,
     expires,
 )
-from elastrun.wire.timer import TORCHELASTIC_TIMER_FILE
 
 PY = sys.executable
 
@@ -250,7 +249,7 @@ def test_the_agent_timer_honours_a_given_path_and_knows_which_pid_expired(tmp_pa
     try:
         assert timer.start("run-1") == given
         assert timer.start("run-1") == given  # already running: same path
-        assert timer.worker_env() == {TORCHELASTIC_TIMER_FILE: given}
+        assert timer.file_path == given
         assert stat.S_ISFIFO(os.stat(given).st_mode)
         proc = worker(
             given,

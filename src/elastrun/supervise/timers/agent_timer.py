@@ -1,12 +1,8 @@
-"""The agent's handle on the file-timer watchdog (``TORCHELASTIC_ENABLE_FILE_TIMER``).
-
-One :class:`~elastrun.supervise.timers.file_server.FileTimerServer` for the agent's
-lifetime, started before the first workers, plus the record of which workers it reaped
-so that the agent can name the expired timer when it sees such a worker exit.
-"""
+"""The agent's handle on the file-timer watchdog (``TORCHELASTIC_ENABLE_FILE_TIMER``)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping
 from typing import cast
@@ -20,7 +16,9 @@ __all__ = ["AgentFileTimer"]
 
 
 class AgentFileTimer:
-    """The agent's file-timer watchdog: one :class:`FileTimerServer` and what it reaped.
+    """The agent's file-timer watchdog: one :class:`FileTimerServer` for the agent's
+    lifetime, started before the first workers, and the workers it reaped, so that the
+    agent can name the expired timer when it sees such a worker exit.
 
     Args:
         file_path: the FIFO path (``TORCHELASTIC_TIMER_FILE`` of the agent's
@@ -42,8 +40,13 @@ class AgentFileTimer:
     ) -> None:
         if not max_interval > 0:
             raise ConfigError("max_interval", max_interval, "must be a positive number of seconds")
-        self._file_path = file_path
-        self._max_interval = max_interval
+        self._new_server = functools.partial(
+            FileTimerServer,
+            file_path,
+            max_interval=max_interval,
+            on_expired=self._record,
+            clock=clock,
+        )
         self._on_expired = on_expired
         self._clock = clock
         self._server: FileTimerServer | None = None
@@ -78,21 +81,10 @@ class AgentFileTimer:
         with self._lock:
             self._expired.clear()
         if self._server is None:
-            server = FileTimerServer(
-                self._file_path,
-                run_id,
-                max_interval=self._max_interval,
-                on_expired=self._record,
-                clock=self._clock,
-            )
+            server = self._new_server(run_id)
             server.start()
             self._server = server
         return cast(str, self._server.file_path)
-
-    def worker_env(self) -> dict[str, str]:
-        """``{"TORCHELASTIC_TIMER_FILE": path}`` while running, else empty."""
-        path = self.file_path
-        return {TORCHELASTIC_TIMER_FILE: path} if path is not None else {}
 
     def _record(self, pid: int, scope_id: str, sig: int) -> None:
         with self._lock:

@@ -131,8 +131,7 @@ class FileTimerServer:
         # Unlike torch, the FIFO is made in start(), not here: constructors do no I/O.
         # Clients cannot tell the difference, since a FIFO nobody reads refuses them.
         self._requested_path = file_path
-        self._file_path = file_path
-        self._private_dir: str | None = None
+        self._private_dir: str | None = None  # made at start() when no path was given
         self._run_id = run_id
         self._max_interval = max_interval
         self._daemon = daemon
@@ -152,7 +151,9 @@ class FileTimerServer:
     @property
     def file_path(self) -> str | None:
         """The FIFO path (None before :meth:`start` when no path was given)."""
-        return self._file_path
+        if self._private_dir is not None:
+            return os.path.join(self._private_dir, "watchdog_timer")
+        return self._requested_path
 
     @property
     def request_count(self) -> int:
@@ -177,13 +178,20 @@ class FileTimerServer:
         """
         if self._nursery is not None:
             return
-        self._make_fifo()
+        if self._requested_path is None:
+            # A fresh private directory: nobody else can pre-create, replace or write it.
+            self._private_dir = tempfile.mkdtemp(prefix="elastrun-timer-")
+        else:
+            with suppress(FileNotFoundError):  # (nothing to replace)
+                os.unlink(self._requested_path)
+        path = cast(str, self.file_path)
+        os.mkfifo(path, 0o600)
         try:
             flags = os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
-            self._rfd = os.open(cast(str, self._file_path), os.O_RDONLY | flags)
+            self._rfd = os.open(path, os.O_RDONLY | flags)
             if not stat.S_ISFIFO(os.fstat(self._rfd).st_mode):
-                raise OSError(errno.EINVAL, "not a FIFO", self._file_path)
-            self._wfd = os.open(cast(str, self._file_path), os.O_WRONLY | flags)
+                raise OSError(errno.EINVAL, "not a FIFO", path)
+            self._wfd = os.open(path, os.O_WRONLY | flags)
         except OSError:
             self._close_and_remove()
             raise
@@ -213,17 +221,6 @@ class FileTimerServer:
         """Process what is already in the FIFO, then stop (a helper for tests, as torch's)."""
         self.stop()
 
-    def _make_fifo(self) -> None:
-        if self._requested_path is None:
-            # A fresh private directory: nobody else can pre-create, replace or write it.
-            self._private_dir = tempfile.mkdtemp(prefix="elastrun-timer-")
-            self._file_path = os.path.join(self._private_dir, "watchdog_timer")
-        else:
-            self._file_path = self._requested_path
-            with suppress(FileNotFoundError):  # (nothing to replace)
-                os.unlink(self._file_path)
-        os.mkfifo(self._file_path, 0o600)
-
     def _close_and_remove(self) -> None:
         for fd in (self._rfd, self._wfd):
             if fd >= 0:
@@ -232,18 +229,18 @@ class FileTimerServer:
                 except OSError as exc:
                     log.warning("closing the timer FIFO: %s", exc)
         self._rfd = self._wfd = -1
-        if self._file_path is not None:
+        path = self.file_path
+        if path is not None:
             try:
-                if stat.S_ISFIFO(os.lstat(self._file_path).st_mode):
-                    os.unlink(self._file_path)
+                if stat.S_ISFIFO(os.lstat(path).st_mode):
+                    os.unlink(path)
             except FileNotFoundError:
                 pass  # already removed by someone else; that is what we wanted
             except OSError as exc:
-                log.warning("removing the timer FIFO %s: %s", self._file_path, exc)
+                log.warning("removing the timer FIFO %s: %s", path, exc)
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = None
-            self._file_path = None
 
     # -- the watchdog ----------------------------------------------------------------
 
@@ -259,20 +256,14 @@ class FileTimerServer:
                 log.exception("timer watchdog pass failed")
                 scope.sleep(self._max_interval)
 
-    def _wait_timeout(self) -> float:
-        """How long to wait for requests: until the next timer runs out, at most max_interval."""
+    def _run_watchdog(self, poller: select.poll) -> None:
+        # Wait for requests until the next timer runs out, at most max_interval; a timer
+        # already past (a reap to retry) waits the full interval: no spin.
         with self._lock:
             nxt = self._timers.next_expiration()
-        timeout = self._max_interval
-        if nxt is not None:
-            left = nxt - self._clock.time()
-            # A timer already past (a reap to retry) waits the full interval: no spin.
-            if left > 0:
-                timeout = min(timeout, left)
-        return timeout
-
-    def _run_watchdog(self, poller: select.poll) -> None:
-        if poller.poll(max(0, int(self._wait_timeout() * 1000) + 1)):
+        left = self._max_interval if nxt is None else nxt - self._clock.time()
+        timeout = min(self._max_interval, left) if left > 0 else self._max_interval
+        if poller.poll(max(0, int(timeout * 1000) + 1)):
             self.register_timers(self._read_requests())
         # Drop the timers of exited workers first: an exited worker is not to be reported
         # as timed out, and its pid may already belong to some other process.
@@ -330,7 +321,11 @@ class FileTimerServer:
                 log.error("not signalling pid %s: %s", decision.pid, refusal)
                 done.add(decision.pid)
                 continue
-            self._notify_expired(decision)
+            if self._on_expired is not None:
+                try:
+                    self._on_expired(decision.pid, decision.scope_id, decision.signal)
+                except Exception:
+                    log.exception("on_expired callback failed for pid %s", decision.pid)
             if self._reap_worker(decision.pid, decision.signal):
                 log.info(
                     "reaped worker pid %s (timer %r) with signal %s",
@@ -343,14 +338,6 @@ class FileTimerServer:
             else:
                 log.error("could not reap worker pid %s; retrying", decision.pid)
         return done
-
-    def _notify_expired(self, decision: ReapDecision) -> None:
-        if self._on_expired is None:
-            return
-        try:
-            self._on_expired(decision.pid, decision.scope_id, decision.signal)
-        except Exception:
-            log.exception("on_expired callback failed for pid %s", decision.pid)
 
     def _emit(self, name: str, request: FileTimerRequest | None) -> None:
         if self._log_event is None:
@@ -423,6 +410,6 @@ class FileTimerServer:
     def __repr__(self) -> str:
         running = self._nursery is not None and bool(self._nursery.running())
         return (
-            f"FileTimerServer(file_path={self._file_path!r}, run_id={self._run_id!r}, "
+            f"FileTimerServer(file_path={self.file_path!r}, run_id={self._run_id!r}, "
             f"max_interval={self._max_interval}, running={running}, timers={len(self._timers)})"
         )
