@@ -4,13 +4,8 @@ A worker wraps a block that must not hang in ``with expires(after=seconds):``. T
 acquires a countdown timer from a server (usually in the agent) on entry and releases
 it on exit; if the timer runs out first, the server reaps the worker. The shapes here
 follow ``torch.distributed.elastic.timer`` so that code written against torch's API runs
-unchanged.
-
-Expiration times are wall-clock seconds (``time.time()``): they cross process
-boundaries, and the monotonic clock of one process means nothing in another.
-
-The request and the table of armed timers live in :mod:`elastrun.core.timers`, which
-the agent's servers share; they are re-exported here under torch's names.
+unchanged. The request and the table of armed timers (and why expiration times are
+wall-clock seconds) are :mod:`elastrun.core.timers`', re-exported here under torch's names.
 """
 
 from __future__ import annotations

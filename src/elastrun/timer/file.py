@@ -4,11 +4,9 @@ A worker's :class:`FileTimerClient` writes each request as one JSON line to the 
 the agent's watchdog (``TORCHELASTIC_TIMER_FILE``), in a single ``write`` of at most
 ``PIPE_BUF`` bytes, which the kernel keeps whole even when many workers write at once.
 
-The watchdog itself (:class:`FileTimerServer`, :class:`AgentFileTimer`) runs in the
-agent and lives in :mod:`elastrun.supervise.timers`; the wire format is
-:mod:`elastrun.wire.timer`. Their names are still importable from here, as torch's
-users expect, but loaded only when asked for: a worker using the client never imports
-the agent side.
+The watchdog (:class:`FileTimerServer`, :class:`AgentFileTimer`) is the agent's, in
+:mod:`elastrun.supervise.timers`; the wire format is :mod:`elastrun.wire.timer`. Their
+names are importable from here, as torch's users expect, but loaded only when asked for.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import signal as _signal
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import cast
@@ -356,10 +356,10 @@ class FileTimerServer:
 
     def clear_timers(self, worker_pids: set[int]) -> None:
         """Drop the timers of ``worker_pids`` and of every pid that is no longer running."""
-        gone: set[Hashable] = set(worker_pids)
         with self._lock:
-            gone |= {p for p in self._timers.workers() if not self.is_process_running(cast(int, p))}
-            self._timers.clear(gone)
+            self._timers.clear_if(
+                lambda p: p in worker_pids or not self.is_process_running(cast(int, p))
+            )
 
     def get_expired_timers(self, deadline: float) -> dict[int, list[FileTimerRequest]]:
         """The timers with ``expiration_time <= deadline``, grouped by pid."""
