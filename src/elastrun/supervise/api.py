@@ -79,7 +79,6 @@ class PContext:
         self._start_method = start_method
         self._filters = (duplicate_stdout_filters or [], duplicate_stderr_filters or [])
         self._numa = numa_options_from(numa_options)
-        self._cpus: dict[int, frozenset[int] | None] = {}
         self._dest: LogsDest | None = None
         self._relay: OutputRelay | None = None
         self._procs: ProcessSet | None = None
@@ -101,7 +100,7 @@ class PContext:
     def start(self) -> None:
         # A binding that cannot be made fails here, before anything started or any log
         # file was made.
-        self._cpus = {lr: binding_cpus(self._numa, lr, self.nprocs) for lr in range(self.nprocs)}
+        cpus = {lr: binding_cpus(self._numa, lr, self.nprocs) for lr in range(self.nprocs)}
         full_envs = {lr: {**os.environ, **e} for lr, e in self.envs.items()}
         dest = self._dest = reify_or_console(self._logs_specs, full_envs)
         # Tee'd lines go to the caller's sys.stdout/sys.stderr, as they are now (torch's
@@ -122,14 +121,16 @@ class PContext:
                 lr,
                 prefix=self._prefixes.get(lr, f"[{self.name}{lr}]:"),
                 show_on_console=shown is None or lr in shown,
-                make_spec=functools.partial(self._spec, lr, full_envs[lr]),
+                make_spec=functools.partial(self._spec, lr, full_envs[lr], cpus[lr]),
             )
             for lr in range(self.nprocs)
         ]
         self._procs = ProcessSet(start_group(starter, relay, dest, members))
 
-    def _spec(self, lr: int, env: dict[str, str], stdio: WorkerStdio) -> ProcessSpec:
-        out, err, cpus = stdio.stdout_fd, stdio.stderr_fd, self._cpus.get(lr)
+    def _spec(
+        self, lr: int, env: dict[str, str], cpus: frozenset[int] | None, stdio: WorkerStdio
+    ) -> ProcessSpec:
+        out, err = stdio.stdout_fd, stdio.stderr_fd
         if isinstance(self.entrypoint, str):
             argv = (self.entrypoint, *(str(a) for a in self.args[lr]))
             return ProcessSpec(lr, env, argv=argv, stdout_fd=out, stderr_fd=err, cpus=cpus)

@@ -13,6 +13,7 @@ forks a group's workers in one batch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -225,18 +226,16 @@ def adopt_child(local_rank: int, pid: int, return_file: str | None = None) -> Wo
     Raises:
         ProcessLookupError: ``pid`` is gone (already reaped).
     """
-    return _Handle(local_rank, pid, os.pidfd_open(pid), _waitpid_nohang(pid), return_file)
+    wait = functools.partial(_waitpid_nohang, pid)
+    return _Handle(local_rank, pid, os.pidfd_open(pid), wait, return_file)
 
 
-def _waitpid_nohang(pid: int) -> Callable[[], int | None]:
-    def wait() -> int | None:
-        try:
-            got, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return None
-        return None if got == 0 else os.waitstatus_to_exitcode(status)
-
-    return wait
+def _waitpid_nohang(pid: int) -> int | None:
+    try:
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return None if got == 0 else os.waitstatus_to_exitcode(status)
 
 
 class SubprocessStarter:
