@@ -114,8 +114,6 @@ class CrashLoopGuard:
     def __init__(self) -> None:
         self._attempt: int | None = None
         self._last: dict[int, FailureSignature] = {}
-        #: The failure that repeated, once one did.
-        self.repeated: FailureSignature | None = None
 
     def attempt_failed(
         self, attempt: int, failures: Iterable[FailureSignature]
@@ -128,12 +126,8 @@ class CrashLoopGuard:
         for rank in sorted(current):
             before = previous.get(rank)
             if before is not None and before.same_failure(current[rank]):
-                self.repeated = current[rank]
-                return self.repeated
+                return current[rank]
         return None
 
     def __repr__(self) -> str:
-        return (
-            f"CrashLoopGuard(attempt={self._attempt}, ranks={sorted(self._last)}, "
-            f"repeated={self.repeated!r})"
-        )
+        return f"CrashLoopGuard(attempt={self._attempt}, ranks={sorted(self._last)})"
