@@ -40,12 +40,7 @@ def start_group(
 
     Each member's ``ProcessSpec`` is built around its wired descriptors, and the whole
     group goes to the starter at once (``start_many``: the template forks a group's
-    workers in one batch).
-
-    Args:
-        starter: starts the processes (``start_many``).
-        relay, dest: where the workers' streams go (see ``OutputRelay.wire``).
-        members: the workers.
+    workers in one batch). ``relay`` and ``dest``: see ``OutputRelay.wire``.
 
     Raises whatever wiring or starting raises, with no worker left running; the
     parent's copies of the workers' descriptors are closed either way. The relay is the

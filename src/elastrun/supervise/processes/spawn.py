@@ -3,12 +3,8 @@
 Every worker is the leader of its own session and process group, so one ``killpg``
 reaches it and everything it started, and it asks the kernel to SIGKILL it when the
 agent dies (``PR_SET_PDEATHSIG``). Exit is observed through a pidfd, so the agent's
-loop wakes the moment a worker dies instead of polling.
-
-Starters implement the ``ProcessStarter`` protocol: ``SubprocessStarter`` (an argv:
-scripts go through ``elastrun.worker.bootstrap``, binaries run as they are) and
-``ForkStarter`` here, and the template ("zygote") starter, ``elastrun.template``, which
-forks a group's workers in one batch.
+loop wakes the moment a worker dies instead of polling. Besides the two starters here,
+the template ("zygote") starter, ``elastrun.template``, forks a group's workers in one batch.
 """
 
 from __future__ import annotations

@@ -2,15 +2,8 @@
 
 ``--numa-binding MODE`` keeps every worker (and its threads) on CPUs close to its GPU,
 so its host memory stays local. Each worker is bound in its child as it starts
-(``sched_setaffinity``: ``spawn.prepare_child``, or the template's fork):
-
-* ``topology``: :func:`read_topology` reads the machine's layout from sysfs into a
-  :class:`Topology` value (NUMA nodes and their CPUs, sockets, hyper-thread siblings,
-  cache groups, the CPUs this process may use, and the NUMA node of every GPU);
-* ``policy``: :func:`select_cpus` is a pure function of (mode, topology, local rank,
-  local world size) -- unit-tested on synthetic topologies;
-* ``bind``: :func:`wrap_command` (``numactl --physcpubind=...``) and
-  :func:`apply_affinity` (the calling process), for code that binds itself.
+(``sched_setaffinity``: ``spawn.prepare_child``, or the template's fork);
+:func:`wrap_command` and :func:`apply_affinity` are for code that binds itself.
 
 Which NUMA node a worker belongs to:
 
