@@ -36,9 +36,6 @@ class MPQueue(Protocol):
 class _Wakeup:
     """Put on the queue by the server itself so that a blocked ``get`` returns at stop."""
 
-    def __repr__(self) -> str:
-        return "_Wakeup()"
-
 
 def _looks_like_request(item: object) -> bool:
     # Duck-typed so that requests from torch's own LocalTimerClient are accepted too.

@@ -12,13 +12,8 @@ __all__ = ["WorkerInterpreter"]
 
 @dataclass(frozen=True)
 class WorkerInterpreter:
-    """The interpreter of subprocess workers, and the environment under their own
-    variables (the agent's).
-
-    Args:
-        python: the interpreter's path.
-        environ: the base environment (read, never changed).
-    """
+    """The interpreter's path, and the environment under the processes' own variables
+    (the agent's; read, never changed)."""
 
     python: str
     environ: Mapping[str, str]
