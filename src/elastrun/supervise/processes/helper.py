@@ -3,11 +3,8 @@
 The node check runs in processes of its own (the agent never imports torch): the agent
 starts one, reads the JSON lines it prints, and waits for its exit -- every read in the
 agent's shutdown scope and against a deadline, so that a signal or an overrun ends it
-at once. It runs in a session of its own; ending it asks that whole session to stop
-(SIGTERM: the node check's runner then ends the descendants it adopted, see
-``nodecheck.worker.runner``), and kills what is left after ``STOP_GRACE``, and reaps it with a
-bound. Its stdout and stderr are one stream: only the last lines are kept, for the
-message when it fails (``OutputTail``).
+at once. Ending it stops its whole session (:meth:`Helper.close`; the node check's
+runner ends the descendants it adopted, see ``nodecheck.worker.runner``).
 
 Why the output is read into a bounded tail: a user's check script may write anything,
 50 MB without a newline, or a progress bar that redraws itself with ``\r``. Joining each
