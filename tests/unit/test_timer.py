@@ -8,6 +8,7 @@ import select
 import signal
 import time
 from collections.abc import Hashable
+from pathlib import Path
 
 import pytest
 
@@ -453,3 +454,21 @@ def test_agent_timer_not_running_reports_now_as_progress_and_nothing_expired() -
     assert timer.get_last_progress_time() == 1234
     assert timer.expired_pids() == {}
     timer.stop()  # stopping what never started is fine
+
+
+def test_a_fifo_that_cannot_be_made_leaves_no_private_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def no_fifo(path: str, mode: int = 0o666) -> None:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "mkfifo", no_fifo)
+    server = FileTimerServer(None, "run", max_interval=1.0)
+    with pytest.raises(OSError, match="Permission denied"):
+        server.start()
+    assert list(tmp_path.iterdir()) == []

@@ -185,8 +185,8 @@ class FileTimerServer:
             with suppress(FileNotFoundError):  # (nothing to replace)
                 os.unlink(self._requested_path)
         path = cast(str, self.file_path)
-        os.mkfifo(path, 0o600)
         try:
+            os.mkfifo(path, 0o600)
             flags = os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
             self._rfd = os.open(path, os.O_RDONLY | flags)
             if not stat.S_ISFIFO(os.fstat(self._rfd).st_mode):
