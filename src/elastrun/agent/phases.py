@@ -77,14 +77,11 @@ class Lifecycle:
     """
 
     def __init__(self, group: WorkerGroup, events: EventSink, metrics: MetricSink) -> None:
-        self._phase = AgentPhase.INIT
+        #: The agent's phase (moved only by ``enter``).
+        self.phase = AgentPhase.INIT
         self._group = group
         self._events = events
         self._metrics = metrics
-
-    @property
-    def phase(self) -> AgentPhase:
-        return self._phase
 
     def enter(self, phase: AgentPhase, workers: WorkerState | None = None) -> None:
         """Enter ``phase``, the worker group's state becoming ``workers`` with it (None:
@@ -93,7 +90,7 @@ class Lifecycle:
         Raises:
             IllegalTransitionError: either move is not in its table (a bug).
         """
-        old, old_state = self._phase, self._group.state
+        old, old_state = self.phase, self._group.state
         if phase is not old and phase not in PHASE_TRANSITIONS[old]:
             raise IllegalTransitionError(
                 f"illegal agent phase transition {old.value} -> {phase.value}"
@@ -108,9 +105,9 @@ class Lifecycle:
             self._metrics.put(f"agent.state.{new_state.value}", 1)  # the one-hot gauge
             self._events.record("agent.state", {"from": old_state.value, "to": new_state.value})
         if phase is not old:
-            self._phase = phase
+            self.phase = phase
             log.debug("agent phase %s -> %s", old.value, phase.value)
             self._events.record("agent.phase", {"from": old.value, "to": phase.value})
 
     def __repr__(self) -> str:
-        return f"Lifecycle(phase={self._phase.value}, workers={self._group.state.value})"
+        return f"Lifecycle(phase={self.phase.value}, workers={self._group.state.value})"
