@@ -255,8 +255,7 @@ class ElasticLoop:
         restart = reaction.move is Move.RESTART
         if restart:
             p.lifecycle.enter(AgentPhase.RESTARTING)
-        p.watches.note_expired_timers()
-        reasons = p.watches.reasons
+        reasons = p.watches.note_expired_timers()
         self.history.append(
             p.report.restart(
                 attempt, failed, reasons, in_place=not restart, from_memory=reaction.from_memory
@@ -345,8 +344,7 @@ class ElasticLoop:
         attempt = self._current()
         p.rdzv.step_away("its agent gave up")  # (before its workers stop: see _stopped_by)
         self._finish_attempt(signal.SIGTERM)
-        p.watches.note_expired_timers()
-        reasons = p.watches.reasons
+        reasons = p.watches.note_expired_timers()
         report = failures.process_failures(attempt, host=p.host, reasons=reasons, stuck=stuck)
         failed = failures.failed_exits(attempt)
         failures.record_failures(p.events, attempt, failed, restart=False, stuck=stuck)

@@ -71,10 +71,12 @@ class AttemptWatches:
         #: pid -> why elastrun ended that worker on purpose (for the failure report).
         self.reasons: dict[int, str] = {}
 
-    def note_expired_timers(self) -> None:
+    def note_expired_timers(self) -> dict[int, str]:
+        """Note the workers whose expiration timer expired; returns ``reasons``."""
         if self._file_timer is not None:
             for pid, scope in self._file_timer.expired_pids().items():
                 self.reasons[pid] = f"its expiration timer expired (scope {scope})"
+        return self.reasons
 
     def stuck_worker(self, attempt: Attempt) -> int | None:
         """A local rank stuck in uninterruptible sleep past the limit, if any."""
@@ -130,20 +132,15 @@ class AttemptWatches:
         if attempt.lonely_reported or now - attempt.lonely_since < limit:
             return
         attempt.lonely_reported = True
-        self._report_stuck_at_exit(attempt, now - attempt.lonely_since)
-
-    def _report_stuck_at_exit(self, attempt: Attempt, lonely_for: float) -> None:
+        lonely_for = now - attempt.lonely_since
         running = attempt.procs.running()
         pids = attempt.procs.pids()
         dumps = request_stacks(attempt.stack_requests(running))
         for lr in running:
             rank = attempt.global_rank(lr)
             dump = dumps.get(lr)
-            where = (
-                f"its stacks are in {dump.path}"
-                if dump is not None and dump.text
-                else "it did not answer a stack request"
-            )
+            stacks = dump.path if dump is not None and dump.text else ""
+            where = f"its stacks are in {stacks}" if stacks else "it did not answer a stack request"
             log.warning(
                 "rank %d (local rank %d, pid %d) is still running %.0fs after every other "
                 "local rank exited successfully; %s (it is not stopped)",
@@ -152,7 +149,7 @@ class AttemptWatches:
             self._events.record(
                 "agent.worker_stuck_at_exit",
                 {"attempt": attempt.number, "rank": rank, "local_rank": lr, "pid": pids[lr],
-                 "stacks": dump.path if dump is not None and dump.text else ""},
+                 "stacks": stacks},
             )  # fmt: skip
 
     def __repr__(self) -> str:
