@@ -40,8 +40,8 @@ class NoProgressGuard:
     def __init__(self, limit: int = 3) -> None:
         self.limit = int(check_number(limit, "limit", integer=True, low=1))
         self._best: dict[int, int] = {}
-        self._stalled = 0
-        self._attempts = 0
+        #: Consecutive attempts without progress so far.
+        self.stalled = 0
         self._last_steps: dict[int, int] = {}
 
     def attempt_ended(self, steps: Mapping[int, int]) -> bool:
@@ -50,19 +50,13 @@ class NoProgressGuard:
         Args:
             steps: ``{rank: step}`` of the ranks that reported in this attempt.
         """
-        self._attempts += 1
         self._last_steps = dict(steps)
         if not self._best and not steps:
             return False  # nothing ever reported: the guard stays out of the way
         passed = {rank: step for rank, step in steps.items() if step > self._best.get(rank, -1)}
         self._best.update(passed)
-        self._stalled = 0 if passed else self._stalled + 1
-        return self._stalled >= self.limit
-
-    @property
-    def stalled(self) -> int:
-        """Consecutive attempts without progress so far."""
-        return self._stalled
+        self.stalled = 0 if passed else self.stalled + 1
+        return self.should_stop
 
     @property
     def best(self) -> dict[int, int]:
@@ -71,19 +65,16 @@ class NoProgressGuard:
 
     @property
     def should_stop(self) -> bool:
-        return self._stalled >= self.limit
+        return self.stalled >= self.limit
 
     def describe(self) -> str:
         """Why to stop (or where things stand), for the log and the failure report."""
         best = ", ".join(f"rank {r}: {s}" for r, s in sorted(self._best.items())) or "none"
         last = ", ".join(f"rank {r}: {s}" for r, s in sorted(self._last_steps.items()))
         return (
-            f"{self._stalled} consecutive attempt(s) without progress (limit {self.limit}); "
+            f"{self.stalled} consecutive attempt(s) without progress (limit {self.limit}); "
             f"best steps: {best}; last attempt: {last or 'no reports'}"
         )
 
     def __repr__(self) -> str:
-        return (
-            f"NoProgressGuard(limit={self.limit}, stalled={self._stalled}, "
-            f"attempts={self._attempts}, best={self._best})"
-        )
+        return f"NoProgressGuard(limit={self.limit}, stalled={self.stalled}, best={self._best})"
