@@ -270,16 +270,12 @@ def _on_optimizer_step(optimizer: object, args: object, kwargs: object) -> None:
     if reporter is None or _explicit:
         return
     oid = id(optimizer)
-    seen = _seen
-    if oid in seen:
-        if len(seen) > 1:  # a new iteration; forget the others that stepped in the last
-            seen.clear()
-            seen.add(oid)
-    elif seen:
-        seen.add(oid)  # another optimizer of the same iteration
+    if _seen and oid not in _seen:
+        _seen.add(oid)  # another optimizer of the same iteration
         return
-    else:
-        seen.add(oid)  # the very first step
+    # A new iteration (this optimizer steps again), or the very first step.
+    _seen.clear()
+    _seen.add(oid)
     reporter.report(None)
 
 
