@@ -81,6 +81,9 @@ _READY_TIMEOUT = 300.0
 # A fork of a large template takes milliseconds; this only ends a wedged template.
 _SPAWN_TIMEOUT = 30.0
 
+#: A worker the template would serve: its index, spec, command and working directory.
+_Forkable = tuple[int, ProcessSpec, BootstrapCommand, str]
+
 
 def _umask() -> int:
     # /proc says it without the set-and-restore dance of os.umask, which would race
@@ -256,12 +259,10 @@ class TemplateStarter:
             raise
         return [started[i] for i in range(len(specs))]
 
-    def _forkable(
-        self, specs: Sequence[ProcessSpec]
-    ) -> list[tuple[int, ProcessSpec, BootstrapCommand, str]]:
-        """The specs the template would serve (index, spec, command, cwd): Python
-        scripts of the starter's interpreter whose shared environment is the first
-        one's (workers of one group always share it)."""
+    def _forkable(self, specs: Sequence[ProcessSpec]) -> list[_Forkable]:
+        """The specs the template would serve: Python scripts of the starter's
+        interpreter whose shared environment is the first one's (workers of one group
+        always share it)."""
         out = []
         key = None
         for i, spec in enumerate(specs):
@@ -277,9 +278,7 @@ class TemplateStarter:
             out.append((i, spec, cmd, spec.cwd if spec.cwd is not None else os.getcwd()))
         return out
 
-    def _fork_batch(
-        self, batch: list[tuple[int, ProcessSpec, BootstrapCommand, str]]
-    ) -> dict[int, WorkerProcess]:
+    def _fork_batch(self, batch: list[_Forkable]) -> dict[int, WorkerProcess]:
         """Fork what ``batch`` asks for; returns the started workers by index (those
         missing go to the fallback)."""
         _, first, cmd, cwd = batch[0]
@@ -300,9 +299,7 @@ class TemplateStarter:
                     started[i] = proc
         return started
 
-    def _ask(
-        self, tpl: Template, part: list[tuple[int, ProcessSpec, BootstrapCommand, str]]
-    ) -> list[int | str] | None:
+    def _ask(self, tpl: Template, part: list[_Forkable]) -> list[int | str] | None:
         """The template's answer to one batch, or None (logged, the template discarded)
         when it broke or became unusable."""
         wire = [_spawn_request(spec, cmd, cwd) for _, spec, cmd, cwd in part]
