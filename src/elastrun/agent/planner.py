@@ -1,10 +1,5 @@
-"""A round's plan for this node: the round recorded in the worker group, then planned.
-
-``RoundPlanner.plan`` takes what the rendezvous decided (``RendezvousInfo``) and returns
-this node's ``LaunchPlan`` (agent.plan's pure functions: ranks, environments, argv),
-with nothing waited for and nothing started: ``Rounds`` (agent.rounds) joins the round
-and serves its workers' store around it.
-"""
+"""A round's plan for this node: the round recorded in the worker group, then planned
+(with nothing waited for and nothing started: ``agent.rounds`` joins the round)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Joining a round: the rendezvous, this node's launch plan for it, the workers' store.
-
-``Rounds.join`` waits for the next round (the wait ends on a signal), has the round
-recorded in the worker group and this node's workers planned (``RoundPlanner``,
-agent.planner), starts the round's progress exchange and serves the workers' bootstrap
-store when this node is to. Starting the workers is the loop's next step.
-"""
+Starting the workers is the loop's next step."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""What an attempt's workers are started from: its setup, and each local rank's process.
-
-``AttemptSetups`` turns a launch plan into an ``AttemptSetup`` (agent.attempt: each
-local rank's environment, CPUs and log destinations, the output relay, the starter)
-and each local rank's ``GroupMember`` (its line prefix and process spec), with no
-process started; ``WorkerProcesses`` (agent.workers) starts and stops the processes
-from them. ``WorkerSettings`` is what the setups read from the agent's options, taken
-once at the composition root.
-"""
+"""What an attempt's workers are started from: its setup, and each local rank's process
+(``WorkerProcesses``, agent.workers, starts and stops them)."""
 
 from __future__ import annotations
 

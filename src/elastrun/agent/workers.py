@@ -1,13 +1,8 @@
-"""The agent's worker processes: starting an attempt's group (all at once) or one local
-rank's worker, and stopping them.
+"""The agent's worker processes: starting an attempt's group (all at once: see
+``supervise.processes.group``) or one local rank's worker, and stopping them.
 
 ``WorkerProcesses`` is the one place that turns a launch plan into running processes
-(and back): per attempt it has the setup computed once (environments, CPUs, log
-destinations, relay, starter: ``AttemptSetups``, agent.setups), starts the workers of
-every local rank together (all or none: see ``supervise.processes.group``), records
-which process serves which local rank (the ``ProcessSet`` keyed by local rank, the
-worker group's ids, ``workers.json`` for ``elastrun stacks``) and stops the attempt with
-the one shutdown ladder.
+(from the setup ``AttemptSetups`` computes once per attempt) and back.
 """
 
 from __future__ import annotations
