@@ -253,7 +253,8 @@ class TemplateStarter:
                 started.update(self._fork_batch(forkable))
             for i, spec in enumerate(specs):
                 if i not in started:
-                    started[i] = self._use_fallback(spec)
+                    self.fell_back += 1
+                    started[i] = self._fallback.start(spec)
         except BaseException:
             kill_started(list(started.values()))
             raise
@@ -345,10 +346,6 @@ class TemplateStarter:
             reason,
         )
         return None
-
-    def _use_fallback(self, spec: ProcessSpec) -> WorkerProcess:
-        self.fell_back += 1
-        return self._fallback.start(spec)
 
     def prepare(self, spec: ProcessSpec) -> None:
         """Start the template ``spec``'s worker would use, without waiting for it.
