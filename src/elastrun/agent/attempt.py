@@ -1,11 +1,6 @@
-"""One attempt: one start of the worker group, its processes and its output wiring.
-
-``AttemptSetup`` is what starting any worker of the attempt needs (its plan, each local
-rank's environment and CPUs, the log destinations, the relay, the starter), computed once
-before the first worker starts; ``WorkerProcesses.replace_worker`` starts the worker of one
-local rank from it. ``Attempt`` adds the running processes (``procs``: which process
-serves which local rank) and what the watches note about them.
-"""
+"""One attempt: one start of the worker group, its processes and its output wiring
+(``AttemptSetup``, computed once before the first worker starts, serves a replacement's
+start as well)."""
 
 from __future__ import annotations
 

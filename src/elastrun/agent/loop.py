@@ -131,8 +131,7 @@ class ElasticLoop:
         p.workers.provide(p.checkpoints.open(p.handler.get_run_id()))
 
     def _watch(self) -> RunResult:
-        """Pass after pass, each after a worker exit, a notice or ``monitor_interval``
-        (sooner when a worker's question is due an answer): the result.
+        """Pass after pass, each after ``_wait``: the result.
 
         Raises:
             ShutdownRequested: a stop request ended the wait.

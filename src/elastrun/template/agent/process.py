@@ -1,13 +1,9 @@
 """One running worker template and the agent's end of its control channel.
 
-:meth:`Template.launch` starts ``python [OPTS] -m elastrun.template.worker.serve N`` with the
-template's environment, ``TITLE_ROOM`` first (room in its memory for the command lines
-its workers show, sized for the workers it is started for), and sends it the modules to
-preload; :meth:`Template.await_ready` waits for its hello; :meth:`Template.spawn_batch` asks
-for workers, with this process a child subreaper for the hand-over, so that the worker
-becomes the agent's child. Only for the hand-over: a permanent subreaper would also
-inherit every orphaned grandchild of every worker (data loader processes, compilers) and
-keep them as zombies, since nothing else in the agent would reap them.
+:meth:`Template.spawn_batch` makes this process a child subreaper for the hand-over, so
+that the worker becomes the agent's child. Only for the hand-over: a permanent subreaper
+would also inherit every orphaned grandchild of every worker (data loader processes,
+compilers) and keep them as zombies, since nothing else in the agent would reap them.
 """
 
 from __future__ import annotations
