@@ -58,12 +58,8 @@ class GroupAction(enum.Enum):
 
 @dataclass(frozen=True)
 class GroupDecision:
-    """What the loop does with the worker group after a rung's step.
-
-    Attributes:
-        action: keep the workers, or restart them (in ``plan``'s round, or a new one).
-        plan: the round already joined (``RESTART_IN_ROUND``; else None).
-    """
+    """What the loop does with the worker group after a rung's step (``plan``: the
+    round already joined, for ``RESTART_IN_ROUND``)."""
 
     action: GroupAction
     plan: LaunchPlan | None = None
