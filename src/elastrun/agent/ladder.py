@@ -24,6 +24,22 @@ Between failures one part follows the workers (``Follower``: the in-place rung, 
 leads its rounds): it answers the workers' questions on each pass of the loop, says
 whether the workers stay when the group re-forms, and may start fresh workers in a
 round of its own.
+
+The path of one failure, in place, alone in the round::
+
+    ElasticLoop._pass -> _after_failure(attempt, failed)
+      Ladder.on_failure -> Failure(what, recovering=False, in_place=None)
+        StallRung.decide -> None; CrashLoopRung.decide -> None
+        BudgetRung.decide -> None (a restart taken from the budget)
+        InPlaceRung.decide -> Reaction(IN_PLACE, then=recover_alone)
+      ElasticLoop._carry_out: report.restart(in_place=True); then() -> GroupDecision.kept()
+
+and as a group restart (a worker without ``elastrun.inprocess``)::
+
+        InPlaceRung.decide -> None ("a failed worker did not use elastrun.inprocess")
+        GroupRestartRung.decide -> Reaction(RESTART, then=own_failure, from_memory=N)
+      ElasticLoop._carry_out: phase RESTARTING; report.restart(); then() -> restart_fresh
+        -> stop the workers, a new round, start them again
 """
 
 from __future__ import annotations
