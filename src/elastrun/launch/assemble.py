@@ -62,28 +62,28 @@ def assemble(spec: WorkerSpec, options: AgentOptions, world: World) -> AgentPart
     handler = spec.rdzv_handler or LocalRendezvousHandler(options.run_id or str(uuid.uuid4()))
     rdzv = as_elastic(handler)
     shutdown = world.shutdown if world.shutdown is not None else ShutdownRequest()
-    budget = world.budget
-    if budget is None:
-        budget = default_budget(rdzv.outcome, spec.max_restarts)
+    budget = world.budget or default_budget(rdzv.outcome, spec.max_restarts)
     events = world.events if world.events is not None else NullEventSink()
     metrics = world.metrics if world.metrics is not None else NullMetricSink()
     group = WorkerGroup(spec)
-    progress, pace, report = _watching(spec, options, world.clock, events, metrics, budget)
+    progress = ProgressWatch(
+        spec.local_world_size, options.hang_timeout, options.stalled_restarts or None, world.clock
+    )
+    pace = PaceWatch(options.stragglers, events, metrics, world.clock)
+    report = AgentReport(events, metrics, budget)
     interruptible = Interruptible(shutdown)
     host = options.hostname or socket.getfqdn()
     logs = world.logs if world.logs is not None else DefaultLogsSpecs()
     interpreter = WorkerInterpreter(options.python, options.environ)
-    guard: Guard = (
-        world.guard if world.guard is not None else OrphanGuard(options.python, options.environ)
-    )
+    guard: Guard = world.guard or OrphanGuard(options.python, options.environ)
     workers = _workers(group, logs, options, world, interpreter, guard, progress, shutdown, metrics)
-    checkpoints, checkpoint_reports = _checkpoints(world, guard, events, metrics)
-    copies = NodeCopies(checkpoints, rdzv.store_seat, events, metrics)
+    checkpoints = world.checkpoints or NodeCheckpointDir(on_made=guard.remove_if_orphaned)
+    checkpoint_reports = CheckpointReports(lambda: checkpoints.path, events, metrics, world.clock)
     services = WorkerServices.of(options, file_timer=world.file_timer is not None)
     rounds = Rounds(
         handler, rdzv, RoundPlanner(handler, group, budget, interpreter, services), pace=pace,
         report=report, interruptible=interruptible, clock=world.clock,
-        on_round=[_round_part(copies)],
+        on_round=[_round_part(NodeCopies(checkpoints, rdzv.store_seat, events, metrics))],
     )  # fmt: skip
     notices = Notices()
     inprocess = _inprocess(
@@ -153,16 +153,6 @@ def _ladder(
     return Ladder(rungs, in_place)
 
 
-def _checkpoints(
-    world: World, guard: Guard, events: EventSink, metrics: MetricSink
-) -> tuple[NodeCheckpointDir, CheckpointReports]:
-    """The node's memory-checkpoint directory (gone with the agent, even killed) and
-    the reader of its ranks' reports."""
-    made = world.checkpoints
-    checkpoints = made if made is not None else NodeCheckpointDir(on_made=guard.remove_if_orphaned)
-    return checkpoints, CheckpointReports(lambda: checkpoints.path, events, metrics, world.clock)
-
-
 def _round_part(copies: NodeCopies) -> Callable[[RendezvousInfo, LaunchPlan], None]:
     """The memory checkpoints' copies told of each round: the global ranks of this
     node's workers and the world's size (the plan's)."""
@@ -203,23 +193,6 @@ def _workers(
         clock=world.clock,
         metrics=metrics,
     )
-
-
-def _watching(
-    spec: WorkerSpec,
-    options: AgentOptions,
-    clock: Clock,
-    events: EventSink,
-    metrics: MetricSink,
-    budget: RestartBudget,
-) -> tuple[ProgressWatch, PaceWatch, AgentReport]:
-    """Where workers report progress (shared memory, no store round trip) and the
-    verdicts read from it, the straggler watch, and the report of every step."""
-    progress = ProgressWatch(
-        spec.local_world_size, options.hang_timeout, options.stalled_restarts or None, clock
-    )
-    pace = PaceWatch(options.stragglers, events, metrics, clock)
-    return progress, pace, AgentReport(events, metrics, budget)
 
 
 def _inprocess(
