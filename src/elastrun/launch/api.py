@@ -143,7 +143,8 @@ def launch_agent(
     """
     if entrypoint is None:
         raise ConfigError("entrypoint", None, "nothing to launch")
-    config.check_before_start(os.environ if environ is None else environ)
+    env = os.environ if environ is None else environ
+    config.check_before_start(env)
     run_id = config.run_id or str(uuid.uuid4().int)
     os.environ[SIGNALS_TO_HANDLE_ENV] = config.signals_to_handle
     with ExitStack() as owned:  # the request and handlers made here, undone at the end
@@ -156,7 +157,7 @@ def launch_agent(
             config, entrypoint, args, run_id=run_id, shutdown=shutdown, console=console
         )
         try:
-            return launch.run(environ, on_agent)
+            return launch.run(env, on_agent)
         except ShutdownRequested:
             launch.signalled = True
             raise
@@ -186,7 +187,7 @@ class _Launch:
 
     def run(
         self,
-        environ: Mapping[str, str] | None,
+        environ: Mapping[str, str],
         on_agent: Callable[[LocalElasticAgent], None] | None,
     ) -> dict[int, object]:
         """Wire the agent, run it, and raise what a failed run ends with."""
@@ -198,7 +199,7 @@ class _Launch:
                 self.agent = agent = self._build_agent(environ, extras)
         except Cancelled:
             raise ShutdownRequested(self.shutdown.signum or signal.SIGTERM) from None
-        extras.start_health(agent, os.environ if environ is None else environ)
+        extras.start_health(agent, environ)
         if on_agent is not None:
             on_agent(agent)
         result = agent.run()
@@ -208,7 +209,7 @@ class _Launch:
         return result.return_values
 
     def _prepare_template(
-        self, starter: TemplateStarter | None, environ: Mapping[str, str] | None
+        self, starter: TemplateStarter | None, environ: Mapping[str, str]
     ) -> None:
         """Start the worker template now, without waiting for it: its interpreter and
         imports then overlap loading and wiring the agent and the rendezvous instead of
@@ -227,7 +228,7 @@ class _Launch:
         from elastrun.agent.plan import NodeSlot, RoundFacts, round_plan
         from elastrun.supervise.processes.spawn import ProcessSpec
 
-        base = dict(os.environ if environ is None else environ)
+        base = dict(environ)
         facts = RoundFacts(
             run_id="", round=0, group_rank=0, group_world_size=1, master_addr="",
             master_port=0, restart_count=0, max_restarts=config.max_restarts,
@@ -242,7 +243,7 @@ class _Launch:
         if worker.argv is not None:
             starter.prepare(ProcessSpec(0, {**base, **worker.env}, argv=worker.argv))
 
-    def _build_agent(self, environ: Mapping[str, str] | None, extras: _Extras) -> LocalElasticAgent:
+    def _build_agent(self, env: Mapping[str, str], extras: _Extras) -> LocalElasticAgent:
         """Wire the agent (no process is started)."""
         from elastrun.agent.loop import ElasticLoop
         from elastrun.agent.parts import World
@@ -253,7 +254,6 @@ class _Launch:
         from elastrun.supervise.timers.agent_timer import AgentFileTimer
 
         # The edge: the agent's settings are read from the environment here, once.
-        env = os.environ if environ is None else environ
         config = self.config
         handler = rendezvous_handler_registry.create_handler(
             config.rendezvous_parameters(self.run_id)
