@@ -241,16 +241,13 @@ class PrometheusMetricSink:
         self.registry: CollectorRegistry = prom.CollectorRegistry(auto_describe=True)
         self._metrics: dict[str, Counter | Gauge | Histogram] = {}
         for name, d in AGENT_METRICS.items():
-            reg = self.registry
-            if d.kind == "counter":
-                self._metrics[name] = prom.Counter(d.prom_name, d.help, d.labels, registry=reg)
-            elif d.kind == "gauge":
-                self._metrics[name] = prom.Gauge(d.prom_name, d.help, d.labels, registry=reg)
-            else:
+            args, reg = (d.prom_name, d.help, d.labels), self.registry
+            if d.kind == "histogram":
                 buckets = d.buckets or DURATION_BUCKETS
-                self._metrics[name] = prom.Histogram(
-                    d.prom_name, d.help, d.labels, buckets=buckets, registry=reg
-                )
+                self._metrics[name] = prom.Histogram(*args, buckets=buckets, registry=reg)
+            else:
+                kind = prom.Counter if d.kind == "counter" else prom.Gauge
+                self._metrics[name] = kind(*args, registry=reg)
         self._state = prom.Gauge(
             STATE_METRIC,
             "1 for the worker group's current state, 0 for the others",
