@@ -25,10 +25,6 @@ Choices, and why:
   with the other pods while the Job replaces that one. Counting 75 instead would let a
   few bad nodes in a long run fail the whole Job. The replacement may land on the same
   node: the agent names it, for cordoning.
-``manifest`` holds the spec and the builders (pure functions of the spec),
-``yaml_writer`` the YAML output (no YAML library: it says why); the subcommand's
-arguments are parsed in
-:mod:`elastrun.launch.commands.k8s`.
 """
 
 from __future__ import annotations
