@@ -57,16 +57,6 @@ def now_ms(clock: Clock = SYSTEM_CLOCK) -> int:
     return round(clock.time() * 1000)
 
 
-def event_line(name: str, source: str, timestamp: int, metadata: Mapping[str, EventValue]) -> str:
-    """One event as a JSON line (with the trailing newline).
-
-    A value that JSON cannot hold is written as its ``str()`` rather than failing: an
-    event log must never be the reason a job dies.
-    """
-    obj = {"name": name, "source": source, "timestamp": timestamp, "metadata": dict(metadata)}
-    return json.dumps(obj, default=str) + "\n"
-
-
 def append_line(path: str, line: str) -> None:
     """Append ``line`` to ``path`` with a single ``write(2)`` on an ``O_APPEND`` descriptor.
 
@@ -123,7 +113,10 @@ class _StampingSink:
     ) -> None:
         """Record a fully specified event (``timestamp`` in ms since the epoch)."""
         merged = {**self._context, **metadata}  # the event's own values win
-        self._write(event_line(name, source, timestamp, merged))
+        obj = {"name": name, "source": source, "timestamp": timestamp, "metadata": merged}
+        # A value JSON cannot hold is written as its str(): an event log must never be
+        # the reason a job dies.
+        self._write(json.dumps(obj, default=str) + "\n")
 
     def _write(self, line: str) -> None:
         raise NotImplementedError
