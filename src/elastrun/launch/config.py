@@ -134,9 +134,13 @@ class LaunchConfig:
             object.__setattr__(self, "exit_barrier_timeout", seconds)
         object.__setattr__(self, "rdzv_configs", configs)
         self._check_metrics_port()
-        object.__setattr__(
-            self, "shutdown_timeout", resolve_shutdown_timeout(self.shutdown_timeout)
-        )
+        # Explicit, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 seconds.
+        if self.shutdown_timeout is not None:
+            resolved = parse_seconds(self.shutdown_timeout, "--shutdown-timeout")
+        else:
+            raw = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "").strip()
+            resolved = parse_seconds(raw, SHUTDOWN_TIMEOUT_ENV) if raw else DEFAULT_SHUTDOWN_TIMEOUT
+        object.__setattr__(self, "shutdown_timeout", resolved)
 
     def _check_numbers(self) -> None:
         """Every number through the one checker (a Python caller may pass NaN)."""
@@ -153,7 +157,11 @@ class LaunchConfig:
                 self, "hang_timeout", parse_hang_timeout(self.hang_timeout, "--hang-timeout")
             )
         parse_int(self.node_rank, "--node-rank", low=0, high=MAX_NODES - 1)
-        check_run_id(self.run_id)
+        size = len(self.run_id.encode("utf-8", "surrogatepass"))
+        if size > MAX_RUN_ID_BYTES:
+            shown = self.run_id if len(self.run_id) <= 40 else f"{self.run_id[:40]}..."
+            why = f"is {size} bytes long; at most {MAX_RUN_ID_BYTES} (it names the log directory)"
+            raise ConfigError("--rdzv-id", shown, why)
         if self.local_addr:  # empty: this host's name, as None
             check_host(self.local_addr, "--local-addr")
         if self.rdzv_timeout != -1:
@@ -232,12 +240,13 @@ class LaunchConfig:
         """
         from elastrun.agent.options import AgentOptions
 
+        assert self.shutdown_timeout is not None  # resolved in __post_init__
         return AgentOptions.from_environ(
             environ,
             start_method=self.start_method,
             exit_barrier_timeout=self.exit_barrier_timeout,
             log_line_prefix_template=self.log_line_prefix_template,
-            shutdown_timeout=self.effective_shutdown_timeout,
+            shutdown_timeout=self.shutdown_timeout,
             stuck_exit_timeout=self.stuck_exit_timeout or None,
             stalled_restarts=self.stalled_restarts or None,
             crash_loop_stop=self.crash_loop_stop,
@@ -270,40 +279,6 @@ class LaunchConfig:
         specs = self.logs_specs
         if isinstance(specs, DefaultLogsSpecs) and not specs.is_temporary and not specs.is_devnull:
             check_log_dir(str(specs.log_dir), "log_dir")
-
-    @property
-    def effective_shutdown_timeout(self) -> float:
-        assert self.shutdown_timeout is not None  # resolved in __post_init__
-        return self.shutdown_timeout
-
-
-def check_run_id(run_id: str) -> None:
-    """Refuse a run id longer than :data:`MAX_RUN_ID_BYTES` (UTF-8).
-
-    Raises:
-        ConfigError: naming ``--rdzv-id``; the value shown is shortened.
-    """
-    size = len(run_id.encode("utf-8", "surrogatepass"))
-    if size > MAX_RUN_ID_BYTES:
-        shown = run_id if len(run_id) <= 40 else f"{run_id[:40]}..."
-        raise ConfigError(
-            "--rdzv-id",
-            shown,
-            f"is {size} bytes long; at most {MAX_RUN_ID_BYTES} (it names the log directory)",
-        )
-
-
-def resolve_shutdown_timeout(value: float | None) -> float:
-    """Explicit value, else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30 seconds.
-
-    Raises:
-        ConfigError: not a finite number of seconds from 0 to a year, naming
-            ``--shutdown-timeout`` or the variable.
-    """
-    if value is not None:
-        return parse_seconds(value, "--shutdown-timeout")
-    raw = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "").strip()
-    return parse_seconds(raw, SHUTDOWN_TIMEOUT_ENV) if raw else DEFAULT_SHUTDOWN_TIMEOUT
 
 
 def check_agent_environment(environ: Mapping[str, str]) -> None:
