@@ -68,10 +68,14 @@ def resolve_rendezvous(
     backend, endpoint, run_id = (
         values.required(dest)[0] for dest in ("rdzv_backend", "rdzv_endpoint", "rdzv_id")
     )
-    if slurm is not None:
-        backend, endpoint, run_id, node_rank = _with_slurm(
-            values, slurm, backend, run_id, node_rank, configs
-        )
+    if slurm is not None:  # what the user did not give, from the Slurm step
+        backend = backend if values.given("rdzv_backend") else "c10d"
+        run_id = run_id if values.given("rdzv_id") else slurm.run_id
+        if backend == "static" and not values.given("node_rank"):
+            node_rank = slurm.node_rank
+        if slurm.is_host is not None:
+            configs.setdefault("is_host", "true" if slurm.is_host else "false")
+        endpoint = slurm.endpoint
     why = _standalone_reason(values, backend, endpoint, master_port, max_nodes, notices)
     if why is not None:
         backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -97,24 +101,6 @@ def resolve_rendezvous(
     return Rendezvous(
         backend, endpoint, run_id, configs, why is not None, node_rank, master_addr, master_port
     )
-
-
-def _with_slurm(
-    values: Values,
-    slurm: SlurmSettings,
-    backend: str,
-    run_id: str,
-    node_rank: int,
-    configs: dict[str, str],
-) -> tuple[str, str, str, int]:
-    """Backend, endpoint, run id and node rank with the Slurm step's values filled in."""
-    backend = backend if values.given("rdzv_backend") else "c10d"
-    run_id = run_id if values.given("rdzv_id") else slurm.run_id
-    if backend == "static" and not values.given("node_rank"):
-        node_rank = slurm.node_rank
-    if slurm.is_host is not None:
-        configs.setdefault("is_host", "true" if slurm.is_host else "false")
-    return backend, slurm.endpoint, run_id, node_rank
 
 
 def _standalone_reason(
