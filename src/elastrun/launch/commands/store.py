@@ -64,26 +64,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _server_from_args(argv: list[str]) -> tuple[TcpStoreServer, argparse.Namespace, str | None]:
-    """Parse ``elastrun store``'s arguments into a server (not started yet).
-
-    Raises:
-        ConfigError: a bad option, naming it and its value.
-        StoreError: an unusable token file.
-    """
-    args = _parser().parse_args(argv)  # -h/--help prints and exits here
-    port = parse_port(args.port, "--port")
-    max_frame = parse_int(
-        args.max_frame, "--max-frame", low=HANDSHAKE_MAX_FRAME, high=MAX_FRAME_LIMIT
-    )
-    grace = parse_seconds(args.disconnect_grace, "--disconnect-grace")
-    token = read_token_file(args.token_file) if args.token_file is not None else None
-    server = TcpStoreServer(
-        args.host, port, token=token, max_frame=max_frame, disconnect_grace=grace
-    )
-    return server, args, token
-
-
 def store_main(argv: list[str]) -> int:
     """``elastrun store``: serve a tcp store until SIGTERM or SIGINT; returns the exit code.
 
@@ -92,7 +72,16 @@ def store_main(argv: list[str]) -> int:
     """
     prog = "elastrun store"
     try:
-        server, args, token = _server_from_args(argv)
+        args = _parser().parse_args(argv)  # -h/--help prints and exits here
+        port = parse_port(args.port, "--port")
+        max_frame = parse_int(
+            args.max_frame, "--max-frame", low=HANDSHAKE_MAX_FRAME, high=MAX_FRAME_LIMIT
+        )
+        grace = parse_seconds(args.disconnect_grace, "--disconnect-grace")
+        token = read_token_file(args.token_file) if args.token_file is not None else None
+        server = TcpStoreServer(
+            args.host, port, token=token, max_frame=max_frame, disconnect_grace=grace
+        )
     except ConfigError as exc:
         # argparse's own messages carry no value: leave out ConfigError's "(got None)".
         text = exc.reason if exc.value is None else str(exc)
