@@ -86,11 +86,15 @@ def resolve_rendezvous(
     else:
         check_rdzv_backend(backend, values.source("rdzv_backend"))
     master_port = DEFAULT_MASTER_PORT if master_port is None else master_port
-    _check_run_id(values, run_id, max_nodes)
+    if max_nodes > 1 and not run_id.strip():
+        reason = "must not be empty for a multi-node job: every node needs the same run id"
+        raise ConfigError(values.source("rdzv_id"), run_id, reason)
     master_addr, master_addr_source = values.required("master_addr")
     _check_port_zero(values, why is not None, backend, endpoint, master_port, max_nodes)
     if backend == "static":
-        _check_static_rank(values, node_rank, max_nodes)
+        if node_rank >= max_nodes:
+            reason = f"must be below the number of nodes ({max_nodes}) with the static backend"
+            raise ConfigError(values.source("node_rank"), node_rank, reason)
         configs["rank"] = str(node_rank)  # overrides a rank= in --rdzv-conf, as torchrun
         endpoint = endpoint or _master_endpoint(master_addr, master_addr_source, master_port)
     else:
@@ -127,15 +131,6 @@ def _standalone_reason(
     return None
 
 
-def _check_run_id(values: Values, run_id: str, max_nodes: int) -> None:
-    if max_nodes > 1 and not run_id.strip():
-        raise ConfigError(
-            values.source("rdzv_id"),
-            run_id,
-            "must not be empty for a multi-node job: every node needs the same run id",
-        )
-
-
 def _check_port_zero(
     values: Values, standalone: bool, backend: str, endpoint: str, master_port: int, nodes: int
 ) -> None:
@@ -159,15 +154,6 @@ def _check_port_zero(
             master_port,
             "port 0 (any free port) works for a single node only: the other nodes "
             "could not find it",
-        )
-
-
-def _check_static_rank(values: Values, node_rank: int, max_nodes: int) -> None:
-    if node_rank >= max_nodes:
-        raise ConfigError(
-            values.source("node_rank"),
-            node_rank,
-            f"must be below the number of nodes ({max_nodes}) with the static backend",
         )
 
 
