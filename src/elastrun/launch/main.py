@@ -100,13 +100,6 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
-def _subcommand(args: list[str]) -> int:
-    import pkgutil
-
-    code: int = pkgutil.resolve_name(SUBCOMMANDS[args[0]])(args[1:])
-    return code
-
-
 def main(
     argv: Sequence[str] | None = None,
     *,
@@ -142,7 +135,10 @@ def main(
         if args and args[0] in SUBCOMMANDS and not os.path.exists(args[0]):
             # A tool (``elastrun store``) installs its own handlers, if any.
             signal.pthread_sigmask(signal.SIG_SETMASK, held_mask)
-            return _subcommand(args)
+            import pkgutil
+
+            code: int = pkgutil.resolve_name(SUBCOMMANDS[args[0]])(args[1:])
+            return code
         try:
             launch = parse_launch(args, os.environ)
             if launch.dry_run:
