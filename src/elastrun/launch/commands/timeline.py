@@ -14,24 +14,20 @@ from elastrun.observe.timeline import load_timeline, render_html, render_text
 __all__ = ["timeline_main"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="elastrun timeline",
-        description="Show what happened to a job, from its --event-log-handler file:PATH log.",
-    )
-    p.add_argument("events", metavar="EVENTS.jsonl", help="the event log to read")
-    p.add_argument("--html", metavar="OUT.html", help="also write a page with a chart")
-    return p
-
-
 def timeline_main(argv: list[str]) -> int:
     """Run ``elastrun timeline`` with ``argv`` (the arguments after ``timeline``).
 
     Prints the text timeline to stdout; returns 0, or 2 for a usage error or a file
     that cannot be read or written (with one line on stderr).
     """
+    parser = argparse.ArgumentParser(
+        prog="elastrun timeline",
+        description="Show what happened to a job, from its --event-log-handler file:PATH log.",
+    )
+    parser.add_argument("events", metavar="EVENTS.jsonl", help="the event log to read")
+    parser.add_argument("--html", metavar="OUT.html", help="also write a page with a chart")
     try:
-        args = _parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse has printed the usage error already
         return exc.code if isinstance(exc.code, int) else 2
     try:
