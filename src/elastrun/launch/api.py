@@ -162,7 +162,8 @@ def launch_agent(
             launch.signalled = True
             raise
         finally:
-            launch.close()
+            if launch.extras is not None:  # the observability servers and the template
+                launch.extras.close()
             # A signal ends the wait of a node that serves the store for the others.
             with shutdown.scope.active():
                 launch.leave()
@@ -283,11 +284,6 @@ class _Launch:
         if agent.stalled or agent.crash_loop:
             return NoProgressError(name, result.failures, budget_note=agent.budget_note)
         return ChildFailedError(name, result.failures, budget_note=agent.budget_note)
-
-    def close(self) -> None:
-        """Stop the observability servers and the template."""
-        if self.extras is not None:
-            self.extras.close()
 
     def leave(self) -> None:
         """End this node's part in the rendezvous. Only a known outcome closes the run id
