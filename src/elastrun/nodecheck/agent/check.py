@@ -188,7 +188,12 @@ class NodeCheck:
             compute = self._start(["compute"], run)
             seat = self._rdzv.store_seat()
             board = None if seat is None else CheckBoard.at(seat)
-            wave = self._join(board, deadline)
+            wave = None
+            if board is not None:
+                try:
+                    wave = board.join(deadline)
+                except StoreTimeoutError:
+                    log.warning("node check: no peer to check with in time; compute only")
             compute_s, why = self._compute(compute, run)
             if why is None and self._rule.script is not None:
                 why = self._script(run)
@@ -203,15 +208,6 @@ class NodeCheck:
         helper = Helper.start([*argv, str(os.getpid()), *args], self._interpreter.environ)
         run.helpers.callback(helper.close)
         return helper
-
-    def _join(self, board: CheckBoard | None, deadline: float) -> Wave | None:
-        if board is None:
-            return None
-        try:
-            return board.join(deadline)
-        except StoreTimeoutError:
-            log.warning("node check: no peer to check with in time; compute only")
-            return None
 
     def _compute(self, helper: Helper, run: _Run) -> tuple[float | None, str | None]:
         doc, status, seconds = _reported(helper, run)
