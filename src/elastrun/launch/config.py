@@ -260,8 +260,9 @@ class LaunchConfig:
         """Refuse what would only fail later, before anything starts.
 
         Checks the rendezvous parameters the way the built-in backend will read them
-        (without connecting), the torch environment variables the agent reads, and a
-        :class:`DefaultLogsSpecs`' log directory.
+        (without connecting), the variables the agent reads (the torch ones, with the
+        file timer's FIFO path, and ``ELASTRUN_STORE_ENGINE``: an engine this install
+        has), and a :class:`DefaultLogsSpecs`' log directory.
 
         Raises:
             ConfigError: naming the option, ``--rdzv-conf`` key or variable; ``log_dir``
@@ -270,45 +271,31 @@ class LaunchConfig:
                 I/O when built, and the agent would have sent every attempt's output
                 to the console instead, as after a full disk).
         """
-        from elastrun.launch.paths import check_log_dir
+        from elastrun.launch.paths import check_fifo_path, check_log_dir
+        from elastrun.observe.health import port_from_env
         from elastrun.rendezvous.registry import rendezvous_handler_registry
+        from elastrun.supervise.processes.dstate import timeout_from_env
         from elastrun.supervise.processes.logs import DefaultLogsSpecs
+        from elastrun.wire.timer import TORCHELASTIC_TIMER_FILE, file_timer_enabled
 
         rendezvous_handler_registry.check(self.rendezvous_parameters(self.run_id or "check"))
-        check_agent_environment(environ)
+        # TORCHELASTIC_HEALTH_CHECK_PORT, TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT and
+        # TORCHELASTIC_ENABLE_FILE_TIMER are read by the functions the agent's wiring uses;
+        # torchrun ignores a bad value of each, silently or with a log line.
+        port_from_env(environ)
+        timeout_from_env(environ)
+        # The store's package only for a name other than the default (empty counts as
+        # unset, as an empty PET_* variable does).
+        if environ.get(STORE_ENGINE_ENV, "") not in ("", "auto"):
+            from elastrun.store.torchwire.engine import choose_engine
+
+            choose_engine(environ=environ)
+        # With the file timer on, the agent makes its FIFO there.
+        if file_timer_enabled(environ) and environ.get(TORCHELASTIC_TIMER_FILE):
+            check_fifo_path(environ[TORCHELASTIC_TIMER_FILE], TORCHELASTIC_TIMER_FILE)
         specs = self.logs_specs
         if isinstance(specs, DefaultLogsSpecs) and not specs.is_temporary and not specs.is_devnull:
             check_log_dir(str(specs.log_dir), "log_dir")
-
-
-def check_agent_environment(environ: Mapping[str, str]) -> None:
-    """Refuse junk in the torch variables the agent reads, naming the variable.
-
-    ``TORCHELASTIC_HEALTH_CHECK_PORT``, ``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``
-    and ``TORCHELASTIC_ENABLE_FILE_TIMER`` are read by the same functions the agent's
-    wiring uses; torchrun ignores a bad value of each, silently or with a log line.
-    With the file timer on, ``TORCHELASTIC_TIMER_FILE`` (where the agent makes the
-    FIFO) must be a path whose directory exists and is writable. ``ELASTRUN_STORE_ENGINE``
-    must name an engine of the workers' store that this install has (set empty, it
-    counts as unset, as an empty ``PET_*`` variable does).
-
-    Raises:
-        ConfigError: naming the variable and its value.
-    """
-    from elastrun.launch.paths import check_fifo_path
-    from elastrun.observe.health import port_from_env
-    from elastrun.supervise.processes.dstate import timeout_from_env
-    from elastrun.wire.timer import TORCHELASTIC_TIMER_FILE, file_timer_enabled
-
-    port_from_env(environ)
-    timeout_from_env(environ)
-    # The store's package only for a name other than the default (empty counts as unset).
-    if environ.get(STORE_ENGINE_ENV, "") not in ("", "auto"):
-        from elastrun.store.torchwire.engine import choose_engine
-
-        choose_engine(environ=environ)
-    if file_timer_enabled(environ) and environ.get(TORCHELASTIC_TIMER_FILE):
-        check_fifo_path(environ[TORCHELASTIC_TIMER_FILE], TORCHELASTIC_TIMER_FILE)
 
 
 #: Signals whose default action is not to end a process. The launcher treats every
