@@ -92,3 +92,16 @@ def test_the_fault_hook_fails_the_check_process_at_once_and_slows_its_link() -> 
     # The slow side's delay is inside the time both sides report.
     # arg-type: the parsed JSON's values are typed object
     assert float(lines[-1]["seconds"]) >= 0.3 and float(served["seconds"]) >= 0.3  # type: ignore[arg-type]
+
+
+def test_a_result_with_numbers_past_a_float_reads_as_no_measure() -> None:
+    # JSON as Python reads it allows NaN, infinities and integers of any size; a peer's
+    # result holding one is no measurement, not an OverflowError in every reader.
+    from elastrun.nodecheck.agent.board import VERSION
+
+    store = MemoryStore()
+    wave = Wave(1, ("a", "b"), {})
+    a = _board(store, "a")
+    doc = {"v": VERSION, "link": 10**400, "compute": float("nan")}
+    store.set(a._key(wave, 0, "r", "b"), json.dumps(doc).encode())
+    assert a.results(wave, 0, ["b"], time.monotonic())["b"] == LinkResult(None, None)

@@ -30,6 +30,7 @@ __all__ = [
     "MAX_SECONDS",
     "check_host",
     "check_number",
+    "finite_float",
     "parse_host_port",
     "parse_int",
     "parse_port",
@@ -240,3 +241,16 @@ def size_text(n: int) -> str:
     if n >= 2**20:
         return f"{n / 2**20:.1f} MiB"
     return f"{n / 2**10:.1f} KiB"
+
+
+def finite_float(value: object) -> float | None:
+    """``value`` read from JSON as a finite float, or None: not a number (a bool is
+    not one), NaN, an infinity, or an integer past a float's range (which Python's
+    ``json`` reads and ``float()`` refuses with ``OverflowError``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None

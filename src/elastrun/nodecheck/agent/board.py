@@ -25,7 +25,6 @@ the node's lease.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from elastrun.core import cancel
 from elastrun.core.clock import Clock
 from elastrun.core.errors import StoreTimeoutError
+from elastrun.core.values import finite_float
 from elastrun.rendezvous.elastic import StoreSeat
 from elastrun.rendezvous.exclusion import versioned_doc
 from elastrun.store.api import Store
@@ -68,11 +68,6 @@ class LinkResult:
 
 def _dump(doc: Mapping[str, object]) -> bytes:
     return json.dumps({"v": VERSION, **doc}, sort_keys=True).encode()
-
-
-def _number(value: object) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None  # type: ignore[arg-type]  # checked just above
 
 
 class CheckBoard:
@@ -144,7 +139,7 @@ class CheckBoard:
         while True:
             raw = self._store.get(key)
             doc = versioned_doc(raw, VERSION) or {}
-            number, until = doc.get("id"), _number(doc.get("until"))
+            number, until = doc.get("id"), finite_float(doc.get("until"))
             now = self._clock.time()
             margin = min(MARGIN, self._window / 4)
             if isinstance(number, int) and until is not None and now < until - margin:
@@ -217,7 +212,9 @@ class CheckBoard:
         for node, key in keys.items():
             doc = versioned_doc(self._store.get(key), VERSION) or {"missing": True}
             found[node] = LinkResult(
-                _number(doc.get("link")), _number(doc.get("compute")), bool(doc.get("missing"))
+                finite_float(doc.get("link")),
+                finite_float(doc.get("compute")),
+                bool(doc.get("missing")),
             )
         return found
 

@@ -6,11 +6,11 @@ See ``elastrun.observe.timeline`` for the file format and what the timeline show
 from __future__ import annotations
 
 import json
-import math
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from elastrun.core.values import finite_float
 from elastrun.observe.sinks import EventValue
 
 # The agent's lifecycle events that the timeline understands; any other event is listed
@@ -131,20 +131,8 @@ def describe_exitcode(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _finite(value: object) -> float | None:
-    """``value`` as a finite float, or None: JSON's NaN and Infinity, and integers past a
-    float's range, read as missing rather than ending the command in a traceback."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _to_ms(value: object) -> float:
-    number = _finite(value)
+    number = finite_float(value)
     if number is None:
         return 0.0
     return number * 1000.0 if abs(number) < _SECONDS_BELOW else number
@@ -215,7 +203,7 @@ def _int(value: EventValue) -> int | None:
 
 
 def _ms(value: EventValue) -> float:
-    return max(0.0, _finite(value) or 0.0)
+    return max(0.0, finite_float(value) or 0.0)
 
 
 def _close(lane: Lane, t_ms: float, outcome: str, detail: str = "") -> None:
