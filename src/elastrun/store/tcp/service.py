@@ -33,7 +33,7 @@ from elastrun.core.errors import (
     StoreError,
     StoreTimeoutError,
 )
-from elastrun.store.api import WatchEvent, WatchResult, check_lease_ttl
+from elastrun.store.api import WatchEvent, WatchResult
 from elastrun.store.memory import MemoryStore
 from elastrun.store.tcp import protocol as p
 from elastrun.store.tcp.acceptor import Admissions
@@ -264,8 +264,7 @@ class Service(Admissions[Connection]):
 
     def _grant_lease(self, conn: Connection, m: p.Message) -> object:
         ttl = p.get_float(m, "ttl")
-        check_lease_ttl(ttl)
-        lease = self.store.grant_lease(ttl)
+        lease = self.store.grant_lease(ttl)  # (the store checks the ttl: check_lease_ttl)
         self.leases.track(lease, ttl, conn)
         return self._num.lease_out(lease)
 
